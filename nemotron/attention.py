@@ -1,0 +1,80 @@
+"""GQA attention with no positional encoding (NemotronH applies no RoPE), over a growing KV cache."""
+from __future__ import annotations
+
+import torch
+
+from kernels.linear import linear
+
+
+class KVCache:
+    __slots__ = ("k", "v", "length")
+
+    def __init__(self, n_kv: int, head_dim: int, device, dtype, capacity: int = 256):
+        self.k = torch.empty(capacity, n_kv, head_dim, device=device, dtype=dtype)
+        self.v = torch.empty(capacity, n_kv, head_dim, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        need = self.length + k.shape[0]
+        if need > self.k.shape[0]:
+            cap = max(need, 2 * self.k.shape[0])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = torch.empty(cap, *old.shape[1:], device=old.device, dtype=old.dtype)
+                new[: self.length] = old[: self.length]
+                setattr(self, name, new)
+        self.k[self.length:need] = k
+        self.v[self.length:need] = v
+        self.length = need
+
+    def clone(self) -> "KVCache":
+        c = KVCache.__new__(KVCache)
+        c.k, c.v, c.length = self.k[: self.length].clone(), self.v[: self.length].clone(), self.length
+        return c
+
+
+class Attention:
+    def __init__(self, ckpt, layer: int, device, dtype):
+        c = ckpt.config
+        p = f"backbone.layers.{layer}.mixer."
+        self.nq, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        H = c.hidden_size
+        self.q_proj = ckpt.linear(p + "q_proj", self.nq * self.hd, H).to(device)
+        self.k_proj = ckpt.linear(p + "k_proj", self.nkv * self.hd, H).to(device)
+        self.v_proj = ckpt.linear(p + "v_proj", self.nkv * self.hd, H).to(device)
+        self.o_proj = ckpt.linear(p + "o_proj", H, self.nq * self.hd).to(device)
+        self.bias = {}
+        if c.attention_bias:
+            for n, size in (("q", self.nq), ("k", self.nkv), ("v", self.nkv)):
+                self.bias[n] = ckpt.get_float(p + f"{n}_proj.bias", (size * self.hd,)).to(device, dtype)
+            self.bias["o"] = ckpt.get_float(p + "o_proj.bias", (H,)).to(device, dtype)
+        self.scale = self.hd ** -0.5
+        self.dtype = dtype
+
+    def new_state(self, device) -> KVCache:
+        return KVCache(self.nkv, self.hd, device, self.dtype)
+
+    def __call__(self, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        T = h.shape[0]
+        q = self._proj(h, self.q_proj, "q").view(T, self.nq, self.hd)
+        k = self._proj(h, self.k_proj, "k").view(T, self.nkv, self.hd)
+        v = self._proj(h, self.v_proj, "v").view(T, self.nkv, self.hd)
+        past = cache.length
+        cache.append(k, v)
+        K = cache.k[: cache.length]                                    # [S, nkv, hd]
+        V = cache.v[: cache.length]
+        rep = self.nq // self.nkv
+        qg = q.view(T, self.nkv, rep, self.hd).permute(1, 2, 0, 3)     # [nkv, rep, T, hd]
+        scores = torch.einsum("grtd,sgd->grts", qg, K) * self.scale    # [nkv, rep, T, S]
+        S = cache.length
+        if T > 1:
+            mask = torch.arange(S, device=h.device)[None, :] > (past + torch.arange(T, device=h.device))[:, None]
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.einsum("grts,sgd->tgrd", probs, V).reshape(T, self.nq * self.hd)
+        y = linear(out, self.o_proj)
+        return y + self.bias["o"] if "o" in self.bias else y
+
+    def _proj(self, h, w, name):
+        y = linear(h, w)
+        return y + self.bias[name] if name in self.bias else y

@@ -1,0 +1,110 @@
+"""Mamba2 mixer: chunked SSD scan for prefill, recurrent step for decode, no dt floor.
+
+Per head h (group g = h // (heads / groups)):  state_h <- state_h * exp(dt_h A_h) + dt_h x_h (x) B_g ;
+y_h = state_h . C_g + D_h x_h. The scan runs in fp32; the conv and SSM states live in `MambaState`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import linear
+from nemotron.norms import gated_group_rms_norm
+
+
+class MambaState:
+    __slots__ = ("conv", "ssm")
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor):
+        self.conv = conv    # [K-1, conv_dim]: the last K-1 conv inputs (zeros before the first token)
+        self.ssm = ssm      # [heads, head_dim, state] fp32
+
+    def clone(self) -> "MambaState":
+        return MambaState(self.conv.clone(), self.ssm.clone())
+
+
+class Mamba2Mixer:
+    def __init__(self, ckpt, layer: int, device, dtype):
+        c = ckpt.config
+        p = f"backbone.layers.{layer}.mixer."
+        self.nh, self.hd, self.ng, self.N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
+        self.I, self.conv_dim, self.K = c.mamba_intermediate, c.conv_dim, c.conv_kernel
+        self.chunk_size = c.chunk_size
+        self.eps = c.layer_norm_epsilon
+        self.dt_min, self.dt_max = c.time_step_limit
+        H = c.hidden_size
+        self.in_proj = ckpt.linear(p + "in_proj", self.I + self.conv_dim + self.nh, H).to(device)
+        self.out_proj = ckpt.linear(p + "out_proj", H, self.I).to(device)
+        self.conv_w = ckpt.get_float(p + "conv1d.weight", (self.conv_dim, 1, self.K)).to(device, torch.float32)[:, 0, :]
+        self.conv_b = (ckpt.get_float(p + "conv1d.bias", (self.conv_dim,)).to(device, torch.float32)
+                       if c.use_conv_bias else torch.zeros(self.conv_dim, device=device))
+        self.dt_bias = ckpt.get_float(p + "dt_bias", (self.nh,)).to(device, torch.float32)
+        self.A = -torch.exp(ckpt.get_float(p + "A_log", (self.nh,)).to(device, torch.float32))
+        self.D = ckpt.get_float(p + "D", (self.nh,)).to(device, torch.float32)
+        self.norm_w = ckpt.get_float(p + "norm.weight", (self.I,)).to(device)
+        self.dtype = dtype
+
+    def new_state(self, device) -> MambaState:
+        return MambaState(torch.zeros(self.K - 1, self.conv_dim, device=device, dtype=self.dtype),
+                          torch.zeros(self.nh, self.hd, self.N, device=device, dtype=torch.float32))
+
+    def __call__(self, h: torch.Tensor, st: MambaState) -> torch.Tensor:
+        T = h.shape[0]
+        zxbcdt = linear(h, self.in_proj)
+        z, xBC, dt = zxbcdt.split([self.I, self.conv_dim, self.nh], dim=-1)
+        xBC = self._conv(xBC, st)
+        x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias)
+        if self.dt_min > 0 or math.isfinite(self.dt_max):
+            dt = dt.clamp(self.dt_min, self.dt_max)
+        x = x.float().view(T, self.nh, self.hd)
+        rep = self.nh // self.ng
+        B = B.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)  # [T, nh, N]
+        C = C.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)
+        if T == 1:
+            y = self._step(x[0], dt[0], B[0], C[0], st)[None]
+        else:
+            y = self._chunk_scan(x, dt, B, C, st)
+        y = y + self.D[:, None] * x
+        y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
+        return linear(y.to(self.dtype), self.out_proj)
+
+    def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
+        seq = torch.cat([st.conv.to(xBC.dtype), xBC], dim=0)            # [K-1+T, conv_dim]
+        st.conv = seq[-(self.K - 1):].clone()
+        windows = seq.float().unfold(0, self.K, 1)                       # [T, conv_dim, K]
+        out = (windows * self.conv_w).sum(-1) + self.conv_b
+        return F.silu(out).to(xBC.dtype)
+
+    def _step(self, x, dt, B, C, st: MambaState):
+        """One token: x [nh, hd], dt [nh], B/C [nh, N]."""
+        dA = torch.exp(dt * self.A)                                      # [nh]
+        st.ssm = st.ssm * dA[:, None, None] + (dt[:, None] * x)[:, :, None] * B[:, None, :]
+        return torch.einsum("hdn,hn->hd", st.ssm, C)
+
+    def _chunk_scan(self, x, dt, B, C, st: MambaState):
+        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks."""
+        T = x.shape[0]
+        ys = []
+        S = st.ssm
+        for s in range(0, T, self.chunk_size):
+            e = min(T, s + self.chunk_size)
+            xc, dtc, Bc, Cc = x[s:e], dt[s:e], B[s:e], C[s:e]             # [Q, nh, hd], [Q, nh], [Q, nh, N]
+            a = dtc * self.A                                              # [Q, nh]
+            acs = torch.cumsum(a, dim=0)                                  # [Q, nh]
+            Q = e - s
+            diff = acs[:, None, :] - acs[None, :, :]                      # [i, j, nh]
+            causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+            Lmat = torch.exp(diff.masked_fill(~causal[:, :, None], -math.inf))      # [i, j, nh]
+            CB = torch.einsum("ihn,jhn->ijh", Cc, Bc)                     # [i, j, nh]
+            W = CB * Lmat * dtc[None, :, :]                               # [i, j, nh]
+            y = torch.einsum("ijh,jhd->ihd", W, xc)
+            y = y + torch.exp(acs)[:, :, None] * torch.einsum("ihn,hdn->ihd", Cc, S)
+            decay_to_end = torch.exp(acs[-1][None, :] - acs)              # [Q, nh]
+            S = S * torch.exp(acs[-1])[:, None, None] + torch.einsum(
+                "jh,jhd,jhn->hdn", decay_to_end * dtc, xc, Bc)
+            ys.append(y)
+        st.ssm = S
+        return torch.cat(ys, dim=0)

@@ -1,0 +1,96 @@
+"""NemotronH for causal LM, batch 1: embeddings, pre-norm residual blocks of one mixer each, final norm, lm_head.
+
+Weights stay in their checkpoint precision; each Linear is decoded as it is used. `InferenceState` holds
+everything a sequence carries (conv and SSM states, KV caches, position), so prefill-then-decode equals one
+long prefill, and a state can be cloned (conversation snapshots).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.linear import linear
+from nemotron.attention import Attention
+from nemotron.checkpoint import Checkpoint
+from nemotron.config import ATTENTION, MAMBA, MLP, MOE
+from nemotron.mamba import Mamba2Mixer
+from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
+from nemotron.norms import rms_norm
+
+
+@dataclass
+class InferenceState:
+    layers: list = field(default_factory=list)   # per layer: MambaState | KVCache | None
+    position: int = 0                            # tokens consumed so far
+
+    def clone(self) -> "InferenceState":
+        return InferenceState([None if s is None else s.clone() for s in self.layers], self.position)
+
+
+class NemotronH:
+    def __init__(self, model, device="cpu", dtype=torch.float32, experts=None):
+        self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
+        c = self.config = self.ckpt.config
+        self.device, self.dtype = torch.device(device), dtype
+        self.experts = experts if experts is not None else CheckpointExperts(self.ckpt, self.device)
+        emb = "backbone.embeddings.weight"
+        if not self.ckpt.has(emb) and self.ckpt.has("backbone.embedding.weight"):
+            emb = "backbone.embedding.weight"   # older checkpoints
+        self.embeddings = self.ckpt.get_float(emb, (c.vocab_size, c.hidden_size)).to(self.device)
+        self.norms, self.mixers = [], []
+        moe_index = 0
+        for i, kind in enumerate(c.layer_types):
+            self.norms.append(self.ckpt.get_float(f"backbone.layers.{i}.norm.weight", (c.hidden_size,)).to(self.device))
+            if kind == MAMBA:
+                m = Mamba2Mixer(self.ckpt, i, self.device, dtype)
+            elif kind == ATTENTION:
+                m = Attention(self.ckpt, i, self.device, dtype)
+            elif kind == MOE:
+                m = MoEMixer(self.ckpt, i, moe_index, self.experts, self.device, dtype)
+                moe_index += 1
+            elif kind == MLP:
+                m = MLPMixer(self.ckpt, i, self.device)
+            else:  # the config parser admits only the four kinds
+                raise ValueError(f"layer {i}: unknown layer type {kind!r}")
+            self.mixers.append(m)
+        self.norm_f = self.ckpt.get_float("backbone.norm_f.weight", (c.hidden_size,)).to(self.device)
+        if self.ckpt.has("lm_head.weight"):
+            self.lm_head = self.ckpt.linear("lm_head", c.vocab_size, c.hidden_size).to(self.device)
+        elif c.tie_word_embeddings:
+            from kernels.linear import QuantizedWeight
+            self.lm_head = QuantizedWeight("dense", self.embeddings)
+        else:
+            self.ckpt.get("lm_head.weight")  # raises the clear missing-tensor error
+
+    def set_trace(self, fn):
+        """fn(event, **data) is called with 'route' (per MoE layer) and 'relu2' (zero counts) events."""
+        for m in self.mixers:
+            if isinstance(m, MoEMixer):
+                m.trace = fn
+        if hasattr(self.experts, "trace"):
+            self.experts.trace = fn
+
+    def new_state(self) -> InferenceState:
+        layers = [m.new_state(self.device) if hasattr(m, "new_state") else None for m in self.mixers]
+        return InferenceState(layers, 0)
+
+    @torch.inference_mode()
+    def forward(self, ids, state: InferenceState, last_only: bool = False) -> torch.Tensor:
+        """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        x = self.embeddings[ids].to(self.dtype)
+        eps = self.config.layer_norm_epsilon
+        for i, mixer in enumerate(self.mixers):
+            h = rms_norm(x, self.norms[i], eps)
+            s = state.layers[i]
+            x = x + (mixer(h) if s is None else mixer(h, s))
+        state.position += ids.numel()
+        if last_only:
+            x = x[-1:]
+        x = rms_norm(x, self.norm_f, eps)
+        return linear(x, self.lm_head).float()

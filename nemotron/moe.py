@@ -1,0 +1,135 @@
+"""The MoE mixer: sigmoid router with score-correction bias and group-limited top-k, latent projections,
+routed experts (ReLU², no gate) from an `ExpertSource`, and the shared expert."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from kernels.linear import QuantizedWeight, linear
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
+
+class ExpertSource(Protocol):
+    """Where routed experts come from: the checkpoint in memory (here), or the streaming cache (gpu_worker)."""
+
+    def apply(self, moe_index: int, layer: int, x: torch.Tensor, experts: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]."""
+        ...
+
+
+def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        get: Callable[[int], tuple[QuantizedWeight, QuantizedWeight]],
+                        trace: Callable | None = None, layer: int = -1) -> torch.Tensor:
+    """Plain-PyTorch routed experts: each used expert once, on all tokens routed to it."""
+    acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    zeros = total = 0
+    for e in torch.unique(experts).tolist():
+        tok, slot = torch.where(experts == e)
+        up, down = get(e)
+        a = relu2(linear(x[tok], up))
+        if trace is not None:
+            zeros += int((a == 0).sum())
+            total += a.numel()
+        y = linear(a, down)
+        acc.index_add_(0, tok, y * weights[tok, slot, None])
+    if trace is not None:
+        trace("relu2", layer=layer, zeros=zeros, total=total)
+    return acc
+
+
+class CheckpointExperts:
+    """Routed experts read from the checkpoint and kept in memory in their stored precision."""
+
+    def __init__(self, ckpt, device):
+        self.ckpt, self.device = ckpt, device
+        self._loaded: dict[tuple[int, int], tuple[QuantizedWeight, QuantizedWeight]] = {}
+        self.trace = None
+
+    def weights(self, layer: int, e: int):
+        w = self._loaded.get((layer, e))
+        if w is None:
+            up, down = self.ckpt.expert_weights(layer, e)
+            w = self._loaded[(layer, e)] = (up.to(self.device), down.to(self.device))
+        return w
+
+    def apply(self, moe_index, layer, x, experts, weights):
+        return apply_experts_torch(x, experts, weights, lambda e: self.weights(layer, e), self.trace, layer)
+
+
+class Router:
+    def __init__(self, ckpt, layer: int, device):
+        c = ckpt.config
+        p = f"backbone.layers.{layer}.mixer.gate."
+        E, H = c.n_routed_experts, c.hidden_size
+        self.weight = ckpt.get_float(p + "weight", (E, H)).to(device, torch.float32)
+        bias_name = p + "e_score_correction_bias"
+        self.bias = (ckpt.get_float(bias_name, (E,)).to(device, torch.float32) if ckpt.has(bias_name)
+                     else torch.zeros(E, device=device))
+        self.E, self.k = E, c.num_experts_per_tok
+        self.n_group, self.topk_group = c.n_group, c.topk_group
+        self.norm_topk_prob, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
+
+    def __call__(self, h: torch.Tensor):
+        """h [T, H] -> (experts int64 [T, k], weights fp32 [T, k]). Bias chooses; unbiased scores weigh."""
+        scores = torch.sigmoid(h.float() @ self.weight.T)
+        choice = scores + self.bias
+        if self.n_group > 1:
+            T = h.shape[0]
+            grouped = choice.view(T, self.n_group, self.E // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.n_group, dim=1), float("-inf"))
+        idx = choice.topk(self.k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+
+class MoEMixer:
+    def __init__(self, ckpt, layer: int, moe_index: int, experts: ExpertSource, device, dtype):
+        c = ckpt.config
+        p = f"backbone.layers.{layer}.mixer."
+        H = c.hidden_size
+        self.layer, self.moe_index, self.experts, self.dtype = layer, moe_index, experts, dtype
+        self.router = Router(ckpt, layer, device)
+        self.fc1 = self.fc2 = None
+        if c.moe_latent_size:
+            self.fc1 = ckpt.linear(p + "fc1_latent_proj", c.moe_latent_size, H).to(device)
+            self.fc2 = ckpt.linear(p + "fc2_latent_proj", H, c.moe_latent_size).to(device)
+        self.shared_up = self.shared_down = None
+        if c.n_shared_experts:
+            S = c.moe_shared_expert_intermediate_size
+            self.shared_up = ckpt.linear(p + "shared_experts.up_proj", S, H).to(device)
+            self.shared_down = ckpt.linear(p + "shared_experts.down_proj", H, S).to(device)
+        self.trace = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.router(h)
+        if self.trace is not None:
+            self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights)
+        lat = linear(h, self.fc1) if self.fc1 is not None else h
+        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights).to(self.dtype)
+        out = linear(routed, self.fc2) if self.fc2 is not None else routed
+        if self.shared_up is not None:
+            out = out + linear(relu2(linear(h, self.shared_up)), self.shared_down)
+        return out
+
+
+class MLPMixer:
+    """The dense '-' layer: down(relu2(up(h)))."""
+
+    def __init__(self, ckpt, layer: int, device):
+        c = ckpt.config
+        p = f"backbone.layers.{layer}.mixer."
+        self.up = ckpt.linear(p + "up_proj", c.intermediate_size, c.hidden_size).to(device)
+        self.down = ckpt.linear(p + "down_proj", c.hidden_size, c.intermediate_size).to(device)
+
+    def __call__(self, h):
+        return linear(relu2(linear(h, self.up)), self.down)

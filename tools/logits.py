@@ -1,0 +1,92 @@
+"""Logits and a greedy continuation from the engine — the stable command every correctness check relies on.
+
+    python -m tools.logits --model DIR (--ids 1,2,3 | --ids-file F.json) --out OUT.npz [--decode N]
+                           [--device cpu|cuda] [--dtype float32|bfloat16]
+
+OUT.npz: `logits` float32 [T, vocab] (prefill of the ids, used as given: no BOS, no template), `greedy`
+int64 [N] (greedy continuation through the step-by-step decode path; exactly N tokens, end-of-sequence does
+not stop it), `greedy_logits` float32 [N, vocab] (the logits behind each greedy token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_ids(ids: str | None, ids_file: str | None) -> list[int]:
+    if (ids is None) == (ids_file is None):
+        raise SystemExit("give exactly one of --ids and --ids-file")
+    if ids is not None:
+        try:
+            out = [int(t) for t in ids.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"--ids must be comma-separated integers, got {ids!r}")
+    else:
+        try:
+            out = json.loads(Path(ids_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--ids-file {ids_file}: {e}")
+        if not isinstance(out, list) or not all(isinstance(t, int) for t in out):
+            raise SystemExit(f"--ids-file {ids_file}: expected a JSON list of integers")
+    if not out:
+        raise SystemExit("no token ids given")
+    return out
+
+
+@torch.inference_mode()
+def logits_and_greedy(model, ids: list[int], n_decode: int, prefill_chunk: int = 0):
+    state = model.new_state()
+    if prefill_chunk and len(ids) > prefill_chunk:
+        parts = [model.forward(ids[s:s + prefill_chunk], state) for s in range(0, len(ids), prefill_chunk)]
+        logits = torch.cat(parts)
+    else:
+        logits = model.forward(ids, state)
+    last = logits[-1]
+    greedy, greedy_logits = [], []
+    for _ in range(n_decode):
+        tok = int(last.argmax())
+        greedy.append(tok)
+        last = model.forward([tok], state)[0]
+        greedy_logits.append(last.cpu().numpy())
+    vocab = logits.shape[1]
+    gl = np.stack(greedy_logits) if greedy_logits else np.zeros((0, vocab), np.float32)
+    return logits.cpu().numpy(), np.array(greedy, dtype=np.int64), gl
+
+
+def main(argv=None):
+    from nemotron.checkpoint import CheckpointError
+    from nemotron.config import ConfigError
+    from nemotron.model import NemotronH
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="checkpoint directory (HF hub layout)")
+    ap.add_argument("--ids", help="comma-separated token ids")
+    ap.add_argument("--ids-file", help="JSON list of token ids")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--decode", type=int, default=0, help="greedy tokens to generate")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
+    a = ap.parse_args(argv)
+    ids = read_ids(a.ids, a.ids_file)
+    dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
+    try:
+        model = NemotronH(a.model, device=a.device, dtype=dtype)
+        logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    np.savez(a.out, logits=logits, greedy=greedy, greedy_logits=gl)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
