@@ -155,6 +155,40 @@ class Checkpoint:
         except Exception as e:
             raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e})") from e
 
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype string, shape) from the shard's header, without reading the data."""
+        shard = self._shard_of.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        try:
+            sl = self._handle(shard).get_slice(name)
+            return sl.get_dtype(), tuple(sl.get_shape())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e})") from e
+
+    def check_experts(self):
+        """Every routed expert present with the shapes its format needs — from the headers, before any
+        token runs, so that a broken expert is not found only when a prompt happens to route to it."""
+        c = self.config
+        L, I = c.moe_input_size, c.moe_intermediate_size
+        for layer in c.moe_layers:
+            for e in range(c.n_routed_experts):
+                for proj, (o, i) in (("up", (I, L)), ("down", (L, I))):
+                    m = self.expert_module(layer, e, proj)
+                    dt, shape = self.info(m + ".weight")
+                    want = {"U8": (o, i // 2), "F8_E4M3": (o, i)}.get(dt, (o, i))
+                    if shape != want:
+                        raise CheckpointError(f"{self.shard_of(m + '.weight')}: {m}.weight has shape {shape}, "
+                                              f"expected {want} ({dt})")
+                    if dt == "U8":
+                        sdt, sshape = self.info(m + ".weight_scale")
+                        if sshape != (o, i // 16) or sdt not in ("F8_E4M3", "U8"):
+                            raise CheckpointError(f"{self.shard_of(m + '.weight_scale')}: {m}.weight_scale is "
+                                                  f"{sdt} {sshape}, expected F8_E4M3 {(o, i // 16)}")
+                        self.info(m + ".weight_scale_2")
+
     def get_float(self, name: str, shape: tuple | None = None) -> torch.Tensor:
         """A non-quantized tensor (norm, bias, A_log, ...): any float dtype accepted, shape checked."""
         t = self.get(name)

@@ -33,7 +33,10 @@ class NemotronH:
         self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint(model)
         c = self.config = self.ckpt.config
         self.device, self.dtype = torch.device(device), dtype
-        self.experts = experts if experts is not None else CheckpointExperts(self.ckpt, self.device)
+        if experts is None:
+            self.ckpt.check_experts()
+            experts = CheckpointExperts(self.ckpt, self.device)
+        self.experts = experts
         emb = "backbone.embeddings.weight"
         if not self.ckpt.has(emb) and self.ckpt.has("backbone.embedding.weight"):
             emb = "backbone.embedding.weight"   # older checkpoints

@@ -1,0 +1,48 @@
+"""Shared fixtures: synthetic checkpoints written once per test session by tools.synth."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+_made: dict[tuple, Path] = {}
+
+
+def write_synth(base: Path, preset: str = "tiny", quant: str = "nvfp4", seed: int = 0, *extra: str) -> Path:
+    key = (preset, quant, seed, extra)
+    if key not in _made:
+        out = base / f"{preset}-{quant}-{seed}-{abs(hash(extra)) % 10**8}"
+        if not (out / "config.json").exists():
+            cmd = [sys.executable, "-m", "tools.synth", "--preset", preset, "--quant", quant, "--seed", str(seed),
+                   "--out", str(out), *extra]
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
+        _made[key] = out
+    return _made[key]
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory):
+    base = tmp_path_factory.mktemp("synth")
+    return lambda *a, **k: write_synth(base, *a, **k)
+
+
+def copy_with_swapped_nibbles(src: Path, dst: Path) -> Path:
+    """The must-fail twin of an NVFP4 checkpoint: every packed byte with its two 4-bit halves exchanged."""
+    from kernels.nvfp4 import swap_nibbles
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, t in tensors.items():
+            if t.dtype == torch.uint8 and name.endswith(".weight"):
+                tensors[name] = swap_nibbles(t)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return dst
