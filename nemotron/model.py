@@ -57,6 +57,9 @@ class NemotronH:
             else:  # the config parser admits only the four kinds
                 raise ValueError(f"layer {i}: unknown layer type {kind!r}")
             self.mixers.append(m)
+        moes = [m for m in self.mixers if isinstance(m, MoEMixer)]
+        for m, nxt in zip(moes, moes[1:] + moes[:1]):   # the last layer guesses the first of the next token
+            m.next_router = nxt.router
         self.norm_f = self.ckpt.get_float("backbone.norm_f.weight", (c.hidden_size,)).to(self.device)
         if self.ckpt.has("lm_head.weight"):
             self.lm_head = self.ckpt.linear("lm_head", c.vocab_size, c.hidden_size).to(self.device)

@@ -16,9 +16,12 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 class ExpertSource(Protocol):
     """Where routed experts come from: the checkpoint in memory (here), or the streaming cache (gpu_worker)."""
 
+    wants_guess: bool   # True: apply() wants the next MoE layer's router guess (decode only)
+
     def apply(self, moe_index: int, layer: int, x: torch.Tensor, experts: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-        """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]."""
+              weights: torch.Tensor, guess: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]. `guess`: the
+        experts the next MoE layer's router picks on this layer's input (a prefetch hint)."""
         ...
 
 
@@ -45,6 +48,8 @@ def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
 class CheckpointExperts:
     """Routed experts read from the checkpoint and kept in memory in their stored precision."""
 
+    wants_guess = False
+
     def __init__(self, ckpt, device):
         self.ckpt, self.device = ckpt, device
         self._loaded: dict[tuple[int, int], tuple[QuantizedWeight, QuantizedWeight]] = {}
@@ -57,7 +62,7 @@ class CheckpointExperts:
             w = self._loaded[(layer, e)] = (up.to(self.device), down.to(self.device))
         return w
 
-    def apply(self, moe_index, layer, x, experts, weights):
+    def apply(self, moe_index, layer, x, experts, weights, guess=None):
         return apply_experts_torch(x, experts, weights, lambda e: self.weights(layer, e), self.trace, layer)
 
 
@@ -109,13 +114,18 @@ class MoEMixer:
             self.shared_up = ckpt.linear(p + "shared_experts.up_proj", S, H).to(device)
             self.shared_down = ckpt.linear(p + "shared_experts.down_proj", H, S).to(device)
         self.trace = None
+        self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         experts, weights = self.router(h)
+        guess = None
+        if h.shape[0] == 1 and self.next_router is not None and getattr(self.experts, "wants_guess", False):
+            guess = self.next_router(h)[0][0]
         if self.trace is not None:
-            self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights)
+            self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights,
+                       guess=guess)
         lat = linear(h, self.fc1) if self.fc1 is not None else h
-        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights).to(self.dtype)
+        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess).to(self.dtype)
         out = linear(routed, self.fc2) if self.fc2 is not None else routed
         if self.shared_up is not None:
             out = out + linear(relu2(linear(h, self.shared_up)), self.shared_down)

@@ -2,6 +2,11 @@
 
     python -m tools.logits --model DIR (--ids 1,2,3 | --ids-file F.json) --out OUT.npz [--decode N]
                            [--device cpu|cuda] [--dtype float32|bfloat16]
+                           [--store STORE --cache-mb N [--io-workers K]]
+
+With `--store`, the routed experts stream from the store through the full multi-process pipeline (prefetcher,
+IO workers, shared-memory slab of N MiB; N may be fractional so that a tiny model evicts); without it they are
+read from the checkpoint in memory. Both give the same arrays.
 
 OUT.npz: `logits` float32 [T, vocab] (prefill of the ids, used as given: no BOS, no template), `greedy`
 int64 [N] (greedy continuation through the step-by-step decode path; exactly N tokens, end-of-sequence does
@@ -75,13 +80,27 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
+    ap.add_argument("--store", help="expert store (tools.repack): stream experts through the cache pipeline")
+    ap.add_argument("--cache-mb", type=float, default=64.0, help="with --store: slab size in MiB")
+    ap.add_argument("--io-workers", type=int, default=2, help="with --store: reader processes")
+    ap.add_argument("--stats", action="store_true", help="with --store: print the cache counters")
     a = ap.parse_args(argv)
     ids = read_ids(a.ids, a.ids_file)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
+    from cache_shm.shm import CacheSizeError
+    from io_workers.store import StoreError
     try:
-        model = NemotronH(a.model, device=a.device, dtype=dtype)
-        logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk)
-    except (CheckpointError, ConfigError, ValueError) as e:
+        if a.store:
+            from gpu_worker.engine import StreamingEngine
+            with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
+                                 io_workers=a.io_workers, device=a.device, dtype=dtype) as eng:
+                logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk)
+                if a.stats:
+                    print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
+        else:
+            model = NemotronH(a.model, device=a.device, dtype=dtype)
+            logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk)
+    except (CheckpointError, ConfigError, StoreError, CacheSizeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     np.savez(a.out, logits=logits, greedy=greedy, greedy_logits=gl)

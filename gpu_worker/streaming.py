@@ -1,0 +1,155 @@
+"""Routed experts streamed through the shared-memory cache: the `ExpertSource` of the compute process.
+
+Per MoE layer at decode: one lookup (pins the hits), one message to the prefetcher (the actual choice and
+the guess for the next MoE layer), the hits computed at once, the misses as they land, every pin released.
+No cache bookkeeping happens here beyond that: the prefetcher owns the index.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels import moe_ops
+from kernels.expert_block import ExpertGeometry
+
+
+@dataclass
+class Accounting:
+    """Always-on, cheap per-run counters; `per_token()` turns them into the per-token breakdown."""
+    tokens: int = 0
+    ms_waiting_for_disk: float = 0.0
+    ms_experts: float = 0.0
+    ms_routing_msgs: float = 0.0
+    expert_uses: int = 0
+    hits_at_lookup: int = 0
+    misses_at_lookup: int = 0
+    bytes_over_pcie: int = 0
+    by_layer_hits: dict = field(default_factory=dict)
+
+    def per_token(self) -> dict:
+        n = max(self.tokens, 1)
+        looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
+        return dict(tokens=self.tokens, ms_waiting_for_disk=self.ms_waiting_for_disk / n,
+                    ms_experts=self.ms_experts / n, ms_routing_msgs=self.ms_routing_msgs / n,
+                    hit_rate=self.hits_at_lookup / looked, bytes_over_pcie=self.bytes_over_pcie / n)
+
+
+class StreamingExperts:
+    wants_guess = True
+
+    def __init__(self, store, client, device, slab=None, record=None):
+        """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
+        tensor over the shared slab (registered with CUDA when device is cuda)."""
+        g = store.geometry
+        self.geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+        self.store, self.client, self.device = store, client, torch.device(device)
+        self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
+        self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)
+        if slab is None:
+            from cache_shm.cuda_map import slab_tensor
+            slab = slab_tensor(client.shm)
+        self.slab = slab
+        self.slot_bytes = slab.shape[1]
+        self.acct = Accounting()
+        self.record = record       # routing trace writer: callable(moe_index, position, experts, guess)
+        self.trace = None
+        self._cuda = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ block handles
+    def _blocks(self, slots: list[int]):
+        """CPU: U8 views of the slots; CUDA: int64 addresses of the mapped slots (zero-copy)."""
+        if self._cuda:
+            base = self.slab.data_ptr()
+            return torch.tensor([base + s * self.slot_bytes for s in slots], dtype=torch.int64, device=self.device)
+        return [self.slab[s, :self.geom.block_bytes] for s in slots]
+
+    # ------------------------------------------------------------------ ExpertSource
+    def apply(self, moe_index, layer, x, experts, weights, guess=None):
+        if x.shape[0] == 1:
+            return self._decode(moe_index, x[0], experts[0], weights[0], guess)
+        return self._prefill(moe_index, x, experts, weights)
+
+    def _decode(self, j, x, experts, weights, guess):
+        t0 = time.perf_counter()
+        ex = experts.tolist()
+        w_of = dict(zip(ex, weights.float().tolist()))
+        hits = self.client.lookup(j, ex)
+        self.client.request(j, ex, guess=[] if guess is None else guess.tolist())
+        t1 = time.perf_counter()
+        a = self.acct
+        if j == 0:
+            a.tokens += 1
+        a.hits_at_lookup += len(hits)
+        a.misses_at_lookup += len(ex) - len(hits)
+        a.ms_routing_msgs += (t1 - t0) * 1e3
+        if self.record is not None:
+            self.record(j, ex, None if guess is None else guess.tolist(), list(hits))
+        acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
+        # Pins are released as soon as an expert's contribution is computed: a cache smaller than the
+        # layer's working set must still make progress.
+        try:
+            if hits:
+                self._run(x, list(hits), list(hits.values()), w_of, j, acc)
+        finally:
+            self.client.release(list(hits.values()))
+        misses = [e for e in ex if e not in hits]
+        if misses:
+            tw = time.perf_counter()
+            waited = 0.0
+            for e, s in self.client.wait_any(j, misses):
+                waited += time.perf_counter() - tw
+                try:
+                    self._run(x, [e], [s], w_of, j, acc)
+                finally:
+                    self.client.release(s)
+                tw = time.perf_counter()
+            a.ms_waiting_for_disk += waited * 1e3
+        a.expert_uses += len(ex)
+        a.ms_experts += (time.perf_counter() - t1) * 1e3
+        return acc[None]
+
+    def _run(self, x, experts, slots, w_of, j, acc):
+        idx = torch.tensor(experts, dtype=torch.long, device=self.device)
+        w = torch.tensor([w_of[e] for e in experts], dtype=torch.float32, device=self.device)
+        blocks = self._blocks(slots)
+        moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w, acc)
+        if self._cuda:
+            self.acct.bytes_over_pcie += len(experts) * self.geom.up_bytes   # down: only active groups (not counted)
+
+    def _prefill(self, j, x, experts, weights):
+        """Every expert the chunk needs is requested once and applied to all of its tokens as it lands."""
+        uniq = torch.unique(experts).tolist()
+        hits = self.client.lookup(j, uniq)
+        self.client.request(j, uniq)
+        acc = torch.zeros(x.shape[0], self.geom.L, dtype=torch.float32, device=self.device)
+        for e, s in hits.items():
+            try:
+                self._prefill_one(x, experts, weights, e, s, j, acc)
+            finally:
+                self.client.release(s)
+        misses = [e for e in uniq if e not in hits]
+        if misses:
+            tw = time.perf_counter()
+            waited = 0.0
+            for e, s in self.client.wait_any(j, misses):
+                waited += time.perf_counter() - tw
+                try:
+                    self._prefill_one(x, experts, weights, e, s, j, acc)
+                finally:
+                    self.client.release(s)
+                tw = time.perf_counter()
+            self.acct.ms_waiting_for_disk += waited * 1e3
+        return acc
+
+    def _prefill_one(self, x, experts, weights, e, s, j, acc):
+        tok, slot = torch.where(experts == e)
+        tw = weights[tok, slot].float().contiguous()
+        ug, dg = self.up_global[j, e:e + 1], self.down_global[j, e:e + 1]
+        block = self._blocks([s])
+        if not self._cuda:
+            block = block[0]
+        y = moe_ops.expert_prefill(x[tok].contiguous(), block, self.geom, ug, dg, tw)
+        acc.index_add_(0, tok, y)
