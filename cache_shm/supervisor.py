@@ -1,0 +1,190 @@
+"""Starts and watches the cache's processes: one prefetcher and N IO workers for a store and a slab.
+
+It lives in the library so the launcher (or a test, or a benchmark) can use it; it imports no
+process package, it only names their entry points on a command line (`python -m prefetcher`,
+`python -m io_workers.reader`). It owns the run's shared memory: `stop()` (also at exit and on
+SIGTERM) terminates every child and unlinks every object. Children die with their parent too
+(PR_SET_PDEATHSIG plus a parent-pid check), so a SIGKILLed owner leaves only shared memory, which
+the next start's `sweep_stale()` removes.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .client import CacheClient
+from .names import sweep_stale
+from .shm import HDR, WKC, CacheShm
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class Supervisor:
+    def __init__(self, store, *, cache_bytes: int | None = None, n_slots: int | None = None,
+                 n_workers: int = 4, policy: str = "lru", verify_checksums: bool = True,
+                 direct: str = "auto", prefetch_depth: int = 2, read_chunks: int = 4,
+                 worker_args: tuple = (),
+                 max_restarts: int = 20, log=None):
+        self.store = store
+        self.shm_kw = dict(cache_bytes=cache_bytes, n_slots=n_slots, n_workers=n_workers,
+                           verify_checksums=verify_checksums, direct=direct,
+                           prefetch_depth=prefetch_depth)
+        self.policy, self.max_restarts = policy, max_restarts
+        self.worker_args = ("--read-chunks", str(read_chunks), *worker_args)   # later ones win
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.shm: CacheShm | None = None
+        self.prefetcher: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen | None] = []
+        self.restarts = {"prefetcher": 0, "workers": 0}
+        self._stopping = threading.Event()
+        self._lock = threading.RLock()
+        self._monitor: threading.Thread | None = None
+        self._prev_sigterm = None
+        self._client: CacheClient | None = None
+
+    # ---- start -----------------------------------------------------------------------------
+    def start(self, ready_timeout: float = 30.0) -> "Supervisor":
+        sweep_stale(self.log)
+        self.shm = CacheShm.create(self.store, **self.shm_kw)
+        atexit.register(self.stop)
+        if threading.current_thread() is threading.main_thread():
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self.prefetcher = self._spawn_prefetcher()
+            self.workers = [self._spawn_worker(w) for w in range(self.shm.n_workers)]
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="cache-supervisor", daemon=True)
+        self._monitor.start()
+        return self
+
+    def _env(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def _spawn_prefetcher(self):
+        return subprocess.Popen([sys.executable, "-m", "prefetcher", "--prefix", self.shm.prefix,
+                                 "--policy", self.policy, "--parent-pid", str(os.getpid())],
+                                env=self._env(), cwd=_REPO_ROOT)
+
+    def _spawn_worker(self, w: int):
+        self.shm.worker_counters[w, WKC["ready"]] = 0
+        return subprocess.Popen([sys.executable, "-m", "io_workers.reader", "--prefix", self.shm.prefix,
+                                 "--worker", str(w), "--parent-pid", str(os.getpid()),
+                                 *self.worker_args], env=self._env(), cwd=_REPO_ROOT)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            pf_ok = int(self.shm.hdr[HDR["prefetcher_pid"]]) == self.prefetcher.pid
+            w_ok = all(int(self.shm.worker_counters[w, WKC["ready"]]) and
+                       int(self.shm.worker_counters[w, WKC["pid"]]) == p.pid
+                       for w, p in enumerate(self.workers))
+            if pf_ok and w_ok:
+                return
+            for p in [self.prefetcher, *self.workers]:
+                if p.poll() is not None:
+                    raise RuntimeError(f"cache process {p.args[2]} exited with {p.returncode} at start")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cache processes did not come up within {timeout:.0f} s")
+            time.sleep(0.01)
+
+    # ---- watch -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.05):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                if self.prefetcher.poll() is not None:
+                    self._restart("prefetcher", None)
+                for w, p in enumerate(self.workers):
+                    if p.poll() is not None:
+                        self._restart("workers", w)
+
+    def _restart(self, what: str, w: int | None) -> None:
+        old = self.prefetcher if w is None else self.workers[w]
+        if self.restarts[what] >= self.max_restarts:
+            if old.returncode is not None and not getattr(old, "_reported", False):
+                old._reported = True
+                self.log(f"cache supervisor: {old.args[2]} died ({old.returncode}); restart limit "
+                         f"{self.max_restarts} reached, not restarting")
+            return
+        self.restarts[what] += 1
+        name = "prefetcher" if w is None else f"io worker {w}"
+        self.log(f"cache supervisor: {name} (pid {old.pid}) exited with {old.returncode}; restarting")
+        if w is None:
+            self.prefetcher = self._spawn_prefetcher()
+        else:
+            self.workers[w] = self._spawn_worker(w)
+
+    # ---- client and teardown ---------------------------------------------------------------
+    def client(self) -> CacheClient:
+        """The compute side's client in this process (other processes: CacheClient.attach(prefix))."""
+        if self._client is None:
+            self._client = CacheClient(self.shm)
+        return self._client
+
+    @property
+    def prefix(self) -> str:
+        return self.shm.prefix
+
+    def child_pids(self) -> list[int]:
+        return [p.pid for p in [self.prefetcher, *self.workers] if p is not None]
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Terminate every child, then unlink every shared object. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout)
+        with self._lock:
+            procs = [p for p in [self.prefetcher, *self.workers] if p is not None]
+            if self.shm is not None:
+                try:
+                    self.shm.hdr[HDR["stopping"]] = 1
+                except (AttributeError, TypeError):
+                    pass
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(max(deadline - time.monotonic(), 0.01))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if self.shm is not None:
+                self.shm.close()
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+            self._prev_sigterm = None
+
+    def _on_sigterm(self, signum, frame):
+        prev = self._prev_sigterm
+        self.stop()
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

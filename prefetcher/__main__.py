@@ -1,0 +1,5 @@
+import sys
+
+from prefetcher.core import main
+
+sys.exit(main())

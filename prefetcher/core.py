@@ -1,0 +1,292 @@
+"""The prefetcher: sole writer of the cache index.
+
+It turns the compute process's per-layer messages into reads: the actual choice touches hits and
+queues demand reads for misses; the guess for the next MoE layer queues prefetch reads. It hands
+reads to the IO workers' rings (all demand reads at once; prefetch reads at most `prefetch_depth`
+outstanding per worker, so a demand read never waits behind more than the read in progress), picks
+slots (free first, then the policy's victim that is neither pinned nor loading) and tracks
+prefetch used / wasted. Its queues are private: after a restart it rebuilds the index's view from
+shared memory, and the client re-sends what it still waits for.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict, deque
+
+import msgpack
+import posix_ipc
+
+from cache_shm.client import MSG_DEMAND, MSG_LAYER
+from cache_shm.ring import full_fence
+from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, PREFETCH, READY,
+                           REQ, CacheShm)
+
+from .policy import make_policy
+
+
+class Prefetcher:
+    def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None):
+        self.shm = shm
+        self.E = shm.n_experts
+        self.policy = make_policy(policy, shm.n_layers, shm.n_experts)
+        self.parent_pid = parent_pid
+        self.depth = int(shm.cfg["prefetch_depth"])
+        self.c = shm.pf_counters
+        self.free: deque[int] = deque()
+        self.pending_demand: OrderedDict[int, None] = OrderedDict()    # key -> None, FIFO
+        self.pending_prefetch: OrderedDict[int, None] = OrderedDict()
+        self.outstanding = [dict() for _ in range(shm.n_workers)]      # slot -> (gen, kind)
+        self.prefetched_unused: set[int] = set()    # ready slots a prefetch filled, not yet used
+        self.credited: set[int] = set()              # loading prefetch slots already counted used
+        self._rr = 0
+        self._rebuild()
+        shm.hdr[HDR["prefetcher_pid"]] = os.getpid()
+        shm.hdr[HDR["epoch"]] += 1                   # tells clients to re-send what they wait for
+
+    # ---- recovery --------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Derive free list, policy order and outstanding reads from the shared index. A loading
+        slot that no ring or in-flight record holds (a crash between assign and push) is reset."""
+        shm = self.shm
+        owned = {}
+        for w in range(shm.n_workers):   # rings first, then in-flight records (a worker writes
+            for ring in (shm.demand_rings[w], shm.prefetch_rings[w]):   # in-flight before it frees a record)
+                for rec in ring.pending():
+                    gen, slot, _, _, kind = REQ.unpack(rec)
+                    owned[slot] = (w, gen, kind)
+        for w in range(shm.n_workers):
+            f = shm.inflight[w]
+            if f[INF["valid"]]:
+                owned[int(f[INF["slot"]])] = (w, int(f[INF["gen"]]), int(f[INF["kind"]]))
+        soe, key, state, gen = shm.slot_of_expert.reshape(-1), shm.slot_key, shm.slot_state, shm.slot_gen
+        rdy = shm.ready_of_expert.reshape(-1)
+        for s in range(shm.n_slots):
+            k, st = int(key[s]), int(state[s])
+            if k >= 0 and st in (READY, FAILED):
+                soe[k] = s
+                if st == READY:
+                    rdy[k] = s
+                self.policy.insert(s, k)
+            elif k >= 0 and st == LOADING and s in owned and owned[s][1] == int(gen[s]):
+                w, g, kind = owned[s]
+                soe[k] = s
+                self.outstanding[w][s] = (g, kind)
+            else:
+                if k >= 0 and soe[k] == s:
+                    soe[k] = -1
+                if k >= 0 and rdy[k] == s:
+                    rdy[k] = -1
+                key[s] = -1
+                gen[s] += 1
+                state[s] = EMPTY
+                self.free.append(s)
+        for k in (soe >= 0).nonzero()[0]:       # entries that point at a slot holding another key
+            if key[soe[k]] != k:
+                soe[k] = -1
+        for k in (rdy >= 0).nonzero()[0]:       # a worker writes state READY before rdy
+            if key[rdy[k]] != k or state[rdy[k]] != READY:
+                rdy[k] = -1
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        shm = self.shm
+        while True:
+            stalled = bool(self.pending_demand) and not self.free
+            try:
+                shm.sem_prefetcher.acquire(0.002 if stalled else 0.2)
+            except posix_ipc.BusyError:
+                pass
+            self.step()
+            if shm.hdr[HDR["stopping"]] or (self.parent_pid and os.getppid() != self.parent_pid):
+                return
+
+    def step(self) -> None:
+        shm = self.shm
+        for w in range(shm.n_workers):
+            ring = shm.done_rings[w]
+            while (rec := ring.pop()) is not None:
+                self._on_done(w, rec)
+        while (m := shm.msg_ring.pop()) is not None:
+            self._on_message(msgpack.unpackb(m))
+        self.dispatch()
+        self.c[PFC["demand_queue"]] = len(self.pending_demand) + sum(
+            1 for o in self.outstanding for g, k in o.values() if k == DEMAND)
+        self.c[PFC["prefetch_queue"]] = len(self.pending_prefetch) + sum(
+            1 for o in self.outstanding for g, k in o.values() if k == PREFETCH)
+
+    # ---- events ----------------------------------------------------------------------------
+    def _on_done(self, w: int, rec: bytes) -> None:
+        gen, slot, ok, kind = DONE.unpack(rec)
+        shm = self.shm
+        o = self.outstanding[w].pop(slot, None)
+        st, k = int(shm.slot_state[slot]), int(shm.slot_key[slot])
+        if o is None or o[0] != gen:      # a duplicate from a restarted worker, or from before our restart
+            if st in (READY, FAILED) and k >= 0 and slot not in self.policy:
+                self.policy.insert(slot, k)
+            return
+        if st not in (READY, FAILED):
+            return
+        self.policy.insert(slot, k)
+        if st == FAILED:
+            self.c[PFC["failed_slots"]] += 1
+        elif kind == PREFETCH:
+            if slot in self.credited:
+                self.credited.discard(slot)
+            else:
+                self.prefetched_unused.add(slot)
+
+    def _on_message(self, msg) -> None:
+        kind, layer, actual, guess_layer, guess = msg
+        shm, E = self.shm, self.E
+        soe = shm.slot_of_expert
+        self.c[PFC["messages"]] += 1
+        if kind == MSG_DEMAND:
+            for e in actual:
+                k = layer * E + e
+                if soe[layer, e] < 0 and k not in self.pending_demand:
+                    self.pending_prefetch.pop(k, None)
+                    self.pending_demand[k] = None
+            return
+        assert kind == MSG_LAYER, f"unknown message kind {kind}"
+        for e in actual:
+            k = layer * E + e
+            s = int(soe[layer, e])
+            if s >= 0:
+                st = int(shm.slot_state[s])
+                if st == LOADING:
+                    self.c[PFC["misses_inflight"]] += 1
+                    if self._loading_kind(s) == PREFETCH and s not in self.credited:
+                        self.credited.add(s)
+                        self.c[PFC["prefetch_used"]] += 1
+                    continue
+                if st == READY:
+                    self.c[PFC["hits"]] += 1
+                self.policy.touch(s, k)
+                if s in self.prefetched_unused:
+                    self.prefetched_unused.discard(s)
+                    self.c[PFC["prefetch_used"]] += 1
+            else:
+                self.c[PFC["misses"]] += 1
+                self.pending_prefetch.pop(k, None)
+                self.pending_demand[k] = None
+        # Guesses for this layer that were never dispatched are moot now that the layer has run.
+        stale = [k for k in self.pending_prefetch if k // E == layer]
+        for k in stale:
+            del self.pending_prefetch[k]
+        self.c[PFC["prefetch_cancelled"]] += len(stale)
+        for e in guess:
+            k = guess_layer * E + e
+            s = int(soe[guess_layer, e])
+            if s >= 0:
+                if int(shm.slot_state[s]) == READY:
+                    self.policy.touch(s, k)      # keep a guessed resident expert for the next layer
+            elif k not in self.pending_demand and k not in self.pending_prefetch:
+                self.pending_prefetch[k] = None
+
+    def _loading_kind(self, slot: int) -> int | None:
+        for o in self.outstanding:
+            if slot in o:
+                return o[slot][1]
+        return None
+
+    # ---- reads -----------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        shm = self.shm
+        while self.pending_demand:
+            ws = [w for w in range(shm.n_workers) if len(shm.demand_rings[w]) < shm.demand_rings[w].capacity]
+            if not ws:
+                break
+            s = self._allocate()
+            if s is None:
+                self.c[PFC["stalls_no_slot"]] += 1
+                break
+            k, _ = self.pending_demand.popitem(last=False)
+            self._rr += 1      # ties go round-robin so idle workers share the reads
+            w = min(ws, key=lambda w: (len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
+            self._assign(s, k, DEMAND, w)
+            self.c[PFC["demand_reads"]] += 1
+        while self.pending_prefetch:
+            counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH)
+                      for w in range(shm.n_workers)]
+            self._rr += 1
+            w = min(range(shm.n_workers),
+                    key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
+            if counts[w] >= self.depth:
+                break
+            s = self._allocate()
+            if s is None:
+                break
+            k, _ = self.pending_prefetch.popitem(last=False)
+            self._assign(s, k, PREFETCH, w)
+            self.c[PFC["prefetch_issued"]] += 1
+
+    def _assign(self, s: int, k: int, kind: int, w: int) -> None:
+        shm = self.shm
+        shm.slot_state[s] = LOADING
+        shm.slot_key[s] = k
+        shm.slot_gen[s] += 1
+        gen = int(shm.slot_gen[s])
+        shm.ready_of_expert.reshape(-1)[k] = -1
+        shm.slot_of_expert.reshape(-1)[k] = s
+        ring = shm.demand_rings[w] if kind == DEMAND else shm.prefetch_rings[w]
+        ok = ring.push(REQ.pack(gen, s, k // self.E, k % self.E, kind))
+        assert ok, "ring space was checked"
+        self.outstanding[w][s] = (gen, kind)
+        shm.sem_workers[w].release()
+
+    def _evictable(self, s: int) -> bool:
+        return self.shm.slot_pins[s] == 0 and self.shm.slot_state[s] in (READY, FAILED)
+
+    def _allocate(self) -> int | None:
+        if self.free:
+            return self.free.popleft()
+        shm = self.shm
+        soe, rdy = shm.slot_of_expert.reshape(-1), shm.ready_of_expert.reshape(-1)
+        for _ in range(8):
+            s = self.policy.choose_victim(self._evictable)
+            if s is None:
+                return None
+            k, st = int(shm.slot_key[s]), int(shm.slot_state[s])
+            rdy[k] = -1                 # unpublish, then look for a pin taken meanwhile
+            soe[k] = -1
+            shm.slot_gen[s] += 1
+            shm.slot_state[s] = EMPTY
+            full_fence()
+            if shm.slot_pins[s] != 0:   # the client pinned it in the race: give it back
+                shm.slot_state[s] = st
+                soe[k] = s
+                if st == READY:
+                    rdy[k] = s
+                self.policy.touch(s, k)
+                continue
+            shm.slot_key[s] = -1
+            self.policy.remove(s)
+            self.c[PFC["evictions"]] += 1
+            if s in self.prefetched_unused:
+                self.prefetched_unused.discard(s)
+                self.c[PFC["prefetch_wasted"]] += 1
+            return s
+        return None
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description="moestream prefetcher process")
+    ap.add_argument("--prefix", required=True)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args(argv)
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != args.parent_pid:
+        return 0
+    shm = CacheShm.attach(args.prefix)
+    try:
+        Prefetcher(shm, args.policy, args.parent_pid).run()
+    finally:
+        shm.close()
+    return 0

@@ -1,0 +1,177 @@
+"""Prefetcher logic in one process (no workers): policies, ordering, pins, accounting, recovery."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache_shm"))
+from moestream_fake_store import make_fake_store  # noqa: E402
+
+import prefetcher.core as core  # noqa: E402
+from cache_shm.client import CacheClient  # noqa: E402
+from cache_shm.shm import DEMAND, DONE, EMPTY, LOADING, PREFETCH, READY, REQ, CacheShm  # noqa: E402
+from prefetcher.policy import LFUAwareLRUPolicy, LRUPolicy, make_policy  # noqa: E402
+
+
+def test_lru_order_and_skip():
+    p = LRUPolicy(1, 8)
+    for s in range(4):
+        p.insert(s, s)
+    p.touch(0, 0)
+    assert p.choose_victim(lambda s: True) == 1
+    assert p.choose_victim(lambda s: s not in (1, 2)) == 3
+    p.remove(3)
+    assert p.choose_victim(lambda s: s not in (1, 2)) == 0
+    assert p.choose_victim(lambda s: False) is None
+
+
+def test_lfu_aware_keeps_popular_expert():
+    p = LFUAwareLRUPolicy(1, 8, window=4)
+    for s in range(4):
+        p.insert(s, s)
+    for _ in range(5):
+        p.touch(0, 0)                # expert 0 popular ...
+    p.insert(0, 0)                   # ... but re-inserted: now MRU anyway
+    p._order.move_to_end(0, last=False)   # force it least recent
+    assert p.choose_victim(lambda s: True) == 1    # LRU would say 0
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        make_policy("fifo", 1, 1)
+
+
+@pytest.fixture()
+def rig(tmp_path):
+    store = make_fake_store(tmp_path, n_layers=2, n_experts=8)
+    shm = CacheShm.create(store, n_slots=4, n_workers=2, prefetch_depth=1)
+    pf = core.Prefetcher(shm)
+    yield shm, pf, CacheClient(shm)
+    shm.close()
+
+
+def fake_worker(shm, w, ok=True):
+    """Serve worker w's rings the way io_workers does, without reading: demand first."""
+    served = []
+    for ring in (shm.demand_rings[w], shm.prefetch_rings[w]):
+        while (rec := ring.pop()) is not None:
+            gen, slot, layer, expert, kind = REQ.unpack(rec)
+            shm.slot_state[slot] = READY
+            shm.ready_of_expert[layer, expert] = slot
+            shm.done_rings[w].push(DONE.pack(gen, slot, 1, kind))
+            served.append((layer, expert, kind))
+    return served
+
+
+def serve_all(shm, pf):
+    out = []
+    for w in range(shm.n_workers):
+        out += fake_worker(shm, w)
+    pf.step()
+    return out
+
+
+def test_demand_and_prefetch_requests(rig):
+    shm, pf, c = rig
+    c.request(0, [1, 2], guess=[3, 4, 5])
+    pf.step()
+    assert sorted(len(r) for r in shm.demand_rings) == [1, 1]          # spread over workers
+    assert sum(len(r) for r in shm.prefetch_rings) == 2               # depth 1 per worker
+    assert shm.pf_counters[core.PFC["misses"]] == 2
+    served = serve_all(shm, pf)
+    assert [k for _, _, k in served].count(DEMAND) == 2
+    assert all(shm.slot_state[shm.slot_of_expert[l, e]] == READY for l, e, _ in served)
+    # completions made room for the third guess: it evicts the least recent slot
+    assert c.stats()["prefetch_issued"] == 3 and c.stats()["evictions"] == 1
+    serve_all(shm, pf)
+    c.request(1, [3], guess=[])
+    pf.step()
+    st = c.stats()
+    assert st["hits"] == 1 and st["prefetch_used"] == 1
+
+
+def test_undispatched_guesses_dropped_when_layer_runs(rig):
+    shm, pf, c = rig
+    c.request(0, [], guess=[1, 2, 3, 4, 5])      # depth 1 x 2 workers: 3 stay queued
+    pf.step()
+    assert c.stats()["prefetch_queue"] == 5
+    c.request(1, [5, 6])                          # 5: queued guess becomes a demand; 3, 4 dropped
+    pf.step()
+    st = c.stats()
+    assert st["prefetch_cancelled"] == 2 and st["demand_reads"] == 2 and st["prefetch_issued"] == 2
+
+
+def test_pinned_slot_is_never_evicted(rig):
+    shm, pf, c = rig
+    c.request(0, [0, 1, 2, 3])
+    pf.step()
+    serve_all(shm, pf)
+    pinned = c.lookup(0, [0])[0]
+    for e in range(4, 8):
+        c.request(0, [e])
+        pf.step()
+        serve_all(shm, pf)
+    assert shm.slot_of_expert[0, 0] == pinned and shm.slot_key[pinned] == 0
+    assert c.stats()["evictions"] == 4
+
+
+def test_all_pinned_stalls_then_proceeds(rig):
+    shm, pf, c = rig
+    c.request(0, [0, 1, 2, 3])
+    pf.step()
+    serve_all(shm, pf)
+    held = c.lookup(0, [0, 1, 2, 3])
+    c.request(1, [0])
+    pf.step()
+    assert shm.slot_of_expert[1, 0] == -1 and c.stats()["stalls_no_slot"] >= 1
+    c.release(held[2])
+    pf.step()
+    assert shm.slot_of_expert[1, 0] == held[2]
+
+
+def test_pin_taken_during_eviction_wins(rig, monkeypatch):
+    """The race: the client pins the victim between the prefetcher's choice and its pin check."""
+    shm, pf, c = rig
+    c.request(0, [0, 1, 2, 3])
+    pf.step()
+    serve_all(shm, pf)
+    victim = int(shm.slot_of_expert[0, 0])   # least recently used
+    calls = []
+
+    def racing_fence():
+        if not calls:
+            shm.slot_pins[victim] += 1        # the client's pin lands right now
+        calls.append(1)
+    monkeypatch.setattr(core, "full_fence", racing_fence)
+    c.request(1, [5])
+    pf.step()
+    assert shm.slot_of_expert[0, 0] == victim and shm.slot_state[victim] == READY
+    assert shm.slot_key[victim] == 0
+    assert shm.slot_of_expert[1, 5] not in (-1, victim)
+
+
+def test_prefetch_wasted_when_evicted_unused(rig):
+    shm, pf, c = rig
+    c.request(0, [0, 1], guess=[6, 7])
+    pf.step()
+    serve_all(shm, pf)
+    for e in range(2, 6):
+        c.request(0, [e])
+        pf.step()
+        serve_all(shm, pf)
+    assert c.stats()["prefetch_wasted"] == 2
+
+
+def test_restart_rebuilds_and_resets_orphans(rig):
+    shm, pf, c = rig
+    c.request(0, [0, 1, 2])
+    pf.step()                          # three loading, in rings
+    fake_worker(shm, 0)                # worker 0 finishes its one; worker 1's stay queued
+    orphan = int(np.flatnonzero(shm.slot_state == EMPTY)[0])
+    shm.slot_state[orphan] = LOADING   # a crash between assign and push leaves this
+    shm.slot_key[orphan] = 8 + 4
+    shm.slot_of_expert[1, 4] = orphan
+    pf2 = core.Prefetcher(shm)
+    assert shm.slot_state[orphan] == EMPTY and shm.slot_of_expert[1, 4] == -1
+    assert sum(len(o) for o in pf2.outstanding) == 2 - 0 and len(pf2.free) == 1
+    assert shm.hdr[0] == 2             # epoch bumped: clients re-send
+    serve_all(shm, pf2)
+    assert all(shm.slot_state[shm.slot_of_expert[0, e]] == READY for e in (0, 1, 2))
