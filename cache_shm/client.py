@@ -18,7 +18,9 @@ import posix_ipc
 from .names import pid_alive
 from .shm import CLC, FAILED, HDR, PFC, STATE_NAMES, CacheShm
 
-MSG_LAYER, MSG_DEMAND = 1, 2   # message kinds: per-layer (actual + guess), demand only (a re-send)
+# message kinds: per-layer (actual + guess); demand only (a re-send); prefill (demand misses, touch
+# nothing); demote (a prefill is done with these experts: move what it loaded to the cold end)
+MSG_LAYER, MSG_DEMAND, MSG_PREFILL, MSG_DEMOTE = 1, 2, 3, 4
 LOOKUPS, LOOKUP_HITS, LOOKUP_MISSES, REQUESTS, WAITS, WAIT_NS, RESENDS = (
     CLC[n] for n in ("lookups", "lookup_hits", "lookup_misses", "requests", "waits", "wait_ns", "resends"))
 
@@ -110,6 +112,20 @@ class CacheClient:
             return
         self._cc[REQUESTS] += 1
         self._send(msg)
+
+    def request_prefill(self, layer: int, experts) -> None:
+        """A prefill chunk needs `experts` of `layer`: misses become demand reads, hits are not
+        promoted, so a long prompt does not push the decode working set out of the cache."""
+        experts = [int(e) for e in experts]
+        for s in range(0, len(experts), 256):     # keep each message well under the ring's record size
+            self._cc[REQUESTS] += 1
+            self._send(msgpack.packb((MSG_PREFILL, int(layer), experts[s:s + 256], 0, [])))
+
+    def done_prefill(self, layer: int, experts) -> None:
+        """The prefill chunk is done with `experts`: the ones it loaded go to the eviction end."""
+        experts = [int(e) for e in experts]
+        for s in range(0, len(experts), 256):
+            self._send(msgpack.packb((MSG_DEMOTE, int(layer), experts[s:s + 256], 0, [])))
 
     def demand(self, layer: int, experts) -> None:
         """Demand reads without a touch (wait() re-sends with this after a prefetcher restart)."""

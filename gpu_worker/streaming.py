@@ -123,7 +123,7 @@ class StreamingExperts:
         """Every expert the chunk needs is requested once and applied to all of its tokens as it lands."""
         uniq = torch.unique(experts).tolist()
         hits = self.client.lookup(j, uniq)
-        self.client.request(j, uniq)
+        self.client.request_prefill(j, uniq)
         acc = torch.zeros(x.shape[0], self.geom.L, dtype=torch.float32, device=self.device)
         for e, s in hits.items():
             try:
@@ -134,13 +134,20 @@ class StreamingExperts:
         if misses:
             tw = time.perf_counter()
             waited = 0.0
+            used = []
             for e, s in self.client.wait_any(j, misses):
                 waited += time.perf_counter() - tw
                 try:
                     self._prefill_one(x, experts, weights, e, s, j, acc)
                 finally:
                     self.client.release(s)
+                used.append(e)
+                if len(used) >= 8:      # hand used blocks back to the eviction end as we go
+                    self.client.done_prefill(j, used)
+                    used = []
                 tw = time.perf_counter()
+            if used:
+                self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
         return acc
 

@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 import msgpack
 import posix_ipc
 
-from cache_shm.client import MSG_DEMAND, MSG_LAYER
+from cache_shm.client import MSG_DEMAND, MSG_DEMOTE, MSG_LAYER, MSG_PREFILL
 from cache_shm.ring import full_fence
 from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, PREFETCH, READY,
                            REQ, CacheShm)
@@ -38,6 +38,7 @@ class Prefetcher:
         self.outstanding = [dict() for _ in range(shm.n_workers)]      # slot -> (gen, kind)
         self.prefetched_unused: set[int] = set()    # ready slots a prefetch filled, not yet used
         self.credited: set[int] = set()              # loading prefetch slots already counted used
+        self.prefill_loaded: set[int] = set()        # keys read for a prefill, not yet used by decode
         self._rr = 0
         self._rebuild()
         shm.hdr[HDR["prefetcher_pid"]] = os.getpid()
@@ -147,9 +148,31 @@ class Prefetcher:
                     self.pending_prefetch.pop(k, None)
                     self.pending_demand[k] = None
             return
+        if kind == MSG_PREFILL:
+            for e in actual:
+                k = layer * E + e
+                if soe[layer, e] < 0:
+                    self.c[PFC["misses"]] += 1
+                    self.pending_prefetch.pop(k, None)
+                    if k not in self.pending_demand:
+                        self.pending_demand[k] = None
+                        self.prefill_loaded.add(k)
+                else:
+                    self.c[PFC["hits"]] += 1     # resident: used as is, its place in the order kept
+            return
+        if kind == MSG_DEMOTE:
+            for e in actual:
+                k = layer * E + e
+                s = int(soe[layer, e])
+                if k in self.prefill_loaded:
+                    self.prefill_loaded.discard(k)
+                    if s >= 0:
+                        self.policy.demote(s)
+            return
         assert kind == MSG_LAYER, f"unknown message kind {kind}"
         for e in actual:
             k = layer * E + e
+            self.prefill_loaded.discard(k)      # decode uses it: an ordinary resident now
             s = int(soe[layer, e])
             if s >= 0:
                 st = int(shm.slot_state[s])

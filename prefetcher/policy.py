@@ -34,6 +34,11 @@ class LRUPolicy:
     def remove(self, slot: int) -> None:
         self._order.pop(slot, None)
 
+    def demote(self, slot: int) -> None:
+        """To the eviction end: a block a prefill loaded and is done with."""
+        if slot in self._order:
+            self._order.move_to_end(slot, last=False)
+
     def choose_victim(self, evictable) -> int | None:
         for slot in self._order:
             if evictable(slot):

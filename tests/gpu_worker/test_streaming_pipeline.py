@@ -114,3 +114,34 @@ def test_crashed_io_worker_does_not_change_output(tiny):
             time.sleep(0.05)
         assert eng.sup.restarts["workers"] >= 1 and eng.sup.workers[0].pid != killed
     assert out == r_greedy
+
+
+def resident_keys(shm) -> set[int]:
+    from cache_shm.shm import READY
+    return {int(k) for k, st in zip(shm.slot_key, shm.slot_state) if k >= 0 and st == READY}
+
+
+@pytest.mark.parametrize("prefill_protects", [True, False])
+def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, monkeypatch):
+    """A long prompt's experts go to the eviction end once used; the twin (prefill requests that touch
+    like decode does) must flush the working set, or the check has no power."""
+    model_dir, store = tiny
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store) * 5, io_workers=2) as eng:
+        if not prefill_protects:
+            c = eng.sup.client()
+            monkeypatch.setattr(c, "request_prefill", lambda j, ex: c.request(j, ex))
+            monkeypatch.setattr(c, "done_prefill", lambda j, ex: None)
+        m = eng.model
+        st = m.new_state()
+        for t in prompt(2, seed=8):               # decode only: build the decode working set
+            m.forward([t], st)
+        time.sleep(0.2)
+        before = resident_keys(eng.sup.shm)
+        m.forward(prompt(60, seed=9), m.new_state())   # a long prompt touching most experts
+        time.sleep(0.2)
+        kept = len(before & resident_keys(eng.sup.shm)) / len(before)
+    print(f"prefill_protects={prefill_protects}: {kept:.0%} of the decode working set kept")
+    if prefill_protects:
+        assert kept >= 0.9
+    else:
+        assert kept < 0.9

@@ -1,0 +1,250 @@
+"""End-to-end decode and prefill through the streaming pipeline, beside the floors that bandwidths set.
+
+    python -m bench.e2e_stream --work DIR [--preset super --moe-layers 4] [--device cuda] [--out OUT.json]
+
+One run: write a synthetic checkpoint (or reuse DIR/model), repack it, measure the ceilings in the same run
+(O_DIRECT random block reads of the store, pinned host->device copy, device->device copy), then
+  RAM regime  : cache holds every expert (warmed by one pass), decode on rotating prompts
+  disk regime : cache holds a third of the experts, decode on rotating prompts
+  prefill     : a long prompt with the disk-regime cache
+and print a table: ms/token, hit rate, bytes per token from disk and over PCIe, each floor and the ratio.
+Per-token figures are also scaled to Super's 40 MoE layers (x 40 / MoE layers of the model run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd):
+    t = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return time.time() - t
+
+
+# ------------------------------------------------------------------ ceilings
+def odirect_read_gbps(path, stride, n_blocks, block_bytes, threads=8, seconds=4.0):
+    """Random whole-block O_DIRECT preadv from the store file, `threads` readers."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    nbytes = (block_bytes + 4095) // 4096 * 4096
+    done = [0] * threads
+    stop = time.time() + seconds
+
+    def reader(i):
+        buf = mmap.mmap(-1, nbytes)
+        rng = np.random.default_rng(i)
+        while time.time() < stop:
+            off = int(rng.integers(0, n_blocks)) * stride
+            done[i] += os.preadv(fd, [buf], off)
+
+    ts = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+    return sum(done) / (time.time() - t0) / 1e9
+
+
+def copy_gbps(device):
+    if not str(device).startswith("cuda"):
+        return None, None
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    dev2 = torch.empty_like(dev)
+    for _ in range(2):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = 5 * n / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    for _ in range(10):
+        dev2.copy_(dev)
+    torch.cuda.synchronize()
+    d2d = 2 * 10 * n / (time.perf_counter() - t) / 1e9     # bytes read + written
+    del host, dev, dev2
+    return h2d, d2d
+
+
+# ------------------------------------------------------------------ runs
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_run(eng, prompts, n_tokens, device):
+    """Prefill each prompt, then time n_tokens greedy steps. Returns per-token figures."""
+    m = eng.model
+    acct = eng.accounting
+    ms, disk_bytes, hits, looked, waits = [], 0, 0, 0, 0.0
+    for p in prompts:
+        st = m.new_state()
+        logits = m.forward(p, st, last_only=True)
+        tok = int(logits[-1].argmax())
+        s0 = eng.cache_stats()
+        h0, l0 = acct.hits_at_lookup, acct.hits_at_lookup + acct.misses_at_lookup
+        w0 = acct.ms_waiting_for_disk
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(n_tokens):
+            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+        sync(device)
+        ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
+        s1 = eng.cache_stats()
+        disk_bytes += s1["io_bytes_read"] - s0["io_bytes_read"]
+        hits += acct.hits_at_lookup - h0
+        looked += acct.hits_at_lookup + acct.misses_at_lookup - l0
+        waits += acct.ms_waiting_for_disk - w0
+    n = n_tokens * len(prompts)
+    return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms],
+                disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
+                ms_waiting_for_disk=waits / n)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--preset", default="super")
+    ap.add_argument("--quant", default="nvfp4")
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--prefill-tokens", type=int, default=2000)
+    ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--out", default="e2e_stream.json")
+    ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill")
+    a = ap.parse_args(argv)
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, store_dir = work / "model", work / "store"
+    res = dict(device=str(a.device), preset=a.preset, quant=a.quant, moe_layers=a.moe_layers)
+    if not (model_dir / "config.json").exists():
+        res["s_synth"] = sh([sys.executable, "-m", "tools.synth", "--preset", a.preset, "--quant", a.quant,
+                             "--moe-layers", str(a.moe_layers), "--out", str(model_dir)])
+    if not (store_dir / "manifest.json").exists():
+        res["s_repack"] = sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out",
+                              str(store_dir), "--no-progress"])
+    store = ExpertStore.open(store_dir)
+    n_blocks = len(store.moe_layers) * store.n_experts
+    all_bytes = n_blocks * store.block_stride
+    res["block_bytes"] = store.block_bytes
+    res["n_blocks"] = n_blocks
+    print(f"store: {n_blocks} blocks of {store.block_bytes:,} bytes", flush=True)
+    res["odirect_gbps"] = odirect_read_gbps(store.experts_path, store.block_stride, n_blocks, store.block_bytes,
+                                            threads=a.io_workers)
+    res["h2d_gbps"], res["d2d_gbps"] = copy_gbps(a.device)
+    print(json.dumps(res), flush=True)
+    dtype = torch.bfloat16 if str(a.device).startswith("cuda") else torch.float32
+    rng = np.random.default_rng(0)
+    scale40 = 40 / len(store.moe_layers)
+    skip = set(a.skip.split(","))
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    def prompts(seed):
+        r = np.random.default_rng(seed)
+        return [[int(t) for t in r.integers(14, vocab, size=24)] for _ in range(a.prompts)]
+
+    def regime(name, cache_bytes, seed):
+        t = time.time()
+        with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
+                             dtype=dtype) as eng:
+            res[f"s_load_{name}"] = time.time() - t
+            dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
+                              if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
+            res["dense_bytes_per_token"] = dense_bytes
+            if name == "ram":   # warm: one pass over every expert (demand reads of everything)
+                for j in range(len(store.moe_layers)):
+                    ex = list(range(store.n_experts))
+                    eng.sup.client().request(j, ex)
+                    for e, s in eng.sup.client().wait_any(j, ex, timeout=600):
+                        eng.sup.client().release(s)
+            decode_run(eng, prompts(seed + 100)[:1], 4, a.device)          # warm-up, other prompts
+            r = decode_run(eng, prompts(seed), a.tokens, a.device)
+            if name == "disk" and "prefill" not in skip:
+                ids = [int(t) for t in rng.integers(14, vocab, size=a.prefill_tokens)]
+                s0 = eng.cache_stats()["io_bytes_read"]
+                sync(a.device)
+                t = time.perf_counter()
+                st = eng.model.new_state()
+                for s in range(0, len(ids), 512):
+                    eng.model.forward(ids[s:s + 512], st, last_only=True)
+                sync(a.device)
+                res["prefill_s"] = time.perf_counter() - t
+                res["prefill_disk_bytes"] = eng.cache_stats()["io_bytes_read"] - s0
+            res[name] = r
+        return r
+
+    if "ram" not in skip:
+        regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
+    if "disk" not in skip:
+        regime("disk", all_bytes // 3, 2)
+
+    # floors
+    up_b = store.geometry.sections()[0].nbytes + store.geometry.sections()[1].nbytes
+    down_b = store.geometry.sections()[2].nbytes
+    k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
+    uses = k * len(store.moe_layers)
+    rows = []
+    h2d = res["h2d_gbps"] or float("nan")
+    d2d = res["d2d_gbps"] or float("nan")
+    dense_ms = res.get("dense_bytes_per_token", 0) / (d2d / 2 * 1e9) * 1e3 if res["d2d_gbps"] else 0.0
+    if "ram" in res:
+        r = res["ram"]
+        pcie_lo = uses * up_b            # up always crosses; down only its active groups
+        pcie_hi = uses * (up_b + down_b)
+        floor = max(pcie_lo / (h2d * 1e9) * 1e3, dense_ms)
+        rows.append(("RAM", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                     pcie_lo / 1e6, floor, r["ms_per_token"] / floor if floor else float("nan")))
+        res["ram_floor_ms"] = floor
+        res["ram_floor_ms_all_down"] = max(pcie_hi / (h2d * 1e9) * 1e3, dense_ms)
+    if "disk" in res:
+        r = res["disk"]
+        floor = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
+        rows.append(("disk", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"],
+                     r["disk_bytes_per_token"] / 1e6, uses * up_b / 1e6, floor,
+                     r["ms_per_token"] / floor if floor else float("nan")))
+        res["disk_floor_ms"] = floor
+    if "prefill_s" in res:
+        floor = res["prefill_disk_bytes"] / (res["odirect_gbps"] * 1e9)
+        res["prefill_floor_s"] = floor
+    Path(a.out).write_text(json.dumps(res, indent=1, default=float))
+    print(f"\nceilings: O_DIRECT {res['odirect_gbps']:.2f} GB/s, H2D {res['h2d_gbps']} GB/s, D2D {res['d2d_gbps']} GB/s;"
+          f" dense floor {dense_ms:.2f} ms/token ({res.get('dense_bytes_per_token', 0) / 1e9:.2f} GB)")
+    print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
+    for row in rows:
+        print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+    if "prefill_s" in res:
+        print(f"prefill {a.prefill_tokens} tokens: {res['prefill_s']:.2f} s, read {res['prefill_disk_bytes'] / 1e9:.2f} GB;"
+              f" floor {res['prefill_floor_s']:.2f} s; ratio {res['prefill_s'] / max(res['prefill_floor_s'], 1e-9):.2f}")
+
+
+if __name__ == "__main__":
+    main()
