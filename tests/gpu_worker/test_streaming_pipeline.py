@@ -62,8 +62,8 @@ def test_pipeline_matches_in_memory_engine_and_transformers(tiny, tmp_path):
         prefix = eng.sup.prefix
     assert stats["evictions"] > 0 and stats["lookup_misses"] > 0, "the cache was not small enough to evict"
     np.testing.assert_array_equal(greedy, r_greedy)
-    np.testing.assert_allclose(logits, r_logits, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(gl, r_gl, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(logits, r_logits, rtol=1e-5, atol=1e-4)  # expert sum order varies
+    np.testing.assert_allclose(gl, r_gl, rtol=1e-5, atol=1e-4)
     hf_logits, hf_greedy, _ = reference(model_dir, ids, N_DECODE, tmp_path)
     assert mean_kl(hf_logits, logits) < 1e-3
     np.testing.assert_array_equal(greedy, hf_greedy)
