@@ -1,0 +1,45 @@
+"""One whole MoE layer at decode (22 experts: grouped up + fused ReLU²/mask + sparse down) vs its bytes' floor."""
+from __future__ import annotations
+
+import torch
+
+from bench.kernels.common import DEV, time_graph
+from bench.kernels.expert_up import addr_sets
+from kernels.moe_ops import expert_decode, expert_decode_torch
+from kernels.relu2_mask import relu2_group_mask_torch
+from kernels.expert_up import expert_up_torch
+from kernels.testing import rel_err
+
+
+def run(ctx) -> list[dict]:
+    geom, rows = ctx["geom"], []
+    ug = torch.full((22,), 2e-3, device=DEV)
+    dg = torch.full((22,), 2e-3, device=DEV)
+    w = torch.rand(22, device=DEV) / 22
+    x_pos = (torch.rand(geom.L, device=DEV) + 0.05).bfloat16()
+    x_mixed = torch.randn(geom.L, device=DEV).bfloat16()
+    n = ctx["n_per_set"]
+    cases = [("natural ~50% neurons (mixed-sign x)", 0, x_mixed), ("92.5% neurons zero, independent", 0, x_pos),
+             ("92.5% zero by whole groups", n, x_pos)]
+    for where, src in (("pinned", ctx["slab"].tensor), ("vram", ctx["vram"])):
+        ceil = 1e9 * (ctx["ceil"]["h2d_pinned_GBps"] if where == "pinned" else ctx["ceil"]["d2d_GBps"])
+        for label, first, x in cases:
+            sets = addr_sets(src.data_ptr(), geom, first, n)
+            # the bytes this case must read: 22 ups + the active groups (from the twin's mask)
+            nb_all = 0
+            for s in range(8):
+                idx = [first + (s * 22 + j) % n for j in range(22)]
+                blocks = [src[i * geom.block_stride:][: geom.block_stride].to(DEV) for i in idx]
+                _, mask = relu2_group_mask_torch(expert_up_torch(x, blocks, geom, ug))
+                nb_all += 22 * geom.up_bytes + int(mask.sum()) * geom.group_bytes
+                if s == 0:
+                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w, backend="triton"),
+                                expert_decode_torch(x, blocks, geom, ug, dg, w))
+                    ctx["checks"].append(dict(check=f"moe layer {where} {label}", rel_err=e, ok=e < 1e-5))
+            nb = nb_all / 8
+            acc = torch.zeros(geom.L, device=DEV)
+            sec = time_graph(lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc, backend="triton"), 8)
+            rows.append(dict(op="moe layer decode", case=f"{where} {label}", us=sec * 1e6, bytes=nb,
+                             GBps=nb / sec / 1e9, pct=100 * nb / sec / ceil, floor_us=nb / ceil * 1e6,
+                             vs="H2D" if where == "pinned" else "HBM"))
+    return rows
