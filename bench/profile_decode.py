@@ -1,0 +1,79 @@
+"""Where a decode token's time goes (RAM regime: every expert cached), measured with torch.profiler.
+
+    python -m bench.profile_decode --work DIR [--moe-layers 4] [--tokens 8]
+
+Reuses DIR/model and DIR/store from bench.e2e_stream (writes them if missing). Prints wall ms per token,
+GPU-busy ms per token (sum of kernel time), the gap, and the top ops by host and device time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.e2e_stream import sh
+
+
+def main(argv=None):
+    import sys
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--out", default="profile_decode.json")
+    a = ap.parse_args(argv)
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+    work = Path(a.work)
+    model_dir, store_dir = work / "model", work / "store"
+    if not (model_dir / "config.json").exists():
+        sh([sys.executable, "-m", "tools.synth", "--preset", "super", "--quant", "nvfp4", "--moe-layers",
+            str(a.moe_layers), "--out", str(model_dir)])
+    if not (store_dir / "manifest.json").exists():
+        sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(store_dir), "--no-progress"])
+    store = ExpertStore.open(store_dir)
+    n = len(store.moe_layers) * store.n_experts
+    with StreamingEngine(store_dir, cache_bytes=int(n * store.block_stride * 1.02) + (8 << 20), io_workers=8,
+                         device="cuda", dtype=torch.bfloat16) as eng:
+        c = eng.sup.client()
+        for j in range(len(store.moe_layers)):
+            ex = list(range(store.n_experts))
+            c.request(j, ex)
+            for e, s in c.wait_any(j, ex, timeout=600):
+                c.release(s)
+        m = eng.model
+        st = m.new_state()
+        tok = int(m.forward(list(range(100, 124)), st, last_only=True)[-1].argmax())
+        for _ in range(3):
+            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            t = time.perf_counter()
+            for _ in range(a.tokens):
+                tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) * 1e3 / a.tokens
+        t = time.perf_counter()
+        for _ in range(a.tokens):
+            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+        torch.cuda.synchronize()
+        wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
+    ev = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) \
+        if hasattr(ev[0], "self_device_time_total") else sum(e.self_cuda_time_total for e in ev)
+    gpu_ms = gpu_us / 1e3 / a.tokens
+    n_kernels = sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / a.tokens
+    res = dict(wall_ms_per_token=wall_noprof, wall_ms_profiled=wall, gpu_busy_ms_per_token=gpu_ms,
+               kernels_per_token=n_kernels, moe_layers=len(store.moe_layers))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=40))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
