@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kernels.expert_block import ExpertGeometry
+
 FORMAT_NAME = "moestream-expert-store"
 FORMAT_VERSION = 1
 PAGE_BYTES = 4096          # block stride alignment: O_DIRECT needs offsets and lengths in whole pages
-SECTION_ALIGN = 256        # each section of a block starts on a 256-byte boundary
 GROUP = 16                 # neurons per down group = NVFP4 scale block
 
 MANIFEST_NAME = "manifest.json"
@@ -38,10 +39,6 @@ SECTIONS = ("up_values", "up_scales", "down_groups")
 
 class StoreError(ValueError):
     pass
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 # ---------------------------------------------------------------------------------------------- geometry
@@ -134,19 +131,17 @@ class BlockGeometry:
 
 
 def block_geometry(kind: str, L: int, I: int) -> BlockGeometry:
-    """Section offsets and sizes of one expert block (docs/block-layout.md)."""
+    """Section offsets and sizes of one expert block (docs/block-layout.md). The arithmetic lives once,
+    in `kernels.expert_block` (the lowest library, which the kernels read blocks with)."""
     if kind not in KINDS:
         raise ValueError(f"unknown block kind {kind!r} (known: {', '.join(KINDS)})")
     if L <= 0 or I <= 0 or L % GROUP or I % GROUP:
         raise ValueError(f"expert shape L={L}, I={I}: both must be positive multiples of {GROUP}")
-    num, den = _ELEM_BYTES[kind]
-    up_values = Section("up_values", 0, I * L * num // den)
-    up_scales = Section("up_scales", _round_up(up_values.end, SECTION_ALIGN),
-                        I * L // GROUP if kind == "nvfp4" else 0)
-    group_bytes = L * GROUP * num // den + (L if kind == "nvfp4" else 0)
-    down_groups = Section("down_groups", _round_up(up_scales.end, SECTION_ALIGN), (I // GROUP) * group_bytes)
-    block_bytes = down_groups.end
-    return BlockGeometry(kind, L, I, up_values, up_scales, down_groups, block_bytes, _round_up(block_bytes, PAGE_BYTES))
+    g = ExpertGeometry(L=L, I=I, fmt=kind)
+    up_values = Section("up_values", 0, g.up_values_bytes)
+    up_scales = Section("up_scales", g.up_scales_off, g.up_scales_bytes)
+    down_groups = Section("down_groups", g.down_off, g.n_groups * g.group_bytes)
+    return BlockGeometry(kind, L, I, up_values, up_scales, down_groups, g.block_bytes, g.block_stride)
 
 
 # ---------------------------------------------------------------------------------------------- packing

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 SECTION_ALIGN = 256
 BLOCK_ALIGN = 4096
@@ -80,12 +79,13 @@ class ExpertGeometry:
 SUPER = ExpertGeometry(L=1024, I=2688, fmt="nvfp4")
 
 
-def pack_expert_block(geom: ExpertGeometry, up_w, up_s, down_w, down_s) -> torch.Tensor:
+def pack_expert_block(geom: ExpertGeometry, up_w, up_s, down_w, down_s) -> "torch.Tensor":
     """Checkpoint tensors -> one block (U8 [block_stride]).
 
     NVFP4: up_w U8 [I, L/2], up_s e4m3 [I, L/16], down_w U8 [L, I/2], down_s e4m3 [L, I/16].
     FP8 / BF16: up_w [I, L], down_w [L, I] in the stored dtype; scales None.
     """
+    import torch   # lazily: the geometry above is pure arithmetic that torch-free processes import too
     L, I = geom.L, geom.I
     blk = torch.zeros(geom.block_stride, dtype=torch.uint8)
     raw = lambda t: t.contiguous().view(torch.uint8).reshape(-1)  # noqa: E731
@@ -106,11 +106,12 @@ def pack_expert_block(geom: ExpertGeometry, up_w, up_s, down_w, down_s) -> torch
     return blk
 
 
-def block_sections(geom: ExpertGeometry, blk: torch.Tensor):
+def block_sections(geom: ExpertGeometry, blk):
     """Views of one block's sections (no copies): (up_values, up_scales|None, down_values, down_scales|None).
 
     down_values [G, L, 8] U8 (NVFP4) or [G, L, 16] stored dtype; down_scales [G, L] e4m3.
     """
+    import torch
     L, I, G = geom.L, geom.I, geom.n_groups
     if geom.fmt == "nvfp4":
         up_v = blk[: geom.up_values_bytes].view(I, L // 2)

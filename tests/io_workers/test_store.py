@@ -29,7 +29,7 @@ def test_super_nvfp4_geometry_is_the_contract():
 def test_geometry_alignment(kind, L, I):
     g = st.block_geometry(kind, L, I)
     for s in g.sections():
-        assert s.offset % st.SECTION_ALIGN == 0
+        assert s.offset % 256 == 0   # docs/block-layout.md: sections start on 256-byte boundaries
     assert g.up_values.end <= g.up_scales.offset <= g.up_scales.end <= g.down_groups.offset
     assert g.block_bytes == g.down_groups.end and g.block_stride % st.PAGE_BYTES == 0
     assert 0 <= g.block_stride - g.block_bytes < st.PAGE_BYTES
