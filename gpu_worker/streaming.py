@@ -22,19 +22,49 @@ class Accounting:
     tokens: int = 0
     ms_waiting_for_disk: float = 0.0
     ms_experts: float = 0.0
-    ms_routing_msgs: float = 0.0
+    ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
+    ms_bookkeeping: float = 0.0          # lookup + the one message to the prefetcher
     expert_uses: int = 0
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0
     by_layer_hits: dict = field(default_factory=dict)
 
+    @property
+    def ms_routing_msgs(self) -> float:
+        """Router wait + bookkeeping together (the split is in the two fields above)."""
+        return self.ms_waiting_for_router + self.ms_bookkeeping
+
     def per_token(self) -> dict:
         n = max(self.tokens, 1)
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         return dict(tokens=self.tokens, ms_waiting_for_disk=self.ms_waiting_for_disk / n,
-                    ms_experts=self.ms_experts / n, ms_routing_msgs=self.ms_routing_msgs / n,
+                    ms_experts=self.ms_experts / n, ms_waiting_for_router=self.ms_waiting_for_router / n,
+                    ms_bookkeeping=self.ms_bookkeeping / n,
                     hit_rate=self.hits_at_lookup / looked, bytes_over_pcie=self.bytes_over_pcie / n)
+
+
+class RoutingRecorder:
+    """`--record-routing FILE`: one msgpack record per MoE layer per decoded token,
+    (moe_index, token, chosen experts, guess for this layer made one layer earlier, hits at lookup) —
+    what an offline cache simulation needs (bench/cache_sim.py, tools.synth stats)."""
+
+    def __init__(self, path):
+        import msgpack
+        self._f = open(path, "wb")
+        self._pack = msgpack.Packer()
+
+    def __call__(self, moe_index, token, experts, guess, hits):
+        self._f.write(self._pack.pack((moe_index, token, experts, guess, hits)))
+
+    def close(self):
+        self._f.close()
+
+
+def read_routing(path):
+    import msgpack
+    with open(path, "rb") as f:
+        yield from msgpack.Unpacker(f)
 
 
 class StreamingExperts:
@@ -54,7 +84,7 @@ class StreamingExperts:
         self.slab = slab
         self.slot_bytes = slab.shape[1]
         self.acct = Accounting()
-        self.record = record       # routing trace writer: callable(moe_index, position, experts, guess)
+        self.record = record       # routing trace: callable(moe_index, token, experts, guess, hits)
         self.trace = None
         self._cuda = self.device.type == "cuda"
 
@@ -76,17 +106,20 @@ class StreamingExperts:
         t0 = time.perf_counter()
         ex = experts.tolist()
         w_of = dict(zip(ex, weights.float().tolist()))
+        guess_list = [] if guess is None else guess.tolist()
+        tr = time.perf_counter()
         hits = self.client.lookup(j, ex)
-        self.client.request(j, ex, guess=[] if guess is None else guess.tolist())
+        self.client.request(j, ex, guess=guess_list)
         t1 = time.perf_counter()
         a = self.acct
         if j == 0:
             a.tokens += 1
         a.hits_at_lookup += len(hits)
         a.misses_at_lookup += len(ex) - len(hits)
-        a.ms_routing_msgs += (t1 - t0) * 1e3
+        a.ms_waiting_for_router += (tr - t0) * 1e3
+        a.ms_bookkeeping += (t1 - tr) * 1e3
         if self.record is not None:
-            self.record(j, ex, None if guess is None else guess.tolist(), list(hits))
+            self.record(j, a.tokens - 1, ex, guess_list, list(hits))
         acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
         # Pins are released as soon as an expert's contribution is computed: a cache smaller than the
         # layer's working set must still make progress.

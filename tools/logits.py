@@ -84,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--cache-mb", type=float, default=64.0, help="with --store: slab size in MiB")
     ap.add_argument("--io-workers", type=int, default=2, help="with --store: reader processes")
     ap.add_argument("--stats", action="store_true", help="with --store: print the cache counters")
+    ap.add_argument("--record-routing", metavar="FILE",
+                    help="with --store: write the decode routing trace (msgpack records) for offline simulation")
     a = ap.parse_args(argv)
     ids = read_ids(a.ids, a.ids_file)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
@@ -92,11 +94,17 @@ def main(argv=None):
     try:
         if a.store:
             from gpu_worker.engine import StreamingEngine
-            with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
-                                 io_workers=a.io_workers, device=a.device, dtype=dtype) as eng:
-                logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk)
-                if a.stats:
-                    print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
+            from gpu_worker.streaming import RoutingRecorder
+            rec = RoutingRecorder(a.record_routing) if a.record_routing else None
+            try:
+                with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
+                                     io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec) as eng:
+                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk)
+                    if a.stats:
+                        print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
+            finally:
+                if rec is not None:
+                    rec.close()
         else:
             model = NemotronH(a.model, device=a.device, dtype=dtype)
             logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk)

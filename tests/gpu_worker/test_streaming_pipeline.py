@@ -145,3 +145,25 @@ def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, m
         assert kept >= 0.9
     else:
         assert kept < 0.9
+
+
+def test_record_routing_trace(tiny, tmp_path):
+    """`--record-routing`: one record per MoE layer per decoded token, with the chosen experts and the guess."""
+    from gpu_worker.streaming import read_routing
+    from tools import logits as logits_tool
+    model_dir, store = tiny
+    trace = tmp_path / "routing.msgpack"
+    rc = logits_tool.main(["--model", str(model_dir), "--store", str(store), "--cache-mb", "0.2",
+                           "--ids", "20,21,22,23,24", "--decode", "3", "--out", str(tmp_path / "o.npz"),
+                           "--record-routing", str(trace)])
+    assert rc == 0
+    recs = list(read_routing(trace))
+    from nemotron.config import NemotronHConfig
+    cfg = NemotronHConfig.from_dir(model_dir)
+    n_moe = len(cfg.moe_layers)
+    assert len(recs) == 3 * n_moe
+    assert [r[0] for r in recs] == list(range(n_moe)) * 3
+    assert [r[1] for r in recs] == [t for t in range(3) for _ in range(n_moe)]
+    for j, tok, experts, guess, hits in recs:
+        assert len(experts) == cfg.num_experts_per_tok == len(guess)
+        assert set(hits) <= set(experts)
