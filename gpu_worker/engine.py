@@ -12,6 +12,7 @@ import torch
 from cache_shm.cuda_map import register_slab, slab_tensor
 from cache_shm.supervisor import Supervisor
 from gpu_worker.streaming import StreamingExperts
+from gpu_worker.vram_tier import VramTier, vram_tier_slots
 from io_workers.store import ExpertStore, StoreError
 from nemotron.checkpoint import Checkpoint
 from nemotron.model import NemotronH
@@ -20,7 +21,9 @@ from nemotron.model import NemotronH
 class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
-                 record=None):
+                 record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20):
+        """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
+        for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier."""
         store_dir = Path(store_dir)
         dense = Checkpoint(store_dir)
         if model_dir is not None:
@@ -37,9 +40,21 @@ class StreamingEngine:
             self.reg = register_slab(client.shm, device="cuda" if str(device).startswith("cuda") else "cpu")
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
             self.model = NemotronH(dense, device=device, dtype=dtype, experts=self.experts)
+            if vram_bytes is not None:
+                self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device)
         except BaseException:
             self.close()
             raise
+
+    def _vram_tier(self, budget: int, reserve: int, device) -> VramTier:
+        cuda = str(device).startswith("cuda")
+        used = torch.cuda.memory_allocated(device) if cuda else self.model.dense_nbytes()
+        if used + reserve > budget:
+            raise ValueError(f"--vram-gb {budget / 2**30:.2f} is too small: the dense part takes "
+                             f"{used / 2**30:.2f} GiB and {reserve / 2**30:.2f} GiB is kept for activations "
+                             f"and KV caches; raise --vram-gb to at least {(used + reserve) / 2**30:.2f}")
+        n = vram_tier_slots(budget, used, self.store.block_stride, reserve)
+        return VramTier(n, self.store.block_stride, self.store.block_bytes, device)
 
     @property
     def accounting(self):

@@ -14,12 +14,17 @@ from gpu_worker.sampling import Sampler, SamplingParams
 class Step:
     token: int
     finish_reason: str | None = None   # 'stop' | 'length' on the last step
+    logprob: float | None = None       # with logprobs=: the token's log-probability under the raw model
+    top_logprobs: list | None = None   # with logprobs=k > 0: [(token, logprob)] of the k most likely
 
 
 def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, prefill_chunk: int = 512,
-             cancel: threading.Event | None = None) -> Iterator[Step]:
+             cancel: threading.Event | None = None, logprobs: int | None = None) -> Iterator[Step]:
     """Yields tokens as they are chosen. `state` (an InferenceState that already holds a prefix) is advanced
-    in place; a stop token ends generation and is yielded with finish_reason 'stop'."""
+    in place; a stop token ends generation and is yielded with finish_reason 'stop'. The last yielded token
+    is never fed to the model, so afterwards `state.position` tokens of prompt + output are in the state.
+    `logprobs` (None = off, k >= 0) adds each token's log-probability and the k most likely alternatives,
+    from the raw logits (before temperature and truncation), as OpenAI and vLLM report them."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     state = model.new_state() if state is None else state
@@ -30,13 +35,25 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
             return
         logits = model.forward(prompt_ids[s:s + prefill_chunk], state, last_only=True)
     stops = set(params.stop_token_ids)
+    banned = torch.tensor(sorted(t for t in stops if 0 <= t < logits.shape[-1]), dtype=torch.long)
     for i in range(params.max_tokens):
-        tok = sampler(logits[-1])
+        row = logits[-1]
+        if i < params.min_tokens and banned.numel():
+            row = row.clone()
+            row[banned.to(row.device)] = float("-inf")
+        tok = sampler(row)
+        lp = top = None
+        if logprobs is not None:
+            lsm = torch.log_softmax(logits[-1].float(), -1).cpu()
+            lp = float(lsm[tok])
+            if logprobs > 0:
+                v, ix = lsm.topk(min(logprobs, lsm.numel()))
+                top = list(zip(ix.tolist(), v.tolist()))
         if tok in stops:
-            yield Step(tok, "stop")
+            yield Step(tok, "stop", lp, top)
             return
         last = i == params.max_tokens - 1
-        yield Step(tok, "length" if last else None)
+        yield Step(tok, "length" if last else None, lp, top)
         if last:
             return
         if cancel is not None and cancel.is_set():

@@ -14,6 +14,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0              # stop tokens cannot be chosen before this many tokens
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -24,6 +25,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
 
 
 class Sampler:

@@ -28,6 +28,8 @@ class Accounting:
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0
+    vram_hits: int = 0
+    bytes_from_vram: int = 0
     by_layer_hits: dict = field(default_factory=dict)
 
     @property
@@ -38,7 +40,9 @@ class Accounting:
     def per_token(self) -> dict:
         n = max(self.tokens, 1)
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
-        return dict(tokens=self.tokens, ms_waiting_for_disk=self.ms_waiting_for_disk / n,
+        uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
+        return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses,
+                    bytes_from_vram=self.bytes_from_vram / n, ms_waiting_for_disk=self.ms_waiting_for_disk / n,
                     ms_experts=self.ms_experts / n, ms_waiting_for_router=self.ms_waiting_for_router / n,
                     ms_bookkeeping=self.ms_bookkeeping / n,
                     hit_rate=self.hits_at_lookup / looked, bytes_over_pcie=self.bytes_over_pcie / n)
@@ -70,7 +74,7 @@ def read_routing(path):
 class StreamingExperts:
     wants_guess = True
 
-    def __init__(self, store, client, device, slab=None, record=None):
+    def __init__(self, store, client, device, slab=None, record=None, vram=None):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
         g = store.geometry
@@ -84,6 +88,8 @@ class StreamingExperts:
         self.slab = slab
         self.slot_bytes = slab.shape[1]
         self.acct = Accounting()
+        self.vram = vram           # a VramTier, or None
+        self.n_moe = len(store.moe_layers)
         self.record = record       # routing trace: callable(moe_index, token, experts, guess, hits)
         self.trace = None
         self._cuda = self.device.type == "cuda"
@@ -108,48 +114,84 @@ class StreamingExperts:
         w_of = dict(zip(ex, weights.float().tolist()))
         guess_list = [] if guess is None else guess.tolist()
         tr = time.perf_counter()
-        hits = self.client.lookup(j, ex)
-        self.client.request(j, ex, guess=guess_list)
+        vt = self.vram
+        on_dev = vt.lookup(j, ex) if vt is not None else {}
+        rest = [e for e in ex if e not in on_dev]
+        if vt is not None:       # experts the next layer will find on the device need no prefetch
+            nj = (j + 1) % self.n_moe
+            guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
+        hits = self.client.lookup(j, rest)
+        self.client.request(j, rest, guess=guess_list)
         t1 = time.perf_counter()
         a = self.acct
         if j == 0:
             a.tokens += 1
+        a.vram_hits += len(on_dev)
         a.hits_at_lookup += len(hits)
-        a.misses_at_lookup += len(ex) - len(hits)
+        a.misses_at_lookup += len(rest) - len(hits)
         a.ms_waiting_for_router += (tr - t0) * 1e3
         a.ms_bookkeeping += (t1 - tr) * 1e3
         if self.record is not None:
-            self.record(j, a.tokens - 1, ex, guess_list, list(hits))
+            self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
         acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
-        # Pins are released as soon as an expert's contribution is computed: a cache smaller than the
-        # layer's working set must still make progress.
+        if on_dev:
+            self._run(x, list(on_dev), self._vram_blocks(list(on_dev.values())), w_of, j, acc)
+            a.bytes_from_vram += len(on_dev) * self.geom.block_bytes
+        held = []      # slab pins kept until the device copy into the VRAM tier has completed
+        # Other pins are released as soon as an expert's contribution is computed: a cache smaller than
+        # the layer's working set must still make progress.
         try:
             if hits:
-                self._run(x, list(hits), list(hits.values()), w_of, j, acc)
+                self._run(x, list(hits), self._blocks(list(hits.values())), w_of, j, acc, pcie=True)
+                held += self._admit(j, hits.items())
         finally:
-            self.client.release(list(hits.values()))
-        misses = [e for e in ex if e not in hits]
+            self.client.release([s for s in hits.values() if s not in held])
+        misses = [e for e in rest if e not in hits]
         if misses:
             tw = time.perf_counter()
             waited = 0.0
             for e, s in self.client.wait_any(j, misses):
                 waited += time.perf_counter() - tw
+                kept = []
                 try:
-                    self._run(x, [e], [s], w_of, j, acc)
+                    self._run(x, [e], self._blocks([s]), w_of, j, acc, pcie=True)
+                    kept = self._admit(j, [(e, s)])
+                    held += kept
                 finally:
-                    self.client.release(s)
+                    if not kept:
+                        self.client.release(s)
                 tw = time.perf_counter()
             a.ms_waiting_for_disk += waited * 1e3
+        if held:
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            self.client.release(held)
         a.expert_uses += len(ex)
         a.ms_experts += (time.perf_counter() - t1) * 1e3
         return acc[None]
 
-    def _run(self, x, experts, slots, w_of, j, acc):
+    def _admit(self, j, landed) -> list[int]:
+        """Copy experts that earned a place into the VRAM tier; returns the slab slots to keep pinned."""
+        vt = self.vram
+        if vt is None:
+            return []
+        kept = []
+        for e, s in landed:
+            if vt.want(j, e):
+                vt.admit(j, e, self.slab[s, :self.geom.block_bytes])
+                kept.append(s)
+        return kept
+
+    def _vram_blocks(self, vslots: list[int]):
+        if self._cuda:
+            return torch.tensor([self.vram.address(v) for v in vslots], dtype=torch.int64, device=self.device)
+        return [self.vram.block(v) for v in vslots]
+
+    def _run(self, x, experts, blocks, w_of, j, acc, pcie=False):
         idx = torch.tensor(experts, dtype=torch.long, device=self.device)
         w = torch.tensor([w_of[e] for e in experts], dtype=torch.float32, device=self.device)
-        blocks = self._blocks(slots)
         moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w, acc)
-        if self._cuda:
+        if pcie and self._cuda:
             self.acct.bytes_over_pcie += len(experts) * self.geom.up_bytes   # down: only active groups (not counted)
 
     def _prefill(self, j, x, experts, weights):

@@ -69,6 +69,31 @@ class NemotronH:
         else:
             self.ckpt.get("lm_head.weight")  # raises the clear missing-tensor error
 
+    def dense_nbytes(self) -> int:
+        """Bytes of every weight this object holds on its device (routed experts excluded)."""
+        from kernels.linear import QuantizedWeight
+        from nemotron.moe import Router
+        seen, total = set(), 0
+
+        def add(v):
+            nonlocal total
+            if isinstance(v, torch.Tensor) and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+            elif isinstance(v, QuantizedWeight):
+                for t in (v.weight, v.weight_scale, v.weight_scale_2):
+                    if t is not None:
+                        add(t)
+            elif isinstance(v, Router):
+                add(v.weight)
+                add(v.bias)
+
+        for obj in [self, *self.mixers]:
+            for v in vars(obj).values():
+                for item in (v if isinstance(v, list) else [v]):
+                    add(item)
+        return total
+
     def set_trace(self, fn):
         """fn(event, **data) is called with 'route' (per MoE layer) and 'relu2' (zero counts) events."""
         for m in self.mixers:

@@ -167,3 +167,31 @@ def test_record_routing_trace(tiny, tmp_path):
     for j, tok, experts, guess, hits in recs:
         assert len(experts) == cfg.num_experts_per_tok == len(guess)
         assert set(hits) <= set(experts)
+
+
+def test_vram_tier_serves_hot_experts_and_keeps_output(tiny):
+    """A device budget beyond the dense part becomes a tier of hot experts: same tokens, fewer slab reads."""
+    model_dir, store = tiny
+    ids = prompt(10, seed=6)
+    ref = NemotronH(model_dir)
+    r_greedy = [s.token for s in generate(ref, ids, SamplingParams(max_tokens=N_DECODE))]
+    dense = ref.dense_nbytes()
+    from io_workers.store import ExpertStore
+    stride = ExpertStore.open(store).block_stride
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2,
+                         vram_bytes=dense + 24 * stride, vram_reserve_bytes=0) as eng:
+        out = [s.token for s in generate(eng.model, ids, SamplingParams(max_tokens=N_DECODE))]
+        vt = eng.experts.vram
+        acct = eng.accounting.per_token()
+    assert vt.n_slots == 24
+    assert out == r_greedy
+    assert vt.admissions > 0 and vt.hits > 0 and acct["vram_hit_rate"] > 0
+    assert len(vt.slot_of) <= 24
+
+
+def test_vram_budget_below_dense_part_is_a_clear_error(tiny):
+    model_dir, store = tiny
+    before = set(leftovers("/moestream-"))
+    with pytest.raises(ValueError, match="--vram-gb .* too small: the dense part takes"):
+        StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2, vram_bytes=1024)
+    assert set(leftovers("/moestream-")) <= before, "a failed start left shared memory behind"
