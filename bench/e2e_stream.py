@@ -105,7 +105,7 @@ def decode_run(eng, prompts, n_tokens, device):
         logits = m.forward(p, st, last_only=True)
         tok = int(logits[-1].argmax())
         s0 = eng.cache_stats()
-        h0, l0 = acct.hits_at_lookup, acct.hits_at_lookup + acct.misses_at_lookup
+        h0, l0 = acct.hits_at_lookup + acct.vram_hits, acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits
         w0 = acct.ms_waiting_for_disk
         sync(device)
         t = time.perf_counter()
@@ -115,8 +115,8 @@ def decode_run(eng, prompts, n_tokens, device):
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         s1 = eng.cache_stats()
         disk_bytes += s1["io_bytes_read"] - s0["io_bytes_read"]
-        hits += acct.hits_at_lookup - h0
-        looked += acct.hits_at_lookup + acct.misses_at_lookup - l0
+        hits += acct.hits_at_lookup + acct.vram_hits - h0
+        looked += acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits - l0
         waits += acct.ms_waiting_for_disk - w0
     n = n_tokens * len(prompts)
     return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms],
@@ -136,7 +136,9 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=2000)
     ap.add_argument("--io-workers", type=int, default=8)
     ap.add_argument("--out", default="e2e_stream.json")
-    ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill")
+    ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill,vram")
+    ap.add_argument("--vram-gb", type=float, default=0.0,
+                    help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
     a = ap.parse_args(argv)
     from gpu_worker.engine import StreamingEngine
     from io_workers.store import ExpertStore
@@ -172,21 +174,24 @@ def main(argv=None):
         r = np.random.default_rng(seed)
         return [[int(t) for t in r.integers(14, vocab, size=24)] for _ in range(a.prompts)]
 
-    def regime(name, cache_bytes, seed):
+    def regime(name, cache_bytes, seed, **kw):
         t = time.time()
         with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
-                             dtype=dtype) as eng:
+                             dtype=dtype, **kw) as eng:
             res[f"s_load_{name}"] = time.time() - t
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             res["dense_bytes_per_token"] = dense_bytes
-            if name == "ram":   # warm: one pass over every expert (demand reads of everything)
+            if name in ("ram", "vram"):   # warm: one pass over every expert (demand reads of everything)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
                     eng.sup.client().request(j, ex)
                     for e, s in eng.sup.client().wait_any(j, ex, timeout=600):
                         eng.sup.client().release(s)
             decode_run(eng, prompts(seed + 100)[:1], 4, a.device)          # warm-up, other prompts
+            if name == "vram":     # fill the tier: every expert used once lands on the device
+                decode_run(eng, prompts(seed + 200), a.tokens, a.device)
+                res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
             if name == "disk" and "prefill" not in skip:
                 ids = [int(t) for t in rng.integers(14, vocab, size=a.prefill_tokens)]
@@ -206,6 +211,8 @@ def main(argv=None):
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
     if "disk" not in skip:
         regime("disk", all_bytes // 3, 2)
+    if a.vram_gb and "vram" not in skip:
+        regime("vram", int(all_bytes * 1.02) + (8 << 20), 1, vram_bytes=int(a.vram_gb * 2**30), vram_admit_after=1)
 
     # floors
     up_b = store.geometry.sections()[0].nbytes + store.geometry.sections()[1].nbytes
@@ -232,6 +239,12 @@ def main(argv=None):
                      r["disk_bytes_per_token"] / 1e6, uses * up_b / 1e6, floor,
                      r["ms_per_token"] / floor if floor else float("nan")))
         res["disk_floor_ms"] = floor
+    if "vram" in res:
+        r = res["vram"]
+        vb = uses * (up_b + down_b)      # read from HBM at most
+        floor = max(vb / (d2d / 2 * 1e9) * 1e3, 0) + dense_ms
+        rows.append(("vram", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0, 0.0, floor,
+                     r["ms_per_token"] / floor if floor else float("nan")))
     if "prefill_s" in res:
         floor = res["prefill_disk_bytes"] / (res["odirect_gbps"] * 1e9)
         res["prefill_floor_s"] = floor

@@ -15,7 +15,7 @@ IDS=$(python3 -c 'import random; random.seed(1); print(",".join(str(random.randr
   python3 -m tools.synth --preset tiny --quant nvfp4 --out $W/tiny >/dev/null 2>&1
   python3 -m tools.repack --model $W/tiny --out $W/tinystore --no-progress >/dev/null 2>&1
   python3 -m tools.logits --model $W/tiny --ids $IDS --decode 16 --out $W/cpu.npz
-  python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu.npz --stats
+  python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu.npz --stats ${VRAM_GB:+--vram-gb $VRAM_GB}
   python3 - <<'PY'
 import numpy as np, torch
 a, b = np.load("/tmp/w/cpu.npz"), np.load("/tmp/w/gpu.npz")
@@ -26,5 +26,5 @@ print(f"GPU streaming (bf16) vs CPU engine (fp32), tiny nvfp4: mean KL {kl:.2e},
 PY
 } > "$OUT/check.txt" 2>&1
 tail -3 "$OUT/check.txt"
-timeout ${E2E_TIMEOUT:-400} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+timeout ${E2E_TIMEOUT:-400} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E_ARGS:-} \
   --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v "^\s*$" | tail -25

@@ -21,7 +21,8 @@ from nemotron.model import NemotronH
 class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
-                 record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20):
+                 record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
+                 vram_admit_after: int = 2):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
         for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier."""
         store_dir = Path(store_dir)
@@ -41,12 +42,12 @@ class StreamingEngine:
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
             self.model = NemotronH(dense, device=device, dtype=dtype, experts=self.experts)
             if vram_bytes is not None:
-                self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device)
+                self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device, vram_admit_after)
         except BaseException:
             self.close()
             raise
 
-    def _vram_tier(self, budget: int, reserve: int, device) -> VramTier:
+    def _vram_tier(self, budget: int, reserve: int, device, admit_after: int) -> VramTier:
         cuda = str(device).startswith("cuda")
         used = torch.cuda.memory_allocated(device) if cuda else self.model.dense_nbytes()
         if used + reserve > budget:
@@ -54,7 +55,7 @@ class StreamingEngine:
                              f"{used / 2**30:.2f} GiB and {reserve / 2**30:.2f} GiB is kept for activations "
                              f"and KV caches; raise --vram-gb to at least {(used + reserve) / 2**30:.2f}")
         n = vram_tier_slots(budget, used, self.store.block_stride, reserve)
-        return VramTier(n, self.store.block_stride, self.store.block_bytes, device)
+        return VramTier(n, self.store.block_stride, self.store.block_bytes, device, admit_after)
 
     @property
     def accounting(self):

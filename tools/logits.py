@@ -84,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--cache-mb", type=float, default=64.0, help="with --store: slab size in MiB")
     ap.add_argument("--io-workers", type=int, default=2, help="with --store: reader processes")
     ap.add_argument("--stats", action="store_true", help="with --store: print the cache counters")
+    ap.add_argument("--vram-gb", type=float, help="with --store: device budget; what the dense part leaves "
+                    "(less a reserve) becomes a VRAM tier of hot experts")
     ap.add_argument("--record-routing", metavar="FILE",
                     help="with --store: write the decode routing trace (msgpack records) for offline simulation")
     a = ap.parse_args(argv)
@@ -98,7 +100,8 @@ def main(argv=None):
             rec = RoutingRecorder(a.record_routing) if a.record_routing else None
             try:
                 with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
-                                     io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec) as eng:
+                                     io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec,
+                                     vram_bytes=int(a.vram_gb * 2**30) if a.vram_gb else None) as eng:
                     logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk)
                     if a.stats:
                         print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
