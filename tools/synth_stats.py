@@ -10,7 +10,6 @@ relu^2 experts, shared expert on the normalized input). Experts are dequantized 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
+from tools.synth_weights import lru_hit_rate
 
 
 class Weights:
@@ -179,20 +179,6 @@ def forward(W: Weights, ids: list[int], recs: dict | None = None) -> torch.Tenso
     return rms_norm(x, W.param("backbone.norm_f.weight"), eps) @ W.linear("lm_head").T
 
 
-def lru_hit_rate(trace: list, capacity: int) -> float:
-    cache: OrderedDict = OrderedDict()
-    hits = n = 0
-    for sel in trace:
-        for e in sel:
-            n += 1
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits / max(n, 1)
 
 
 def make_prompts(model_dir, n_prompts: int, seq_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

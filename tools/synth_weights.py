@@ -186,7 +186,8 @@ def linear_meta(prefix: str, spec: LinearSpec, fmt: str, vector_scalars: bool, d
 
 # ---------------------------------------------------------------- routing calibration
 
-def _lru_hit_rate(trace: list, capacity: int) -> float:
+def lru_hit_rate(trace: list, capacity: int) -> float:
+    """Hit rate of an LRU of `capacity` experts over a routing trace (a list of per-token selections)."""
     from collections import OrderedDict
     cache: OrderedDict = OrderedDict()
     hits = total = 0
@@ -234,7 +235,7 @@ def routing_strength(n_experts: int, top_k: int, target_hit: float, logit_std: f
             keep = torch.zeros_like(gs).scatter_(1, gs.topk(topk_group, dim=-1).indices, 1.0).bool()
             sc = sc.masked_fill(~keep.repeat_interleave(n_experts // n_group, dim=1), float("-inf"))
         idx = torch.topk(sc, top_k, dim=-1).indices.tolist()
-        h = _lru_hit_rate(idx, max(1, n_experts // 4))
+        h = lru_hit_rate(idx, max(1, n_experts // 4))
         lo, hi = (x, hi) if h < target_hit else (lo, x)
     _skew_cache[key] = (lo + hi) / 2
     return _skew_cache[key]
