@@ -1,18 +1,39 @@
-"""moestream launcher.
+"""moestream launcher: the OpenAI-compatible server of a NemotronH MoE model whose routed experts stream from
+NVMe through a shared-memory RAM cache.
 
-Until the server and the streaming pipeline land (issues 6 and 7), this runs the model in one process:
-with `--model DIR` a NemotronH checkpoint in the HuggingFace layout, without it a tiny synthetic demo model
-(random weights, written once under the user's cache directory) so that the command works on any machine.
+    python launcher.py                                  # the tiny synthetic demo model (random weights)
+    python launcher.py --model DIR --cache-gb 20        # a checkpoint (repacked once into DIR.moestream-store)
+    python launcher.py --store STORE --cache-gb 20      # an expert store made by `python -m tools.repack`
+
+This process runs the HTTP API (FastAPI + uvicorn) and supervises the compute process (`gpu_worker.worker`),
+which owns the engine and the cache processes. It checks RAM, /dev/shm and VRAM against the flags before it
+starts anything; /health answers 503 while the model loads and 200 when it serves. SIGTERM or Ctrl-C drains
+(in-flight and queued requests finish, up to --shutdown-timeout), stops every child and unlinks every
+shared-memory object; a second signal exits at once. Under systemd (Type=notify) it reports READY, STATUS,
+STOPPING and EXTEND_TIMEOUT_USEC.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
-import time
 from pathlib import Path
 
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parent
 
+
+def log(msg: str) -> None:
+    print(f"moestream: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the model
 def demo_model_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moestream"
     return cache / "demo-tiny-nvfp4"
@@ -22,63 +43,297 @@ def ensure_demo_model() -> Path:
     out = demo_model_dir()
     if not (out / "config.json").exists():
         from tools.synth import synthesize
-        print(f"writing a tiny synthetic demo model to {out} (once)", file=sys.stderr)
+        log(f"writing a tiny synthetic demo model to {out} (once)")
         tmp = out.with_name(out.name + ".partial")
+        if tmp.exists():
+            shutil.rmtree(tmp)
         synthesize(tmp, preset="tiny", quant="nvfp4", seed=0)
         tmp.rename(out)
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint directory (default: the synthetic demo model)")
-    ap.add_argument("--prompt", default="The quick brown fox")
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
-    a = ap.parse_args(argv)
+def store_is_complete(store: Path) -> bool:
+    return (store / "manifest.json").exists()
 
-    import torch
-    from tokenizers import Tokenizer
 
-    from gpu_worker.generate import generate
-    from gpu_worker.sampling import SamplingParams
-    from nemotron.checkpoint import CheckpointError
-    from nemotron.config import ConfigError
-    from nemotron.model import NemotronH
+def sizes(model: Path | None, store: Path) -> tuple[int, int, int]:
+    """(dense bytes, routed-expert bytes as stored, block stride) from the store, else from the checkpoint."""
+    if store_is_complete(store):
+        from io_workers.store import ExpertStore
+        st = ExpertStore.open(store)
+        dense = sum(p.stat().st_size for p in st.dense_files if p.exists())
+        n_blocks = len(st.moe_layers) * st.n_experts
+        return dense, n_blocks * st.block_stride, st.block_stride
+    from tools.repack import make_plan
+    plan = make_plan(model)
+    dense = sum(plan.infos[n].nbytes for n in plan.dense_names)
+    return dense, plan.experts_bytes, plan.geometry.block_stride
 
-    if a.model:
-        model_dir = Path(a.model)
-    else:
-        model_dir = ensure_demo_model()
-        print("note: no --model given; serving the synthetic demo model. Its weights are random, "
-              "so its text is gibberish by design.", file=sys.stderr)
-    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+
+# ------------------------------------------------------------------------------------------------ checks
+def mem_available() -> int | None:
     try:
-        model = NemotronH(model_dir, device=a.device, dtype=dtype)
-    except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def free_vram(device: str) -> int | None:
+    """Free bytes on the GPU, from nvidia-smi (querying through torch would hold a CUDA context in this process
+    for its whole life, which costs VRAM the model needs)."""
+    index = device.split(":", 1)[1] if ":" in device else "0"
+    try:
+        r = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)
+        return int(r.stdout.strip().splitlines()[0]) << 20 if r.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def preflight(a, cache_bytes: int, dense_bytes: int, snapshot_bytes: int) -> list[str]:
+    """What stands in the way of starting with these flags, each with what to change."""
+    problems = []
+    gb = lambda n: f"{n / GiB:.2f} GiB"   # noqa: E731
+    try:
+        shm_free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        shm_free = None
+    if shm_free is not None and cache_bytes + (64 << 20) > shm_free:
+        problems.append(f"--cache-gb {a.cache_gb:g} needs {gb(cache_bytes)} in /dev/shm, which has {gb(shm_free)} free: "
+                        f"lower --cache-gb to at most {max(shm_free - (64 << 20), 0) / GiB:.1f}, or enlarge /dev/shm "
+                        f"(`mount -o remount,size=40G /dev/shm`; in Docker `--shm-size`)")
+    avail = mem_available()
+    host_dense = dense_bytes if a.device == "cpu" else 0
+    need = cache_bytes + host_dense + (512 << 20)
+    if avail is not None and need > avail:
+        what = f"the cache ({gb(cache_bytes)})" + (f" + the dense weights on the CPU ({gb(host_dense)})" if host_dense
+                                                   else "") + " + 0.5 GiB"
+        problems.append(f"RAM: {what} need {gb(need)}, but {gb(avail)} is available: lower --cache-gb to at most "
+                        f"{max(avail - host_dense - (512 << 20), 0) / GiB:.1f}")
+    elif avail is not None and need + snapshot_bytes > avail:
+        log(f"warning: with the snapshot budget (--snapshot-ram-gb {a.snapshot_ram_gb:g}) RAM could run short "
+            f"({gb(need + snapshot_bytes)} of {gb(avail)} available); lower --snapshot-ram-gb if it does")
+    if a.device.startswith("cuda"):
+        free = free_vram(a.device)
+        budget = int(a.vram_gb * GiB) if a.vram_gb else free
+        if budget is not None and free is not None:
+            budget = min(budget, free)
+        if a.vram_gb and free is not None and int(a.vram_gb * GiB) > free:
+            problems.append(f"--vram-gb {a.vram_gb:g}: the GPU has only {gb(free)} free: lower --vram-gb or free the "
+                            f"GPU")
+        if budget is not None and dense_bytes + (256 << 20) > budget:
+            problems.append(f"VRAM: the dense part of the model needs {gb(dense_bytes)} (+0.25 GiB of state) but the "
+                            f"budget is {gb(budget)}" + (" (--vram-gb, and free on the GPU)" if a.vram_gb else
+                                                         " (free on the GPU)") +
+                            ": use a GPU with more memory, or --device cpu")
+        if free is None:
+            log("note: nvidia-smi did not answer; VRAM not checked")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python launcher.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (HuggingFace layout); default: the synthetic demo model")
+    ap.add_argument("--store", help="expert store directory (default: MODEL.moestream-store, made on first start)")
+    ap.add_argument("--cache-gb", type=float, default=4.0,
+                    help="RAM cache of expert blocks in /dev/shm, GiB (fractions allowed; capped at the store size)")
+    ap.add_argument("--vram-gb", type=float, default=None, help="GPU memory budget, GiB (default: what is free)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                    help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU)")
+    ap.add_argument("--io-workers", type=int, default=4, help="IO worker processes reading expert blocks")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads in the compute process (0: default)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require this bearer key on /v1/* and /tokenize, /detokenize "
+                                                    "(default: $MOESTREAM_API_KEY; unset: no key)")
+    ap.add_argument("--served-model-name", default=None, help="the model id in the API (default: the directory name)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    ap.add_argument("--default-chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+                    help="chat template variables for requests that do not set them, e.g. '{\"enable_thinking\": "
+                         "false}' (default: none; the demo model: thinking off, so its text shows as content)")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
+    ap.add_argument("--snapshot-dir", default=None, help="keep conversation snapshots on disk here too (reloaded at "
+                                                         "start)")
+    ap.add_argument("--snapshot-ram-gb", type=float, default=2.0, help="RAM budget of conversation snapshots, GiB")
+    ap.add_argument("--snapshots", type=int, default=32, help="most snapshots kept in RAM")
+    ap.add_argument("--snapshot-disk-count", type=int, default=64, help="most snapshots kept on disk")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds a signal waits for in-flight and queued requests before aborting them")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.api_key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
+    demo = not a.model and not a.store
+    model = Path(a.model) if a.model else (ensure_demo_model() if demo else None)
+    if demo:
+        log("note: no --model given; serving a tiny synthetic demo model. Its weights are RANDOM, so its text is "
+            "gibberish by design. Give --model DIR to serve a real checkpoint.")
+        if a.default_chat_template_kwargs is None:
+            a.default_chat_template_kwargs = {"enable_thinking": False}   # random weights never close <think>
+    store = Path(a.store) if a.store else Path(str(model).rstrip("/") + ".moestream-store")
+    if model is not None and not (model / "config.json").exists():
+        log(f"error: {model} is not a checkpoint directory (no config.json)")
         return 2
-    tok_path = model_dir / "tokenizer.json"
-    if not tok_path.exists():
-        print(f"error: {tok_path} is missing: the checkpoint carries no tokenizer", file=sys.stderr)
+    if model is None and not store_is_complete(store):
+        log(f"error: {store} is not a complete expert store (no manifest.json); give --model to make one")
         return 2
-    tok = Tokenizer.from_file(str(tok_path))
-    ids = tok.encode(a.prompt).ids
-    params = SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=a.max_tokens,
-                            stop_token_ids=tuple(model.config.eos_token_ids))
-    t0 = time.perf_counter()
-    out = []
-    sys.stdout.write(a.prompt)
-    for step in generate(model, ids, params):
-        out.append(step.token)
-        sys.stdout.write(tok.decode([step.token], skip_special_tokens=False))
-        sys.stdout.flush()
-    dt = time.perf_counter() - t0
-    print(f"\n[{len(ids)} prompt tokens, {len(out)} generated in {dt:.2f} s: {len(out) / dt:.1f} tokens/s "
-          f"on {a.device}]", file=sys.stderr)
-    return 0
+    if a.device == "auto":
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.dtype == "auto":
+        a.dtype = "fp32" if a.device == "cpu" else "bf16"
+    try:
+        dense_bytes, expert_bytes, stride = sizes(model, store)
+    except Exception as e:
+        log(f"error: cannot read the model: {type(e).__name__}: {e}")
+        return 2
+    cache_bytes = min(int(a.cache_gb * GiB), expert_bytes)
+    if cache_bytes < stride:
+        log(f"error: --cache-gb {a.cache_gb:g} holds no expert block ({stride:,} bytes each): raise it")
+        return 2
+    snapshot_bytes = int(a.snapshot_ram_gb * GiB)
+    problems = preflight(a, cache_bytes, dense_bytes, snapshot_bytes)
+    if problems:
+        for p in problems:
+            log(f"error: {p}")
+        return 2
+    try:
+        return asyncio.run(serve(a, model, store, cache_bytes, snapshot_bytes))
+    except KeyboardInterrupt:
+        return 130
+
+
+def make_server(config):
+    """uvicorn.Server without its own signal handling: the launcher drains and stops in its own order."""
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return NoSignalServer(config)
+
+
+async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_bytes: int) -> int:
+    import uvicorn
+
+    from server.app import ServerSettings, ServerState, create_app
+    from server.sdnotify import notify
+    from server.worker_client import WorkerClient, WorkerConfig
+
+    loop = asyncio.get_running_loop()
+    meta_dir = model if model is not None else store
+    client = WorkerClient(WorkerConfig(
+        store=str(store), model=str(model) if model is not None else None, cache_bytes=cache_bytes,
+        io_workers=a.io_workers, device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, threads=a.threads,
+        snapshot_dir=a.snapshot_dir, snapshot_count=a.snapshots, snapshot_ram_bytes=snapshot_bytes,
+        snapshot_disk_count=a.snapshot_disk_count,
+        vram_bytes=int(a.vram_gb * GiB) if a.vram_gb else None), max_queue=a.max_queue, log=log)
+    client.on_status = lambda s: notify(f"STATUS={s}")
+    name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
+    state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),
+                                       max_model_len=a.max_model_len, api_key=a.api_key,
+                                       chat_template_kwargs=a.default_chat_template_kwargs or {}), client)
+    server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
+                                    timeout_graceful_shutdown=5, lifespan="off"))
+    stop = asyncio.Event()
+    signals = []
+    exit_code = [0]
+    repack_proc = [None]
+
+    def on_signal(sig):
+        signals.append(sig)
+        if len(signals) == 1:
+            log(f"{signal.Signals(sig).name}: draining (up to {a.shutdown_timeout:g} s); a second signal exits at once")
+            stop.set()
+        else:
+            log("second signal: exiting at once")
+            client.kill_now()
+            if repack_proc[0] is not None and repack_proc[0].returncode is None:
+                repack_proc[0].kill()
+            os._exit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    serve_task = asyncio.create_task(server.serve())
+    while not server.started:
+        if serve_task.done() or stop.is_set():
+            log(f"error: could not serve on {a.host}:{a.port}")
+            return 1
+        await asyncio.sleep(0.02)
+    log(f"listening on http://{a.host}:{a.port} (loading; /health answers 503 until the model is ready)")
+
+    async def keep_extending():
+        while True:     # systemd's start timeout: each message buys 60 more seconds while we load
+            notify("EXTEND_TIMEOUT_USEC=60000000")
+            await asyncio.sleep(15)
+
+    async def load():
+        ext = asyncio.create_task(keep_extending())
+        try:
+            tok = asyncio.create_task(asyncio.to_thread(state.load_tokenizer))
+            if not store_is_complete(store):
+                notify(f"STATUS=repacking {model} into {store}")
+                log(f"repacking {model} into the expert store {store} (once; resumable)")
+                p = repack_proc[0] = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT))
+                if await p.wait() != 0:
+                    raise RuntimeError(f"repacking {model} failed (exit code {p.returncode})")
+            notify("STATUS=loading the model")
+            await client.start()
+            await tok
+        finally:
+            ext.cancel()
+        notify("READY=1", f"STATUS=serving {state.settings.model_name} on {a.host}:{a.port}")
+        info = client.info
+        size = f"{cache_bytes / GiB:.2f} GiB" if cache_bytes >= GiB else f"{cache_bytes / (1 << 20):.1f} MiB"
+        log(f"ready: {state.settings.model_name} on {info.get('device')} ({info.get('dtype')}), expert cache {size}; "
+            f"OpenAI API at http://{a.host}:{a.port}/v1")
+
+    load_task = asyncio.create_task(load())
+    failed = asyncio.create_task(client._failed.wait())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({load_task, failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if load_task.done() and load_task.exception() is None:
+        await asyncio.wait({failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if load_task.done() and load_task.exception() is not None:
+        log(f"error: {load_task.exception()}")
+        exit_code[0] = 1
+    elif failed.done():
+        log(f"error: {client.fatal}")
+        exit_code[0] = 1
+
+    # ---- shutdown: drain, stop the worker (and through it the cache processes), stop HTTP --------------------
+    state.draining = True
+    notify("STOPPING=1", "STATUS=draining")
+    if not load_task.done():
+        load_task.cancel()
+        if repack_proc[0] is not None and repack_proc[0].returncode is None:
+            repack_proc[0].terminate()
+            await repack_proc[0].wait()
+    if client.state == "ready" and not await client.wait_idle(a.shutdown_timeout):
+        log(f"shutdown timeout ({a.shutdown_timeout:g} s): aborting the remaining requests")
+    await client.stop()
+    await asyncio.sleep(0.05)          # let aborted responses send their last event
+    server.should_exit = True
+    with contextlib.suppress(Exception):
+        await serve_task
+    for t in (failed, stopper):
+        t.cancel()
+    log("stopped")
+    return exit_code[0]
 
 
 if __name__ == "__main__":

@@ -129,7 +129,12 @@ class Worker:
         snaps = self.snaps if msg.get("use_snapshots", True) else None
         t0 = time.perf_counter()
         try:
-            restored = snaps.lookup(ids) if snaps is not None else None
+            restored = None
+            if snaps is not None:
+                try:
+                    restored = snaps.lookup(ids)
+                except Exception as e:      # a snapshot that cannot be restored is a miss, never a failed request
+                    log(f"snapshot lookup failed, computing in full: {type(e).__name__}: {e}")
             state = restored.state if restored is not None else self.model.new_state()
             cached = restored.n_tokens if restored is not None else 0
             pos = cached
@@ -241,6 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
     ap.add_argument("--snapshot-dir")
     ap.add_argument("--snapshot-count", type=int, default=32)
     ap.add_argument("--snapshot-ram-bytes", type=int, default=2 << 30)
@@ -257,7 +263,8 @@ def main(argv=None) -> int:
     dtype = DTYPES[a.dtype]
     try:
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
-                                 dtype=dtype, model_dir=a.model)
+                                 dtype=dtype, model_dir=a.model,
+                                 vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())
         chan.send({"op": "fatal", "message": f"loading {a.store} failed: {type(e).__name__}: {e}"})

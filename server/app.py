@@ -1,0 +1,501 @@
+"""The OpenAI-compatible HTTP API (FastAPI), running in the launcher's process. Generation happens in the compute
+process; this side renders prompts, queues requests (`WorkerClient`), turns tokens into text and SSE chunks,
+and counts. See docs/serving.md for the API surface."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server import errors
+from server.errors import APIError
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.tokenizer import TextStream, Tokenizer
+from server.worker_client import QueueFull, WorkerClient, WorkerUnavailable
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    model_dir: str                      # where config.json, tokenizer and generation config are read
+    max_model_len: int | None = None    # None: the config's max_position_embeddings
+    api_key: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)    # defaults under each request's own
+    retry_after_s: int = 5
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, client: WorkerClient):
+        self.settings, self.client = settings, client
+        self.tokenizer: Tokenizer | None = None
+        self.draining = False
+        self.metrics = Metrics(client)
+        cfg = _read_json(Path(settings.model_dir) / "config.json")
+        gen = _read_json(Path(settings.model_dir) / "generation_config.json")
+        self.vocab_size = int(cfg.get("vocab_size", 0))
+        max_pos = int(cfg.get("max_position_embeddings") or 0) or 1 << 20
+        self.max_model_len = min(settings.max_model_len or max_pos, max_pos)
+        self.defaults = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
+                         "top_k": int(gen.get("top_k", 0) or 0)}
+
+    def load_tokenizer(self) -> None:
+        self.tokenizer = Tokenizer(self.settings.model_dir)
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer is not None and self.client.state == "ready" and not self.draining
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------ app
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moestream", version="0.1.0",
+                  description="OpenAI-compatible API of moestream (NemotronH MoE with experts streamed from NVMe)")
+    app.state.ms = state
+    app.add_exception_handler(RequestValidationError, errors.validation_error)
+    app.add_exception_handler(StarletteHTTPException, errors.http_error)
+    app.add_exception_handler(APIError, errors.api_error)
+    app.add_exception_handler(Exception, errors.unexpected_error)
+
+    def check_key(request: Request) -> None:
+        key = state.settings.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(check_key)]
+
+    @app.get("/health")
+    async def health():
+        if state.ready:
+            return {"status": "ok"}
+        c = state.client
+        if state.draining or c.state in ("stopping", "stopped"):
+            msg = "shutting down"
+        elif c.state == "failed":
+            msg = f"the compute process failed: {c.fatal}"
+        elif c.state == "restarting":
+            msg = "the compute process is restarting"
+        else:
+            msg = f"Loading model ({c.status})"
+        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": msg,
+                                                                 "type": "unavailable_error"}},
+                            status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(req: TokenizeRequest):
+        tok = _tokenizer(state)
+        _check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if req.messages is not None:
+            ids, _ = _chat_ids(state, req.messages, req.chat_template_kwargs, None, req.add_generation_prompt)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(req: DetokenizeRequest):
+        tok = _tokenizer(state)
+        _check_model(state, req.model)
+        _check_ids(state, req.tokens, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        tok = _tokenizer(state)
+        _check_model(state, req.model)
+        _check_unsupported(req)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
+        ids, keep_at = _chat_ids(state, req.messages, req.chat_template_kwargs, req.tools, True)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        gen = _Gen(state, "chat", req, ids, max_tokens, keep_at=keep_at,
+                   logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                   reasoning=True, in_reasoning=tok.starts_in_reasoning(ids))
+        return await gen.respond(request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(req: CompletionRequest, request: Request):
+        tok = _tokenizer(state)
+        _check_model(state, req.model)
+        _check_unsupported(req)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request (batched prompts are not supported)", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            ids = tok.encode(p, add_special_tokens=False)
+            prompt_text = p
+        else:
+            ids = list(p)
+            _check_ids(state, ids, "prompt")
+            prompt_text = tok.decode(ids)
+        gen = _Gen(state, "completion", req, ids, req.max_tokens, logprobs=req.logprobs,
+                   echo=prompt_text if req.echo else None)
+        return await gen.respond(request)
+
+    return app
+
+
+def _tokenizer(state: ServerState) -> Tokenizer:
+    if state.draining or state.client.state in ("stopping", "stopped"):
+        raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
+    if state.client.state == "failed":
+        raise APIError(503, f"the compute process failed: {state.client.fatal}")
+    if state.tokenizer is None or state.client.state == "loading":
+        raise APIError(503, "the model is loading", headers={"Retry-After": str(state.settings.retry_after_s)})
+    return state.tokenizer
+
+
+def _model_card(state: ServerState) -> dict:
+    s = state.settings
+    return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "moestream",
+            "root": s.model_dir, "max_model_len": state.max_model_len}
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name and name != state.settings.model_name:
+        raise APIError(404, f"The model `{name}` does not exist (this server serves `{state.settings.model_name}`).",
+                       param="model", code="model_not_found")
+
+
+def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is out of range [0, {state.vocab_size})", param=param)
+
+
+def _check_unsupported(req) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+
+
+def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generation_prompt: bool):
+    """The prompt's token ids and where to keep a snapshot: the end of the last message, before the generation
+    prompt (the next turn renders the assistant's turn differently, e.g. with its thinking removed, so only the
+    text up to there is certain to come back token for token)."""
+    tok = state.tokenizer
+    msgs = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "".join(p.text for p in m.content)
+        if d.get("role") == "developer":
+            d["role"] = "system"
+        msgs.append(d)
+    template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
+    try:
+        text = tok.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
+        ids = tok.encode(text)
+        keep_at = []
+        if add_generation_prompt:
+            base = tok.encode(tok.render_chat(msgs, False, tools, template_kwargs))
+            if 0 < len(base) < len(ids) and ids[:len(base)] == base:
+                keep_at = [len(base)]
+    except APIError:
+        raise
+    except Exception as e:
+        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                       param="messages")
+    return ids, keep_at
+
+
+# ------------------------------------------------------------------------------------------------ one generation
+class _ClientGone(Exception):
+    pass
+
+
+class _Gen:
+    def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
+                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None):
+        self.state, self.kind, self.req, self.ids = state, kind, req, ids
+        self.tok = state.tokenizer
+        self.logprobs = logprobs
+        self.echo = echo
+        self.t0 = time.monotonic()
+        self.rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        n, limit = len(ids), state.max_model_len
+        if n == 0:
+            raise APIError(400, "the prompt is empty", param="prompt" if kind == "completion" else "messages")
+        if n >= limit or (max_tokens is not None and n + max_tokens > limit):
+            want = "" if max_tokens is None else f" and {max_tokens} output tokens were requested"
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the prompt has "
+                                f"{n} tokens{want}. Shorten the prompt or lower max_tokens.",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
+                           n_prompt_tokens=n, n_ctx=limit)
+        self.max_tokens = max_tokens if max_tokens is not None else limit - n
+        d = state.defaults
+        stops = [] if req.ignore_eos else list(self.tok.eos_ids)
+        stops += [int(t) for t in (req.stop_token_ids or [])]
+        top_k = d["top_k"] if req.top_k is None else max(req.top_k, 0)
+        self.params = {"temperature": d["temperature"] if req.temperature is None else req.temperature,
+                       "top_p": d["top_p"] if req.top_p is None else req.top_p, "top_k": top_k, "seed": req.seed,
+                       "max_tokens": self.max_tokens, "min_tokens": min(req.min_tokens, self.max_tokens),
+                       "stop_token_ids": sorted(set(stops))}
+        self.stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning)
+        self.keep_at = list(keep_at)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.tokens: list[int] = []
+        self.finish = None
+        self.cached = 0
+        self.timings: dict = {}
+        self.job = None
+
+    # ---- talking to the worker ------------------------------------------------------------------
+    def submit(self) -> None:
+        msg = {"prompt_ids": self.ids, "params": self.params, "logprobs": self.logprobs, "keep_at": self.keep_at,
+               "use_snapshots": bool(self.req.cache_prompt)}
+        try:
+            self.job = self.state.client.submit(msg)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; retry later",
+                           headers={"Retry-After": str(self.state.settings.retry_after_s)}, code="queue_full")
+        except WorkerUnavailable as e:
+            raise APIError(503, str(e), headers={"Retry-After": str(self.state.settings.retry_after_s)})
+
+    async def events(self):
+        """Yields (text deltas, logprob entries) per token; ends with self.finish set. Raises APIError on failure."""
+        client = self.state.client
+        job = self.job
+        stopped_by_text = False
+        try:
+            while True:
+                ev = await job.events.get()
+                op = ev["op"]
+                if op == "start":
+                    self.cached = int(ev.get("cached_tokens", 0))
+                elif op == "token":
+                    if stopped_by_text:
+                        continue
+                    t = int(ev["t"])
+                    self.tokens.append(t)
+                    is_eos = ev.get("f") == "stop" and t in self.params["stop_token_ids"]
+                    deltas = {"reasoning": "", "content": ""} if is_eos else self.text.push(t)
+                    lps = None
+                    if self.logprobs is not None and not is_eos and ev.get("lp") is not None:
+                        lps = [(t, ev["lp"], ev.get("top") or [])]
+                    if self.text.stopped:
+                        stopped_by_text = True
+                        self.finish = "stop"
+                        client.cancel(job)
+                    elif ev.get("f"):
+                        tail = self.text.finish()
+                        deltas = {k: deltas[k] + tail[k] for k in deltas}
+                        self.finish = ev["f"]
+                    yield deltas, lps
+                elif op == "done":
+                    self.timings = ev.get("timings") or {}
+                    if self.finish is None:
+                        tail = self.text.finish()
+                        if tail["reasoning"] or tail["content"]:
+                            yield tail, None
+                        self.finish = "abort" if ev.get("finish_reason") == "cancelled" else ev.get("finish_reason")
+                    return
+                elif op == "error":
+                    if ev.get("abort"):
+                        raise APIError(503, ev["message"], code="aborted")
+                    raise APIError(500, ev["message"], code="compute_process_crashed" if ev.get("crash") else
+                                   "generation_failed", headers={"x-should-retry": "false"})
+        finally:
+            if job.state != "finished":
+                client.cancel(job)
+            self._observe()
+
+    def _observe(self) -> None:
+        if self.finish is None:
+            return
+        t = self.full_timings()
+        queue_s = (self.job.started - self.job.enqueued) if self.job and self.job.started else 0.0
+        self.state.metrics.observe(self.kind, self.finish, len(self.ids), self.cached, len(self.tokens), t,
+                                   queue_s, time.monotonic() - self.t0)
+
+    def usage(self) -> dict:
+        u = {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
+             "total_tokens": len(self.ids) + len(self.tokens),
+             "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if self.kind == "chat":
+            u["completion_tokens_details"] = {"reasoning_tokens": self.text.reasoning_tokens}
+        return u
+
+    def full_timings(self) -> dict:
+        t = self.timings
+        pn, pms = t.get("prompt_n", len(self.ids) - self.cached), t.get("prompt_ms", 0.0)
+        dn, dms = t.get("decode_steps", 0), t.get("predicted_ms", 0.0)
+        return {"cache_n": t.get("cache_n", self.cached), "prompt_n": pn, "prompt_ms": pms,
+                "prompt_per_token_ms": pms / pn if pn else 0.0, "prompt_per_second": 1e3 * pn / pms if pms else 0.0,
+                "predicted_n": len(self.tokens), "predicted_ms": dms, "decode_steps": dn,
+                "predicted_per_token_ms": dms / dn if dn else 0.0,
+                "predicted_per_second": 1e3 * dn / dms if dms else 0.0}
+
+    # ---- shapes ---------------------------------------------------------------------------------
+    def _chat_logprobs(self, lps) -> dict | None:
+        if lps is None:
+            return None
+        out = []
+        for t, lp, top in lps:
+            s = self.tok.piece(t)
+            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": self.tok.piece(i), "logprob": v,
+                                          "bytes": list(self.tok.piece(i).encode())} for i, v in top]})
+        return {"content": out}
+
+    def _completion_logprobs(self, lps, offset: int) -> dict | None:
+        if lps is None:
+            return None
+        d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in lps:
+            s = self.tok.piece(t)
+            d["tokens"].append(s)
+            d["token_logprobs"].append(lp)
+            d["top_logprobs"].append({self.tok.piece(i): v for i, v in top})
+            d["text_offset"].append(offset)
+            offset += len(s)
+        return d
+
+    def _chunk(self, choice: dict | None, **extra) -> str:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return "data: " + json.dumps({"id": self.rid, "object": obj, "created": self.created,
+                                      "model": self.state.settings.model_name,
+                                      "choices": [] if choice is None else [choice], **extra}) + "\n\n"
+
+    # ---- responses ------------------------------------------------------------------------------
+    async def respond(self, request: Request):
+        self.submit()
+        if self.req.stream:
+            return StreamingResponse(self.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.create_task(self.collect())
+        watch = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watch.cancel()
+            raise
+        if task in done:
+            watch.cancel()
+            return task.result()
+        task.cancel()           # the client left: its generation stops within one token
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return Response(status_code=499)
+
+    async def collect(self):
+        reasoning, content, lp_entries, lp_comp = [], [], [], None
+        offset = len(self.echo or "")
+        async for deltas, lps in self.events():
+            reasoning.append(deltas["reasoning"])
+            content.append(deltas["content"])
+            if lps:
+                if self.kind == "chat":
+                    lp_entries += self._chat_logprobs(lps)["content"]
+                else:
+                    d = self._completion_logprobs(lps, offset)
+                    offset += sum(len(s) for s in d["tokens"])
+                    if lp_comp is None:
+                        lp_comp = d
+                    else:
+                        for k in d:
+                            lp_comp[k] += d[k]
+        base = {"id": self.rid, "created": self.created, "model": self.state.settings.model_name,
+                "usage": self.usage(), "timings": self.full_timings()}
+        if self.kind == "chat":
+            msg = {"role": "assistant", "content": "".join(content)}
+            r = "".join(reasoning)
+            if r:
+                msg["reasoning_content"] = r
+            choice = {"index": 0, "message": msg, "finish_reason": self.finish,
+                      "logprobs": {"content": lp_entries} if self.logprobs is not None else None}
+        else:
+            if self.logprobs is not None and lp_comp is None:
+                lp_comp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            choice = {"index": 0, "text": (self.echo or "") + "".join(content), "finish_reason": self.finish,
+                      "logprobs": lp_comp}
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = self.ids, self.tokens
+        return {**base, "object": "chat.completion" if self.kind == "chat" else "text_completion", "choices": [choice]}
+
+    async def stream(self):
+        chat = self.kind == "chat"
+        offset = 0
+        try:
+            if chat:
+                yield self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None})
+            elif self.echo:
+                yield self._chunk({"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None})
+                offset = len(self.echo)
+            async for deltas, lps in self.events():
+                if chat:
+                    delta = {}
+                    if deltas["reasoning"]:
+                        delta["reasoning_content"] = deltas["reasoning"]
+                    if deltas["content"]:
+                        delta["content"] = deltas["content"]
+                    if delta or lps:
+                        yield self._chunk({"index": 0, "delta": delta, "logprobs": self._chat_logprobs(lps),
+                                           "finish_reason": None})
+                else:
+                    if deltas["content"] or lps:
+                        lp = self._completion_logprobs(lps, offset)
+                        offset += len(deltas["content"])
+                        yield self._chunk({"index": 0, "text": deltas["content"], "logprobs": lp,
+                                           "finish_reason": None})
+            last = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish} if chat else
+                    {"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish})
+            yield self._chunk(last, timings=self.full_timings())
+            if self.include_usage:
+                yield self._chunk(None, usage=self.usage())
+        except APIError as e:
+            yield e.sse()           # the 200 status is gone: the error travels as an event
+        yield "data: [DONE]\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,86 @@
+"""OpenAI request schemas (pydantic). Unknown fields are accepted and ignored, as vLLM does, so clients that send
+extra fields keep working; fields we cannot honour are rejected with a 400 that names them."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+TokenId = Annotated[int, Field(ge=0, lt=2 ** 31)]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    reasoning_content: Optional[str] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _Sampling(_Base):
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1, lt=2 ** 31)
+    temperature: Optional[float] = Field(None, ge=0, le=100)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, lt=2 ** 31, description="0 or -1: off (vLLM/llama.cpp extension)")
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(None, description="extra token ids that end generation (vLLM)")
+    ignore_eos: bool = Field(False, description="do not stop at the model's end-of-sequence tokens (vLLM)")
+    min_tokens: int = Field(0, ge=0, lt=2 ** 31, description="end-of-sequence tokens are not chosen before this many (vLLM)")
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    user: Optional[str] = None
+    cache_prompt: bool = Field(True, description="continue from a conversation snapshot when one matches, and keep "
+                                                 "one afterwards (llama.cpp)")
+    return_token_ids: bool = Field(False, description="add prompt_token_ids and token_ids to the choice (vLLM)")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, lt=2 ** 31)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+    tools: Optional[list[dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class TokenizeRequest(_Base):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Base):
+    model: Optional[str] = None
+    tokens: list[TokenId]

@@ -1,0 +1,152 @@
+"""The checkpoint's tokenizer and chat template (transformers' `apply_chat_template`, nothing hand-rolled),
+and the incremental text of a token stream: detokenization (`tokenizers`' DecodeStream), stop strings, and the
+split of `<think>…</think>` into `reasoning_content`.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+
+class Tokenizer:
+    def __init__(self, model_dir):
+        from transformers import AutoTokenizer
+        self.dir = Path(model_dir)
+        self.tok = AutoTokenizer.from_pretrained(str(self.dir))
+        self.backend = self.tok._tokenizer          # the `tokenizers.Tokenizer` behind the fast tokenizer
+        vocab = self.tok.get_vocab()
+        self.think_start = vocab.get("<think>")
+        self.think_end = vocab.get("</think>")
+        self.im_start = vocab.get("<|im_start|>")
+        self.has_template = bool(getattr(self.tok, "chat_template", None))
+        self.eos_ids = self._eos_ids(vocab)
+
+    def _eos_ids(self, vocab) -> list[int]:
+        """The generation config's eos ids (Nemotron: </s> and <|im_end|>), else the config's, else the tokenizer's."""
+        ids: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            p = self.dir / name
+            if p.exists():
+                e = json.loads(p.read_text()).get("eos_token_id")
+                if e is not None:
+                    ids += [e] if isinstance(e, int) else list(e)
+                    break
+        if self.tok.eos_token_id is not None:
+            ids.append(self.tok.eos_token_id)
+        return sorted(set(int(i) for i in ids))
+
+    # ---- prompts --------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                    template_kwargs: dict | None = None) -> str:
+        if not self.has_template:
+            raise ValueError("the checkpoint has no chat template (tokenizer_config.json chat_template)")
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @lru_cache(maxsize=1 << 16)
+    def piece(self, token: int) -> str:
+        """One token's text, as logprobs report it."""
+        return self.tok.decode([token], skip_special_tokens=False)
+
+    def pieces(self, ids) -> list[str]:
+        return [self.piece(int(t)) for t in ids]
+
+    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
+        """True when the prompt leaves the model inside `<think>` (the generation prompt opened it)."""
+        if self.think_start is None or self.think_end is None:
+            return False
+        for t in reversed(prompt_ids):
+            if t == self.think_end:
+                return False
+            if t == self.think_start:
+                return True
+            if t == self.im_start:
+                return False
+        return False
+
+
+class TextStream:
+    """Turns generated token ids into text deltas, in order: detokenize incrementally (a multi-byte character
+    split over tokens waits for its last byte), cut at the first stop string (text that might start one is held
+    back until it cannot), and route text inside `<think>…</think>` to reasoning. Streamed and non-streamed
+    responses both go through this, so they are equal by construction."""
+
+    def __init__(self, tok: Tokenizer, stop: list[str] | None = None, reasoning: bool = False,
+                 in_reasoning: bool = False):
+        from tokenizers.decoders import DecodeStream
+        self.tok = tok
+        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.stops = [s for s in (stop or []) if s]
+        self.reasoning = reasoning and tok.think_start is not None
+        self.segment = "reasoning" if (self.reasoning and in_reasoning) else "content"
+        self.pending = ""              # held back: may be the start of a stop string, or trailing newlines
+        self.at_segment_start = True
+        self.stopped = False
+        self.text = {"reasoning": "", "content": ""}
+        self.reasoning_tokens = 0
+
+    def push(self, token: int) -> dict:
+        """Feed one token; returns {'reasoning': str, 'content': str} deltas (empty strings when nothing new)."""
+        out = {"reasoning": "", "content": ""}
+        if self.stopped:
+            return out
+        if self.reasoning and token in (self.tok.think_start, self.tok.think_end):
+            self._flush(out, drop_trailing_newlines=self.segment == "reasoning")
+            self.segment = "reasoning" if token == self.tok.think_start else "content"
+            self.at_segment_start = True
+            self.reasoning_tokens += 1
+            return out
+        if self.segment == "reasoning":
+            self.reasoning_tokens += 1
+        piece = self.decoder.step(self.tok.backend, int(token))
+        if piece:
+            self._add(piece, out)
+        return out
+
+    def finish(self) -> dict:
+        out = {"reasoning": "", "content": ""}
+        if not self.stopped:
+            self._flush(out)
+        return out
+
+    def _emit(self, seg: str, s: str, out: dict) -> None:
+        if s:
+            out[seg] += s
+            self.text[seg] += s
+
+    def _add(self, piece: str, out: dict) -> None:
+        buf = self.pending + piece
+        if self.at_segment_start:
+            buf = buf.lstrip("\n")          # the template writes "<think>\n" and "</think>\n"
+            if not buf:
+                self.pending = ""
+                return
+            self.at_segment_start = False
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._emit(self.segment, buf[:cut], out)
+            self.pending = ""
+            self.stopped = True
+            return
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        if self.segment == "reasoning":
+            hold = max(hold, len(buf) - len(buf.rstrip("\n")))
+        self._emit(self.segment, buf[:len(buf) - hold], out)
+        self.pending = buf[len(buf) - hold:]
+
+    def _flush(self, out: dict, drop_trailing_newlines: bool = False) -> None:
+        s = self.pending.rstrip("\n") if drop_trailing_newlines else self.pending
+        self._emit(self.segment, s, out)
+        self.pending = ""
