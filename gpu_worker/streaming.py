@@ -71,6 +71,15 @@ def read_routing(path):
         yield from msgpack.Unpacker(f)
 
 
+class _TopK:
+    """One token's routing at one layer: device tensors, and each expert's position in them (host)."""
+    __slots__ = ("experts", "weights", "position")
+
+    def __init__(self, experts, weights, ex: list[int]):
+        self.experts, self.weights = experts, weights
+        self.position = {e: i for i, e in enumerate(ex)}
+
+
 class StreamingExperts:
     wants_guess = True
 
@@ -95,11 +104,18 @@ class StreamingExperts:
         self._cuda = self.device.type == "cuda"
 
     # ------------------------------------------------------------------ block handles
+    def _dev(self, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor on the device without a host sync: staged in pinned memory, copied
+        asynchronously (a plain torch.tensor(..., device='cuda') from a list waits for the stream)."""
+        if not self._cuda:
+            return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+
     def _blocks(self, slots: list[int]):
         """CPU: U8 views of the slots; CUDA: int64 addresses of the mapped slots (zero-copy)."""
         if self._cuda:
             base = self.slab.data_ptr()
-            return torch.tensor([base + s * self.slot_bytes for s in slots], dtype=torch.int64, device=self.device)
+            return self._dev([base + s * self.slot_bytes for s in slots])
         return [self.slab[s, :self.geom.block_bytes] for s in slots]
 
     # ------------------------------------------------------------------ ExpertSource
@@ -110,9 +126,10 @@ class StreamingExperts:
 
     def _decode(self, j, x, experts, weights, guess):
         t0 = time.perf_counter()
-        ex = experts.tolist()
-        w_of = dict(zip(ex, weights.float().tolist()))
-        guess_list = [] if guess is None else guess.tolist()
+        k = experts.numel()
+        ids = (experts if guess is None else torch.cat([experts, guess])).tolist()   # the one host sync
+        ex, guess_list = ids[:k], ids[k:]
+        topk = _TopK(experts, weights, ex)
         tr = time.perf_counter()
         vt = self.vram
         on_dev = vt.lookup(j, ex) if vt is not None else {}
@@ -135,14 +152,14 @@ class StreamingExperts:
             self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
         acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
         if on_dev:
-            self._run(x, list(on_dev), self._vram_blocks(list(on_dev.values())), w_of, j, acc)
+            self._run(x, list(on_dev), self._vram_blocks(list(on_dev.values())), topk, j, acc)
             a.bytes_from_vram += len(on_dev) * self.geom.block_bytes
         held = []      # slab pins kept until the device copy into the VRAM tier has completed
         # Other pins are released as soon as an expert's contribution is computed: a cache smaller than
         # the layer's working set must still make progress.
         try:
             if hits:
-                self._run(x, list(hits), self._blocks(list(hits.values())), w_of, j, acc, pcie=True)
+                self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
                 held += self._admit(j, hits.items())
         finally:
             self.client.release([s for s in hits.values() if s not in held])
@@ -154,7 +171,7 @@ class StreamingExperts:
                 waited += time.perf_counter() - tw
                 kept = []
                 try:
-                    self._run(x, [e], self._blocks([s]), w_of, j, acc, pcie=True)
+                    self._run(x, [e], self._blocks([s]), topk, j, acc, pcie=True)
                     kept = self._admit(j, [(e, s)])
                     held += kept
                 finally:
@@ -184,12 +201,13 @@ class StreamingExperts:
 
     def _vram_blocks(self, vslots: list[int]):
         if self._cuda:
-            return torch.tensor([self.vram.address(v) for v in vslots], dtype=torch.int64, device=self.device)
+            return self._dev([self.vram.address(v) for v in vslots])
         return [self.vram.block(v) for v in vslots]
 
-    def _run(self, x, experts, blocks, w_of, j, acc, pcie=False):
-        idx = torch.tensor(experts, dtype=torch.long, device=self.device)
-        w = torch.tensor([w_of[e] for e in experts], dtype=torch.float32, device=self.device)
+    def _run(self, x, experts, blocks, topk, j, acc, pcie=False):
+        sel = self._dev([topk.position[e] for e in experts])      # positions in this token's top-k
+        idx = topk.experts[sel]
+        w = topk.weights[sel].float()
         moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w, acc)
         if pcie and self._cuda:
             self.acct.bytes_over_pcie += len(experts) * self.geom.up_bytes   # down: only active groups (not counted)
