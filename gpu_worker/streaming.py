@@ -158,31 +158,33 @@ class StreamingExperts:
         # Other pins are released as soon as an expert's contribution is computed: a cache smaller than
         # the layer's working set must still make progress.
         try:
-            if hits:
-                self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
-                held += self._admit(j, hits.items())
-        finally:
-            self.client.release([s for s in hits.values() if s not in held])
-        misses = [e for e in rest if e not in hits]
-        if misses:
-            tw = time.perf_counter()
-            waited = 0.0
-            for e, s in self.client.wait_any(j, misses):
-                waited += time.perf_counter() - tw
-                kept = []
-                try:
-                    self._run(x, [e], self._blocks([s]), topk, j, acc, pcie=True)
-                    kept = self._admit(j, [(e, s)])
-                    held += kept
-                finally:
-                    if not kept:
-                        self.client.release(s)
+            try:
+                if hits:
+                    self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
+                    held += self._admit(j, hits.items())
+            finally:
+                self.client.release([s for s in hits.values() if s not in held])
+            misses = [e for e in rest if e not in hits]
+            if misses:
                 tw = time.perf_counter()
-            a.ms_waiting_for_disk += waited * 1e3
-        if held:
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            self.client.release(held)
+                waited = 0.0
+                for e, s in self.client.wait_any(j, misses):
+                    waited += time.perf_counter() - tw
+                    kept = []
+                    try:
+                        self._run(x, [e], self._blocks([s]), topk, j, acc, pcie=True)
+                        kept = self._admit(j, [(e, s)])
+                        held += kept
+                    finally:
+                        if not kept:
+                            self.client.release(s)
+                    tw = time.perf_counter()
+                a.ms_waiting_for_disk += waited * 1e3
+        finally:
+            if held:
+                if self._cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                self.client.release(held)
         a.expert_uses += len(ex)
         a.ms_experts += (time.perf_counter() - t1) * 1e3
         return acc[None]
