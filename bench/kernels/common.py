@@ -45,6 +45,11 @@ def time_graph(fn, n_inner: int = 20, n_rep: int = 7) -> float:
         def run():
             for i in range(n_inner):
                 fn(i)
+    return _median_event_seconds(run, n_rep) / n_inner
+
+
+def _median_event_seconds(run, n_rep: int) -> float:
+    """Median over n_rep of one run() between two CUDA events, after one warm-up run."""
     run()
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -55,7 +60,7 @@ def time_graph(fn, n_inner: int = 20, n_rep: int = 7) -> float:
         run()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / n_inner)
+        ts.append(a.elapsed_time(b) / 1e3)
     return statistics.median(ts)
 
 
@@ -64,18 +69,7 @@ def time_eager(fn, n_rep: int = 10) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    fn()
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    ts = []
-    for _ in range(n_rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    return _median_event_seconds(fn, n_rep)
 
 
 class HostSlab:
