@@ -7,6 +7,11 @@ quantization config (`hf_quant_config.json` or config.json `quantization_config`
   FP8 per-tensor:   weight F8_E4M3 [out, in], weight_scale F32 scalar
   dense:            weight BF16/F16/F32 [out, in]
 Scalars may be stored 0-dim or [1]. `input_scale`, `k_scale`, `v_scale` are read by nobody (W4A16, bf16 KV).
+
+Omni / VL checkpoints (config.json with a nested `llm_config` / `text_config`) store the language model under
+`language_model.` (`language_model.backbone.…`, `language_model.lm_head.weight`, as released and as transformers'
+`save_pretrained` writes): those names are served without the prefix, so everything downstream reads the
+text names; the vision tensors (`vision_model.…`, `mlp1.…`, `vision_projector.…`) keep theirs.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from nemotron.config import NemotronHConfig
 
 KNOWN_ALGOS = ("NVFP4", "FP8", "MIXED_PRECISION")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LANGUAGE_MODEL_PREFIX = "language_model."     # of the language model's tensors in an Omni / VL checkpoint
 
 
 class CheckpointError(ValueError):
@@ -37,6 +43,7 @@ class QuantConfig:
     quantized_layers: dict[str, str] = field(default_factory=dict)   # module -> 'NVFP4' | 'FP8'
     group_size: int = 16
     source: str = ""
+    prefix: str = ""                              # stored-name prefix of the language model (Omni / VL)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, config_dict: dict) -> "QuantConfig":
@@ -81,7 +88,8 @@ class QuantConfig:
         if self.algo == "MIXED_PRECISION":
             short = module.removeprefix("backbone.")
             a = self.quantized_layers.get(module) or self.quantized_layers.get(short) \
-                or self.quantized_layers.get("model." + short)
+                or self.quantized_layers.get("model." + short) \
+                or (self.quantized_layers.get(self.prefix + module) if self.prefix else None)
             return {"NVFP4": "nvfp4", "FP8": "fp8", None: "dense"}[a]
         if self._excluded(module):
             return "dense"
@@ -89,6 +97,8 @@ class QuantConfig:
 
     def _excluded(self, module: str) -> bool:
         names = {module, module.removeprefix("backbone."), "model." + module.removeprefix("backbone.")}
+        if self.prefix:
+            names.add(self.prefix + module)
         for pat in self.exclude_modules:
             for n in names:
                 if fnmatch.fnmatchcase(n, pat) or n == pat or n.startswith(pat.rstrip("*") + ".") and pat.endswith("*"):
@@ -102,8 +112,19 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: model directory does not exist")
         self.config = NemotronHConfig.from_dir(self.dir)
-        self.quant = QuantConfig.from_model_dir(self.dir, self.config.raw)
+        mm = self.config.multimodal
+        qcfg = self.config.raw if mm is None or "quantization_config" not in mm else mm
+        self.quant = QuantConfig.from_model_dir(self.dir, qcfg)
         self._shard_of = self._read_index()
+        self._stored: dict[str, str] = {}         # served name -> name in the shard, where they differ
+        if mm is not None:
+            self.quant.prefix = LANGUAGE_MODEL_PREFIX
+            for stored in [n for n in self._shard_of if n.startswith(LANGUAGE_MODEL_PREFIX)]:
+                name = stored[len(LANGUAGE_MODEL_PREFIX):]
+                if name in self._shard_of:
+                    raise CheckpointError(f"{self.dir}: both {stored!r} and {name!r} are in the checkpoint")
+                self._shard_of[name] = self._shard_of.pop(stored)
+                self._stored[name] = stored
         self._handles: dict[Path, object] = {}
 
     # ------------------------------------------------------------------ files
@@ -144,12 +165,16 @@ class Checkpoint:
     def shard_of(self, name: str) -> Path:
         return self._shard_of[name]
 
+    def stored_name(self, name: str) -> str:
+        """The tensor's name inside its shard (differs only for an Omni / VL language model's tensors)."""
+        return self._stored.get(name, name)
+
     def get(self, name: str) -> torch.Tensor:
         shard = self._shard_of.get(name)
         if shard is None:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         try:
-            return self._handle(shard).get_tensor(name)
+            return self._handle(shard).get_tensor(self._stored.get(name, name))
         except CheckpointError:
             raise
         except Exception as e:
@@ -161,7 +186,7 @@ class Checkpoint:
         if shard is None:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         try:
-            sl = self._handle(shard).get_slice(name)
+            sl = self._handle(shard).get_slice(self._stored.get(name, name))
             return sl.get_dtype(), tuple(sl.get_shape())
         except CheckpointError:
             raise

@@ -3,6 +3,10 @@
 The hub's config.json carries `hybrid_override_pattern` (M/E/*/-), `num_hidden_layers` and sometimes legacy
 `mamba_*` names; transformers' `save_pretrained` writes `layers_block_type` (a list) and encodes infinity as
 `{"__float__": "Infinity"}`. Both parse to the same `NemotronHConfig`.
+
+A vision-language (Omni / VL) config.json nests the language model's config under `llm_config` (released files)
+or `text_config` (transformers' `save_pretrained`); that nested dict is parsed, and the whole file is kept in
+`multimodal` for the vision side.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ _LEGACY_ALIASES = {
     "mamba_d_state": "ssm_state_size", "n_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
     "norm_eps": "layer_norm_epsilon",
 }
+# where a vision-language config.json keeps the language model's config (released name first)
+TEXT_CONFIG_KEYS = ("llm_config", "text_config")
 
 
 class ConfigError(ValueError):
@@ -80,6 +86,7 @@ class NemotronHConfig:
     num_nextn_predict_layers: int = 0
     mtp_layer_types: list[str] = field(default_factory=list)
     raw: dict = field(default_factory=dict, repr=False)
+    multimodal: dict | None = field(default=None, repr=False)   # the whole config.json of an Omni / VL checkpoint
 
     # -------------------------------------------------------------- derived
     @property
@@ -109,7 +116,7 @@ class NemotronHConfig:
 
     def config_hash(self) -> str:
         """A stable hash of everything that decides tensor shapes and math (not tokenizer or dtype names)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("raw", "torch_dtype")}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("raw", "multimodal", "torch_dtype")}
         d["time_step_limit"] = [repr(float(x)) for x in self.time_step_limit]
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -117,6 +124,15 @@ class NemotronHConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "NemotronHConfig":
         d = _decode_special_floats(dict(d))
+        if d.get("model_type") != "nemotron_h":
+            nested = [k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)]
+            if nested:
+                try:
+                    cfg = cls.from_dict(d[nested[0]])
+                except ConfigError as e:
+                    raise ConfigError(f"{nested[0]}: {e}") from e
+                cfg.multimodal = d
+                return cfg
         for old, new in _LEGACY_ALIASES.items():
             if old in d and new not in d:
                 d[new] = d[old]
@@ -134,7 +150,7 @@ class NemotronHConfig:
         mtp_types = _parse_layer_types(mtp if isinstance(mtp, list) else None,
                                        mtp if isinstance(mtp, str) else None, "mtp layers", required=False)
         kw = {}
-        names = {f.name for f in fields(cls)} - {"layer_types", "mtp_layer_types", "raw"}
+        names = {f.name for f in fields(cls)} - {"layer_types", "mtp_layer_types", "raw", "multimodal"}
         for name in names:
             if name in d and d[name] is not None:
                 kw[name] = d[name]

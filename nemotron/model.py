@@ -107,14 +107,30 @@ class NemotronH:
         return InferenceState(layers, 0)
 
     @torch.inference_mode()
-    def forward(self, ids, state: InferenceState, last_only: bool = False) -> torch.Tensor:
-        """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`."""
+    def forward(self, ids, state: InferenceState, last_only: bool = False,
+                image_embeds: torch.Tensor | None = None, image_positions=None) -> torch.Tensor:
+        """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`.
+
+        `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
+        call's ids, in order): the projector's output for the `<image>` tokens, as transformers'
+        `masked_scatter` places it."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("forward needs at least one token")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
         x = self.embeddings[ids].to(self.dtype)
+        if (image_embeds is None) != (image_positions is None):
+            raise ValueError("give image_embeds and image_positions together")
+        if image_embeds is not None:
+            pos = torch.as_tensor(image_positions, dtype=torch.long, device=self.device).reshape(-1)
+            if image_embeds.shape != (pos.numel(), self.config.hidden_size):
+                raise ValueError(f"image_embeds has shape {tuple(image_embeds.shape)}, expected "
+                                 f"({pos.numel()}, {self.config.hidden_size}) for {pos.numel()} positions")
+            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= ids.numel()
+                                or pos.unique().numel() != pos.numel()):
+                raise ValueError(f"image_positions must be distinct indices into the {ids.numel()} ids")
+            x[pos] = image_embeds.to(device=self.device, dtype=self.dtype)
         eps = self.config.layer_norm_epsilon
         for i, mixer in enumerate(self.mixers):
             h = rms_norm(x, self.norms[i], eps)

@@ -1,6 +1,7 @@
 """Logits and a greedy continuation from the engine — the stable command every correctness check relies on.
 
-    python -m tools.logits --model DIR (--ids 1,2,3 | --ids-file F.json) --out OUT.npz [--decode N]
+    python -m tools.logits --model DIR (--ids 1,2,3 | --ids-file F.json | --messages-file M.json) --out OUT.npz
+                           [--decode N]
                            [--device cpu|cuda] [--dtype float32|bfloat16]
                            [--store STORE --cache-mb N [--io-workers K]]
 
@@ -10,7 +11,12 @@ read from the checkpoint in memory. Both give the same arrays.
 
 OUT.npz: `logits` float32 [T, vocab] (prefill of the ids, used as given: no BOS, no template), `greedy`
 int64 [N] (greedy continuation through the step-by-step decode path; exactly N tokens, end-of-sequence does
-not stop it), `greedy_logits` float32 [N, vocab] (the logits behind each greedy token).
+not stop it), `greedy_logits` float32 [N, vocab] (the logits behind each greedy token), `prompt_ids` int64 [T].
+
+`--messages-file` (an Omni / VL checkpoint): a JSON list of OpenAI-style chat messages, images as `image_url`
+parts with `data:image/png;base64,...` URLs. The checkpoint's chat template renders them (with the generation
+prompt), each `<image>` is expanded as transformers' processor does (`nemotron.vision_prompt`), the vision tower
+and projector run (on the CPU, fp32) and their output replaces the `<image>` token embeddings.
 """
 from __future__ import annotations
 
@@ -45,14 +51,48 @@ def read_ids(ids: str | None, ids_file: str | None) -> list[int]:
     return out
 
 
+def read_messages(path: str) -> list[dict]:
+    try:
+        msgs = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--messages-file {path}: {e}")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+        raise SystemExit(f"--messages-file {path}: expected a JSON list of messages with a role")
+    return msgs
+
+
+def image_inputs(model_dir, messages: list[dict]):
+    """-> (prompt ids, image embeddings [K, hidden] fp32, their positions [K]) for an Omni / VL checkpoint."""
+    from nemotron.checkpoint import Checkpoint
+    from nemotron.vision import VisionTower
+    from nemotron.vision_prompt import build_image_prompt
+    ckpt = Checkpoint(model_dir)
+    mm = ckpt.config.multimodal
+    if mm is None:
+        raise ValueError(f"{model_dir}: --messages-file needs an Omni / VL checkpoint (config.json without "
+                         "llm_config / text_config)")
+    p = build_image_prompt(model_dir, messages, mm)
+    if p.grid_hw.shape[0] == 0:
+        return p.ids, None, None
+    with torch.inference_mode():
+        embeds = torch.cat(VisionTower.from_checkpoint(ckpt, mm)(p.pixel_values, p.grid_hw))
+    return p.ids, embeds, p.image_positions
+
+
 @torch.inference_mode()
-def logits_and_greedy(model, ids: list[int], n_decode: int, prefill_chunk: int = 0):
+def logits_and_greedy(model, ids: list[int], n_decode: int, prefill_chunk: int = 0,
+                      image_embeds: torch.Tensor | None = None, image_positions=None):
     state = model.new_state()
-    if prefill_chunk and len(ids) > prefill_chunk:
-        parts = [model.forward(ids[s:s + prefill_chunk], state) for s in range(0, len(ids), prefill_chunk)]
-        logits = torch.cat(parts)
-    else:
-        logits = model.forward(ids, state)
+    chunk = prefill_chunk if prefill_chunk and len(ids) > prefill_chunk else len(ids)
+    parts = []
+    for s in range(0, len(ids), chunk):
+        kw = {}
+        if image_embeds is not None:
+            pos = torch.as_tensor(image_positions, dtype=torch.long)
+            sel = (pos >= s) & (pos < s + chunk)
+            kw = dict(image_embeds=image_embeds[sel], image_positions=pos[sel] - s)
+        parts.append(model.forward(ids[s:s + chunk], state, **kw))
+    logits = torch.cat(parts)
     last = logits[-1]
     greedy, greedy_logits = [], []
     for _ in range(n_decode):
@@ -74,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--model", required=True, help="checkpoint directory (HF hub layout)")
     ap.add_argument("--ids", help="comma-separated token ids")
     ap.add_argument("--ids-file", help="JSON list of token ids")
+    ap.add_argument("--messages-file", help="JSON list of chat messages (images as data: URLs; Omni / VL checkpoints)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--decode", type=int, default=0, help="greedy tokens to generate")
     ap.add_argument("--device", default="cpu")
@@ -89,7 +130,18 @@ def main(argv=None):
     ap.add_argument("--record-routing", metavar="FILE",
                     help="with --store: write the decode routing trace (msgpack records) for offline simulation")
     a = ap.parse_args(argv)
-    ids = read_ids(a.ids, a.ids_file)
+    embeds = positions = None
+    if a.messages_file is not None:
+        if a.ids is not None or a.ids_file is not None:
+            raise SystemExit("give exactly one of --ids, --ids-file and --messages-file")
+        messages = read_messages(a.messages_file)
+        try:
+            ids, embeds, positions = image_inputs(a.model, messages)
+        except (CheckpointError, ConfigError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        ids = read_ids(a.ids, a.ids_file)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
     from cache_shm.shm import CacheSizeError
     from io_workers.store import StoreError
@@ -102,7 +154,8 @@ def main(argv=None):
                 with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
                                      io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec,
                                      vram_bytes=int(a.vram_gb * 2**30) if a.vram_gb else None) as eng:
-                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk)
+                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk,
+                                                                    embeds, positions)
                     if a.stats:
                         print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
             finally:
@@ -110,11 +163,11 @@ def main(argv=None):
                     rec.close()
         else:
             model = NemotronH(a.model, device=a.device, dtype=dtype)
-            logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk)
+            logits, greedy, gl = logits_and_greedy(model, ids, a.decode, a.prefill_chunk, embeds, positions)
     except (CheckpointError, ConfigError, StoreError, CacheSizeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    np.savez(a.out, logits=logits, greedy=greedy, greedy_logits=gl)
+    np.savez(a.out, logits=logits, greedy=greedy, greedy_logits=gl, prompt_ids=np.array(ids, dtype=np.int64))
     return 0
 
 

@@ -19,7 +19,7 @@ from tools.synth_vision import IMAGE_START_ID, IMAGE_TOKEN_ID, synthesize_omni
 
 
 class IndexedTensors:
-    """get/has over a safetensors index (`Checkpoint` does not parse an Omni config.json yet)."""
+    """get/has over a safetensors index: an independent reader, so this test does not lean on `Checkpoint`."""
 
     def __init__(self, d):
         self.d = d

@@ -1,0 +1,102 @@
+"""An image-bearing chat prompt, as transformers 5.24's `nemotron_h_omni` processor builds it.
+
+OpenAI-style messages (images as `image_url` parts with `data:image/...;base64,` URLs, or `image` parts with
+raw `bytes`) -> the checkpoint's chat template renders each image part as `<image>`; each `<image>` is replaced
+in order by `<img>` + `<image>` x (gh*gw/4) + `</img>` (the processor's `replace_image_token`); the text is
+tokenized without special tokens (the template writes them). The `<image>` positions are where the projector's
+output goes (`NemotronH.forward(..., image_embeds=, image_positions=)`).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nemotron import vision_preprocess as vp
+
+
+@dataclass
+class ImagePrompt:
+    ids: list[int]
+    pixel_values: torch.Tensor          # (sum of patches, 3*P*P) fp32
+    grid_hw: torch.Tensor               # (n_images, 2)
+    image_positions: torch.Tensor       # (sum of gh*gw/4,) indices of the `<image>` tokens in ids, in order
+
+
+def image_bytes(part: dict) -> bytes:
+    """The encoded image of one content part."""
+    if part.get("type") == "image" and isinstance(part.get("image"), (bytes, bytearray)):
+        return bytes(part["image"])
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError("an image part needs a data: URL (data:image/png;base64,...)")
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ValueError(f"image URL {header[:40]!r}...: only base64 data URLs are supported")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"image data URL: invalid base64 ({e})") from e
+
+
+def message_images(messages: list[dict]) -> list[bytes]:
+    """Encoded images of all image parts, in message and part order (the order the template renders them)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            out += [image_bytes(p) for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
+    return out
+
+
+def expand_image_tokens(text: str, grid_hw, geom: vp.ImageGeometry) -> str:
+    """Replace the i-th `<image>` of the rendered prompt by image i's placeholder."""
+    pieces = text.split(vp.IMAGE_TOKEN)
+    grids = torch.as_tensor(grid_hw).reshape(-1, 2).tolist()
+    if len(pieces) - 1 != len(grids):
+        raise ValueError(f"the rendered prompt has {len(pieces) - 1} {vp.IMAGE_TOKEN} for {len(grids)} images")
+    out = [pieces[0]]
+    for g, rest in zip(grids, pieces[1:]):
+        out += [vp.image_placeholder(g, geom), rest]
+    return "".join(out)
+
+
+def image_token_id(model_config: dict) -> int:
+    """`<image>` id from an Omni / VL config.json (released or transformers names)."""
+    for key in ("image_token_id", "img_context_token_id"):
+        if model_config.get(key) is not None:
+            return int(model_config[key])
+    raise ValueError("config.json names no image_token_id / img_context_token_id")
+
+
+def build_image_prompt(model_dir, messages: list[dict], model_config: dict, tokenizer=None,
+                       add_generation_prompt: bool = True) -> ImagePrompt:
+    model_dir = Path(model_dir)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    geom_file = model_dir / "preprocessor_config.json"
+    geom = vp.ImageGeometry.from_dict(json.loads(geom_file.read_text()) if geom_file.exists() else {})
+    images = [vp.decode_image(b) for b in message_images(messages)]
+    if images:
+        pixel_values, grid_hw = vp.preprocess(images, geom)
+    else:
+        pixel_values, grid_hw = torch.zeros(0, 3 * geom.patch_size ** 2), torch.zeros(0, 2, dtype=torch.int64)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer.encode(expand_image_tokens(text, grid_hw, geom), add_special_tokens=False)
+    tok_id = image_token_id(model_config)
+    if tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN) != tok_id:
+        raise ValueError(f"the tokenizer's {vp.IMAGE_TOKEN} is id {tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN)}, "
+                         f"config.json says {tok_id}")
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    positions = (ids_t == tok_id).nonzero().flatten()
+    want = sum(vp.image_token_count(g, geom) for g in grid_hw.tolist())
+    if positions.numel() != want:
+        raise ValueError(f"the prompt has {positions.numel()} {vp.IMAGE_TOKEN} tokens, the images need {want} "
+                         "(does the text contain a literal image token?)")
+    return ImagePrompt(ids, pixel_values, grid_hw, positions)
