@@ -157,6 +157,11 @@ def parse_args(argv=None):
     ap.add_argument("--default-chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
                     help="chat template variables for requests that do not set them, e.g. '{\"enable_thinking\": "
                          "false}' (default: none; the demo model: thinking off, so its text shows as content)")
+    ap.add_argument("--allow-image-urls", action="store_true",
+                    help="let chat requests name images by http(s) URL, fetched by the server (default: only base64 "
+                         "data URLs; local file paths are never read)")
+    ap.add_argument("--max-image-pixels", type=int, default=50_000_000,
+                    help="images with more pixels (width x height) get a 400 (default 50 megapixels)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
     ap.add_argument("--snapshot-dir", default=None, help="keep conversation snapshots on disk here too (reloaded at "
                                                          "start)")
@@ -244,7 +249,9 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
     state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),
                                        max_model_len=a.max_model_len, api_key=a.api_key,
-                                       chat_template_kwargs=a.default_chat_template_kwargs or {}), client)
+                                       chat_template_kwargs=a.default_chat_template_kwargs or {},
+                                       allow_image_urls=a.allow_image_urls, max_image_pixels=a.max_image_pixels),
+                          client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))
     stop = asyncio.Event()

@@ -46,6 +46,21 @@ def model_key(config_hash: str, checkpoint_fingerprint: str, dtype: torch.dtype,
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
+def image_key_ids(ids: list[int], positions_per_image, digests) -> list[int]:
+    """The snapshot key of a prompt with images: its token ids with each image token replaced by a negative
+    number drawn from the image's digest and the token's index inside the image. Image tokens are placeholders
+    (the same id for every image), so without this two prompts with the same text and different images would
+    share snapshots; with it, a key prefix matches only where the same image sits at the same positions.
+    Each entry carries 31 bits of sha256(digest, index); real token ids are never negative."""
+    key = list(ids)
+    for pos, dg in zip(positions_per_image, digests):
+        d = bytes.fromhex(dg) if isinstance(dg, str) else bytes(dg)
+        for k, p in enumerate(pos):
+            h = hashlib.sha256(d + int(k).to_bytes(4, "little")).digest()
+            key[int(p)] = -1 - (int.from_bytes(h[:4], "little") & 0x7FFFFFFF)
+    return key
+
+
 # ------------------------------------------------------------------------------------------ state <-> dict
 def state_to_dict(state: InferenceState, device="cpu") -> dict:
     layers = []

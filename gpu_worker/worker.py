@@ -5,7 +5,8 @@ at a time, streams tokens back to the launcher, and keeps conversation snapshots
 
 It talks to the launcher over one stream socket (fd N, inherited), msgpack maps in both directions:
 
-    launcher -> worker   {op: generate, id, prompt_ids, params, logprobs, keep_at}
+    launcher -> worker   {op: generate, id, prompt_ids, params, logprobs, keep_at[, images]}
+                         images: {pixel_values (fp32 LE bytes), n_rows, row_size, grid_hw, positions, digests}
                          {op: cancel, id}   {op: stats, seq}   {op: shutdown}
     worker -> launcher   {op: status, message}   {op: ready, info}   {op: fatal, message}
                          {op: start, id, cached_tokens}   {op: token, id, t, f, lp, top}
@@ -67,8 +68,10 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512):
+    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None):
+        """vision: a `nemotron.vision.VisionTower` (CPU, fp32) for an Omni / VL checkpoint, else None."""
         self.engine, self.model, self.chan = engine, engine.model, chan
+        self.vision = vision
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
         self.jobs: queue.Queue = queue.Queue()
@@ -129,26 +132,35 @@ class Worker:
         snaps = self.snaps if msg.get("use_snapshots", True) else None
         t0 = time.perf_counter()
         try:
+            img = msg.get("images")
+            key = ids          # what snapshots are keyed by: the ids, with image tokens bound to their image
+            if img:
+                img = self._image_layout(img, len(ids))
+                from gpu_worker.snapshots import image_key_ids
+                key = image_key_ids(ids, img["per_image"], img["digests"])
             restored = None
             if snaps is not None:
                 try:
-                    restored = snaps.lookup(ids)
+                    restored = snaps.lookup(key)
                 except Exception as e:      # a snapshot that cannot be restored is a miss, never a failed request
                     log(f"snapshot lookup failed, computing in full: {type(e).__name__}: {e}")
             state = restored.state if restored is not None else self.model.new_state()
             cached = restored.n_tokens if restored is not None else 0
             pos = cached
+            rows = None
+            if img:
+                rows = self._image_rows(img, cached)     # (embeddings, positions) of images not in the snapshot
             # Snapshots inside the prompt (e.g. where the last message ends, before the generation prompt that the
             # next turn renders differently): prefill up to each and keep a copy.
             keep_at = (msg.get("keep_at") or ()) if snaps is not None else ()
             for stop_at in sorted({int(k) for k in keep_at if cached < int(k) < len(ids)}):
-                while pos < stop_at and not cancel.is_set():
-                    end = min(stop_at, pos + self.prefill_chunk)
-                    self.model.forward(ids[pos:end], state, last_only=True)
-                    pos = end
+                pos = self._prefill(ids, state, pos, stop_at, rows, cancel)
                 if cancel.is_set():
                     break
-                snaps.put(ids[:stop_at], state)
+                snaps.put(key[:stop_at], state)
+            if rows is not None:
+                # the image rows go in here; generate() gets only the last prompt token (never an image token)
+                pos = self._prefill(ids, state, pos, len(ids) - 1, rows, cancel)
             self.chan.send({"op": "start", "id": rid, "cached_tokens": cached,
                             "snapshot": restored.source if restored is not None else None})
             p = msg["params"]
@@ -177,7 +189,7 @@ class Worker:
                 finish = "cancelled"
             t_end = time.perf_counter()
             if snaps is not None and state.position > 0:
-                full = ids + out
+                full = key + out
                 snaps.put(full[:state.position], state)
             n_decode = max(len(out) - 1, 0)
             prompt_ms = ((t_first or t_end) - t0) * 1e3
@@ -208,6 +220,56 @@ class Worker:
         finally:
             with self._lock:
                 self.current = None
+
+    def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
+        """Feed ids[pos:end] in chunks; `rows` = (embeddings [K, hidden], absolute positions [K]) of image
+        tokens, whose embeddings replace the token embeddings."""
+        while pos < end and not cancel.is_set():
+            e = min(end, pos + self.prefill_chunk)
+            kw = {}
+            if rows is not None:
+                emb, at = rows
+                sel = (at >= pos) & (at < e)
+                if bool(sel.any()):
+                    kw = dict(image_embeds=emb[sel], image_positions=at[sel] - pos)
+            self.model.forward(ids[pos:e], state, last_only=True, **kw)
+            pos = e
+        return pos
+
+    def _image_layout(self, img: dict, n_ids: int) -> dict:
+        if self.vision is None:
+            raise ValueError("images were sent but this model has no vision tower")
+        grid = [tuple(int(v) for v in g) for g in img["grid_hw"]]
+        positions = [int(p) for p in img["positions"]]
+        counts = [gh * gw // 4 for gh, gw in grid]
+        if sum(counts) != len(positions) or len(img["digests"]) != len(grid):
+            raise ValueError(f"{len(positions)} image positions for images needing {sum(counts)}")
+        if positions and (max(positions) >= n_ids - 1 or min(positions) < 0):
+            raise ValueError("an image token is the last prompt token or outside the prompt")
+        per_image, o = [], 0
+        for c in counts:
+            per_image.append(positions[o:o + c])
+            o += c
+        pv = torch.frombuffer(bytearray(img["pixel_values"]), dtype=torch.float32).reshape(
+            int(img["n_rows"]), int(img["row_size"]))
+        return {"grid": grid, "per_image": per_image, "digests": list(img["digests"]), "pixel_values": pv}
+
+    def _image_rows(self, img: dict, cached: int):
+        """Runs the tower on the images that have a token at or after `cached` (the others are in the snapshot)."""
+        pv, grid = img["pixel_values"], img["grid"]
+        starts, r = [], 0
+        for gh, gw in grid:
+            starts.append(r)
+            r += gh * gw
+        need = [i for i, pos in enumerate(img["per_image"]) if pos and pos[-1] >= cached]
+        if not need:
+            return None
+        sub_pv = torch.cat([pv[starts[i]:starts[i] + grid[i][0] * grid[i][1]] for i in need])
+        sub_grid = torch.tensor([grid[i] for i in need], dtype=torch.long)
+        with torch.inference_mode():
+            emb = torch.cat(list(self.vision(sub_pv, sub_grid)))
+        at = torch.tensor([p for i in need for p in img["per_image"][i]], dtype=torch.long)
+        return emb, at
 
     def stats(self) -> dict:
         acct = self.engine.accounting
@@ -271,6 +333,15 @@ def main(argv=None) -> int:
         return 2
     snaps = None
     try:
+        vision = None
+        if a.model:
+            from nemotron.checkpoint import Checkpoint
+            ckpt = Checkpoint(a.model)
+            mm = ckpt.config.multimodal
+            if mm is not None and mm.get("vision_config"):
+                from nemotron.vision import VisionTower
+                chan.send({"op": "status", "message": "loading the vision tower"})
+                vision = VisionTower.from_checkpoint(ckpt, mm)
         m = engine.store.manifest
         key = model_key(m["config_hash"], m.get("checkpoint_fingerprint", ""), dtype, a.device)
         snaps = SnapshotStore(key, engine.model.new_state, a.device, max_count=a.snapshot_count,
@@ -281,7 +352,7 @@ def main(argv=None) -> int:
             "pid": os.getpid(), "device": a.device, "dtype": a.dtype, "vocab_size": c.vocab_size,
             "eos_token_ids": list(c.eos_token_ids), "model_key": key, "cache_prefix": engine.sup.prefix,
             "cache_child_pids": engine.sup.child_pids(), "snapshots_on_disk": len(snaps.disk)}})
-        Worker(engine, chan, snaps, a.prefill_chunk).serve()
+        Worker(engine, chan, snaps, a.prefill_chunk, vision).serve()
     finally:
         if snaps is not None:
             snaps.close()

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server import errors
 from server.errors import APIError
 from server.metrics import Metrics
+from server.protocol import ImagePart, TextPart
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.tokenizer import TextStream, Tokenizer
 from server.worker_client import QueueFull, WorkerClient, WorkerUnavailable
@@ -32,6 +33,8 @@ class ServerSettings:
     api_key: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)    # defaults under each request's own
     retry_after_s: int = 5
+    allow_image_urls: bool = False      # fetch http(s) image URLs (--allow-image-urls); data URLs always work
+    max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -43,6 +46,14 @@ class ServerState:
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
         gen = _read_json(Path(settings.model_dir) / "generation_config.json")
+        # An Omni / VL checkpoint nests the language model's config; its vision tower makes images possible.
+        self.vision_config = cfg if cfg.get("vision_config") else None
+        cfg = cfg.get("llm_config") or cfg.get("text_config") or cfg if self.vision_config else cfg
+        self.image_geometry = None
+        if self.vision_config is not None:
+            from nemotron import vision_preprocess as vp
+            self.image_geometry = vp.ImageGeometry.from_dict(
+                _read_json(Path(settings.model_dir) / "preprocessor_config.json"))
         self.vocab_size = int(cfg.get("vocab_size", 0))
         max_pos = int(cfg.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(settings.max_model_len or max_pos, max_pos)
@@ -123,7 +134,7 @@ def create_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids, _ = _chat_ids(state, req.messages, req.chat_template_kwargs, None, req.add_generation_prompt)
+            ids, _, _ = _chat_ids(state, req.messages, req.chat_template_kwargs, None, req.add_generation_prompt)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -142,9 +153,10 @@ def create_app(state: ServerState) -> FastAPI:
         _check_unsupported(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
-        ids, keep_at = _chat_ids(state, req.messages, req.chat_template_kwargs, req.tools, True)
+        ids, keep_at, images = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs,
+                                                       req.tools, True)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        gen = _Gen(state, "chat", req, ids, max_tokens, keep_at=keep_at,
+        gen = _Gen(state, "chat", req, ids, max_tokens, keep_at=keep_at, images=images,
                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                    reasoning=True, in_reasoning=tok.starts_in_reasoning(ids))
         return await gen.respond(request)
@@ -213,22 +225,39 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     """The prompt's token ids and where to keep a snapshot: the end of the last message, before the generation
     prompt (the next turn renders the assistant's turn differently, e.g. with its thinking removed, so only the
     text up to there is certain to come back token for token)."""
+    from server import images as im
     tok = state.tokenizer
-    msgs = []
+    msgs, encoded = [], []
     for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
-            d["content"] = "".join(p.text for p in m.content)
+            urls = [p.url for p in m.content if isinstance(p, ImagePart)]
+            if not urls:
+                d["content"] = "".join(p.text for p in m.content)
+            else:
+                if state.vision_config is None:
+                    raise APIError(400, f"this model ({state.settings.model_name}) has no vision tower: image "
+                                        "inputs are not supported", param="messages", code="invalid_image")
+                # the template renders each image part as <image>, in order
+                d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
+                                {"type": "image_url", "image_url": {"url": ""}} for p in m.content]
+                encoded += [im.fetch(u, state.settings.allow_image_urls) for u in urls]
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
+    images = None
+    expand = lambda text: text      # noqa: E731
+    if encoded:
+        geom = state.image_geometry
+        pv, grid, digests = im.preprocess([im.decode(b, state.settings.max_image_pixels) for b in encoded], geom)
+        expand = lambda text: im.expand(text, grid, geom)   # noqa: E731
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
         text = tok.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
-        ids = tok.encode(text)
+        ids = tok.encode(expand(text))
         keep_at = []
         if add_generation_prompt:
-            base = tok.encode(tok.render_chat(msgs, False, tools, template_kwargs))
+            base = tok.encode(expand(tok.render_chat(msgs, False, tools, template_kwargs)))
             if 0 < len(base) < len(ids) and ids[:len(base)] == base:
                 keep_at = [len(base)]
     except APIError:
@@ -236,7 +265,17 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
-    return ids, keep_at
+    if encoded:
+        from nemotron.vision_prompt import image_token_id
+        from nemotron import vision_preprocess as vp
+        tid = image_token_id(state.vision_config)
+        positions = [i for i, t in enumerate(ids) if t == tid]
+        want = sum(vp.image_token_count(g, geom) for g in grid)
+        if len(positions) != want:
+            raise APIError(400, f"the prompt has {len(positions)} {vp.IMAGE_TOKEN} tokens where the images need "
+                                f"{want} (does a text part contain a literal {vp.IMAGE_TOKEN}?)", param="messages")
+        images = im.ImageInputs(pv, grid, positions, digests)
+    return ids, keep_at, images
 
 
 # ------------------------------------------------------------------------------------------------ one generation
@@ -246,8 +285,9 @@ class _ClientGone(Exception):
 
 class _Gen:
     def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
-                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None):
+                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None):
         self.state, self.kind, self.req, self.ids = state, kind, req, ids
+        self.images = images
         self.tok = state.tokenizer
         self.logprobs = logprobs
         self.echo = echo
@@ -286,6 +326,8 @@ class _Gen:
     def submit(self) -> None:
         msg = {"prompt_ids": self.ids, "params": self.params, "logprobs": self.logprobs, "keep_at": self.keep_at,
                "use_snapshots": bool(self.req.cache_prompt)}
+        if self.images is not None:
+            msg["images"] = self.images.message()
         try:
             self.job = self.state.client.submit(msg)
         except QueueFull as e:

@@ -19,9 +19,26 @@ class TextPart(_Base):
     text: str
 
 
+class ImageURL(_Base):
+    url: str
+    detail: Optional[str] = None
+
+
+class ImagePart(_Base):
+    type: Literal["image_url"]
+    image_url: Union[ImageURL, str]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
+    content: Optional[Union[str, list[ContentPart]]] = None
     reasoning_content: Optional[str] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None

@@ -1,0 +1,134 @@
+"""Image content parts of chat requests: fetch (data URLs; http(s) only with `--allow-image-urls`; local files
+never), decode with limits, preprocess as transformers' processor does (`nemotron.vision_preprocess`), and build
+the prompt's image-token expansion. Every problem is an `APIError` 400 that says what is wrong."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nemotron import vision_preprocess as vp
+from server.errors import APIError
+
+# Pillow format names we accept, and the data-URL media types that name them.
+SUPPORTED_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp"}
+DEFAULT_MAX_PIXELS = 50_000_000
+MAX_URL_BYTES = 64 << 20
+
+
+@dataclass
+class ImageInputs:
+    """What the compute process needs: pixel values of all images (rows in image order), their grids, the
+    positions of their `<image>` tokens in the prompt (flat, in order) and a digest of each image."""
+    pixel_values: torch.Tensor      # (sum of patches, 3*P*P) fp32
+    grid_hw: list[list[int]]
+    positions: list[int]
+    digests: list[str]
+
+    def message(self) -> dict:
+        return {"pixel_values": self.pixel_values.contiguous().numpy().astype("<f4").tobytes(),
+                "n_rows": int(self.pixel_values.shape[0]), "row_size": int(self.pixel_values.shape[1]),
+                "grid_hw": self.grid_hw, "positions": self.positions, "digests": self.digests}
+
+
+def _bad(msg: str) -> APIError:
+    return APIError(400, msg, param="messages", code="invalid_image")
+
+
+def fetch(url: str, allow_urls: bool) -> bytes:
+    """The encoded bytes behind an `image_url`."""
+    if not isinstance(url, str) or not url:
+        raise _bad("an image_url part needs a url")
+    low = url[:16].lower()
+    if low.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        media = header[5:].split(";")[0].strip().lower()
+        if not sep or not header.lower().endswith(";base64"):
+            raise _bad("image data URLs must be base64 (data:image/png;base64,...)")
+        if media and media not in MEDIA_TYPES:
+            raise _bad(f"unsupported image type {media!r} in the data URL; supported: "
+                       f"{', '.join(sorted(MEDIA_TYPES))}")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise _bad(f"the image data URL is not valid base64 ({e})") from e
+    if low.startswith(("http://", "https://")):
+        if not allow_urls:
+            raise _bad("image URLs (http/https) are disabled on this server; send the image as a base64 data URL "
+                       "(data:image/png;base64,...) or start the server with --allow-image-urls")
+        import httpx
+        try:
+            with httpx.stream("GET", url, timeout=30, follow_redirects=True) as r:
+                if r.status_code != 200:
+                    raise _bad(f"fetching the image URL gave HTTP {r.status_code}")
+                buf = bytearray()
+                for chunk in r.iter_bytes():
+                    buf += chunk
+                    if len(buf) > MAX_URL_BYTES:
+                        raise _bad(f"the image at the URL is larger than {MAX_URL_BYTES >> 20} MiB")
+                return bytes(buf)
+        except httpx.HTTPError as e:
+            raise _bad(f"the image URL could not be fetched: {type(e).__name__}: {e}") from e
+    if low.startswith("file:") or url.startswith(("/", ".", "~")) or (len(url) > 2 and url[1:3] in (":\\", ":/")):
+        raise _bad("local files are never read; send the image as a base64 data URL (data:image/png;base64,...)")
+    raise _bad(f"unsupported image URL scheme in {url[:24]!r}...; send a base64 data URL "
+               "(data:image/png;base64,...)")
+
+
+def decode(data: bytes, max_pixels: int) -> torch.Tensor:
+    """Encoded bytes -> uint8 (3, H, W), after checking the format and the pixel count from the header."""
+    from PIL import Image, UnidentifiedImageError
+    if not data:
+        raise _bad("the image is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt, (w, h) = im.format, im.size
+    except Image.DecompressionBombError as e:
+        raise _bad(f"the image has too many pixels ({e})") from e
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise _bad(f"the image could not be decoded: not a recognized image format ({type(e).__name__})") from e
+    if fmt not in SUPPORTED_FORMATS:
+        raise _bad(f"unsupported image format {fmt}; supported: {', '.join(sorted(SUPPORTED_FORMATS))}")
+    if w * h > max_pixels:
+        raise _bad(f"the image is {w}x{h} = {w * h} pixels, over this server's limit of {max_pixels} pixels "
+                   "(--max-image-pixels)")
+    try:
+        return vp.decode_image(data)
+    except Image.DecompressionBombError as e:
+        raise _bad(f"the image has too many pixels ({e})") from e
+    except Exception as e:
+        raise _bad(f"the {fmt} image could not be decoded ({type(e).__name__}: {e})") from e
+
+
+def digest(pixel_values: torch.Tensor, grid) -> str:
+    h = hashlib.sha256(np.asarray(grid, dtype="<i8").tobytes())
+    h.update(pixel_values.contiguous().numpy().astype("<f4").tobytes())
+    return h.hexdigest()
+
+
+def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torch.Tensor, list[list[int]], list[str]]:
+    try:
+        pv, grid = vp.preprocess(images, geom)
+    except ValueError as e:
+        raise _bad(f"the image cannot be used: {e}") from e
+    grid = grid.tolist()
+    out, row = [], 0
+    for g in grid:
+        n = g[0] * g[1]
+        out.append(digest(pv[row:row + n], g))
+        row += n
+    return pv, grid, out
+
+
+def expand(text: str, grid, geom: vp.ImageGeometry) -> str:
+    from nemotron.vision_prompt import expand_image_tokens
+    try:
+        return expand_image_tokens(text, grid, geom)
+    except ValueError as e:
+        raise _bad(f"{e} (does a text part contain a literal {vp.IMAGE_TOKEN}?)") from e
