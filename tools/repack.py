@@ -176,6 +176,10 @@ def make_plan(model_dir, dense_shard_bytes: int = DENSE_SHARD_BYTES) -> Plan:
     infos: dict[str, TensorInfo] = {}
     for shard in sorted({ckpt.shard_of(n) for n in ckpt.tensor_names()}):
         infos.update(read_safetensors_header(shard))
+    # An Omni / VL checkpoint stores the language model under a prefix; the store keeps the names the
+    # engine reads (Checkpoint's served names), so a store is the same for a text and a VL checkpoint.
+    served_of = {ckpt.stored_name(n): n for n in ckpt.tensor_names()}
+    infos = {served_of.get(n, n): info for n, info in infos.items()}
     for name in ckpt.tensor_names():
         if name not in infos:
             raise RepackError(f"{ckpt.shard_of(name)}: tensor {name} is listed in the index but not in the shard")
