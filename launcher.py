@@ -131,6 +131,9 @@ def preflight(a, cache_bytes: int, dense_bytes: int, snapshot_bytes: int) -> lis
                             ": use a GPU with more memory, or --device cpu")
         if free is None:
             log("note: nvidia-smi did not answer; VRAM not checked")
+        # the budget the compute process divides (dense part, then the VRAM tier of hot experts): --vram-gb, else
+        # what is free less 1 GiB for the CUDA context and libraries' workspaces (outside torch's allocator)
+        a.vram_budget = int(a.vram_gb * GiB) if a.vram_gb else (max(free - GiB, 0) if free is not None else None)
     return problems
 
 
@@ -142,7 +145,8 @@ def parse_args(argv=None):
     ap.add_argument("--store", help="expert store directory (default: MODEL.moestream-store, made on first start)")
     ap.add_argument("--cache-gb", type=float, default=4.0,
                     help="RAM cache of expert blocks in /dev/shm, GiB (fractions allowed; capped at the store size)")
-    ap.add_argument("--vram-gb", type=float, default=None, help="GPU memory budget, GiB (default: what is free)")
+    ap.add_argument("--vram-gb", type=float, default=None, help="GPU memory budget, GiB: the dense part, then hot experts in a VRAM tier "
+                    "(default: what is free less 1 GiB)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU)")
@@ -244,7 +248,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         io_workers=a.io_workers, device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, threads=a.threads,
         snapshot_dir=a.snapshot_dir, snapshot_count=a.snapshots, snapshot_ram_bytes=snapshot_bytes,
         snapshot_disk_count=a.snapshot_disk_count,
-        vram_bytes=int(a.vram_gb * GiB) if a.vram_gb else None), max_queue=a.max_queue, log=log)
+        vram_bytes=getattr(a, "vram_budget", None)), max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
     state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),

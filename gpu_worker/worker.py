@@ -69,7 +69,7 @@ class Channel:
 
 class Worker:
     def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None):
-        """vision: a `nemotron.vision.VisionTower` (CPU, fp32) for an Omni / VL checkpoint, else None."""
+        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None."""
         self.engine, self.model, self.chan = engine, engine.model, chan
         self.vision = vision
         self.snaps = snapshots
@@ -288,6 +288,36 @@ class Worker:
         return out
 
 
+def load_vision(model_dir, device, dtype, chan=None):
+    """(tower, device bytes to keep free for its activations) for an Omni / VL checkpoint, else (None, 0).
+
+    On a GPU the tower's weights stay in pinned host memory and stream to two device slots block by block
+    (`gpu_worker.weight_stream`); on the CPU they are used in place."""
+    if not model_dir:
+        return None, 0
+    import json
+    from pathlib import Path
+
+    from nemotron.checkpoint import Checkpoint
+    ckpt = Checkpoint(model_dir)
+    mm = ckpt.config.multimodal
+    if mm is None or not mm.get("vision_config"):
+        return None, 0
+    from nemotron.vision import VisionTower
+    from nemotron.vision_preprocess import ImageGeometry
+    if chan is not None:
+        chan.send({"op": "status", "message": "loading the vision tower"})
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        from gpu_worker.weight_stream import StreamedWeights
+        tower = VisionTower.from_checkpoint(ckpt, mm, dtype=dtype, device=device, holder=StreamedWeights)
+    else:
+        tower = VisionTower.from_checkpoint(ckpt, mm, dtype=dtype, device=device)
+    pre = Path(model_dir) / "preprocessor_config.json"
+    geom = ImageGeometry.from_dict(json.loads(pre.read_text())) if pre.exists() else ImageGeometry()
+    return tower, tower.activation_bytes(geom.max_num_patches or 13312) if cuda else 0
+
+
 def _die_with_parent() -> None:
     """The launcher's death ends this process too (the socket's EOF does as well; this covers a stuck read)."""
     try:
@@ -324,8 +354,11 @@ def main(argv=None) -> int:
     from gpu_worker.snapshots import SnapshotStore, model_key
     dtype = DTYPES[a.dtype]
     try:
+        # the tower first: its device slots then count as used when the VRAM tier is sized from the budget
+        vision, vision_reserve = load_vision(a.model, a.device, dtype, chan)
+        reserve = (512 << 20) + vision_reserve
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
-                                 dtype=dtype, model_dir=a.model,
+                                 dtype=dtype, model_dir=a.model, vram_reserve_bytes=reserve,
                                  vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())
@@ -333,15 +366,6 @@ def main(argv=None) -> int:
         return 2
     snaps = None
     try:
-        vision = None
-        if a.model:
-            from nemotron.checkpoint import Checkpoint
-            ckpt = Checkpoint(a.model)
-            mm = ckpt.config.multimodal
-            if mm is not None and mm.get("vision_config"):
-                from nemotron.vision import VisionTower
-                chan.send({"op": "status", "message": "loading the vision tower"})
-                vision = VisionTower.from_checkpoint(ckpt, mm)
         m = engine.store.manifest
         key = model_key(m["config_hash"], m.get("checkpoint_fingerprint", ""), dtype, a.device)
         snaps = SnapshotStore(key, engine.model.new_state, a.device, max_count=a.snapshot_count,

@@ -93,42 +93,100 @@ def _expect(ckpt, name, shape, dtype):
         raise VisionError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if not t.is_floating_point():
         raise VisionError(f"{name} has dtype {t.dtype}, expected a float tensor (vision weights are never quantized)")
-    return t.to(dtype)
+    return t.to(dtype) if dtype is not None else t
 
 
-class VisionBlock:
-    """Pre-norm ViT block: LayerNorm, fused qkv with bias, attention, proj; LayerNorm, fc1, exact GELU, fc2."""
+# ------------------------------------------------------------------------------------------------- stages
+# The tower's weights as a list of *stages*, each a dict of tensors used together and then not again in
+# one pass: the embedder, each ViT block, the projector's norms, then the projector's two matrices cut by
+# output rows into pieces no larger than a block. One pass uses the stages in order, so a holder can keep
+# them all on the device (`ResidentWeights`) or stream them through two device slots
+# (`gpu_worker.weight_stream.StreamedWeights`); both give the same tensors to the same code.
 
-    def __init__(self, ckpt, cfg: VisionConfig, i: int, dtype):
-        p, h, m = f"{TOWER}blocks.{i}.", cfg.hidden_size, cfg.mlp_hidden
-        g = lambda name, shape: _expect(ckpt, p + name, shape, dtype)  # noqa: E731
-        self.cfg = cfg
-        self.norm1_w, self.norm1_b = g("norm1.weight", (h,)), g("norm1.bias", (h,))
-        self.qkv_w, self.qkv_b = g("attn.qkv.weight", (3 * h, h)), g("attn.qkv.bias", (3 * h,))
-        self.proj_w, self.proj_b = g("attn.proj.weight", (h, h)), g("attn.proj.bias", (h,))
-        self.norm2_w, self.norm2_b = g("norm2.weight", (h,)), g("norm2.bias", (h,))
-        self.fc1_w, self.fc1_b = g("mlp.fc1.weight", (m, h)), g("mlp.fc1.bias", (m,))
-        self.fc2_w, self.fc2_b = g("mlp.fc2.weight", (h, m)), g("mlp.fc2.bias", (h,))
-        # C-RADIO has no layer scale; transformers' save_pretrained writes identity ones (layer_scale*.lambda1)
-        # and timm checkpoints would name them ls*.gamma: applied when present
-        self.ls1 = self.ls2 = None
-        for a, b in (("layer_scale1.lambda1", "layer_scale2.lambda1"), ("ls1.gamma", "ls2.gamma")):
-            if ckpt.has(p + a):
-                self.ls1, self.ls2 = g(a, (h,)), g(b, (h,))
+def block_tensors(ckpt, cfg: VisionConfig, i: int, dtype) -> dict[str, torch.Tensor]:
+    p, h, m = f"{TOWER}blocks.{i}.", cfg.hidden_size, cfg.mlp_hidden
+    shapes = {"norm1.weight": (h,), "norm1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+              "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "norm2.weight": (h,), "norm2.bias": (h,),
+              "mlp.fc1.weight": (m, h), "mlp.fc1.bias": (m,), "mlp.fc2.weight": (h, m), "mlp.fc2.bias": (h,)}
+    w = {k: _expect(ckpt, p + k, s, dtype) for k, s in shapes.items()}
+    # C-RADIO has no layer scale; transformers' save_pretrained writes identity ones (layer_scale*.lambda1)
+    # and timm checkpoints would name them ls*.gamma: applied when present
+    for a, b in (("layer_scale1.lambda1", "layer_scale2.lambda1"), ("ls1.gamma", "ls2.gamma")):
+        if ckpt.has(p + a):
+            w["ls1"], w["ls2"] = _expect(ckpt, p + a, (h,), dtype), _expect(ckpt, p + b, (h,), dtype)
+    return w
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (N, hidden), one image's sequence."""
-        cfg = self.cfg
-        n = x.shape[0]
-        y = F.layer_norm(x, (cfg.hidden_size,), self.norm1_w, self.norm1_b, cfg.layer_norm_eps)
-        q, k, v = F.linear(y, self.qkv_w, self.qkv_b).chunk(3, dim=-1)
-        q, k, v = (t.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v)       # memory-efficient on CUDA; no mask within an image
-        a = F.linear(a.transpose(0, 1).reshape(n, cfg.hidden_size), self.proj_w, self.proj_b)
-        x = x + (a * self.ls1 if self.ls1 is not None else a)
-        y = F.layer_norm(x, (cfg.hidden_size,), self.norm2_w, self.norm2_b, cfg.layer_norm_eps)
-        y = F.linear(F.gelu(F.linear(y, self.fc1_w, self.fc1_b)), self.fc2_w, self.fc2_b)
-        return x + (y * self.ls2 if self.ls2 is not None else y)
+
+def _row_pieces(n_rows: int, row_bytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    per = max(1, max_bytes // max(1, row_bytes))
+    return [(r, min(n_rows, r + per)) for r in range(0, n_rows, per)]
+
+
+def tower_stages(ckpt, cfg: VisionConfig, dtype, max_stage_bytes: int | None = None) -> list[dict]:
+    """[embed, block 0 .. block L-1, projector norms, W1 pieces..., W2 pieces...] as CPU tensors in `dtype`
+    (the position table keeps its stored float type: it is resized in fp32)."""
+    h = cfg.hidden_size
+    stages = [{"embedder": _expect(ckpt, TOWER + "patch_generator.embedder.weight", (h, cfg.patch_dim), dtype),
+               "pos_table": _expect(ckpt, TOWER + "patch_generator.pos_embed", (1, cfg.table_side ** 2, h), None),
+               "prefix": _expect(ckpt, TOWER + "patch_generator.cls_token.token", (cfg.num_prefix_tokens, h),
+                                 dtype)}]
+    stages += [block_tensors(ckpt, cfg, i, dtype) for i in range(cfg.num_layers)]
+    cat = cfg.merge_size ** 2 * h
+    norms = {"proj_norm": _expect(ckpt, PROJECTOR + "0.weight", (cat,), dtype)}
+    if cfg.has_final_norm:
+        norms["final_norm.weight"] = _expect(ckpt, FINAL_NORM + "weight", (h,), dtype)
+        norms["final_norm.bias"] = _expect(ckpt, FINAL_NORM + "bias", (h,), dtype)
+    stages.append(norms)
+    limit = max_stage_bytes or max(sum(t.nbytes for t in s.values()) for s in stages)
+    w1 = _expect(ckpt, PROJECTOR + "1.weight", (cfg.projector_hidden, cat), dtype)
+    w2 = _expect(ckpt, PROJECTOR + "3.weight", (cfg.out_hidden, cfg.projector_hidden), dtype)
+    stages += [{"w1": w1[a:b].contiguous()} for a, b in _row_pieces(w1.shape[0], w1[0].nbytes, limit)]
+    stages += [{"w2": w2[a:b].contiguous()} for a, b in _row_pieces(w2.shape[0], w2[0].nbytes, limit)]
+    return stages
+
+
+class ResidentWeights:
+    """Every stage on the device for the process's life."""
+
+    def __init__(self, stages: list[dict], device):
+        self.stages = [{k: t.to(device) for k, t in s.items()} for s in stages]
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        return self.stages[i]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for s in self.stages for t in s.values())
+
+
+# ------------------------------------------------------------------------------------------------- math
+MLP_ROWS = 4096       # the MLP runs on at most this many tokens at a time (its hidden is 4x the width)
+POS_CHANNELS = 256    # the position table is resized this many channels at a time (fp32, up to side^2 each)
+
+
+def block_forward(cfg: VisionConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm ViT block on one image's sequence x (N, hidden): LayerNorm, fused qkv with bias, attention,
+    proj; LayerNorm, fc1, exact GELU, fc2."""
+    n, h = x.shape[0], cfg.hidden_size
+    y = F.layer_norm(x, (h,), w["norm1.weight"], w["norm1.bias"], cfg.layer_norm_eps)
+    q, k, v = F.linear(y, w["attn.qkv.weight"], w["attn.qkv.bias"]).chunk(3, dim=-1)
+    q, k, v = (t.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v)       # memory-efficient on CUDA; no mask within an image
+    del q, k, v
+    a = F.linear(a.transpose(0, 1).reshape(n, h), w["attn.proj.weight"], w["attn.proj.bias"])
+    x = x + (a * w["ls1"] if "ls1" in w else a)
+    del a
+    out = torch.empty_like(x)
+    for r in range(0, n, MLP_ROWS):
+        xr = x[r:r + MLP_ROWS]
+        y = F.layer_norm(xr, (h,), w["norm2.weight"], w["norm2.bias"], cfg.layer_norm_eps)
+        y = F.linear(F.gelu(F.linear(y, w["mlp.fc1.weight"], w["mlp.fc1.bias"])), w["mlp.fc2.weight"],
+                     w["mlp.fc2.bias"])
+        out[r:r + MLP_ROWS] = xr + (y * w["ls2"] if "ls2" in w else y)
+    return out
 
 
 def pixel_shuffle(features: torch.Tensor, gh: int, gw: int, m: int = 2) -> torch.Tensor:
@@ -138,71 +196,124 @@ def pixel_shuffle(features: torch.Tensor, gh: int, gw: int, m: int = 2) -> torch
     return f.reshape((gh // m) * (gw // m), m * m * c)
 
 
+def resize_position_table(table: torch.Tensor, side: int, gh: int, gw: int, dtype) -> torch.Tensor:
+    """(gh*gw, hidden): the (1, side^2, hidden) table resized in fp32 to a square of the longer grid side, then
+    its top-left gh x gw. Channels are independent, so it runs a slice of them at a time (bounded memory)."""
+    t = table.reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    n = max(gh, gw)
+    out = torch.empty(gh * gw, t.shape[1], dtype=dtype, device=table.device)
+    for c in range(0, t.shape[1], POS_CHANNELS):
+        r = F.interpolate(t[:, c:c + POS_CHANNELS].float(), size=(n, n), mode=POS_TABLE_MODE, align_corners=False)
+        out[:, c:c + POS_CHANNELS] = r[0, :, :gh, :gw].flatten(1).transpose(0, 1)
+    return out
+
+
 class VisionTower:
-    def __init__(self, ckpt, cfg: VisionConfig, dtype=torch.float32):
-        h = cfg.hidden_size
-        self.cfg, self.dtype = cfg, dtype
-        self.embedder = _expect(ckpt, TOWER + "patch_generator.embedder.weight", (h, cfg.patch_dim), dtype)
-        self.pos_table = _expect(ckpt, TOWER + "patch_generator.pos_embed", (1, cfg.table_side ** 2, h), torch.float32)
-        self.prefix = _expect(ckpt, TOWER + "patch_generator.cls_token.token", (cfg.num_prefix_tokens, h), dtype)
-        self.blocks = [VisionBlock(ckpt, cfg, i, dtype) for i in range(cfg.num_layers)]
-        self.final_norm = None
-        if cfg.has_final_norm:
-            self.final_norm = (_expect(ckpt, FINAL_NORM + "weight", (h,), dtype),
-                               _expect(ckpt, FINAL_NORM + "bias", (h,), dtype))
-        cat = cfg.merge_size ** 2 * h
-        self.proj_norm = _expect(ckpt, PROJECTOR + "0.weight", (cat,), dtype)
-        self.proj_w1 = _expect(ckpt, PROJECTOR + "1.weight", (cfg.projector_hidden, cat), dtype)
-        self.proj_w2 = _expect(ckpt, PROJECTOR + "3.weight", (cfg.out_hidden, cfg.projector_hidden), dtype)
+    """The tower and projector over a weights holder (`ResidentWeights` by default, or a streamed one)."""
+
+    POS_CACHE = 4        # position embeddings kept per grid (device memory: up to gh*gw*hidden each)
+
+    def __init__(self, cfg: VisionConfig, weights, dtype=torch.float32):
+        self.cfg, self.weights, self.dtype = cfg, weights, dtype
         self._pos_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
-    def from_checkpoint(cls, ckpt, model_config: dict, dtype=torch.float32) -> "VisionTower":
-        return cls(ckpt, VisionConfig.from_checkpoint(ckpt, model_config), dtype)
+    def from_checkpoint(cls, ckpt, model_config: dict, dtype=torch.float32, device="cpu", holder=ResidentWeights,
+                        max_stage_bytes: int | None = None) -> "VisionTower":
+        """holder(stages, device) keeps the weights: `ResidentWeights` or `gpu_worker.weight_stream.StreamedWeights`."""
+        cfg = VisionConfig.from_checkpoint(ckpt, model_config)
+        return cls(cfg, holder(tower_stages(ckpt, cfg, dtype, max_stage_bytes), device), dtype)
 
-    def position_embedding(self, gh: int, gw: int) -> torch.Tensor:
-        """(gh*gw, hidden): the table resized (fp32) to a square of the longer side, then its top-left gh x gw."""
+    @property
+    def n_blocks_stage(self) -> range:
+        return range(1, 1 + self.cfg.num_layers)
+
+    def stage(self, i: int) -> dict[str, torch.Tensor]:
+        return self.weights.get(i)
+
+    def position_embedding(self, table: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
         key = (gh, gw)
         if key not in self._pos_cache:
-            s = self.cfg.table_side
-            t = self.pos_table.reshape(1, s, s, -1).permute(0, 3, 1, 2)
-            side = max(gh, gw)
-            t = F.interpolate(t, size=(side, side), mode=POS_TABLE_MODE, align_corners=False)
-            t = t.to(self.dtype)[..., :gh, :gw]
-            self._pos_cache[key] = t.flatten(2)[0].transpose(0, 1).contiguous()
+            if len(self._pos_cache) >= self.POS_CACHE:
+                self._pos_cache.pop(next(iter(self._pos_cache)))
+            self._pos_cache[key] = resize_position_table(table, self.cfg.table_side, gh, gw, self.dtype)
         return self._pos_cache[key]
 
-    def embed(self, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+    def embed(self, w: dict, patches: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
         """(gh*gw, 3*P*P) normalized patches -> (prefix + gh*gw, hidden)."""
-        e = F.linear(patches.to(self.dtype), self.embedder) + self.position_embedding(gh, gw)
-        return torch.cat([self.prefix, e])
+        e = F.linear(patches.to(w["embedder"].device, self.dtype), w["embedder"])
+        e += self.position_embedding(w["pos_table"], gh, gw)
+        return torch.cat([w["prefix"], e])
+
+    @staticmethod
+    def _grids(pixel_values, grid_hw) -> list[tuple[int, int]]:
+        grids = [(int(a), int(b)) for a, b in torch.as_tensor(grid_hw).tolist()]
+        if sum(gh * gw for gh, gw in grids) != pixel_values.shape[0]:
+            raise VisionError(f"pixel_values holds {pixel_values.shape[0]} patches, image_grid_hw "
+                              f"{sum(gh * gw for gh, gw in grids)}")
+        return grids
 
     def features(self, pixel_values: torch.Tensor, grid_hw) -> list[torch.Tensor]:
-        """The tower: per image its patch features (gh*gw, hidden), prefix tokens dropped."""
-        grids = [(int(a), int(b)) for a, b in torch.as_tensor(grid_hw).tolist()]
-        sizes = [gh * gw for gh, gw in grids]
-        if sum(sizes) != pixel_values.shape[0]:
-            raise VisionError(f"pixel_values holds {pixel_values.shape[0]} patches, image_grid_hw {sum(sizes)}")
-        hs = [self.embed(p, gh, gw) for p, (gh, gw) in zip(pixel_values.split(sizes), grids)]
-        for block in self.blocks:
-            hs = [block(h) for h in hs]
+        """The tower: per image its patch features (gh*gw, hidden), prefix tokens dropped. Images run as
+        separate sequences with the blocks in the outer loop (each block's weights serve every image)."""
+        grids = self._grids(pixel_values, grid_hw)
+        w = self.stage(0)
+        hs = [self.embed(w, p, gh, gw) for p, (gh, gw) in zip(pixel_values.split([a * b for a, b in grids]), grids)]
+        for i in self.n_blocks_stage:
+            w = self.stage(i)
+            hs = [block_forward(self.cfg, w, h) for h in hs]
         return [h[self.cfg.num_prefix_tokens:] for h in hs]
 
-    def project(self, features: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
-        """One image's features -> its (gh*gw/4, LM hidden) embeddings for the `<image>` positions."""
+    def project(self, features: list[torch.Tensor], grids) -> list[torch.Tensor]:
+        """Per image its features -> its (gh*gw/4, LM hidden) embeddings for the `<image>` positions."""
         cfg = self.cfg
-        if gh % cfg.merge_size or gw % cfg.merge_size:
-            raise VisionError(f"grid {gh}x{gw} is not a multiple of the merge size {cfg.merge_size}")
-        if self.final_norm is not None:
-            features = F.layer_norm(features, (cfg.hidden_size,), *self.final_norm, cfg.layer_norm_eps)
-        s = pixel_shuffle(features, gh, gw, cfg.merge_size)
-        # RMSNorm in fp32 with the weight multiplied before the cast back, as transformers does
-        s32 = s.float()
-        s32 = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + cfg.projector_eps)
-        s = (self.proj_norm.float() * s32).to(self.dtype)
-        return F.linear(torch.relu(F.linear(s, self.proj_w1)).square(), self.proj_w2)
+        for gh, gw in grids:
+            if gh % cfg.merge_size or gw % cfg.merge_size:
+                raise VisionError(f"grid {gh}x{gw} is not a multiple of the merge size {cfg.merge_size}")
+        i = 1 + cfg.num_layers
+        w = self.stage(i)
+        merged = []
+        for f, (gh, gw) in zip(features, grids):
+            if "final_norm.weight" in w:
+                f = F.layer_norm(f, (cfg.hidden_size,), w["final_norm.weight"], w["final_norm.bias"],
+                                 cfg.layer_norm_eps)
+            s = pixel_shuffle(f, gh, gw, cfg.merge_size)
+            # RMSNorm in fp32 with the weight multiplied before the cast back, as transformers does
+            s32 = s.float()
+            s32 = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + cfg.projector_eps)
+            merged.append((w["proj_norm"].float() * s32).to(self.dtype))
+        mids = [torch.empty(m.shape[0], cfg.projector_hidden, dtype=self.dtype, device=m.device) for m in merged]
+        outs = [torch.empty(m.shape[0], cfg.out_hidden, dtype=self.dtype, device=m.device) for m in merged]
+        r = 0
+        while r < cfg.projector_hidden:
+            i += 1
+            w1 = self.stage(i)["w1"]
+            for s, mid in zip(merged, mids):
+                mid[:, r:r + w1.shape[0]] = torch.relu(F.linear(s, w1)).square()
+            r += w1.shape[0]
+        r = 0
+        while r < cfg.out_hidden:
+            i += 1
+            w2 = self.stage(i)["w2"]
+            for mid, out in zip(mids, outs):
+                out[:, r:r + w2.shape[0]] = F.linear(mid, w2)
+            r += w2.shape[0]
+        return outs
 
     def __call__(self, pixel_values: torch.Tensor, grid_hw) -> list[torch.Tensor]:
         """Normalized patches of one request's images -> per image its projected embeddings."""
-        grids = [(int(a), int(b)) for a, b in torch.as_tensor(grid_hw).tolist()]
-        return [self.project(f, gh, gw) for f, (gh, gw) in zip(self.features(pixel_values, grid_hw), grids)]
+        grids = self._grids(pixel_values, grid_hw)
+        return self.project(self.features(pixel_values, grid_hw), grids)
+
+    def activation_bytes(self, n_patches: int) -> int:
+        """An upper estimate of the device memory one image of n_patches needs beyond the weights: the residual
+        stream, qkv, attention output, one MLP slice, the resized position table slice and the projector's
+        intermediates, in the compute dtype (fp32 for the table slice and the RMSNorm)."""
+        c, e = self.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        n = n_patches + c.num_prefix_tokens
+        side = math.isqrt(n_patches) + 1
+        block = n * c.hidden_size * e * 7 + min(n, MLP_ROWS) * c.mlp_hidden * e * 2
+        table = side * side * POS_CHANNELS * 4 * 2 + n_patches * c.hidden_size * e * 2
+        proj = n_patches // c.merge_size ** 2 * (c.merge_size ** 2 * c.hidden_size * (4 + e)
+                                                    + c.projector_hidden * e * 2 + c.out_hidden * e)
+        return max(block, table, proj) + n * c.hidden_size * e * 2

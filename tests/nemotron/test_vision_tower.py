@@ -121,9 +121,10 @@ def test_twin_qkv_order_swapped(setup):
     tower, pv, grid, ref = twin_diff(setup)
     assert worst(tower(pv, grid), ref) < ATOL * 10
     h = tower.cfg.hidden_size
-    for b in tower.blocks:       # read the fused rows as k, q, v
-        b.qkv_w = torch.cat([b.qkv_w[h:2 * h], b.qkv_w[:h], b.qkv_w[2 * h:]])
-        b.qkv_b = torch.cat([b.qkv_b[h:2 * h], b.qkv_b[:h], b.qkv_b[2 * h:]])
+    for i in tower.n_blocks_stage:       # read the fused rows as k, q, v
+        b = tower.weights.stages[i]
+        for k in ("attn.qkv.weight", "attn.qkv.bias"):
+            b[k] = torch.cat([b[k][h:2 * h], b[k][:h], b[k][2 * h:]])
     assert worst(tower(pv, grid), ref) > 1e-2
 
 
@@ -138,8 +139,8 @@ def test_twin_position_table_resized_to_grid_not_cropped(setup):
     tower, pv, grid, ref = twin_diff(setup)
     s = tower.cfg.table_side
 
-    def stretched(gh, gw):
-        t = tower.pos_table.reshape(1, s, s, -1).permute(0, 3, 1, 2)
+    def stretched(table, gh, gw):
+        t = table.reshape(1, s, s, -1).permute(0, 3, 1, 2)
         t = torch.nn.functional.interpolate(t, size=(gh, gw), mode="bilinear", align_corners=False)
         return t.flatten(2)[0].transpose(0, 1)
     tower.position_embedding = stretched
@@ -165,9 +166,9 @@ def test_twin_prefix_tokens_given_positions(setup, monkeypatch):
     tower, pv, grid, ref = twin_diff(setup, GRIDS_ONE)
     orig = tower.embed
 
-    def embed(patches, gh, gw):
-        h = orig(patches, gh, gw)
-        return h + torch.cat([tower.position_embedding(gh, gw)[: tower.cfg.num_prefix_tokens],
+    def embed(w, patches, gh, gw):
+        h = orig(w, patches, gh, gw)
+        return h + torch.cat([tower.position_embedding(w["pos_table"], gh, gw)[: tower.cfg.num_prefix_tokens],
                               torch.zeros_like(h[tower.cfg.num_prefix_tokens:])])
     tower.embed = embed
     assert worst(tower(pv, grid), ref) > 1e-2

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call, several experiments, each under its own time limit; everything lands in $OUT.
+#   STEPS="vision check e2e profile omni" (default: all), MOE_LAYERS, E2E_ARGS, E2E_TIMEOUT as in gpu_e2e.sh.
+# Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl build/gpuwheels/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
+mount -o remount,size=100G /dev/shm 2>/dev/null || true
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } > "$OUT/env.txt" 2>&1
+STEPS=${STEPS:-vision check e2e profile omni}
+W=/tmp/w; mkdir -p $W
+for s in $STEPS; do
+  t=$(date +%s)
+  case $s in
+    vision) timeout 180 python3 -m bench.vision_tower --out "$OUT/vision.json" > "$OUT/vision.log" 2>&1; tail -6 "$OUT/vision.log";;
+    check)
+      IDS=$(python3 -c 'import random; random.seed(1); print(",".join(str(random.randrange(14, 1000)) for _ in range(30)))')
+      { python3 -m tools.synth --preset tiny --quant nvfp4 --out $W/tiny >/dev/null 2>&1
+        python3 -m tools.repack --model $W/tiny --out $W/tinystore --no-progress >/dev/null 2>&1
+        python3 -m tools.logits --model $W/tiny --ids $IDS --decode 16 --out $W/cpu.npz
+        python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu.npz --stats
+        python3 - <<'PY'
+import numpy as np, torch
+a, b = np.load("/tmp/w/cpu.npz"), np.load("/tmp/w/gpu.npz")
+la, lb = torch.log_softmax(torch.tensor(a["logits"]).double(), -1), torch.log_softmax(torch.tensor(b["logits"]).double(), -1)
+kl = float((la.exp() * (la - lb)).sum(-1).mean())
+g = int((a["greedy"] == b["greedy"]).cumprod(0).sum())
+print(f"GPU streaming (bf16) vs CPU engine (fp32), tiny nvfp4: mean KL {kl:.2e}, greedy agree {g}/{len(a['greedy'])}")
+PY
+      } > "$OUT/check.txt" 2>&1; tail -1 "$OUT/check.txt";;
+    e2e) timeout ${E2E_TIMEOUT:-300} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E_ARGS:-} \
+           --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
+    profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
+    omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
+  esac
+  echo "== $s: rc $? in $(( $(date +%s) - t )) s"
+done
