@@ -27,10 +27,11 @@ class Accounting:
     expert_uses: int = 0
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
-    bytes_over_pcie: int = 0
+    bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
     vram_hits: int = 0
     bytes_from_vram: int = 0
     by_layer_hits: dict = field(default_factory=dict)
+    refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     @property
     def ms_routing_msgs(self) -> float:
@@ -38,6 +39,8 @@ class Accounting:
         return self.ms_waiting_for_router + self.ms_bookkeeping
 
     def per_token(self) -> dict:
+        if self.refresh is not None:
+            self.refresh()
         n = max(self.tokens, 1)
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
@@ -102,6 +105,22 @@ class StreamingExperts:
         self.record = record       # routing trace: callable(moe_index, token, experts, guess, hits)
         self.trace = None
         self._cuda = self.device.type == "cuda"
+        # the Triton kernels read NVFP4 blocks by address (zero-copy from the slab or the VRAM tier); FP8 / BF16
+        # experts run the PyTorch twins, which take U8 tensors on the device
+        self._addressed = self._cuda and self.geom.fmt == "nvfp4"
+        # down groups read over the bus, counted by the sparse-down kernel itself (no launch, no sync)
+        self._down_groups = torch.zeros(1, dtype=torch.int32, device=self.device) if self._addressed else None
+        self._down_groups_seen = 0
+        self.acct.refresh = self._fold_counters
+
+    def _fold_counters(self):
+        if self._down_groups is not None:
+            n = int(self._down_groups)          # int32 wraps after ~2^31 groups: fold before it can
+            self.acct.bytes_over_pcie += (n - self._down_groups_seen) * self.geom.group_bytes
+            self._down_groups_seen = n
+            if n > 1 << 30:
+                self._down_groups.zero_()
+                self._down_groups_seen = 0
 
     # ------------------------------------------------------------------ block handles
     def _dev(self, values: list[int]) -> torch.Tensor:
@@ -112,11 +131,13 @@ class StreamingExperts:
         return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
 
     def _blocks(self, slots: list[int]):
-        """CPU: U8 views of the slots; CUDA: int64 addresses of the mapped slots (zero-copy)."""
-        if self._cuda:
+        """NVFP4 on CUDA: int64 addresses of the mapped slots (zero-copy); CPU: U8 views of the slots; other
+        formats on CUDA: U8 copies on the device (synchronous, so the slot may be released right after)."""
+        if self._addressed:
             base = self.slab.data_ptr()
             return self._dev([base + s * self.slot_bytes for s in slots])
-        return [self.slab[s, :self.geom.block_bytes] for s in slots]
+        views = [self.slab[s, :self.geom.block_bytes] for s in slots]
+        return [v.to(self.device) for v in views] if self._cuda else views
 
     # ------------------------------------------------------------------ ExpertSource
     def apply(self, moe_index, layer, x, experts, weights, guess=None):
@@ -202,17 +223,22 @@ class StreamingExperts:
         return kept
 
     def _vram_blocks(self, vslots: list[int]):
-        if self._cuda:
+        if self._addressed:
             return self._dev([self.vram.address(v) for v in vslots])
         return [self.vram.block(v) for v in vslots]
 
     def _run(self, x, experts, blocks, topk, j, acc, pcie=False):
-        sel = self._dev([topk.position[e] for e in experts])      # positions in this token's top-k
-        idx = topk.experts[sel]
-        w = topk.weights[sel].float()
-        moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w, acc)
-        if pcie and self._cuda:
-            self.acct.bytes_over_pcie += len(experts) * self.geom.up_bytes   # down: only active groups (not counted)
+        pos = [topk.position[e] for e in experts]                  # positions in this token's top-k
+        if pos == list(range(len(topk.position))):                 # all of them, in order: no gather launches
+            idx, w = topk.experts, topk.weights
+        else:
+            sel = self._dev(pos)
+            idx, w = topk.experts[sel], topk.weights[sel]
+        counter = self._down_groups if pcie else None
+        moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w.float(), acc,
+                              down_counter=counter)
+        if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel)
+            self.acct.bytes_over_pcie += len(experts) * (self.geom.up_bytes if self._addressed else self.geom.block_bytes)
 
     def _prefill(self, j, x, experts, weights):
         """Every expert the chunk needs is requested once and applied to all of its tokens as it lands."""
@@ -251,7 +277,7 @@ class StreamingExperts:
         tw = weights[tok, slot].float().contiguous()
         ug, dg = self.up_global[j, e:e + 1], self.down_global[j, e:e + 1]
         block = self._blocks([s])
-        if not self._cuda:
+        if not self._addressed:
             block = block[0]
         y = moe_ops.expert_prefill(x[tok].contiguous(), block, self.geom, ug, dg, tw)
         acc.index_add_(0, tok, y)

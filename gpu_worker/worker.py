@@ -295,16 +295,13 @@ def load_vision(model_dir, device, dtype, chan=None):
     (`gpu_worker.weight_stream`); on the CPU they are used in place."""
     if not model_dir:
         return None, 0
-    import json
-    from pathlib import Path
-
     from nemotron.checkpoint import Checkpoint
     ckpt = Checkpoint(model_dir)
     mm = ckpt.config.multimodal
     if mm is None or not mm.get("vision_config"):
         return None, 0
     from nemotron.vision import VisionTower
-    from nemotron.vision_preprocess import ImageGeometry
+    from nemotron.vision_preprocess import TILED, ImageGeometry
     if chan is not None:
         chan.send({"op": "status", "message": "loading the vision tower"})
     cuda = str(device).startswith("cuda")
@@ -313,9 +310,11 @@ def load_vision(model_dir, device, dtype, chan=None):
         tower = VisionTower.from_checkpoint(ckpt, mm, dtype=dtype, device=device, holder=StreamedWeights)
     else:
         tower = VisionTower.from_checkpoint(ckpt, mm, dtype=dtype, device=device)
-    pre = Path(model_dir) / "preprocessor_config.json"
-    geom = ImageGeometry.from_dict(json.loads(pre.read_text())) if pre.exists() else ImageGeometry()
-    return tower, tower.activation_bytes(geom.max_num_patches or 13312) if cuda else 0
+    geom = ImageGeometry.from_model_dir(model_dir)
+    most = geom.max_num_patches or 13312
+    if geom.scheme == TILED:      # tiles run as separate sequences: the largest is one tile
+        most = (geom.image_size // geom.patch_size) ** 2
+    return tower, tower.activation_bytes(most) if cuda else 0
 
 
 def _die_with_parent() -> None:

@@ -53,19 +53,21 @@ def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global,
 
 
 def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None, backend=None,
-                  up_config=None, down_config=None):
+                  up_config=None, down_config=None, down_counter=None):
     """Routed experts of one token at one MoE layer. x [L]; up/down_global, weights fp32 [k].
 
     CUDA (NVFP4): `blocks` is int64 [k] addresses; one grouped-up launch (ReLU² and group mask fused), one
     sparse-down launch. Elsewhere, or for FP8/BF16 experts: the twin, `blocks` a list of U8 tensors.
     backend='triton' forces the kernels (CPU: under TRITON_INTERPRET=1). The kernel defaults are tuned for
     blocks in the pinned slab; for VRAM-resident blocks pass down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
+    down_counter: int32 [1] on the device, += the down groups the kernel read (Triton path only).
     """
     addressed = isinstance(blocks, torch.Tensor) and blocks.dtype == torch.int64
     if addressed and geom.fmt == "nvfp4" and (x.is_cuda or backend == "triton"):
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
         act, mask = expert_up(x.reshape(-1).contiguous(), blocks, geom, up_global, config=up_config)
-        return sparse_down(act, mask, blocks, geom, down_global, weights, acc, config=down_config)
+        return sparse_down(act, mask, blocks, geom, down_global, weights, acc, config=down_config,
+                           counter=down_counter)
     return expert_decode_torch(x, blocks, geom, up_global, down_global, weights, acc)
 
 

@@ -22,11 +22,11 @@ from kernels.nvfp4 import e2m1_table, fp8_to_float, unpack_codes
 @triton.jit
 def _sparse_down_kernel(
     # tensors
-    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr,
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
     # sizes
     L, I, down_off,
     # config
-    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
 ):
     j = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -55,12 +55,16 @@ def _sparse_down_kernel(
     if n_active > 0:
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0   # 2^14 undoes the fp16 decode
         tl.atomic_add(acc_ptr + o_l, b_acc * coef, mask=m_l)
+        if COUNT:
+            if pid_l == 0:          # groups read (accounting of bytes over the bus): once per group, not per L tile
+                tl.atomic_add(count_ptr, n_active)
 
 
 def sparse_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry,
                 down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor,
-                config: dict | None = None) -> torch.Tensor:
-    """act fp32 [k, I], mask int8 [k, I/16], addrs int64 [k], down_global/weights fp32 [k]; acc fp32 [L] += ."""
+                config: dict | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
+    """act fp32 [k, I], mask int8 [k, I/16], addrs int64 [k], down_global/weights fp32 [k]; acc fp32 [L] += .
+    counter: optional int32 [1] on the device, += the number of groups read (no extra launch)."""
     assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
     L, I = geom.L, geom.I
     k = addrs.numel()
@@ -71,7 +75,10 @@ def sparse_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom
     # (587 vs 840 us) and lost 10 % at 7.5 %; from VRAM 1 per program wins everywhere (pass config=)
     cfg = {**dict(GROUPS_PER_PROG=4, BLOCK_L=block_l, num_warps=4, num_stages=1), **(config or {})}
     grid = (k, triton.cdiv(I // GROUP, cfg["GROUPS_PER_PROG"]), triton.cdiv(L, cfg["BLOCK_L"]))
-    _sparse_down_kernel[grid](act, mask, addrs, down_global, weights, acc, L, I, geom.down_off, **cfg)
+    if counter is not None:
+        assert counter.dtype == torch.int32 and counter.numel() == 1
+    _sparse_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
+                              L, I, geom.down_off, COUNT=counter is not None, **cfg)
     return acc
 
 

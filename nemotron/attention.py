@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention_decode import attention_decode
 from kernels.linear import linear
+from nemotron import mamba
 
 
 class KVCache:
@@ -63,6 +65,10 @@ class Attention:
         cache.append(k, v)
         K = cache.k[: cache.length]                                    # [S, nkv, hd]
         V = cache.v[: cache.length]
+        if T == 1 and mamba.use_fused_decode(h):      # decode: split-K Triton kernel (kernels/attention_decode.py; twin below)
+            out = attention_decode(q[0].contiguous(), K, V, self.scale).reshape(1, self.nq * self.hd)
+            y = linear(out, self.o_proj)
+            return y + self.bias["o"] if "o" in self.bias else y
         rep = self.nq // self.nkv
         qg = q.view(T, self.nkv, rep, self.hd).permute(1, 2, 0, 3)     # [nkv, rep, T, hd]
         scores = torch.einsum("grtd,sgd->grts", qg, K) * self.scale    # [nkv, rep, T, S]

@@ -10,8 +10,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import mamba_step
 from kernels.linear import linear
 from nemotron.norms import gated_group_rms_norm
+
+
+def use_fused_decode(h: torch.Tensor) -> bool:
+    """Decode steps run the Triton kernels on CUDA (tests also force them on the CPU under the interpreter)."""
+    return h.is_cuda
 
 
 class MambaState:
@@ -54,6 +60,8 @@ class Mamba2Mixer:
         T = h.shape[0]
         zxbcdt = linear(h, self.in_proj)
         z, xBC, dt = zxbcdt.split([self.I, self.conv_dim, self.nh], dim=-1)
+        if T == 1 and use_fused_decode(h) and self.dt_min == 0 and not math.isfinite(self.dt_max):
+            return self._step_fused(z, xBC, dt, st)
         xBC = self._conv(xBC, st)
         x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias)
@@ -69,6 +77,16 @@ class Mamba2Mixer:
             y = self._chunk_scan(x, dt, B, C, st)
         y = y + self.D[:, None] * x
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
+        return linear(y.to(self.dtype), self.out_proj)
+
+    def _step_fused(self, z, xBC, dt, st: MambaState) -> torch.Tensor:
+        """Decode on CUDA: the conv step and the selective state update as one Triton launch each, states
+        updated in place (kernels/mamba_step.py; the plain-PyTorch path above is their twin)."""
+        xBC = mamba_step.conv1d_step(st.conv, xBC[0].contiguous(), self.conv_w, self.conv_b)
+        x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N])
+        y = mamba_step.selective_state_update(st.ssm, x.view(self.nh, self.hd), dt[0].contiguous(), self.dt_bias,
+                                              self.A, B.view(self.ng, self.N), C.view(self.ng, self.N), self.D)
+        y = gated_group_rms_norm(y.reshape(1, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
 
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:

@@ -114,11 +114,13 @@ class NemotronH:
         `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
         call's ids, in order): the projector's output for the `<image>` tokens, as transformers'
         `masked_scatter` places it."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)    # on the host unless given on a device
         if ids.numel() == 0:
             raise ValueError("forward needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:   # no device sync for host ids
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        if ids.device != self.device:
+            ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
         x = self.embeddings[ids].to(self.dtype)
         if (image_embeds is None) != (image_positions is None):
             raise ValueError("give image_embeds and image_positions together")

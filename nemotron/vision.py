@@ -173,10 +173,12 @@ def block_forward(cfg: VisionConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     n, h = x.shape[0], cfg.hidden_size
     y = F.layer_norm(x, (h,), w["norm1.weight"], w["norm1.bias"], cfg.layer_norm_eps)
     q, k, v = F.linear(y, w["attn.qkv.weight"], w["attn.qkv.bias"]).chunk(3, dim=-1)
-    q, k, v = (t.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1) for t in (q, k, v))
-    a = F.scaled_dot_product_attention(q, k, v)       # memory-efficient on CUDA; no mask within an image
+    # (1, heads, N, head_dim): the flash / memory-efficient kernels take 4-D inputs only (3-D falls back to the
+    # math kernel, which materializes N x N scores per head: 11 GB at 13,312 patches)
+    q, k, v = (t.view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v)       # no mask within an image
     del q, k, v
-    a = F.linear(a.transpose(0, 1).reshape(n, h), w["attn.proj.weight"], w["attn.proj.bias"])
+    a = F.linear(a[0].transpose(0, 1).reshape(n, h), w["attn.proj.weight"], w["attn.proj.bias"])
     x = x + (a * w["ls1"] if "ls1" in w else a)
     del a
     out = torch.empty_like(x)

@@ -5,6 +5,9 @@ The same numbers as transformers 5.24's `NemotronH_Omni_Reasoning_V3ImageProcess
 tensors), CLIP normalization with the mean and std pre-scaled by 255 (transformers fuses rescale into
 normalize, and the fused form rounds differently from x/255 then normalize), and patches laid out row-major
 over the grid, each channel-major (C, P, P). Pillow only decodes.
+
+The older static tiled scheme (Nemotron Nano 12B v2 VL) is in `nemotron.vision_tiles`; `ImageGeometry.scheme`
+says which one a checkpoint uses (`image_scheme`, the one place that decides) and `preprocess` dispatches on it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,30 @@ IMAGE_START = "<img>"
 IMAGE_END = "</img>"
 
 
+DYNAMIC, TILED = "dynamic", "tiled"
+TILED_PROCESSORS = ("NemotronNanoVLV2ImageProcessor",)
+
+
+def image_scheme(preprocessor: dict | None = None, model_config: dict | None = None) -> str:
+    """`"dynamic"` or `"tiled"`: the one place that decides.
+
+    With the model's config.json and its `vision_config.args` (the released RADIO remote-code layout, kept by
+    transformers' `save_pretrained`): vLLM's rule, dynamic iff `args` has `min_num_patches` (released Omni /
+    Super VL), static tiles otherwise (Nano 12B v2 VL). Without them (a caller that has only
+    `preprocessor_config.json`, or a config with no `args`): dynamic if the preprocessor file names
+    `min_num_patches`, tiled if it names the tiled processor or its knobs (`max_num_tiles`, `use_thumbnail`),
+    dynamic otherwise (what this engine did before)."""
+    vc = (model_config or {}).get("vision_config")
+    if isinstance(vc, dict) and isinstance(vc.get("args"), dict):
+        return DYNAMIC if "min_num_patches" in vc["args"] else TILED
+    d = preprocessor or {}
+    if "min_num_patches" in d:
+        return DYNAMIC
+    if d.get("image_processor_type") in TILED_PROCESSORS or "max_num_tiles" in d or "use_thumbnail" in d:
+        return TILED
+    return DYNAMIC
+
+
 @dataclass
 class ImageGeometry:
     patch_size: int = 16
@@ -33,18 +60,45 @@ class ImageGeometry:
     max_model_len: int = 16384
     image_mean: tuple = field(default=OPENAI_CLIP_MEAN)
     image_std: tuple = field(default=OPENAI_CLIP_STD)
+    scheme: str = DYNAMIC             # or TILED (nemotron.vision_tiles)
+    image_size: int = 512             # tiled: tile side in px
+    max_num_tiles: int = 12           # tiled: tiles per image before the thumbnail
+    use_thumbnail: bool = True        # tiled: append the whole image as one more tile when there are several
 
     @property
     def merge_size(self) -> int:
         return round(1 / self.downsample_ratio)
 
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 // self.merge_size ** 2
+
     @classmethod
-    def from_dict(cls, d: dict) -> "ImageGeometry":
-        """From a `preprocessor_config.json` (released files name the statistics `norm_mean`/`norm_std`)."""
-        g = cls()
-        for key in ("patch_size", "downsample_ratio", "min_num_patches", "max_num_patches", "max_model_len"):
+    def from_dict(cls, d: dict, model_config: dict | None = None) -> "ImageGeometry":
+        """From a `preprocessor_config.json` (released files name the statistics `norm_mean`/`norm_std`) and,
+        if given, the model's config.json: it decides the scheme (`image_scheme`) and fills what the
+        preprocessor file lacks (`force_image_size`, `use_thumbnail`, `norm_mean`/`norm_std`, the patch limits
+        in `vision_config.args`), as vLLM reads them."""
+        d = dict(d or {})
+        mc = model_config or {}
+        g = cls(scheme=image_scheme(d, model_config))
+        vc = mc.get("vision_config") if isinstance(mc.get("vision_config"), dict) else {}
+        args = vc.get("args") if isinstance(vc.get("args"), dict) else {}
+        fallback = {"patch_size": mc.get("patch_size"), "downsample_ratio": mc.get("downsample_ratio"),
+                    "image_size": mc.get("force_image_size"), "use_thumbnail": mc.get("use_thumbnail"),
+                    "max_num_tiles": mc.get("max_num_tiles"), "min_num_patches": args.get("min_num_patches"),
+                    "max_num_patches": args.get("max_num_patches"),
+                    "norm_mean": mc.get("norm_mean"), "norm_std": mc.get("norm_std")}
+        aliases = {"norm_mean": "image_mean", "norm_std": "image_std"}
+        for key, v in fallback.items():
+            if v is not None and d.get(key) is None and d.get(aliases.get(key, key)) is None:
+                d[key] = v
+        for key in ("patch_size", "downsample_ratio", "min_num_patches", "max_num_patches", "max_model_len",
+                    "image_size", "max_num_tiles"):
             if d.get(key) is not None:
                 setattr(g, key, type(getattr(g, key))(d[key]))
+        if d.get("use_thumbnail") is not None:
+            g.use_thumbnail = bool(d["use_thumbnail"])
         mean = d.get("image_mean", d.get("norm_mean"))
         std = d.get("image_std", d.get("norm_std"))
         if mean is not None:
@@ -52,6 +106,17 @@ class ImageGeometry:
         if std is not None:
             g.image_std = tuple(float(x) for x in std)
         return g
+
+    @classmethod
+    def from_model_dir(cls, model_dir) -> "ImageGeometry":
+        """`preprocessor_config.json` and `config.json` of a checkpoint directory (either may be missing)."""
+        import json
+        from pathlib import Path
+
+        def read(name):
+            f = Path(model_dir) / name
+            return json.loads(f.read_text()) if f.exists() else {}
+        return cls.from_dict(read("preprocessor_config.json"), read("config.json") or None)
 
 
 def patch_grid(height: int, width: int, patch_size: int, merge_size: int,
@@ -127,14 +192,29 @@ def preprocess_one(image: torch.Tensor, geom: ImageGeometry, budget: int) -> tup
     return image_to_patches(x, ps), (gh, gw)
 
 
-def preprocess(images: list[torch.Tensor], geom: ImageGeometry | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images of one request -> pixel_values (sum of patches, 3*P*P) fp32 and image_grid_hw (n, 2) int64."""
+def preprocess_images(images: list[torch.Tensor], geom: ImageGeometry | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Images of one request -> pixel_values (sum of patches, 3*P*P) fp32, image_grid_hw (n_grids, 2) int64
+    and the number of grids of each image: one per image (dynamic), its tiles with the thumbnail last (tiled).
+    The tower takes each grid as an image of its own; the grids of an image are consecutive."""
     geom = geom or ImageGeometry()
+    if geom.scheme == TILED:
+        from nemotron.vision_tiles import preprocess_tiled
+        return preprocess_tiled(images, geom)
+    if geom.scheme != DYNAMIC:
+        raise ValueError(f"unknown image scheme {geom.scheme!r}")
     budget = patch_budget(geom, len(images))
     out = [preprocess_one(im, geom, budget) for im in images]
-    pixel_values = torch.cat([p for p, _ in out])
+    pixel_values = torch.cat([p for p, _ in out]) if out else torch.zeros(0, 3 * geom.patch_size ** 2)
     grid_hw = torch.tensor([g for _, g in out], dtype=torch.int64).reshape(-1, 2)
+    return pixel_values, grid_hw, [1] * len(out)
+
+
+def preprocess(images: list[torch.Tensor], geom: ImageGeometry | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of one request -> pixel_values (sum of patches, 3*P*P) fp32 and image_grid_hw (n_grids, 2) int64
+    (one grid per image in the dynamic scheme; see `preprocess_images` for the grids of each image)."""
+    pixel_values, grid_hw, _ = preprocess_images(images, geom)
     return pixel_values, grid_hw
 
 
@@ -146,5 +226,26 @@ def image_token_count(grid_hw, geom: ImageGeometry | None = None) -> int:
 
 
 def image_placeholder(grid_hw, geom: ImageGeometry | None = None) -> str:
-    """What one `<image>` of the rendered chat template becomes."""
-    return IMAGE_START + IMAGE_TOKEN * image_token_count(grid_hw, geom) + IMAGE_END
+    """What one `<image>` of the rendered chat template becomes (an image of one grid)."""
+    return placeholder_for(image_token_count(grid_hw, geom))
+
+
+def placeholder_for(n_tokens: int) -> str:
+    """`<img>` + `<image>` x n + `</img>`: one image of n tokens, whatever its number of grids (tiles)."""
+    return IMAGE_START + IMAGE_TOKEN * n_tokens + IMAGE_END
+
+
+def tokens_per_image(grid_hw, grids_per_image=None, geom: ImageGeometry | None = None) -> list[int]:
+    """`<image>` tokens of each image: the sum over its grids (consecutive in `grid_hw`); without
+    `grids_per_image`, one grid per image."""
+    grids = [tuple(int(v) for v in g) for g in torch.as_tensor(grid_hw).reshape(-1, 2).tolist()]
+    if grids_per_image is None:
+        grids_per_image = [1] * len(grids)
+    grids_per_image = [int(n) for n in grids_per_image]
+    if sum(grids_per_image) != len(grids) or any(n < 1 for n in grids_per_image):
+        raise ValueError(f"{len(grids)} grids cannot be split into images of {grids_per_image} grids")
+    out, o = [], 0
+    for n in grids_per_image:
+        out.append(sum(image_token_count(g, geom) for g in grids[o:o + n]))
+        o += n
+    return out

@@ -2,8 +2,10 @@
 
 OpenAI-style messages (images as `image_url` parts with `data:image/...;base64,` URLs, or `image` parts with
 raw `bytes`) -> the checkpoint's chat template renders each image part as `<image>`; each `<image>` is replaced
-in order by `<img>` + `<image>` x (gh*gw/4) + `</img>` (the processor's `replace_image_token`); the text is
-tokenized without special tokens (the template writes them). The `<image>` positions are where the projector's
+in order by `<img>` + `<image>` x (gh*gw/4) + `</img>` (the processor's `replace_image_token`), or in the static
+tiled scheme (`nemotron.vision_tiles`) by `<img>` + `<image>` x (tiles * 256) + `</img>` (the Nano 12B v2 VL
+processor's `_add_image_placeholders`: one wrapper per image, not per tile); the text is tokenized without
+special tokens (the template writes them). The `<image>` positions are where the projector's
 output goes (`NemotronH.forward(..., image_embeds=, image_positions=)`).
 """
 from __future__ import annotations
@@ -23,8 +25,9 @@ from nemotron import vision_preprocess as vp
 class ImagePrompt:
     ids: list[int]
     pixel_values: torch.Tensor          # (sum of patches, 3*P*P) fp32
-    grid_hw: torch.Tensor               # (n_images, 2)
+    grid_hw: torch.Tensor               # (n_grids, 2): one per image (dynamic) or per tile (tiled)
     image_positions: torch.Tensor       # (sum of gh*gw/4,) indices of the `<image>` tokens in ids, in order
+    grids_per_image: list[int] | None = None    # grids of each image (consecutive in grid_hw); None: one each
 
 
 def image_bytes(part: dict) -> bytes:
@@ -54,15 +57,16 @@ def message_images(messages: list[dict]) -> list[bytes]:
     return out
 
 
-def expand_image_tokens(text: str, grid_hw, geom: vp.ImageGeometry) -> str:
-    """Replace the i-th `<image>` of the rendered prompt by image i's placeholder."""
+def expand_image_tokens(text: str, grid_hw, geom: vp.ImageGeometry, grids_per_image=None) -> str:
+    """Replace the i-th `<image>` of the rendered prompt by image i's placeholder. `grids_per_image`: how many
+    consecutive rows of `grid_hw` each image has (its tiles in the tiled scheme); None: one each."""
     pieces = text.split(vp.IMAGE_TOKEN)
-    grids = torch.as_tensor(grid_hw).reshape(-1, 2).tolist()
-    if len(pieces) - 1 != len(grids):
-        raise ValueError(f"the rendered prompt has {len(pieces) - 1} {vp.IMAGE_TOKEN} for {len(grids)} images")
+    counts = vp.tokens_per_image(grid_hw, grids_per_image, geom)
+    if len(pieces) - 1 != len(counts):
+        raise ValueError(f"the rendered prompt has {len(pieces) - 1} {vp.IMAGE_TOKEN} for {len(counts)} images")
     out = [pieces[0]]
-    for g, rest in zip(grids, pieces[1:]):
-        out += [vp.image_placeholder(g, geom), rest]
+    for n, rest in zip(counts, pieces[1:]):
+        out += [vp.placeholder_for(n), rest]
     return "".join(out)
 
 
@@ -81,14 +85,16 @@ def build_image_prompt(model_dir, messages: list[dict], model_config: dict, toke
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     geom_file = model_dir / "preprocessor_config.json"
-    geom = vp.ImageGeometry.from_dict(json.loads(geom_file.read_text()) if geom_file.exists() else {})
+    geom = vp.ImageGeometry.from_dict(json.loads(geom_file.read_text()) if geom_file.exists() else {},
+                                      model_config)
     images = [vp.decode_image(b) for b in message_images(messages)]
     if images:
-        pixel_values, grid_hw = vp.preprocess(images, geom)
+        pixel_values, grid_hw, per_image = vp.preprocess_images(images, geom)
     else:
         pixel_values, grid_hw = torch.zeros(0, 3 * geom.patch_size ** 2), torch.zeros(0, 2, dtype=torch.int64)
+        per_image = []
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    ids = tokenizer.encode(expand_image_tokens(text, grid_hw, geom), add_special_tokens=False)
+    ids = tokenizer.encode(expand_image_tokens(text, grid_hw, geom, per_image), add_special_tokens=False)
     tok_id = image_token_id(model_config)
     if tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN) != tok_id:
         raise ValueError(f"the tokenizer's {vp.IMAGE_TOKEN} is id {tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN)}, "
@@ -99,4 +105,4 @@ def build_image_prompt(model_dir, messages: list[dict], model_config: dict, toke
     if positions.numel() != want:
         raise ValueError(f"the prompt has {positions.numel()} {vp.IMAGE_TOKEN} tokens, the images need {want} "
                          "(does the text contain a literal image token?)")
-    return ImagePrompt(ids, pixel_values, grid_hw, positions)
+    return ImagePrompt(ids, pixel_values, grid_hw, positions, per_image)

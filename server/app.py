@@ -52,8 +52,7 @@ class ServerState:
         self.image_geometry = None
         if self.vision_config is not None:
             from nemotron import vision_preprocess as vp
-            self.image_geometry = vp.ImageGeometry.from_dict(
-                _read_json(Path(settings.model_dir) / "preprocessor_config.json"))
+            self.image_geometry = vp.ImageGeometry.from_model_dir(settings.model_dir)
         self.vocab_size = int(cfg.get("vocab_size", 0))
         max_pos = int(cfg.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(settings.max_model_len or max_pos, max_pos)

@@ -112,12 +112,25 @@ def digest(pixel_values: torch.Tensor, grid) -> str:
     return h.hexdigest()
 
 
-def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torch.Tensor, list[list[int]], list[str]]:
+class Grids(list):
+    """The `[gh, gw]` rows of a request's images, one per image (dynamic scheme) or one per tile with the
+    thumbnail last (tiled scheme), in image order: what the compute process runs the tower on, each row as an
+    image of its own. `grids_per_image` says how many consecutive rows each image has, for the prompt
+    expansion (one `<img>...</img>` per image). A plain list to everything else (msgpack sends it as one)."""
+
+    def __init__(self, rows, grids_per_image=None):
+        super().__init__(rows)
+        self.grids_per_image = list(grids_per_image) if grids_per_image is not None else [1] * len(self)
+
+
+def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torch.Tensor, Grids, list[str]]:
+    """-> pixel values, grid rows and one digest per grid row (per tile in the tiled scheme: the compute
+    process keys snapshots and runs the tower per row; a tile's embeddings depend on its pixels only)."""
     try:
-        pv, grid = vp.preprocess(images, geom)
+        pv, grid, per_image = vp.preprocess_images(images, geom)
     except ValueError as e:
         raise _bad(f"the image cannot be used: {e}") from e
-    grid = grid.tolist()
+    grid = Grids(grid.tolist(), per_image)
     out, row = [], 0
     for g in grid:
         n = g[0] * g[1]
@@ -127,8 +140,10 @@ def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torc
 
 
 def expand(text: str, grid, geom: vp.ImageGeometry) -> str:
+    """The rendered prompt with each `<image>` expanded; `grid` as `preprocess` returns it (a plain list of
+    rows means one row per image)."""
     from nemotron.vision_prompt import expand_image_tokens
     try:
-        return expand_image_tokens(text, grid, geom)
+        return expand_image_tokens(text, grid, geom, getattr(grid, "grids_per_image", None))
     except ValueError as e:
         raise _bad(f"{e} (does a text part contain a literal {vp.IMAGE_TOKEN}?)") from e

@@ -1,7 +1,7 @@
 """Synthetic NemotronH Omni checkpoint (`omni` preset): a tiny C-RADIO tower, the `mlp1` projector and the
 `tiny` NemotronH, in the published Omni layout.
 
-    python -m tools.synth_vision --out DIR [--seed S]
+    python -m tools.synth_vision --out DIR [--seed S] [--tiled]
 
 Layout as released: the language model's tensors under `language_model.`, the tower under
 `vision_model.radio_model.` (fused qkv, `patch_generator.*`, `input_conditioner.*`, `summary_idxs`), the projector
@@ -11,6 +11,14 @@ as `mlp1.{0,1,3}`; `config.json` with the released field names (`llm_config`, `v
 and `<img>` at ids 18 and 19 (the released ids) and `</img>` in the last reserved slot, and a chat template that
 renders an image content part as `<image>`. The language model is bf16 (transformers, the reference, cannot
 read the quantized formats). Tower geometry: hidden 64, 2 blocks, 4 heads, 16x16 position table (256 px).
+
+`--tiled` (`synthesize_omni(..., tiled=True)`, the `omni-tiled` checkpoint): the same tensors in the layout of
+Nemotron Nano 12B v2 VL, whose images use the static tiled scheme (`nemotron.vision_tiles`): `config.json`
+with `architectures`/`model_type` `NemotronH_Nano_VL_V2`, `vision_config.args` without `min_num_patches`
+(what selects the scheme), `force_image_size` and `use_thumbnail`; `preprocessor_config.json` as the
+checkpoint's `NemotronNanoVLV2ImageProcessor` takes it (`image_size`, `max_num_tiles`, `use_thumbnail`,
+`patch_size`, `downsample_ratio`, `norm_mean`/`norm_std`). Tiles of 128 px (16 tokens each) and at most 6 tiles
+keep prompts small; the release has 512 px, 256 tokens and 12.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from tools.synth_weights import gen
 
 VISION = dict(hidden=64, layers=2, heads=4, mlp=256, patch=16, table_side=16, n_cls=3, n_registers=7,
               projector_hidden=256, min_num_patches=64, max_num_patches=256)
+TILED = dict(image_size=128, max_num_tiles=6, use_thumbnail=True)
 IMAGE_TOKEN_ID, IMAGE_START_ID = 18, 19          # released ids; "</img>" takes the last vocabulary slot
 TOWER = "vision_model.radio_model."
 
@@ -117,8 +126,9 @@ def patch_tokenizer(out: Path, vocab_size: int) -> int:
     return end_id
 
 
-def synthesize_omni(out, seed: int = 0, **synth_knobs) -> dict:
-    """Write the omni checkpoint to `out`; returns its config dict."""
+def synthesize_omni(out, seed: int = 0, tiled: bool = False, **synth_knobs) -> dict:
+    """Write the omni checkpoint to `out` (`tiled`: the Nano 12B v2 VL layout with static tiles); returns its
+    config dict."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,6 +170,19 @@ def synthesize_omni(out, seed: int = 0, **synth_knobs) -> dict:
         "image_end_token_id": end_id, "video_temporal_patch_size": 2,
         "norm_mean": list(OPENAI_CLIP_MEAN), "norm_std": list(OPENAI_CLIP_STD),
     }
+    if tiled:
+        t = TILED
+        cfg["architectures"], cfg["model_type"] = ["NemotronH_Nano_VL_V2"], "NemotronH_Nano_VL_V2"
+        for key in ("min_num_patches", "max_num_patches"):
+            del cfg["vision_config"]["args"][key]
+        cfg["force_image_size"], cfg["use_thumbnail"] = t["image_size"], t["use_thumbnail"]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "NemotronNanoVLV2ImageProcessor", "processor_class": "NemotronNanoVLV2Processor",
+            "image_size": t["image_size"], "patch_size": v["patch"], "downsample_ratio": 0.5,
+            "max_num_tiles": t["max_num_tiles"], "use_thumbnail": t["use_thumbnail"],
+            "norm_mean": list(OPENAI_CLIP_MEAN), "norm_std": list(OPENAI_CLIP_STD)}, indent=2) + "\n")
+        return cfg
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
@@ -174,9 +197,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiled", action="store_true",
+                    help="the Nano 12B v2 VL layout: images in static tiles (omni-tiled)")
     a = ap.parse_args(argv)
-    synthesize_omni(a.out, seed=a.seed)
-    print(f"wrote the omni checkpoint to {a.out}")
+    synthesize_omni(a.out, seed=a.seed, tiled=a.tiled)
+    print(f"wrote the {'omni-tiled' if a.tiled else 'omni'} checkpoint to {a.out}")
 
 
 if __name__ == "__main__":

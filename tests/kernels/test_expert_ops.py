@@ -161,6 +161,20 @@ def test_sparse_down_matches_twin(frac, gpp, device):
         assert torch.equal(out, acc0)
 
 
+@pytest.mark.parametrize("gpp", [1, 4])
+def test_sparse_down_counts_the_groups_it_reads(gpp, device):
+    """The accounting counter: += one per active group read, however many L tiles split the rows."""
+    geom, blocks, _, dg, *_ = _experts(device=device)
+    act, mask = _act_with_active_fraction(0.5, device=device)
+    w = torch.rand(K, device=device) + 0.1
+    counter = torch.full((1,), 5, dtype=torch.int32, device=device)
+    sparse_down(act, mask, block_addresses(blocks, device), geom, dg, w, torch.zeros(L, device=device),
+                config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=16), counter=counter)   # 3 L tiles
+    n = int(mask.sum())
+    assert 0 < n < mask.numel()
+    assert int(counter) == 5 + n          # twin: counting each L tile would give 5 + 3n
+
+
 def test_sparse_down_skips_inactive_groups(device):
     # an inactive group full of NaN scales must not be read
     geom, blocks, _, dg, *_ = _experts(device=device)
