@@ -141,6 +141,7 @@ def main(argv=None):
     ap.add_argument("--io-workers", type=int, default=8)
     ap.add_argument("--out", default="e2e_stream.json")
     ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill,vram")
+    ap.add_argument("--eager-too", action="store_true", help="also the RAM regime without CUDA graphs")
     ap.add_argument("--vram-gb", type=float, default=0.0,
                     help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
     a = ap.parse_args(argv)
@@ -208,11 +209,15 @@ def main(argv=None):
                 sync(a.device)
                 res["prefill_s"] = time.perf_counter() - t
                 res["prefill_disk_bytes"] = eng.cache_stats()["io_bytes_read"] - s0
+            r["accounting"] = eng.accounting.per_token()      # the always-on split (warm-up tokens included)
+            r["cuda_graphs"] = eng.model.decode_graphs is not None
             res[name] = r
         return r
 
     if "ram" not in skip:
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
+    if a.eager_too and "ram" not in skip:
+        regime("ram_eager", int(all_bytes * 1.02) + (8 << 20), 1, cuda_graphs=False)
     if "disk" not in skip:
         regime("disk", all_bytes // 3, 2)
     if a.vram_gb and "vram" not in skip:
@@ -238,6 +243,11 @@ def main(argv=None):
         res["ram_floor_ms"] = floor
         res["ram_floor_ms_up_only"] = max(pcie_lo / (h2d * 1e9) * 1e3, dense_ms)
         res["ram_floor_ms_all_down"] = max(pcie_hi / (h2d * 1e9) * 1e3, dense_ms)
+    if "ram_eager" in res:
+        r = res["ram_eager"]
+        floor = res["ram_floor_ms"]
+        rows.append(("RAM eager", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                     (r.get("pcie_bytes_per_token") or 0) / 1e6, floor, r["ms_per_token"] / floor))
     if "disk" in res:
         r = res["disk"]
         floor = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
@@ -260,6 +270,12 @@ def main(argv=None):
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+    for name in ("ram", "ram_eager", "disk", "vram"):
+        if name in res:
+            acc = res[name]["accounting"]
+            print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router']:.2f}, bookkeeping "
+                  f"{acc['ms_bookkeeping']:.2f}, waiting for disk {acc['ms_waiting_for_disk']:.2f}, experts "
+                  f"{acc['ms_experts']:.2f}; graphs {res[name]['cuda_graphs']}")
     if "prefill_s" in res:
         print(f"prefill {a.prefill_tokens} tokens: {res['prefill_s']:.2f} s, read {res['prefill_disk_bytes'] / 1e9:.2f} GB;"
               f" floor {res['prefill_floor_s']:.2f} s; ratio {res['prefill_s'] / max(res['prefill_floor_s'], 1e-9):.2f}")

@@ -23,6 +23,9 @@ class _Timed:
     def __init__(self, fn, kind, acc):
         self.fn, self.kind, self.acc = fn, kind, acc
 
+    def __getattr__(self, name):          # the decode graphs reach mixers' attributes (head, experts, ...)
+        return getattr(self.fn, name)
+
     def __call__(self, *args, **kw):
         t = time.perf_counter()
         try:

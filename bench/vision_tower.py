@@ -104,7 +104,8 @@ def gemm_tflops(n: int = 8192) -> float:
 
 def sdpa_tflops(cfg: vision.VisionConfig, n_patches: int) -> float:
     n = n_patches + cfg.num_prefix_tokens
-    q, k, v = (torch.randn(cfg.num_heads, n, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # 4-D (1, heads, N, head_dim) as the tower calls it: the flash kernel takes 4-D inputs only
+    q, k, v = (torch.randn(1, cfg.num_heads, n, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
     f()
     return 4 * n * n * cfg.hidden_size / min(timed(f, 5)) / 1e12

@@ -22,9 +22,11 @@ class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
-                 vram_admit_after: int = 2):
+                 vram_admit_after: int = 2, cuda_graphs: bool = True):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
-        for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier."""
+        for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier.
+        cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
+        (gpu_worker/decode_graphs.py)."""
         store_dir = Path(store_dir)
         dense = Checkpoint(store_dir)
         if model_dir is not None:
@@ -41,6 +43,10 @@ class StreamingEngine:
             self.reg = register_slab(client.shm, device="cuda" if str(device).startswith("cuda") else "cpu")
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
             self.model = NemotronH(dense, device=device, dtype=dtype, experts=self.experts)
+            if cuda_graphs and str(device).startswith("cuda"):
+                from gpu_worker.decode_graphs import DecodeGraphs
+                if DecodeGraphs.unsupported(self.model) is None:
+                    self.model.decode_graphs = DecodeGraphs(self.model)
             if vram_bytes is not None:
                 self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device, vram_admit_after)
         except BaseException:

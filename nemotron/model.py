@@ -60,6 +60,8 @@ class NemotronH:
         moes = [m for m in self.mixers if isinstance(m, MoEMixer)]
         for m, nxt in zip(moes, moes[1:] + moes[:1]):   # the last layer guesses the first of the next token
             m.next_router = nxt.router
+        self.decode_graphs = None    # gpu_worker.decode_graphs.DecodeGraphs: one-token steps as CUDA graphs
+        self._tracing = False
         self.norm_f = self.ckpt.get_float("backbone.norm_f.weight", (c.hidden_size,)).to(self.device)
         if self.ckpt.has("lm_head.weight"):
             self.lm_head = self.ckpt.linear("lm_head", c.vocab_size, c.hidden_size).to(self.device)
@@ -96,6 +98,7 @@ class NemotronH:
 
     def set_trace(self, fn):
         """fn(event, **data) is called with 'route' (per MoE layer) and 'relu2' (zero counts) events."""
+        self._tracing = fn is not None
         for m in self.mixers:
             if isinstance(m, MoEMixer):
                 m.trace = fn
@@ -121,6 +124,10 @@ class NemotronH:
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
         if ids.device != self.device:
             ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+        if ids.numel() == 1 and self.decode_graphs is not None and image_embeds is None and not self._tracing:
+            logits = self.decode_graphs.step(ids, state)
+            state.position += 1
+            return logits
         x = self.embeddings[ids].to(self.dtype)
         if (image_embeds is None) != (image_positions is None):
             raise ValueError("give image_embeds and image_positions together")

@@ -116,20 +116,30 @@ class MoEMixer:
         self.trace = None
         self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor):
+        """Everything before the routed experts, all on the device: (latent input of the experts, chosen experts,
+        their weights, the guess for the next MoE layer or None, the shared expert's output or None)."""
         experts, weights = self.router(h)
         guess = None
         if h.shape[0] == 1 and self.next_router is not None and getattr(self.experts, "wants_guess", False):
             guess = self.next_router(h)[0][0]
+        lat = linear(h, self.fc1) if self.fc1 is not None else h
+        shared = linear(relu2(linear(h, self.shared_up)), self.shared_down) if self.shared_up is not None else None
+        return lat, experts, weights, guess, shared
+
+    def tail(self, routed: torch.Tensor, shared) -> torch.Tensor:
+        """The routed experts' sum (fp32, latent width) back to the hidden width, plus the shared expert."""
+        routed = routed.to(self.dtype)
+        out = linear(routed, self.fc2) if self.fc2 is not None else routed
+        return out + shared if shared is not None else out
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        lat, experts, weights, guess, shared = self.head(h)
         if self.trace is not None:
             self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights,
                        guess=guess)
-        lat = linear(h, self.fc1) if self.fc1 is not None else h
-        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess).to(self.dtype)
-        out = linear(routed, self.fc2) if self.fc2 is not None else routed
-        if self.shared_up is not None:
-            out = out + linear(relu2(linear(h, self.shared_up)), self.shared_down)
-        return out
+        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess)
+        return self.tail(routed, shared)
 
 
 class MLPMixer:

@@ -318,4 +318,5 @@ class VisionTower:
         table = side * side * POS_CHANNELS * 4 * 2 + n_patches * c.hidden_size * e * 2
         proj = n_patches // c.merge_size ** 2 * (c.merge_size ** 2 * c.hidden_size * (4 + e)
                                                     + c.projector_hidden * e * 2 + c.out_hidden * e)
-        return max(block, table, proj) + n * c.hidden_size * e * 2
+        patches = n_patches * c.patch_dim * (4 + e)          # the fp32 patches as sent, and their cast
+        return max(block, table, proj) + n * c.hidden_size * e * 2 + patches
