@@ -83,6 +83,14 @@ class _TopK:
         self.position = {e: i for i, e in enumerate(ex)}
 
 
+class _Ticket:
+    """One token's MoE layer after routing: the choice, what the VRAM tier and the cache hold (pinned)."""
+    __slots__ = ("j", "ex", "on_dev", "hits", "rest")
+
+    def __init__(self, j, ex, on_dev, hits, rest):
+        self.j, self.ex, self.on_dev, self.hits, self.rest = j, ex, on_dev, hits, rest
+
+
 class StreamingExperts:
     wants_guess = True
 
@@ -112,6 +120,8 @@ class StreamingExperts:
         self._down_groups = torch.zeros(1, dtype=torch.int32, device=self.device) if self._addressed else None
         self._down_groups_seen = 0
         self.acct.refresh = self._fold_counters
+        self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
+        self._pending_admit = None
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -145,12 +155,42 @@ class StreamingExperts:
             return self._decode(moe_index, x[0], experts[0], weights[0], guess)
         return self._prefill(moe_index, x, experts, weights)
 
-    def _decode(self, j, x, experts, weights, guess):
+    def _decode(self, j, x, experts, weights, guess, ids=None, acc=None):
+        """ids: the choice (and guess) already on the host (the decode graphs read it through an event);
+        acc: fp32 [L] to accumulate into (default: a new zeroed one)."""
         t0 = time.perf_counter()
         k = experts.numel()
-        ids = (experts if guess is None else torch.cat([experts, guess])).tolist()   # the one host sync
-        ex, guess_list = ids[:k], ids[k:]
-        topk = _TopK(experts, weights, ex)
+        if ids is None:
+            ids = (experts if guess is None else torch.cat([experts, guess])).tolist()   # the one host sync
+        ticket = self.route(j, ids[:k], ids[k:], time.perf_counter() - t0)
+        acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device) if acc is None else acc
+        self.compute(ticket, x, experts, weights, acc)
+        return acc[None]
+
+    # ------------------------------------------------------------------ pins and the GPU
+    # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels
+    # that read it have run; otherwise the prefetcher could hand it to an IO worker mid-read. Pins are
+    # deferred to the next point where the host has waited for the device anyway (the next MoE layer's
+    # routing), or, where the cache needs the slot back within a layer (misses landing into a full cache),
+    # released after an explicit stream sync. On the CPU the kernels are done when they return.
+    def _defer(self, slots):
+        if self._cuda:
+            self._deferred.extend(slots)
+        else:
+            self.client.release(slots)
+
+    def _flush(self, sync: bool):
+        if self._deferred:
+            if sync:
+                torch.cuda.current_stream(self.device).synchronize()
+            self.client.release(self._deferred)
+            self._deferred = []
+
+    def route(self, j, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
+        """Host side of one token's MoE layer, after the choice is on the host (so the device has finished
+        everything before it): release the pins the previous layer's kernels held, look up the VRAM tier and the
+        cache (pinning hits), send the one request (misses + the guess for the next layer), count."""
+        self._flush(sync=False)
         tr = time.perf_counter()
         vt = self.vram
         on_dev = vt.lookup(j, ex) if vt is not None else {}
@@ -160,67 +200,83 @@ class StreamingExperts:
             guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
         hits = self.client.lookup(j, rest)
         self.client.request(j, rest, guess=guess_list)
-        t1 = time.perf_counter()
         a = self.acct
         if j == 0:
             a.tokens += 1
         a.vram_hits += len(on_dev)
         a.hits_at_lookup += len(hits)
         a.misses_at_lookup += len(rest) - len(hits)
-        a.ms_waiting_for_router += (tr - t0) * 1e3
-        a.ms_bookkeeping += (t1 - tr) * 1e3
+        a.ms_waiting_for_router += waited_s * 1e3
+        a.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         if self.record is not None:
             self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
-        acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
-        if on_dev:
-            self._run(x, list(on_dev), self._vram_blocks(list(on_dev.values())), topk, j, acc)
-            a.bytes_from_vram += len(on_dev) * self.geom.block_bytes
-        held = []      # slab pins kept until the device copy into the VRAM tier has completed
-        # Other pins are released as soon as an expert's contribution is computed: a cache smaller than
-        # the layer's working set must still make progress.
-        try:
-            try:
-                if hits:
-                    self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
-                    held += self._admit(j, hits.items())
-            finally:
-                self.client.release([s for s in hits.values() if s not in held])
-            misses = [e for e in rest if e not in hits]
-            if misses:
-                tw = time.perf_counter()
-                waited = 0.0
-                for e, s in self.client.wait_any(j, misses):
-                    waited += time.perf_counter() - tw
-                    kept = []
-                    try:
-                        self._run(x, [e], self._blocks([s]), topk, j, acc, pcie=True)
-                        kept = self._admit(j, [(e, s)])
-                        held += kept
-                    finally:
-                        if not kept:
-                            self.client.release(s)
-                    tw = time.perf_counter()
-                a.ms_waiting_for_disk += waited * 1e3
-        finally:
-            if held:
-                if self._cuda:
-                    torch.cuda.current_stream(self.device).synchronize()
-                self.client.release(held)
-        a.expert_uses += len(ex)
-        a.ms_experts += (time.perf_counter() - t1) * 1e3
-        return acc[None]
+        return _Ticket(j, ex, on_dev, hits, rest)
 
-    def _admit(self, j, landed) -> list[int]:
-        """Copy experts that earned a place into the VRAM tier; returns the slab slots to keep pinned."""
+    def addresses(self, t: "_Ticket") -> list[int] | None:
+        """Every expert of the ticket present (VRAM tier or slab): their block addresses in top-k order, the
+        slab pins deferred, admissions to the VRAM tier made; else None (then `compute` runs them)."""
+        if not self._addressed or len(t.on_dev) + len(t.hits) != len(t.ex):
+            return None
+        base, vt = self.slab.data_ptr(), self.vram
+        out = [vt.address(t.on_dev[e]) if e in t.on_dev else base + t.hits[e] * self.slot_bytes for e in t.ex]
+        a = self.acct
+        a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
+        a.bytes_over_pcie += len(t.hits) * self.geom.up_bytes
+        a.expert_uses += len(t.ex)
+        # admissions wait until the kernels are launched: an admission may evict a VRAM slot they still read
+        self._pending_admit = (t.j, list(t.hits.items()))
+        self._defer(list(t.hits.values()))
+        return out
+
+    def admit_pending(self) -> None:
+        """The VRAM-tier admissions of the last `addresses()` call, once its kernels are on the stream."""
+        if self._pending_admit is not None:
+            j, landed = self._pending_admit
+            self._pending_admit = None
+            self._admit(j, landed)
+
+    def compute(self, t: "_Ticket", x, experts, weights, acc) -> None:
+        """The ticket's experts into acc fp32 [L]: VRAM-tier and slab hits at once, misses as they land."""
+        t1 = time.perf_counter()
+        j, a = t.j, self.acct
+        topk = _TopK(experts, weights, t.ex)
+        if t.on_dev:
+            self._run(x, list(t.on_dev), self._vram_blocks(list(t.on_dev.values())), topk, j, acc)
+            a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
+        hits, misses = t.hits, [e for e in t.rest if e not in t.hits]
+        try:
+            if hits:
+                self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
+                self._admit(j, hits.items())
+        finally:
+            self._defer(list(hits.values()))
+        if misses:
+            self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
+            tw = time.perf_counter()
+            waited = 0.0
+            for e, s in self.client.wait_any(j, misses):
+                waited += time.perf_counter() - tw
+                try:
+                    self._run(x, [e], self._blocks([s]), topk, j, acc, pcie=True)
+                    self._admit(j, [(e, s)])
+                finally:
+                    self._defer([s])
+                if len(self._deferred) > 1:
+                    self._flush(sync=True)
+                tw = time.perf_counter()
+            a.ms_waiting_for_disk += waited * 1e3
+        a.expert_uses += len(t.ex)
+        a.ms_experts += (time.perf_counter() - t1) * 1e3
+
+    def _admit(self, j, landed) -> None:
+        """Copy experts that earned a place into the VRAM tier (device copies, ordered after the kernels that read
+        the slots; the slots' pins are deferred past them like any other)."""
         vt = self.vram
         if vt is None:
-            return []
-        kept = []
+            return
         for e, s in landed:
             if vt.want(j, e):
                 vt.admit(j, e, self.slab[s, :self.geom.block_bytes])
-                kept.append(s)
-        return kept
 
     def _vram_blocks(self, vslots: list[int]):
         if self._addressed:
@@ -246,11 +302,12 @@ class StreamingExperts:
         hits = self.client.lookup(j, uniq)
         self.client.request_prefill(j, uniq)
         acc = torch.zeros(x.shape[0], self.geom.L, dtype=torch.float32, device=self.device)
+        self._flush(sync=False)          # torch.unique(...).tolist() waited for the device
         for e, s in hits.items():
             try:
                 self._prefill_one(x, experts, weights, e, s, j, acc)
             finally:
-                self.client.release(s)
+                self._defer([s])
         misses = [e for e in uniq if e not in hits]
         if misses:
             tw = time.perf_counter()
@@ -261,7 +318,7 @@ class StreamingExperts:
                 try:
                     self._prefill_one(x, experts, weights, e, s, j, acc)
                 finally:
-                    self.client.release(s)
+                    self._defer([s])
                 used.append(e)
                 if len(used) >= 8:      # hand used blocks back to the eviction end as we go
                     self.client.done_prefill(j, used)
@@ -270,10 +327,12 @@ class StreamingExperts:
             if used:
                 self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
+        self._flush(sync=True)
         return acc
 
     def _prefill_one(self, x, experts, weights, e, s, j, acc):
-        tok, slot = torch.where(experts == e)
+        tok, slot = torch.where(experts == e)       # waits for the device: the earlier experts' kernels have run
+        self._flush(sync=False)
         tw = weights[tok, slot].float().contiguous()
         ug, dg = self.up_global[j, e:e + 1], self.down_global[j, e:e + 1]
         block = self._blocks([s])

@@ -63,7 +63,7 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
     down_counter: int32 [1] on the device, += the down groups the kernel read (Triton path only).
     """
     addressed = isinstance(blocks, torch.Tensor) and blocks.dtype == torch.int64
-    if addressed and geom.fmt == "nvfp4" and (x.is_cuda or backend == "triton"):
+    if addressed and geom.fmt == "nvfp4":   # addresses are for the kernels (CPU: only under the interpreter)
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
         act, mask = expert_up(x.reshape(-1).contiguous(), blocks, geom, up_global, config=up_config)
         return sparse_down(act, mask, blocks, geom, down_global, weights, acc, config=down_config,
@@ -76,7 +76,7 @@ def expert_prefill(x, block, geom: ExpertGeometry, up_global, down_global, token
 
     CUDA: `block` is an int64 [1] address tensor (up_global/down_global fp32 [1]); CPU: a U8 tensor.
     """
-    if isinstance(block, torch.Tensor) and block.dtype == torch.int64 and x.is_cuda and geom.fmt == "nvfp4":
+    if isinstance(block, torch.Tensor) and block.dtype == torch.int64 and geom.fmt == "nvfp4":
         return _expert_prefill_triton(x.contiguous(), block, 0, geom, up_global, down_global, token_weights)
     return expert_prefill_torch(x, block, geom, up_global.reshape(-1)[0], down_global.reshape(-1)[0],
                                 token_weights)

@@ -11,7 +11,8 @@ from gpu_worker.decode_graphs import DecodeGraphs
 from nemotron import mamba
 from nemotron.model import NemotronH
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# forcing the fused kernels on CPU tensors needs Triton's interpreter, which is on only where there is no GPU
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,13 @@ def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
     model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model)
     model.decode_graphs = g = DecodeGraphs(model)
-    kinds = [k for k, _ in g.segments]
-    assert "experts" in kinds and "attn" in kinds and kinds.count("graph") >= 3
+    kinds = [seg[0] for seg in g.segments]
+    assert "route" in kinds and "attn" in kinds and kinds.count("graph") >= 3
     segmented = run(model)
     assert plain.abs().max() > 0.1
     assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
-    if device == "cuda":
-        assert g.captures == kinds.count("graph")
+    if device == "cuda":        # every stretch and every S_j captured (the in-memory source: eager variant only)
+        assert g.captures == kinds.count("graph") + kinds.count("route")
 
 
 def test_twin_state_not_copied_in_is_caught(ckpt_dir, monkeypatch):
@@ -73,3 +74,86 @@ def test_clamped_dt_is_refused(ckpt_dir):
     assert "clamps dt" in DecodeGraphs.unsupported(model)
     with pytest.raises(ValueError, match="clamps dt"):
         DecodeGraphs(model)
+
+
+def test_segmented_decode_through_the_cache_pipeline(synth, tmp_path, monkeypatch):
+    """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
+    with a cache of a tenth of the experts: same logits as the engine's plain forward."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU variant; the GPU runs the same path in bench/gpu_session.sh's check")
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+    from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0)
+    store = tmp_path / "store"
+    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    st = ExpertStore.open(store)
+    tenth = max(len(st.moe_layers) * st.n_experts // 10, 8) * st.block_stride
+    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    with StreamingEngine(store, cache_bytes=tenth, io_workers=2) as eng:
+        plain = run(eng.model, steps=3)
+        eng.model.decode_graphs = g = DecodeGraphs(eng.model)
+        segmented = run(eng.model, steps=3)
+        assert eng.sup.client().stats()["evictions"] > 0
+    assert set(g.variant.values()) == {"eager"}
+    assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
+
+
+def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
+    """As on CUDA: blocks by address (the Triton kernels, here under the interpreter), and a layer whose experts
+    are all present runs them inside the next segment ("slab" variant) instead of eagerly; a cache holding every
+    expert makes that the common case, a tenth of them mixes both. Same logits as the plain forward."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU variant; the GPU runs the same path in bench/gpu_session.sh's check")
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+    from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0)
+    store = tmp_path / "store"
+    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    st = ExpertStore.open(store)
+    n = len(st.moe_layers) * st.n_experts
+    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    for blocks in (n + 8, max(n // 10, 8)):
+        with StreamingEngine(store, cache_bytes=blocks * st.block_stride, io_workers=2) as eng:
+            ex = eng.experts
+            ex._addressed = True
+            ex._down_groups = torch.zeros(1, dtype=torch.int32)
+            plain = run(eng.model, steps=3)
+            eng.model.decode_graphs = g = DecodeGraphs(eng.model)
+            seen = set()
+            real = g._route
+
+            def route(i):
+                real(i)
+                seen.add(g.variant[i])
+            g._route = route
+            segmented = run(eng.model, steps=3)
+            assert "slab" in seen and (blocks > n or "eager" in seen), seen
+            assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
+        assert torch.allclose(plain, segmented, atol=1e-4, rtol=1e-4), (blocks, (plain - segmented).abs().max())
+
+
+def test_twin_kernels_skipped_in_the_slab_variant_is_caught(synth, tmp_path, monkeypatch):
+    """Must-fail twin: a segment that forgets the expert kernels in the "slab" variant changes the logits."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU variant")
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+    from kernels import moe_ops
+    from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0)
+    store = tmp_path / "store"
+    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    st = ExpertStore.open(store)
+    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    with StreamingEngine(store, cache_bytes=(len(st.moe_layers) * st.n_experts + 8) * st.block_stride,
+                         io_workers=2) as eng:
+        eng.experts._addressed = True
+        eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
+        plain = run(eng.model, steps=2)
+        eng.model.decode_graphs = DecodeGraphs(eng.model)
+        monkeypatch.setattr("gpu_worker.decode_graphs.moe_ops",
+                            type("NoKernels", (), {"expert_decode": staticmethod(lambda *a, **k: None)}))
+        broken = run(eng.model, steps=2)
+    assert (plain - broken).abs().max() > 1e-2
