@@ -21,15 +21,18 @@ for s in $STEPS; do
         python3 -m tools.repack --model $W/tiny --out $W/tinystore --no-progress >/dev/null 2>&1
         python3 -m tools.logits --model $W/tiny --ids $IDS --decode 16 --out $W/cpu.npz
         python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu.npz --stats
+        python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu_vram.npz --stats --vram-gb 20
         python3 - <<'PY'
 import numpy as np, torch
-a, b = np.load("/tmp/w/cpu.npz"), np.load("/tmp/w/gpu.npz")
-la, lb = torch.log_softmax(torch.tensor(a["logits"]).double(), -1), torch.log_softmax(torch.tensor(b["logits"]).double(), -1)
-kl = float((la.exp() * (la - lb)).sum(-1).mean())
-g = int((a["greedy"] == b["greedy"]).cumprod(0).sum())
-print(f"GPU streaming (bf16) vs CPU engine (fp32), tiny nvfp4: mean KL {kl:.2e}, greedy agree {g}/{len(a['greedy'])}")
+for name in ("gpu", "gpu_vram"):
+  a, b = np.load("/tmp/w/cpu.npz"), np.load(f"/tmp/w/{name}.npz")
+  la, lb = torch.log_softmax(torch.tensor(a["logits"]).double(), -1), torch.log_softmax(torch.tensor(b["logits"]).double(), -1)
+  kl = float((la.exp() * (la - lb)).sum(-1).mean())
+  g = int((a["greedy"] == b["greedy"]).cumprod(0).sum())
+  print(f"GPU streaming (bf16, {name}) vs CPU engine (fp32), tiny nvfp4: mean KL {kl:.2e}, greedy agree {g}/{len(a['greedy'])}")
 PY
-      } > "$OUT/check.txt" 2>&1; tail -1 "$OUT/check.txt";;
+      } > "$OUT/check.txt" 2>&1; tail -2 "$OUT/check.txt";;
+    smoke) timeout 200 python3 tests/server/gpu_smoke.py > "$OUT/smoke.log" 2>&1; tail -8 "$OUT/smoke.log";;
     e2e) timeout ${E2E_TIMEOUT:-300} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E_ARGS:-} \
            --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;

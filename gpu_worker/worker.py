@@ -169,7 +169,9 @@ class Worker:
                                     max_tokens=int(p["max_tokens"]), min_tokens=int(p.get("min_tokens", 0)),
                                     stop_token_ids=tuple(int(t) for t in p.get("stop_token_ids", ())))
             acct = self.engine.accounting
-            a0 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_routing_msgs, acct.bytes_over_pcie)
+            acct.per_token()        # folds the kernels' device-side counters in before the request
+            a0 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_waiting_for_router,
+                  acct.ms_bookkeeping, acct.bytes_over_pcie)
             out: list[int] = []
             finish = None
             t_first = t_last = None
@@ -195,7 +197,9 @@ class Worker:
             prompt_ms = ((t_first or t_end) - t0) * 1e3
             decode_ms = ((t_last - t_first) * 1e3) if t_first is not None else 0.0
             disk_decode = (self._disk_bytes() - disk_at_first) if t_first is not None else 0
-            a1 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_routing_msgs, acct.bytes_over_pcie)
+            acct.per_token()
+            a1 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_waiting_for_router,
+                  acct.ms_bookkeeping, acct.bytes_over_pcie)
             d = [b - a for a, b in zip(a0, a1)]
             tot = self.totals
             tot["requests"] += 1
@@ -212,7 +216,8 @@ class Worker:
                                         "predicted_n": len(out), "predicted_ms": decode_ms,
                                         "decode_steps": n_decode},
                             "engine": {"tokens": d[0], "ms_waiting_for_disk": d[1], "ms_experts": d[2],
-                                       "ms_routing_msgs": d[3], "bytes_over_pcie": d[4],
+                                       "ms_waiting_for_router": d[3], "ms_bookkeeping": d[4],
+                                       "bytes_over_pcie": d[5],
                                        "bytes_from_disk_decode": disk_decode}})
         except Exception as e:
             log(f"request {rid} failed:\n{traceback.format_exc()}")
@@ -275,7 +280,8 @@ class Worker:
         acct = self.engine.accounting
         out = {"totals": dict(self.totals), "accounting": acct.per_token(),
                "accounting_totals": {"tokens": acct.tokens, "ms_waiting_for_disk": acct.ms_waiting_for_disk,
-                                     "ms_experts": acct.ms_experts, "ms_routing_msgs": acct.ms_routing_msgs,
+                                     "ms_experts": acct.ms_experts, "ms_waiting_for_router": acct.ms_waiting_for_router,
+                                     "ms_bookkeeping": acct.ms_bookkeeping,
                                      "bytes_over_pcie": acct.bytes_over_pcie, "hits_at_lookup": acct.hits_at_lookup,
                                      "misses_at_lookup": acct.misses_at_lookup}}
         try:

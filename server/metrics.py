@@ -94,7 +94,8 @@ class _EngineCollector:
         g = GaugeMetricFamily(P + "ms_per_token", "per-token time breakdown of decoding (engine accounting)",
                               labels=["part"])
         total = tot.get("decode_ms", 0.0) / steps if steps else 0.0
-        parts = {k: float(acc.get(k, 0.0)) for k in ("ms_waiting_for_disk", "ms_experts", "ms_routing_msgs")}
+        parts = {k: float(acc.get(k, 0.0)) for k in ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router",
+                                                    "ms_bookkeeping")}
         for k, v in parts.items():
             g.add_metric([k[3:]], v)
         g.add_metric(["total"], total)

@@ -54,10 +54,11 @@ def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
         assert g.captures == kinds.count("graph") + kinds.count("route")
 
 
-def test_twin_state_not_copied_in_is_caught(ckpt_dir, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_twin_state_not_copied_in_is_caught(ckpt_dir, device, monkeypatch):
     """Must-fail twin: binding that re-points a sequence at the static states without copying its own in."""
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    model = NemotronH(ckpt_dir, dtype=torch.float32)
+    model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model, steps=2)
     model.decode_graphs = g = DecodeGraphs(model)
 
