@@ -164,6 +164,10 @@ def parse_args(argv=None):
     ap.add_argument("--allow-image-urls", action="store_true",
                     help="let chat requests name images by http(s) URL, fetched by the server (default: only base64 "
                          "data URLs; local file paths are never read)")
+    ap.add_argument("--allow-private-image-urls", action="store_true",
+                    help="with --allow-image-urls: also fetch from hosts that resolve to loopback, private, link-local "
+                         "or reserved addresses (a LAN image server); by default they are refused, so a request cannot "
+                         "make the server reach its own or the network's internal services")
     ap.add_argument("--max-image-pixels", type=int, default=50_000_000,
                     help="images with more pixels (width x height) get a 400 (default 50 megapixels)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
@@ -254,7 +258,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
     state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
-                                       allow_image_urls=a.allow_image_urls, max_image_pixels=a.max_image_pixels),
+                                       allow_image_urls=a.allow_image_urls,
+                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))

@@ -34,6 +34,7 @@ class ServerSettings:
     chat_template_kwargs: dict = field(default_factory=dict)    # defaults under each request's own
     retry_after_s: int = 5
     allow_image_urls: bool = False      # fetch http(s) image URLs (--allow-image-urls); data URLs always work
+    allow_private_image_urls: bool = False   # ... also from loopback / private / link-local hosts
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -133,7 +134,8 @@ def create_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids, _, _ = _chat_ids(state, req.messages, req.chat_template_kwargs, None, req.add_generation_prompt)
+            ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, None,
+                                                req.add_generation_prompt)    # it may fetch image URLs
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -240,7 +242,8 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
                 # the template renders each image part as <image>, in order
                 d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
                                 {"type": "image_url", "image_url": {"url": ""}} for p in m.content]
-                encoded += [im.fetch(u, state.settings.allow_image_urls) for u in urls]
+                encoded += [im.fetch(u, state.settings.allow_image_urls, state.settings.allow_private_image_urls)
+                            for u in urls]
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)

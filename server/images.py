@@ -1,4 +1,5 @@
-"""Image content parts of chat requests: fetch (data URLs; http(s) only with `--allow-image-urls`; local files
+"""Image content parts of chat requests: fetch (data URLs; http(s) only with `--allow-image-urls`, public hosts only
+unless `--allow-private-image-urls`; local files
 never), decode with limits, preprocess as transformers' processor does (`nemotron.vision_preprocess`), and build
 the prompt's image-token expansion. Every problem is an `APIError` 400 that says what is wrong."""
 from __future__ import annotations
@@ -41,7 +42,37 @@ def _bad(msg: str) -> APIError:
     return APIError(400, msg, param="messages", code="invalid_image")
 
 
-def fetch(url: str, allow_urls: bool) -> bytes:
+MAX_REDIRECTS = 5
+
+
+def check_destination(url: str, allow_private: bool) -> None:
+    """Refuse a URL whose host resolves to a loopback, private, link-local, multicast or reserved address (the
+    server's own services, the LAN, a cloud metadata endpoint) unless the operator allowed private hosts.
+    Every address the name resolves to must be public. The check runs again for each redirect."""
+    import ipaddress
+    import socket
+
+    import httpx
+    try:
+        host = httpx.URL(url).host
+    except Exception as e:      # noqa: BLE001 - httpx raises several kinds for a malformed URL
+        raise _bad(f"the image URL is malformed ({e})") from e
+    if not host:
+        raise _bad("the image URL has no host")
+    if allow_private:
+        return
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as e:
+        raise _bad(f"the image URL's host {host!r} does not resolve ({e})") from e
+    for info in infos:
+        ip = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not ip.is_global:
+            raise _bad(f"the image URL's host {host!r} is a non-public address ({ip}); this server fetches only "
+                       "public hosts (start it with --allow-private-image-urls to allow LAN hosts)")
+
+
+def fetch(url: str, allow_urls: bool, allow_private: bool = False) -> bytes:
     """The encoded bytes behind an `image_url`."""
     if not isinstance(url, str) or not url:
         raise _bad("an image_url part needs a url")
@@ -64,15 +95,23 @@ def fetch(url: str, allow_urls: bool) -> bytes:
                        "(data:image/png;base64,...) or start the server with --allow-image-urls")
         import httpx
         try:
-            with httpx.stream("GET", url, timeout=30, follow_redirects=True) as r:
-                if r.status_code != 200:
-                    raise _bad(f"fetching the image URL gave HTTP {r.status_code}")
-                buf = bytearray()
-                for chunk in r.iter_bytes():
-                    buf += chunk
-                    if len(buf) > MAX_URL_BYTES:
-                        raise _bad(f"the image at the URL is larger than {MAX_URL_BYTES >> 20} MiB")
-                return bytes(buf)
+            for _ in range(MAX_REDIRECTS + 1):
+                check_destination(url, allow_private)
+                with httpx.stream("GET", url, timeout=30, follow_redirects=False) as r:
+                    if r.is_redirect:
+                        url = str(r.url.join(r.headers.get("location", "")))
+                        if not url.lower().startswith(("http://", "https://")):
+                            raise _bad("the image URL redirects to a non-http(s) location")
+                        continue
+                    if r.status_code != 200:
+                        raise _bad(f"fetching the image URL gave HTTP {r.status_code}")
+                    buf = bytearray()
+                    for chunk in r.iter_bytes():
+                        buf += chunk
+                        if len(buf) > MAX_URL_BYTES:
+                            raise _bad(f"the image at the URL is larger than {MAX_URL_BYTES >> 20} MiB")
+                    return bytes(buf)
+            raise _bad(f"the image URL redirects more than {MAX_REDIRECTS} times")
         except httpx.HTTPError as e:
             raise _bad(f"the image URL could not be fetched: {type(e).__name__}: {e}") from e
     if low.startswith("file:") or url.startswith(("/", ".", "~")) or (len(url) > 2 and url[1:3] in (":\\", ":/")):

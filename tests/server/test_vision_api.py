@@ -70,6 +70,7 @@ def server(omni, tmp_path_factory):
 @pytest.fixture(scope="module")
 def url_server(omni, tmp_path_factory):
     s = _launch(tmp_path_factory, "srv-urls", omni[0], "--store", str(omni[1]), "--allow-image-urls",
+                "--allow-private-image-urls",     # the test's image server is on 127.0.0.1
                 env={"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
     yield s
     s.stop()
@@ -323,3 +324,59 @@ def test_too_elongated_image_is_a_400(server):
 
 def test_literal_image_token_in_text_is_a_400(server):
     assert "literal <image>" in bad(server, [img(A), {"type": "text", "text": "and <image> too"}])
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/a.png", "http://[::1]/a.png", "http://10.1.2.3/a.png",
+                                 "http://169.254.169.254/latest/meta-data", "http://0.0.0.0/a.png",
+                                 "http://localhost/a.png", "https://192.168.0.10/a.png"])
+def test_image_urls_to_internal_hosts_are_refused(url):
+    """With --allow-image-urls alone, a request cannot make the server reach loopback, LAN or metadata hosts."""
+    from server import images as im
+    from server.errors import APIError
+    with pytest.raises(APIError) as e:
+        im.fetch(url, allow_urls=True)
+    assert e.value.status == 400 and "non-public address" in str(e.value.message)
+
+
+def test_public_literal_addresses_pass_the_destination_check():
+    from server import images as im
+    im.check_destination("http://8.8.8.8/a.png", allow_private=False)        # literal: no DNS needed
+    im.check_destination("http://127.0.0.1/a.png", allow_private=True)     # the operator allowed LAN hosts
+
+
+def test_redirect_to_an_internal_host_is_refused(tmp_path):
+    """A server that redirects (here a local one, allowed for the first hop only) cannot bounce the fetch onto
+    an internal address: every hop is checked."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from server import images as im
+    from server.errors import APIError
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "http://10.0.0.7/secret.png")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    calls = []
+    real = im.check_destination
+
+    def first_hop_allowed(url, allow_private):
+        calls.append(url)
+        real(url, allow_private or len(calls) == 1)
+    try:
+        import unittest.mock as mock
+        with mock.patch.object(im, "check_destination", first_hop_allowed), \
+                mock.patch.dict("os.environ", {"NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}):
+            with pytest.raises(APIError) as e:
+                im.fetch(f"http://127.0.0.1:{srv.server_port}/a.png", allow_urls=True)
+    finally:
+        srv.shutdown()
+    assert len(calls) == 2 and calls[1] == "http://10.0.0.7/secret.png"
+    assert "non-public address" in str(e.value.message)
