@@ -100,6 +100,7 @@ def decode_run(eng, prompts, n_tokens, device):
     m = eng.model
     acct = eng.accounting
     ms, disk_bytes, hits, looked, waits, pcie = [], 0, 0, 0, 0.0, 0
+    cache0 = eng.cache_stats()
     for p in prompts:
         st = m.new_state()
         logits = m.forward(p, st, last_only=True)
@@ -123,7 +124,10 @@ def decode_run(eng, prompts, n_tokens, device):
         acct.per_token()
         pcie += acct.bytes_over_pcie - b0
     n = n_tokens * len(prompts)
-    return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms],
+    cache1 = eng.cache_stats()
+    cache = {k: cache1[k] - cache0[k] for k in ("evictions", "demand_reads", "prefetch_issued", "prefetch_wasted",
+                                                "stalls_no_slot", "failed_slots", "resends") if k in cache1}
+    return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
                 ms_waiting_for_disk=waits / n, pcie_bytes_per_token=pcie / n)
 
@@ -275,7 +279,7 @@ def main(argv=None):
             acc = res[name]["accounting"]
             print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router']:.2f}, bookkeeping "
                   f"{acc['ms_bookkeeping']:.2f}, waiting for disk {acc['ms_waiting_for_disk']:.2f}, experts "
-                  f"{acc['ms_experts']:.2f}; graphs {res[name]['cuda_graphs']}")
+                  f"{acc['ms_experts']:.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
     if "prefill_s" in res:
         print(f"prefill {a.prefill_tokens} tokens: {res['prefill_s']:.2f} s, read {res['prefill_disk_bytes'] / 1e9:.2f} GB;"
               f" floor {res['prefill_floor_s']:.2f} s; ratio {res['prefill_s'] / max(res['prefill_floor_s'], 1e-9):.2f}")
