@@ -191,7 +191,7 @@ def main(argv=None):
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             res["dense_bytes_per_token"] = dense_bytes
-            if name in ("ram", "vram"):   # warm: one pass over every expert (demand reads of everything)
+            if name in ("ram", "ram_eager", "vram"):   # warm: one pass over every expert (demand reads of all)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
                     eng.sup.client().request(j, ex)
