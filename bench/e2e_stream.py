@@ -188,6 +188,11 @@ def main(argv=None):
         with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
                              dtype=dtype, **kw) as eng:
             res[f"s_load_{name}"] = time.time() - t
+            cuda = str(a.device).startswith("cuda")
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                mem0 = torch.cuda.memory_allocated()
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             res["dense_bytes_per_token"] = dense_bytes
@@ -214,6 +219,12 @@ def main(argv=None):
                 res["prefill_s"] = time.perf_counter() - t
                 res["prefill_disk_bytes"] = eng.cache_stats()["io_bytes_read"] - s0
             r["accounting"] = eng.accounting.per_token()      # the always-on split (warm-up tokens included)
+            if cuda:     # what decoding added on the device: graph pools, static buffers, KV caches of live states
+                r["vram_after_load"] = mem0
+                r["vram_added_by_decode"] = torch.cuda.memory_allocated() - mem0
+                r["vram_peak_added"] = torch.cuda.max_memory_allocated() - mem0
+                g = eng.model.decode_graphs
+                r["graphs_captured"] = g.captures if g is not None else 0
             r["cuda_graphs"] = eng.model.decode_graphs is not None
             res[name] = r
         return r
@@ -280,6 +291,11 @@ def main(argv=None):
             print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router']:.2f}, bookkeeping "
                   f"{acc['ms_bookkeeping']:.2f}, waiting for disk {acc['ms_waiting_for_disk']:.2f}, experts "
                   f"{acc['ms_experts']:.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
+            if "vram_added_by_decode" in res[name]:
+                r = res[name]
+                print(f"  device memory: {r['vram_after_load'] / 2**30:.2f} GiB after load; decoding added "
+                      f"{r['vram_added_by_decode'] / 2**20:.0f} MiB (peak {r['vram_peak_added'] / 2**20:.0f} MiB), "
+                      f"{r['graphs_captured']} graphs")
     if "prefill_s" in res:
         print(f"prefill {a.prefill_tokens} tokens: {res['prefill_s']:.2f} s, read {res['prefill_disk_bytes'] / 1e9:.2f} GB;"
               f" floor {res['prefill_floor_s']:.2f} s; ratio {res['prefill_s'] / max(res['prefill_floor_s'], 1e-9):.2f}")
