@@ -50,8 +50,8 @@ EAGER, SLAB, MIXED = "eager", "slab", "mixed"
 
 
 class _Graph:
-    def __init__(self, fn, capture: bool):
-        self.fn, self.capture = fn, capture
+    def __init__(self, fn, capture: bool, pool=None):
+        self.fn, self.capture, self.pool = fn, capture, pool
         self.graphs: dict = {}
         self.runs: dict = {}
 
@@ -64,7 +64,7 @@ class _Graph:
             self.fn(variant)                    # warm: compiles kernels, runs for real
         else:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):           # capture only: nothing runs yet
+            with torch.cuda.graph(g, pool=self.pool):   # capture only: nothing runs yet
                 self.fn(variant)
             self.graphs[variant] = g
             g.replay()
@@ -82,6 +82,10 @@ class DecodeGraphs:
         self.cuda = model.device.type == "cuda"
         self.capture = self.cuda if capture is None else capture
         c, dev, dt = model.config, model.device, model.dtype
+        # One memory pool for every graph: a private pool per graph rounds each to whole 2 MiB segments (measured:
+        # 64 MiB for 10 graphs). Sharing is safe here because nothing allocated inside a graph outlives it: every
+        # value that crosses a segment boundary lives in the static buffers below, allocated outside any capture.
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.eps = c.layer_norm_epsilon
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.x = torch.zeros(1, c.hidden_size, dtype=dt, device=dev)        # the residual stream between segments
@@ -97,18 +101,18 @@ class DecodeGraphs:
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
                 ops.append(("router", i))
-                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture), after))
-                self.pre[i] = _Graph(self._pre(i), self.capture)
+                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
+                self.pre[i] = _Graph(self._pre(i), self.capture, self.pool)
                 self.segments.append(("route", i))
                 ops, after = [("experts", i), ("moe_tail", i)], i
             elif isinstance(mixer, Attention):
-                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture), after))
+                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
                 self.segments.append(("attn", i))
                 ops, after = [], None
             else:
                 ops.append(("layer", i))
         ops.append(("final", None))
-        self.segments.append(("graph", _Graph(self._stretch(ops), self.capture), after))
+        self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
         self.times = {"route_wait": 0.0}
 
     @staticmethod

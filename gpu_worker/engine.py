@@ -71,6 +71,11 @@ class StreamingEngine:
         return self.sup.client().stats()
 
     def close(self):
+        model = getattr(self, "model", None)
+        if model is not None and model.decode_graphs is not None:
+            model.decode_graphs = None      # graphs and closures form cycles: let the device memory go now
+            import gc
+            gc.collect()
         if self.reg is not None:
             self.reg.unregister()
             self.reg = None
