@@ -82,9 +82,11 @@ class DecodeGraphs:
         self.cuda = model.device.type == "cuda"
         self.capture = self.cuda if capture is None else capture
         c, dev, dt = model.config, model.device, model.dtype
-        # One memory pool for every graph: a private pool per graph rounds each to whole 2 MiB segments (measured:
-        # 64 MiB for 10 graphs). Sharing is safe here because nothing allocated inside a graph outlives it: every
-        # value that crosses a segment boundary lives in the static buffers below, allocated outside any capture.
+        # One memory pool for every graph (a private pool per graph keeps its own segments). Sharing is safe here
+        # because nothing allocated inside a graph outlives it: every value that crosses a segment boundary lives
+        # in the static buffers below, allocated outside any capture. Measured on the H200 (4 MoE layers, 10
+        # graphs): decoding adds 64 MiB over the loaded engine either way, the cuBLAS workspaces of the first
+        # GEMMs on the main and the capture stream; the graphs themselves add no measurable memory.
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.eps = c.layer_norm_epsilon
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
