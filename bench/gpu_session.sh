@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni" (default: all), MOE_LAYERS, E2E_ARGS, E2E_TIMEOUT as in gpu_e2e.sh.
+#   STEPS="vision check e2e profile omni pytest smoke" (default: vision check e2e profile omni),
+#   MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT.
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
