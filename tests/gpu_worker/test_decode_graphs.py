@@ -141,7 +141,6 @@ def test_twin_kernels_skipped_in_the_slab_variant_is_caught(synth, tmp_path, mon
         pytest.skip("CPU variant")
     from gpu_worker.engine import StreamingEngine
     from io_workers.store import ExpertStore
-    from kernels import moe_ops
     from tools import repack
     model_dir = synth("tiny", "nvfp4", 0)
     store = tmp_path / "store"
