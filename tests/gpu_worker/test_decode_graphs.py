@@ -20,15 +20,16 @@ def ckpt_dir(synth):
     return synth("tiny", "bf16", 4)
 
 
-def run(model, steps=5):
-    """Two sequences decoded in turns, a third prefilled in the middle; greedy; logits of every step."""
+def run(model, steps=5, fixed=False):
+    """Two sequences decoded in turns, a third prefilled in the middle; greedy (or, with `fixed`, given tokens,
+    so that a near tie cannot fork the two runs); logits of every step."""
     out = []
     a, b = model.new_state(), model.new_state()
     la = model.forward(list(range(30, 50)), a, last_only=True)
     lb = model.forward(list(range(60, 71)), b, last_only=True)
     for t in range(steps):
-        la = model.forward([int(la[-1].argmax())], a, last_only=True)
-        lb = model.forward([int(lb[-1].argmax())], b, last_only=True)
+        la = model.forward([5 + 7 * t if fixed else int(la[-1].argmax())], a, last_only=True)
+        lb = model.forward([11 + 5 * t if fixed else int(lb[-1].argmax())], b, last_only=True)
         out += [la, lb]
         if t == 2:
             c = model.new_state()
@@ -92,12 +93,13 @@ def test_segmented_decode_through_the_cache_pipeline(synth, tmp_path, monkeypatc
     tenth = max(len(st.moe_layers) * st.n_experts // 10, 8) * st.block_stride
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     with StreamingEngine(store, cache_bytes=tenth, io_workers=2) as eng:
-        plain = run(eng.model, steps=3)
+        plain = run(eng.model, steps=3, fixed=True)
         eng.model.decode_graphs = g = DecodeGraphs(eng.model)
-        segmented = run(eng.model, steps=3)
+        segmented = run(eng.model, steps=3, fixed=True)
         assert eng.sup.client().stats()["evictions"] > 0
     assert set(g.variant.values()) == {"eager"}
-    assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
+    # hits first, then misses in landing order: the fp32 sum's order follows the IO workers' timing
+    assert torch.allclose(plain, segmented, atol=1e-3, rtol=1e-4), (plain - segmented).abs().max()
 
 
 def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
@@ -120,7 +122,7 @@ def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
             ex = eng.experts
             ex._addressed = True
             ex._down_groups = torch.zeros(1, dtype=torch.int32)
-            plain = run(eng.model, steps=3)
+            plain = run(eng.model, steps=3, fixed=True)
             eng.model.decode_graphs = g = DecodeGraphs(eng.model)
             seen = set()
             real = g._route
@@ -129,10 +131,13 @@ def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
                 real(i)
                 seen.add(g.variant[i])
             g._route = route
-            segmented = run(eng.model, steps=3)
+            segmented = run(eng.model, steps=3, fixed=True)
             assert "slab" in seen and (blocks > n or "eager" in seen), seen
             assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
-        assert torch.allclose(plain, segmented, atol=1e-4, rtol=1e-4), (blocks, (plain - segmented).abs().max())
+        # With a small cache, which experts of a layer run in one launch and which land later depends on the IO
+        # workers' timing, so fp32 sums are added in different orders (measured up to 6e-4 on logits of ~10);
+        # the must-fail twin below differs by far more than this tolerance.
+        assert torch.allclose(plain, segmented, atol=3e-3, rtol=1e-3), (blocks, (plain - segmented).abs().max())
 
 
 def test_twin_kernels_skipped_in_the_slab_variant_is_caught(synth, tmp_path, monkeypatch):
@@ -151,9 +156,9 @@ def test_twin_kernels_skipped_in_the_slab_variant_is_caught(synth, tmp_path, mon
                          io_workers=2) as eng:
         eng.experts._addressed = True
         eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
-        plain = run(eng.model, steps=2)
+        plain = run(eng.model, steps=2, fixed=True)
         eng.model.decode_graphs = DecodeGraphs(eng.model)
         monkeypatch.setattr("gpu_worker.decode_graphs.moe_ops",
                             type("NoKernels", (), {"expert_decode": staticmethod(lambda *a, **k: None)}))
-        broken = run(eng.model, steps=2)
-    assert (plain - broken).abs().max() > 1e-2
+        broken = run(eng.model, steps=2, fixed=True)
+    assert (plain - broken).abs().max() > 3e-2
