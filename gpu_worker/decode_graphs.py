@@ -178,6 +178,7 @@ class DecodeGraphs:
                 "acc": torch.zeros(lat, dtype=torch.float32, device=dev),
                 "addrs": torch.zeros(k, dtype=torch.long, device=dev),
                 "addrs_host": torch.zeros(k, dtype=torch.long, pin_memory=self.cuda), "k": k}
+            b["addrs_np"] = b["addrs_host"].numpy()    # written from the host; its last copy ran before the event
         b["h"].copy_(h)
         b["experts"].copy_(experts)
         b["weights"].copy_(weights)
@@ -240,7 +241,7 @@ class DecodeGraphs:
         t = src.route(mixer.moe_index, ids[:k], ids[k:], wait)
         addrs = src.addresses(t)
         if addrs is not None:
-            b["addrs_host"].copy_(torch.tensor(addrs, dtype=torch.long))
+            b["addrs_np"][:] = addrs
             b["addrs"].copy_(b["addrs_host"], non_blocking=True)
             self.variant[i] = MIXED if t.on_dev else SLAB
         else:
