@@ -55,7 +55,8 @@ def host_breakdown(m, tok, tokens):
         m.mixers = saved
         ex.apply = ex_apply
     out = {k: v * 1e3 / tokens for k, v in acc.items()}
-    out["MoEMixer (without the source)"] = out.get("MoEMixer", 0.0) - out.get("expert_source.apply (incl. router sync)", 0.0)
+    if "MoEMixer" in out:      # eager decode; with CUDA graphs the mixers run only inside replays (not timed)
+        out["MoEMixer (without the source)"] = out["MoEMixer"] - out.get("expert_source.apply (incl. router sync)", 0.0)
     out["wall"] = wall * 1e3 / tokens
     out["outside mixers (embed, norms, lm_head, argmax sync)"] = out["wall"] - sum(
         v for k, v in acc.items() if k != "expert_source.apply (incl. router sync)") * 1e3 / tokens

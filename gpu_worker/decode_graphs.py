@@ -43,7 +43,7 @@ from kernels import moe_ops
 from kernels.linear import linear
 from nemotron.attention import Attention
 from nemotron.mamba import Mamba2Mixer, MambaState
-from nemotron.moe import MoEMixer, relu2
+from nemotron.moe import MoEMixer
 from nemotron.norms import rms_norm
 
 EAGER, SLAB, MIXED = "eager", "slab", "mixed"
@@ -115,7 +115,6 @@ class DecodeGraphs:
                 ops.append(("layer", i))
         ops.append(("final", None))
         self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
-        self.times = {"route_wait": 0.0}
 
     @staticmethod
     def unsupported(model) -> str | None:
@@ -162,10 +161,7 @@ class DecodeGraphs:
 
     def _router(self, i, h):
         mixer = self.m.mixers[i]
-        experts, weights = mixer.router(h)
-        guess = None
-        if mixer.next_router is not None and getattr(mixer.experts, "wants_guess", False):
-            guess = mixer.next_router(h)[0][0]
+        experts, weights, guess = mixer.route(h)
         b = self.buf.get(i)
         if b is None:                                  # shapes from the first (eager) run
             dev, k = h.device, experts.shape[-1]
@@ -193,10 +189,7 @@ class DecodeGraphs:
 
         def run(variant):
             b = self.buf[i]
-            h = b["h"]
-            lat = linear(h, mixer.fc1) if mixer.fc1 is not None else h
-            shared = (linear(relu2(linear(h, mixer.shared_up)), mixer.shared_down)
-                      if mixer.shared_up is not None else None)
+            lat, shared = mixer.prepare(b["h"])
             if "lat" not in b:
                 b["lat"] = torch.empty_like(lat)
                 if shared is not None:
@@ -236,9 +229,7 @@ class DecodeGraphs:
             self.variant[i] = EAGER
             return
         ids = b["choice_host"].tolist()
-        wait = time.perf_counter() - t0
-        self.times["route_wait"] += wait
-        t = src.route(mixer.moe_index, ids[:k], ids[k:], wait)
+        t = src.route(mixer.moe_index, ids[:k], ids[k:], time.perf_counter() - t0)
         addrs = src.addresses(t)
         if addrs is not None:
             b["addrs_np"][:] = addrs

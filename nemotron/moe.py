@@ -116,15 +116,25 @@ class MoEMixer:
         self.trace = None
         self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
-    def head(self, h: torch.Tensor):
-        """Everything before the routed experts, all on the device: (latent input of the experts, chosen experts,
-        their weights, the guess for the next MoE layer or None, the shared expert's output or None)."""
+    def route(self, h: torch.Tensor):
+        """(chosen experts, their weights, the guess for the next MoE layer or None), on the device."""
         experts, weights = self.router(h)
         guess = None
         if h.shape[0] == 1 and self.next_router is not None and getattr(self.experts, "wants_guess", False):
             guess = self.next_router(h)[0][0]
+        return experts, weights, guess
+
+    def prepare(self, h: torch.Tensor):
+        """(latent input of the routed experts, the shared expert's output or None)."""
         lat = linear(h, self.fc1) if self.fc1 is not None else h
         shared = linear(relu2(linear(h, self.shared_up)), self.shared_down) if self.shared_up is not None else None
+        return lat, shared
+
+    def head(self, h: torch.Tensor):
+        """Everything before the routed experts, all on the device: (latent input of the experts, chosen experts,
+        their weights, the guess for the next MoE layer or None, the shared expert's output or None)."""
+        experts, weights, guess = self.route(h)
+        lat, shared = self.prepare(h)
         return lat, experts, weights, guess, shared
 
     def tail(self, routed: torch.Tensor, shared) -> torch.Tensor:

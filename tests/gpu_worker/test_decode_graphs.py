@@ -78,21 +78,37 @@ def test_clamped_dt_is_refused(ckpt_dir):
         DecodeGraphs(model)
 
 
-def test_segmented_decode_through_the_cache_pipeline(synth, tmp_path, monkeypatch):
-    """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
-    with a cache of a tenth of the experts: same logits as the engine's plain forward."""
-    if torch.cuda.is_available():
-        pytest.skip("CPU variant; the GPU runs the same path in bench/gpu_session.sh's check")
-    from gpu_worker.engine import StreamingEngine
+# The cache-pipeline tests below force what CUDA does (fused kernels, blocks by address) on the CPU, which needs
+# Triton's interpreter; a GPU machine runs the same paths for real in bench/gpu_session.sh's `check` step.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant: the interpreter is off where a GPU is")
+
+
+@pytest.fixture(scope="module")
+def store(synth, tmp_path_factory):
     from io_workers.store import ExpertStore
     from tools import repack
-    model_dir = synth("tiny", "nvfp4", 0)
-    store = tmp_path / "store"
-    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
-    st = ExpertStore.open(store)
-    tenth = max(len(st.moe_layers) * st.n_experts // 10, 8) * st.block_stride
+    out = tmp_path_factory.mktemp("graphs") / "store"
+    assert repack.main(["--model", str(synth("tiny", "nvfp4", 0)), "--out", str(out), "--no-progress"]) == 0
+    st = ExpertStore.open(out)
+    return out, len(st.moe_layers) * st.n_experts, st.block_stride
+
+
+def engine(store, blocks: int, addressed: bool):
+    from gpu_worker.engine import StreamingEngine
+    path, _, stride = store
+    eng = StreamingEngine(path, cache_bytes=blocks * stride, io_workers=2)
+    if addressed:       # as on CUDA: the Triton kernels read blocks by address and count the down groups
+        eng.experts._addressed = True
+        eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
+    return eng
+
+
+@cpu_only
+def test_segmented_decode_through_the_cache_pipeline(store, monkeypatch):
+    """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
+    with a cache of a tenth of the experts: same logits as the engine's plain forward."""
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    with StreamingEngine(store, cache_bytes=tenth, io_workers=2) as eng:
+    with engine(store, max(store[1] // 10, 8), addressed=False) as eng:
         plain = run(eng.model, steps=3, fixed=True)
         eng.model.decode_graphs = g = DecodeGraphs(eng.model)
         segmented = run(eng.model, steps=3, fixed=True)
@@ -102,26 +118,16 @@ def test_segmented_decode_through_the_cache_pipeline(synth, tmp_path, monkeypatc
     assert torch.allclose(plain, segmented, atol=1e-3, rtol=1e-4), (plain - segmented).abs().max()
 
 
-def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
+@cpu_only
+def test_expert_kernels_inside_the_segments(store, monkeypatch):
     """As on CUDA: blocks by address (the Triton kernels, here under the interpreter), and a layer whose experts
     are all present runs them inside the next segment ("slab" variant) instead of eagerly; a cache holding every
     expert makes that the common case, a tenth of them mixes both. Same logits as the plain forward."""
-    if torch.cuda.is_available():
-        pytest.skip("CPU variant; the GPU runs the same path in bench/gpu_session.sh's check")
-    from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
-    from tools import repack
-    model_dir = synth("tiny", "nvfp4", 0)
-    store = tmp_path / "store"
-    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
-    st = ExpertStore.open(store)
-    n = len(st.moe_layers) * st.n_experts
+    n = store[1]
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     for blocks in (n + 8, max(n // 10, 8)):
-        with StreamingEngine(store, cache_bytes=blocks * st.block_stride, io_workers=2) as eng:
+        with engine(store, blocks, addressed=True) as eng:
             ex = eng.experts
-            ex._addressed = True
-            ex._down_groups = torch.zeros(1, dtype=torch.int32)
             plain = run(eng.model, steps=3, fixed=True)
             eng.model.decode_graphs = g = DecodeGraphs(eng.model)
             seen = set()
@@ -140,22 +146,11 @@ def test_expert_kernels_inside_the_segments(synth, tmp_path, monkeypatch):
         assert torch.allclose(plain, segmented, atol=3e-3, rtol=1e-3), (blocks, (plain - segmented).abs().max())
 
 
-def test_twin_kernels_skipped_in_the_slab_variant_is_caught(synth, tmp_path, monkeypatch):
+@cpu_only
+def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, monkeypatch):
     """Must-fail twin: a segment that forgets the expert kernels in the "slab" variant changes the logits."""
-    if torch.cuda.is_available():
-        pytest.skip("CPU variant")
-    from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
-    from tools import repack
-    model_dir = synth("tiny", "nvfp4", 0)
-    store = tmp_path / "store"
-    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
-    st = ExpertStore.open(store)
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    with StreamingEngine(store, cache_bytes=(len(st.moe_layers) * st.n_experts + 8) * st.block_stride,
-                         io_workers=2) as eng:
-        eng.experts._addressed = True
-        eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
+    with engine(store, store[1] + 8, addressed=True) as eng:
         plain = run(eng.model, steps=2, fixed=True)
         eng.model.decode_graphs = DecodeGraphs(eng.model)
         monkeypatch.setattr("gpu_worker.decode_graphs.moe_ops",

@@ -331,12 +331,8 @@ def hf_reference(model, ids, pixel_values, grid_hw, n):
 
 
 def run_tool(model_dir, tmp_path, messages):
-    from tools import logits as logits_tool
-    mf, out = tmp_path / "messages.json", tmp_path / "out.npz"
-    mf.write_text(json.dumps(messages))
-    assert logits_tool.main(["--model", str(model_dir), "--messages-file", str(mf), "--out", str(out),
-                             "--decode", str(N_GREEDY), "--prefill-chunk", "37"]) == 0
-    return dict(np.load(out))
+    from tests.nemotron.test_vision_e2e import run_tool as run
+    return run(model_dir, tmp_path, messages)      # tools.logits --messages-file, N_GREEDY (12) greedy steps
 
 
 @pytest.mark.parametrize("case", ["one", "two"])
