@@ -142,7 +142,7 @@ def main(argv=None):
             dec = [one(p, a.decode_tokens) for p in decode_prompts]
             r["decode_ms_per_token"] = sum(d.decode_ms_per_token for d in dec) / len(dec)
             for n in sizes:
-                t = one(prefill_prompts[n], 1)
+                t = one(prefill_prompts[n], 4)    # a few tokens: see run_completion
                 r[f"prefill_tps_{n}"] = t.prefill_tokens_per_s
                 r[f"ttft_s_{n}"] = t.prompt_ms / 1e3
             if limit_bytes is not None:

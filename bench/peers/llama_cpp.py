@@ -102,16 +102,17 @@ class PerfTimings:
 
 
 def parse_perf(log_text: str) -> PerfTimings:
-    """Reads the last `llama_perf_context_print` block of a llama.cpp log. Raises if it is not there."""
+    """Reads the last context timings of a llama.cpp log (`common_perf_print` in 0c1e570, the older
+    `llama_perf_context_print`). Raises if they are not there."""
     found = {}
     for line in log_text.splitlines():
-        if "llama_perf_context_print" not in line:
+        if "common_perf_print" not in line and "llama_perf_context_print" not in line:
             continue
         m = _PERF.search(line)
         if m:
             found[m["what"]] = (float(m["ms"]), int(m["n"]))
     if "prompt eval time" not in found or "eval time" not in found:
-        raise ValueError("no llama_perf_context_print timings in the llama.cpp output "
+        raise ValueError("no prompt/eval timings (common_perf_print) in the llama.cpp output "
                          "(did it crash or was it built without logging?)")
     (pms, pn), (ems, en) = found["prompt eval time"], found["eval time"]
     return PerfTimings(pms, pn, ems, en)
@@ -187,12 +188,19 @@ def run_completion(bindir: Path, gguf: Path, prompt: str, n_predict: int, config
     if limit is not None:
         cmd = limit.wrap(cmd)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        for attempt in range(3):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if log is not None:
+                log.write(f"$ {' '.join(cmd)}\n{r.stderr[-3000:]}\n")
+                log.flush()
+            if r.returncode:
+                raise RuntimeError(f"llama-completion ({config}) failed ({r.returncode}): {r.stderr[-2000:]}")
+            try:
+                return parse_perf(r.stderr + r.stdout)
+            except ValueError:
+                # its logger is a thread: a run that ends within a few tokens can exit before the timings
+                # are printed (seen with -n 1 under mmap); the same run again, at most twice
+                if attempt == 2:
+                    raise
     finally:
         pfile.unlink(missing_ok=True)
-    if log is not None:
-        log.write(f"$ {' '.join(cmd)}\n{r.stderr[-3000:]}\n")
-        log.flush()
-    if r.returncode:
-        raise RuntimeError(f"llama-completion ({config}) failed ({r.returncode}): {r.stderr[-2000:]}")
-    return parse_perf(r.stderr + r.stdout)

@@ -4,8 +4,17 @@ import pytest
 
 from bench.peers import llama_cpp, texts
 
-# The tail of a real llama-completion run (llama.cpp 0c1e570): the sampler's block, then the context's.
+# The tail of a real llama-completion run (llama.cpp 0c1e570, CPU build, the synthetic super shape).
 LOG = """\
+0.02.429.699 I common_perf_print:    sampling time =       0.68 ms
+0.02.429.729 I common_perf_print:    samplers time =       0.42 ms /    59 tokens
+0.02.429.762 I common_perf_print:        load time =     878.87 ms
+0.02.429.790 I common_perf_print: prompt eval time =     870.26 ms /    43 tokens (   20.24 ms per token,    49.41 tokens per second)
+0.02.429.814 I common_perf_print:        eval time =    1249.56 ms /    15 runs   (   83.30 ms per token,    12.00 tokens per second)
+0.02.429.837 I common_perf_print:       total time =    2176.31 ms /    58 tokens
+"""
+# The older form (llama_perf_context_print), after the sampler's block.
+LOG_OLD = """\
 common_perf_print:    sampling time =       3.21 ms
 common_perf_print:    samplers time =       1.02 ms /    40 tokens
 llama_perf_sampler_print:    sampling time =       3.21 ms /    40 runs   (    0.08 ms per token, 12461.06 tokens per second)
@@ -18,6 +27,10 @@ llama_perf_context_print:       total time =     245.31 ms /  1031 tokens
 
 def test_parse_perf_reads_the_context_timings():
     t = llama_cpp.parse_perf(LOG)
+    assert (t.prompt_tokens, t.eval_runs) == (43, 15)
+    assert t.prefill_tokens_per_s == pytest.approx(43 / 0.87026)
+    assert t.decode_ms_per_token == pytest.approx(1249.56 / 15)
+    t = llama_cpp.parse_perf(LOG_OLD)
     assert (t.prompt_tokens, t.eval_runs) == (1000, 31)
     assert t.prefill_tokens_per_s == pytest.approx(1000 / 0.11842)
     assert t.decode_ms_per_token == pytest.approx(117.75 / 31)
@@ -25,9 +38,10 @@ def test_parse_perf_reads_the_context_timings():
 
 def test_parse_perf_refuses_a_log_without_them():
     # must-fail twin: the sampler's block alone (a crash after sampling started) is not taken for timings
-    sampler_only = "\n".join(l for l in LOG.splitlines() if "llama_perf_context_print" not in l)
-    with pytest.raises(ValueError, match="no llama_perf_context_print"):
-        llama_cpp.parse_perf(sampler_only)
+    for log in (LOG, LOG_OLD):
+        sampler_only = "\n".join(l for l in log.splitlines() if "eval time" not in l)
+        with pytest.raises(ValueError, match="no prompt/eval timings"):
+            llama_cpp.parse_perf(sampler_only)
 
 
 def test_config_args():
