@@ -315,7 +315,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         notify("READY=1", f"STATUS=serving {state.settings.model_name} on {a.host}:{a.port}")
         info = client.info
         size = f"{cache_bytes / GiB:.2f} GiB" if cache_bytes >= GiB else f"{cache_bytes / (1 << 20):.1f} MiB"
-        log(f"ready: {state.settings.model_name} on {info.get('device')} ({info.get('dtype')}), expert cache {size}; "
+        log(f"ready: {state.settings.model_name} on {info.device} ({info.dtype}), expert cache {size}; "
             f"OpenAI API at http://{a.host}:{a.port}/v1")
 
     load_task = asyncio.create_task(load())

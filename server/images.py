@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from nemotron import vision_preprocess as vp
+from procs.messages import Images
 from server.errors import APIError
 
 # Pillow format names we accept, and the data-URL media types that name them.
 SUPPORTED_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp"}
-DEFAULT_MAX_PIXELS = 50_000_000
 MAX_URL_BYTES = 64 << 20
 
 
@@ -32,10 +32,11 @@ class ImageInputs:
     positions: list[int]
     digests: list[str]
 
-    def message(self) -> dict:
-        return {"pixel_values": self.pixel_values.contiguous().numpy().astype("<f4").tobytes(),
-                "n_rows": int(self.pixel_values.shape[0]), "row_size": int(self.pixel_values.shape[1]),
-                "grid_hw": self.grid_hw, "positions": self.positions, "digests": self.digests}
+    def message(self) -> Images:
+        return Images(pixel_values=self.pixel_values.contiguous().numpy().astype("<f4").tobytes(),
+                      n_rows=int(self.pixel_values.shape[0]), row_size=int(self.pixel_values.shape[1]),
+                      grid_hw=[list(g) for g in self.grid_hw], positions=list(self.positions),
+                      digests=list(self.digests))
 
 
 def _bad(msg: str) -> APIError:
