@@ -15,7 +15,7 @@ import pytest
 from cache_shm.client import ExpertLoadError
 from cache_shm.names import list_entries, pid_alive, sweep_stale
 from cache_shm.shm import INF
-from cache_shm.supervisor import Supervisor
+from gpu_worker.cache_supervisor import Supervisor
 from moestream_fake_store import make_fake_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ OWNER = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {fake!r})
     from moestream_fake_store import make_fake_store
-    from cache_shm.supervisor import Supervisor
+    from gpu_worker.cache_supervisor import Supervisor
     sup = Supervisor(make_fake_store({store!r}, n_layers=2, n_experts=8), n_slots=8, n_workers=2).start()
     c = sup.client()
     c.request(0, [1])
