@@ -103,7 +103,7 @@ def test_demand_reads_go_before_prefetch_reads(run):
     sup = run(n_slots=40, n_workers=1, worker_args=("--fault-delay-ms", "40"))
     c, shm = sup.client(), sup.shm
     c.request(0, [], guess=list(range(10)), guess_layer=1)     # 10 prefetch reads for layer 1
-    time.sleep(0.02)
+    wait_until(lambda: c.stats()["prefetch_issued"] > 0, 10, "the prefetcher to queue them")
     c.request(2, [5])                                          # then one demand read
     s = c.wait(2, 5, timeout=10)
     landed_before = int((shm.slot_state[shm.slot_of_expert[1][shm.slot_of_expert[1] >= 0]] == 2).sum())
@@ -186,7 +186,7 @@ def test_prefetcher_killed_requests_still_complete(run):
 
 
 OWNER = textwrap.dedent("""
-    import json, sys, time
+    import json, signal, sys
     sys.path.insert(0, {fake!r})
     from moestream_fake_store import make_fake_store
     from gpu_worker.cache_supervisor import Supervisor
@@ -195,7 +195,7 @@ OWNER = textwrap.dedent("""
     c.request(0, [1])
     c.wait(0, 1, timeout=10)
     print(json.dumps(dict(prefix=sup.prefix, pids=sup.child_pids())), flush=True)
-    time.sleep(600)
+    signal.pause()      # until the test's signal
 """)
 
 
