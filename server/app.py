@@ -229,55 +229,46 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     from server import images as im
     tok = state.tokenizer
     msgs, encoded = [], []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            urls = [p.url for p in m.content if isinstance(p, ImagePart)]
+    for message in messages:
+        d = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            urls = [p.url for p in message.content if isinstance(p, ImagePart)]
             if not urls:
-                d["content"] = "".join(p.text for p in m.content)
+                d["content"] = "".join(p.text for p in message.content)
             else:
                 if state.vision_config is None:
                     raise APIError(400, f"this model ({state.settings.model_name}) has no vision tower: image "
                                         "inputs are not supported", param="messages", code="invalid_image")
                 # the template renders each image part as <image>, in order
                 d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
-                                {"type": "image_url", "image_url": {"url": ""}} for p in m.content]
+                                {"type": "image_url", "image_url": {"url": ""}} for p in message.content]
                 encoded += [im.fetch(u, state.settings.allow_image_urls, state.settings.allow_private_image_urls)
                             for u in urls]
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
-    images = None
-    expand = lambda text: text      # noqa: E731
+    from nemotron.vision_preprocess import IMAGE_TOKEN
+    from nemotron.vision_prompt import ImageTokenError, PromptImages, encode_prompt, image_token_id
+    prompt_images = images = None
     if encoded:
         geom = state.image_geometry
         pv, grid, digests = im.preprocess([im.decode(b, state.settings.max_image_pixels) for b in encoded], geom)
-        expand = lambda text: im.expand(text, grid, geom)   # noqa: E731
+        prompt_images = PromptImages(grid, grid.grids_per_image, geom, image_token_id(state.vision_config))
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
-        text = tok.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
-        ids = tok.encode(expand(text))
-        keep_at = []
-        if add_generation_prompt:
-            base = tok.encode(expand(tok.render_chat(msgs, False, tools, template_kwargs)))
-            if 0 < len(base) < len(ids) and ids[:len(base)] == base:
-                keep_at = [len(base)]
+        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), tok.encode,
+                               prompt_images, add_generation_prompt, messages_end=True)
+    except ImageTokenError as e:
+        raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
+                       code="invalid_image")
     except APIError:
         raise
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
     if encoded:
-        from nemotron.vision_prompt import image_token_id
-        from nemotron import vision_preprocess as vp
-        tid = image_token_id(state.vision_config)
-        positions = [i for i, t in enumerate(ids) if t == tid]
-        want = sum(vp.image_token_count(g, geom) for g in grid)
-        if len(positions) != want:
-            raise APIError(400, f"the prompt has {len(positions)} {vp.IMAGE_TOKEN} tokens where the images need "
-                                f"{want} (does a text part contain a literal {vp.IMAGE_TOKEN}?)", param="messages")
-        images = im.ImageInputs(pv, grid, positions, digests)
-    return ids, keep_at, images
+        images = im.ImageInputs(pv, grid, prompt.image_positions, digests)
+    return prompt.ids, [prompt.messages_end] if prompt.messages_end is not None else [], images
 
 
 # ------------------------------------------------------------------------------------------------ one generation

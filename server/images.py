@@ -1,7 +1,7 @@
 """Image content parts of chat requests: fetch (data URLs; http(s) only with `--allow-image-urls`, public hosts only
-unless `--allow-private-image-urls`; local files
-never), decode with limits, preprocess as transformers' processor does (`nemotron.vision_preprocess`), and build
-the prompt's image-token expansion. Every problem is an `APIError` 400 that says what is wrong."""
+unless `--allow-private-image-urls`; local files never), decode with limits, and preprocess as transformers'
+processor does (`nemotron.vision_preprocess`). The prompt's image-token expansion is
+`nemotron.vision_prompt.encode_prompt`. Every problem is an `APIError` 400 that says what is wrong."""
 from __future__ import annotations
 
 import base64
@@ -177,13 +177,3 @@ def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torc
         out.append(digest(pv[row:row + n], g))
         row += n
     return pv, grid, out
-
-
-def expand(text: str, grid, geom: vp.ImageGeometry) -> str:
-    """The rendered prompt with each `<image>` expanded; `grid` as `preprocess` returns it (a plain list of
-    rows means one row per image)."""
-    from nemotron.vision_prompt import expand_image_tokens
-    try:
-        return expand_image_tokens(text, grid, geom, getattr(grid, "grids_per_image", None))
-    except ValueError as e:
-        raise _bad(f"{e} (does a text part contain a literal {vp.IMAGE_TOKEN}?)") from e
