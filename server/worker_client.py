@@ -137,13 +137,16 @@ class WorkerClient:
                 break
             unpacker.feed(data)
             for obj in unpacker:
-                try:
-                    msg = m.decode(obj, m.TO_LAUNCHER)
-                except m.ProtocolError as e:
-                    self._on_bad_message(obj, e)
-                    continue
-                self._on_message(msg)
+                self._on_wire(obj)
         await self._on_exit(proc)
+
+    def _on_wire(self, obj) -> None:
+        try:
+            msg = m.decode(obj, m.TO_LAUNCHER)
+        except m.ProtocolError as e:
+            self._on_bad_message(obj, e)
+            return
+        self._on_message(msg)
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, m.Status):
