@@ -1,32 +1,12 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+# One definition of the sampling fields and their defaults, shared with the launcher (procs.messages).
+from procs.messages import SamplingParams
 
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0         # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                   # 0 = off
-    seed: int | None = None
-    max_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0              # stop tokens cannot be chosen before this many tokens
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
-        if self.min_tokens < 0:
-            raise ValueError("min_tokens must be >= 0")
+__all__ = ["Sampler", "SamplingParams"]
 
 
 class Sampler:

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from procs import messages as m
 from server import errors
 from server.errors import APIError
 from server.metrics import Metrics
@@ -57,8 +58,7 @@ class ServerState:
         self.vocab_size = int(cfg.get("vocab_size", 0))
         max_pos = int(cfg.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(settings.max_model_len or max_pos, max_pos)
-        self.defaults = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
-                         "top_k": int(gen.get("top_k", 0) or 0)}
+        self.sampling_defaults = m.SamplingParams.model_defaults(gen)
 
     def load_tokenizer(self) -> None:
         self.tokenizer = Tokenizer(self.settings.model_dir)
@@ -229,62 +229,49 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     from server import images as im
     tok = state.tokenizer
     msgs, encoded = [], []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            urls = [p.url for p in m.content if isinstance(p, ImagePart)]
+    for message in messages:
+        d = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            urls = [p.url for p in message.content if isinstance(p, ImagePart)]
             if not urls:
-                d["content"] = "".join(p.text for p in m.content)
+                d["content"] = "".join(p.text for p in message.content)
             else:
                 if state.vision_config is None:
                     raise APIError(400, f"this model ({state.settings.model_name}) has no vision tower: image "
                                         "inputs are not supported", param="messages", code="invalid_image")
                 # the template renders each image part as <image>, in order
                 d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
-                                {"type": "image_url", "image_url": {"url": ""}} for p in m.content]
+                                {"type": "image_url", "image_url": {"url": ""}} for p in message.content]
                 encoded += [im.fetch(u, state.settings.allow_image_urls, state.settings.allow_private_image_urls)
                             for u in urls]
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
-    images = None
-    expand = lambda text: text      # noqa: E731
+    from nemotron.vision_preprocess import IMAGE_TOKEN
+    from nemotron.vision_prompt import ImageTokenError, PromptImages, encode_prompt, image_token_id
+    prompt_images = images = None
     if encoded:
         geom = state.image_geometry
         pv, grid, digests = im.preprocess([im.decode(b, state.settings.max_image_pixels) for b in encoded], geom)
-        expand = lambda text: im.expand(text, grid, geom)   # noqa: E731
+        prompt_images = PromptImages(grid, grid.grids_per_image, geom, image_token_id(state.vision_config))
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
-        text = tok.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
-        ids = tok.encode(expand(text))
-        keep_at = []
-        if add_generation_prompt:
-            base = tok.encode(expand(tok.render_chat(msgs, False, tools, template_kwargs)))
-            if 0 < len(base) < len(ids) and ids[:len(base)] == base:
-                keep_at = [len(base)]
+        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), tok.encode,
+                               prompt_images, add_generation_prompt, messages_end=True)
+    except ImageTokenError as e:
+        raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
+                       code="invalid_image")
     except APIError:
         raise
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
     if encoded:
-        from nemotron.vision_prompt import image_token_id
-        from nemotron import vision_preprocess as vp
-        tid = image_token_id(state.vision_config)
-        positions = [i for i, t in enumerate(ids) if t == tid]
-        want = sum(vp.image_token_count(g, geom) for g in grid)
-        if len(positions) != want:
-            raise APIError(400, f"the prompt has {len(positions)} {vp.IMAGE_TOKEN} tokens where the images need "
-                                f"{want} (does a text part contain a literal {vp.IMAGE_TOKEN}?)", param="messages")
-        images = im.ImageInputs(pv, grid, positions, digests)
-    return ids, keep_at, images
+        images = im.ImageInputs(pv, grid, prompt.image_positions, digests)
+    return prompt.ids, [prompt.messages_end] if prompt.messages_end is not None else [], images
 
 
 # ------------------------------------------------------------------------------------------------ one generation
-class _ClientGone(Exception):
-    pass
-
-
 class _Gen:
     def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
                  reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None):
@@ -306,14 +293,14 @@ class _Gen:
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
                            n_prompt_tokens=n, n_ctx=limit)
         self.max_tokens = max_tokens if max_tokens is not None else limit - n
-        d = state.defaults
         stops = [] if req.ignore_eos else list(self.tok.eos_ids)
         stops += [int(t) for t in (req.stop_token_ids or [])]
-        top_k = d["top_k"] if req.top_k is None else max(req.top_k, 0)
-        self.params = {"temperature": d["temperature"] if req.temperature is None else req.temperature,
-                       "top_p": d["top_p"] if req.top_p is None else req.top_p, "top_k": top_k, "seed": req.seed,
-                       "max_tokens": self.max_tokens, "min_tokens": min(req.min_tokens, self.max_tokens),
-                       "stop_token_ids": sorted(set(stops))}
+        # the API's own readings of some fields (top_k -1 is off, min_tokens at most max_tokens, stop tokens
+        # are the eos ids plus the request's); every other sampling field is taken by name
+        self.params = m.SamplingParams.for_request(
+            {**{k: getattr(req, k) for k in type(req).model_fields}, "top_k": None if req.top_k is None else max(req.top_k, 0), "max_tokens": self.max_tokens,
+             "min_tokens": min(req.min_tokens, self.max_tokens), "stop_token_ids": sorted(set(stops))},
+            state.sampling_defaults)
         self.stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning)
         self.keep_at = list(keep_at)
@@ -321,15 +308,14 @@ class _Gen:
         self.tokens: list[int] = []
         self.finish = None
         self.cached = 0
-        self.timings: dict = {}
+        self.timings: m.Timings | None = None
         self.job = None
 
     # ---- talking to the worker ------------------------------------------------------------------
     def submit(self) -> None:
-        msg = {"prompt_ids": self.ids, "params": self.params, "logprobs": self.logprobs, "keep_at": self.keep_at,
-               "use_snapshots": bool(self.req.cache_prompt)}
-        if self.images is not None:
-            msg["images"] = self.images.message()
+        msg = m.Generate(id="", prompt_ids=self.ids, params=self.params, logprobs=self.logprobs,
+                         keep_at=self.keep_at, use_snapshots=bool(self.req.cache_prompt),
+                         images=self.images.message() if self.images is not None else None)
         try:
             self.job = self.state.client.submit(msg)
         except QueueFull as e:
@@ -346,40 +332,39 @@ class _Gen:
         try:
             while True:
                 ev = await job.events.get()
-                op = ev["op"]
-                if op == "start":
-                    self.cached = int(ev.get("cached_tokens", 0))
-                elif op == "token":
+                if isinstance(ev, m.Started):
+                    self.cached = ev.cached_tokens
+                elif isinstance(ev, m.Token):
                     if stopped_by_text:
                         continue
-                    t = int(ev["t"])
+                    t = ev.token
                     self.tokens.append(t)
-                    is_eos = ev.get("f") == "stop" and t in self.params["stop_token_ids"]
+                    is_eos = ev.finish_reason == "stop" and t in self.params.stop_token_ids
                     deltas = {"reasoning": "", "content": ""} if is_eos else self.text.push(t)
                     lps = None
-                    if self.logprobs is not None and not is_eos and ev.get("lp") is not None:
-                        lps = [(t, ev["lp"], ev.get("top") or [])]
+                    if self.logprobs is not None and not is_eos and ev.logprob is not None:
+                        lps = [(t, ev.logprob, ev.top_logprobs or [])]
                     if self.text.stopped:
                         stopped_by_text = True
                         self.finish = "stop"
                         client.cancel(job)
-                    elif ev.get("f"):
+                    elif ev.finish_reason:
                         tail = self.text.finish()
                         deltas = {k: deltas[k] + tail[k] for k in deltas}
-                        self.finish = ev["f"]
+                        self.finish = ev.finish_reason
                     yield deltas, lps
-                elif op == "done":
-                    self.timings = ev.get("timings") or {}
+                elif isinstance(ev, m.Done):
+                    self.timings = ev.timings
                     if self.finish is None:
                         tail = self.text.finish()
                         if tail["reasoning"] or tail["content"]:
                             yield tail, None
-                        self.finish = "abort" if ev.get("finish_reason") == "cancelled" else ev.get("finish_reason")
+                        self.finish = "abort" if ev.finish_reason == "cancelled" else ev.finish_reason
                     return
-                elif op == "error":
-                    if ev.get("abort"):
-                        raise APIError(503, ev["message"], code="aborted")
-                    raise APIError(500, ev["message"], code="compute_process_crashed" if ev.get("crash") else
+                elif isinstance(ev, m.Error):
+                    if ev.abort:
+                        raise APIError(503, ev.message, code="aborted")
+                    raise APIError(500, ev.message, code="compute_process_crashed" if ev.crash else
                                    "generation_failed", headers={"x-should-retry": "false"})
         finally:
             if job.state != "finished":
@@ -403,10 +388,14 @@ class _Gen:
         return u
 
     def full_timings(self) -> dict:
+        """The response's llama.cpp-style `timings`: the worker's figures and their per-token and per-second
+        rates (a request cancelled before it started has no figures: its prompt counts as not computed)."""
         t = self.timings
-        pn, pms = t.get("prompt_n", len(self.ids) - self.cached), t.get("prompt_ms", 0.0)
-        dn, dms = t.get("decode_steps", 0), t.get("predicted_ms", 0.0)
-        return {"cache_n": t.get("cache_n", self.cached), "prompt_n": pn, "prompt_ms": pms,
+        if t is None:
+            t = m.Timings(cache_n=self.cached, prompt_n=len(self.ids) - self.cached, prompt_ms=0.0,
+                          predicted_n=len(self.tokens), predicted_ms=0.0, decode_steps=0)
+        pn, pms, dn, dms = t.prompt_n, t.prompt_ms, t.decode_steps, t.predicted_ms
+        return {"cache_n": t.cache_n, "prompt_n": pn, "prompt_ms": pms,
                 "prompt_per_token_ms": pms / pn if pn else 0.0, "prompt_per_second": 1e3 * pn / pms if pms else 0.0,
                 "predicted_n": len(self.tokens), "predicted_ms": dms, "decode_steps": dn,
                 "predicted_per_token_ms": dms / dn if dn else 0.0,
