@@ -7,7 +7,7 @@ No cache bookkeeping happens here beyond that: the prefetcher owns the index.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,19 +24,12 @@ class Accounting:
     ms_experts: float = 0.0
     ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
     ms_bookkeeping: float = 0.0          # lookup + the one message to the prefetcher
-    expert_uses: int = 0
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
     vram_hits: int = 0
     bytes_from_vram: int = 0
-    by_layer_hits: dict = field(default_factory=dict)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
-
-    @property
-    def ms_routing_msgs(self) -> float:
-        """Router wait + bookkeeping together (the split is in the two fields above)."""
-        return self.ms_waiting_for_router + self.ms_bookkeeping
 
     def per_token(self) -> dict:
         if self.refresh is not None:
@@ -111,7 +104,6 @@ class StreamingExperts:
         self.vram = vram           # a VramTier, or None
         self.n_moe = len(store.moe_layers)
         self.record = record       # routing trace: callable(moe_index, token, experts, guess, hits)
-        self.trace = None
         self._cuda = self.device.type == "cuda"
         # the Triton kernels read NVFP4 blocks by address (zero-copy from the slab or the VRAM tier); FP8 / BF16
         # experts run the PyTorch twins, which take U8 tensors on the device
@@ -222,7 +214,6 @@ class StreamingExperts:
         a = self.acct
         a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
         a.bytes_over_pcie += len(t.hits) * self.geom.up_bytes
-        a.expert_uses += len(t.ex)
         # admissions wait until the kernels are launched: an admission may evict a VRAM slot they still read
         self._pending_admit = (t.j, list(t.hits.items()))
         self._defer(list(t.hits.values()))
@@ -265,7 +256,6 @@ class StreamingExperts:
                     self._flush(sync=True)
                 tw = time.perf_counter()
             a.ms_waiting_for_disk += waited * 1e3
-        a.expert_uses += len(t.ex)
         a.ms_experts += (time.perf_counter() - t1) * 1e3
 
     def _admit(self, j, landed) -> None:
