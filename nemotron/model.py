@@ -2,7 +2,7 @@
 
 Weights stay in their checkpoint precision; each Linear is decoded as it is used. `InferenceState` holds
 everything a sequence carries (conv and SSM states, KV caches, position), so prefill-then-decode equals one
-long prefill, and a state can be cloned (conversation snapshots).
+long prefill, and a state can be cloned or copied to the host and back (conversation snapshots).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.linear import linear
-from nemotron.attention import Attention
+from nemotron.attention import Attention, KVCache
 from nemotron.checkpoint import Checkpoint
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.mamba import Mamba2Mixer
+from nemotron.mamba import Mamba2Mixer, MambaState
 from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
 from nemotron.norms import rms_norm
 
@@ -26,6 +26,39 @@ class InferenceState:
 
     def clone(self) -> "InferenceState":
         return InferenceState([None if s is None else s.clone() for s in self.layers], self.position)
+
+    def to_host(self) -> dict:
+        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds)."""
+        return {"position": int(self.position), "layers": [None if s is None else s.to_host() for s in self.layers]}
+
+    @staticmethod
+    def from_host(d: dict, device) -> "InferenceState":
+        """The state `to_host` copied, on `device` (a copy: `d` stays intact). Check it with `host_mismatch`
+        first where it was read from outside."""
+        kinds = {"mamba": MambaState, "kv": KVCache}
+        layers = []
+        for i, s in enumerate(d["layers"]):
+            if s is not None and s.get("kind") not in kinds:
+                raise ValueError(f"layer {i}: unknown state kind {s.get('kind')!r}")
+            layers.append(None if s is None else kinds[s["kind"]].from_host(s, device))
+        return InferenceState(layers, int(d["position"]))
+
+    def host_mismatch(self, d: dict) -> str | None:
+        """Why the host copy `d` cannot stand in for a state shaped like this one, the fresh state of a model
+        (None: it can)."""
+        position = d.get("position")
+        if not isinstance(position, int) or position < 0:
+            return f"bad position {position!r}"
+        layers = d.get("layers")
+        if not isinstance(layers, list) or len(layers) != len(self.layers):
+            return "layer count differs"
+        for i, (s, t) in enumerate(zip(layers, self.layers)):
+            if (s is None) != (t is None):
+                return f"layer {i}: kind differs"
+            why = None if t is None else t.host_mismatch(s, position)
+            if why:
+                return f"layer {i}: {why}"
+        return None
 
 
 class NemotronH:
