@@ -177,7 +177,7 @@ class Worker:
             t_first = t_last = None
             disk_at_first = 0
             if not cancel.is_set():
-                for step in generate(self.model, ids[pos:], params, state=state, prefill_chunk=self.prefill_chunk,
+                for step in generate(self.engine, ids[pos:], params, state=state, prefill_chunk=self.prefill_chunk,
                                      cancel=cancel, logprobs=msg.get("logprobs")):
                     t_last = time.perf_counter()
                     if t_first is None:

@@ -20,23 +20,25 @@ def ckpt_dir(synth):
     return synth("tiny", "bf16", 4)
 
 
-def run(model, steps=5, fixed=False):
+def run(model, step=None, steps=5, fixed=False):
     """Two sequences decoded in turns, a third prefilled in the middle; greedy (or, with `fixed`, given tokens,
-    so that a near tie cannot fork the two runs); logits of every step."""
+    so that a near tie cannot fork the two runs); logits of every step. `step`: how one token is decoded
+    (default: the model's eager step)."""
+    step = step or model.step
     out = []
     a, b = model.new_state(), model.new_state()
     la = model.forward(list(range(30, 50)), a, last_only=True)
     lb = model.forward(list(range(60, 71)), b, last_only=True)
     for t in range(steps):
-        la = model.forward([5 + 7 * t if fixed else int(la[-1].argmax())], a, last_only=True)
-        lb = model.forward([11 + 5 * t if fixed else int(lb[-1].argmax())], b, last_only=True)
+        la = step(5 + 7 * t if fixed else int(la[-1].argmax()), a)
+        lb = step(11 + 5 * t if fixed else int(lb[-1].argmax()), b)
         out += [la, lb]
         if t == 2:
             c = model.new_state()
             out.append(model.forward(list(range(5, 17)), c, last_only=True))
-            out.append(model.forward([3], c, last_only=True))
+            out.append(step(3, c))
             a2 = a.clone()                       # a clone of the bound sequence stays independent of it
-            out.append(model.forward([9], a2, last_only=True))
+            out.append(step(9, a2))
     return torch.cat([o.float().cpu() for o in out])
 
 
@@ -45,10 +47,10 @@ def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model)
-    model.decode_graphs = g = DecodeGraphs(model)
-    kinds = [seg[0] for seg in g.segments]
+    g = DecodeGraphs(model)
+    kinds = [seg.kind for seg in g.segments]
     assert "route" in kinds and "attn" in kinds and kinds.count("graph") >= 3
-    segmented = run(model)
+    segmented = run(model, g.step)
     assert plain.abs().max() > 0.1
     assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
     if device == "cuda":        # every stretch and every S_j captured (the in-memory source: eager variant only)
@@ -61,13 +63,13 @@ def test_twin_state_not_copied_in_is_caught(ckpt_dir, device, monkeypatch):
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model, steps=2)
-    model.decode_graphs = g = DecodeGraphs(model)
+    g = DecodeGraphs(model)
 
     def careless_bind(state):
         for i, sb in g.static.items():
             state.layers[i].ssm, state.layers[i].conv = sb.ssm, sb.conv
     monkeypatch.setattr(g, "_bind", careless_bind)
-    assert (plain - run(model, steps=2)).abs().max() > 1e-2
+    assert (plain - run(model, g.step, steps=2)).abs().max() > 1e-2
 
 
 def test_clamped_dt_is_refused(ckpt_dir):
@@ -103,6 +105,18 @@ def engine(store, blocks: int, addressed: bool):
     return eng
 
 
+def route_variants(g: DecodeGraphs) -> list[str]:
+    """Records how each MoE layer's experts ran, at every host decision from now on."""
+    seen = []
+    for seg in g.segments:
+        if seg.kind == "route":
+            def decide(real=seg.moe.decide, moe=seg.moe):
+                real()
+                seen.append(moe.variant)
+            seg.moe.decide = decide
+    return seen
+
+
 @cpu_only
 def test_segmented_decode_through_the_cache_pipeline(store, monkeypatch):
     """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
@@ -110,8 +124,8 @@ def test_segmented_decode_through_the_cache_pipeline(store, monkeypatch):
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     with engine(store, max(store[1] // 10, 8), addressed=False) as eng:
         plain = run(eng.model, steps=3, fixed=True)
-        eng.model.decode_graphs = g = DecodeGraphs(eng.model)
-        segmented = run(eng.model, steps=3, fixed=True)
+        eng.graphs = g = DecodeGraphs(eng.model)       # what the engine installs on CUDA
+        segmented = run(eng.model, eng.step, steps=3, fixed=True)
         assert eng.sup.client().stats()["evictions"] > 0
     assert set(g.variant.values()) == {"eager"}
     # hits first, then misses in landing order: the fp32 sum's order follows the IO workers' timing
@@ -129,15 +143,9 @@ def test_expert_kernels_inside_the_segments(store, monkeypatch):
         with engine(store, blocks, addressed=True) as eng:
             ex = eng.experts
             plain = run(eng.model, steps=3, fixed=True)
-            eng.model.decode_graphs = g = DecodeGraphs(eng.model)
-            seen = set()
-            real = g._route
-
-            def route(i):
-                real(i)
-                seen.add(g.variant[i])
-            g._route = route
-            segmented = run(eng.model, steps=3, fixed=True)
+            eng.graphs = DecodeGraphs(eng.model)
+            seen = route_variants(eng.graphs)
+            segmented = run(eng.model, eng.step, steps=3, fixed=True)
             assert "slab" in seen and (blocks > n or "eager" in seen), seen
             assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
         # With a small cache, which experts of a layer run in one launch and which land later depends on the IO
@@ -152,8 +160,7 @@ def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, monkeypatch):
     monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
     with engine(store, store[1] + 8, addressed=True) as eng:
         plain = run(eng.model, steps=2, fixed=True)
-        eng.model.decode_graphs = DecodeGraphs(eng.model)
-        monkeypatch.setattr("gpu_worker.decode_graphs.moe_ops",
-                            type("NoKernels", (), {"expert_decode": staticmethod(lambda *a, **k: None)}))
-        broken = run(eng.model, steps=2, fixed=True)
+        eng.graphs = DecodeGraphs(eng.model)
+        monkeypatch.setattr(eng.experts, "decode_kernels", lambda *a, **k: None)
+        broken = run(eng.model, eng.step, steps=2, fixed=True)
     assert (plain - broken).abs().max() > 3e-2
