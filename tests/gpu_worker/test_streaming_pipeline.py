@@ -121,6 +121,20 @@ def resident_keys(shm) -> set[int]:
     return {int(k) for k, st in zip(shm.slot_key, shm.slot_state) if k >= 0 and st == READY}
 
 
+def settled(shm, timeout: float = 10.0) -> None:
+    """Waits until the prefetcher has taken every message and no read is queued or in flight, so that what is
+    resident no longer changes (the last MoE layer's request, a guess prefetch, may still be landing)."""
+    from cache_shm.shm import LOADING
+    deadline = time.monotonic() + timeout
+    while True:
+        s = shm.stats()
+        if (len(shm.msg_ring) == 0 and s["demand_queue"] == 0 and s["prefetch_queue"] == 0
+                and not (shm.slot_state == LOADING).any()):
+            return
+        assert time.monotonic() < deadline, f"the cache did not settle in {timeout} s: {s}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("prefill_protects", [True, False])
 def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, monkeypatch):
     """A long prompt's experts go to the eviction end once used; the twin (prefill requests that touch
@@ -135,10 +149,10 @@ def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, m
         st = m.new_state()
         for t in prompt(2, seed=8):               # decode only: build the decode working set
             m.forward([t], st)
-        time.sleep(0.2)
+        settled(eng.sup.shm)
         before = resident_keys(eng.sup.shm)
         m.forward(prompt(60, seed=9), m.new_state())   # a long prompt touching most experts
-        time.sleep(0.2)
+        settled(eng.sup.shm)
         kept = len(before & resident_keys(eng.sup.shm)) / len(before)
     print(f"prefill_protects={prefill_protects}: {kept:.0%} of the decode working set kept")
     if prefill_protects:
