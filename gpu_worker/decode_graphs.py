@@ -148,7 +148,7 @@ class Graphed:
         if g is not None:
             g.replay()
             return
-        if self.runs.get(variant, 0) == 0 or not self.dec.capture:
+        if self.runs.get(variant, 0) == 0 or not self.dec.capturing:
             self.body(variant)                    # warm: compiles kernels, runs for real
         else:
             self.capture(variant).replay()
@@ -341,14 +341,14 @@ class DecodeGraphs:
             raise ValueError(f"decode graphs: {why}")
         self.m = m = model
         self.cuda = model.device.type == "cuda"
-        self.capture = self.cuda if capture is None else capture
+        self.capturing = self.cuda if capture is None else capture
         c, dev, dt = model.config, model.device, model.dtype
         # One memory pool for every graph (a private pool per graph keeps its own segments). Sharing is safe here
         # because nothing allocated inside a graph outlives it: every value that crosses a segment boundary lives
         # in the static buffers, allocated outside any capture. Measured on the H200 (4 MoE layers, 10
         # graphs): decoding adds 64 MiB over the loaded engine either way, the cuBLAS workspaces of the first
         # GEMMs on the main and the capture stream; the graphs themselves add no measurable memory.
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
         self.eps = c.layer_norm_epsilon
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.x = torch.zeros(1, c.hidden_size, dtype=dt, device=dev)        # the residual stream between segments

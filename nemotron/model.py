@@ -32,7 +32,8 @@ class InferenceState:
 
     def to_host(self) -> dict:
         """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds)."""
-        return {"position": int(self.position), "layers": [None if s is None else s.to_host() for s in self.layers]}
+        layers = [None if s is None else s.to_host() for s in self.layers]
+        return {"position": int(self.position), "layers": layers}
 
     @staticmethod
     def from_host(d: dict, device) -> "InferenceState":
