@@ -193,3 +193,26 @@ def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, plain_address
         broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
     assert "slab" in seen, seen
     assert (plain_addressed - broken).abs().max() > 3e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("honours_tracing", [True, False])
+def test_tracing_steps_run_the_model_forward(store, honours_tracing):
+    """While the model traces, the engine's step is the model's own (the hooks live there), not the graphs; the
+    twin (a step that misses the tracing switch) never reaches the hooks."""
+    from nemotron.moe import MoEMixer
+    with engine(store, store[2] + 8, addressed=False) as eng:
+        routed = []
+        eng.model.set_trace(lambda event, **kw: routed.append(kw["layer"]) if event == "route" else None)
+        if not honours_tracing:
+            eng.model.tracing = False
+        st = eng.new_state()
+        eng.forward([5, 6, 7], st)
+        del routed[:]
+        eng.step(9, st)
+        graphed = any(moe.prepare.runs for moe in eng.graphs.moe.values())
+    moe_layers = [i for i, m in enumerate(eng.model.mixers) if isinstance(m, MoEMixer)]
+    if honours_tracing:
+        assert routed == moe_layers and not graphed
+    else:
+        assert routed == [] and graphed
