@@ -113,7 +113,7 @@ def decode_run(eng, prompts, n_tokens, device):
         sync(device)
         t = time.perf_counter()
         for _ in range(n_tokens):
-            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            tok = int(eng.step(tok, st)[-1].argmax())
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         s1 = eng.cache_stats()
@@ -223,9 +223,9 @@ def main(argv=None):
                 r["vram_after_load"] = mem0
                 r["vram_added_by_decode"] = torch.cuda.memory_allocated() - mem0
                 r["vram_peak_added"] = torch.cuda.max_memory_allocated() - mem0
-                g = eng.model.decode_graphs
+                g = eng.graphs
                 r["graphs_captured"] = g.captures if g is not None else 0
-            r["cuda_graphs"] = eng.model.decode_graphs is not None
+            r["cuda_graphs"] = eng.graphs is not None
             res[name] = r
         return r
 

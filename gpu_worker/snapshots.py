@@ -31,8 +31,6 @@ import msgpack
 import numpy as np
 import torch
 
-from nemotron.attention import KVCache
-from nemotron.mamba import MambaState
 from nemotron.model import InferenceState
 
 MAGIC = b"MSSNAP\x00\x01"
@@ -61,63 +59,15 @@ def image_key_ids(ids: list[int], positions_per_image, digests) -> list[int]:
     return key
 
 
-# ------------------------------------------------------------------------------------------ state <-> dict
-def state_to_dict(state: InferenceState, device="cpu") -> dict:
-    layers = []
-    for s in state.layers:
-        if s is None:
-            layers.append(None)
-        elif isinstance(s, MambaState):
-            layers.append({"kind": "mamba", "conv": s.conv.to(device, copy=True), "ssm": s.ssm.to(device, copy=True)})
-        elif isinstance(s, KVCache):
-            layers.append({"kind": "kv", "k": s.k[:s.length].to(device, copy=True),
-                           "v": s.v[:s.length].to(device, copy=True), "length": int(s.length)})
-        else:
-            raise TypeError(f"cannot snapshot a layer state of type {type(s).__name__}")
-    return {"position": int(state.position), "layers": layers}
-
-
-def dict_to_state(d: dict, device) -> InferenceState:
-    layers = []
-    for s in d["layers"]:
-        if s is None:
-            layers.append(None)
-        elif s["kind"] == "mamba":
-            layers.append(MambaState(s["conv"].to(device, copy=True), s["ssm"].to(device, copy=True)))
-        else:
-            kv = KVCache.__new__(KVCache)
-            kv.k, kv.v, kv.length = s["k"].to(device, copy=True), s["v"].to(device, copy=True), int(s["length"])
-            layers.append(kv)
-    return InferenceState(layers, int(d["position"]))
-
-
+# ------------------------------------------------------------------------------------------ host copies
+# The states copy themselves to and from the host (`InferenceState.to_host` / `from_host`); a payload is that
+# dict as torch.save writes it.
 def check_compatible(d: dict, template: InferenceState, n_tokens: int) -> str | None:
-    """Why the snapshot dict cannot be restored into a model whose fresh state is `template` (None: it can)."""
-    if d.get("position") != n_tokens:
-        return f"position {d.get('position')} != {n_tokens} tokens"
-    if len(d.get("layers", ())) != len(template.layers):
-        return "layer count differs"
-    for i, (s, t) in enumerate(zip(d["layers"], template.layers)):
-        if (s is None) != (t is None):
-            return f"layer {i}: kind differs"
-        if t is None:
-            continue
-        if isinstance(t, MambaState):
-            if s.get("kind") != "mamba":
-                return f"layer {i}: not a Mamba state"
-            for name in ("conv", "ssm"):
-                a, b = s[name], getattr(t, name)
-                if not torch.is_tensor(a) or a.shape != b.shape or a.dtype != b.dtype:
-                    return f"layer {i}: {name} shape/dtype differs"
-        else:
-            if s.get("kind") != "kv":
-                return f"layer {i}: not a KV cache"
-            for name in ("k", "v"):
-                a, b = s[name], getattr(t, name)
-                if (not torch.is_tensor(a) or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype
-                        or a.shape[0] != s["length"] or s["length"] > n_tokens):
-                    return f"layer {i}: {name} shape/dtype differs"
-    return None
+    """Why the host copy `d` cannot be restored into a model whose fresh state is `template` after exactly
+    `n_tokens` tokens (None: it can)."""
+    if not isinstance(d, dict) or d.get("position") != n_tokens:
+        return f"position {d.get('position') if isinstance(d, dict) else '?'} != {n_tokens} tokens"
+    return template.host_mismatch(d)
 
 
 def state_bytes(d: dict) -> int:
@@ -239,7 +189,7 @@ class SnapshotStore:
         """Keep a copy of `state` (which has consumed exactly `ids`) in host RAM, and on disk with a directory."""
         if not ids or state.position != len(ids):
             return
-        d = state_to_dict(state, "cpu")
+        d = state.to_host()
         n = state_bytes(d)
         if n > self.max_bytes or self.max_count <= 0:
             return
@@ -270,7 +220,7 @@ class SnapshotStore:
                         continue
                     self.ram.move_to_end(k)
                     self.stats["hits_ram"] += 1
-                return Restored(dict_to_state(e.state, self.device), n, "ram")
+                return Restored(InferenceState.from_host(e.state, self.device), n, "ram")
             d = self._load(k)
             if d is None:
                 continue
@@ -279,7 +229,7 @@ class SnapshotStore:
                 while len(self.ram) > self.max_count or self.ram_bytes > self.max_bytes:
                     self.ram.popitem(last=False)
                 self.stats["hits_disk"] += 1
-            return Restored(dict_to_state(d, self.device), n, "disk")
+            return Restored(InferenceState.from_host(d, self.device), n, "disk")
         self.stats["misses"] += 1
         return None
 

@@ -221,7 +221,7 @@ class Worker:
         from gpu_worker.generate import generate
         out = _Decoded()
         if not req.cancel.is_set():
-            for step in generate(self.model, req.ids[req.pos:], req.msg.params, state=req.state,
+            for step in generate(self.engine, req.ids[req.pos:], req.msg.params, state=req.state,
                                  prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs):
                 out.t_last = time.perf_counter()
                 if out.t_first is None:
