@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from kernels import moe_ops
-from kernels.expert_block import ExpertGeometry
 
 
 @dataclass
@@ -97,8 +96,7 @@ class StreamingExperts:
     def __init__(self, store, client, device, slab=None, record=None, vram=None):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
-        g = store.geometry
-        self.geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+        self.geom = store.geometry
         self.store, self.client, self.device = store, client, torch.device(device)
         self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
         self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)

@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import posix_ipc
 
 from cache_shm.shm import (DONE, FAILED, INF, LOADING, READY, REQ, WKC, CacheShm, DEMAND, HDR)
-
-ALIGN = 4096
+from kernels.expert_block import BLOCK_ALIGN as ALIGN   # torch-free: the geometry is arithmetic
 
 
 class ReadError(Exception):

@@ -85,7 +85,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant: th
 
 @pytest.fixture(scope="module")
 def store(synth, tmp_path_factory):
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     from tools import repack
     out = tmp_path_factory.mktemp("graphs") / "store"
     assert repack.main(["--model", str(synth("tiny", "nvfp4", 0)), "--out", str(out), "--no-progress"]) == 0
