@@ -42,13 +42,15 @@ class VerifyError(RuntimeError):
 
 def geometry_from_dict(d: dict, where: str = "manifest") -> ExpertGeometry:
     """The manifest's geometry record -> the geometry, refused unless this code computes the same layout."""
+    # stores written before down sub-groups existed do not name the group size: theirs is 16
+    d = {"down_group_neurons": 16, **d} if isinstance(d, dict) else d
     try:
-        g = ExpertGeometry(L=int(d["L"]), I=int(d["I"]), fmt=d["kind"])
+        g = ExpertGeometry(L=int(d["L"]), I=int(d["I"]), fmt=d["kind"], down_group_neurons=d["down_group_neurons"])
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{where}: bad block geometry {d!r} ({e})") from e
     if g.to_dict() != d:
         raise StoreError(f"{where}: block geometry {d} disagrees with the layout this code computes "
-                         f"for {g.fmt} L={g.L} I={g.I}: {g.to_dict()}")
+                         f"for {g.fmt} L={g.L} I={g.I} down groups of {g.down_group_neurons}: {g.to_dict()}")
     return g
 
 

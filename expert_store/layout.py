@@ -11,7 +11,7 @@ import numpy as np
 
 from expert_store.format import StoreError
 from kernels import expert_block
-from kernels.expert_block import ExpertGeometry
+from kernels.expert_block import GROUP, ExpertGeometry
 
 
 def raw_bytes(t) -> np.ndarray:
@@ -59,13 +59,18 @@ def pack_block(geom: ExpertGeometry, up_weight, up_scale, down_weight, down_scal
     if us is not None:
         s = geom.up_scales
         buf[s.offset:s.end] = us.reshape(-1)
-    G, L, rv = geom.n_groups, geom.L, geom.group_row_value_bytes
+    G, L, rv, gv = geom.n_groups, geom.L, geom.group_row_value_bytes, geom.group_value_bytes
     s = geom.down_groups
     groups = buf[s.offset:s.end].reshape(G, geom.group_bytes)
-    # group g holds, for every output row r, the bytes of neurons 16g..16g+15, then the rows' scales of group g
-    groups[:, :L * rv].reshape(G, L, rv)[:] = dw.reshape(L, G, rv).transpose(1, 0, 2)
+    # group g holds, for every output row r, the bytes of neurons n·g..n·g+n-1, then the rows' scales of the
+    # 16-neuron group that holds them (each of its 16/n sub-groups carries a copy)
+    if rv is not None:
+        groups[:, :gv].reshape(G, L, rv)[:] = dw.reshape(L, G, rv).transpose(1, 0, 2)
+    else:       # NVFP4 groups of one neuron: its L codes, two rows to a byte, low nibble first
+        codes = np.stack((dw & 15, dw >> 4), axis=-1).reshape(L, G).T          # [G = I, L]
+        groups[:, :gv] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     if ds is not None:
-        groups[:, L * rv:] = ds.T
+        groups[:, gv:] = np.repeat(ds.T, GROUP // geom.down_group_neurons, axis=0)
     return buf
 
 
@@ -78,14 +83,35 @@ def unpack_raw(geom: ExpertGeometry, buf) -> dict[str, np.ndarray | None]:
     if shapes["up_scale"] is not None:
         s = geom.up_scales
         out["up_scale"] = b[s.offset:s.end].reshape(shapes["up_scale"])
-    G, L, rv = geom.n_groups, geom.L, geom.group_row_value_bytes
+    G, L, rv, gv = geom.n_groups, geom.L, geom.group_row_value_bytes, geom.group_value_bytes
     s = geom.down_groups
     groups = b[s.offset:s.end].reshape(G, geom.group_bytes)
-    values = groups[:, :L * rv].reshape(G, L, rv).transpose(1, 0, 2)       # [L, G, rv]
-    out["down_weight"] = np.ascontiguousarray(values).reshape(L, G * rv)
-    if shapes["down_scale"] is not None:
-        out["down_scale"] = np.ascontiguousarray(groups[:, L * rv:].T)
+    if rv is not None:
+        values = groups[:, :gv].reshape(G, L, rv).transpose(1, 0, 2)       # [L, G, rv]
+        out["down_weight"] = np.ascontiguousarray(values).reshape(L, G * rv)
+    else:
+        v = groups[:, :gv]
+        codes = np.stack((v & 15, v >> 4), axis=-1).reshape(G, L).T         # [L, I]
+        out["down_weight"] = np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    if shapes["down_scale"] is not None:     # the first copy of each 16-group's scales (`scale_copy_mismatch`)
+        out["down_scale"] = np.ascontiguousarray(groups[::GROUP // geom.down_group_neurons, gv:].T)
     return out
+
+
+def scale_copy_mismatch(geom: ExpertGeometry, buf) -> tuple[int, int] | None:
+    """(sub-group, row) of the first down sub-group whose scales differ from its 16-group's first copy, or
+    None. `unpack_raw` reads the first copy only, so this is what proves the others."""
+    per = GROUP // geom.down_group_neurons
+    if geom.fmt != "nvfp4" or per == 1:
+        return None
+    b = _as_np_u8(buf, geom)
+    s = geom.down_groups
+    scales = b[s.offset:s.end].reshape(geom.n_scale_groups, per, geom.group_bytes)[:, :, geom.group_value_bytes:]
+    bad = np.argwhere(scales != scales[:, :1])
+    if bad.size == 0:
+        return None
+    g, k, r = (int(v) for v in bad[0])
+    return g * per + k, r
 
 
 def _as_np_u8(buf, geom: ExpertGeometry) -> np.ndarray:

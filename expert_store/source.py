@@ -134,8 +134,9 @@ class Plan:
                 "dense_files": [f for f, _ in self.dense_shards], "mtp_files": [f for f, _ in self.mtp_shards]}
 
 
-def make_plan(model_dir, dense_shard_bytes: int = DENSE_SHARD_BYTES) -> Plan:
-    """Everything checked from the checkpoint's headers before a byte is written."""
+def make_plan(model_dir, dense_shard_bytes: int = DENSE_SHARD_BYTES, down_group_neurons: int = 16) -> Plan:
+    """Everything checked from the checkpoint's headers before a byte is written. down_group_neurons: the
+    store's down (sub-)group size (16, 8, 4, 2 or 1 neurons; see ExpertGeometry)."""
     from nemotron.checkpoint import Checkpoint
     model_dir = Path(model_dir)
     ckpt = Checkpoint(model_dir)
@@ -179,7 +180,7 @@ def make_plan(model_dir, dense_shard_bytes: int = DENSE_SHARD_BYTES) -> Plan:
         raise RepackError(f"{infos[first].shard}: {first} has dtype {infos[first].dtype}; the store takes "
                           f"U8 (NVFP4), F8_E4M3 (FP8) or BF16 experts")
     try:
-        geom = ExpertGeometry(L=L, I=I, fmt=kind)
+        geom = ExpertGeometry(L=L, I=I, fmt=kind, down_group_neurons=down_group_neurons)
     except ValueError as e:
         raise RepackError(f"{model_dir}: {e}") from e
     raw = geom.raw_shapes()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from expert_store.format import BLOCKS_NAME, INDEX_NAME, StoreError, VerifyError
-from expert_store.layout import pack_block, raw_bytes, unpack_raw
+from expert_store.layout import pack_block, raw_bytes, scale_copy_mismatch, unpack_raw
 from expert_store.reader import ExpertStore
 from expert_store.source import EXPERT_RE
 from expert_store.progress import progress_bar
@@ -74,6 +74,13 @@ def verify(store_dir, model_dir, sample: int | None = None, seed: int = 0, progr
                                   f"the store's block holds {list(have.shape)}")
             if not np.array_equal(have, want):
                 _report_block_mismatch(store, j, e, buf, expected, name)
+        bad = scale_copy_mismatch(geom, buf)
+        if bad is not None:
+            s, r = bad
+            n = geom.down_group_neurons
+            raise VerifyError(f"MISMATCH in {store.describe(j, e)}: down sub-group {s} (neurons {s * n}..{s * n + n - 1}) "
+                              f"carries a wrong copy of the scales of 16-neuron group {s * n // 16}: row {r} differs "
+                              f"from the group's first copy, which matches the checkpoint")
         try:
             store.check_block(j, e, buf)
         except StoreError as err:
@@ -173,12 +180,14 @@ def _report_block_mismatch(store: ExpertStore, j, e, buf, expected, name):
         where = f"{mod}.up_proj.weight_scale [{r}, {c}]"
     elif sec == "down_groups":
         g, o = divmod(b - geom.down_groups.offset, geom.group_bytes)
-        rv = geom.group_row_value_bytes
-        if o < geom.group_value_bytes:
+        rv, n = geom.group_row_value_bytes, geom.down_group_neurons
+        if o < geom.group_value_bytes and rv is None:
+            where = f"group {g}: {mod}.down_proj.weight neuron {g}, rows {2 * o} and {2 * o + 1}"
+        elif o < geom.group_value_bytes:
             r, c = divmod(o, rv)
             where = f"group {g}: {mod}.down_proj.weight byte [{r}, {g * rv + c}]"
         else:
-            where = f"group {g}: {mod}.down_proj.weight_scale [{o - geom.group_value_bytes}, {g}]"
+            where = f"group {g}: {mod}.down_proj.weight_scale [{o - geom.group_value_bytes}, {g * n // 16}]"
     else:
         where = "padding between sections"
     raise VerifyError(f"MISMATCH in {store.describe(j, e)}: section {sec}, byte {b:,} of the block "

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from expert_store.format import (EXPERTS_NAME, FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, JOURNAL_NAME,
-                                 MANIFEST_NAME, RESERVED_NAMES, RepackError, StoreError, fsync_dir, write_durable,
-                                 write_manifest)
+                                 MANIFEST_NAME, RESERVED_NAMES, RepackError, StoreError, fsync_dir, geometry_from_dict,
+                                 write_durable, write_manifest)
 from expert_store.journal import Journal, sync
-from expert_store.progress import progress_bar
 from expert_store.layout import pack_block
+from expert_store.progress import progress_bar
 from expert_store.reader import ExpertStore
 from expert_store.source import DENSE_SHARD_BYTES, Plan, ShardReader, TensorInfo, make_plan
 
@@ -109,15 +109,16 @@ class RepackResult:
 
 
 def repack(model_dir, out_dir, workers: int | None = None, progress: bool = True,
-           dense_shard_bytes: int = DENSE_SHARD_BYTES, on_range_done=None) -> RepackResult:
-    """Repack (or resume repacking) `model_dir` into `out_dir`.
+           dense_shard_bytes: int = DENSE_SHARD_BYTES, on_range_done=None, down_group_neurons: int = 16
+           ) -> RepackResult:
+    """Repack (or resume repacking) `model_dir` into `out_dir`, down groups of `down_group_neurons` neurons.
 
     The work is cut into ranges of experts of one layer (~RANGE_BYTES each) plus the dense file; each range is
     journaled when durable. `on_range_done(j, e0, e1)` is called after a range's record is durable (tests use
     it to simulate a kill)."""
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
-    plan = make_plan(model_dir, dense_shard_bytes)
+    plan = make_plan(model_dir, dense_shard_bytes, down_group_neurons)
     header = plan.journal_header()
     journal = Journal(out_dir / JOURNAL_NAME)
     done: dict[tuple[int, int], dict] = {}      # (j, e0) -> journal record of experts e0..e1-1 of layer j
@@ -339,8 +340,13 @@ def _check_existing_manifest(out_dir: Path, plan: Plan) -> None:
         raise RepackError(f"{path}: a store of another checkpoint with the same config (fingerprint "
                           f"{m.get('checkpoint_fingerprint')}, this checkpoint {plan.fingerprint}): refusing to "
                           f"overwrite, give a new directory")
-    if m.get("geometry") != plan.geometry.to_dict():
-        raise RepackError(f"{path}: the store's block geometry differs from this checkpoint's: refusing to overwrite")
+    try:
+        same = geometry_from_dict(m.get("geometry"), str(path)) == plan.geometry
+    except StoreError:
+        same = False
+    if not same:
+        raise RepackError(f"{path}: the store's block geometry {m.get('geometry')} differs from this repack's "
+                          f"{plan.geometry.to_dict()}: refusing to overwrite, give a new directory")
 
 
 def _check_same_plan(path: Path, old: dict, new: dict) -> None:

@@ -33,6 +33,9 @@ def expert_prefill(x: torch.Tensor, addrs: torch.Tensor, j: int, geom: ExpertGeo
                    down_global: torch.Tensor, token_weights: torch.Tensor, config: dict | None = None):
     """x [T, L] tokens routed to expert addrs[j]; up/down_global fp32 [k]; token_weights fp32 [T] -> y fp32 [T, L]."""
     assert geom.fmt == "nvfp4"
+    if geom.down_group_neurons != 16:    # LAYOUT 1 of the GEMM tile reads 16-neuron groups
+        raise NotImplementedError(f"the prefill kernel reads 16-neuron down groups; this store has groups of "
+                                  f"{geom.down_group_neurons} (repack with --down-group-neurons 16 for CUDA prefill)")
     L, I = geom.L, geom.I
     T = x.shape[0]
     assert x.shape == (T, L) and x.stride(-1) == 1 and token_weights.shape == (T,)

@@ -15,6 +15,7 @@ import sys
 from expert_store.format import RepackError, StoreError, VerifyError
 from expert_store.verify import verify
 from expert_store.writer import repack
+from kernels.expert_block import DOWN_GROUP_NEURONS
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, help="with --verify: check N random blocks instead of all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, help="threads (default min(4, cores))")
+    ap.add_argument("--down-group-neurons", type=int, default=16, choices=DOWN_GROUP_NEURONS, metavar="N",
+                    help="store the down projection in groups of N neurons (16, 8, 4, 2, 1; each sub-group carries a "
+                         "copy of its 16-group's scales, so the sparse down reads fewer bytes; default 16)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--skip-dense", action="store_true", help="with --verify: do not compare the dense files")
     args = ap.parse_args(argv)
@@ -37,7 +41,8 @@ def main(argv=None) -> int:
             print(f"OK: {r.blocks_checked} blocks and {r.dense_tensors_checked} dense tensors match "
                   f"{args.model} bit for bit ({r.seconds:.1f} s)")
             return 0
-        r = repack(args.model, args.out, args.workers, not args.no_progress)
+        r = repack(args.model, args.out, args.workers, not args.no_progress,
+                   down_group_neurons=args.down_group_neurons)
         if r.already_complete:
             print(f"{args.out}: already a complete store of this model; nothing to do")
         else:
