@@ -219,16 +219,16 @@ def next_use_table(keys) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- the sweep
 def sweep(trace: Trace, fractions=FRACTIONS, variants=None) -> list[dict]:
     variants = variants or [("lru", False, {}), ("lru", True, {}), ("lfu", False, {}), ("lfu", True, {}),
-                            ("lrfu", False, {}), ("lrfu", True, {})]
+                            ("lrfu", False, {}), ("lrfu", True, {})]      # (policy, prefetch, kwargs[, label])
     n_all = trace.n_layers * trace.n_experts
     top_k = max(len(ex) for _, ex, _ in trace.steps)
     rows = []
     for f in fractions:
         cap = max(top_k, round(f * n_all))
         rows.append({**belady(trace, cap).row(), "fraction": f})
-        for name, pf, kw in variants:
+        for name, pf, kw, *tag in variants:
             res = simulate(trace, cap, name, pf, **kw)
-            res.policy = name + (f"(half_life={kw['half_life']:g})" if "half_life" in kw else "")
+            res.policy = name + (tag[0] if tag else "")
             rows.append({**res.row(), "fraction": f})
     return rows
 
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     if a.half_lives:
         per_token = len(trace.steps) / max(trace.tokens, 1) * max(len(ex) for _, ex, _ in trace.steps)
         variants = [("lru", False, {}), ("lru", True, {}), ("lfu", False, {}), ("lfu", True, {})] + [
-            (name, pf, {"half_life": float(h) * per_token}) for h in a.half_lives.split(",")
+            (name, pf, {"half_life": float(h) * per_token}, f"({h} tok)") for h in a.half_lives.split(",")
             for name, pf in (("lrfu", False), ("lrfu", True))]
     rows = sweep(trace, [float(f) for f in a.fractions.split(",")], variants)
     head = (f"{', '.join(map(str, a.traces))}: {trace.tokens} tokens, {trace.n_layers} MoE layers x "
