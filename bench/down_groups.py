@@ -18,7 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kernels.expert_block import DOWN_GROUP_NEURONS, ExpertGeometry

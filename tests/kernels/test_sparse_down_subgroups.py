@@ -117,3 +117,22 @@ def test_each_subgroup_reads_its_own_scale_copy(device):
                             config=dict(BLOCK_L=32)),
                 sparse_down_torch(act, mask, bad, geom, dg, w, torch.zeros(L, device=device))):
         assert rel_err(out, good) > 0.1
+
+
+@pytest.mark.parametrize("n", SUBS)
+def test_prefill_on_a_subgrouped_block_matches_twin(n, device):
+    """The prefill GEMM reads 16-neuron groups: a sub-grouped block is regrouped on the device first; the
+    regrouped bytes are the unsplit block's down section, and the result equals the twin's."""
+    from kernels.expert_prefill import expert_prefill, expert_prefill_torch, regroup_down
+    geom, blocks, dg, _, raw = _experts(n, k=2, device=device)
+    plain = ExpertGeometry(L, I, "nvfp4")
+    addrs = block_addresses(blocks, device)
+    unsplit = pack_expert_block(plain, *raw[1])
+    assert torch.equal(regroup_down(addrs, 1, geom, block_l=32).cpu(),
+                       unsplit[plain.down_off: plain.down_off + plain.n_groups * plain.group_bytes])
+    T = 7
+    x = torch.randn(T, L, device=device).bfloat16()
+    ug = torch.full((2,), 1e-3, device=device)          # the size of a real up global: ReLU² fits fp16
+    tw = torch.rand(T, device=device) + 0.1
+    y = expert_prefill(x, addrs, 1, geom, ug, dg, tw, config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4))
+    assert_close(y, expert_prefill_torch(x, blocks[1], geom, ug[1], dg[1], tw), 1e-3, f"prefill n={n}")
