@@ -62,6 +62,15 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
+def sync(fd: int, path: Path, what: str, data_only: bool = False) -> None:
+    """fsync / fdatasync; a deferred write error (ENOSPC, EIO) surfaces here and names the file."""
+    try:
+        (os.fdatasync if data_only else os.fsync)(fd)
+    except OSError as e:
+        raise RepackError(f"{path}: {'fdatasync' if data_only else 'fsync'} failed after writing {what}: {e}; the "
+                          f"store is NOT complete: fix the disk and rerun the same command to resume") from e
+
+
 def write_durable(path: Path, data: bytes) -> None:
     """Write a whole file through a temp name + fsync + rename + dir fsync: it is either absent or complete."""
     path = Path(path)

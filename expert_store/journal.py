@@ -6,18 +6,7 @@ import os
 import threading
 from pathlib import Path
 
-from expert_store.format import RepackError, fsync_dir
-
-
-def sync(fd: int, path: Path, what: str, data_only: bool = False) -> None:
-    """fsync / fdatasync; a deferred write error (ENOSPC, EIO) surfaces here and names the file."""
-    try:
-        (os.fdatasync if data_only else os.fsync)(fd)
-    except OSError as e:
-        raise RepackError(f"{path}: {'fdatasync' if data_only else 'fsync'} failed after writing {what}: {e}; the "
-                          f"store is NOT complete: fix the disk and rerun the same command to resume") from e
-
-
+from expert_store.format import RepackError, fsync_dir, sync
 
 
 class Journal:

@@ -23,8 +23,8 @@ import numpy as np
 
 from expert_store.format import (EXPERTS_NAME, FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, JOURNAL_NAME,
                                  MANIFEST_NAME, RESERVED_NAMES, RepackError, StoreError, fsync_dir, geometry_from_dict,
-                                 write_durable, write_manifest)
-from expert_store.journal import Journal, sync
+                                 sync, write_durable, write_manifest)
+from expert_store.journal import Journal
 from expert_store.layout import pack_block
 from expert_store.progress import progress_bar
 from expert_store.reader import ExpertStore

@@ -52,8 +52,8 @@ class Accounting:
 
 class RoutingRecorder:
     """`--record-routing FILE`: one msgpack record per MoE layer per decoded token,
-    (moe_index, token, chosen experts, guess for this layer made one layer earlier, hits at lookup) —
-    what an offline cache simulation needs (bench/cache_sim.py, tools.synth stats)."""
+    (moe_index, token, chosen experts, the guess for the next MoE layer sent with this layer's request, hits at
+    lookup) — what an offline cache simulation needs (bench/policy_sim.py, tools.synth stats)."""
 
     def __init__(self, path):
         import msgpack
