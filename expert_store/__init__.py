@@ -9,7 +9,7 @@ A library (it imports no process package). The modules, lowest first:
 - `reader` — `ExpertStore.open`: an opened, checked store.
 - `source` — the checkpoint being repacked, read by its safetensors headers, and the `Plan` checked from it.
 - `journal`, `writer` — `repack`, resumable after a kill.
-- `verify` — every block decoded back and compared with the checkpoint bit for bit.
+- `verify` — every block decoded back and compared with the checkpoint bit for bit (`progress`: their byte bar).
 
 `format`, `layout` and `reader` import numpy only (torch when a block is unpacked or viewed), so a
 process without torch can open a store. `docs/store-format.md` and `docs/block-layout.md` are the contract;
