@@ -42,12 +42,15 @@ def demo_model_dir() -> Path:
 def ensure_demo_model() -> Path:
     out = demo_model_dir()
     if not (out / "config.json").exists():
-        from tools.synth import synthesize
         log(f"writing a tiny synthetic demo model to {out} (once)")
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
             shutil.rmtree(tmp)
-        synthesize(tmp, preset="tiny", quant="nvfp4", seed=0)
+        # the synthesizer is a tool, run as one like tools.repack below: the launcher imports no tools
+        r = subprocess.run([sys.executable, "-m", "tools.synth", "--preset", "tiny", "--quant", "nvfp4", "--seed", "0",
+                            "--out", str(tmp)], cwd=str(ROOT))
+        if r.returncode != 0:
+            raise RuntimeError(f"writing the demo model failed (exit code {r.returncode})")
         tmp.rename(out)
     return out
 
@@ -59,12 +62,12 @@ def store_is_complete(store: Path) -> bool:
 def sizes(model: Path | None, store: Path) -> tuple[int, int, int]:
     """(dense bytes, routed-expert bytes as stored, block stride) from the store, else from the checkpoint."""
     if store_is_complete(store):
-        from io_workers.store import ExpertStore
+        from expert_store.reader import ExpertStore
         st = ExpertStore.open(store)
         dense = sum(p.stat().st_size for p in st.dense_files if p.exists())
         n_blocks = len(st.moe_layers) * st.n_experts
         return dense, n_blocks * st.block_stride, st.block_stride
-    from tools.repack import make_plan
+    from expert_store.source import make_plan
     plan = make_plan(model)
     dense = sum(plan.infos[n].nbytes for n in plan.dense_names)
     return dense, plan.experts_bytes, plan.geometry.block_stride

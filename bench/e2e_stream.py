@@ -150,7 +150,7 @@ def main(argv=None):
                     help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
     a = ap.parse_args(argv)
     from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

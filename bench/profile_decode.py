@@ -83,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--out", default="profile_decode.json")
     a = ap.parse_args(argv)
     from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     work = Path(a.work)
     model_dir, store_dir = work / "model", work / "store"
     if not (model_dir / "config.json").exists():

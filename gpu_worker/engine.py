@@ -16,7 +16,8 @@ from cache_shm.cuda_map import register_slab, slab_tensor
 from gpu_worker.cache_supervisor import Supervisor
 from gpu_worker.streaming import StreamingExperts
 from gpu_worker.vram_tier import VramTier, vram_tier_slots
-from io_workers.store import ExpertStore, StoreError
+from expert_store.format import StoreError
+from expert_store.reader import ExpertStore
 from nemotron.checkpoint import Checkpoint
 from nemotron.model import NemotronH
 

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from kernels import moe_ops
-from kernels.expert_block import ExpertGeometry
 from nemotron.moe import DecodeRoute, ExpertSource
 
 
@@ -56,8 +55,8 @@ class Accounting:
 
 class RoutingRecorder:
     """`--record-routing FILE`: one msgpack record per MoE layer per decoded token,
-    (moe_index, token, chosen experts, guess for this layer made one layer earlier, hits at lookup) —
-    what an offline cache simulation needs (bench/cache_sim.py, tools.synth stats)."""
+    (moe_index, token, chosen experts, the guess for the next MoE layer sent with this layer's request, hits at
+    lookup) — what an offline cache simulation needs (bench/policy_sim.py, tools.synth stats)."""
 
     def __init__(self, path):
         import msgpack
@@ -101,8 +100,7 @@ class StreamingExperts(ExpertSource):
     def __init__(self, store, client, device, slab=None, record=None, vram=None):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
-        g = store.geometry
-        self.geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+        self.geom = store.geometry
         self.store, self.client, self.device = store, client, torch.device(device)
         self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
         self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)

@@ -22,9 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import posix_ipc
 
 from cache_shm.shm import (DONE, FAILED, INF, LOADING, READY, REQ, WKC, CacheShm, DEMAND, HDR)
+from kernels.expert_block import BLOCK_ALIGN as ALIGN   # torch-free: the geometry is arithmetic
 from procs.spawn import die_with_parent
-
-ALIGN = 4096
 
 
 class ReadError(Exception):

@@ -144,7 +144,7 @@ def main(argv=None):
         ids = read_ids(a.ids, a.ids_file)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
     from cache_shm.shm import CacheSizeError
-    from io_workers.store import StoreError
+    from expert_store.format import StoreError
     try:
         if a.store:
             from gpu_worker.engine import StreamingEngine

@@ -104,7 +104,7 @@ PIPELINE_STEPS = 2
 @pytest.fixture(scope="module")
 def store(synth, tmp_path_factory):
     """(model dir, store dir, expert blocks in the store, block stride)."""
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     from tools import repack
     model_dir = synth("tiny", "nvfp4", 0, *PATTERN)
     out = tmp_path_factory.mktemp("graphs") / "store"

@@ -30,7 +30,7 @@ def make_store(model_dir: Path, out: Path) -> Path:
 
 
 def tenth_of_experts(store_dir) -> int:
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     st = ExpertStore.open(store_dir)
     n_blocks = len(st.moe_layers) * st.n_experts
     return max(n_blocks // 10, 8) * st.block_stride
@@ -190,7 +190,7 @@ def test_vram_tier_serves_hot_experts_and_keeps_output(tiny):
     ref = NemotronH(model_dir)
     r_greedy = [s.token for s in generate(ref, ids, SamplingParams(max_tokens=N_DECODE))]
     dense = ref.dense_nbytes()
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     stride = ExpertStore.open(store).block_stride
     with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2,
                          vram_bytes=dense + 24 * stride, vram_reserve_bytes=0) as eng:
