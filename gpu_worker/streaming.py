@@ -102,6 +102,8 @@ class StreamingExperts(ExpertSource):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
         self.geom = store.geometry
+        # the geometry's sizes are computed properties: read once, not per layer on the decode route
+        self.block_bytes, self.up_bytes = self.geom.block_bytes, self.geom.up_bytes
         self.store, self.client, self.device = store, client, torch.device(device)
         self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
         self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)
@@ -110,6 +112,8 @@ class StreamingExperts(ExpertSource):
             slab = slab_tensor(client.shm)
         self.slab = slab
         self.slot_bytes = slab.shape[1]
+        base = slab.data_ptr()
+        self._slot_address = [base + s * self.slot_bytes for s in range(slab.shape[0])]
         self.acct = Accounting()
         self.vram = vram           # a VramTier, or None
         self.n_moe = len(store.moe_layers)
@@ -179,13 +183,17 @@ class StreamingExperts(ExpertSource):
         j, vt = moe_index, self.vram
         on_dev = vt.lookup(j, chosen) if vt is not None else {}
         rest = [e for e in chosen if e not in on_dev] if on_dev else chosen
-        hits = self.client.lookup(j, rest)
-        if len(hits) != len(rest):       # misses: the request goes now, the kernels run eagerly as they land
+        slots = self.client.lookup_slots(j, rest)       # aligned with rest, -1: a miss
+        if -1 in slots:                  # misses: the request goes now, the kernels run eagerly as they land
             self._flush(sync=False)
+            hits = {e: s for e, s in zip(rest, slots) if s >= 0}
             return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
-        base, sb = self.slab.data_ptr(), self.slot_bytes
-        addresses = [vt.address(on_dev[e]) if e in on_dev else base + hits[e] * sb for e in chosen]
-        self._launched = (j, chosen, guess, on_dev, rest, hits, waited_s)
+        if on_dev:
+            at = dict(zip(rest, slots))
+            addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
+        else:
+            addresses = list(map(self._slot_address.__getitem__, slots))
+        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
         return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev)
@@ -202,15 +210,15 @@ class StreamingExperts(ExpertSource):
         if self._launched is None:
             return
         t0 = time.perf_counter()
-        j, chosen, guess, on_dev, rest, hits, waited_s = self._launched
+        j, chosen, guess, on_dev, rest, slots, waited_s = self._launched
         self._launched = None
         self._flush(sync=False)
-        self._request(j, None, chosen, guess, on_dev, rest, hits, waited_s, None)
+        self._request(j, None, chosen, guess, on_dev, rest, rest, waited_s, None)     # every one of rest hit
         a = self.acct
-        a.bytes_from_vram += len(on_dev) * self.geom.block_bytes
-        a.bytes_over_pcie += len(hits) * self.geom.up_bytes
-        self._admit(j, hits.items())
-        self._defer(list(hits.values()))
+        a.bytes_from_vram += len(on_dev) * self.block_bytes
+        a.bytes_over_pcie += len(rest) * self.up_bytes
+        self._admit(j, zip(rest, slots))
+        self._defer(slots)
         a.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ pins and the GPU
@@ -305,7 +313,7 @@ class StreamingExperts(ExpertSource):
             return
         for e, s in landed:
             if vt.want(j, e):
-                vt.admit(j, e, self.slab[s, :self.geom.block_bytes])
+                vt.admit(j, e, self.slab[s, :self.block_bytes])
 
     def _vram_blocks(self, vslots: list[int]):
         if self._addressed:
