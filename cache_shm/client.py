@@ -83,6 +83,7 @@ class CacheClient:
         """`lookup` aligned with `experts` (a list of ints), no dict built: the slot of each expert that is
         ready now, pinned, else -1. The decode route's fast path, where usually every expert is present."""
         if not experts:
+            self._cc[LOOKUPS] += 1
             return []
         row, pins = self._rdy_rows[layer], self._pins
         gather = operator.itemgetter(*experts)      # one C-level gather from the memoryview (a loop: 3× slower)
