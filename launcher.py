@@ -93,17 +93,29 @@ def free_vram(device: str) -> int | None:
         return None
 
 
+SHM_MARGIN = 64 << 20      # beside the slab: the index, rings and counters, with room to spare
+
+
+def size_text(n: int) -> str:
+    """GiB with two decimals, MiB below 1 GiB (a small cache is not "0.00 GiB")."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 def preflight(a, cache_bytes: int, dense_bytes: int, snapshot_bytes: int) -> list[str]:
     """What stands in the way of starting with these flags, each with what to change."""
     problems = []
-    gb = lambda n: f"{n / GiB:.2f} GiB"   # noqa: E731
+    gb = size_text
     try:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         shm_free = None
-    if shm_free is not None and cache_bytes + (64 << 20) > shm_free:
-        problems.append(f"--cache-gb {a.cache_gb:g} needs {gb(cache_bytes)} in /dev/shm, which has {gb(shm_free)} free: "
-                        f"lower --cache-gb to at most {max(shm_free - (64 << 20), 0) / GiB:.1f}, or enlarge /dev/shm "
+    margin = SHM_MARGIN
+    if shm_free is not None and cache_bytes + margin > shm_free:
+        most = max(shm_free - margin, 0) / GiB
+        problems.append(f"--cache-gb {a.cache_gb:g} needs {gb(cache_bytes + margin)} in /dev/shm (the cache, "
+                        f"{gb(cache_bytes)}, plus a margin of {gb(margin)} for the index and rings), which has "
+                        f"{gb(shm_free)} free: lower --cache-gb to at most "
+                        f"{f'{most:.1f}' if most >= 0.1 else f'{most:.4f}'}, or enlarge /dev/shm "
                         f"(`mount -o remount,size=40G /dev/shm`; in Docker `--shm-size`)")
     avail = mem_available()
     host_dense = dense_bytes if a.device == "cpu" else 0
@@ -316,7 +328,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
             ext.cancel()
         notify("READY=1", f"STATUS=serving {state.settings.model_name} on {a.host}:{a.port}")
         info = client.info
-        size = f"{cache_bytes / GiB:.2f} GiB" if cache_bytes >= GiB else f"{cache_bytes / (1 << 20):.1f} MiB"
+        size = size_text(cache_bytes)
         log(f"ready: {state.settings.model_name} on {info.device} ({info.dtype}), expert cache {size}; "
             f"OpenAI API at http://{a.host}:{a.port}/v1")
 

@@ -250,3 +250,24 @@ def test_systemd_unit_verifies(tmp_path):
     assert "PrivateDevices=yes" not in text and "MemoryDenyWriteExecute=yes" not in text    # they break CUDA
     assert verify_unit(text, tmp_path) == ""
     assert "Unknown key" in verify_unit(text.replace("KillMode=mixed", "KillMood=mixed"), tmp_path)  # the twin
+
+
+def test_preflight_shm_message_in_mib_below_a_gib_and_says_a_margin_is_included(monkeypatch):
+    """A small cache in a small /dev/shm: the message gives MiB ("needs 0.00 GiB ... has 0.00 GiB free" said
+    nothing) and says that what it needs includes a margin beside the cache."""
+    import argparse
+    import collections
+    import shutil
+
+    import launcher
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 40 << 20))
+    a = argparse.Namespace(cache_gb=0.0039, device="cpu", vram_gb=None, snapshot_ram_gb=0.0)
+    problems = [p for p in launcher.preflight(a, 4 << 20, 1 << 20, 0) if "/dev/shm" in p]
+    assert len(problems) == 1, problems
+    p = problems[0]
+    assert "0.00 GiB" not in p and "68.0 MiB" in p and "40.0 MiB free" in p and "margin" in p, p
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 30, 0, 40 << 30))
+    a.cache_gb = 100.0
+    p = [p for p in launcher.preflight(a, 100 << 30, 1 << 20, 0) if "/dev/shm" in p][0]
+    assert "100.06 GiB" in p and "40.00 GiB free" in p, p       # the twin: GiB from 1 GiB up
