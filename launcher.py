@@ -182,6 +182,9 @@ def parse_args(argv=None):
                          "make the server reach its own or the network's internal services")
     ap.add_argument("--max-image-pixels", type=int, default=50_000_000,
                     help="images with more pixels (width x height) get a 400 (default 50 megapixels)")
+    ap.add_argument("--max-body-mb", type=float, default=None,
+                    help="larger request bodies get a 413, read no further than the limit (default: 16 MiB + 64 bytes "
+                         "per token of the context)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
     ap.add_argument("--snapshot-dir", default=None, help="keep conversation snapshots on disk here too (reloaded at "
                                                          "start)")
@@ -271,7 +274,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
                                        allow_image_urls=a.allow_image_urls,
-                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels),
+                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels,
+                                       max_body_bytes=int(a.max_body_mb * (1 << 20)) if a.max_body_mb else None),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))
