@@ -270,7 +270,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         vram_bytes=getattr(a, "vram_budget", None)), max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
-    state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),
+    state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir), store_dir=str(store),
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
                                        allow_image_urls=a.allow_image_urls,

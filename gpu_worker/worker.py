@@ -175,8 +175,11 @@ class Worker:
             out = self._decode(req)
             self._finish(req, out, a0)
         except Exception as e:
+            from cache_shm.client import ExpertLoadError
             log(f"request {msg.id} failed:\n{traceback.format_exc()}")
-            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}"))
+            # a block the store cannot give (read twice): every request that routes to it will fail the same way
+            damaged = str(e) if isinstance(e, ExpertLoadError) else None
+            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}", store_damaged=damaged))
         finally:
             with self._lock:
                 self.current = None

@@ -224,6 +224,7 @@ class Error:
     message: str
     crash: bool = False      # set by the launcher: the compute process died while serving the request
     abort: bool = False      # set by the launcher: dropped at shutdown
+    store_damaged: Union[str, None] = None     # the block the expert store could not give (read twice)
 
 
 @_message("stats", TO_LAUNCHER)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class ServerSettings:
     allow_private_image_urls: bool = False   # ... also from loopback / private / link-local hosts
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
     max_body_bytes: int | None = None   # larger request bodies are a 413 (--max-body-mb); None: fits the context
+    store_dir: str | None = None        # the expert store (named in the log when a block is damaged)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -47,6 +49,7 @@ class ServerState:
         self.tokenizer: Tokenizer | None = None
         self.piece_chars: int | None = None      # the most characters one token stands for
         self.draining = False
+        self.store_damaged: str | None = None     # why the expert store cannot serve a block (then /health 503)
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
         gen = _read_json(Path(settings.model_dir) / "generation_config.json")
@@ -66,6 +69,14 @@ class ServerState:
         tok = Tokenizer(self.settings.model_dir)
         self.piece_chars = limits.max_piece_chars(tok, self.vocab_size)
         self.tokenizer = tok
+
+    def mark_store_damaged(self, why: str) -> None:
+        if self.store_damaged is None:
+            s = self.settings
+            print(f"server: the expert store is damaged: {why}\nserver: check every block with `python -m "
+                  f"tools.repack --verify {s.store_dir or 'STORE'} --model {s.model_dir}`", file=sys.stderr,
+                  flush=True)
+        self.store_damaged = why
 
     @property
     def max_body_bytes(self) -> int:
@@ -109,10 +120,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.ready:
+        if state.ready and state.store_damaged is None:
             return {"status": "ok"}
         c = state.client
-        if state.draining or c.state in ("stopping", "stopped"):
+        if state.store_damaged is not None and c.state == "ready" and not state.draining:
+            msg = (f"the expert store is damaged: {state.store_damaged}. Requests that route to this block fail; "
+                   "`python -m tools.repack --verify STORE --model MODEL` checks every block (the server's log "
+                   "names STORE and MODEL); repack or restore the store, then restart")
+        elif state.draining or c.state in ("stopping", "stopped"):
             msg = "shutting down"
         elif c.state == "failed":
             msg = f"the compute process failed: {c.fatal}"
@@ -386,6 +401,9 @@ class _Gen:
                 elif isinstance(ev, m.Error):
                     if ev.abort:
                         raise APIError(503, ev.message, code="aborted")
+                    if ev.store_damaged:
+                        self.state.mark_store_damaged(ev.store_damaged)
+                        raise APIError(500, ev.message, code="store_damaged", headers={"x-should-retry": "false"})
                     raise APIError(500, ev.message, code="compute_process_crashed" if ev.crash else
                                    "generation_failed", headers={"x-should-retry": "false"})
         finally:
