@@ -352,9 +352,13 @@ class WorkerClient:
             if rc is None:
                 self.log(f"launcher: the compute process did not stop within {timeout:.0f} s; terminating it")
                 kill_group(proc, signal.SIGTERM)
-                if await loop.run_in_executor(None, _wait, proc, 5.0) is None:
+                if await loop.run_in_executor(None, _wait, proc, 1.0) is None:     # a stuck one: no more waiting
                     kill_group(proc, signal.SIGKILL)
                     await loop.run_in_executor(None, _wait, proc, 5.0)
+        job = self.running
+        if job is not None:         # the worker is gone without ending it: end its response now, not at uvicorn's timeout
+            job.events.put_nowait({"op": "error", "id": job.id, "message": "the server is shutting down", "abort": True})
+            self._finish(job)
         self.state = "stopped"
         self._wake.set()
         for t in self._tasks:

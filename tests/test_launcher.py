@@ -271,3 +271,31 @@ def test_preflight_shm_message_in_mib_below_a_gib_and_says_a_margin_is_included(
     a.cache_gb = 100.0
     p = [p for p in launcher.preflight(a, 100 << 30, 1 << 20, 0) if "/dev/shm" in p][0]
     assert "100.06 GiB" in p and "40.00 GiB free" in p, p       # the twin: GiB from 1 GiB up
+
+
+def test_sigterm_drain_honours_shutdown_timeout(synth, tmp_path):
+    """A compute process that does not answer the cancel (stopped here; in life a long prefill chunk or a stuck
+    read): the launcher still exits within --shutdown-timeout plus a short grace, killing it and its cache
+    processes and leaving no shared memory. (It waited 20 s more, then 5 s after SIGTERM, before.)"""
+    import os
+    timeout_s = 2.0
+    s = Launcher(synth("tiny", "nvfp4"), "--shutdown-timeout", str(timeout_s))
+    try:
+        s.start(tmp_path / "drain.log")
+        a = Stream(s, 3000)
+        assert a.first.wait(60)
+        worker = s.worker()
+        family = s.descendants()
+        pids = [s.proc.pid] + [p.pid for p in family]
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(60)
+        took = time.monotonic() - t0
+        assert rc == 0 and took < timeout_s + 4.0, (rc, took, s.log()[-2000:])
+        wait_for(lambda: not alive(family), 10, "children to go")
+        assert shm_entries_of(pids) == []
+        a.join(10)
+        assert a.events and a.events[-1] == "[DONE]", a.events[-3:]
+    finally:
+        s.stop(signal.SIGKILL)
