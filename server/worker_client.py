@@ -357,7 +357,7 @@ class WorkerClient:
                     await loop.run_in_executor(None, _wait, proc, 5.0)
         job = self.running
         if job is not None:         # the worker is gone without ending it: end its response now, not at uvicorn's timeout
-            job.events.put_nowait({"op": "error", "id": job.id, "message": "the server is shutting down", "abort": True})
+            job.events.put_nowait(m.Error(job.id, "the server is shutting down", abort=True))
             self._finish(job)
         self.state = "stopped"
         self._wake.set()

@@ -56,7 +56,7 @@ class PeakRSS(threading.Thread):
 
 def post_raw(server, head: bytes, body_chunks=(), timeout: float = 5.0) -> tuple[float, bytes]:
     """Send the request head, then body chunks until the server answers; (seconds to the answer, answer)."""
-    s = socket.create_connection(("127.0.0.1", server.port))
+    s = socket.create_connection(("127.0.0.1", httpx.URL(server.url).port))
     t0 = time.monotonic()
     try:
         s.sendall(head)
