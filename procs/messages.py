@@ -191,7 +191,7 @@ class Ready:
 
 @_message("fatal", TO_LAUNCHER)
 class Fatal:
-    message: str            # why loading failed; the process exits after it
+    message: str            # why loading failed, or why it cannot serve any more; the process exits after it
 
 
 @_message("start", TO_LAUNCHER)

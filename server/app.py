@@ -127,10 +127,10 @@ def create_app(state: ServerState) -> FastAPI:
             msg = (f"the expert store is damaged: {state.store_damaged}. Requests that route to this block fail; "
                    "`python -m tools.repack --verify STORE --model MODEL` checks every block (the server's log "
                    "names STORE and MODEL); repack or restore the store, then restart")
+        elif c.state == "failed" or (c.fatal and c.state in ("stopping", "stopped")):
+            msg = f"the compute process failed: {c.fatal}"        # the reason, also while the launcher exits
         elif state.draining or c.state in ("stopping", "stopped"):
             msg = "shutting down"
-        elif c.state == "failed":
-            msg = f"the compute process failed: {c.fatal}"
         elif c.state == "restarting":
             msg = "the compute process is restarting"
         else:
@@ -222,10 +222,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _tokenizer(state: ServerState) -> Tokenizer:
+    c = state.client
+    if c.fatal and c.state in ("failed", "stopping", "stopped"):
+        raise APIError(503, f"the compute process failed: {c.fatal}", code="compute_process_failed")
     if state.draining or state.client.state in ("stopping", "stopped"):
         raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
-    if state.client.state == "failed":
-        raise APIError(503, f"the compute process failed: {state.client.fatal}")
     if state.tokenizer is None or state.client.state == "loading":
         raise APIError(503, "the model is loading", headers={"Retry-After": str(state.settings.retry_after_s)})
     return state.tokenizer

@@ -161,6 +161,13 @@ class WorkerClient:
             self._wake.set()
         elif isinstance(msg, m.Fatal):
             self.fatal = msg.message
+            if self.state == "ready":       # it can serve no more (its cache processes are lost): fail now
+                self.log(f"launcher: {self.fatal}")
+                job = self.running
+                if job is not None:
+                    job.events.put_nowait(m.Error(job.id, self.fatal))
+                    self._finish(job)
+                self._fail_all(self.fatal)
         elif isinstance(msg, m.StatsReply):
             fut = self._stats_waiters.pop(msg.seq, None)
             if fut is not None and not fut.done():

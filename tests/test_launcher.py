@@ -299,3 +299,63 @@ def test_sigterm_drain_honours_shutdown_timeout(synth, tmp_path):
         assert a.events and a.events[-1] == "[DONE]", a.events[-3:]
     finally:
         s.stop(signal.SIGKILL)
+
+
+def test_cache_processes_that_cannot_be_kept_alive_end_the_launcher_non_zero(synth, tmp_path):
+    """21 kills of an IO worker within the window (the default budget: 20 restarts in 300 s): /health turns 503
+    with the reason, a request fails at once with it, and the launcher exits non-zero (systemd restarts it).
+    Before, the supervisor stopped restarting silently: /health stayed 200 and requests hung 60 s."""
+    import os
+
+    def io_workers():
+        out = []
+        for p in s.descendants():
+            try:
+                if "io_workers.reader" in " ".join(p.cmdline()) and p.status() != "zombie":
+                    out.append(p)
+            except Exception:
+                pass
+        return out
+
+    s = Launcher(synth("tiny", "nvfp4"), env={"MOESTREAM_CACHE_BACKOFF": "0.01/0.02"})   # the backoff only
+    try:
+        s.start(tmp_path / "budget.log")
+        pids = [s.proc.pid] + [p.pid for p in s.descendants()]
+        for k in range(21):
+            victims = io_workers()
+            assert victims, f"no IO worker after {k} kills:\n{s.log()[-2000:]}"
+            pids.append(victims[0].pid)
+            os.kill(victims[0].pid, signal.SIGKILL)
+            if k < 20:
+                wait_for(lambda: victims[0].pid not in [p.pid for p in io_workers()] and len(io_workers()) == 2,
+                         30, f"IO worker restart {k + 1}")
+        health = []
+        deadline = time.monotonic() + 60
+        while s.proc.poll() is None and not health and time.monotonic() < deadline:
+            try:
+                r = httpx.get(s.url + "/health", timeout=2)
+                if r.status_code == 503 and "cannot be kept alive" in r.text:
+                    health.append(r.json()["error"]["message"])
+                    t0 = time.monotonic()
+                    c = complete(s)
+                    health.append((c.status_code, c.json()["error"]["message"], time.monotonic() - t0))
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        rc = s.proc.wait(60)
+        assert rc != 0 and "cannot be kept alive" in s.log(), (rc, s.log()[-3000:])
+        assert health and "io worker" in health[0] and "restarts" in health[0], (health, s.log()[-3000:])
+        status, message, seconds = health[1]
+        assert status == 503 and "cannot be kept alive" in message and seconds < 1.0, health[1]
+        wait_for(lambda: not alive([p for p in map(_proc, pids) if p is not None]), 10, "children to go")
+        assert shm_entries_of(pids) == []
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def _proc(pid):
+    import psutil
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
