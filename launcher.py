@@ -275,7 +275,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
                                        allow_image_urls=a.allow_image_urls,
-                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels,
+                                       allow_private_image_urls=a.allow_private_image_urls,
+                                       max_image_pixels=a.max_image_pixels,
                                        max_body_bytes=int(a.max_body_mb * (1 << 20)) if a.max_body_mb else None),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,

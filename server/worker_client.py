@@ -363,7 +363,7 @@ class WorkerClient:
                     kill_group(proc, signal.SIGKILL)
                     await loop.run_in_executor(None, _wait, proc, 5.0)
         job = self.running
-        if job is not None:         # the worker is gone without ending it: end its response now, not at uvicorn's timeout
+        if job is not None:     # the worker went without ending it: end its response now, not at uvicorn's timeout
             job.events.put_nowait(m.Error(job.id, "the server is shutting down", abort=True))
             self._finish(job)
         self.state = "stopped"
