@@ -62,10 +62,11 @@ class BodyLimit:
         e = APIError(413, f"the request body ({got}) is larger than this server's limit of {limit:,} bytes "
                           "(--max-body-mb)", code="request_too_large")
         body = json.dumps(e.body()).encode()
-        # close: the unread rest of the body must not be parsed as the next request
+        # No "connection: close": closing with the body unread makes the kernel reset the connection, and a client
+        # still sending loses the answer with it. Kept open, the server discards the rest of the body unread
+        # (uvicorn drops data after a complete response) until its keep-alive timeout.
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
 
