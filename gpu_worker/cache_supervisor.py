@@ -22,7 +22,7 @@ import time
 from cache_shm.client import CacheClient
 from cache_shm.names import sweep_stale
 from cache_shm.shm import HDR, WKC, CacheShm
-from gpu_worker.restart_budget import RestartBudget
+from procs.restart_budget import RestartBudget
 from procs.spawn import spawn_module
 
 
@@ -32,7 +32,7 @@ class Supervisor:
                  direct: str = "auto", prefetch_depth: int = 2, read_chunks: int = 4,
                  worker_args: tuple = (), restart_budget=RestartBudget.from_env, log=None):
         """restart_budget() -> a fresh `RestartBudget`, one per kind of process (default: from the
-        environment, see gpu_worker/restart_budget.py)."""
+        environment, see procs/restart_budget.py)."""
         self.store = store
         self.shm_kw = dict(cache_bytes=cache_bytes, n_slots=n_slots, n_workers=n_workers,
                            verify_checksums=verify_checksums, direct=direct,

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from procs import messages as m
+from procs.restart_budget import RestartBudget
 from procs.spawn import spawn_module
 
 
@@ -77,9 +78,10 @@ class Job:
 
 class WorkerClient:
     def __init__(self, cfg: WorkerConfig, max_queue: int = 64, log=None, max_start_failures: int = 5,
-                 max_restarts: int = 20):
+                 max_restarts: int = 20, restart_window_s: float = 300.0):
         self.cfg, self.max_queue = cfg, max_queue
-        self.max_restarts = max_restarts
+        # deaths in a sliding window, not in the server's life: a process that crashed 20 times over weeks is fine
+        self.restart_budget = RestartBudget(max_restarts, restart_window_s, backoff_s=0.0)
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.max_start_failures = max_start_failures
         self.state = "loading"           # loading | ready | restarting | stopping | stopped | failed
@@ -219,8 +221,10 @@ class WorkerClient:
             job.events.put_nowait(m.Error(job.id, f"the compute process crashed ({why}) while serving this request; "
                                                   f"it is being restarted", crash=True))
             self._finish(job)
-        if self.restarts >= self.max_restarts:
-            self.fatal = f"the compute process died {self.restarts + 1} times ({why}); not restarting it again"
+        if self.restart_budget.allow() is None:
+            b = self.restart_budget
+            self.fatal = (f"the compute process died again ({why}) after {b.recent()} restarts within "
+                          f"{b.window_s:g} s; not restarting it again")
         if self.state == "loading" or self.fatal:
             self.fatal = self.fatal or f"the compute process exited while loading ({why})"
             self.log(f"launcher: {self.fatal}")

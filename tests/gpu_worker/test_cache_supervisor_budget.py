@@ -18,7 +18,7 @@ from cache_shm.client import CacheUnavailable  # noqa: E402
 from cache_shm.names import list_entries, pid_alive  # noqa: E402
 from cache_shm.shm import WKC  # noqa: E402
 from gpu_worker.cache_supervisor import Supervisor  # noqa: E402
-from gpu_worker.restart_budget import RestartBudget  # noqa: E402
+from procs.restart_budget import RestartBudget  # noqa: E402
 
 
 def wait_until(cond, timeout, what):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.restart_budget import RestartBudget
+from procs.restart_budget import RestartBudget
 
 
 class Clock:

@@ -1,7 +1,8 @@
-"""How often a dead cache process may come back: a budget of restarts over a sliding window, with a backoff that
+"""How often a dead child process may come back: a budget of restarts over a sliding window, with a backoff that
 grows while deaths come in quick succession. A child that keeps dying (a crash at start, a disk that fails every
 read) is given up on within the window, instead of being restarted forever or, as before, 20 times in the
-server's life and then silently never again.
+server's life and then silently never again. The cache supervisor keeps one per kind of cache process (from the
+environment, below); the launcher one for the compute process.
 
     MOESTREAM_CACHE_RESTARTS="20/300"      at most 20 restarts of one kind of process in any 300 s (the default)
     MOESTREAM_CACHE_BACKOFF="0.1/5"        wait 0.1 s before a restart, doubling per restart in the window, at most
