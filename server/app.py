@@ -163,7 +163,12 @@ def create_app(state: ServerState) -> FastAPI:
             ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, None,
                                                 req.add_generation_prompt)    # it may fetch image URLs
         else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            encode = lambda text: tok.encode(text, add_special_tokens=req.add_special_tokens)    # noqa: E731
+            try:        # bounded like a prompt: a text far over the context is refused, not tokenized whole
+                ids = await asyncio.to_thread(limits.encode_within, encode, req.prompt, state.max_model_len,
+                                              state.piece_chars)
+            except limits.ContextTooLong as e:
+                raise limits.context_error(state.max_model_len, e, "prompt")
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)

@@ -133,14 +133,14 @@ def test_body_under_the_limit_is_served(server, model):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("route", ["completions", "chat", "tokenize"])
 def test_prompt_over_the_context_is_refused_without_tokenizing_it_all(server, model, route):
     """900 KB of text (tokenizing all of it takes seconds here) against a 128-token context: refused in well
     under a second while /health keeps answering at once."""
     text = "word " * 180_000
-    body = ({"model": model, "prompt": text, "max_tokens": 1} if route == "completions" else
-            {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
-    url = server.url + ("/v1/completions" if route == "completions" else "/v1/chat/completions")
+    body = ({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1} if route == "chat"
+            else {"model": model, "prompt": text, "max_tokens": 1})
+    url = server.url + {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize"}[route]
     results = []
     threads = [threading.Thread(target=lambda: results.append(httpx.post(url, json=body, timeout=60)))
                for _ in range(3)]
