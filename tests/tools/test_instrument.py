@@ -211,3 +211,28 @@ def test_stats_command_on_the_tiny_checkpoint(tmp_path):
     recs = list(read_routing(trace))
     assert len(recs) == 48 * s["moe_layers"] and len(recs[0][2]) == s["top_k"]
     assert (tmp_path / "lru_hit_rate.png").stat().st_size > 1000
+
+
+def _relu2_counts(model_dir, n_tokens: int = 160):
+    from tokenizers import Tokenizer
+    m = NemotronH(model_dir)
+    z = [0, 0, 0, 0]
+
+    def on(event, **d):
+        if event == "relu2":
+            for i, k in enumerate(("zeros", "total", "groups_active", "groups_total")):
+                z[i] += d[k]
+    m.set_trace(on)
+    ids = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).encode(HELDOUT.read_text()).ids[:n_tokens]
+    m.forward(ids, m.new_state())
+    return z[0] / z[1], z[2] / z[3]
+
+
+def test_synth_neuron_coherence_clusters_active_neurons_at_the_same_sparsity(synth):
+    """tools.synth --neuron-coherence: trained experts' active neurons cluster in 16-neuron groups; the knob
+    reproduces that without moving the zero fraction (its must-fail twin is the default, independent zeros)."""
+    zeros0, groups0 = _relu2_counts(synth("tiny", "nvfp4"))
+    zeros1, groups1 = _relu2_counts(synth("tiny", "nvfp4", 0, "--neuron-coherence", "0.5"))
+    assert abs(zeros1 - zeros0) < 0.02
+    assert groups1 < groups0 - 0.15, (groups0, groups1)
+    assert groups0 > 1 - zeros0 ** 16 - 0.1          # independent zeros: about 1 - p^16 groups active
