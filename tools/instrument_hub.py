@@ -53,8 +53,15 @@ def hub_config(cfg: InstrumentConfig, quant: str) -> dict:
     return out
 
 
+def pattern_of(d: dict) -> str:
+    """The layer pattern from a hub config (`hybrid_override_pattern`) or a transformers-saved one (a list)."""
+    if "hybrid_override_pattern" in d:
+        return d["hybrid_override_pattern"]
+    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "moe": "E", "mlp": "-"}
+    return "".join(names[t] for t in d["layers_block_type"])
+
+
 def config_from_hub(d: dict) -> InstrumentConfig:
-    from tools.synth_stats import pattern_of
     return InstrumentConfig(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], pattern=pattern_of(d),
         num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
