@@ -17,7 +17,7 @@ or as a loop over the experts (any device; the reference the grouped path is che
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,6 @@ class InstrumentConfig:
     time_step_min: float = 0.001
     time_step_max: float = 0.1
     time_step_floor: float = 1e-4
-    extra: dict = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
