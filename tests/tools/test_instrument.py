@@ -88,7 +88,7 @@ def test_aux_loss_free_update_moves_load_toward_balance():
     assert b[0] < 0 < b[1] and abs(float(b.sum())) < 1e-6
 
 
-def test_grouped_experts_equal_the_loop():
+def test_grouped_and_padded_experts_equal_the_loop():
     from tools.train_instrument import PRESETS
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch has no _grouped_mm")
@@ -107,10 +107,14 @@ def test_grouped_experts_equal_the_loop():
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"_grouped_mm unavailable here: {e}")
     assert float((grouped - loop).norm() / loop.norm()) < 2e-2      # bf16 operands
+    with torch.no_grad():
+        padded = moe.experts_padded(x, idx, w)
+    assert float((padded - loop).norm() / loop.norm()) < 1e-5       # same fp32 arithmetic, batched
     # must-fail twin: the same inputs with the experts' order reversed
     with torch.no_grad():
         moe.up.copy_(moe.up.flip(0))
         assert float((moe.experts_grouped(x, idx, w) - loop).norm() / loop.norm()) > 0.1
+        assert float((moe.experts_padded(x, idx, w) - loop).norm() / loop.norm()) > 0.1
     assert relu2(torch.tensor([-1.0, 2.0])).tolist() == [0.0, 4.0]
 
 
