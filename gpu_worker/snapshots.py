@@ -9,11 +9,16 @@ bounded by count and bytes) and, with a directory, also on disk:
     file = MAGIC (8 bytes) | header length (u32 LE) | msgpack header | payload (torch.save of the state)
     header = {format, version, model_key, n_tokens, ids (int32 LE bytes), payload_bytes, payload_sha256}
 
-File names are a hash of the model key and the ids, never text from a request. The model key covers the
-store's config hash and checkpoint fingerprint, the compute dtype and the device type, so a snapshot from
-another model, precision or device is a miss. A truncated, corrupted or mismatched file is a miss (and a
-damaged one is removed), never a crash or a wrong answer: the payload's sha256 is checked before loading and
-the tensors' shapes against a fresh state of the model.
+File names are a hash of the model key and the ids, never text from a request. The files hold the
+conversation (their headers decode to the prompt), so they are created 0600 in a 0700 directory, private from
+the first byte (the mode is given to open and mkdir, not set afterwards). A write goes to `NAME.tmp<pid>`
+first and is renamed into place; a failed write (a full disk) removes its temporary file, and temporary files
+of processes that are gone are swept at start.
+
+The model key covers the store's config hash and checkpoint fingerprint, the compute dtype and the device type,
+so a snapshot from another model, precision or device is a miss. A truncated, corrupted or mismatched file is a
+miss (and a damaged one is removed), never a crash or a wrong answer: the payload's sha256 is checked before
+loading and the tensors' shapes against a fresh state of the model.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import msgpack
 import numpy as np
 import torch
 
+from cache_shm.names import pid_alive
 from nemotron.model import InferenceState
 
 MAGIC = b"MSSNAP\x00\x01"
@@ -175,7 +181,8 @@ class SnapshotStore:
         self._wake = threading.Condition(self._lock)
         self._closing = False
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.dir, self.log)
+            self._sweep_tmp()
             self._scan()
             self._writer = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
             self._writer.start()
@@ -289,9 +296,7 @@ class SnapshotStore:
                 self._writing += 1
             try:
                 p = self.path_for(k)
-                tmp = p.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_bytes(encode_file(self.key, list(k), d))
-                os.replace(tmp, p)
+                _write_private(p, encode_file(self.key, list(k), d))
                 with self._lock:
                     self.disk[k] = p
                     self.stats["written"] += 1
@@ -301,6 +306,15 @@ class SnapshotStore:
             finally:
                 with self._lock:
                     self._writing -= 1
+
+    def _sweep_tmp(self) -> None:
+        """Temporary files left by a process that died mid-write (a kill, a crash) are never renamed: remove
+        them. Those of a live process (another server sharing the directory) are its writes in progress."""
+        for t in self.dir.glob("*.tmp[0-9]*"):
+            pid = t.name.rsplit(".tmp", 1)[-1]
+            if not pid.isdigit() or not pid_alive(int(pid)) or int(pid) == os.getpid():
+                self.log(f"snapshots: removing {t.name}, left by an unfinished write")
+                _remove(t)
 
     def _trim_disk(self) -> None:
         with self._lock:
@@ -334,6 +348,32 @@ class SnapshotStore:
     def info(self) -> dict:
         with self._lock:
             return dict(self.stats, in_ram=len(self.ram), ram_bytes=self.ram_bytes, on_disk=len(self.disk))
+
+
+def _private_dir(d: Path, log) -> None:
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = d.stat().st_mode & 0o777
+        if mode & 0o077:
+            log(f"snapshots: {d} was mode {mode:03o}; making it 0700 (the files hold conversations)")
+            d.chmod(0o700)
+
+
+def _write_private(p: Path, data: bytes) -> None:
+    """`data` into `p`, atomically (a temporary file renamed), created 0600; on any failure the temporary file is
+    removed and the error raised."""
+    tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
+    _remove(tmp)        # O_EXCL: a file already there (its mode unknown) is never reused
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _remove(p: Path) -> None:

@@ -175,8 +175,11 @@ class Worker:
             out = self._decode(req)
             self._finish(req, out, a0)
         except Exception as e:
+            from cache_shm.client import ExpertLoadError
             log(f"request {msg.id} failed:\n{traceback.format_exc()}")
-            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}"))
+            # a block the store cannot give (read twice): every request that routes to it will fail the same way
+            damaged = str(e) if isinstance(e, ExpertLoadError) else None
+            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}", store_damaged=damaged))
         finally:
             with self._lock:
                 self.current = None
@@ -398,6 +401,7 @@ def main(argv=None) -> int:
         chan.send(m.Fatal(f"loading {a.store} failed: {type(e).__name__}: {e}"))
         return 2
     snaps = None
+    lost = []
     try:
         manifest = engine.store.manifest
         key = model_key(manifest["config_hash"], manifest.get("checkpoint_fingerprint", ""), dtype, a.device)
@@ -409,12 +413,21 @@ def main(argv=None) -> int:
             pid=os.getpid(), device=a.device, dtype=a.dtype, vocab_size=c.vocab_size,
             eos_token_ids=list(c.eos_token_ids), model_key=key, cache_prefix=engine.sup.prefix,
             cache_child_pids=engine.sup.child_pids(), snapshots_on_disk=len(snaps.disk))))
-        Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry).serve()
+        worker = Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry)
+
+        def cache_lost(why: str) -> None:       # the supervisor gave up: say so, stop serving, exit non-zero
+            lost.append(why)
+            chan.send(m.Fatal(f"the expert cache's processes cannot be kept alive: {why}"))
+            worker.jobs.put(None)
+        engine.sup.on_failure = cache_lost
+        if engine.sup.failed:
+            cache_lost(engine.sup.failed)
+        worker.serve()
     finally:
         if snaps is not None:
             snaps.close()
         engine.close()
-    return 0
+    return 3 if lost else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from procs import messages as m
-from server import errors
+from server import errors, limits
 from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ImagePart, TextPart
@@ -37,6 +38,8 @@ class ServerSettings:
     allow_image_urls: bool = False      # fetch http(s) image URLs (--allow-image-urls); data URLs always work
     allow_private_image_urls: bool = False   # ... also from loopback / private / link-local hosts
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
+    max_body_bytes: int | None = None   # larger request bodies are a 413 (--max-body-mb); None: fits the context
+    store_dir: str | None = None        # the expert store (named in the log when a block is damaged)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -44,7 +47,9 @@ class ServerState:
     def __init__(self, settings: ServerSettings, client: WorkerClient):
         self.settings, self.client = settings, client
         self.tokenizer: Tokenizer | None = None
+        self.piece_chars: int | None = None      # the most characters one token stands for
         self.draining = False
+        self.store_damaged: str | None = None     # why the expert store cannot serve a block (then /health 503)
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
         gen = _read_json(Path(settings.model_dir) / "generation_config.json")
@@ -61,7 +66,21 @@ class ServerState:
         self.sampling_defaults = m.SamplingParams.model_defaults(gen)
 
     def load_tokenizer(self) -> None:
-        self.tokenizer = Tokenizer(self.settings.model_dir)
+        tok = Tokenizer(self.settings.model_dir)
+        self.piece_chars = limits.max_piece_chars(tok, self.vocab_size)
+        self.tokenizer = tok
+
+    def mark_store_damaged(self, why: str) -> None:
+        if self.store_damaged is None:
+            s = self.settings
+            print(f"server: the expert store is damaged: {why}\nserver: check every block with `python -m "
+                  f"tools.repack --verify {s.store_dir or 'STORE'} --model {s.model_dir}`", file=sys.stderr,
+                  flush=True)
+        self.store_damaged = why
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.settings.max_body_bytes or limits.default_max_body_bytes(self.max_model_len)
 
     @property
     def ready(self) -> bool:
@@ -84,6 +103,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, errors.http_error)
     app.add_exception_handler(APIError, errors.api_error)
     app.add_exception_handler(Exception, errors.unexpected_error)
+    app.add_middleware(limits.BodyLimit, max_bytes=lambda: state.max_body_bytes,
+                       on_reject=lambda path: state.metrics.failed(path, "request_too_large"))
 
     def check_key(request: Request) -> None:
         key = state.settings.api_key
@@ -99,18 +120,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.ready:
+        if state.ready and state.store_damaged is None:
             return {"status": "ok"}
         c = state.client
-        if state.draining or c.state in ("stopping", "stopped"):
+        if state.store_damaged is not None and c.state == "ready" and not state.draining:
+            msg = (f"the expert store is damaged: {state.store_damaged}. Requests that route to this block fail; "
+                   "`python -m tools.repack --verify STORE --model MODEL` checks every block (the server's log "
+                   "names STORE and MODEL); repack or restore the store, then restart")
+        elif c.state == "failed" or (c.fatal and c.state in ("stopping", "stopped")):
+            msg = f"the compute process failed: {c.fatal}"        # the reason, also while the launcher exits
+        elif state.draining or c.state in ("stopping", "stopped"):
             msg = "shutting down"
-        elif c.state == "failed":
-            msg = f"the compute process failed: {c.fatal}"
         elif c.state == "restarting":
             msg = "the compute process is restarting"
         else:
             msg = f"Loading model ({c.status})"
-        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": msg,
+        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": errors.without_paths(msg),
                                                                  "type": "unavailable_error"}},
                             status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
@@ -130,6 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(req: TokenizeRequest):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -137,12 +163,18 @@ def create_app(state: ServerState) -> FastAPI:
             ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, None,
                                                 req.add_generation_prompt)    # it may fetch image URLs
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            encode = lambda text: tok.encode(text, add_special_tokens=req.add_special_tokens)    # noqa: E731
+            try:        # bounded like a prompt: a text far over the context is refused, not tokenized whole
+                ids = await asyncio.to_thread(limits.encode_within, encode, req.prompt, state.max_model_len,
+                                              state.piece_chars)
+            except limits.ContextTooLong as e:
+                raise limits.context_error(state.max_model_len, e, "prompt")
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(req: DetokenizeRequest):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_ids(state, req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
@@ -150,6 +182,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_unsupported(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -165,6 +198,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(req: CompletionRequest, request: Request):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_unsupported(req)
         if req.suffix:
@@ -175,7 +209,11 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "one prompt per request (batched prompts are not supported)", param="prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = tok.encode(p, add_special_tokens=False)
+            try:
+                ids = await asyncio.to_thread(limits.encode_within, tok.encode, p, state.max_model_len,
+                                              state.piece_chars)
+            except limits.ContextTooLong as e:
+                raise limits.context_error(state.max_model_len, e, "prompt")
             prompt_text = p
         else:
             ids = list(p)
@@ -189,10 +227,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _tokenizer(state: ServerState) -> Tokenizer:
+    c = state.client
+    if c.fatal and c.state in ("failed", "stopping", "stopped"):
+        raise APIError(503, f"the compute process failed: {c.fatal}", code="compute_process_failed")
     if state.draining or state.client.state in ("stopping", "stopped"):
         raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
-    if state.client.state == "failed":
-        raise APIError(503, f"the compute process failed: {state.client.fatal}")
     if state.tokenizer is None or state.client.state == "loading":
         raise APIError(503, "the model is loading", headers={"Retry-After": str(state.settings.retry_after_s)})
     return state.tokenizer
@@ -201,7 +240,7 @@ def _tokenizer(state: ServerState) -> Tokenizer:
 def _model_card(state: ServerState) -> dict:
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "moestream",
-            "root": s.model_dir, "max_model_len": state.max_model_len}
+            "root": s.model_name, "max_model_len": state.max_model_len}     # not model_dir: no server paths
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -256,13 +295,17 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
         prompt_images = PromptImages(grid, grid.grids_per_image, geom, image_token_id(state.vision_config))
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
-        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), tok.encode,
+        within = lambda text: limits.encode_within(tok.encode, text, state.max_model_len,   # noqa: E731
+                                                   state.piece_chars)
+        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), within,
                                prompt_images, add_generation_prompt, messages_end=True)
     except ImageTokenError as e:
         raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
                        code="invalid_image")
     except APIError:
         raise
+    except limits.ContextTooLong as e:
+        raise limits.context_error(state.max_model_len, e, "messages")
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
@@ -364,6 +407,9 @@ class _Gen:
                 elif isinstance(ev, m.Error):
                     if ev.abort:
                         raise APIError(503, ev.message, code="aborted")
+                    if ev.store_damaged:
+                        self.state.mark_store_damaged(ev.store_damaged)
+                        raise APIError(500, ev.message, code="store_damaged", headers={"x-should-retry": "false"})
                     raise APIError(500, ev.message, code="compute_process_crashed" if ev.crash else
                                    "generation_failed", headers={"x-should-retry": "false"})
         finally:
@@ -434,6 +480,7 @@ class _Gen:
 
     # ---- responses ------------------------------------------------------------------------------
     async def respond(self, request: Request):
+        self.request = request
         self.submit()
         if self.req.stream:
             return StreamingResponse(self.stream(), media_type="text/event-stream",
@@ -523,6 +570,7 @@ class _Gen:
             if self.include_usage:
                 yield self._chunk(None, usage=self.usage())
         except APIError as e:
+            errors.count_failure(self.request.scope, e.status, e.code)
             yield e.sse()           # the 200 status is gone: the error travels as an event
         yield "data: [DONE]\n\n"
 

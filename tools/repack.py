@@ -40,6 +40,9 @@ def main(argv=None) -> int:
                        args.workers)
             print(f"OK: {r.blocks_checked} blocks and {r.dense_tensors_checked} dense tensors match "
                   f"{args.model} bit for bit ({r.seconds:.1f} s)")
+            if args.sample is not None:
+                print(f"note: --sample {args.sample} checked {r.blocks_checked} random blocks; it proves nothing about "
+                      "the others. Run without --sample to check every block.")
             return 0
         r = repack(args.model, args.out, args.workers, not args.no_progress,
                    down_group_neurons=args.down_group_neurons)
