@@ -3,7 +3,9 @@
 h[j, :] = up_j · x for j < k, where expert j's block starts at the address addr[j] (int64): VRAM, or the
 pinned slab registered with `cudaHostRegister` (mapped; with UVA the host address is the device address),
 read zero-copy. Block layout: docs/block-layout.md (up_values U8 [I, L/2] at 0, up_scales e4m3 [I, L/16]).
-The ReLU² and the active-group mask run fused in the epilogue (see relu2_mask.py for the standalone op).
+The ReLU² and the active 16-neuron-group mask run fused in the epilogue: act = relu(h)², mask[j, g] =
+any(act[j, 16g:16g+16] != 0); the sparse down reads only the groups whose mask is set (twin:
+`relu2_group_mask_torch`).
 The tile math is the dense GEMV's (`_gemv_rows`: e2m1 -> fp16 by bit moves, tensor-core products, the
 scale folded after each 16-group's sum).
 """
@@ -13,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_block import ExpertGeometry, block_sections
-from kernels.gemv_nvfp4 import _UNDO_DECODE, _gemv_rows, _gemv_rows_fp8tc, _gemv_rows_scaled
+from kernels.expert_block import GROUP, ExpertGeometry, block_sections
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _gemv_rows, _gemv_rows_scaled
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
 
@@ -32,13 +34,11 @@ def _expert_up_kernel(
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    if LOAD_MODE == 5:
-        b_h = _gemv_rows_fp8tc(x_ptr, base, base + up_scales_off, L, o_n, m_n, 0, L, BLOCK_N, BLOCK_K)
-    elif LOAD_MODE == 4:
+    if LOAD_MODE == 4:
         b_h = _gemv_rows_scaled(x_ptr, 0, 1, base, base + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N, BLOCK_K)
     else:
         b_h = _gemv_rows(x_ptr, 0, 1, base, base + up_scales_off, L // 2, L // 16, o_n, m_n, 0, L,
-                         1, BLOCK_N, BLOCK_K, LOAD_MODE)
+                         1, BLOCK_N, BLOCK_K)
     b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
     if FUSE_RELU2:
         b_h = tl.maximum(b_h, 0.0)
@@ -65,6 +65,8 @@ def expert_up(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_glo
     # experiment 2 (H200, pinned slab): mode 4 at BLOCK_N 64 read 44 GB/s = 81 % of H2D (mode 0: 75 %)
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, LOAD_MODE=4, num_warps=4, num_stages=3), **(config or {})}
     assert cfg["BLOCK_N"] % 16 == 0
+    if cfg["LOAD_MODE"] not in (3, 4):
+        raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: the up kernel runs the GEMV's modes 3 and 4")
     out = torch.empty((k, I), dtype=torch.float32, device=x.device) if out is None else out
     if fuse_relu2 and mask is None:
         mask = torch.empty((k, I // 16), dtype=torch.int8, device=x.device)
@@ -88,3 +90,10 @@ def expert_up_torch(x: torch.Tensor, blocks, geom: ExpertGeometry, up_global) ->
     """Twin: h fp32 [k, I]; blocks is a list of U8 tensors (one expert block each)."""
     xf = x.float().reshape(-1)
     return torch.stack([up_weight_torch(geom, b, up_global[j]) @ xf for j, b in enumerate(blocks)])
+
+
+def relu2_group_mask_torch(h: torch.Tensor):
+    """Twin of the fused epilogue: h [k, I] (I % 16 == 0) -> (act fp32 [k, I], mask int8 [k, I/16])."""
+    act = torch.relu(h.float()) ** 2
+    mask = (act.view(h.shape[0], -1, GROUP) != 0).any(-1).to(torch.int8)
+    return act, mask

@@ -1,22 +1,16 @@
 """Dense NVFP4 and FP8 linears: y = x @ W.T with W in its checkpoint precision, x [..., in] bf16/fp32.
 
-Decode shape (1-8 rows): `_nvfp4_gemv_kernel`, several inner loops (LOAD_MODE) measured side by side in
-bench/NOTES.md. Common to all: e2m1 -> fp16 is bit moves on the 4-bit code, (c&7)<<9 | (c&8)<<12 holds
-e2m1 * 2^-14 exactly (e2m1's 0.5 lands on fp16's subnormal 2^-15), and the products and sums run on the
-tensor cores with x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24).
-  0  bytes + interleave, x laid block-diagonally (one column per x row x 16-group): the e4m3 scale multiplies
-     one number per group after the dot;
-  1  as 0, each element loading its own byte (slow: 8x the load instructions);
-  2  as 0 through tl.dot_scaled(e2m1) (Triton's own upcast; 2x slower on Hopper);
-  3  as 0 without the interleave: low and high nibbles in two dots against x's even and odd elements
-     (default for one row: 59 us at 18,560 x 4,096 on an H200, 17 % of HBM);
+Decode shape (1-8 rows): `_nvfp4_gemv_kernel`. e2m1 -> fp16 is bit moves on the 4-bit code, (c&7)<<9 | (c&8)<<12
+holds e2m1 * 2^-14 exactly (e2m1's 0.5 lands on fp16's subnormal 2^-15), and the products and sums run on the
+tensor cores with x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24). Two inner loops (LOAD_MODE,
+numbered as in bench/NOTES.md; the modes that lost live in bench/kernels/gemv_nvfp4_modes.py with their
+timings):
+  3  low and high nibbles in two dots against x's even and odd elements, x laid block-diagonally (one column
+     per x row x 16-group) so the e4m3 scale multiplies one number per group after the dot (default for one
+     row: 59 us at 18,560 x 4,096 on an H200, 17 % of HBM);
   4  scales applied to the decoded tile in fp16 (exact: <= 6 significant bits on a 2^-17 grid) and x.T as a
-     plain 16-column B, so BLOCK_K does not shrink with M (default for 2-8 rows);
-  5  experimental: weights as e4m3 (1 byte per value into the tensor cores), x split per tile into three
-     e4m3 parts; as written the split is redone by every program and costs 10x (see NOTES).
-All modes measured at 1.1-1.3 T weights/s: the limit is Triton's lowering of the 8/16-bit decode (one value
-per 32-bit register: ~1,000 integer instructions per loop body against ~200 for FP8) and too few resident
-warps, not the arithmetic that the modes vary. Next step in NOTES.md.
+     plain 16-column B, so BLOCK_K does not shrink with M (default for 2-8 rows).
+Both run at 1.1-1.3 T weights/s, bound by ~9.4 instructions per weight from Triton's per-nibble decode.
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel`, the mode-4 tile (e2m1 * scale exact in fp16) and a
 plain tensor-core GEMM.
 
@@ -43,61 +37,34 @@ def _e2m1_to_fp16(codes):
 
 @triton.jit
 def _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, row_bytes, row_scales, o_n, m_n, k_lo, k_hi,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr):
-    """Σ_k x[m, k] · code[n, k] · scale[n, k/16] over k in [k_lo, k_hi), for M <= M_PAD rows of x.
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """LOAD_MODE 3: Σ_k x[m, k] · code[n, k] · scale[n, k/16] over k in [k_lo, k_hi), for M <= M_PAD rows of x.
 
-    w_ptr / s_ptr: U8 pointers to row-major values [*, row_bytes] and e4m3 scales [*, row_scales].
-    LOAD_MODE 0: byte loads + interleave; 1: each element loads its byte; 2: tl.dot_scaled (x as bf16);
-    3: no interleave, low and high nibbles in two dots against x's even and odd elements.
-    (4 is `_gemv_rows_scaled`.)
+    w_ptr / s_ptr: U8 pointers to row-major values [*, row_bytes] and e4m3 scales [*, row_scales]. Even codes
+    (low nibbles) and odd codes (high) go through two dots against x's even and odd elements (no interleave),
+    B block-diagonal: column c holds row c // G of x restricted to 16-group c % G of the tile.
     Returns fp32 [BLOCK_N, M_PAD], still times 2^-22 (see _UNDO_DECODE), global scale not applied.
     """
     G: tl.constexpr = BLOCK_K // 16
     NCOL: tl.constexpr = M_PAD * G
     o_c = tl.arange(0, NCOL)
-    c_m = o_c // G                      # column c of B holds row c_m of x restricted to group c_g
+    c_m = o_c // G
     c_g = o_c % G
-    o_kk = tl.arange(0, BLOCK_K)
+    o_j = tl.arange(0, BLOCK_K // 2)
     K = row_bytes * 2
     b_acc = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        o_k = k0 + o_kk
-        if LOAD_MODE == 3:
-            # no interleave: even codes (low nibbles) and odd codes (high) in two dots with x's even/odd rows
-            o_j = tl.arange(0, BLOCK_K // 2)
-            o_b = k0 // 2 + o_j
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                          mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-            k_e = k0 + 2 * o_j
-            m_e = (c_m[None, :] < M) & ((o_j[:, None] // 8) == c_g[None, :]) & (k_e[:, None] < K)
-            x_e = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None], mask=m_e, other=0.0)
-            x_o = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_e, other=0.0)
-            x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            b_r = tl.dot(_e2m1_to_fp16(b_w & 15), x_e)
-            b_r = tl.dot(_e2m1_to_fp16(b_w >> 4), x_o, b_r)
-        elif LOAD_MODE != 1:
-            # one byte per two codes, then interleave: element 2j = low nibble, 2j+1 = high nibble
-            o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                          mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-            codes = tl.join(b_w & 15, b_w >> 4).reshape(BLOCK_N, BLOCK_K)
-        else:
-            # each element loads its own byte (cached) and shifts: an elementwise chain, no reshape
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + (o_k // 2)[None, :],
-                          mask=m_n[:, None] & (o_k[None, :] < K), other=0)
-            codes = (b_w >> ((o_k & 1) * 4).to(tl.uint8)[None, :]) & 15
-        if LOAD_MODE != 3:
-            m_b = (c_m[None, :] < M) & ((o_kk[:, None] // 16) == c_g[None, :]) & (o_k[:, None] < K)
-            b_x = tl.load(x_ptr + c_m[None, :] * stride_xm + o_k[:, None], mask=m_b, other=0.0)
-        if LOAD_MODE == 3:
-            pass
-        elif LOAD_MODE == 2:
-            # Triton's own e2m1 operand path (upcast to bf16 inside dot_scaled); x as bf16, no prescale
-            b_r = tl.dot_scaled(b_w, None, "e2m1", b_x.to(tl.bfloat16), None, "bf16") * (1.0 / _UNDO_DECODE)
-        else:
-            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            b_r = tl.dot(_e2m1_to_fp16(codes), b_x)              # [BLOCK_N, NCOL]: per (row, x row, group)
+        o_b = k0 // 2 + o_j
+        b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
+                      mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
+        k_e = k0 + 2 * o_j
+        m_e = (c_m[None, :] < M) & ((o_j[:, None] // 8) == c_g[None, :]) & (k_e[:, None] < K)
+        x_e = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None], mask=m_e, other=0.0)
+        x_o = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_e, other=0.0)
+        x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        b_r = tl.dot(_e2m1_to_fp16(b_w & 15), x_e)
+        b_r = tl.dot(_e2m1_to_fp16(b_w >> 4), x_o, b_r)
         o_g = k0 // 16 + c_g
         b_s = tl.load(s_ptr + o_n[:, None] * row_scales + o_g[None, :],
                       mask=m_n[:, None] & (o_g[None, :] < row_scales), other=0)
@@ -153,61 +120,6 @@ def _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi
 
 
 @triton.jit
-def _to_e4m3_value(v):
-    """v (|v| <= 448) rounded to an e4m3 value, as fp32: 4 significant bits, grid 2^-9 at the bottom.
-
-    Rounded by hand, then through the hardware cast, which is then exact (the interpreter's fp32 -> e4m3
-    cast is wrong when rounding carries into the exponent: -7.9989 -> -4).
-    """
-    q = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))) - 3.0, -9.0))
-    return (tl.floor(v / q + 0.5) * q).to(tl.float8e4nv).to(tl.float32)
-
-
-@triton.jit
-def _gemv_rows_fp8tc(x_ptr, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """LOAD_MODE 5 (one row of x): the weights enter the tensor cores as e4m3, 1 byte per value instead of 2.
-
-    e2m1 -> e4m3 is again bit moves: (c&7)<<2 | (c&8)<<4 is e2m1 · 2^-6 exactly (e4m3's subnormals cover 0.5).
-    x cannot be one e4m3 (4 significant bits), so each tile of x is scaled to |x·S| <= 240 and split into three
-    e4m3 parts, x·S = p0 + p1/16 + p2/256 (about 12 bits), laid block-diagonally: column (part, group).
-    Same contract and 2^-22 factor as `_gemv_rows`.
-    """
-    G: tl.constexpr = BLOCK_K // 16
-    NCOL: tl.constexpr = 4 * G
-    o_c = tl.arange(0, NCOL)
-    c_p = o_c // G                      # which part of x (3 = unused, zero)
-    c_g = o_c % G
-    fac = tl.where(c_p == 0, 1.0, tl.where(c_p == 1, 1.0 / 16.0, tl.where(c_p == 2, 1.0 / 256.0, 0.0)))
-    o_j = tl.arange(0, BLOCK_K // 2)
-    b_acc = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kb = k0 // 2 + o_j
-        b_w = tl.load(w_ptr + o_n[:, None] * (K // 2) + kb[None, :], mask=m_n[:, None] & (kb[None, :] < K // 2), other=0)
-        a_lo = (((b_w & 7) << 2) | ((b_w & 8) << 4)).to(tl.float8e4nv, bitcast=True)
-        a_hi = ((((b_w >> 4) & 7) << 2) | ((b_w >> 4) & 8) << 4).to(tl.float8e4nv, bitcast=True)
-        k_e = k0 + 2 * o_j
-        x_e = tl.load(x_ptr + k_e, mask=k_e < K, other=0.0).to(tl.float32)
-        x_o = tl.load(x_ptr + k_e + 1, mask=k_e < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x_e), axis=0), tl.max(tl.abs(x_o), axis=0))
-        sx = tl.where(amax > 0, 240.0 / amax, 1.0)
-        b_r = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
-        for half in tl.static_range(2):
-            v = (x_e if half == 0 else x_o) * sx
-            p0 = _to_e4m3_value(v)
-            r1 = (v - p0) * 16.0
-            p1 = _to_e4m3_value(r1)
-            p2 = _to_e4m3_value((r1 - p1) * 16.0)
-            part = tl.where(c_p[None, :] == 0, p0[:, None], tl.where(c_p[None, :] == 1, p1[:, None], p2[:, None]))
-            b_x = tl.where(((o_j[:, None] // 8) == c_g[None, :]) & (c_p[None, :] < 3), part, 0.0).to(tl.float8e4nv)
-            b_r = tl.dot(a_lo if half == 0 else a_hi, b_x, b_r)
-        o_g = k0 // 16 + c_g
-        b_s = tl.load(s_ptr + o_n[:, None] * (K // 16) + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < K // 16),
-                      other=0)
-        b_acc += b_r * (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (fac / sx)[None, :])
-    return tl.sum(b_acc, axis=1)[:, None] * (1.0 / 65536.0)   # 2^6 (e4m3 decode) · 2^-22 (contract)
-
-
-@triton.jit
 def _nvfp4_gemv_kernel(
     # tensors
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
@@ -224,13 +136,11 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if LOAD_MODE == 5:
-        b_y = _gemv_rows_fp8tc(x_ptr, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, BLOCK_N, BLOCK_K)
-    elif LOAD_MODE == 4:
+    if LOAD_MODE == 4:
         b_y = _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K)
     else:
         b_y = _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
-                         M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE)
+                         M_PAD, BLOCK_N, BLOCK_K)
     b_y = b_y * (tl.load(gs_ptr) * _UNDO_DECODE)
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
@@ -326,7 +236,7 @@ def _n_sm(device) -> int:
 def gemv_config(M: int, N: int, K: int, device) -> dict:
     """Block shape for the decode kernel: enough programs to fill the chip, split K when N is short."""
     m_pad = triton.next_power_of_2(max(M, 1))
-    # experiment 2 (H200): mode 3 best at M = 1 (58.7 us vs 64 for mode 0 at 18,560 x 4,096); modes 0-3 shrink
+    # experiment 2 (H200): mode 3 best at M = 1 (58.7 us vs 64 for mode 0 at 18,560 x 4,096); mode 3 shrinks
     # BLOCK_K as M grows (B is block-diagonal), mode 4 keeps 256 for any M <= 16
     mode = 3 if m_pad == 1 else 4
     block_k = 256
@@ -370,9 +280,9 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     if M <= DECODE_MAX_ROWS:
         cfg = {**gemv_config(M, N, K, x.device), **(config or {})}
         cfg.pop("n_sm", None)
-        if cfg["LOAD_MODE"] == 5 and M > 1:  # the e4m3 path takes one row of x
-            cfg["LOAD_MODE"] = 4
-        if cfg["LOAD_MODE"] in (0, 1, 2, 3):  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
+        if cfg["LOAD_MODE"] not in (3, 4):
+            raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes 3 and 4 (the others: bench/kernels)")
+        if cfg["LOAD_MODE"] == 3:  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
             cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 256 // cfg["M_PAD"])
         split = cfg["SPLIT_K"]
         if split > 1:

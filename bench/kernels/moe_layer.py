@@ -6,8 +6,7 @@ import torch
 from bench.kernels.common import DEV, time_graph
 from bench.kernels.expert_up import addr_sets
 from kernels.moe_ops import expert_decode, expert_decode_torch
-from kernels.relu2_mask import relu2_group_mask_torch
-from kernels.expert_up import expert_up_torch
+from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
 from kernels.testing import rel_err
 
 
@@ -33,12 +32,12 @@ def run(ctx) -> list[dict]:
                 _, mask = relu2_group_mask_torch(expert_up_torch(x, blocks, geom, ug))
                 nb_all += 22 * geom.up_bytes + int(mask.sum()) * geom.group_bytes
                 if s == 0:
-                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w, backend="triton"),
+                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w),
                                 expert_decode_torch(x, blocks, geom, ug, dg, w))
                     ctx["checks"].append(dict(check=f"moe layer {where} {label}", rel_err=e, ok=e < 1e-5))
             nb = nb_all / 8
             acc = torch.zeros(geom.L, device=DEV)
-            sec = time_graph(lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc, backend="triton"), 8)
+            sec = time_graph(lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc), 8)
             rows.append(dict(op="moe layer decode", case=f"{where} {label}", us=sec * 1e6, bytes=nb,
                              GBps=nb / sec / 1e9, pct=100 * nb / sec / ceil, floor_us=nb / ceil * 1e6,
                              vs="H2D" if where == "pinned" else "HBM"))

@@ -1,6 +1,6 @@
 """The whole kernel benchmark in one GPU call: ceilings first, then each op at Nemotron 3 Super shapes.
 
-    python -m bench.kernels.run_all [--only gemv,up,down,layer,mamba,attn] [--out DIR]
+    python -m bench.kernels.run_all [--only zero,gemv,lost,up,down,layer,prefill,mamba,attn] [--out DIR]
 
 Prints a short table last and writes results.json (ceilings, rows, correctness checks) into --out or $OUT.
 """
@@ -26,6 +26,7 @@ from bench.kernels import common  # noqa: E402
 from kernels.expert_block import SUPER, ExpertGeometry  # noqa: E402
 
 SECTIONS = [("zero", "bench.kernels.zero_copy"), ("gemv", "bench.kernels.gemv_nvfp4"),
+            ("lost", "bench.kernels.gemv_nvfp4_modes"),
             ("up", "bench.kernels.expert_up"), ("down", "bench.kernels.sparse_down"),
             ("layer", "bench.kernels.moe_layer"), ("prefill", "bench.kernels.expert_prefill"),
             ("mamba", "bench.kernels.mamba_step"), ("attn", "bench.kernels.attention_decode")]
@@ -52,7 +53,7 @@ def main():
     ctx = dict(geom=geom, n_per_set=n_per_set, checks=[], ceil={})
     if smoke:
         ctx.update(gemv_shapes=[("mamba.in_proj", 48, 512), ("mamba.out_proj", 32, 256)],
-                   gemv_sweep=[(32, 1, 4, 3, 0), (16, 1, 4, 3, 1)], big=(40, 256), prefill_rows=20,
+                   gemv_sweep=[(32, 1, 4, 3, 3), (16, 1, 4, 3, 4)], big=(40, 256), prefill_rows=20,
                    mamba_shape=(4, 16, 32, 2, 64), attn_shape=(32, 2, 16), attn_lengths=(40,),
                    prefill_tokens=(20,))
     slab = common.HostSlab(2 * n_per_set * geom.block_stride)

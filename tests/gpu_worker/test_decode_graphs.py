@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from gpu_worker.decode_graphs import DecodeGraphs
+from kernels import backend
 from nemotron import mamba
 from nemotron.model import NemotronH
 
 # forcing the fused kernels on CPU tensors needs Triton's interpreter, which is on only where there is no GPU
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+FUSED = {"mamba_step": "triton", "attention_decode": "triton"}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def run(model, steps=5, fixed=False):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    monkeypatch.setattr(backend, "FORCED", FUSED)
     model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model)
     model.decode_graphs = g = DecodeGraphs(model)
@@ -58,7 +60,7 @@ def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_twin_state_not_copied_in_is_caught(ckpt_dir, device, monkeypatch):
     """Must-fail twin: binding that re-points a sequence at the static states without copying its own in."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    monkeypatch.setattr(backend, "FORCED", FUSED)
     model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
     plain = run(model, steps=2)
     model.decode_graphs = g = DecodeGraphs(model)
@@ -107,7 +109,7 @@ def engine(store, blocks: int, addressed: bool):
 def test_segmented_decode_through_the_cache_pipeline(store, monkeypatch):
     """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
     with a cache of a tenth of the experts: same logits as the engine's plain forward."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    monkeypatch.setattr(backend, "FORCED", FUSED)
     with engine(store, max(store[1] // 10, 8), addressed=False) as eng:
         plain = run(eng.model, steps=3, fixed=True)
         eng.model.decode_graphs = g = DecodeGraphs(eng.model)
@@ -124,7 +126,7 @@ def test_expert_kernels_inside_the_segments(store, monkeypatch):
     are all present runs them inside the next segment ("slab" variant) instead of eagerly; a cache holding every
     expert makes that the common case, a tenth of them mixes both. Same logits as the plain forward."""
     n = store[1]
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    monkeypatch.setattr(backend, "FORCED", FUSED)
     for blocks in (n + 8, max(n // 10, 8)):
         with engine(store, blocks, addressed=True) as eng:
             ex = eng.experts
@@ -149,7 +151,7 @@ def test_expert_kernels_inside_the_segments(store, monkeypatch):
 @cpu_only
 def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, monkeypatch):
     """Must-fail twin: a segment that forgets the expert kernels in the "slab" variant changes the logits."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
+    monkeypatch.setattr(backend, "FORCED", FUSED)
     with engine(store, store[1] + 8, addressed=True) as eng:
         plain = run(eng.model, steps=2, fixed=True)
         eng.model.decode_graphs = DecodeGraphs(eng.model)
