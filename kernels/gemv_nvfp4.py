@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import backend
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
 _X_PRESCALE = tl.constexpr(1.0 / 256.0)        # x * 2^-8 before the fp16 cast
@@ -33,6 +34,231 @@ def _e2m1_to_fp16(codes):
     """4-bit e2m1 codes -> fp16 equal to e2m1 * 2^-14 exactly. Bit 3 is the sign, bits 0-2 the magnitude."""
     c = codes.to(tl.int16)
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+
+
+# e2m1 -> fp16 for 8 codes (4 bytes) in 17 instructions: the magnitude is a byte lookup (prmt into a table of
+# fp16 high bytes: 0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0x00 0x38 0x3C 0x3E 0x40 0x42 0x44 0x46; the low byte is 0), the
+# sign a second prmt that replicates each code's sign bit (bit 3 of the nibble, the msb of its byte after a shift
+# by 0 or 4) into the fp16 sign, merged by one lop3. $4 holds bytes b0..b3; $0/$1 = low nibbles (b0, b1)/(b2, b3),
+# $2/$3 = high nibbles, each an fp16 pair equal to the e2m1 value exactly. Checked bit for bit against the table
+# in tests/kernels/test_gemv_nvfp4.py (a Python model of the same instructions).
+_E2M1_ASM = tl.constexpr("""{
+.reg .b32 r4, t, t4, u, m, s, l0, l1;
+mov.b32 l0, 0x3E3C3800;
+mov.b32 l1, 0x46444240;
+shl.b32 r4, $4, 4;
+and.b32 t, $4, 0x70707070;
+and.b32 t4, r4, 0x70707070;
+prmt.b32 m, l0, l1, t4;
+prmt.b32 s, r4, r4, 0x9080;
+lop3.b32 $0, m, s, 0x80008000, 0xF8;
+shr.u32 u, t4, 16;
+prmt.b32 m, l0, l1, u;
+prmt.b32 s, r4, r4, 0xB0A0;
+lop3.b32 $1, m, s, 0x80008000, 0xF8;
+prmt.b32 m, l0, l1, t;
+prmt.b32 s, $4, $4, 0x9080;
+lop3.b32 $2, m, s, 0x80008000, 0xF8;
+shr.u32 u, t, 16;
+prmt.b32 m, l0, l1, u;
+prmt.b32 s, $4, $4, 0xB0A0;
+lop3.b32 $3, m, s, 0x80008000, 0xF8;
+}""")
+
+
+@triton.jit
+def _e2m1_pairs(b_w, USE_ASM: tl.constexpr):
+    """U8 bytes -> (low-nibble, high-nibble) values as fp16, each equal to its e2m1 value exactly.
+
+    USE_ASM: the byte-permute lookup above (compiled code only); otherwise (Triton's interpreter) the bit moves
+    of `_e2m1_to_fp16` times 2^14 — the same numbers."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r", [b_w], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+    else:
+        lo = (_e2m1_to_fp16(b_w & 15).to(tl.float32) * 16384.0).to(tl.float16)
+        hi = (_e2m1_to_fp16(b_w >> 4).to(tl.float32) * 16384.0).to(tl.float16)
+    return lo, hi
+
+
+@triton.jit
+def _gemv_rows_lut(x_ptr, stride_xm, M, w_ptr, s_ptr, row_bytes, row_scales, o_n, m_n, k_lo, k_hi,
+                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """LOAD_MODE 6: mode 3's contract (block-diagonal x, each e4m3 scale applied once per 16-group after the dot)
+    with the lookup decode, and x loaded once per tile ([M_PAD, BLOCK_K/2] even and odd elements) then spread
+    into the block-diagonal B by a select instead of a masked gather. Returns fp32 [BLOCK_N, M_PAD] times 2^-8."""
+    G: tl.constexpr = BLOCK_K // 16
+    o_j = tl.arange(0, BLOCK_K // 2)
+    o_m = tl.arange(0, M_PAD)
+    o_g = tl.arange(0, G)
+    K = row_bytes * 2
+    diag = (o_j[:, None, None] // 8) == o_g[None, None, :]                  # [BK/2, 1, G]
+    b_acc = tl.zeros([BLOCK_N, M_PAD * G], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_b = k0 // 2 + o_j
+        b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
+                      mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
+        k_e = k0 + 2 * o_j
+        m_x = (o_m[None, :] < M) & (k_e[:, None] < K)
+        x_e = tl.load(x_ptr + o_m[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)     # [BK/2, M_PAD]
+        x_o = tl.load(x_ptr + o_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
+        x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        b_e = tl.reshape(tl.where(diag, x_e[:, :, None], 0.0), (BLOCK_K // 2, M_PAD * G))
+        b_o = tl.reshape(tl.where(diag, x_o[:, :, None], 0.0), (BLOCK_K // 2, M_PAD * G))
+        lo, hi = _e2m1_pairs(b_w, USE_ASM)
+        b_r = tl.dot(lo, b_e)
+        b_r = tl.dot(hi, b_o, b_r)
+        o_gs = k0 // 16 + (tl.arange(0, M_PAD * G) % G)
+        b_s = tl.load(s_ptr + o_n[:, None] * row_scales + o_gs[None, :],
+                      mask=m_n[:, None] & (o_gs[None, :] < row_scales), other=0)
+        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
+
+
+@triton.jit
+def _gemv_rows_lut_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi,
+                          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """LOAD_MODE 7: mode 4 (scales on the decoded tile, x.T as a plain 16-column B) with the lookup decode.
+    Same contract and 2^-8 factor as `_gemv_rows_lut`."""
+    SPREAD: tl.constexpr = 16 // M_PAD
+    o_c = tl.arange(0, 16)
+    c_row = o_c // SPREAD
+    m_c = ((o_c % SPREAD) == 0) & (c_row < M)
+    o_j = tl.arange(0, BLOCK_K // 2)
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        a_lo, a_hi = _nvfp4_tile_lut(w_ptr, s_ptr, o_n, m_n, k0, K, 0, 0, BLOCK_K, USE_ASM)
+        k_e = k0 + 2 * o_j
+        m_x = m_c[None, :] & (k_e[:, None] < K)
+        x_e = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)
+        x_o = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
+        b_acc = tl.dot(a_lo, (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
+        b_acc = tl.dot(a_hi, (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
+    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, SPREAD), axis=2)
+
+
+@triton.jit
+def _nvfp4_tile_lut(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_ASM: tl.constexpr):
+    """`_nvfp4_tile_split` with the lookup decode: values e2m1 · scale exactly (no 2^-7 factor)."""
+    o_j = tl.arange(0, BLOCK_K // 2)
+    kb = k0 // 2 + o_j
+    o_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    if LAYOUT == 0:
+        p_w = w_ptr + o_n[:, None] * (K // 2) + kb[None, :]
+        p_s = s_ptr + o_n[:, None] * (K // 16) + o_g[None, :]
+    else:
+        p_w = w_ptr + (kb // 8)[None, :] * (9 * N) + o_n[:, None] * 8 + (kb % 8)[None, :]
+        p_s = s_ptr + o_g[None, :] * (9 * N) + 8 * N + o_n[:, None]
+    b_w = tl.load(p_w, mask=m_n[:, None] & (kb[None, :] < K // 2), other=0)
+    b_s = tl.load(p_s, mask=m_n[:, None] & (o_g[None, :] < K // 16), other=0)
+    b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (b_s.shape[0], BLOCK_K // 16, 8)), (b_s.shape[0], BLOCK_K // 2))
+    lo, hi = _e2m1_pairs(b_w, USE_ASM)
+    return lo * b_s, hi * b_s
+
+
+# code J of both int16 halves of $1 -> fp16 pair e2m1 · 2^-14: magnitude (r << 9-4J) & 0x0E000E00, sign
+# (r << 12-4J) & 0x80008000, merged by lop3 (a | (b & c) = 0xF8)
+_QUAD_ASM0 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 9; shl.b32 b, $1, 12; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM1 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 5; shl.b32 b, $1, 8; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM2 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 1; shl.b32 b, $1, 4; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM3 = tl.constexpr("{.reg .b32 a; shr.u32 a, $1, 3; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, $1, 0x80008000, 0xF8;}")
+
+
+@triton.jit
+def _e2m1_quad(h, J: tl.constexpr, USE_ASM: tl.constexpr):
+    """Code J (0-3) of each int16 (4 codes, low nibble first) -> fp16 equal to e2m1 · 2^-14 exactly.
+
+    As inline PTX two int16 share a 32-bit register, so code J of both sits 16 bits apart and one shift per
+    field serves both lanes: (r << 9-4J) & 0x0E000E00 is the magnitude, (r << 12-4J) & 0x80008000 the sign.
+    Interpreter: the same bit moves through `_e2m1_to_fp16`."""
+    if USE_ASM:
+        if J == 0:
+            v = tl.inline_asm_elementwise(_QUAD_ASM0, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 1:
+            v = tl.inline_asm_elementwise(_QUAD_ASM1, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 2:
+            v = tl.inline_asm_elementwise(_QUAD_ASM2, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            v = tl.inline_asm_elementwise(_QUAD_ASM3, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        return v
+    else:
+        return _e2m1_to_fp16(((h >> (4 * J)) & 15).to(tl.uint8))
+
+
+@triton.jit
+def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr):
+    """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
+    into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
+    prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
+    SCALE_AFTER: B_J block-diagonal (column m·G + g holds x row m restricted to 16-group g of the tile, G = 16 /
+    M_PAD), so the fp32 product holds one sum per (row, x row, group) and each e4m3 scale multiplies it once.
+    Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
+    row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
+    divisibility-by-16 specialisation reaches them: 16-byte weight and 2-byte scale loads instead of 8 and 1.
+    Returns fp32 [BLOCK_N, M_PAD] times 2^-22 (SCALE_AFTER) or 2^-15."""
+    Q: tl.constexpr = BLOCK_K // 4
+    G: tl.constexpr = 16 // M_PAD if SCALE_AFTER else BLOCK_K // 16
+    o_i = tl.arange(0, Q)
+    o_c = tl.arange(0, 16)
+    w16 = w_ptr.to(tl.pointer_type(tl.int16))
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_q = k0 // 4 + o_i
+        m_q = o_q < row_q
+        b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
+        p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
+        if SCALE_AFTER:
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), tl.load(p_b, mask=m_q[:, None], other=0.0))
+            for J in tl.static_range(1, 4):
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), tl.load(p_b + J * row_q * 16, mask=m_q[:, None], other=0.0), b_r)
+            o_gs = k0 // 16 + (o_c % G)
+            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
+                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
+            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            o_g = k0 // 16 + tl.arange(0, G)
+            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < row_s),
+                          other=0)
+            b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
+            b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
+            for J in tl.static_range(0, 4):
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                               tl.load(p_b + J * row_q * 16, mask=m_q[:, None], other=0.0), b_acc)
+    if SCALE_AFTER:
+        return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
+    else:
+        return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)
+
+
+@triton.jit
+def _x_operands_kernel(x_ptr, xb_ptr, M, K, stride_xm, M_PAD: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """x [M, K] -> B_J [4, K/4, 16] fp16 (x · 2^-8) for `_gemv_rows_quad`: B_J[i, c] = x[m, 4i + J] where column c
+    belongs to x row m (c // G = m, G = 16 / M_PAD) and, with SCALE_AFTER, to 16-group c % G = (i / 4) mod G of
+    its tile (block-diagonal), without it only c % G = 0; else 0."""
+    pid = tl.program_id(0)
+    G: tl.constexpr = 16 // M_PAD
+    o_i = pid * BLOCK + tl.arange(0, BLOCK)
+    o_c = tl.arange(0, 16)
+    m_i = o_i < K // 4
+    if SCALE_AFTER:
+        row = o_c // G
+        keep = (row[None, :] < M) & (((o_i[:, None] // 4) % G) == (o_c % G)[None, :])
+    else:   # row m in column m · 16/M_PAD (the others zero), as mode 4 lays out its B
+        row = o_c // G
+        keep = (row[None, :] < M) & ((o_c % G) == 0)[None, :] & (o_i[:, None] >= 0)
+    for J in tl.static_range(4):
+        v = tl.load(x_ptr + row[None, :] * stride_xm + 4 * o_i[:, None] + J, mask=keep & m_i[:, None], other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        tl.store(xb_ptr + J * (K // 4) * 16 + o_i[:, None] * 16 + o_c[None, :], v, mask=m_i[:, None])
 
 
 @triton.jit
@@ -124,10 +350,10 @@ def _nvfp4_gemv_kernel(
     # tensors
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
     # sizes and strides
-    M, N, K, stride_xm, stride_ym,
+    M, N, K, stride_xm, stride_ym, row_q, row_s,
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    LOAD_MODE: tl.constexpr,
+    LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -136,12 +362,22 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if LOAD_MODE == 4:
-        b_y = _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K)
+    if LOAD_MODE == 8 or LOAD_MODE == 9:   # x_ptr is the prepared B operands
+        b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
+                              LOAD_MODE == 8, USE_ASM)
+        b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
+    elif LOAD_MODE == 7:
+        b_y = _gemv_rows_lut_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N,
+                                    BLOCK_K, USE_ASM) * (tl.load(gs_ptr) * 256.0)
+    elif LOAD_MODE == 6:
+        b_y = _gemv_rows_lut(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
+                             M_PAD, BLOCK_N, BLOCK_K, USE_ASM) * (tl.load(gs_ptr) * 256.0)
+    elif LOAD_MODE == 4:
+        b_y = _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N,
+                                BLOCK_K) * (tl.load(gs_ptr) * _UNDO_DECODE)
     else:
         b_y = _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
-                         M_PAD, BLOCK_N, BLOCK_K)
-    b_y = b_y * (tl.load(gs_ptr) * _UNDO_DECODE)
+                         M_PAD, BLOCK_N, BLOCK_K) * (tl.load(gs_ptr) * _UNDO_DECODE)
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_m[None, :] < M)
@@ -217,10 +453,56 @@ def _fp8_gemm_kernel(
     tl.store(y_ptr + o_m[None, :] * stride_ym + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
 
 
+@triton.jit
+def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
+    """x [M, K] -> x.T as fp16 [K, 16] (times 2^-8), column m = x row m, zero beyond M: a plain tensor-core B."""
+    o_k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o_c = tl.arange(0, 16)
+    m_k = o_k < K
+    v = tl.load(x_ptr + o_c[None, :] * stride_xm + o_k[:, None], mask=(o_c[None, :] < M) & m_k[:, None], other=0.0)
+    tl.store(xc_ptr + o_k[:, None] * 16 + o_c[None, :], (v.to(tl.float32) * _X_PRESCALE).to(tl.float16),
+             mask=m_k[:, None])
+
+
+@triton.jit
+def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
+    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, 16)
+    m_n = o_n < N
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_w = tl.load(w_ptr + o_n[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+        b_w = b_w.to(tl.float8e4nv, bitcast=True)
+        if DIRECT:
+            b_w = b_w.to(tl.float16)
+        else:
+            b_w = b_w.to(tl.float32).to(tl.float16)
+        b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
+        b_acc = tl.dot(b_w, b_x, b_acc)
+    b_y = b_acc * (tl.load(scale_ptr) * 256.0)
+    p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
+    m_y = m_n[:, None] & (o_c[None, :] < M)
+    if SPLIT_K == 1:
+        tl.store(p_y, b_y, mask=m_y)
+    else:
+        tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------------------------------
 # wrappers
 
 DECODE_MAX_ROWS = 8
+DECODE_MODES = (3, 4, 6, 7, 8, 9)
 _n_sm_cache: dict = {}
 
 
@@ -252,6 +534,45 @@ def gemv_config(M: int, N: int, K: int, device) -> dict:
                 num_warps=4, num_stages=3, n_sm=n_sm)
 
 
+def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
+    """The B operands of LOAD_MODE 8/9 for x2 [M, K]: fp16 [4, K/4, 16] (see `_x_operands_kernel`)."""
+    M, K = x2.shape
+    xb = torch.empty((4, K // 4, 16), dtype=torch.float16, device=x2.device)
+    block = 128
+    _x_operands_kernel[(triton.cdiv(K // 4, block),)](x2, xb, M, K, x2.stride(0), M_PAD=m_pad, SCALE_AFTER=scale_after,
+                                                      BLOCK=block, num_warps=4)
+    return xb
+
+
+def x_columns(x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M <= 16, K] -> fp16 [K, 16], x.T times 2^-8 and zero-padded (`_x_columns_kernel`)."""
+    M, K = x2.shape
+    xc = torch.empty((K, 16), dtype=torch.float16, device=x2.device)
+    block = 256
+    _x_columns_kernel[(triton.cdiv(K, block),)](x2, xc, M, K, x2.stride(0), BLOCK=block, num_warps=4)
+    return xc
+
+
+def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`."""
+    N, K = weight_e4m3.shape
+    M = x2.shape[0]
+    n_sm = _n_sm(x2.device)
+    cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
+        cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
+    if cfg["SPLIT_K"] > 1:
+        y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
+    else:
+        y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x2.device)
+    grid = (n_blocks, cfg["SPLIT_K"])
+    _fp8_gemv_kernel[grid](x_columns(x2), _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
+                           DIRECT=not backend.interpreted(), **cfg)
+    return y
+
+
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
@@ -280,9 +601,14 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     if M <= DECODE_MAX_ROWS:
         cfg = {**gemv_config(M, N, K, x.device), **(config or {})}
         cfg.pop("n_sm", None)
-        if cfg["LOAD_MODE"] not in (3, 4):
-            raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes 3 and 4 (the others: bench/kernels)")
-        if cfg["LOAD_MODE"] == 3:  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
+        if cfg["LOAD_MODE"] not in DECODE_MODES:
+            raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
+        cfg.setdefault("USE_ASM", not backend.interpreted())
+        if cfg["LOAD_MODE"] == 8:   # block-diagonal B_J: 16 columns = M_PAD rows x the tile's 16-groups
+            if cfg["M_PAD"] > 4:
+                raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
+            cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
+        if cfg["LOAD_MODE"] in (3, 6):  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
             cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 256 // cfg["M_PAD"])
         split = cfg["SPLIT_K"]
         if split > 1:
@@ -290,7 +616,11 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
-        _nvfp4_gemv_kernel[grid](x2, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), **cfg)
+        xa = x2
+        if cfg["LOAD_MODE"] in (8, 9):
+            xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+        _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
+                                 **cfg)
     else:
         cfg = {**dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **(config or {})}
         y = out if out is not None else torch.empty((M, N), dtype=torch.float32, device=x.device)
@@ -309,6 +639,9 @@ def fp8_linear(x: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype=None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if M <= DECODE_MAX_ROWS and "BLOCK_M" not in (config or {}):
+        y = fp8_gemv(x2, weight_e4m3, scale, out_dtype or x.dtype, config=config, out=out)
+        return (y if y.dtype == (out_dtype or x.dtype) else y.to(out_dtype or x.dtype)).reshape(*lead, N)
     block_m = 16 if M <= 16 else 64
     n_sm = _n_sm(x.device)
     block_n = 128

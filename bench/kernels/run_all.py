@@ -73,7 +73,8 @@ def main():
     print("ceilings", {k: round(v, 1) for k, v in c.items()}, flush=True)
 
     rows = []
-    for key, mod in SECTIONS:
+    order = [k for k in (a.only.split(",") if a.only else [])] or [k for k, _ in SECTIONS]
+    for key, mod in sorted(SECTIONS, key=lambda km: order.index(km[0]) if km[0] in order else len(order)):
         if only and key not in only:
             continue
         t1 = time.time()
@@ -89,10 +90,9 @@ def main():
             print(f"[{key}] FAILED\n{traceback.format_exc()}", flush=True)
             rows.append(dict(op=key, case="FAILED"))
         print(f"[{key}] {time.time() - t1:.1f}s", flush=True)
+        _dump(a.out, env, c, rows, ctx["checks"])       # after every section: a run cut short keeps what it measured
 
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(dict(env=env, ceilings=c, rows=rows, checks=ctx["checks"]), f, indent=1, default=str)
+    _dump(a.out, env, c, rows, ctx["checks"])
     print("\n== correctness at real sizes (GPU) ==")
     for ch in ctx["checks"]:
         print(f"  {'ok ' if ch['ok'] else 'BAD'} {ch['check']}: rel err {ch['rel_err']:.2e}")
@@ -105,6 +105,12 @@ def main():
         print(" ", _fmt(row))
     print(f"total {time.time() - t0:.0f}s")
     slab.close()
+
+
+def _dump(out, env, ceilings, rows, checks):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(env=env, ceilings=ceilings, rows=rows, checks=checks), f, indent=1, default=str)
 
 
 def _fmt(r):

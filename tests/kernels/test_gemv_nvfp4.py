@@ -1,4 +1,6 @@
 """Dense NVFP4 / FP8 linears: Triton kernels against their twins (and the twins against decode_nvfp4)."""
+import math
+
 import pytest
 import torch
 
@@ -19,9 +21,11 @@ def _poisoned(M, N, device):
     return torch.full((M, N), float("nan"), dtype=torch.float32, device=device)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 37, 272), (3, 50, 96), (8, 24, 512), (5, 19, 48)])
-@pytest.mark.parametrize("load_mode", [3, 4])
-def test_nvfp4_gemv_matches_twin(M, N, K, load_mode, device):
+SHAPES = [(1, 37, 272), (3, 50, 96), (8, 24, 512), (5, 19, 48)]
+
+
+@pytest.mark.parametrize("M,N,K,load_mode", [(*s, m) for s in SHAPES for m in g.DECODE_MODES if m != 8 or s[0] <= 4])
+def test_nvfp4_gemv_matches_twin(M, N, K, load_mode, device):   # mode 8 takes up to 4 rows
     q, s, gs = _weight(N, K, device)
     x = torch.randn(M, K, device=device).bfloat16()
     out = _poisoned(M, N, device)
@@ -35,12 +39,30 @@ def test_lost_modes_are_refused(device):
         g.nvfp4_linear(torch.randn(1, 64, device=device), q, s, gs, config=dict(LOAD_MODE=0))
 
 
-def test_nvfp4_gemv_split_k(device):
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_nvfp4_gemv_split_k(load_mode, device):
     M, N, K = 2, 21, 1024
     q, s, gs = _weight(N, K, device)
     x = torch.randn(M, K, device=device).bfloat16()
-    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(SPLIT_K=3, BLOCK_N=16))
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(SPLIT_K=3, BLOCK_N=16, LOAD_MODE=load_mode))
     assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "split-k")
+
+
+@pytest.mark.parametrize("mode", [8, 9])
+def test_prepared_x_operands_layout(mode, device):
+    """The B operands of modes 8/9, checked element by element against their definition."""
+    M, K = 3, 64
+    x = torch.randn(M, K, device=device)
+    m_pad = 4
+    xb = g.x_operands(x, m_pad, mode == 8).float().cpu() * 256
+    G = 16 // m_pad
+    for J in range(4):
+        for i in range(K // 4):
+            for c in range(16):
+                m = c // G
+                on = m < M and ((c % G == (i // 4) % G) if mode == 8 else c % G == 0)
+                want = float(x[m, 4 * i + J].half()) if on else 0.0
+                assert abs(xb[J, i, c] - want) <= 1e-3 * abs(want), (J, i, c)
 
 
 def test_nvfp4_gemv_fp32_input(device):
@@ -74,6 +96,9 @@ def test_fp8_linear_matches_twin(M, N, K, device):
     x = torch.randn(M, K, device=device).bfloat16()
     y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, out=_poisoned(M, N, device))
     assert_close(y, g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32), TOL, "fp8")
+    if M <= g.DECODE_MAX_ROWS:   # the decode kernel, split along K too
+        y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, config=dict(SPLIT_K=2, BLOCK_K=64))
+        assert_close(y, g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32), TOL, "fp8 split")
 
 
 def test_twin_matches_float_reference():
@@ -84,16 +109,131 @@ def test_twin_matches_float_reference():
     assert rel_err(g.nvfp4_linear_torch(x, q, s, gs), x @ w.t()) < 0.15
 
 
-def test_must_fail_swapped_nibbles(device):
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_must_fail_swapped_nibbles(load_mode, device):
     q, s, gs = _weight(40, 256, device)
     x = torch.randn(1, 256, device=device)
     ref = g.nvfp4_linear_torch(x, q, s, gs)
-    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs), ref) > 0.1
+    cfg = dict(LOAD_MODE=load_mode)
+    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs, config=cfg), ref) > 0.1
+    assert rel_err(g.nvfp4_linear(x, q, s, gs, config=cfg), ref) < 1e-3      # fp32 x enters as fp16
 
 
-def test_must_fail_wrong_scale_group(device):
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_must_fail_wrong_scale_group(load_mode, device):
     q, s, gs = _weight(40, 256, device)
     x = torch.randn(1, 256, device=device)
     ref = g.nvfp4_linear_torch(x, q, s, gs)
     s_shifted = torch.roll(s.view(torch.uint8), 1, dims=1).view(torch.float8_e4m3fn)
-    assert rel_err(g.nvfp4_linear(x, q, s_shifted, gs), ref) > 0.1
+    assert rel_err(g.nvfp4_linear(x, q, s_shifted, gs, config=dict(LOAD_MODE=load_mode)), ref) > 0.1
+
+
+# ---- the inline-PTX decodes, run on a Python model of the PTX instructions they use ---------------------------
+# (the interpreter cannot run inline assembly; on a GPU the kernels' own tests above run it)
+
+M32 = 0xFFFFFFFF
+
+
+def _prmt(a, b, c):
+    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        n = (c >> 4 * k) & 0xF
+        byte = pool[n & 7]
+        if n & 8:                       # msb-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << 8 * k
+    return out
+
+
+def _lop3(a, b, c, lut):
+    out = 0
+    for i in range(32):
+        idx = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
+        out |= ((lut >> idx) & 1) << i
+    return out
+
+
+def run_ptx(asm: str, args: list[int]) -> list[int]:
+    """Execute the subset of PTX the decodes use; $n operands: outputs first, then args (as the constraints)."""
+    import re
+    regs = {}
+    n_out = max(int(i) for i in re.findall(r"\$(\d+)", asm)) + 1 - len(args)
+    for i, v in enumerate(args):
+        regs[f"${n_out + i}"] = v
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+    for ins in asm.strip("{} \n").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        v = [val(t) for t in src]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "shl.b32":
+            r = v[0] << v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "prmt.b32":
+            r = _prmt(*v)
+        elif op == "lop3.b32":
+            r = _lop3(*v)
+        else:
+            raise AssertionError(f"instruction {op} not modelled")
+        regs[d] = r & M32
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _fp16_value(bits: int) -> float:
+    import struct
+    return struct.unpack("<e", struct.pack("<H", bits))[0]
+
+
+def test_lookup_asm_decodes_every_byte_in_every_position():
+    from kernels.nvfp4 import E2M1_VALUES
+    gen = torch.Generator().manual_seed(1)
+    for pos in range(4):
+        for v in range(256):
+            bs = torch.randint(0, 256, (4,), generator=gen).tolist()
+            bs[pos] = v
+            r = sum(b << 8 * i for i, b in enumerate(bs))
+            lo01, lo23, hi01, hi23 = run_ptx(g._E2M1_ASM.value, [r])
+            lo = [lo01 & 0xFFFF, lo01 >> 16, lo23 & 0xFFFF, lo23 >> 16]
+            hi = [hi01 & 0xFFFF, hi01 >> 16, hi23 & 0xFFFF, hi23 >> 16]
+            for i, b in enumerate(bs):
+                for bits, code in ((lo[i], b & 15), (hi[i], b >> 4)):
+                    want = E2M1_VALUES[code]
+                    got = _fp16_value(bits)
+                    assert got == want and math.copysign(1, got) == math.copysign(1, want), (pos, v, i, code, hex(bits))
+
+
+@pytest.mark.parametrize("J", [0, 1, 2, 3])
+def test_quad_asm_decodes_every_int16_code(J):
+    from kernels.nvfp4 import E2M1_VALUES
+    asm = [g._QUAD_ASM0, g._QUAD_ASM1, g._QUAD_ASM2, g._QUAD_ASM3][J].value
+    gen = torch.Generator().manual_seed(2 + J)
+    for lane in range(2):
+        for c in range(16):
+            h = torch.randint(0, 1 << 16, (2,), generator=gen).tolist()
+            h[lane] = (h[lane] & ~(15 << 4 * J)) | (c << 4 * J)
+            (out,) = run_ptx(asm, [h[0] | (h[1] << 16)])
+            for i in range(2):
+                code = (h[i] >> 4 * J) & 15
+                got = _fp16_value((out >> 16 * i) & 0xFFFF) * 2.0 ** 14
+                want = E2M1_VALUES[code]
+                assert got == want and math.copysign(1, got) == math.copysign(1, want), (J, lane, c, i, hex(out))
+
+
+def test_must_fail_model_catches_a_wrong_sign_shift():
+    """The model is not vacuous: the quad decode with the sign taken 4 bits off is caught."""
+    bad = g._QUAD_ASM1.value.replace("shl.b32 b, $1, 8", "shl.b32 b, $1, 4")
+    (out,) = run_ptx(bad, [0x0080_0080])           # code 8 (-0.0) at J=1 in both lanes -> sign must be set
+    assert out & 0x80008000 != 0x80008000
+    (out,) = run_ptx(g._QUAD_ASM1.value, [0x0080_0080])
+    assert out & 0x80008000 == 0x80008000
