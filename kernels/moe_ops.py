@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from kernels.expert_block import ExpertGeometry
+from kernels.expert_layer import expert_layer
 from kernels.expert_prefill import expert_prefill as _expert_prefill_triton
 from kernels.expert_prefill import expert_prefill_torch
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch
 from kernels.sparse_down import sparse_down, sparse_down_torch
 
-__all__ = ["expert_decode", "expert_decode_torch", "expert_prefill", "block_addresses"]
+__all__ = ["expert_decode", "expert_decode_torch", "expert_prefill", "block_addresses", "expert_layer"]
 
 
 def block_addresses(blocks, device) -> torch.Tensor:
@@ -36,7 +37,7 @@ def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global,
 
 
 def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
-                  up_config=None, down_config=None, down_counter=None):
+                  up_config=None, down_config=None, down_counter=None, fused: bool = False):
     """Routed experts of one token at one MoE layer. x [L]; up/down_global, weights fp32 [k].
 
     NVFP4 blocks by address (int64 [k]): one grouped-up launch (ReLU² and group mask fused), one sparse-down
@@ -44,7 +45,11 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
     The kernel defaults are tuned for blocks in the pinned slab; for VRAM-resident blocks pass
     down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
     down_counter: int32 [1] on the device, += the down groups the kernel read (kernel path only).
+    fused: one launch for the whole layer (kernels/expert_layer.py; up_config/down_config do not apply), same
+    result as the two launches.
     """
+    if _addressed(blocks) and geom.fmt == "nvfp4" and fused:
+        return expert_layer(x, blocks, geom, up_global, down_global, weights, acc, counter=down_counter)
     if _addressed(blocks) and geom.fmt == "nvfp4":
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
         act, mask = expert_up(x.reshape(-1).contiguous(), blocks, geom, up_global, config=up_config)

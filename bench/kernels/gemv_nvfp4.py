@@ -128,11 +128,19 @@ def run(ctx) -> list[dict]:
     nb = N * K * 2
     copies = 1 if DEV == "cpu" else 2
     ws = [torch.randn(N, K, device=DEV).bfloat16() for _ in range(copies)]
+    from bench.kernels.gemv_bf16 import bf16_gemv
     for M in (1, 8):
         x = torch.randn(M, K, device=DEV).bfloat16()
-        sec = time_graph(lambda i: torch.nn.functional.linear(x, ws[i % copies]), 2 * copies)
-        rows.append(dict(op="bf16 lm_head", case=f"{N}x{K} M={M} F.linear", us=sec * 1e6, bytes=nb,
-                         GBps=nb / sec / 1e9, pct=100 * nb / sec / hbm))
+        e = rel_err(bf16_gemv(x, ws[0]), x.float() @ ws[0].float().t())
+        checks.append(dict(check=f"bf16 gemv (Triton) M={M} {N}x{K}", rel_err=e, ok=e < 1e-5))
+        cands = [("F.linear (cuBLAS)", lambda i: torch.nn.functional.linear(x, ws[i % copies]))]
+        for bn, bk, nw in ((128, 128, 4), (64, 128, 4), (128, 256, 8)):
+            cands.append((f"Triton BN{bn} BK{bk} w{nw}",
+                          lambda i, bn=bn, bk=bk, nw=nw: bf16_gemv(x, ws[i % copies], bn, bk, nw)))
+        for label, fn in cands:
+            sec = time_graph(fn, 2 * copies)
+            rows.append(dict(op="bf16 lm_head", case=f"{N}x{K} M={M} {label}", us=sec * 1e6, bytes=nb,
+                             GBps=nb / sec / 1e9, pct=100 * nb / sec / hbm))
     del ws
     # prefill GEMM: a chunk of 512 tokens through in_proj (unchanged kernel; guards against regressions)
     (q, s, gs), = _rand_nvfp4(big[1], big[2], 1)

@@ -34,6 +34,19 @@ def test_decode_step_kernels_match_dense_reference(device):
                  "decode step vs dense")
 
 
+def test_fused_entry_equals_the_two_launches(device):
+    """expert_decode(fused=True): the one-launch kernel, same inputs and result as the two launches."""
+    geom, blocks, ug, dg, ups, downs, _ = experts(device=device)
+    x = torch.randn(L, device=device).bfloat16()
+    w = torch.rand(K, device=device) + 0.1
+    addrs = block_addresses(blocks, device)
+    c2, c1 = (torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2))
+    two = expert_decode(x, addrs, geom, ug, dg, w, torch.zeros(L, device=device), down_counter=c2, **SMALL)
+    one = expert_decode(x, addrs, geom, ug, dg, w, torch.zeros(L, device=device), down_counter=c1, fused=True)
+    assert_close(one, two, TOL, "fused vs two launches")
+    assert int(c1) == int(c2) > 0
+
+
 def test_must_fail_swapped_nibbles(device):
     geom, blocks, ug, dg, *_ = experts(device=device)
     x = torch.randn(L, device=device).bfloat16()
