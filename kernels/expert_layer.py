@@ -18,7 +18,8 @@ import triton.language as tl
 
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
-from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_to_fp16, _gemv_rows_scaled
+from kernels import backend
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _X_PRESCALE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_scaled
 from kernels.sparse_down import sparse_down_torch
 
 
@@ -37,6 +38,32 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
 
 
 @triton.jit
+def _up_rows_quad(x_ptr, w_ptr, s_ptr, L, o_n, m_n, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """UP_MODE 8: the up rows by the GEMV's int16 quad decode (kernels/gemv_nvfp4.py, mode 8), the block-diagonal
+    B_J built here from x (one x row; 16 groups per 256-wide tile) instead of prepared by another launch.
+    fp32 [BLOCK_N] times 2^-22."""
+    o_i = tl.arange(0, 64)
+    o_c = tl.arange(0, 16)
+    diag = (o_i[:, None] // 4) == o_c[None, :]
+    w16 = w_ptr.to(tl.pointer_type(tl.int16))
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(0, L, 256):
+        o_q = k0 // 4 + o_i
+        m_q = o_q < L // 4
+        b_h = tl.load(w16 + o_n[:, None] * (L // 4) + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
+        b_r = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for J in tl.static_range(4):
+            x_j = tl.load(x_ptr + 4 * o_q + J, mask=m_q, other=0.0).to(tl.float32) * _X_PRESCALE
+            b_x = tl.where(diag, x_j[:, None], 0.0).to(tl.float16)
+            b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), b_x, b_r)
+        o_g = k0 // 16 + o_c
+        b_s = tl.load(s_ptr + o_n[:, None] * (L // 16) + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < L // 16),
+                      other=0)
+        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.sum(b_acc, axis=1)
+
+
+@triton.jit
 def _expert_layer_kernel(
     # tensors
     x_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
@@ -44,6 +71,7 @@ def _expert_layer_kernel(
     L, I, up_scales_off, down_off,
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
+    UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,9 +79,13 @@ def _expert_layer_kernel(
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    # up for this program's neurons (mode 4 of the dense GEMV), then ReLU²; act stays in registers
-    b_h = _gemv_rows_scaled(x_ptr, 0, 1, base, base + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N, BLOCK_K)
-    b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
+    # up for this program's neurons (mode 4 or 8 of the dense GEMV), then ReLU²; act stays in registers
+    if UP_MODE == 8:
+        b_h = _up_rows_quad(x_ptr, base, base + up_scales_off, L, o_n, m_n, BLOCK_N, USE_ASM)
+    else:
+        b_h = tl.sum(_gemv_rows_scaled(x_ptr, 0, 1, base, base + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N,
+                                       BLOCK_K), axis=1)
+    b_h = b_h * (tl.load(gup_ptr + j) * _UNDO_DECODE)
     b_a = tl.maximum(b_h, 0.0)
     b_a = tl.where(m_n, b_a * b_a, 0.0)
     act = tl.reshape(b_a, (NG, 16))
@@ -103,7 +135,9 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
         raise ValueError("counter must be int32 [1]")
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3), **(config or {})}
+                  num_stages=3, UP_MODE=4, USE_ASM=not backend.interpreted()), **(config or {})}
+    if cfg["UP_MODE"] not in (4, 8):
+        raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
     grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))

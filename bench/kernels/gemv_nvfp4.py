@@ -17,20 +17,24 @@ BASELINE = "old default (mode 3 / 4)"
 
 
 def variants(M, full):
+    """The variants timed at M rows: all candidates on the first shape (full), the likely winners elsewhere."""
     v = {BASELINE: dict(LOAD_MODE=3 if M == 1 else 4)}
-    if full:
-        v.update({"mode 6 (prmt lookup, block-diag x)": dict(LOAD_MODE=6),
-                  "mode 7 (prmt lookup, scales on tile)": dict(LOAD_MODE=7)})
-    if M <= 4:
+    if M == 1:
+        if full:
+            v["mode 6 (prmt lookup, block-diag x)"] = dict(LOAD_MODE=6)
+            v["mode 8 BN128 w8"] = dict(LOAD_MODE=8, BLOCK_N=128, num_warps=8)
+            v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
         v["mode 8 BN64"] = dict(LOAD_MODE=8, BLOCK_N=64)
         v["mode 8 BN128"] = dict(LOAD_MODE=8, BLOCK_N=128)
+    elif M <= 4:
+        v["mode 8 BN128"] = dict(LOAD_MODE=8, BLOCK_N=128)
+        v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
+    else:
         if full:
-            v["mode 8 BN64 split1"] = dict(LOAD_MODE=8, BLOCK_N=64, SPLIT_K=1)
-            v["mode 8 BN128 w8"] = dict(LOAD_MODE=8, BLOCK_N=128, num_warps=8)
-    v["mode 9 BN64"] = dict(LOAD_MODE=9, BLOCK_N=64)
-    v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
-    if full:
-        v["mode 9 BN128 w8"] = dict(LOAD_MODE=9, BLOCK_N=128, num_warps=8)
+            v["mode 7 (prmt lookup, scales on tile)"] = dict(LOAD_MODE=7)
+            v["mode 9 BN64"] = dict(LOAD_MODE=9, BLOCK_N=64)
+            v["mode 9 BN128 w8"] = dict(LOAD_MODE=9, BLOCK_N=128, num_warps=8)
+        v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
     return v
 
 
@@ -112,8 +116,8 @@ def run(ctx) -> list[dict]:
             x = torch.randn(M, K, device=DEV).bfloat16()
             e = rel_err(fp8_linear(x, *ws[0], out_dtype=torch.float32), fp8_linear_torch(x, *ws[0], torch.float32))
             checks.append(dict(check=f"fp8 gemv M={M} {N}x{K}", rel_err=e, ok=e < 1e-5))
-            for label, cfg in (("gemv BN64", None), ("gemv BN128", dict(BLOCK_N=128)),
-                               ("gemv BN64 BK256", dict(BLOCK_K=256)), ("old tile GEMM", dict(BLOCK_M=16))):
+            for label, cfg in (("gemv BN64", None), ("gemv BN128 BK256", dict(BLOCK_N=128, BLOCK_K=256)),
+                               ("old tile GEMM", dict(BLOCK_M=16))):
                 if label == "old tile GEMM":
                     bn = 128
                     while bn > 16 and triton.cdiv(N, bn) < 2 * 132:
@@ -134,7 +138,7 @@ def run(ctx) -> list[dict]:
         e = rel_err(bf16_gemv(x, ws[0]), x.float() @ ws[0].float().t())
         checks.append(dict(check=f"bf16 gemv (Triton) M={M} {N}x{K}", rel_err=e, ok=e < 1e-5))
         cands = [("F.linear (cuBLAS)", lambda i: torch.nn.functional.linear(x, ws[i % copies]))]
-        for bn, bk, nw in ((128, 128, 4), (64, 128, 4), (128, 256, 8)):
+        for bn, bk, nw in ((128, 128, 4), (128, 256, 8)):
             cands.append((f"Triton BN{bn} BK{bk} w{nw}",
                           lambda i, bn=bn, bk=bk, nw=nw: bf16_gemv(x, ws[i % copies], bn, bk, nw)))
         for label, fn in cands:

@@ -12,8 +12,8 @@ from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
 from kernels.testing import rel_err
 
 
-FUSED_SWEEP = [None, dict(BLOCK_N=128), dict(BLOCK_N=32), dict(num_warps=8), dict(BLOCK_N=128, num_warps=8),
-               dict(BLOCK_L=512)]
+FUSED_SWEEP = [None, dict(BLOCK_N=128), dict(BLOCK_N=32), dict(BLOCK_N=128, num_warps=8), dict(UP_MODE=8),
+               dict(UP_MODE=8, BLOCK_N=128)]
 
 
 def run(ctx) -> list[dict]:

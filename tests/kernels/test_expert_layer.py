@@ -23,7 +23,8 @@ def _inputs(device, k=K, L_=L, I_=80, positive=False):
 
 
 @pytest.mark.parametrize("shape", [(48, 80, 3, SMALL), (64, 112, 5, dict(BLOCK_N=64, BLOCK_K=64, BLOCK_L=64)),
-                                   (32, 48, 1, dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=16))])
+                                   (32, 48, 1, dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=16)),
+                                   (48, 80, 3, dict(SMALL, UP_MODE=8)), (272, 48, 2, dict(BLOCK_N=16, UP_MODE=8))])
 def test_fused_layer_matches_twin_and_dense(shape, device):
     L_, I_, k, cfg = shape
     geom, blocks, ug, dg, ups, downs, x, w = _inputs(device, k, L_, I_)
@@ -65,7 +66,8 @@ def _with_down_groups(blocks, geom, fn):
     return bad
 
 
-def test_must_fail_swapped_nibbles(device):
+@pytest.mark.parametrize("up_mode", [4, 8])
+def test_must_fail_swapped_nibbles(up_mode, device):
     geom, blocks, ug, dg, ups, downs, x, w = _inputs(device)
     ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
 
@@ -75,8 +77,9 @@ def test_must_fail_swapped_nibbles(device):
             o = geom.down_off + g * geom.group_bytes
             b[o: o + 8 * geom.L] = swap_nibbles(b[o: o + 8 * geom.L])
     bad = _with_down_groups(blocks, geom, swap)
-    assert rel_err(expert_layer(x, block_addresses(bad, device), geom, ug, dg, w, config=SMALL), ref) > 0.1
-    assert rel_err(expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w, config=SMALL), ref) < TOL
+    cfg = dict(SMALL, UP_MODE=up_mode)
+    assert rel_err(expert_layer(x, block_addresses(bad, device), geom, ug, dg, w, config=cfg), ref) > 0.1
+    assert rel_err(expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w, config=cfg), ref) < TOL
 
 
 def test_must_fail_shifted_scale_group(device):
