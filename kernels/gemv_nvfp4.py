@@ -187,20 +187,33 @@ def _e2m1_quad(h, J: tl.constexpr, USE_ASM: tl.constexpr):
             v = tl.inline_asm_elementwise(_QUAD_ASM2, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
         else:
             v = tl.inline_asm_elementwise(_QUAD_ASM3, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
-        return v
     else:
-        return _e2m1_to_fp16(((h >> (4 * J)) & 15).to(tl.uint8))
+        v = _e2m1_to_fp16(((h >> (4 * J)) & 15).to(tl.uint8))
+    return v
+
+
+@triton.jit
+def _b_operand(p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr):
+    """B_J of one tile: from the prepared operands, or gathered from x (fp16, times 2^-8)."""
+    if X_INLINE:
+        v = (tl.load(p_b + J, mask=keep, other=0.0).to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    else:
+        v = tl.load(p_b + J * row_q * 16, mask=keep, other=0.0)
+    return v
 
 
 @triton.jit
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
+                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
     SCALE_AFTER: B_J block-diagonal (column m·G + g holds x row m restricted to 16-group g of the tile, G = 16 /
     M_PAD), so the fp32 product holds one sum per (row, x row, group) and each e4m3 scale multiplies it once.
     Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
+    X_INLINE: xb_ptr is x itself [M, K] and each tile's B_J is gathered here with `_x_operands_kernel`'s masks
+    (no second launch: for short weights the launch costs more than the gather).
     row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
     divisibility-by-16 specialisation reaches them: 16-byte weight and 2-byte scale loads instead of 8 and 1.
     Returns fp32 [BLOCK_N, M_PAD] times 2^-22 (SCALE_AFTER) or 2^-15."""
@@ -208,17 +221,27 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     G: tl.constexpr = 16 // M_PAD if SCALE_AFTER else BLOCK_K // 16
     o_i = tl.arange(0, Q)
     o_c = tl.arange(0, 16)
+    GC: tl.constexpr = 16 // M_PAD
+    c_row = o_c // GC
     w16 = w_ptr.to(tl.pointer_type(tl.int16))
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
-        p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
+        if X_INLINE:
+            if SCALE_AFTER:
+                keep = (c_row[None, :] < M) & (((o_q[:, None] // 4) % GC) == (o_c % GC)[None, :]) & m_q[:, None]
+            else:
+                keep = (c_row[None, :] < M) & ((o_c % GC) == 0)[None, :] & m_q[:, None]
+            p_b = xb_ptr + c_row[None, :] * stride_xm + 4 * o_q[:, None]
+        else:
+            keep = m_q[:, None]
+            p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
         if SCALE_AFTER:
-            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), tl.load(p_b, mask=m_q[:, None], other=0.0))
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_operand(p_b, keep, 0, row_q, X_INLINE))
             for J in tl.static_range(1, 4):
-                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), tl.load(p_b + J * row_q * 16, mask=m_q[:, None], other=0.0), b_r)
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_operand(p_b, keep, J, row_q, X_INLINE), b_r)
             o_gs = k0 // 16 + (o_c % G)
             b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
                           mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
@@ -230,12 +253,8 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
-                               tl.load(p_b + J * row_q * 16, mask=m_q[:, None], other=0.0), b_acc)
-    if SCALE_AFTER:
-        return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
-    else:
-        return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, _b_operand(p_b, keep, J, row_q, X_INLINE), b_acc)
+    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
 @triton.jit
@@ -353,7 +372,7 @@ def _nvfp4_gemv_kernel(
     M, N, K, stride_xm, stride_ym, row_q, row_s,
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False,
+    LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -364,7 +383,7 @@ def _nvfp4_gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if LOAD_MODE == 8 or LOAD_MODE == 9:   # x_ptr is the prepared B operands
         b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                              LOAD_MODE == 8, USE_ASM)
+                              LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
         b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     elif LOAD_MODE == 7:
         b_y = _gemv_rows_lut_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N,
@@ -617,7 +636,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
         xa = x2
-        if cfg["LOAD_MODE"] in (8, 9):
+        if cfg["LOAD_MODE"] in (8, 9) and not cfg.get("X_INLINE", False):
             xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
         _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
                                  **cfg)

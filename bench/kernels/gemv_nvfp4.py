@@ -26,6 +26,8 @@ def variants(M, full):
             v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
         v["mode 8 BN64"] = dict(LOAD_MODE=8, BLOCK_N=64)
         v["mode 8 BN128"] = dict(LOAD_MODE=8, BLOCK_N=128)
+        v["mode 8 BN64 x-inline"] = dict(LOAD_MODE=8, BLOCK_N=64, X_INLINE=True)
+        v["mode 8 BN128 x-inline"] = dict(LOAD_MODE=8, BLOCK_N=128, X_INLINE=True)
     elif M <= 4:
         v["mode 8 BN128"] = dict(LOAD_MODE=8, BLOCK_N=128)
         v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
@@ -35,6 +37,7 @@ def variants(M, full):
             v["mode 9 BN64"] = dict(LOAD_MODE=9, BLOCK_N=64)
             v["mode 9 BN128 w8"] = dict(LOAD_MODE=9, BLOCK_N=128, num_warps=8)
         v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
+        v["mode 9 BN128 x-inline"] = dict(LOAD_MODE=9, BLOCK_N=128, X_INLINE=True)
     return v
 
 

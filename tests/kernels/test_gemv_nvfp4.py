@@ -39,6 +39,16 @@ def test_lost_modes_are_refused(device):
         g.nvfp4_linear(torch.randn(1, 64, device=device), q, s, gs, config=dict(LOAD_MODE=0))
 
 
+@pytest.mark.parametrize("M,N,K,mode", [(1, 37, 272, 8), (3, 50, 96, 8), (3, 50, 96, 9), (8, 24, 512, 9), (5, 19, 48, 9)])
+def test_nvfp4_gemv_x_gathered_in_the_kernel(M, N, K, mode, device):
+    """Modes 8/9 with B gathered per tile from x (X_INLINE) instead of prepared by a second launch."""
+    q, s, gs = _weight(N, K, device)
+    x = torch.randn(M, K, device=device).bfloat16()
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device),
+                       config=dict(LOAD_MODE=mode, SPLIT_K=1, X_INLINE=True))
+    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "gemv x inline")
+
+
 @pytest.mark.parametrize("load_mode", g.DECODE_MODES)
 def test_nvfp4_gemv_split_k(load_mode, device):
     M, N, K = 2, 21, 1024
