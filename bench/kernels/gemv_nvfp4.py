@@ -23,6 +23,7 @@ def variants(M, full):
         if full:
             v["mode 6 (prmt lookup, block-diag x)"] = dict(LOAD_MODE=6)
             v["mode 8 BN128 w8"] = dict(LOAD_MODE=8, BLOCK_N=128, num_warps=8)
+            v["mode 8 BN128 split1"] = dict(LOAD_MODE=8, BLOCK_N=128, SPLIT_K=1)
             v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
         v["mode 8 BN64"] = dict(LOAD_MODE=8, BLOCK_N=64)
         v["mode 8 BN128"] = dict(LOAD_MODE=8, BLOCK_N=128)
