@@ -134,8 +134,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
         raise ValueError("counter must be int32 [1]")
+    # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
+    # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3, UP_MODE=4, USE_ASM=not backend.interpreted()), **(config or {})}
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()), **(config or {})}
     if cfg["UP_MODE"] not in (4, 8):
         raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")
     if cfg["BLOCK_N"] % GROUP:
