@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_block import GROUP, ExpertGeometry
-from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
 from kernels import backend
-from kernels.gemv_nvfp4 import _UNDO_DECODE, _X_PRESCALE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_scaled
+from kernels.expert_block import GROUP, ExpertGeometry
+from kernels.expert_up import _gemv_rows_scaled, _up_rows_quad, expert_up_torch, relu2_group_mask_torch
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_to_fp16
 from kernels.sparse_down import sparse_down_torch
 
 
@@ -35,32 +35,6 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
     hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
     part = tl.sum(lo * a_even[None, :] + hi * a_odd[None, :], axis=1)
     return part * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _up_rows_quad(x_ptr, w_ptr, s_ptr, L, o_n, m_n, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
-    """UP_MODE 8: the up rows by the GEMV's int16 quad decode (kernels/gemv_nvfp4.py, mode 8), the block-diagonal
-    B_J built here from x (one x row; 16 groups per 256-wide tile) instead of prepared by another launch.
-    fp32 [BLOCK_N] times 2^-22."""
-    o_i = tl.arange(0, 64)
-    o_c = tl.arange(0, 16)
-    diag = (o_i[:, None] // 4) == o_c[None, :]
-    w16 = w_ptr.to(tl.pointer_type(tl.int16))
-    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(0, L, 256):
-        o_q = k0 // 4 + o_i
-        m_q = o_q < L // 4
-        b_h = tl.load(w16 + o_n[:, None] * (L // 4) + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
-        b_r = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for J in tl.static_range(4):
-            x_j = tl.load(x_ptr + 4 * o_q + J, mask=m_q, other=0.0).to(tl.float32) * _X_PRESCALE
-            b_x = tl.where(diag, x_j[:, None], 0.0).to(tl.float16)
-            b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), b_x, b_r)
-        o_g = k0 // 16 + o_c
-        b_s = tl.load(s_ptr + o_n[:, None] * (L // 16) + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < L // 16),
-                      other=0)
-        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.sum(b_acc, axis=1)
 
 
 @triton.jit

@@ -1,18 +1,20 @@
 """Dense NVFP4 and FP8 linears: y = x @ W.T with W in its checkpoint precision, x [..., in] bf16/fp32.
 
-Decode shape (1-8 rows): `_nvfp4_gemv_kernel`. e2m1 -> fp16 is bit moves on the 4-bit code, (c&7)<<9 | (c&8)<<12
-holds e2m1 * 2^-14 exactly (e2m1's 0.5 lands on fp16's subnormal 2^-15), and the products and sums run on the
-tensor cores with x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24). Two inner loops (LOAD_MODE,
-numbered as in bench/NOTES.md; the modes that lost live in bench/kernels/gemv_nvfp4_modes.py with their
-timings):
-  3  low and high nibbles in two dots against x's even and odd elements, x laid block-diagonally (one column
-     per x row x 16-group) so the e4m3 scale multiplies one number per group after the dot (default for one
-     row: 59 us at 18,560 x 4,096 on an H200, 17 % of HBM);
-  4  scales applied to the decoded tile in fp16 (exact: <= 6 significant bits on a 2^-17 grid) and x.T as a
-     plain 16-column B, so BLOCK_K does not shrink with M (default for 2-8 rows).
-Both run at 1.1-1.3 T weights/s, bound by ~9.4 instructions per weight from Triton's per-nibble decode.
-Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel`, the mode-4 tile (e2m1 * scale exact in fp16) and a
-plain tensor-core GEMM.
+Decode shape (1-8 rows): `_nvfp4_gemv_kernel`. The weight tile is read as int16 (4 e2m1 codes each) and
+decoded per code position J by inline PTX, 4 instructions per two weights: two int16 share a 32-bit register,
+so code J of both lies 16 bits apart and one shift serves both fp16 lanes; (c&7)<<9 | (c&8)<<12 holds
+e2m1 * 2^-14 exactly. Products and sums run on the tensor cores (fp32 accumulation) against B_J = x at
+k = 4i + J, x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24), prepared once per call by
+`_x_operands_kernel` (or gathered per tile, X_INLINE). Two ways to apply the e4m3 scales (LOAD_MODE):
+  8  B_J block-diagonal (one column per x row x 16-group): each scale multiplies one fp32 number per group after
+     the dot; up to 4 rows of x. Default at M = 1-2: in_proj 18,560 x 4,096 24.8 us (41 % of HBM; the per-nibble
+     decode it replaces: 58.4 us), the 131,072-row lm_head size 102 us (71 %);
+  9  scales on the decoded tile (e2m1 * scale is exact in fp16), B_J plain: any M <= 8; default at M = 3-8.
+The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 operand) are in
+bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
+Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
+Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
+and `_fp8_gemm_kernel`.
 
 Twins: `nvfp4_linear_torch`, `fp8_linear_torch` (decode via kernels.nvfp4, then a matmul in fp32).
 """
@@ -34,129 +36,6 @@ def _e2m1_to_fp16(codes):
     """4-bit e2m1 codes -> fp16 equal to e2m1 * 2^-14 exactly. Bit 3 is the sign, bits 0-2 the magnitude."""
     c = codes.to(tl.int16)
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
-
-
-# e2m1 -> fp16 for 8 codes (4 bytes) in 17 instructions: the magnitude is a byte lookup (prmt into a table of
-# fp16 high bytes: 0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0x00 0x38 0x3C 0x3E 0x40 0x42 0x44 0x46; the low byte is 0), the
-# sign a second prmt that replicates each code's sign bit (bit 3 of the nibble, the msb of its byte after a shift
-# by 0 or 4) into the fp16 sign, merged by one lop3. $4 holds bytes b0..b3; $0/$1 = low nibbles (b0, b1)/(b2, b3),
-# $2/$3 = high nibbles, each an fp16 pair equal to the e2m1 value exactly. Checked bit for bit against the table
-# in tests/kernels/test_gemv_nvfp4.py (a Python model of the same instructions).
-_E2M1_ASM = tl.constexpr("""{
-.reg .b32 r4, t, t4, u, m, s, l0, l1;
-mov.b32 l0, 0x3E3C3800;
-mov.b32 l1, 0x46444240;
-shl.b32 r4, $4, 4;
-and.b32 t, $4, 0x70707070;
-and.b32 t4, r4, 0x70707070;
-prmt.b32 m, l0, l1, t4;
-prmt.b32 s, r4, r4, 0x9080;
-lop3.b32 $0, m, s, 0x80008000, 0xF8;
-shr.u32 u, t4, 16;
-prmt.b32 m, l0, l1, u;
-prmt.b32 s, r4, r4, 0xB0A0;
-lop3.b32 $1, m, s, 0x80008000, 0xF8;
-prmt.b32 m, l0, l1, t;
-prmt.b32 s, $4, $4, 0x9080;
-lop3.b32 $2, m, s, 0x80008000, 0xF8;
-shr.u32 u, t, 16;
-prmt.b32 m, l0, l1, u;
-prmt.b32 s, $4, $4, 0xB0A0;
-lop3.b32 $3, m, s, 0x80008000, 0xF8;
-}""")
-
-
-@triton.jit
-def _e2m1_pairs(b_w, USE_ASM: tl.constexpr):
-    """U8 bytes -> (low-nibble, high-nibble) values as fp16, each equal to its e2m1 value exactly.
-
-    USE_ASM: the byte-permute lookup above (compiled code only); otherwise (Triton's interpreter) the bit moves
-    of `_e2m1_to_fp16` times 2^14 — the same numbers."""
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r", [b_w], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
-    else:
-        lo = (_e2m1_to_fp16(b_w & 15).to(tl.float32) * 16384.0).to(tl.float16)
-        hi = (_e2m1_to_fp16(b_w >> 4).to(tl.float32) * 16384.0).to(tl.float16)
-    return lo, hi
-
-
-@triton.jit
-def _gemv_rows_lut(x_ptr, stride_xm, M, w_ptr, s_ptr, row_bytes, row_scales, o_n, m_n, k_lo, k_hi,
-                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """LOAD_MODE 6: mode 3's contract (block-diagonal x, each e4m3 scale applied once per 16-group after the dot)
-    with the lookup decode, and x loaded once per tile ([M_PAD, BLOCK_K/2] even and odd elements) then spread
-    into the block-diagonal B by a select instead of a masked gather. Returns fp32 [BLOCK_N, M_PAD] times 2^-8."""
-    G: tl.constexpr = BLOCK_K // 16
-    o_j = tl.arange(0, BLOCK_K // 2)
-    o_m = tl.arange(0, M_PAD)
-    o_g = tl.arange(0, G)
-    K = row_bytes * 2
-    diag = (o_j[:, None, None] // 8) == o_g[None, None, :]                  # [BK/2, 1, G]
-    b_acc = tl.zeros([BLOCK_N, M_PAD * G], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        o_b = k0 // 2 + o_j
-        b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                      mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-        k_e = k0 + 2 * o_j
-        m_x = (o_m[None, :] < M) & (k_e[:, None] < K)
-        x_e = tl.load(x_ptr + o_m[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)     # [BK/2, M_PAD]
-        x_o = tl.load(x_ptr + o_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
-        x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        b_e = tl.reshape(tl.where(diag, x_e[:, :, None], 0.0), (BLOCK_K // 2, M_PAD * G))
-        b_o = tl.reshape(tl.where(diag, x_o[:, :, None], 0.0), (BLOCK_K // 2, M_PAD * G))
-        lo, hi = _e2m1_pairs(b_w, USE_ASM)
-        b_r = tl.dot(lo, b_e)
-        b_r = tl.dot(hi, b_o, b_r)
-        o_gs = k0 // 16 + (tl.arange(0, M_PAD * G) % G)
-        b_s = tl.load(s_ptr + o_n[:, None] * row_scales + o_gs[None, :],
-                      mask=m_n[:, None] & (o_gs[None, :] < row_scales), other=0)
-        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
-
-
-@triton.jit
-def _gemv_rows_lut_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi,
-                          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """LOAD_MODE 7: mode 4 (scales on the decoded tile, x.T as a plain 16-column B) with the lookup decode.
-    Same contract and 2^-8 factor as `_gemv_rows_lut`."""
-    SPREAD: tl.constexpr = 16 // M_PAD
-    o_c = tl.arange(0, 16)
-    c_row = o_c // SPREAD
-    m_c = ((o_c % SPREAD) == 0) & (c_row < M)
-    o_j = tl.arange(0, BLOCK_K // 2)
-    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        a_lo, a_hi = _nvfp4_tile_lut(w_ptr, s_ptr, o_n, m_n, k0, K, 0, 0, BLOCK_K, USE_ASM)
-        k_e = k0 + 2 * o_j
-        m_x = m_c[None, :] & (k_e[:, None] < K)
-        x_e = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)
-        x_o = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
-        b_acc = tl.dot(a_lo, (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-        b_acc = tl.dot(a_hi, (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, SPREAD), axis=2)
-
-
-@triton.jit
-def _nvfp4_tile_lut(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr,
-                    USE_ASM: tl.constexpr):
-    """`_nvfp4_tile_split` with the lookup decode: values e2m1 · scale exactly (no 2^-7 factor)."""
-    o_j = tl.arange(0, BLOCK_K // 2)
-    kb = k0 // 2 + o_j
-    o_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    if LAYOUT == 0:
-        p_w = w_ptr + o_n[:, None] * (K // 2) + kb[None, :]
-        p_s = s_ptr + o_n[:, None] * (K // 16) + o_g[None, :]
-    else:
-        p_w = w_ptr + (kb // 8)[None, :] * (9 * N) + o_n[:, None] * 8 + (kb % 8)[None, :]
-        p_s = s_ptr + o_g[None, :] * (9 * N) + 8 * N + o_n[:, None]
-    b_w = tl.load(p_w, mask=m_n[:, None] & (kb[None, :] < K // 2), other=0)
-    b_s = tl.load(p_s, mask=m_n[:, None] & (o_g[None, :] < K // 16), other=0)
-    b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (b_s.shape[0], BLOCK_K // 16, 8)), (b_s.shape[0], BLOCK_K // 2))
-    lo, hi = _e2m1_pairs(b_w, USE_ASM)
-    return lo * b_s, hi * b_s
 
 
 # code J of both int16 halves of $1 -> fp16 pair e2m1 · 2^-14: magnitude (r << 9-4J) & 0x0E000E00, sign
@@ -281,43 +160,6 @@ def _x_operands_kernel(x_ptr, xb_ptr, M, K, stride_xm, M_PAD: tl.constexpr, SCAL
 
 
 @triton.jit
-def _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, row_bytes, row_scales, o_n, m_n, k_lo, k_hi,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """LOAD_MODE 3: Σ_k x[m, k] · code[n, k] · scale[n, k/16] over k in [k_lo, k_hi), for M <= M_PAD rows of x.
-
-    w_ptr / s_ptr: U8 pointers to row-major values [*, row_bytes] and e4m3 scales [*, row_scales]. Even codes
-    (low nibbles) and odd codes (high) go through two dots against x's even and odd elements (no interleave),
-    B block-diagonal: column c holds row c // G of x restricted to 16-group c % G of the tile.
-    Returns fp32 [BLOCK_N, M_PAD], still times 2^-22 (see _UNDO_DECODE), global scale not applied.
-    """
-    G: tl.constexpr = BLOCK_K // 16
-    NCOL: tl.constexpr = M_PAD * G
-    o_c = tl.arange(0, NCOL)
-    c_m = o_c // G
-    c_g = o_c % G
-    o_j = tl.arange(0, BLOCK_K // 2)
-    K = row_bytes * 2
-    b_acc = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        o_b = k0 // 2 + o_j
-        b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                      mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-        k_e = k0 + 2 * o_j
-        m_e = (c_m[None, :] < M) & ((o_j[:, None] // 8) == c_g[None, :]) & (k_e[:, None] < K)
-        x_e = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None], mask=m_e, other=0.0)
-        x_o = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_e, other=0.0)
-        x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        b_r = tl.dot(_e2m1_to_fp16(b_w & 15), x_e)
-        b_r = tl.dot(_e2m1_to_fp16(b_w >> 4), x_o, b_r)
-        o_g = k0 // 16 + c_g
-        b_s = tl.load(s_ptr + o_n[:, None] * row_scales + o_g[None, :],
-                      mask=m_n[:, None] & (o_g[None, :] < row_scales), other=0)
-        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
-
-
-@triton.jit
 def _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight tile as two fp16 halves [BLOCK_N, BLOCK_K/2]: even k (low nibbles) and odd k (high nibbles).
 
@@ -343,28 +185,6 @@ def _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT: tl.constexpr, BL
 
 
 @triton.jit
-def _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi,
-                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """LOAD_MODE 4: scales applied to the decoded tile (exact in fp16), x.T as a plain B of 16 columns
-    (row m of x in column m · 16/M_PAD). Same contract and 2^-22 factor as `_gemv_rows`."""
-    SPREAD: tl.constexpr = 16 // M_PAD
-    o_c = tl.arange(0, 16)
-    c_row = o_c // SPREAD
-    m_c = ((o_c % SPREAD) == 0) & (c_row < M)
-    o_j = tl.arange(0, BLOCK_K // 2)
-    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        a_lo, a_hi = _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, 0, 0, BLOCK_K)
-        k_e = k0 + 2 * o_j
-        m_x = m_c[None, :] & (k_e[:, None] < K)
-        x_e = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)
-        x_o = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
-        b_acc = tl.dot(a_lo, (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-        b_acc = tl.dot(a_hi, (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, SPREAD), axis=2) * (1.0 / 128.0)
-
-
-@triton.jit
 def _nvfp4_gemv_kernel(
     # tensors
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
@@ -381,22 +201,10 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if LOAD_MODE == 8 or LOAD_MODE == 9:   # x_ptr is the prepared B operands
-        b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                              LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
-        b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
-    elif LOAD_MODE == 7:
-        b_y = _gemv_rows_lut_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N,
-                                    BLOCK_K, USE_ASM) * (tl.load(gs_ptr) * 256.0)
-    elif LOAD_MODE == 6:
-        b_y = _gemv_rows_lut(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
-                             M_PAD, BLOCK_N, BLOCK_K, USE_ASM) * (tl.load(gs_ptr) * 256.0)
-    elif LOAD_MODE == 4:
-        b_y = _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N,
-                                BLOCK_K) * (tl.load(gs_ptr) * _UNDO_DECODE)
-    else:
-        b_y = _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
-                         M_PAD, BLOCK_N, BLOCK_K) * (tl.load(gs_ptr) * _UNDO_DECODE)
+    # x_ptr: the prepared B operands (x itself with X_INLINE)
+    b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
+    b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_m[None, :] < M)
@@ -521,7 +329,7 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
 # wrappers
 
 DECODE_MAX_ROWS = 8
-DECODE_MODES = (3, 4, 6, 7, 8, 9)
+DECODE_MODES = (8, 9)
 _n_sm_cache: dict = {}
 
 
@@ -535,22 +343,30 @@ def _n_sm(device) -> int:
 
 
 def gemv_config(M: int, N: int, K: int, device) -> dict:
-    """Block shape for the decode kernel: enough programs to fill the chip, split K when N is short."""
+    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2)."""
     m_pad = triton.next_power_of_2(max(M, 1))
-    # experiment 2 (H200): mode 3 best at M = 1 (58.7 us vs 64 for mode 0 at 18,560 x 4,096); mode 3 shrinks
-    # BLOCK_K as M grows (B is block-diagonal), mode 4 keeps 256 for any M <= 16
-    mode = 3 if m_pad == 1 else 4
-    block_k = 256
     n_sm = _n_sm(device)
-    # measured (H200, experiment 1): BLOCK_N 64 beat 32 and 128; short N is better split along K than
-    # cut into thinner row blocks (4096 x 4096: 15.5 us with BLOCK_N 64 + split 4, 29 us with BLOCK_N 16)
-    block_n = 64
+    # M = 1: mode 8 at BLOCK_N 64 won every shape (in_proj 24.8 us vs 28.8 at BLOCK_N 128, 58.4 for mode 3);
+    # M = 2: mode 8 BLOCK_N 128 (28.7 vs 30.5 for mode 9); M = 3-4: mode 9 BLOCK_N 128 (mode 8's K-tile of 64 at
+    # M = 4: 43 us); M = 5-8: mode 9, BLOCK_N 64 with prepared x for the large in_proj (25.4 vs 32.6), BLOCK_N 128
+    # gathering x in the kernel for the others (out_proj 17.8 vs 19.2: the second launch costs more than the gather)
+    if m_pad == 1:
+        cfg = dict(LOAD_MODE=8, BLOCK_N=64)
+    elif m_pad == 2:
+        cfg = dict(LOAD_MODE=8, BLOCK_N=128)
+    elif m_pad == 4:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=128)
+    elif N >= 16384:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=64)
+    else:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=128, X_INLINE=True)
+    block_k = 256 // m_pad if cfg["LOAD_MODE"] == 8 else 256
+    # short N is better split along K than cut into thinner row blocks (experiment 1)
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     split_k = 1
-    n_blocks = triton.cdiv(N, block_n)
     if n_blocks < 2 * n_sm:
         split_k = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * block_k)))
-    return dict(M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, LOAD_MODE=mode,
-                num_warps=4, num_stages=3, n_sm=n_sm)
+    return dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
 
 
 def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
@@ -624,11 +440,11 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
             raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
         cfg.setdefault("USE_ASM", not backend.interpreted())
         if cfg["LOAD_MODE"] == 8:   # block-diagonal B_J: 16 columns = M_PAD rows x the tile's 16-groups
+            if "BLOCK_K" in (config or {}) and config["BLOCK_K"] != 256 // cfg["M_PAD"]:
+                raise ValueError(f"LOAD_MODE 8 at M_PAD {cfg['M_PAD']} needs BLOCK_K {256 // cfg['M_PAD']}")
             if cfg["M_PAD"] > 4:
                 raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
             cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
-        if cfg["LOAD_MODE"] in (3, 6):  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
-            cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 256 // cfg["M_PAD"])
         split = cfg["SPLIT_K"]
         if split > 1:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)

@@ -5,6 +5,7 @@ import torch
 import triton
 
 from bench.kernels.common import DEV, time_graph
+from bench.kernels.gemv_nvfp4_modes import nvfp4_linear_mode
 from kernels.gemv_nvfp4 import fp8_linear, fp8_linear_torch, gemv_config, nvfp4_linear, nvfp4_linear_torch
 from kernels.testing import rel_err
 
@@ -14,14 +15,16 @@ SHAPES = [("mamba.in_proj", 18560, 4096), ("mamba.out_proj", 4096, 8192), ("attn
           ("fc2_latent", 4096, 1024), ("lm_head", 131072, 4096)]
 # issue 19: the lookup / int16 decodes beside the old default (mode 3 at M=1, mode 4 above); label -> config
 BASELINE = "old default (mode 3 / 4)"
+DEFAULT = "default (gemv_config)"
 
 
 def variants(M, full):
-    """The variants timed at M rows: all candidates on the first shape (full), the likely winners elsewhere."""
-    v = {BASELINE: dict(LOAD_MODE=3 if M == 1 else 4)}
+    """The variants timed at M rows: all candidates on the first shape (full), the likely winners elsewhere.
+    LOST: a mode of bench/kernels/gemv_nvfp4_modes.py; otherwise a config for kernels' nvfp4_linear."""
+    v = {BASELINE: dict(LOST=3 if M == 1 else 4), DEFAULT: {}}
     if M == 1:
         if full:
-            v["mode 6 (prmt lookup, block-diag x)"] = dict(LOAD_MODE=6)
+            v["mode 6 (prmt lookup, block-diag x)"] = dict(LOST=6)
             v["mode 8 BN128 w8"] = dict(LOAD_MODE=8, BLOCK_N=128, num_warps=8)
             v["mode 8 BN128 split1"] = dict(LOAD_MODE=8, BLOCK_N=128, SPLIT_K=1)
             v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
@@ -34,7 +37,7 @@ def variants(M, full):
         v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
     else:
         if full:
-            v["mode 7 (prmt lookup, scales on tile)"] = dict(LOAD_MODE=7)
+            v["mode 7 (prmt lookup, scales on tile)"] = dict(LOST=7)
             v["mode 9 BN64"] = dict(LOAD_MODE=9, BLOCK_N=64)
             v["mode 9 BN128 w8"] = dict(LOAD_MODE=9, BLOCK_N=128, num_warps=8)
         v["mode 9 BN128"] = dict(LOAD_MODE=9, BLOCK_N=128)
@@ -61,6 +64,17 @@ def _bytes(N, K, M):
     return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
 
 
+def _call(cfg, M, N, K, out_dtype=None):
+    """fn(x, q, s, gs) for a variant (output in x's dtype unless out_dtype)."""
+    c = _config(cfg, M, N, K)
+    if "LOST" in c:
+        return lambda x, q, s, gs: nvfp4_linear_mode(x, q, s, gs, c["LOST"], split_k=c["SPLIT_K"]), c
+    if not cfg:
+        return (lambda x, q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype),
+                dict(gemv_config(M, N, K, torch.device(DEV))))
+    return lambda x, q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c), c
+
+
 def _config(cfg, M, N, K):
     """The heuristic's split-K for this block shape, unless the variant fixes it."""
     c = dict(cfg)
@@ -83,7 +97,8 @@ def run(ctx) -> list[dict]:
         x = torch.randn(M, big[2], device=DEV).bfloat16()
         ref = nvfp4_linear_torch(x, q, s, gs, torch.float32)
         for label, cfg in variants(M, True).items():
-            e = rel_err(nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=_config(cfg, M, big[1], big[2])), ref)
+            fn, _ = _call(cfg, M, big[1], big[2], torch.float32)
+            e = rel_err(fn(x, q, s, gs), ref)
             checks.append(dict(check=f"nvfp4 {label} M={M} {big[1]}x{big[2]}", rel_err=e, ok=e < 1e-5))
     best: dict = {}
     for si, (name, N, K) in enumerate(shapes):
@@ -92,9 +107,9 @@ def run(ctx) -> list[dict]:
         for M in ((1, 2, 4, 8) if si == 0 else (1, 8)):
             x = torch.randn(M, K, device=DEV).bfloat16()
             for label, cfg in variants(M, si == 0).items():
-                c = _config(cfg, M, N, K)
+                fn, c = _call(cfg, M, N, K)
                 try:
-                    sec = time_graph(lambda i: nvfp4_linear(x, *ws[i % copies], config=c), 2 * copies)
+                    sec = time_graph(lambda i: fn(x, *ws[i % copies]), 2 * copies)
                 except Exception as ex:  # noqa: BLE001 - one failing variant must not hide the others
                     print(f"  {name} M={M} {label} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
                     continue
@@ -171,61 +186,3 @@ def run(ctx) -> list[dict]:
     rows.append(dict(op="nvfp4 gemm", case=f"{big[1]}x{big[2]} M={Mp} default", us=sec * 1e6,
                      TFLOPs=2 * Mp * big[1] * big[2] / sec / 1e12))
     return rows
-
-
-def _dump(out_dir, modes):
-    """One launch per mode at 18,560 x 4,096 (the target for ncu) and the compiled code: TTGIR, PTX, SASS."""
-    import os
-    import subprocess
-    import tempfile
-
-    from kernels.gemv_nvfp4 import _fp8_gemm_kernel, _nvfp4_gemv_kernel
-
-    (q, s, gs), = _rand_nvfp4(18560, 4096, 1)
-    x = torch.randn(1, 4096, device=DEV).bfloat16()
-    y = torch.empty(1, 18560, device=DEV, dtype=torch.bfloat16)
-    kernels = []
-    for mode in modes:
-        bk = 256
-        k = _nvfp4_gemv_kernel[(triton.cdiv(18560, 64), 1)](
-            x, q, s.view(torch.uint8), gs.reshape(1), y, 1, 18560, 4096, 4096, 18560, 1024, 256,
-            M_PAD=1, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=1, LOAD_MODE=mode, num_warps=4, num_stages=3)
-        kernels.append((f"gemv_mode{mode}", k))
-    f8 = torch.randint(0, 0x77, (18560, 4096), device=DEV, dtype=torch.uint8)
-    y32 = torch.empty(1, 18560, device=DEV)
-    k = _fp8_gemm_kernel[(triton.cdiv(18560, 64), 1)](x, f8, gs.reshape(1), y32, 1, 18560, 4096, 4096, 18560,
-                                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    kernels.append(("fp8_gemm", k))
-    torch.cuda.synchronize()
-    if not out_dir:
-        return
-    for name, k in kernels:
-        if k is None or not hasattr(k, "asm"):
-            print(f"{name}: launch returned no compiled kernel")
-            continue
-        parts = []
-        for key in ("ttgir", "ptx"):
-            parts.append(f"// ===== {key} =====\n{k.asm.get(key, '')}")
-        try:
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-            os.unlink(f.name)
-        except Exception as e:  # noqa: BLE001
-            sass = f"cuobjdump failed: {e}"
-        parts.append(f"// ===== sass =====\n{sass}")
-        meta = getattr(k, "metadata", None)
-        parts.insert(0, f"// n_regs={getattr(k, 'n_regs', '?')} n_spills={getattr(k, 'n_spills', '?')} "
-                        f"shared={getattr(meta, 'shared', '?')}")
-        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
-            f.write("\n".join(parts))
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="3,4")
-    ap.add_argument("--dump", default="")
-    a = ap.parse_args()
-    _dump(a.dump, [int(m) for m in a.modes.split(",")])
