@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expert_block import GROUP, ExpertGeometry, block_sections
 from kernels import backend
+from kernels.expert_block import GROUP, ExpertGeometry, block_sections
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _X_PRESCALE, _e2m1_quad, _nvfp4_tile_split
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
