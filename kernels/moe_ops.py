@@ -46,9 +46,9 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
     down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
     down_counter: int32 [1] on the device, += the down groups the kernel read (kernel path only).
     fused: one launch for the whole layer (kernels/expert_layer.py; up_config/down_config do not apply), same
-    result as the two launches.
+    result as the two launches; a store of down sub-groups (down_group_neurons < 16) keeps the two launches.
     """
-    if _addressed(blocks) and geom.fmt == "nvfp4" and fused:
+    if _addressed(blocks) and geom.fmt == "nvfp4" and fused and geom.down_group_neurons == 16:
         return expert_layer(x, blocks, geom, up_global, down_global, weights, acc, counter=down_counter)
     if _addressed(blocks) and geom.fmt == "nvfp4":
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc

@@ -14,6 +14,7 @@ import torch
 
 from gpu_worker.decode_graphs import DecodeGraphs
 from kernels import backend
+from nemotron import mamba
 from nemotron.model import NemotronH
 
 # forcing the fused kernels on CPU tensors needs Triton's interpreter, which is on only where there is no GPU
