@@ -199,8 +199,11 @@ class StreamingExperts(ExpertSource):
         return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev)
 
     def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups):
+        # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
+        # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
-                              down_counter=self._down_groups if count_down_groups else None)
+                              down_counter=self._down_groups if count_down_groups else None,
+                              fused=count_down_groups)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
@@ -329,7 +332,7 @@ class StreamingExperts(ExpertSource):
             idx, w = topk.experts[sel], topk.weights[sel]
         counter = self._down_groups if pcie else None
         moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w.float(), acc,
-                              down_counter=counter)
+                              down_counter=counter, fused=pcie)
         if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel)
             self.acct.bytes_over_pcie += len(experts) * (self.geom.up_bytes if self._addressed else self.geom.block_bytes)
 

@@ -68,7 +68,7 @@ def reference_logits(model_dir, ids):
 
 def main(argv=None):
     from cache_shm.shm import CacheSizeError
-    from io_workers.store import StoreError
+    from expert_store.format import StoreError
     from nemotron.checkpoint import CheckpointError
     from nemotron.config import ConfigError
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -38,7 +38,7 @@ def test_engine_perplexity_equals_the_reference(ids, reference):
 
 
 def test_streaming_perplexity_with_a_cache_of_ten_percent(ids, reference, tmp_path):
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     from tools.repack import main as repack
     store = tmp_path / "store"
     assert repack(["--model", str(TINY), "--out", str(store), "--no-progress"]) in (0, None)
