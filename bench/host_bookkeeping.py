@@ -2,23 +2,28 @@
 
 Goal (issue 19, part 3): ≤ 1 ms of host bookkeeping per token at Super's 40 MoE layers, i.e. ≤ 25 µs per layer.
 What runs per layer is what `MoEStep.decide` and the stretch after it run on the host when the graphs are on:
-the choice read from its pinned copy (`RouterOutputs.on_host`), `decode_route` (release the previous layer's
-pins, look up the VRAM tier and the cache, the one message, the block addresses, the counts) and, when every
-expert is present, `ExpertInputs.set_addresses` and `decode_launched`. The device is the CPU, but the source
+the choice read from its pinned copy (`RouterOutputs.on_host`), `decode_route`, and, when every expert is
+present, `ExpertInputs.set_addresses` and `decode_launched`. Between them, the source looks up the VRAM tier and
+the cache (pinning hits), computes the block addresses, sends the one message, releases the previous layer's
+pins and counts, each before or after the launch as the source does it. The device is the CPU, but the source
 takes its CUDA path (block addresses from the slab, pins deferred past the kernels): nothing in that path
 touches the device. No kernels run, so tensor sizes do not matter; the cost depends on k and the expert
 count, so the model is the tiny synthetic one with Super's 512 experts and top-22.
 
-Not in the figure (CUDA calls, not measurable here): the event record/sync, the graph replays, the H2D copy
-launch inside `set_addresses` (here a CPU copy). Not in the figure either: waiting for the misses and the eager
+Two figures per layer:
+- critical path: from the choice on the host to the addresses staged, what the GPU waits for;
+- after launch: `decode_launched`, which overlaps the next graph.
+
+Not in the figures (CUDA calls, not measurable here): the event record/sync, the graph replays, the H2D copy
+launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
 expert kernels (`decode_eager`), which is time waiting for the disk, not bookkeeping.
 
-Parts: lookup (`CacheClient.lookup`, and `VramTier.lookup` where a tier is on), message (`CacheClient.request`),
-pin/release (`CacheClient.release`), staging (`on_host` + `set_addresses`), other (the rest of the route path:
-tickets, lists, addresses, counts). The parts and the total come from one pass through timing wrappers (their
-own cost calibrated out; `other` is what the total leaves), and a pass without wrappers checks the total
-(`total_unwrapped`). Each scenario runs `--repeats` times (the VM's CPU is shared); the median of each figure is
-reported.
+Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots`, and `VramTier.lookup` where a tier is
+on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
+`set_addresses`), other (the rest: tickets, lists, addresses, counts, admissions). The parts come from one pass
+through timing wrappers. The wrappers' own cost is calibrated out, and `other` is what the pass's total leaves.
+The critical path and the after-launch time come from a second pass without wrappers. Each scenario runs
+`--repeats` times, because the VM's CPU is shared; the median of each figure is reported.
 
     python -m bench.host_bookkeeping [--tokens 200] [--repeats 3] [--tag vm]
 """
