@@ -24,7 +24,8 @@ class Accounting:
     ms_waiting_for_disk: float = 0.0
     ms_experts: float = 0.0
     ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
-    ms_bookkeeping: float = 0.0          # lookup + the one message to the prefetcher
+    ms_bookkeeping: float = 0.0          # host work the device waits for: lookup (+ the message where a miss needs it)
+    ms_bookkeeping_after_launch: float = 0.0   # host work while the next graph runs: message, releases, counts
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
@@ -32,8 +33,8 @@ class Accounting:
     bytes_from_vram: int = 0
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
-    _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping", "bytes_over_pcie",
-               "bytes_from_vram")
+    _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
+               "ms_bookkeeping_after_launch", "bytes_over_pcie", "bytes_from_vram")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -101,6 +102,8 @@ class StreamingExperts(ExpertSource):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
         self.geom = store.geometry
+        # the geometry's sizes are computed properties: read once, not per layer on the decode route
+        self.block_bytes, self.up_bytes = self.geom.block_bytes, self.geom.up_bytes
         self.store, self.client, self.device = store, client, torch.device(device)
         self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
         self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)
@@ -109,6 +112,8 @@ class StreamingExperts(ExpertSource):
             slab = slab_tensor(client.shm)
         self.slab = slab
         self.slot_bytes = slab.shape[1]
+        base = slab.data_ptr()
+        self._slot_address = [base + s * self.slot_bytes for s in range(slab.shape[0])]
         self.acct = Accounting()
         self.vram = vram           # a VramTier, or None
         self.n_moe = len(store.moe_layers)
@@ -122,7 +127,7 @@ class StreamingExperts(ExpertSource):
         self._down_groups_seen = 0
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
-        self._pending_admit = None
+        self._launched = None            # an addressed route's work that waits until its kernels are launched
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -166,23 +171,32 @@ class StreamingExperts(ExpertSource):
     def decode_scales(self, moe_index, experts):
         return self.up_global[moe_index, experts], self.down_global[moe_index, experts]
 
-    def decode_route(self, moe_index, layer, chosen, guess, waited_s=0.0) -> "_Ticket":
+    def decode_route(self, moe_index, layer, chosen, guess, waited_s=0.0) -> DecodeRoute:
         """`_route`, and where every expert is present (VRAM tier or slab) and the kernels read by address:
-        their block addresses in top-k order, the slab pins deferred past the kernels, the bytes counted."""
-        t = self._route(moe_index, layer, chosen, guess, waited_s)
-        if not self._addressed or len(t.on_dev) + len(t.hits) != len(t.ex):
-            return t
-        base, vt = self.slab.data_ptr(), self.vram
-        t.addresses = [vt.address(t.on_dev[e]) if e in t.on_dev else base + t.hits[e] * self.slot_bytes
-                       for e in t.ex]
-        t.count_down_groups = not t.on_dev        # the kernel's counter cannot tell VRAM-tier groups apart
-        a = self.acct
-        a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
-        a.bytes_over_pcie += len(t.hits) * self.geom.up_bytes
-        # admissions wait until the kernels are launched: an admission may evict a VRAM slot they still read
-        self._pending_admit = (t.moe_index, list(t.hits.items()))
-        self._defer(list(t.hits.values()))
-        return t
+        their block addresses in top-k order. Only what the kernels need happens before they are launched (the
+        lookup, which pins the hits, and the addresses); the message, the release of the previous layer's pins,
+        the counts and the VRAM-tier admissions wait for `decode_launched`, while the device runs the graph."""
+        if not self._addressed:
+            return self._route(moe_index, layer, chosen, guess, waited_s)
+        self.decode_launched()           # a route whose launch was never reported: its work first
+        tr = time.perf_counter()
+        j, vt = moe_index, self.vram
+        on_dev = vt.lookup(j, chosen) if vt is not None else {}
+        rest = [e for e in chosen if e not in on_dev] if on_dev else chosen
+        slots = self.client.lookup_slots(j, rest)       # aligned with rest, -1: a miss
+        if -1 in slots:                  # misses: the request goes now, the kernels run eagerly as they land
+            self._flush(sync=False)
+            hits = {e: s for e, s in zip(rest, slots) if s >= 0}
+            return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
+        if on_dev:
+            at = dict(zip(rest, slots))
+            addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
+        else:
+            addresses = list(map(self._slot_address.__getitem__, slots))
+        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s)
+        self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
+        # the kernel's counter cannot tell VRAM-tier groups apart
+        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev)
 
     def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
@@ -192,11 +206,23 @@ class StreamingExperts(ExpertSource):
                               fused=count_down_groups)
 
     def decode_launched(self) -> None:
-        """The VRAM-tier admissions of the last addressed `decode_route`, once its kernels are on the stream."""
-        if self._pending_admit is not None:
-            j, landed = self._pending_admit
-            self._pending_admit = None
-            self._admit(j, landed)
+        """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
+        pins released (its kernels ran before the choice this route waited for), this layer's deferred past its
+        kernels, the one message, the counts, the VRAM-tier admissions (after the kernels: an admission may evict
+        a VRAM slot they read)."""
+        if self._launched is None:
+            return
+        t0 = time.perf_counter()
+        j, chosen, guess, on_dev, rest, slots, waited_s = self._launched
+        self._launched = None
+        self._flush(sync=False)
+        self._request(j, None, chosen, guess, on_dev, rest, rest, waited_s, None)     # every one of rest hit
+        a = self.acct
+        a.bytes_from_vram += len(on_dev) * self.block_bytes
+        a.bytes_over_pcie += len(rest) * self.up_bytes
+        self._admit(j, zip(rest, slots))
+        self._defer(slots)
+        a.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels
@@ -225,11 +251,17 @@ class StreamingExperts(ExpertSource):
         tr = time.perf_counter()
         vt = self.vram
         on_dev = vt.lookup(j, ex) if vt is not None else {}
-        rest = [e for e in ex if e not in on_dev]
+        rest = [e for e in ex if e not in on_dev] if on_dev else ex
+        hits = self.client.lookup(j, rest)
+        return self._request(j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr)
+
+    def _request(self, j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr) -> "_Ticket | None":
+        """The one request of a looked-up layer and its counts; `tr`: when the bookkeeping the device waits for
+        began (None: after the launch, timed by the caller)."""
+        vt = self.vram
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
             guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
-        hits = self.client.lookup(j, rest)
         self.client.request(j, rest, guess=guess_list)
         a = self.acct
         if j == 0:
@@ -238,10 +270,11 @@ class StreamingExperts(ExpertSource):
         a.hits_at_lookup += len(hits)
         a.misses_at_lookup += len(rest) - len(hits)
         a.ms_waiting_for_router += waited_s * 1e3
-        a.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
+        if tr is not None:
+            a.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         if self.record is not None:
             self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
-        return _Ticket(j, layer, ex=ex, on_dev=on_dev, hits=hits, rest=rest)
+        return None if tr is None else _Ticket(j, layer, ex=ex, on_dev=on_dev, hits=hits, rest=rest)
 
     def decode_eager(self, t: "_Ticket", x, experts, weights, acc) -> None:
         """The ticket's experts into acc fp32 [L]: VRAM-tier and slab hits at once, misses as they land."""
@@ -283,7 +316,7 @@ class StreamingExperts(ExpertSource):
             return
         for e, s in landed:
             if vt.want(j, e):
-                vt.admit(j, e, self.slab[s, :self.geom.block_bytes])
+                vt.admit(j, e, self.slab[s, :self.block_bytes])
 
     def _vram_blocks(self, vslots: list[int]):
         if self._addressed:
