@@ -1,6 +1,6 @@
 """What a neuron order (tools.coactivation) saves in down bytes per token, and what it costs in exactness.
 
-    python -m bench.coactivation --model CKPT --calib FILE --heldout FILE [--requantize]
+    python -m bench.coactivation --model CKPT [--calib FILE] --heldout FILE [--requantize]
         [--orders identity,random,frequency,coactivation] [--calib-tokens 2048] [--max-tokens 1024]
         [--bus-gbps 26] [--work DIR] [--json OUT.json] [--plot OUT.png]
 
@@ -121,7 +121,8 @@ def plot(res: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.coactivation", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--calib", required=True, type=Path, help="calibration text")
+    ap.add_argument("--calib", type=Path, help="calibration text (default: the first half of --heldout's tokens, "
+                    "measured on the second half)")
     ap.add_argument("--heldout", required=True, type=Path, help="held-out text")
     ap.add_argument("--orders", default="identity,random,frequency,coactivation")
     ap.add_argument("--requantize", action="store_true", help="allow re-encoding NVFP4 down (needed for NVFP4)")
@@ -132,8 +133,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args(argv)
-    calib = token_ids(a.model, a.calib.read_text(), None, a.calib_tokens)
-    held = token_ids(a.model, a.heldout.read_text(), None, a.max_tokens)
+    if a.calib:
+        calib = token_ids(a.model, a.calib.read_text(), None, a.calib_tokens)
+        held = token_ids(a.model, a.heldout.read_text(), None, a.max_tokens)
+    else:
+        ids = token_ids(a.model, a.heldout.read_text(), None, 10 ** 9)
+        calib, held = ids[:len(ids) // 2][:a.calib_tokens], ids[len(ids) // 2:][:a.max_tokens]
     orders = [o for o in a.orders.split(",") if o]
     with tempfile.TemporaryDirectory(prefix="coact-") as tmp:
         res = run(a.model, calib, held, orders, a.requantize, a.work or Path(tmp), a.bus_gbps)

@@ -9,9 +9,11 @@ its neurons has a non-zero ReLU² output. Which neurons share a group is free: a
 intermediate dimension, applied to the rows of up and the columns of down together, leaves the expert's
 output unchanged in real arithmetic (down·relu²(P·up·x) with down·Pᵀ). So, offline, the checkpoint runs on
 calibration text on the CPU (the model's own forward, through an ExpertSource that records which neurons
-fire), and each expert's neurons are grouped greedily: a group starts from the most frequent free neuron and
-takes, one at a time, the free neuron that adds the fewest calibration tokens to the group's union of
-firing tokens; each group is then ordered the same way into halves of 8, 4 and 2 for the sub-groups.
+fire), and each expert's neurons are grouped: greedily (a group starts from the most frequent free neuron and
+takes, one at a time, the free neuron that adds the fewest calibration tokens to the group's union of firing
+tokens) or by firing frequency, whichever reads fewer groups on the calibration tokens, then improved by
+pairwise swaps between groups; each group is then ordered greedily into halves of 8, 4 and 2 for the
+sub-groups.
 
 Exactness by format: BF16 / FP16 / FP32 and per-tensor FP8 experts are permuted exactly (rows and columns
 move, values and scales untouched). NVFP4 up is exact too (a row keeps its own scales). NVFP4 down is not:
@@ -104,16 +106,52 @@ def _greedy_groups(fired: torch.Tensor, size: int) -> list[list[int]]:
     return groups
 
 
-def coactivation_order(fired: torch.Tensor, levels=SUB_GROUPS) -> torch.Tensor:
-    """bool [T, I] -> permutation int64 [I] (new position p holds old neuron perm[p]): greedy groups of
-    levels[0], each split greedily into groups of levels[1], and so on."""
+def _unions(f: torch.Tensor, groups: list[list[int]]) -> int:
+    return sum(int(f[:, g].amax(1).sum()) for g in groups)
+
+
+def _refine_by_swaps(f: torch.Tensor, groups: list[list[int]], passes: int) -> list[list[int]]:
+    """Swap one neuron between two groups wherever that lowers the summed unions (tokens × groups with a
+    firing neuron), the best swap per pair of groups, until a pass finds none or `passes` are done."""
+    for _ in range(passes):
+        improved = False
+        for ga in range(len(groups)):
+            for gb in range(ga + 1, len(groups)):
+                A, B = groups[ga], groups[gb]
+                fa, fb = f[:, A], f[:, B]                                  # [T, a], [T, b]
+                ca, cb = fa.sum(1)[:, None, None], fb.sum(1)[:, None, None]
+                # A with A[i] out and B[j] in, and B the other way round: [T, a, b]
+                new_a = (ca - fa[:, :, None] + fb[:, None, :]) > 0
+                new_b = (cb - fb[:, None, :] + fa[:, :, None]) > 0
+                delta = new_a.sum(0) + new_b.sum(0) - int((ca > 0).sum() + (cb > 0).sum())
+                if int(delta.min()) < 0:
+                    i, j = divmod(int(delta.argmin()), len(B))
+                    A[i], B[j] = B[j], A[i]
+                    improved = True
+        if not improved:
+            break
+    return groups
+
+
+def coactivation_order(fired: torch.Tensor, levels=SUB_GROUPS, refine_passes: int = 4) -> torch.Tensor:
+    """bool [T, I] -> permutation int64 [I] (new position p holds old neuron perm[p]).
+
+    Groups of levels[0]: the greedy's or the frequency sort's (whichever reads fewer groups on the
+    calibration tokens: with dense firing the sort wins, with clustered firing the greedy), then improved
+    by pairwise swaps; each group is split greedily into groups of levels[1], and so on."""
     def order(cols: list[int], lv) -> list[int]:
         if not lv or len(cols) <= lv[-1]:
             return cols
         sub = _greedy_groups(f[:, cols], lv[0])
         return [c for g in sub for c in order([cols[i] for i in g], lv[1:])]
     f = fired.float()
-    return torch.tensor(order(list(range(fired.shape[1])), tuple(levels)), dtype=torch.long)
+    n, size = fired.shape[1], levels[0]
+    greedy = _greedy_groups(f, size)
+    hot = torch.sort(f.sum(0), descending=True, stable=True).indices.tolist()
+    by_freq = [hot[i:i + size] for i in range(0, n, size)]
+    groups = min((greedy, by_freq), key=lambda g: _unions(f, g))
+    groups = _refine_by_swaps(f, [list(g) for g in groups], refine_passes)
+    return torch.tensor([c for g in groups for c in order(g, tuple(levels[1:]))], dtype=torch.long)
 
 
 def make_order(kind: str, fired: torch.Tensor | None, n_inter: int, gen: torch.Generator) -> torch.Tensor:

@@ -115,3 +115,14 @@ def test_nvfp4_identity_requantize_is_bit_exact(synth, tmp_path):
         if x.dtype == torch.float8_e4m3fn:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         assert torch.equal(x, y), k
+
+
+def test_order_never_reads_more_than_the_frequency_sort_in_sample():
+    g = torch.Generator().manual_seed(1)
+    rate = torch.rand(48, generator=g) * 0.6                   # dense, unequal firing rates: the sort's case
+    fired = torch.rand(120, 48, generator=g) < rate
+    by_freq = torch.sort(fired.float().sum(0), descending=True, stable=True).indices
+    perm = coactivation_order(fired)
+    assert sorted(perm.tolist()) == list(range(48))
+    assert groups_read(fired, perm, 16) <= groups_read(fired, by_freq, 16)
+    assert groups_read(fired, coactivation_order(fired, refine_passes=0), 16) >= groups_read(fired, perm, 16)
