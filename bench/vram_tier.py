@@ -36,7 +36,6 @@ import sys
 from collections import Counter, OrderedDict
 from pathlib import Path
 
-import numpy as np
 
 from bench.policy_sim import Trace, read_trace, synthetic_trace
 
@@ -193,12 +192,14 @@ def table(res: dict) -> str:
            f"memory free {b['embeddings_gib']:.2f} GiB more ({b['tier_room_embeddings_in_host_gib']:.2f} GiB) at "
            f"{b['embeddings_in_host_bytes_per_token']:,} B/token over the bus; the lm_head in host memory frees "
            f"{b['lm_head_gib']:.2f} GiB but moves {b['lm_head_in_host_bytes_per_token'] / 1e9:.2f} GB/token "
-           f"({b['lm_head_in_host_bytes_per_token'] / (res['bus_gbps'] * 1e9) * 1e3:.0f} ms at {res['bus_gbps']:g} GB/s)",
+           f"({b['lm_head_in_host_bytes_per_token'] / (res['bus_gbps'] * 1e9) * 1e3:.0f} ms at "
+           f"{res['bus_gbps']:g} GB/s)",
            f"Super per token without a tier: 880 uses x (up + {res['down_fraction']:.2f} x down) over PCIe"]
     for e in res["evaluations"]:
+        mapping = ("tier mapped by share of the per-token working set" if e["scaled_by_working_set"]
+                   else "tier at Super size")
         out.append(f"\n{e['trace']}: {e['tokens']} tokens, {e['moe_layers']} MoE layers x {e['n_experts']} experts, "
-                   f"top-{e['top_k']}; next-token repeat rate {e['repeat_rate']:.1%}; "
-                   f"{'tier mapped by share of the per-token working set' if e['scaled_by_working_set'] else 'tier at Super size'}")
+                   f"top-{e['top_k']}; next-token repeat rate {e['repeat_rate']:.1%}; {mapping}")
         out.append(f"  no tier: {e['base_bytes_per_token'] / 1e9:.3f} GB/token, {e['base_ms_per_token']:.1f} ms/token")
         out.append(f"  {'tier GiB':>8} {'blocks':>6} {'in trace':>8} {'policy':>7} {'served':>7} {'admit/use':>9} "
                    f"{'GB/token':>9} {'saved MB':>9} {'ms/token':>9} {'saved ms':>9}  fits on 8 GiB")
