@@ -155,9 +155,10 @@ def coactivation_order(fired: torch.Tensor, levels=SUB_GROUPS, refine_passes: in
 
 
 def make_order(kind: str, fired: torch.Tensor | None, n_inter: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "identity" or fired is None or kind not in ORDERS:
-        if kind not in ORDERS:
-            raise ValueError(f"unknown order {kind!r} (one of {', '.join(ORDERS)})")
+    """The permutation of one expert; an expert never routed to on the calibration text keeps its order."""
+    if kind not in ORDERS:
+        raise ValueError(f"unknown order {kind!r} (one of {', '.join(ORDERS)})")
+    if kind == "identity" or fired is None:
         return torch.arange(n_inter)
     if kind == "random":     # a control: what a blind regrouping (and its requantization) costs
         return torch.randperm(n_inter, generator=gen)
@@ -214,6 +215,11 @@ def permute_expert(tensors: dict[str, torch.Tensor], up: str, down: str, perm: t
     return 1
 
 
+def _expert_tensor_names(ckpt, layer: int, e: int) -> list[str]:
+    return [n for p in ("up", "down") for suffix in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale")
+            if ckpt.has(n := ckpt.expert_module(layer, e, p) + suffix)]
+
+
 def write_permuted(model_dir, out, perms: dict[tuple[int, int], torch.Tensor], requantize: bool = False,
                    permute_down: bool = True) -> int:
     """Copy the checkpoint at model_dir to out with every expert in perms permuted; shards keep their names
@@ -233,31 +239,35 @@ def write_permuted(model_dir, out, perms: dict[tuple[int, int], torch.Tensor], r
             m = ckpt.expert_module(layer, e, "down")
             if ckpt.info(m + ".weight")[0] == "U8" and not torch.equal(perm, torch.arange(perm.numel())):
                 raise NeedsRequantize(_needs_requantize(m))
-    by_shard: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-    for (layer, e), perm in perms.items():
-        up, down = (ckpt.stored_name(ckpt.expert_module(layer, e, p) + ".weight")[:-len(".weight")]
-                    for p in ("up", "down"))
-        shard = ckpt.shard_of(ckpt.expert_module(layer, e, "up") + ".weight")
-        if ckpt.shard_of(ckpt.expert_module(layer, e, "down") + ".weight") != shard:
-            # both halves must be rewritten together; load the second shard into the same pass
-            raise ValueError(f"layer {layer} expert {e}: up and down in different shards; not supported")
-        by_shard.setdefault(shard, []).append((up, down, perm))
+    # An expert's tensors may straddle two shards: each shard takes its own tensors of every expert it touches.
+    experts_of: dict[Path, list[tuple[int, int]]] = {}
+    for layer, e in perms:
+        for name in _expert_tensor_names(ckpt, layer, e):
+            lst = experts_of.setdefault(ckpt.shard_of(name), [])
+            if not lst or lst[-1] != (layer, e):
+                lst.append((layer, e))
     out.mkdir(parents=True, exist_ok=True)
     shards = {ckpt.shard_of(n) for n in ckpt.tensor_names()}
     requantized = 0
     for p in sorted(src.iterdir()):
-        if p in shards:
-            continue
-        (shutil.copytree if p.is_dir() else shutil.copy2)(p, out / p.name)
+        if p not in shards:
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, out / p.name)
     for shard in sorted(shards):
-        if shard not in by_shard:
+        if shard not in experts_of:
             shutil.copy2(shard, out / shard.name)
             continue
         with safe_open(shard, framework="pt") as f:
             meta = f.metadata()
         tensors = load_file(shard)
-        for up, down, perm in by_shard[shard]:
-            requantized += permute_expert(tensors, up, down, perm, requantize, permute_down)
+        for layer, e in experts_of[shard]:
+            names = _expert_tensor_names(ckpt, layer, e)
+            mine = {ckpt.stored_name(n) for n in names if ckpt.shard_of(n) == shard}
+            t = {ckpt.stored_name(n): ckpt.get(n) for n in names}
+            up, down = (ckpt.stored_name(ckpt.expert_module(layer, e, p) + ".weight")[:-len(".weight")]
+                        for p in ("up", "down"))
+            n_req = permute_expert(t, up, down, perms[(layer, e)], requantize, permute_down)
+            requantized += n_req if down + ".weight" in mine else 0
+            tensors.update({k: v for k, v in t.items() if k in mine})
         save_file(tensors, out / shard.name, metadata=meta)
     return requantized
 
