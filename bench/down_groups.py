@@ -68,7 +68,10 @@ def token_ids(model_dir: Path, text: str | None, ids: str | None, max_tokens: in
     return out[:max_tokens]
 
 
-def measure(model_dir: Path, ids: list[int], chunk: int = 64, bus_gbps: float = 26.0) -> dict:
+def measure(model_dir: Path, ids: list[int], chunk: int = 64, bus_gbps: float = 26.0,
+            logits_out: list | None = None) -> dict:
+    """The counts of the module docstring; logits_out, when given, receives each chunk's fp32 logits [T, V]
+    (bench.coactivation compares two orders of one model on the same pass)."""
     from nemotron.checkpoint import Checkpoint
     from nemotron.model import NemotronH
     from nemotron.moe import CheckpointExperts
@@ -83,7 +86,9 @@ def measure(model_dir: Path, ids: list[int], chunk: int = 64, bus_gbps: float = 
     state = model.new_state()
     with torch.no_grad():
         for s in range(0, len(ids), chunk):
-            model.forward(ids[s:s + chunk], state)
+            logits = model.forward(ids[s:s + chunk], state)
+            if logits_out is not None:
+                logits_out.append(logits)
     T, n_moe, k = len(ids), len(cfg.moe_layers), cfg.num_experts_per_tok
     base = ExpertGeometry(cfg.moe_input_size, cfg.moe_intermediate_size, fmt)
     rows = []
