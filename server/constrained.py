@@ -1,0 +1,149 @@
+"""Constrained decoding, the request side: `response_format` (json_object, json_schema) and `tool_choice`
+(none, required, a named function) as one xgrammar structural tag, checked here (a bad schema is a 400 before
+the request is queued) and compiled against the vocabulary in the compute process, which applies its token
+mask at every step (gpu_worker/grammar.py, gpu_worker/sampling.py).
+
+Why xgrammar (bench/constrained_mask.py, bench/NOTES-constrained.md): its per-token mask was cheaper than
+llguidance's on both vocabularies, and it has the qwen3_coder XML parameter form of Nemotron's tool calls built in
+(`style="qwen_xml"`: each parameter's value typed by the tool's JSON schema), which llguidance's Lark would have
+to spell out per type.
+
+A prompt that leaves the model inside `<think>` (thinking on) gets a free reasoning block first, closed by
+`</think>`; the constraint starts after it, as vLLM's structured outputs do with a reasoning parser.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+from server.errors import APIError
+
+# Marks that the text must not contain: they would switch the stream into reasoning or a tool call.
+_MARKS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+TOOL_BEGIN, TOOL_END = "<tool_call>\n<function={}>\n", "\n</function>\n</tool_call>"
+
+
+def _loosen(schema):
+    """A non-strict schema read as JSON Schema reads it: objects without `additionalProperties` allow more keys
+    (xgrammar's structural tags read every schema strictly)."""
+    if isinstance(schema, list):
+        return [_loosen(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    s = {k: _loosen(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not") else v
+         for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(s.get(key), dict):
+            s[key] = {k: _loosen(v) for k, v in s[key].items()}
+    if (s.get("type") == "object" or "properties" in s) and "additionalProperties" not in s:
+        s["additionalProperties"] = True
+    return s
+
+
+def _json_format(schema, strict: bool) -> dict:
+    return {"type": "json_schema", "json_schema": schema if strict else _loosen(copy.deepcopy(schema)),
+            "excludes": _MARKS}
+
+
+def response_format_format(rf: dict | None) -> dict | None:
+    """The format of a `response_format` (None for text)."""
+    if not rf:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = rf.get("schema")           # llama.cpp's extension: json_object with a schema
+        if schema is None:
+            return _json_format({"type": "object"}, strict=False)
+        return _json_format(_check_schema(schema, "response_format.schema"), strict=False)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise APIError(400, "response_format.json_schema must be an object with a 'schema'",
+                           param="response_format.json_schema")
+        schema = js.get("schema", js.get("json_schema"))
+        if schema is None:
+            raise APIError(400, "response_format.json_schema.schema is missing", param="response_format.json_schema")
+        return _json_format(_check_schema(schema, "response_format.json_schema.schema"),
+                            strict=bool(js.get("strict")))
+    raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                   param="response_format.type")
+
+
+def _check_schema(schema, where: str):
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where} must be a JSON schema object", param=where)
+    return schema
+
+
+def _tool_tag(name: str, params: dict, strict: bool) -> dict:
+    p = params if strict else _loosen(copy.deepcopy(params))
+    return {"type": "tag", "begin": TOOL_BEGIN.format(name),
+            "content": {"type": "json_schema", "json_schema": p, "style": "qwen_xml"}, "end": TOOL_END}
+
+
+def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool, strict_names=()) -> dict | None:
+    """The format of a `tool_choice` over the request's tools (name -> parameters schema); None for auto."""
+    if tool_choice in (None, "auto"):
+        return None
+    if tool_choice == "none":
+        return {"type": "any_text", "excludes": ["<tool_call>"]}
+    if tool_choice == "required":
+        if not tools:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        tags = [_tool_tag(n, p, n in strict_names) for n, p in tools.items()]
+        return {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                "stop_after_first": not parallel}
+    if isinstance(tool_choice, dict) and tool_choice.get("type", "function") == "function":
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        if name not in tools:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools",
+                           param="tool_choice")
+        return _tool_tag(name, tools[name], name in strict_names)
+    raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                        "\"function\": {\"name\": …}}", param="tool_choice")
+
+
+def structural_tag(fmt: dict, in_reasoning: bool) -> str:
+    """The whole structural tag (JSON) for a format; with a free reasoning block first when the prompt opened
+    `<think>`, and any whitespace the template puts before the answer."""
+    elems = []
+    if in_reasoning:
+        elems.append({"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": ["<think>", "</think>"]},
+                      "end": "</think>"})
+    if fmt["type"] != "any_text":
+        elems.append({"type": "regex", "pattern": r"\s*"})
+    elems.append(fmt)
+    top = elems[0] if len(elems) == 1 else {"type": "sequence", "elements": elems}
+    return json.dumps({"type": "structural_tag", "format": top})
+
+
+def check(tag_json: str, param: str) -> None:
+    """A 400 naming the problem when xgrammar cannot build the grammar (a bad schema, an unsupported keyword)."""
+    import xgrammar as xgr
+    try:
+        xgr.Grammar.from_structural_tag(tag_json)
+    except Exception as e:     # xgrammar raises RuntimeError / InvalidJSONError / InvalidStructuralTagError
+        msg = re.sub(r"^\[[0-9:]+\] [^ ]+: ", "", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise APIError(400, f"{param}: the schema cannot be used for constrained decoding: {msg}", param=param)
+
+
+def for_chat(response_format: dict | None, tools: dict[str, dict], tool_choice, parallel: bool,
+             in_reasoning: bool, strict_names=()) -> dict | None:
+    """The grammar message for the compute process ({'structural_tag': json}) or None when nothing is constrained."""
+    rf = response_format_format(response_format)
+    tc = tool_choice_format(tools, tool_choice, parallel, strict_names) if tools or tool_choice not in (
+        None, "auto", "none") else None
+    if rf is not None and tc is not None and tc["type"] != "any_text":
+        raise APIError(400, "response_format and a forced tool_choice cannot both constrain one answer",
+                       param="response_format")
+    fmt = rf or tc
+    if fmt is None:
+        return None
+    tag = structural_tag(fmt, in_reasoning)
+    check(tag, "response_format" if rf is not None else "tools")
+    return {"structural_tag": tag}
