@@ -136,7 +136,8 @@ class LLGuidance:
     def compile(self, kind):
         LLMatcher = self.llg.LLMatcher
         if kind == "json":
-            g = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+            g = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={
+                "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
         else:
             g = LLMatcher.grammar_from_lark(
                 'start: <tool_call> "\\n<function=get_weather>\\n<parameter=city>\\n" CITY "\\n</parameter>\\n'

@@ -3,18 +3,20 @@ compiled with xgrammar against the checkpoint's vocabulary, and a matcher that f
 on the CPU. The sampler applies the mask on the logits' device (gpu_worker/sampling.py) and fills the next one
 in a helper thread while the model computes the next logits.
 
-Special tokens other than the stop tokens and the four marks the grammars spell (`<think>`, `</think>`,
-`<tool_call>`, `</tool_call>`) are blanked from the grammar's vocabulary, so no constrained text can contain
-them (`<|im_start|>` inside a JSON string, say); the marks can, as the model was trained to emit them.
+Special tokens are blanked from the grammar's vocabulary, so no constrained text can contain them
+(`<|im_start|>` or `<think>` inside a JSON string, say), except the stop tokens and those the grammar spells
+(`spec["special_tokens"]`: `</think>` closing a reasoning block, `<tool_call>` / `</tool_call>`): the model
+was trained to emit those as single tokens, so the grammar must let it.
 """
 from __future__ import annotations
 
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-KEPT_SPECIALS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 _mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
 
@@ -25,9 +27,9 @@ class GrammarCompiler:
     def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids):
         self.model_dir, self.vocab_size = str(model_dir), int(vocab_size)
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
-        self._compiler = None
+        self._compilers: dict = {}
 
-    def _build(self):
+    def _build(self, kept: frozenset):
         import xgrammar as xgr
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(self.model_dir)
@@ -38,17 +40,25 @@ class GrammarCompiler:
                 vocab[i] = s
         special = {int(i) for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
         for i in special:
-            if 0 <= i < self.vocab_size and vocab[i] not in KEPT_SPECIALS and i not in self.stop_token_ids:
+            keep = vocab[i] in kept or i in self.stop_token_ids
+            if 0 <= i < self.vocab_size and not keep:
                 vocab[i] = ""           # an empty token is one xgrammar never allows
+        if "<tool_call>" not in kept:
+            # JSON never holds a raw control character, but xgrammar 0.2.8's rule for a string with maxLength
+            # lets one in (`[^"\\\r\n]{0,n}`): such tokens are dropped from the JSON grammars' vocabulary
+            for i, b in enumerate(base.decoded_vocab[:self.vocab_size]):
+                if _CONTROL.search(b) and i not in self.stop_token_ids:
+                    vocab[i] = ""
         info = xgr.TokenizerInfo(vocab, base.vocab_type, vocab_size=self.vocab_size,
                                  stop_token_ids=self.stop_token_ids, add_prefix_space=base.add_prefix_space)
         return xgr.GrammarCompiler(info, max_threads=1)
 
     def matcher(self, spec: dict) -> "Grammar":
-        if self._compiler is None:
-            self._compiler = self._build()
+        kept = frozenset(spec.get("special_tokens") or ())
+        if kept not in self._compilers:
+            self._compilers[kept] = self._build(kept)
         import xgrammar as xgr
-        compiled = self._compiler.compile_structural_tag(spec["structural_tag"])
+        compiled = self._compilers[kept].compile_structural_tag(spec["structural_tag"])
         return Grammar(xgr.GrammarMatcher(compiled))
 
 

@@ -19,9 +19,10 @@ import re
 
 from server.errors import APIError
 
-# Marks that the text must not contain: they would switch the stream into reasoning or a tool call.
-_MARKS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 TOOL_BEGIN, TOOL_END = "<tool_call>\n<function={}>\n", "\n</function>\n</tool_call>"
+# Consecutive whitespace allowed between JSON tokens: enough for indented JSON, and a bound on how long a model
+# that favours whitespace (a random-weight one) can idle inside a constrained answer.
+MAX_WHITESPACE = 8
 
 
 def _loosen(schema):
@@ -43,7 +44,7 @@ def _loosen(schema):
 
 def _json_format(schema, strict: bool) -> dict:
     return {"type": "json_schema", "json_schema": schema if strict else _loosen(copy.deepcopy(schema)),
-            "excludes": _MARKS}
+            "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def response_format_format(rf: dict | None) -> dict | None:
@@ -83,7 +84,8 @@ def _check_schema(schema, where: str):
 def _tool_tag(name: str, params: dict, strict: bool) -> dict:
     p = params if strict else _loosen(copy.deepcopy(params))
     return {"type": "tag", "begin": TOOL_BEGIN.format(name),
-            "content": {"type": "json_schema", "json_schema": p, "style": "qwen_xml"}, "end": TOOL_END}
+            "content": {"type": "json_schema", "json_schema": p, "style": "qwen_xml",
+                        "max_whitespace_cnt": MAX_WHITESPACE}, "end": TOOL_END}
 
 
 def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool, strict_names=()) -> dict | None:
@@ -116,7 +118,7 @@ def structural_tag(fmt: dict, in_reasoning: bool) -> str:
         elems.append({"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": ["<think>", "</think>"]},
                       "end": "</think>"})
     if fmt["type"] != "any_text":
-        elems.append({"type": "regex", "pattern": r"\s*"})
+        elems.append({"type": "regex", "pattern": r"[ \t\n\r]{0,2}"})     # JSON whitespace only
     elems.append(fmt)
     top = elems[0] if len(elems) == 1 else {"type": "sequence", "elements": elems}
     return json.dumps({"type": "structural_tag", "format": top})
@@ -128,7 +130,8 @@ def check(tag_json: str, param: str) -> None:
     try:
         xgr.Grammar.from_structural_tag(tag_json)
     except Exception as e:     # xgrammar raises RuntimeError / InvalidJSONError / InvalidStructuralTagError
-        msg = re.sub(r"^\[[0-9:]+\] [^ ]+: ", "", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = re.sub(r"^\[[0-9:]+\] [^ ]+: ", "", first)       # "[09:39:30] /project/cpp/x.cc:4944: " off
         raise APIError(400, f"{param}: the schema cannot be used for constrained decoding: {msg}", param=param)
 
 
@@ -146,4 +149,7 @@ def for_chat(response_format: dict | None, tools: dict[str, dict], tool_choice, 
         return None
     tag = structural_tag(fmt, in_reasoning)
     check(tag, "response_format" if rf is not None else "tools")
-    return {"structural_tag": tag}
+    # the special tokens the grammar spells (the compute process keeps these, and only these, of the specials)
+    keep = (["</think>"] if in_reasoning else []) + (
+        ["<tool_call>", "</tool_call>"] if rf is None and tc["type"] != "any_text" else [])
+    return {"structural_tag": tag, "special_tokens": keep}

@@ -117,11 +117,14 @@ def convert_value(raw: str, schema: dict | None) -> Any:
     its schema asks for; text that does not parse as the declared type stays a string (the client's validator
     then names the problem, rather than the server guessing)."""
     types = _types(schema)
+    if "null" in types and raw.strip() == "null":
+        return None                     # the template writes None as null; a nullable string prefers None
     if "string" in types:
+        if _CONSTRAINED_STRING & set(schema):
+            # the grammar (xgrammar's qwen_xml) reads such a value between optional whitespace: padding
+            return raw.strip(" \n\r\t")
         return raw
     s = raw.strip()
-    if "null" in types and s == "null":
-        return None
     if "boolean" in types and s.lower() in ("true", "false"):
         return s.lower() == "true"
     if "integer" in types:
@@ -149,8 +152,12 @@ def convert_value(raw: str, schema: dict | None) -> Any:
     return raw
 
 
+_CONSTRAINED_STRING = {"enum", "const", "minLength", "maxLength", "pattern", "format"}
+
+
 def _is_string(schema: dict | None) -> bool:
-    return _types(schema) == ["string"]
+    """A free string: its text streams into the arguments as it comes (a constrained one waits for its end)."""
+    return _types(schema) == ["string"] and not _CONSTRAINED_STRING & set(schema)
 
 
 # ------------------------------------------------------------------------------------------------ the parser
