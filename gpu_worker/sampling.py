@@ -160,7 +160,8 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_p = probs.sort(descending=True).values
             n_keep = ((sorted_p.cumsum(0) - sorted_p) < p.top_p).sum().clamp(min=1)
-            keep &= probs >= sorted_p[n_keep - 1]          # ties at the threshold are all kept: order-free
+            # ties at the threshold are all kept: order-free (gather, not [tensor]: indexing would sync)
+            keep &= probs >= sorted_p.gather(0, (n_keep - 1).reshape(1))
         cdf = torch.where(keep, probs, 0).double().cumsum(0)
         tok = torch.searchsorted(cdf, (self._uniform() * cdf[-1]).reshape(1), right=True)[0]
         return tok.clamp(max=x.numel() - 1)
@@ -174,7 +175,7 @@ class Sampler:
         k = 0
         if logprobs is not None:                 # of the raw model, as OpenAI and vLLM report them
             lsm = torch.log_softmax(row.float(), -1)
-            parts.append(lsm[tok].double().reshape(1))
+            parts.append(lsm.gather(0, tok.reshape(1)).double())
             k = min(int(logprobs), lsm.numel())
             if k:
                 v, ix = lsm.topk(k)

@@ -348,3 +348,34 @@ def parse(text: str, tools: dict[str, dict], parallel: bool = True) -> tuple[str
     p = ToolCallParser(tools, parallel)
     content = "".join(s for kind, s in p.push(text) + p.finish() if kind == "content")
     return content, [c.openai() for c in p.calls]
+
+
+class CallsInContent:
+    """Routes a TextStream's content deltas through a ToolCallParser: `route(deltas)` and `finish(tail)` take
+    {'reasoning', 'content'} dicts and return them with 'tool_calls' (OpenAI delta entries) added. Reasoning is
+    never parsed for calls (a model thinking about a call has not made it)."""
+
+    def __init__(self, tools: dict[str, dict], parallel: bool = True):
+        self.parser = ToolCallParser(tools, parallel)
+
+    def _split(self, deltas: dict, events: list) -> dict:
+        calls: list[dict] = []
+        for kind, d in events:
+            if kind != "tool":
+                continue
+            if calls and calls[-1]["index"] == d["index"] and "id" not in d:
+                calls[-1]["function"]["arguments"] += d["function"]["arguments"]   # one entry per call per chunk
+            else:
+                calls.append({**d, "function": dict(d["function"])})
+        return {"reasoning": deltas.get("reasoning", ""),
+                "content": "".join(s for kind, s in events if kind == "content"), "tool_calls": calls}
+
+    def route(self, deltas: dict) -> dict:
+        return self._split(deltas, self.parser.push(deltas.get("content", "")))
+
+    def finish(self, tail: dict) -> dict:
+        return self._split(tail, self.parser.push(tail.get("content", "")) + self.parser.finish())
+
+    @property
+    def calls(self) -> list[dict]:
+        return [c.openai() for c in self.parser.calls]

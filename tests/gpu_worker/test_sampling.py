@@ -181,3 +181,41 @@ def test_min_tokens_gives_way_to_a_grammar_that_allows_only_a_stop_token():
 def test_bad_parameters_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad)
+
+
+class _ScalarReads:
+    """Counts reads of a device value into Python (`aten._local_scalar_dense`: .item(), int(t), a tensor used as
+    an index): each would stall the host until the device catches up."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    outer.n += 1
+                return func(*args, **(kwargs or {}))
+        self.n, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_a_step_reads_nothing_back_but_its_one_result():
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, frequency_penalty=0.5,
+                       repetition_penalty=1.2, logit_bias={3: 1.0}, seed=1, min_tokens=2, stop_token_ids=(2,))
+    s = Sampler(p, prompt_ids=[1, 2, 3], grammar=_Scheduled([np.arange(1000) % 2 == 0] * 3))
+    row = torch.randn(1000)
+    s.step(row, logprobs=3)
+    with _ScalarReads() as reads:
+        s.step(row, logprobs=3)
+        s.step(row)
+    assert reads.n == 0
+    # must-fail twin: the counter sees a tensor used as an index
+    with _ScalarReads() as reads:
+        row[torch.tensor(3)]
+    assert reads.n == 1
