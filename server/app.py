@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import errors
+from server import errors, openapi
 from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ImagePart, TextPart
@@ -80,6 +80,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="moestream", version="0.1.0",
                   description="OpenAI-compatible API of moestream (NemotronH MoE with experts streamed from NVMe)")
     app.state.ms = state
+    plain_openapi = app.openapi
+    app.openapi = lambda: openapi.drop_unused_422(plain_openapi())
     app.add_exception_handler(RequestValidationError, errors.validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.http_error)
     app.add_exception_handler(APIError, errors.api_error)
@@ -97,7 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     auth = [Depends(check_key)]
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH)
     async def health():
         if state.ready:
             return {"status": "ok"}
@@ -114,20 +116,23 @@ def create_app(state: ServerState) -> FastAPI:
                                                                  "type": "unavailable_error"}},
                             status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.METRICS, response_class=Response)
     async def metrics():
         return Response(await state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, response_model=None,
+             responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models():
         return {"object": "list", "data": [_model_card(state)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=None,
+             responses={200: {"model": openapi.ModelCard}, **openapi.errors(401, 404)})
     async def model(model_id: str):
         _check_model(state, model_id)
         return _model_card(state)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth, response_model=None,
+              responses={200: {"model": openapi.Tokens}, **openapi.errors(400, 401, 404, 413, 503)})
     async def tokenize(req: TokenizeRequest):
         tok = _tokenizer(state)
         _check_model(state, req.model)
@@ -140,14 +145,16 @@ def create_app(state: ServerState) -> FastAPI:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, response_model=None,
+              responses={200: {"model": openapi.Text}, **openapi.errors(400, 401, 404, 413, 503)})
     async def detokenize(req: DetokenizeRequest):
         tok = _tokenizer(state)
         _check_model(state, req.model)
         _check_ids(state, req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None,
+              responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
         _check_model(state, req.model)
@@ -162,7 +169,8 @@ def create_app(state: ServerState) -> FastAPI:
                    reasoning=True, in_reasoning=tok.starts_in_reasoning(ids))
         return await gen.respond(request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, response_model=None,
+              responses=openapi.generation(openapi.Completion))
     async def completions(req: CompletionRequest, request: Request):
         tok = _tokenizer(state)
         _check_model(state, req.model)
