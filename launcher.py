@@ -170,6 +170,9 @@ def parse_args(argv=None):
                          "make the server reach its own or the network's internal services")
     ap.add_argument("--max-image-pixels", type=int, default=50_000_000,
                     help="images with more pixels (width x height) get a 400 (default 50 megapixels)")
+    ap.add_argument("--max-tokens-default", type=int, default=2048,
+                    help="tokens a request may generate when it sets no max_tokens (default 2048: minutes, not hours, "
+                         "at a few tokens per second; reported in /v1/models)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
     ap.add_argument("--snapshot-dir", default=None, help="keep conversation snapshots on disk here too (reloaded at "
                                                          "start)")
@@ -259,7 +262,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
                                        allow_image_urls=a.allow_image_urls,
-                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels),
+                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels,
+                                       max_tokens_default=a.max_tokens_default, log_level=a.log_level),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))

@@ -68,9 +68,13 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None):
-        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None."""
+    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None,
+                 model_dir: str | None = None):
+        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None.
+        model_dir: where the tokenizer is (for grammars)."""
         self.engine, self.model, self.chan = engine, engine.model, chan
+        self.model_dir = model_dir
+        self._grammars = None
         self.vision = vision
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
@@ -110,6 +114,21 @@ class Worker:
             if msg is None:
                 return
             self.run(msg)
+
+    def _lookups(self) -> tuple[int, int]:
+        try:
+            c = self.engine.cache_stats()
+            return int(c.get("lookup_hits", 0)), int(c.get("lookup_misses", 0))
+        except Exception:
+            return 0, 0
+
+    def grammar(self, spec: dict):
+        """A request's grammar matcher (gpu_worker/grammar.py); the compiler is built on first use."""
+        if self._grammars is None:
+            from gpu_worker.grammar import GrammarCompiler
+            c = self.model.config
+            self._grammars = GrammarCompiler(self.model_dir, c.vocab_size, c.eos_token_ids)
+        return self._grammars.matcher(spec)
 
     def _disk_bytes(self) -> int:
         try:
@@ -167,7 +186,14 @@ class Worker:
             params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
                                     top_k=int(p.get("top_k", 0)), seed=p.get("seed"),
                                     max_tokens=int(p["max_tokens"]), min_tokens=int(p.get("min_tokens", 0)),
-                                    stop_token_ids=tuple(int(t) for t in p.get("stop_token_ids", ())))
+                                    stop_token_ids=tuple(int(t) for t in p.get("stop_token_ids", ())),
+                                    min_p=float(p.get("min_p", 0.0)),
+                                    presence_penalty=float(p.get("presence_penalty", 0.0)),
+                                    frequency_penalty=float(p.get("frequency_penalty", 0.0)),
+                                    repetition_penalty=float(p.get("repetition_penalty", 1.0)),
+                                    logit_bias={int(t): float(b) for t, b in p.get("logit_bias", ())})
+            grammar = self.grammar(msg["grammar"]) if msg.get("grammar") else None
+            lookups0 = self._lookups()
             acct = self.engine.accounting
             acct.per_token()        # folds the kernels' device-side counters in before the request
             a0 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_waiting_for_router,
@@ -178,7 +204,7 @@ class Worker:
             disk_at_first = 0
             if not cancel.is_set():
                 for step in generate(self.model, ids[pos:], params, state=state, prefill_chunk=self.prefill_chunk,
-                                     cancel=cancel, logprobs=msg.get("logprobs")):
+                                     cancel=cancel, logprobs=msg.get("logprobs"), grammar=grammar, context_ids=ids):
                     t_last = time.perf_counter()
                     if t_first is None:
                         t_first = t_last
@@ -218,7 +244,9 @@ class Worker:
                             "engine": {"tokens": d[0], "ms_waiting_for_disk": d[1], "ms_experts": d[2],
                                        "ms_waiting_for_router": d[3], "ms_bookkeeping": d[4],
                                        "bytes_over_pcie": d[5],
-                                       "bytes_from_disk_decode": disk_decode}})
+                                       "bytes_from_disk_decode": disk_decode,
+                                       **{k: b - a for k, a, b in zip(("lookup_hits", "lookup_misses"), lookups0,
+                                                                      self._lookups())}}})
         except Exception as e:
             log(f"request {rid} failed:\n{traceback.format_exc()}")
             self.chan.send({"op": "error", "id": rid, "message": f"{type(e).__name__}: {e}"})
@@ -381,7 +409,7 @@ def main(argv=None) -> int:
             "pid": os.getpid(), "device": a.device, "dtype": a.dtype, "vocab_size": c.vocab_size,
             "eos_token_ids": list(c.eos_token_ids), "model_key": key, "cache_prefix": engine.sup.prefix,
             "cache_child_pids": engine.sup.child_pids(), "snapshots_on_disk": len(snaps.disk)}})
-        Worker(engine, chan, snaps, a.prefill_chunk, vision).serve()
+        Worker(engine, chan, snaps, a.prefill_chunk, vision, model_dir=a.model or a.store).serve()
     finally:
         if snaps is not None:
             snaps.close()

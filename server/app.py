@@ -16,7 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import errors, openapi
+from server import errors, openapi, request_options
+from server.metrics import log as request_log, request_line, setup_logging
+from server.tool_calls import CallsInContent, messages_for_template
 from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ImagePart, TextPart
@@ -36,6 +38,8 @@ class ServerSettings:
     allow_image_urls: bool = False      # fetch http(s) image URLs (--allow-image-urls); data URLs always work
     allow_private_image_urls: bool = False   # ... also from loopback / private / link-local hosts
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
+    max_tokens_default: int = 2048      # a request without max_tokens gets at most this many (--max-tokens-default)
+    log_level: str = "info"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -80,6 +84,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="moestream", version="0.1.0",
                   description="OpenAI-compatible API of moestream (NemotronH MoE with experts streamed from NVMe)")
     app.state.ms = state
+    setup_logging(state.settings.log_level)
     plain_openapi = app.openapi
     app.openapi = lambda: openapi.drop_unused_422(plain_openapi())
     app.add_exception_handler(RequestValidationError, errors.validation_error)
@@ -139,7 +144,7 @@ def create_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, None,
+            ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, req.tools,
                                                 req.add_generation_prompt)    # it may fetch image URLs
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -159,14 +164,14 @@ def create_app(state: ServerState) -> FastAPI:
         tok = _tokenizer(state)
         _check_model(state, req.model)
         _check_unsupported(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
         ids, keep_at, images = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs,
                                                        req.tools, True)
+        in_reasoning = tok.starts_in_reasoning(ids)
+        tools = await asyncio.to_thread(request_options.chat_tools, req, in_reasoning)   # compiles a schema check
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         gen = _Gen(state, "chat", req, ids, max_tokens, keep_at=keep_at, images=images,
                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                   reasoning=True, in_reasoning=tok.starts_in_reasoning(ids))
+                   reasoning=True, in_reasoning=in_reasoning, tools=tools)
         return await gen.respond(request)
 
     @app.post("/v1/completions", dependencies=auth, response_model=None,
@@ -209,7 +214,10 @@ def _tokenizer(state: ServerState) -> Tokenizer:
 def _model_card(state: ServerState) -> dict:
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "moestream",
-            "root": s.model_dir, "max_model_len": state.max_model_len}
+            "root": s.model_dir, "max_model_len": state.max_model_len, "max_tokens_default": s.max_tokens_default,
+            # what a request that sets no chat_template_kwargs gets (the demo: thinking off, so the text of a
+            # random-weight model arrives as content, not as reasoning_content)
+            "default_chat_template_kwargs": dict(s.chat_template_kwargs)}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -225,9 +233,7 @@ def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def _check_unsupported(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    request_options.refuse_unsupported(req)
 
 
 def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generation_prompt: bool):
@@ -255,6 +261,7 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
+    msgs = messages_for_template(msgs)
     images = None
     expand = lambda text: text      # noqa: E731
     if encoded:
@@ -295,8 +302,11 @@ class _ClientGone(Exception):
 
 class _Gen:
     def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
-                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None):
+                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None,
+                 tools: request_options.ChatTools | None = None):
         self.state, self.kind, self.req, self.ids = state, kind, req, ids
+        self.tools = tools
+        self.calls = CallsInContent(tools.tools, tools.parallel) if tools is not None and tools.parse else None
         self.images = images
         self.tok = state.tokenizer
         self.logprobs = logprobs
@@ -313,7 +323,8 @@ class _Gen:
                                 f"{n} tokens{want}. Shorten the prompt or lower max_tokens.",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
                            n_prompt_tokens=n, n_ctx=limit)
-        self.max_tokens = max_tokens if max_tokens is not None else limit - n
+        # no max_tokens: a bounded default, not the rest of the context (a near-endless request at a few tok/s)
+        self.max_tokens = max_tokens if max_tokens is not None else min(limit - n, state.settings.max_tokens_default)
         d = state.defaults
         stops = [] if req.ignore_eos else list(self.tok.eos_ids)
         stops += [int(t) for t in (req.stop_token_ids or [])]
@@ -321,21 +332,30 @@ class _Gen:
         self.params = {"temperature": d["temperature"] if req.temperature is None else req.temperature,
                        "top_p": d["top_p"] if req.top_p is None else req.top_p, "top_k": top_k, "seed": req.seed,
                        "max_tokens": self.max_tokens, "min_tokens": min(req.min_tokens, self.max_tokens),
-                       "stop_token_ids": sorted(set(stops))}
+                       "stop_token_ids": sorted(set(stops)),
+                       "min_p": req.min_p or 0.0, "presence_penalty": req.presence_penalty or 0.0,
+                       "frequency_penalty": req.frequency_penalty or 0.0,
+                       "repetition_penalty": req.repetition_penalty or 1.0,
+                       # pairs, not a map: msgpack maps take string keys only
+                       "logit_bias": sorted(request_options.logit_bias(req, state.vocab_size).items())}
         self.stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning)
+        self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning,
+                               literal_tokens=self.tok.tool_call_marks if self.calls is not None else ())
         self.keep_at = list(keep_at)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.tokens: list[int] = []
         self.finish = None
         self.cached = 0
         self.timings: dict = {}
+        self.engine: dict = {}          # the engine's figures of this request (the done message)
         self.job = None
 
     # ---- talking to the worker ------------------------------------------------------------------
     def submit(self) -> None:
         msg = {"prompt_ids": self.ids, "params": self.params, "logprobs": self.logprobs, "keep_at": self.keep_at,
                "use_snapshots": bool(self.req.cache_prompt)}
+        if self.tools is not None and self.tools.grammar is not None:
+            msg["grammar"] = self.tools.grammar
         if self.images is not None:
             msg["images"] = self.images.message()
         try:
@@ -369,22 +389,28 @@ class _Gen:
                         lps = [(t, ev["lp"], ev.get("top") or [])]
                     if self.text.stopped:
                         stopped_by_text = True
-                        self.finish = "stop"
+                        self.finish = self._tool_finish("stop")
                         client.cancel(job)
+                        deltas = self._route(deltas, final=True)
                     elif ev.get("f"):
                         tail = self.text.finish()
-                        deltas = {k: deltas[k] + tail[k] for k in deltas}
-                        self.finish = ev["f"]
+                        deltas = self._route({k: deltas[k] + tail[k] for k in deltas}, final=True)
+                        self.finish = self._tool_finish(ev["f"])
+                    else:
+                        deltas = self._route(deltas)
                     yield deltas, lps
                 elif op == "done":
                     self.timings = ev.get("timings") or {}
+                    self.engine = ev.get("engine") or {}
                     if self.finish is None:
-                        tail = self.text.finish()
-                        if tail["reasoning"] or tail["content"]:
+                        tail = self._route(self.text.finish(), final=True)
+                        if tail["reasoning"] or tail["content"] or tail["tool_calls"]:
                             yield tail, None
                         self.finish = "abort" if ev.get("finish_reason") == "cancelled" else ev.get("finish_reason")
+                        self.finish = self._tool_finish(self.finish)
                     return
                 elif op == "error":
+                    self.finish = "error"
                     if ev.get("abort"):
                         raise APIError(503, ev["message"], code="aborted")
                     raise APIError(500, ev["message"], code="compute_process_crashed" if ev.get("crash") else
@@ -394,13 +420,29 @@ class _Gen:
                 client.cancel(job)
             self._observe()
 
+    def _route(self, deltas: dict, final: bool = False) -> dict:
+        """Content through the tool-call parser when the request has tools; adds 'tool_calls' (delta entries)."""
+        if self.calls is None:
+            return {**deltas, "tool_calls": []}
+        return self.calls.finish(deltas) if final else self.calls.route(deltas)
+
+    def _tool_finish(self, finish: str | None) -> str | None:
+        # OpenAI: "tool_calls" when the model called tools (auto / required); a named tool_choice stays "stop"
+        if finish == "stop" and self.calls is not None and self.calls.calls and not self.tools.named:
+            return "tool_calls"
+        return finish
+
     def _observe(self) -> None:
-        if self.finish is None:
-            return
+        finish = self.finish or "cancelled"      # the client left: still a request, counted as such
         t = self.full_timings()
         queue_s = (self.job.started - self.job.enqueued) if self.job and self.job.started else 0.0
-        self.state.metrics.observe(self.kind, self.finish, len(self.ids), self.cached, len(self.tokens), t,
+        self.state.metrics.observe(self.kind, finish, len(self.ids), self.cached, len(self.tokens), t,
                                    queue_s, time.monotonic() - self.t0)
+        e = self.engine
+        looked = e.get("lookup_hits", 0) + e.get("lookup_misses", 0)
+        request_log.info(request_line(self.rid, self.kind, finish, len(self.ids), self.cached, len(self.tokens),
+                                      t["prompt_ms"] / 1e3 if self.tokens else None, t["predicted_per_second"],
+                                      e.get("lookup_hits", 0) / looked if looked else None))
 
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
@@ -496,6 +538,9 @@ class _Gen:
                 "usage": self.usage(), "timings": self.full_timings()}
         if self.kind == "chat":
             msg = {"role": "assistant", "content": "".join(content)}
+            if self.calls is not None and self.calls.calls:
+                msg["tool_calls"] = self.calls.calls
+                msg["content"] = msg["content"] or None      # OpenAI: null content beside tool calls
             r = "".join(reasoning)
             if r:
                 msg["reasoning_content"] = r
@@ -527,6 +572,8 @@ class _Gen:
                         delta["reasoning_content"] = deltas["reasoning"]
                     if deltas["content"]:
                         delta["content"] = deltas["content"]
+                    if deltas["tool_calls"]:
+                        delta["tool_calls"] = deltas["tool_calls"]
                     if delta or lps:
                         yield self._chunk({"index": 0, "delta": delta, "logprobs": self._chat_logprobs(lps),
                                            "finish_reason": None})
