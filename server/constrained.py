@@ -8,12 +8,16 @@ llguidance's on both vocabularies, and it has the qwen3_coder XML parameter form
 (`style="qwen_xml"`: each parameter's value typed by the tool's JSON schema), which llguidance's Lark would have
 to spell out per type.
 
+Schemas are read strictly, `strict: true` or not: an object without `additionalProperties` gets no keys beyond
+its `properties` (OpenAI's strict reading, and xgrammar's). An answer valid under that reading is valid under the
+looser one too, so a non-strict schema is never broken, and a model cannot invent parameters; a schema that wants
+more keys says `"additionalProperties": true`.
+
 A prompt that leaves the model inside `<think>` (thinking on) gets a free reasoning block first, closed by
 `</think>`; the constraint starts after it, as vLLM's structured outputs do with a reasoning parser.
 """
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -25,26 +29,8 @@ TOOL_BEGIN, TOOL_END = "<tool_call>\n<function={}>\n", "\n</function>\n</tool_ca
 MAX_WHITESPACE = 8
 
 
-def _loosen(schema):
-    """A non-strict schema read as JSON Schema reads it: objects without `additionalProperties` allow more keys
-    (xgrammar's structural tags read every schema strictly)."""
-    if isinstance(schema, list):
-        return [_loosen(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    s = {k: _loosen(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not") else v
-         for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(s.get(key), dict):
-            s[key] = {k: _loosen(v) for k, v in s[key].items()}
-    if (s.get("type") == "object" or "properties" in s) and "additionalProperties" not in s:
-        s["additionalProperties"] = True
-    return s
-
-
-def _json_format(schema, strict: bool) -> dict:
-    return {"type": "json_schema", "json_schema": schema if strict else _loosen(copy.deepcopy(schema)),
-            "max_whitespace_cnt": MAX_WHITESPACE}
+def _json_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def response_format_format(rf: dict | None) -> dict | None:
@@ -57,8 +43,8 @@ def response_format_format(rf: dict | None) -> dict | None:
     if kind == "json_object":
         schema = rf.get("schema")           # llama.cpp's extension: json_object with a schema
         if schema is None:
-            return _json_format({"type": "object"}, strict=False)
-        return _json_format(_check_schema(schema, "response_format.schema"), strict=False)
+            return _json_format({"type": "object", "additionalProperties": True})
+        return _json_format(_check_schema(schema, "response_format.schema"))
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
@@ -67,8 +53,7 @@ def response_format_format(rf: dict | None) -> dict | None:
         schema = js.get("schema", js.get("json_schema"))
         if schema is None:
             raise APIError(400, "response_format.json_schema.schema is missing", param="response_format.json_schema")
-        return _json_format(_check_schema(schema, "response_format.json_schema.schema"),
-                            strict=bool(js.get("strict")))
+        return _json_format(_check_schema(schema, "response_format.json_schema.schema"))
     raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
                    param="response_format.type")
 
@@ -81,14 +66,13 @@ def _check_schema(schema, where: str):
     return schema
 
 
-def _tool_tag(name: str, params: dict, strict: bool) -> dict:
-    p = params if strict else _loosen(copy.deepcopy(params))
+def _tool_tag(name: str, params: dict) -> dict:
     return {"type": "tag", "begin": TOOL_BEGIN.format(name),
-            "content": {"type": "json_schema", "json_schema": p, "style": "qwen_xml",
+            "content": {"type": "json_schema", "json_schema": params, "style": "qwen_xml",
                         "max_whitespace_cnt": MAX_WHITESPACE}, "end": TOOL_END}
 
 
-def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool, strict_names=()) -> dict | None:
+def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool) -> dict | None:
     """The format of a `tool_choice` over the request's tools (name -> parameters schema); None for auto."""
     if tool_choice in (None, "auto"):
         return None
@@ -97,7 +81,7 @@ def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool, stri
     if tool_choice == "required":
         if not tools:
             raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-        tags = [_tool_tag(n, p, n in strict_names) for n, p in tools.items()]
+        tags = [_tool_tag(n, p) for n, p in tools.items()]
         return {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
                 "stop_after_first": not parallel}
     if isinstance(tool_choice, dict) and tool_choice.get("type", "function") == "function":
@@ -105,7 +89,7 @@ def tool_choice_format(tools: dict[str, dict], tool_choice, parallel: bool, stri
         if name not in tools:
             raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools",
                            param="tool_choice")
-        return _tool_tag(name, tools[name], name in strict_names)
+        return _tool_tag(name, tools[name])
     raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                         "\"function\": {\"name\": …}}", param="tool_choice")
 
@@ -136,10 +120,10 @@ def check(tag_json: str, param: str) -> None:
 
 
 def for_chat(response_format: dict | None, tools: dict[str, dict], tool_choice, parallel: bool,
-             in_reasoning: bool, strict_names=()) -> dict | None:
+             in_reasoning: bool) -> dict | None:
     """The grammar message for the compute process ({'structural_tag': json}) or None when nothing is constrained."""
     rf = response_format_format(response_format)
-    tc = tool_choice_format(tools, tool_choice, parallel, strict_names) if tools or tool_choice not in (
+    tc = tool_choice_format(tools, tool_choice, parallel) if tools or tool_choice not in (
         None, "auto", "none") else None
     if rf is not None and tc is not None and tc["type"] != "any_text":
         raise APIError(400, "response_format and a forced tool_choice cannot both constrain one answer",

@@ -60,8 +60,6 @@ def chat_tools(req, in_reasoning: bool) -> ChatTools:
     parallel = getattr(req, "parallel_tool_calls", None) is not False
     if choice is not None and not tools and choice not in ("none", "auto"):
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
-    strict = {t["function"]["name"] for t in (req.tools or []) if (t.get("function") or {}).get("strict")}
-    grammar = constrained.for_chat(req.response_format, tools, choice if tools else None, parallel, in_reasoning,
-                                   strict)
+    grammar = constrained.for_chat(req.response_format, tools, choice if tools else None, parallel, in_reasoning)
     return ChatTools(tools=tools, parse=bool(tools) and choice != "none", parallel=parallel,
                      named=isinstance(choice, dict), grammar=grammar)

@@ -82,13 +82,17 @@ def test_json_schema_output_validates_and_the_unconstrained_twin_does_not(compil
         assert not _json_valid(hf.decode([t for t in free if t not in STOPS]), SCHEMA)
 
 
-def test_non_strict_schema_allows_more_keys_strict_does_not(compiler):
+def test_schemas_are_read_strictly_unless_they_allow_more_keys(compiler):
     loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    for strict, ok in ((True, False), (False, True)):
+    for strict in (True, False, None):
         spec = constrained.for_chat({"type": "json_schema", "json_schema": {"schema": loose, "strict": strict}},
                                     {}, None, True, False)
-        m = _matcher(compiler, spec)
-        assert m.accept_string('{"a": 1, "b": 2}') is ok
+        assert not _matcher(compiler, spec).accept_string('{"a": 1, "b": 2}')
+        assert _matcher(compiler, spec).accept_string('{"a": 1}')
+    # must-fail twin: the schema that says so gets its extra keys
+    spec = constrained.for_chat({"type": "json_schema", "json_schema": {"schema": {**loose,
+                                "additionalProperties": True}}}, {}, None, True, False)
+    assert _matcher(compiler, spec).accept_string('{"a": 1, "b": 2}')
 
 
 def test_json_object_is_an_object(compiler, hf):

@@ -15,7 +15,8 @@ import pytest
 from tests.server.harness import Launcher
 
 KEY = "tools-key"
-DEFAULT_MAX_TOKENS = 300
+DEFAULT_MAX_TOKENS = 48
+LONG = 400          # a constrained answer of this random-weight model takes 50-300 tokens
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days", "unit"], "additionalProperties": False}
@@ -76,27 +77,30 @@ def valid_calls(calls) -> bool:
 
 # ------------------------------------------------------------------------------------------------ openai client
 def test_required_tool_call_is_a_valid_call(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", seed=1)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", seed=1,
+                                       max_tokens=LONG)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert valid_calls(ch.message.tool_calls), ch.message
     assert all(c.id.startswith("call_") and c.type == "function" for c in ch.message.tool_calls)
     assert not ch.message.content
     # must-fail twin: the same request unconstrained gives no valid call on this random-weight model
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", seed=1)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", seed=1,
+                                       max_tokens=LONG)
     assert not valid_calls(r.choices[0].message.tool_calls)
     assert r.choices[0].finish_reason != "tool_calls"
 
 
 def test_named_tool_call_streams_as_deltas_that_join_into_the_non_streamed_call(client, model):
     choice = {"type": "function", "function": {"name": "get_time"}}
-    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, seed=2)
+    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, seed=2,
+                                           max_tokens=LONG)
     calls = whole.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"] and valid_calls(calls)
     assert whole.choices[0].finish_reason == "stop"        # OpenAI's reading of a named tool_choice
     deltas, finish = [], None
     for chunk in client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, seed=2,
-                                                stream=True):
+                                                max_tokens=LONG, stream=True):
         for c in chunk.choices:
             deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
@@ -117,7 +121,7 @@ def test_tool_choice_none_returns_text(client, model):
 def test_parallel_tool_calls_false_gives_one_call(client, model):
     for seed in (4, 5):
         r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, seed=seed)
+                                           parallel_tool_calls=False, seed=seed, max_tokens=LONG)
         assert len(r.choices[0].message.tool_calls) == 1
 
 
@@ -136,7 +140,7 @@ def test_tool_results_are_rendered_back(server, client, model):
 
 def test_json_schema_response_validates(client, model):
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
-    r = client.chat.completions.create(model=model, messages=ASK, response_format=rf, seed=6)
+    r = client.chat.completions.create(model=model, messages=ASK, response_format=rf, seed=6, max_tokens=LONG)
     assert r.choices[0].finish_reason == "stop"
     assert validates(r.choices[0].message.content, WEATHER)
     # must-fail twin: without the response_format the text is not JSON of that schema
@@ -172,11 +176,17 @@ def test_logit_bias_and_penalties_are_applied(server, model):
     assert biased["choices"][0]["token_ids"] == [favoured] * 12
     # must-fail twin of the check: the unbiased run does not pick it at all
     assert favoured not in plain
-    pen = post(server, "/v1/chat/completions", {**base, "frequency_penalty": 2.0, "presence_penalty": 2.0}).json()
-    ids = pen["choices"][0]["token_ids"]
-    assert len(set(ids)) >= len(set(plain)) and ids != plain
-    rep = post(server, "/v1/chat/completions", {**base, "repetition_penalty": 5.0, "min_p": 0.1}).json()
-    assert rep["choices"][0]["token_ids"] != plain
+    # greedy decoding of this model repeats itself within 40 tokens; the penalties make it repeat less
+    long = {**base, "max_tokens": 40}
+    plain = post(server, "/v1/chat/completions", long).json()["choices"][0]["token_ids"]
+    assert len(set(plain)) < len(plain)
+    for extra in ({"frequency_penalty": 2.0, "presence_penalty": 2.0}, {"repetition_penalty": 5.0}):
+        ids = post(server, "/v1/chat/completions", {**long, **extra}).json()["choices"][0]["token_ids"]
+        assert len(set(ids)) > len(set(plain)), extra
+    sampled = {**long, "temperature": 1.0, "seed": 3}
+    top_only = post(server, "/v1/chat/completions", {**sampled, "min_p": 1.0}).json()["choices"][0]["token_ids"]
+    assert top_only == plain               # min_p 1 keeps only the most likely token: greedy again
+    assert post(server, "/v1/chat/completions", sampled).json()["choices"][0]["token_ids"] != plain
 
 
 def test_max_tokens_default_is_reported_and_applied(server, client, model):
@@ -192,7 +202,8 @@ def test_langchain_bind_tools_and_structured_output(server, model):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 
-    llm = ChatOpenAI(model=model, base_url=server.url + "/v1", api_key=KEY, seed=7, max_retries=0, timeout=120)
+    llm = ChatOpenAI(model=model, base_url=server.url + "/v1", api_key=KEY, seed=7, max_retries=0, timeout=120,
+                     max_tokens=LONG)
     msg = llm.bind_tools(TOOLS, tool_choice="required").invoke([HumanMessage(ASK[0]["content"])])
     assert msg.tool_calls and all(jsonschema_rs.is_valid(SCHEMAS[c["name"]], c["args"]) for c in msg.tool_calls)
     free = llm.bind_tools(TOOLS).invoke([HumanMessage(ASK[0]["content"])])
@@ -211,7 +222,7 @@ def test_litellm_tools_and_json_schema(server, model):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
     kw = dict(model="openai/" + model, api_base=server.url + "/v1", api_key=KEY, messages=ASK, seed=8,
-              num_retries=0, timeout=120)
+              num_retries=0, timeout=120, max_tokens=LONG)
     r = litellm.completion(tools=TOOLS, tool_choice="required", **kw)
     assert valid_calls([c.model_dump() for c in r.choices[0].message.tool_calls])
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
@@ -227,4 +238,4 @@ def test_simonw_llm_schema(server, model, tmp_path, monkeypatch):
     (tmp_path / "keys.json").write_text(json.dumps({"moestream": KEY}))
     import llm
     m = llm.get_model("moestream")
-    assert validates(m.prompt("The weather in Paris?", schema=WEATHER, seed=9).text(), WEATHER)
+    assert validates(m.prompt("The weather in Paris?", schema=WEATHER, seed=9, max_tokens=LONG).text(), WEATHER)
