@@ -153,7 +153,7 @@ def parse_args(argv=None):
     ap.add_argument("--io-workers", type=int, default=4, help="IO worker processes reading expert blocks")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads in the compute process (0: default)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="0: a free port, named in the 'listening on' line")
     ap.add_argument("--api-key", default=None, help="require this bearer key on /v1/* and /tokenize, /detokenize "
                                                     "(default: $MOESTREAM_API_KEY; unset: no key)")
     ap.add_argument("--served-model-name", default=None, help="the model id in the API (default: the directory name)")
@@ -293,6 +293,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
             log(f"error: could not serve on {a.host}:{a.port}")
             return 1
         await asyncio.sleep(0.02)
+    if a.port == 0:
+        a.port = server.servers[0].sockets[0].getsockname()[1]
     log(f"listening on http://{a.host}:{a.port} (loading; /health answers 503 until the model is ready)")
 
     async def keep_extending():
@@ -319,7 +321,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         notify("READY=1", f"STATUS=serving {state.settings.model_name} on {a.host}:{a.port}")
         info = client.info
         size = f"{cache_bytes / GiB:.2f} GiB" if cache_bytes >= GiB else f"{cache_bytes / (1 << 20):.1f} MiB"
-        log(f"ready: {state.settings.model_name} on {info.get('device')} ({info.get('dtype')}), expert cache {size}; "
+        log(f"ready: {state.settings.model_name} on {info.device} ({info.dtype}), expert cache {size}; "
             f"OpenAI API at http://{a.host}:{a.port}/v1")
 
     load_task = asyncio.create_task(load())

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cache_shm.supervisor import Supervisor
+from gpu_worker.cache_supervisor import Supervisor
 
 SUPER_BLOCK = 3_096_576
 

@@ -129,7 +129,7 @@ def decode_run(eng, prompts, n_tokens, device):
                                                 "stalls_no_slot", "failed_slots", "resends") if k in cache1}
     return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
-                ms_waiting_for_disk=waits / n, pcie_bytes_per_token=pcie / n)
+                ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n)
 
 
 def main(argv=None):
@@ -288,9 +288,9 @@ def main(argv=None):
     for name in ("ram", "ram_eager", "disk", "vram"):
         if name in res:
             acc = res[name]["accounting"]
-            print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router']:.2f}, bookkeeping "
-                  f"{acc['ms_bookkeeping']:.2f}, waiting for disk {acc['ms_waiting_for_disk']:.2f}, experts "
-                  f"{acc['ms_experts']:.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
+            print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
+                  f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f}, waiting for disk "
+                  f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
             if "vram_added_by_decode" in res[name]:
                 r = res[name]
                 print(f"  device memory: {r['vram_after_load'] / 2**30:.2f} GiB after load; decoding added "

@@ -139,10 +139,6 @@ class CacheClient:
             return s
         raise AssertionError("unreachable")
 
-    def wait_view(self, layer: int, expert: int, timeout: float = 60.0) -> tuple[int, np.ndarray]:
-        s = self.wait(layer, expert, timeout)
-        return s, self.view(s)
-
     def wait_any(self, layer: int, experts, timeout: float = 60.0):
         """Yield (expert, slot) for each of `experts` as it becomes ready (pinned), in landing order."""
         left = list(dict.fromkeys(experts.tolist() if hasattr(experts, "tolist") else experts))

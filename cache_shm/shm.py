@@ -238,13 +238,6 @@ class CacheShm:
         self.sem_workers = [sem(f"w{w}") for w in range(self.n_workers)]
 
     # ---- helpers ---------------------------------------------------------------------------
-    def slot_address(self, slot: int) -> int:
-        return self.slab.ctypes.data + slot * self.slot_bytes
-
-    def slot_view(self, slot: int) -> np.ndarray:
-        """uint8 view of the block bytes held by `slot` (no copy)."""
-        return self.slab[slot, :self.block_bytes]
-
     def populate_slab(self, chunk_bytes: int = 1 << 30) -> bool:
         """Map every slab page into this process now (MADV_POPULATE_WRITE, Linux >= 5.14; the
         contents are untouched). Without it the first read into each slot in each process takes

@@ -1,6 +1,6 @@
 """The streaming engine: dense part on the device, routed experts through the shared-memory cache.
 
-Owns the cache processes (a `cache_shm.supervisor.Supervisor`: prefetcher + IO workers) for its lifetime;
+Owns the cache processes (a `gpu_worker.cache_supervisor.Supervisor`: prefetcher + IO workers) for its lifetime;
 `close()` (or leaving the `with` block) stops them and unlinks every shared-memory object.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cache_shm.cuda_map import register_slab, slab_tensor
-from cache_shm.supervisor import Supervisor
+from gpu_worker.cache_supervisor import Supervisor
 from gpu_worker.streaming import StreamingExperts
 from gpu_worker.vram_tier import VramTier, vram_tier_slots
 from io_workers.store import ExpertStore, StoreError

@@ -5,7 +5,7 @@ in a helper thread while the model computes the next logits.
 
 Special tokens are blanked from the grammar's vocabulary, so no constrained text can contain them
 (`<|im_start|>` or `<think>` inside a JSON string, say), except the stop tokens and those the grammar spells
-(`spec["special_tokens"]`: `</think>` closing a reasoning block, `<tool_call>` / `</tool_call>`): the model
+(`special_tokens`: `</think>` closing a reasoning block, `<tool_call>` / `</tool_call>`): the model
 was trained to emit those as single tokens, so the grammar must let it.
 """
 from __future__ import annotations
@@ -53,12 +53,12 @@ class GrammarCompiler:
                                  stop_token_ids=self.stop_token_ids, add_prefix_space=base.add_prefix_space)
         return xgr.GrammarCompiler(info, max_threads=1)
 
-    def matcher(self, spec: dict) -> "Grammar":
-        kept = frozenset(spec.get("special_tokens") or ())
+    def matcher(self, structural_tag: str, special_tokens=()) -> "Grammar":
+        kept = frozenset(special_tokens)
         if kept not in self._compilers:
             self._compilers[kept] = self._build(kept)
         import xgrammar as xgr
-        compiled = self._compilers[kept].compile_structural_tag(spec["structural_tag"])
+        compiled = self._compilers[kept].compile_structural_tag(structural_tag)
         return Grammar(xgr.GrammarMatcher(compiled))
 
 

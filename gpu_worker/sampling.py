@@ -9,53 +9,18 @@ device, and the plain host twin (`reference_choose`) picks it too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
+# One definition of the sampling fields and their defaults, shared with the launcher (procs.messages).
+from procs.messages import SamplingParams
+
+__all__ = ["Sampler", "SamplingParams", "apply_token_bitmask", "reference_choose", "uniforms"]
 _RANDOM_BLOCK = 256           # uniforms drawn (and copied to the device) at a time
 
 
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0         # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                   # 0 = off
-    seed: int | None = None
-    max_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0              # stop tokens cannot be chosen before this many tokens
-    min_p: float = 0.0               # drop tokens below min_p × the most likely token's probability
-    presence_penalty: float = 0.0    # OpenAI: subtracted once from every token already generated
-    frequency_penalty: float = 0.0   # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # HF / vLLM: prompt and generated tokens' logits divided (> 0) or multiplied
-    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
-        if self.min_tokens < 0:
-            raise ValueError("min_tokens must be >= 0")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 10:
-            raise ValueError("repetition_penalty must be in (0, 10]")
-        for t, b in self.logit_bias.items():
-            if int(t) < 0 or not -100 <= float(b) <= 100:
-                raise ValueError(f"logit_bias {t}: {b}: token ids >= 0, biases in [-100, 100]")
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -92,14 +57,14 @@ class Sampler:
     def _setup(self, row: torch.Tensor) -> None:
         dev, v = row.device, row.shape[-1]
         self._dev = dev
-        self.counts = torch.zeros(v, dtype=torch.int32, device=dev) if self.p.penalized else None
+        self.counts = torch.zeros(v, dtype=torch.int32, device=dev) if _penalized(self.p) else None
         self.seen_prompt = None
         if self.p.repetition_penalty != 1.0:
             seen = torch.zeros(v, dtype=torch.bool)
             ids = torch.tensor([t for t in self.prompt_ids if 0 <= t < v], dtype=torch.long)
             seen[ids] = True
             self.seen_prompt = seen.to(dev)
-        bias = {int(t): float(b) for t, b in self.p.logit_bias.items() if 0 <= int(t) < v}
+        bias = {t: b for t, b in self.p.logit_bias if 0 <= t < v}
         self.bias_ix = torch.tensor(list(bias), dtype=torch.long, device=dev) if bias else None
         self.bias_val = torch.tensor(list(bias.values()), dtype=torch.float32, device=dev) if bias else None
         banned = sorted(t for t in set(self.p.stop_token_ids) if 0 <= t < v)
@@ -204,9 +169,9 @@ def reference_choose(logits, params: SamplingParams, u: float, generated=(), pro
     p = params
     x = np.asarray(logits, dtype=np.float64).copy()
     v = x.size
-    for t, b in p.logit_bias.items():
-        if 0 <= int(t) < v:
-            x[int(t)] += float(b)
+    for t, b in p.logit_bias:
+        if 0 <= t < v:
+            x[t] += b
     if p.repetition_penalty != 1.0:
         seen = {t for t in list(prompt_ids) + list(generated) if 0 <= t < v}
         for t in seen:

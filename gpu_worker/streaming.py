@@ -18,7 +18,8 @@ from kernels.expert_block import ExpertGeometry
 
 @dataclass
 class Accounting:
-    """Always-on, cheap per-run counters; `per_token()` turns them into the per-token breakdown."""
+    """Always-on, cheap per-run counters (totals); `totals()` and `per_token()` report them, named `*_total` and
+    `*_per_token` so the two are never confused."""
     tokens: int = 0
     ms_waiting_for_disk: float = 0.0
     ms_experts: float = 0.0
@@ -38,17 +39,25 @@ class Accounting:
         """Router wait + bookkeeping together (the split is in the two fields above)."""
         return self.ms_waiting_for_router + self.ms_bookkeeping
 
+    _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping", "bytes_over_pcie",
+               "bytes_from_vram")
+
+    def totals(self) -> dict:
+        """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
+        if self.refresh is not None:
+            self.refresh()
+        return dict(tokens=self.tokens, hits_at_lookup=self.hits_at_lookup, misses_at_lookup=self.misses_at_lookup,
+                    vram_hits=self.vram_hits, **{f"{k}_total": getattr(self, k) for k in self._SUMMED})
+
     def per_token(self) -> dict:
+        """Each summed figure divided by the tokens, as `<name>_per_token`, and the hit rates."""
         if self.refresh is not None:
             self.refresh()
         n = max(self.tokens, 1)
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
-        return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses,
-                    bytes_from_vram=self.bytes_from_vram / n, ms_waiting_for_disk=self.ms_waiting_for_disk / n,
-                    ms_experts=self.ms_experts / n, ms_waiting_for_router=self.ms_waiting_for_router / n,
-                    ms_bookkeeping=self.ms_bookkeeping / n,
-                    hit_rate=self.hits_at_lookup / looked, bytes_over_pcie=self.bytes_over_pcie / n)
+        return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses, hit_rate=self.hits_at_lookup / looked,
+                    **{f"{k}_per_token": getattr(self, k) / n for k in self._SUMMED})
 
 
 class RoutingRecorder:

@@ -3,25 +3,15 @@ at a time, streams tokens back to the launcher, and keeps conversation snapshots
 
     python -m gpu_worker.worker --fd N --store STORE --cache-bytes B [...]
 
-It talks to the launcher over one stream socket (fd N, inherited), msgpack maps in both directions:
-
-    launcher -> worker   {op: generate, id, prompt_ids, params, logprobs, keep_at[, images]}
-                         images: {pixel_values (fp32 LE bytes), n_rows, row_size, grid_hw, positions, digests}
-                         {op: cancel, id}   {op: stats, seq}   {op: shutdown}
-    worker -> launcher   {op: status, message}   {op: ready, info}   {op: fatal, message}
-                         {op: start, id, cached_tokens}   {op: token, id, t, f, lp, top}
-                         {op: done, id, finish_reason, timings, engine}   {op: error, id, message}
-                         {op: stats, seq, data}
-
-A reader thread takes messages off the socket (so a cancel or a stats request is served while a request
-computes); the main thread runs requests in order. A cancel stops a request within one token. End of file on
-the socket (the launcher died) shuts the process down like a `shutdown` message: the engine stops its cache
-processes and unlinks every shared-memory object.
+It talks to the launcher over one stream socket (fd N, inherited): the typed messages of `procs.messages`
+(docs/serving.md lists them). A reader thread takes messages off the socket (so a cancel or a stats request is
+served while a request computes); the main thread runs requests in order. A cancel stops a request within one
+token. End of file on the socket (the launcher died) shuts the process down like a `Shutdown` message: the
+engine stops its cache processes and unlinks every shared-memory object.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import queue
 import signal
@@ -30,9 +20,12 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 
-import msgpack
 import torch
+
+from procs import messages as m
+from procs.spawn import die_with_parent
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,8 +39,8 @@ class Channel:
         self.sock = sock
         self._send_lock = threading.Lock()
 
-    def send(self, msg: dict) -> None:
-        data = msgpack.packb(msg, use_bin_type=True)
+    def send(self, msg) -> None:
+        data = m.encode(msg)
         with self._send_lock:
             try:
                 self.sock.sendall(data)
@@ -55,7 +48,8 @@ class Channel:
                 pass        # the launcher is gone; the reader sees EOF and shuts us down
 
     def messages(self):
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
+        """Raw maps as they arrive (`m.decode` types them); ends at end of file."""
+        unpacker = m.unpacker()
         while True:
             try:
                 data = self.sock.recv(1 << 16)
@@ -67,15 +61,52 @@ class Channel:
             yield from unpacker
 
 
+@dataclass
+class _PromptImages:
+    """A request's images as the worker uses them: grid rows, the prompt positions of each row's tokens."""
+    grid: list[tuple[int, int]]
+    per_image: list[list[int]]       # per grid row: its `<image>` positions in the prompt
+    digests: list[str]
+    pixel_values: torch.Tensor
+
+
+@dataclass
+class _Request:
+    """One request between its phases: what restore found, how far prefill got."""
+    msg: m.Generate
+    cancel: threading.Event
+    t0: float
+    ids: list[int]
+    key: list[int]                   # what snapshots are keyed by: the ids, image tokens bound to their image
+    snaps: object                    # the SnapshotStore, or None when the request does not use snapshots
+    state: object = None
+    restored: object = None
+    cached: int = 0
+    pos: int = 0
+    rows: tuple | None = None        # (embeddings, positions) of the image tokens still to feed
+
+
+@dataclass
+class _Decoded:
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    disk_at_first: int = 0
+    lookups_at_start: tuple[int, int] = (0, 0)
+    t_end: float = 0.0
+
+
 class Worker:
     def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None,
-                 model_dir: str | None = None):
-        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None.
-        model_dir: where the tokenizer is (for grammars)."""
+                 image_geometry=None, model_dir: str | None = None):
+        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None;
+        image_geometry: its `nemotron.vision_preprocess.ImageGeometry`; model_dir: where the tokenizer is (for
+        grammars)."""
         self.engine, self.model, self.chan = engine, engine.model, chan
+        self.vision, self.image_geometry = vision, image_geometry
         self.model_dir = model_dir
-        self._grammars = None
-        self.vision = vision
+        self._grammars = None       # gpu_worker.grammar.GrammarCompiler, built by the first constrained request
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
         self.jobs: queue.Queue = queue.Queue()
@@ -87,24 +118,34 @@ class Worker:
 
     # ---- reader thread --------------------------------------------------------------------------
     def read_loop(self) -> None:
-        for msg in self.chan.messages():
-            op = msg.get("op")
-            if op == "generate":
+        for obj in self.chan.messages():
+            try:
+                msg = m.decode(obj, m.TO_WORKER)
+            except m.ProtocolError as e:
+                self._on_bad_message(obj, e)
+                continue
+            if isinstance(msg, m.Generate):
                 self.jobs.put(msg)
-            elif op == "cancel":
+            elif isinstance(msg, m.Cancel):
                 with self._lock:
-                    if self.current is not None and self.current[0] == msg["id"]:
+                    if self.current is not None and self.current[0] == msg.id:
                         self.current[1].set()
                     else:
-                        self.cancelled.add(msg["id"])
-            elif op == "stats":
-                self.chan.send({"op": "stats", "seq": msg.get("seq"), "data": self.stats()})
-            elif op == "shutdown":
+                        self.cancelled.add(msg.id)
+            elif isinstance(msg, m.StatsRequest):
+                self.chan.send(m.StatsReply(msg.seq, self.stats()))
+            elif isinstance(msg, m.Shutdown):
                 break
         with self._lock:
             if self.current is not None:
                 self.current[1].set()
         self.jobs.put(None)
+
+    def _on_bad_message(self, obj, e: m.ProtocolError) -> None:
+        log(f"unreadable message from the launcher: {e}")
+        rid = obj.get("id") if isinstance(obj, dict) else None
+        if isinstance(rid, str) and isinstance(obj, dict) and obj.get("op") == "generate":
+            self.chan.send(m.Error(rid, f"the request could not be read: {e}"))
 
     # ---- main thread ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -116,19 +157,20 @@ class Worker:
             self.run(msg)
 
     def _lookups(self) -> tuple[int, int]:
+        """The expert cache's (hits, misses) so far."""
         try:
             c = self.engine.cache_stats()
             return int(c.get("lookup_hits", 0)), int(c.get("lookup_misses", 0))
         except Exception:
             return 0, 0
 
-    def grammar(self, spec: dict):
-        """A request's grammar matcher (gpu_worker/grammar.py); the compiler is built on first use."""
+    def _grammar(self, g: m.Grammar):
+        """A request's grammar matcher (gpu_worker/grammar.py)."""
         if self._grammars is None:
             from gpu_worker.grammar import GrammarCompiler
             c = self.model.config
             self._grammars = GrammarCompiler(self.model_dir, c.vocab_size, c.eos_token_ids)
-        return self._grammars.matcher(spec)
+        return self._grammars.matcher(g.structural_tag, g.special_tokens)
 
     def _disk_bytes(self) -> int:
         try:
@@ -136,123 +178,118 @@ class Worker:
         except Exception:
             return 0
 
-    def run(self, msg: dict) -> None:
-        from gpu_worker.generate import generate
-        from gpu_worker.sampling import SamplingParams
-        rid = msg["id"]
+    def run(self, msg: m.Generate) -> None:
+        """One request: restore the longest snapshot, prefill the rest of the prompt, decode, report."""
         cancel = threading.Event()
         with self._lock:
-            if rid in self.cancelled:
-                self.cancelled.discard(rid)
-                self.chan.send({"op": "done", "id": rid, "finish_reason": "cancelled", "timings": {}, "engine": {}})
+            if msg.id in self.cancelled:
+                self.cancelled.discard(msg.id)
+                self.chan.send(m.Done(msg.id, "cancelled"))
                 return
-            self.current = (rid, cancel)
-        ids = [int(t) for t in msg["prompt_ids"]]
-        snaps = self.snaps if msg.get("use_snapshots", True) else None
-        t0 = time.perf_counter()
+            self.current = (msg.id, cancel)
         try:
-            img = msg.get("images")
-            key = ids          # what snapshots are keyed by: the ids, with image tokens bound to their image
-            if img:
-                img = self._image_layout(img, len(ids))
-                from gpu_worker.snapshots import image_key_ids
-                key = image_key_ids(ids, img["per_image"], img["digests"])
-            restored = None
-            if snaps is not None:
-                try:
-                    restored = snaps.lookup(key)
-                except Exception as e:      # a snapshot that cannot be restored is a miss, never a failed request
-                    log(f"snapshot lookup failed, computing in full: {type(e).__name__}: {e}")
-            state = restored.state if restored is not None else self.model.new_state()
-            cached = restored.n_tokens if restored is not None else 0
-            pos = cached
-            rows = None
-            if img:
-                rows = self._image_rows(img, cached)     # (embeddings, positions) of images not in the snapshot
-            # Snapshots inside the prompt (e.g. where the last message ends, before the generation prompt that the
-            # next turn renders differently): prefill up to each and keep a copy.
-            keep_at = (msg.get("keep_at") or ()) if snaps is not None else ()
-            for stop_at in sorted({int(k) for k in keep_at if cached < int(k) < len(ids)}):
-                pos = self._prefill(ids, state, pos, stop_at, rows, cancel)
-                if cancel.is_set():
-                    break
-                snaps.put(key[:stop_at], state)
-            if rows is not None:
-                # the image rows go in here; generate() gets only the last prompt token (never an image token)
-                pos = self._prefill(ids, state, pos, len(ids) - 1, rows, cancel)
-            self.chan.send({"op": "start", "id": rid, "cached_tokens": cached,
-                            "snapshot": restored.source if restored is not None else None})
-            p = msg["params"]
-            params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_p=float(p.get("top_p", 1.0)),
-                                    top_k=int(p.get("top_k", 0)), seed=p.get("seed"),
-                                    max_tokens=int(p["max_tokens"]), min_tokens=int(p.get("min_tokens", 0)),
-                                    stop_token_ids=tuple(int(t) for t in p.get("stop_token_ids", ())),
-                                    min_p=float(p.get("min_p", 0.0)),
-                                    presence_penalty=float(p.get("presence_penalty", 0.0)),
-                                    frequency_penalty=float(p.get("frequency_penalty", 0.0)),
-                                    repetition_penalty=float(p.get("repetition_penalty", 1.0)),
-                                    logit_bias={int(t): float(b) for t, b in p.get("logit_bias", ())})
-            grammar = self.grammar(msg["grammar"]) if msg.get("grammar") else None
-            lookups0 = self._lookups()
-            acct = self.engine.accounting
-            acct.per_token()        # folds the kernels' device-side counters in before the request
-            a0 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_waiting_for_router,
-                  acct.ms_bookkeeping, acct.bytes_over_pcie)
-            out: list[int] = []
-            finish = None
-            t_first = t_last = None
-            disk_at_first = 0
-            if not cancel.is_set():
-                for step in generate(self.model, ids[pos:], params, state=state, prefill_chunk=self.prefill_chunk,
-                                     cancel=cancel, logprobs=msg.get("logprobs"), grammar=grammar, context_ids=ids):
-                    t_last = time.perf_counter()
-                    if t_first is None:
-                        t_first = t_last
-                        disk_at_first = self._disk_bytes()
-                    out.append(step.token)
-                    finish = step.finish_reason
-                    self.chan.send({"op": "token", "id": rid, "t": step.token, "f": step.finish_reason,
-                                    "lp": step.logprob, "top": step.top_logprobs})
-            if finish is None:
-                finish = "cancelled"
-            t_end = time.perf_counter()
-            if snaps is not None and state.position > 0:
-                full = key + out
-                snaps.put(full[:state.position], state)
-            n_decode = max(len(out) - 1, 0)
-            prompt_ms = ((t_first or t_end) - t0) * 1e3
-            decode_ms = ((t_last - t_first) * 1e3) if t_first is not None else 0.0
-            disk_decode = (self._disk_bytes() - disk_at_first) if t_first is not None else 0
-            acct.per_token()
-            a1 = (acct.tokens, acct.ms_waiting_for_disk, acct.ms_experts, acct.ms_waiting_for_router,
-                  acct.ms_bookkeeping, acct.bytes_over_pcie)
-            d = [b - a for a, b in zip(a0, a1)]
-            tot = self.totals
-            tot["requests"] += 1
-            tot["prompt_tokens"] += len(ids)
-            tot["cached_tokens"] += cached
-            tot["prefilled_tokens"] += len(ids) - cached
-            tot["generated_tokens"] += len(out)
-            tot["prefill_ms"] += prompt_ms
-            tot["decode_ms"] += decode_ms
-            tot["decode_tokens"] += n_decode
-            tot["decode_disk_bytes"] += disk_decode
-            self.chan.send({"op": "done", "id": rid, "finish_reason": finish,
-                            "timings": {"cache_n": cached, "prompt_n": len(ids) - cached, "prompt_ms": prompt_ms,
-                                        "predicted_n": len(out), "predicted_ms": decode_ms,
-                                        "decode_steps": n_decode},
-                            "engine": {"tokens": d[0], "ms_waiting_for_disk": d[1], "ms_experts": d[2],
-                                       "ms_waiting_for_router": d[3], "ms_bookkeeping": d[4],
-                                       "bytes_over_pcie": d[5],
-                                       "bytes_from_disk_decode": disk_decode,
-                                       **{k: b - a for k, a, b in zip(("lookup_hits", "lookup_misses"), lookups0,
-                                                                      self._lookups())}}})
+            req = self._restore(msg, cancel)
+            self._prefill_prompt(req)
+            self.chan.send(m.Started(msg.id, req.cached, req.restored.source if req.restored is not None else None))
+            a0 = self.engine.accounting.totals()
+            out = self._decode(req)
+            self._finish(req, out, a0)
         except Exception as e:
-            log(f"request {rid} failed:\n{traceback.format_exc()}")
-            self.chan.send({"op": "error", "id": rid, "message": f"{type(e).__name__}: {e}"})
+            log(f"request {msg.id} failed:\n{traceback.format_exc()}")
+            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}"))
         finally:
             with self._lock:
                 self.current = None
+
+    def _restore(self, msg: m.Generate, cancel: threading.Event) -> _Request:
+        """The longest snapshot that is a prefix of the prompt (a fresh state when none is), and the image rows
+        the snapshot does not hold yet."""
+        ids = list(msg.prompt_ids)
+        req = _Request(msg, cancel, time.perf_counter(), ids, ids, self.snaps if msg.use_snapshots else None)
+        img = None
+        if msg.images is not None:
+            img = self._image_layout(msg.images, len(ids))
+            from gpu_worker.snapshots import image_key_ids
+            req.key = image_key_ids(ids, img.per_image, img.digests)
+        if req.snaps is not None:
+            try:
+                req.restored = req.snaps.lookup(req.key)
+            except Exception as e:      # a snapshot that cannot be restored is a miss, never a failed request
+                log(f"snapshot lookup failed, computing in full: {type(e).__name__}: {e}")
+        req.state = req.restored.state if req.restored is not None else self.model.new_state()
+        req.cached = req.pos = req.restored.n_tokens if req.restored is not None else 0
+        if img is not None:
+            req.rows = self._image_rows(img, req.cached)
+        return req
+
+    def _prefill_prompt(self, req: _Request) -> None:
+        """Snapshots inside the prompt (e.g. where the last message ends, before the generation prompt that the
+        next turn renders differently): prefill up to each and keep a copy. Then the image rows: generate()
+        gets only the prompt's tail without them (its last token is never an image token)."""
+        ids, cancel = req.ids, req.cancel
+        keep_at = req.msg.keep_at if req.snaps is not None else ()
+        for stop_at in sorted({int(k) for k in keep_at if req.cached < int(k) < len(ids)}):
+            req.pos = self._prefill(ids, req.state, req.pos, stop_at, req.rows, cancel)
+            if cancel.is_set():
+                break
+            req.snaps.put(req.key[:stop_at], req.state)
+        if req.rows is not None:
+            req.pos = self._prefill(ids, req.state, req.pos, len(ids) - 1, req.rows, cancel)
+
+    def _decode(self, req: _Request) -> _Decoded:
+        """The rest of the prompt and the generated tokens, each sent as it is chosen."""
+        from gpu_worker.generate import generate
+        out = _Decoded()
+        out.lookups_at_start = self._lookups()
+        grammar = self._grammar(req.msg.grammar) if req.msg.grammar is not None else None
+        if not req.cancel.is_set():
+            for step in generate(self.model, req.ids[req.pos:], req.msg.params, state=req.state,
+                                 prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs,
+                                 grammar=grammar, context_ids=req.ids):
+                out.t_last = time.perf_counter()
+                if out.t_first is None:
+                    out.t_first = out.t_last
+                    out.disk_at_first = self._disk_bytes()
+                out.tokens.append(step.token)
+                out.finish = step.finish_reason
+                self.chan.send(m.Token(req.msg.id, step.token, step.finish_reason, step.logprob, step.top_logprobs))
+        if out.finish is None:
+            out.finish = "cancelled"
+        out.t_end = time.perf_counter()
+        return out
+
+    def _finish(self, req: _Request, out: _Decoded, a0: dict) -> None:
+        """Keep the end state as a snapshot, count, and report the request's figures."""
+        state, ids, cached = req.state, req.ids, req.cached
+        if req.snaps is not None and state.position > 0:
+            full = req.key + out.tokens
+            req.snaps.put(full[:state.position], state)
+        n_decode = max(len(out.tokens) - 1, 0)
+        prompt_ms = ((out.t_first or out.t_end) - req.t0) * 1e3
+        decode_ms = ((out.t_last - out.t_first) * 1e3) if out.t_first is not None else 0.0
+        disk_decode = (self._disk_bytes() - out.disk_at_first) if out.t_first is not None else 0
+        a1 = self.engine.accounting.totals()
+        d = {k: a1[k] - a0[k] for k in a1}
+        tot = self.totals
+        tot["requests"] += 1
+        tot["prompt_tokens"] += len(ids)
+        tot["cached_tokens"] += cached
+        tot["prefilled_tokens"] += len(ids) - cached
+        tot["generated_tokens"] += len(out.tokens)
+        tot["prefill_ms"] += prompt_ms
+        tot["decode_ms"] += decode_ms
+        tot["decode_tokens"] += n_decode
+        tot["decode_disk_bytes"] += disk_decode
+        timings = m.Timings(cache_n=cached, prompt_n=len(ids) - cached, prompt_ms=prompt_ms,
+                            predicted_n=len(out.tokens), predicted_ms=decode_ms, decode_steps=n_decode)
+        engine = m.EngineTotals(
+            tokens=d["tokens"], ms_waiting_for_disk_total=d["ms_waiting_for_disk_total"],
+            ms_experts_total=d["ms_experts_total"], ms_waiting_for_router_total=d["ms_waiting_for_router_total"],
+            ms_bookkeeping_total=d["ms_bookkeeping_total"], bytes_over_pcie_total=d["bytes_over_pcie_total"],
+            bytes_from_disk_decode_total=disk_decode,
+            **{k: b - a for k, a, b in zip(("expert_lookup_hits_total", "expert_lookup_misses_total"),
+                                           out.lookups_at_start, self._lookups())})
+        self.chan.send(m.Done(req.msg.id, out.finish, timings, engine))
 
     def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
         """Feed ids[pos:end] in chunks; `rows` = (embeddings [K, hidden], absolute positions [K]) of image
@@ -269,13 +306,14 @@ class Worker:
             pos = e
         return pos
 
-    def _image_layout(self, img: dict, n_ids: int) -> dict:
+    def _image_layout(self, img: m.Images, n_ids: int) -> _PromptImages:
         if self.vision is None:
             raise ValueError("images were sent but this model has no vision tower")
-        grid = [tuple(int(v) for v in g) for g in img["grid_hw"]]
-        positions = [int(p) for p in img["positions"]]
-        counts = [gh * gw // 4 for gh, gw in grid]
-        if sum(counts) != len(positions) or len(img["digests"]) != len(grid):
+        from nemotron.vision_preprocess import image_token_count
+        grid = [tuple(int(v) for v in g) for g in img.grid_hw]
+        positions = list(img.positions)
+        counts = [image_token_count(g, self.image_geometry) for g in grid]
+        if sum(counts) != len(positions) or len(img.digests) != len(grid):
             raise ValueError(f"{len(positions)} image positions for images needing {sum(counts)}")
         if positions and (max(positions) >= n_ids - 1 or min(positions) < 0):
             raise ValueError("an image token is the last prompt token or outside the prompt")
@@ -283,61 +321,57 @@ class Worker:
         for c in counts:
             per_image.append(positions[o:o + c])
             o += c
-        pv = torch.frombuffer(bytearray(img["pixel_values"]), dtype=torch.float32).reshape(
-            int(img["n_rows"]), int(img["row_size"]))
-        return {"grid": grid, "per_image": per_image, "digests": list(img["digests"]), "pixel_values": pv}
+        pv = torch.frombuffer(bytearray(img.pixel_values), dtype=torch.float32).reshape(img.n_rows, img.row_size)
+        return _PromptImages(grid, per_image, list(img.digests), pv)
 
-    def _image_rows(self, img: dict, cached: int):
+    def _image_rows(self, img: _PromptImages, cached: int):
         """Runs the tower on the images that have a token at or after `cached` (the others are in the snapshot)."""
-        pv, grid = img["pixel_values"], img["grid"]
+        pv, grid = img.pixel_values, img.grid
         starts, r = [], 0
         for gh, gw in grid:
             starts.append(r)
             r += gh * gw
-        need = [i for i, pos in enumerate(img["per_image"]) if pos and pos[-1] >= cached]
+        need = [i for i, pos in enumerate(img.per_image) if pos and pos[-1] >= cached]
         if not need:
             return None
         sub_pv = torch.cat([pv[starts[i]:starts[i] + grid[i][0] * grid[i][1]] for i in need])
         sub_grid = torch.tensor([grid[i] for i in need], dtype=torch.long)
         with torch.inference_mode():
             emb = torch.cat(list(self.vision(sub_pv, sub_grid)))
-        at = torch.tensor([p for i in need for p in img["per_image"][i]], dtype=torch.long)
+        at = torch.tensor([p for i in need for p in img.per_image[i]], dtype=torch.long)
         return emb, at
 
-    def stats(self) -> dict:
+    def stats(self) -> m.EngineStats:
         acct = self.engine.accounting
-        out = {"totals": dict(self.totals), "accounting": acct.per_token(),
-               "accounting_totals": {"tokens": acct.tokens, "ms_waiting_for_disk": acct.ms_waiting_for_disk,
-                                     "ms_experts": acct.ms_experts, "ms_waiting_for_router": acct.ms_waiting_for_router,
-                                     "ms_bookkeeping": acct.ms_bookkeeping,
-                                     "bytes_over_pcie": acct.bytes_over_pcie, "hits_at_lookup": acct.hits_at_lookup,
-                                     "misses_at_lookup": acct.misses_at_lookup}}
+        out = m.EngineStats(requests=dict(self.totals), accounting_per_token=acct.per_token(),
+                            accounting_totals=acct.totals())
         try:
             cs = self.engine.cache_stats()
-            out["cache"] = {k: v for k, v in cs.items() if isinstance(v, (int, float))}
+            out.cache = {k: v for k, v in cs.items() if isinstance(v, (int, float))}
         except Exception as e:
-            out["cache"] = {"error": str(e)}
+            out.cache = {"error": str(e)}
         if self.snaps is not None:
-            out["snapshots"] = self.snaps.info()
+            out.snapshots = self.snaps.info()
         return out
 
 
 def load_vision(model_dir, device, dtype, chan=None):
-    """(tower, device bytes to keep free for its activations) for an Omni / VL checkpoint, else (None, 0).
+    """(tower, its image geometry, device bytes to keep free for its activations) for an Omni / VL checkpoint,
+    else (None, None, 0).
 
     On a GPU the tower's weights stay in pinned host memory and stream to two device slots block by block
     (`gpu_worker.weight_stream`); on the CPU they are used in place."""
     if not model_dir:
-        return None, 0
+        return None, None, 0
     from nemotron.checkpoint import Checkpoint
     ckpt = Checkpoint(model_dir)
     mm = ckpt.config.multimodal
     if mm is None or not mm.get("vision_config"):
-        return None, 0
+        return None, None, 0
     from nemotron.vision import VisionTower
     from nemotron.vision_preprocess import TILED, ImageGeometry
     if chan is not None:
-        chan.send({"op": "status", "message": "loading the vision tower"})
+        chan.send(m.Status("loading the vision tower"))
     cuda = str(device).startswith("cuda")
     if cuda:
         from gpu_worker.weight_stream import StreamedWeights
@@ -348,16 +382,7 @@ def load_vision(model_dir, device, dtype, chan=None):
     most = geom.max_num_patches or 13312
     if geom.scheme == TILED:      # tiles run as separate sequences: the largest is one tile
         most = (geom.image_size // geom.patch_size) ** 2
-    return tower, tower.activation_bytes(most) if cuda else 0
-
-
-def _die_with_parent() -> None:
-    """The launcher's death ends this process too (the socket's EOF does as well; this covers a stuck read)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    return tower, geom, tower.activation_bytes(most) if cuda else 0
 
 
 def main(argv=None) -> int:
@@ -377,39 +402,39 @@ def main(argv=None) -> int:
     ap.add_argument("--snapshot-ram-bytes", type=int, default=2 << 30)
     ap.add_argument("--snapshot-disk-count", type=int, default=64)
     a = ap.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the launcher decides when we stop
     chan = Channel(socket.socket(fileno=a.fd))
     if a.threads:
         torch.set_num_threads(a.threads)
-    chan.send({"op": "status", "message": "starting the cache processes and loading the dense weights"})
+    chan.send(m.Status("starting the cache processes and loading the dense weights"))
     from gpu_worker.engine import StreamingEngine
     from gpu_worker.snapshots import SnapshotStore, model_key
     dtype = DTYPES[a.dtype]
     try:
         # the tower first: its device slots then count as used when the VRAM tier is sized from the budget
-        vision, vision_reserve = load_vision(a.model, a.device, dtype, chan)
+        vision, image_geometry, vision_reserve = load_vision(a.model, a.device, dtype, chan)
         reserve = (512 << 20) + vision_reserve
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
                                  dtype=dtype, model_dir=a.model, vram_reserve_bytes=reserve,
                                  vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())
-        chan.send({"op": "fatal", "message": f"loading {a.store} failed: {type(e).__name__}: {e}"})
+        chan.send(m.Fatal(f"loading {a.store} failed: {type(e).__name__}: {e}"))
         return 2
     snaps = None
     try:
-        m = engine.store.manifest
-        key = model_key(m["config_hash"], m.get("checkpoint_fingerprint", ""), dtype, a.device)
+        manifest = engine.store.manifest
+        key = model_key(manifest["config_hash"], manifest.get("checkpoint_fingerprint", ""), dtype, a.device)
         snaps = SnapshotStore(key, engine.model.new_state, a.device, max_count=a.snapshot_count,
                               max_bytes=a.snapshot_ram_bytes, directory=a.snapshot_dir,
                               max_disk_count=a.snapshot_disk_count, log=log)
         c = engine.model.config
-        chan.send({"op": "ready", "info": {
-            "pid": os.getpid(), "device": a.device, "dtype": a.dtype, "vocab_size": c.vocab_size,
-            "eos_token_ids": list(c.eos_token_ids), "model_key": key, "cache_prefix": engine.sup.prefix,
-            "cache_child_pids": engine.sup.child_pids(), "snapshots_on_disk": len(snaps.disk)}})
-        Worker(engine, chan, snaps, a.prefill_chunk, vision, model_dir=a.model or a.store).serve()
+        chan.send(m.Ready(m.WorkerInfo(
+            pid=os.getpid(), device=a.device, dtype=a.dtype, vocab_size=c.vocab_size,
+            eos_token_ids=list(c.eos_token_ids), model_key=key, cache_prefix=engine.sup.prefix,
+            cache_child_pids=engine.sup.child_pids(), snapshots_on_disk=len(snaps.disk))))
+        Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry, model_dir=a.model or a.store).serve()
     finally:
         if snaps is not None:
             snaps.close()

@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import mmap
 import os
-import signal
 import sys
 import time
 import zlib
@@ -23,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import posix_ipc
 
 from cache_shm.shm import (DONE, FAILED, INF, LOADING, READY, REQ, WKC, CacheShm, DEMAND, HDR)
+from procs.spawn import die_with_parent
 
 ALIGN = 4096
 
@@ -173,14 +173,6 @@ def read_block_crc(fd: int, dest: memoryview, offset: int, block_bytes: int, is_
     return got, crc
 
 
-def _set_parent_death_signal() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Worker:
     def __init__(self, shm: CacheShm, w: int, parent_pid: int, fault_delay_ms: float = 0.0,
                  read_chunks: int = 4):
@@ -300,8 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--read-chunks", type=int, default=4,
                     help="concurrent preadv per block, crc32 overlapped with the read (1: one preadv)")
     args = ap.parse_args(argv)
-    _set_parent_death_signal()
-    if os.getppid() != args.parent_pid:
+    if not die_with_parent(args.parent_pid):
         return 0
     shm = CacheShm.attach(args.prefix)
     try:

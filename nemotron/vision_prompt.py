@@ -7,6 +7,9 @@ tiled scheme (`nemotron.vision_tiles`) by `<img>` + `<image>` x (tiles * 256) + 
 processor's `_add_image_placeholders`: one wrapper per image, not per tile); the text is tokenized without
 special tokens (the template writes them). The `<image>` positions are where the projector's
 output goes (`NemotronH.forward(..., image_embeds=, image_positions=)`).
+
+`encode_prompt` is that render -> expand -> encode -> check, once: `build_image_prompt` (tools, tests) and the
+server (`server.app`, with its own template call and errors) both use it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import binascii
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,6 +32,58 @@ class ImagePrompt:
     grid_hw: torch.Tensor               # (n_grids, 2): one per image (dynamic) or per tile (tiled)
     image_positions: torch.Tensor       # (sum of gh*gw/4,) indices of the `<image>` tokens in ids, in order
     grids_per_image: list[int] | None = None    # grids of each image (consecutive in grid_hw); None: one each
+
+
+class ImageTokenError(ValueError):
+    """The prompt's `<image>` tokens do not match its images (e.g. a literal `<image>` in a text part)."""
+
+
+@dataclass
+class PromptImages:
+    """A prompt's images, preprocessed: what the expansion of its `<image>`s and the check of its ids need."""
+    grid_hw: object                     # (n_grids, 2) rows, a tensor or a list of [gh, gw]
+    grids_per_image: list[int] | None   # consecutive grids of each image (tiles); None: one each
+    geom: vp.ImageGeometry
+    token_id: int                       # the `<image>` id (`image_token_id`)
+
+    def expand(self, text: str) -> str:
+        try:
+            return expand_image_tokens(text, self.grid_hw, self.geom, self.grids_per_image)
+        except ValueError as e:
+            raise ImageTokenError(str(e)) from e
+
+    def positions(self, ids: list[int]) -> list[int]:
+        """Where the `<image>` tokens are; as many as the images need, else ImageTokenError."""
+        positions = [i for i, t in enumerate(ids) if t == self.token_id]
+        want = sum(vp.tokens_per_image(self.grid_hw, self.grids_per_image, self.geom))
+        if len(positions) != want:
+            raise ImageTokenError(f"the prompt has {len(positions)} {vp.IMAGE_TOKEN} tokens where the images need "
+                                  f"{want}")
+        return positions
+
+
+@dataclass
+class EncodedPrompt:
+    ids: list[int]
+    image_positions: list[int]          # indices of the `<image>` tokens in ids, in order (empty without images)
+    messages_end: int | None = None     # len(ids) where the last message ends, when asked for and a prefix
+
+
+def encode_prompt(render: Callable[[bool], str], encode: Callable[[str], list[int]],
+                  images: PromptImages | None = None, add_generation_prompt: bool = True,
+                  messages_end: bool = False) -> EncodedPrompt:
+    """render(add_generation_prompt) -> the chat template's text; each `<image>` in it becomes its image's
+    placeholder; encode(text) -> ids. With `messages_end`, the prompt is rendered a second time without the
+    generation prompt: where those ids end, if they are a proper prefix, is where the last message ends (the
+    next turn re-renders what follows, so only the text up to there is certain to come back token for token)."""
+    expand = images.expand if images is not None else (lambda text: text)
+    ids = encode(expand(render(add_generation_prompt)))
+    out = EncodedPrompt(ids, images.positions(ids) if images is not None else [])
+    if messages_end and add_generation_prompt:
+        base = encode(expand(render(False)))
+        if 0 < len(base) < len(ids) and ids[:len(base)] == base:
+            out.messages_end = len(base)
+    return out
 
 
 def image_bytes(part: dict) -> bytes:
@@ -93,16 +149,13 @@ def build_image_prompt(model_dir, messages: list[dict], model_config: dict, toke
     else:
         pixel_values, grid_hw = torch.zeros(0, 3 * geom.patch_size ** 2), torch.zeros(0, 2, dtype=torch.int64)
         per_image = []
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    ids = tokenizer.encode(expand_image_tokens(text, grid_hw, geom, per_image), add_special_tokens=False)
     tok_id = image_token_id(model_config)
     if tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN) != tok_id:
         raise ValueError(f"the tokenizer's {vp.IMAGE_TOKEN} is id {tokenizer.convert_tokens_to_ids(vp.IMAGE_TOKEN)}, "
                          f"config.json says {tok_id}")
-    ids_t = torch.tensor(ids, dtype=torch.long)
-    positions = (ids_t == tok_id).nonzero().flatten()
-    want = sum(vp.image_token_count(g, geom) for g in grid_hw.tolist())
-    if positions.numel() != want:
-        raise ValueError(f"the prompt has {positions.numel()} {vp.IMAGE_TOKEN} tokens, the images need {want} "
-                         "(does the text contain a literal image token?)")
-    return ImagePrompt(ids, pixel_values, grid_hw, positions, per_image)
+    p = encode_prompt(
+        lambda gen: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen),
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        PromptImages(grid_hw, per_image, geom, tok_id), add_generation_prompt)
+    positions = torch.tensor(p.image_positions, dtype=torch.long)
+    return ImagePrompt(p.ids, pixel_values, grid_hw, positions, per_image)

@@ -299,13 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != args.parent_pid:
+    from procs.spawn import die_with_parent
+    if not die_with_parent(args.parent_pid):
         return 0
     shm = CacheShm.attach(args.prefix)
     try:

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from procs import messages as m
 from server import errors, openapi, request_options
 from server.metrics import log as request_log, request_line, setup_logging
 from server.tool_calls import CallsInContent, messages_for_template
@@ -61,8 +62,7 @@ class ServerState:
         self.vocab_size = int(cfg.get("vocab_size", 0))
         max_pos = int(cfg.get("max_position_embeddings") or 0) or 1 << 20
         self.max_model_len = min(settings.max_model_len or max_pos, max_pos)
-        self.defaults = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
-                         "top_k": int(gen.get("top_k", 0) or 0)}
+        self.sampling_defaults = m.SamplingParams.model_defaults(gen)
 
     def load_tokenizer(self) -> None:
         self.tokenizer = Tokenizer(self.settings.model_dir)
@@ -243,63 +243,50 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     from server import images as im
     tok = state.tokenizer
     msgs, encoded = [], []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            urls = [p.url for p in m.content if isinstance(p, ImagePart)]
+    for message in messages:
+        d = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            urls = [p.url for p in message.content if isinstance(p, ImagePart)]
             if not urls:
-                d["content"] = "".join(p.text for p in m.content)
+                d["content"] = "".join(p.text for p in message.content)
             else:
                 if state.vision_config is None:
                     raise APIError(400, f"this model ({state.settings.model_name}) has no vision tower: image "
                                         "inputs are not supported", param="messages", code="invalid_image")
                 # the template renders each image part as <image>, in order
                 d["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
-                                {"type": "image_url", "image_url": {"url": ""}} for p in m.content]
+                                {"type": "image_url", "image_url": {"url": ""}} for p in message.content]
                 encoded += [im.fetch(u, state.settings.allow_image_urls, state.settings.allow_private_image_urls)
                             for u in urls]
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
     msgs = messages_for_template(msgs)
-    images = None
-    expand = lambda text: text      # noqa: E731
+    from nemotron.vision_preprocess import IMAGE_TOKEN
+    from nemotron.vision_prompt import ImageTokenError, PromptImages, encode_prompt, image_token_id
+    prompt_images = images = None
     if encoded:
         geom = state.image_geometry
         pv, grid, digests = im.preprocess([im.decode(b, state.settings.max_image_pixels) for b in encoded], geom)
-        expand = lambda text: im.expand(text, grid, geom)   # noqa: E731
+        prompt_images = PromptImages(grid, grid.grids_per_image, geom, image_token_id(state.vision_config))
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
-        text = tok.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
-        ids = tok.encode(expand(text))
-        keep_at = []
-        if add_generation_prompt:
-            base = tok.encode(expand(tok.render_chat(msgs, False, tools, template_kwargs)))
-            if 0 < len(base) < len(ids) and ids[:len(base)] == base:
-                keep_at = [len(base)]
+        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), tok.encode,
+                               prompt_images, add_generation_prompt, messages_end=True)
+    except ImageTokenError as e:
+        raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
+                       code="invalid_image")
     except APIError:
         raise
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
     if encoded:
-        from nemotron.vision_prompt import image_token_id
-        from nemotron import vision_preprocess as vp
-        tid = image_token_id(state.vision_config)
-        positions = [i for i, t in enumerate(ids) if t == tid]
-        want = sum(vp.image_token_count(g, geom) for g in grid)
-        if len(positions) != want:
-            raise APIError(400, f"the prompt has {len(positions)} {vp.IMAGE_TOKEN} tokens where the images need "
-                                f"{want} (does a text part contain a literal {vp.IMAGE_TOKEN}?)", param="messages")
-        images = im.ImageInputs(pv, grid, positions, digests)
-    return ids, keep_at, images
+        images = im.ImageInputs(pv, grid, prompt.image_positions, digests)
+    return prompt.ids, [prompt.messages_end] if prompt.messages_end is not None else [], images
 
 
 # ------------------------------------------------------------------------------------------------ one generation
-class _ClientGone(Exception):
-    pass
-
-
 class _Gen:
     def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
                  reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None,
@@ -325,19 +312,16 @@ class _Gen:
                            n_prompt_tokens=n, n_ctx=limit)
         # no max_tokens: a bounded default, not the rest of the context (a near-endless request at a few tok/s)
         self.max_tokens = max_tokens if max_tokens is not None else min(limit - n, state.settings.max_tokens_default)
-        d = state.defaults
         stops = [] if req.ignore_eos else list(self.tok.eos_ids)
         stops += [int(t) for t in (req.stop_token_ids or [])]
-        top_k = d["top_k"] if req.top_k is None else max(req.top_k, 0)
-        self.params = {"temperature": d["temperature"] if req.temperature is None else req.temperature,
-                       "top_p": d["top_p"] if req.top_p is None else req.top_p, "top_k": top_k, "seed": req.seed,
-                       "max_tokens": self.max_tokens, "min_tokens": min(req.min_tokens, self.max_tokens),
-                       "stop_token_ids": sorted(set(stops)),
-                       "min_p": req.min_p or 0.0, "presence_penalty": req.presence_penalty or 0.0,
-                       "frequency_penalty": req.frequency_penalty or 0.0,
-                       "repetition_penalty": req.repetition_penalty or 1.0,
-                       # pairs, not a map: msgpack maps take string keys only
-                       "logit_bias": sorted(request_options.logit_bias(req, state.vocab_size).items())}
+        # the API's own readings of some fields (top_k -1 is off, min_tokens at most max_tokens, stop tokens
+        # are the eos ids plus the request's, logit_bias checked against the vocabulary); every other sampling
+        # field is taken by name
+        self.params = m.SamplingParams.for_request(
+            {**{k: getattr(req, k) for k in type(req).model_fields}, "top_k": None if req.top_k is None else max(req.top_k, 0), "max_tokens": self.max_tokens,
+             "min_tokens": min(req.min_tokens, self.max_tokens), "stop_token_ids": sorted(set(stops)),
+             "logit_bias": request_options.logit_bias(req, state.vocab_size)},
+            state.sampling_defaults)
         self.stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning,
                                literal_tokens=self.tok.tool_call_marks if self.calls is not None else ())
@@ -346,18 +330,17 @@ class _Gen:
         self.tokens: list[int] = []
         self.finish = None
         self.cached = 0
-        self.timings: dict = {}
-        self.engine: dict = {}          # the engine's figures of this request (the done message)
+        self.timings: m.Timings | None = None
+        self.engine: m.EngineTotals | None = None     # the engine's figures of this request (the done message)
         self.job = None
 
     # ---- talking to the worker ------------------------------------------------------------------
     def submit(self) -> None:
-        msg = {"prompt_ids": self.ids, "params": self.params, "logprobs": self.logprobs, "keep_at": self.keep_at,
-               "use_snapshots": bool(self.req.cache_prompt)}
-        if self.tools is not None and self.tools.grammar is not None:
-            msg["grammar"] = self.tools.grammar
-        if self.images is not None:
-            msg["images"] = self.images.message()
+        msg = m.Generate(id="", prompt_ids=self.ids, params=self.params, logprobs=self.logprobs,
+                         keep_at=self.keep_at, use_snapshots=bool(self.req.cache_prompt),
+                         images=self.images.message() if self.images is not None else None,
+                         grammar=m.Grammar(**self.tools.grammar) if self.tools is not None and
+                         self.tools.grammar is not None else None)
         try:
             self.job = self.state.client.submit(msg)
         except QueueFull as e:
@@ -374,46 +357,45 @@ class _Gen:
         try:
             while True:
                 ev = await job.events.get()
-                op = ev["op"]
-                if op == "start":
-                    self.cached = int(ev.get("cached_tokens", 0))
-                elif op == "token":
+                if isinstance(ev, m.Started):
+                    self.cached = ev.cached_tokens
+                elif isinstance(ev, m.Token):
                     if stopped_by_text:
                         continue
-                    t = int(ev["t"])
+                    t = ev.token
                     self.tokens.append(t)
-                    is_eos = ev.get("f") == "stop" and t in self.params["stop_token_ids"]
+                    is_eos = ev.finish_reason == "stop" and t in self.params.stop_token_ids
                     deltas = {"reasoning": "", "content": ""} if is_eos else self.text.push(t)
                     lps = None
-                    if self.logprobs is not None and not is_eos and ev.get("lp") is not None:
-                        lps = [(t, ev["lp"], ev.get("top") or [])]
+                    if self.logprobs is not None and not is_eos and ev.logprob is not None:
+                        lps = [(t, ev.logprob, ev.top_logprobs or [])]
                     if self.text.stopped:
                         stopped_by_text = True
-                        self.finish = self._tool_finish("stop")
                         client.cancel(job)
                         deltas = self._route(deltas, final=True)
-                    elif ev.get("f"):
+                        self.finish = self._tool_finish("stop")
+                    elif ev.finish_reason:
                         tail = self.text.finish()
                         deltas = self._route({k: deltas[k] + tail[k] for k in deltas}, final=True)
-                        self.finish = self._tool_finish(ev["f"])
+                        self.finish = self._tool_finish(ev.finish_reason)
                     else:
                         deltas = self._route(deltas)
                     yield deltas, lps
-                elif op == "done":
-                    self.timings = ev.get("timings") or {}
-                    self.engine = ev.get("engine") or {}
+                elif isinstance(ev, m.Done):
+                    self.timings = ev.timings
+                    self.engine = ev.engine
                     if self.finish is None:
                         tail = self._route(self.text.finish(), final=True)
                         if tail["reasoning"] or tail["content"] or tail["tool_calls"]:
                             yield tail, None
-                        self.finish = "abort" if ev.get("finish_reason") == "cancelled" else ev.get("finish_reason")
+                        self.finish = "abort" if ev.finish_reason == "cancelled" else ev.finish_reason
                         self.finish = self._tool_finish(self.finish)
                     return
-                elif op == "error":
+                elif isinstance(ev, m.Error):
                     self.finish = "error"
-                    if ev.get("abort"):
-                        raise APIError(503, ev["message"], code="aborted")
-                    raise APIError(500, ev["message"], code="compute_process_crashed" if ev.get("crash") else
+                    if ev.abort:
+                        raise APIError(503, ev.message, code="aborted")
+                    raise APIError(500, ev.message, code="compute_process_crashed" if ev.crash else
                                    "generation_failed", headers={"x-should-retry": "false"})
         finally:
             if job.state != "finished":
@@ -439,10 +421,11 @@ class _Gen:
         self.state.metrics.observe(self.kind, finish, len(self.ids), self.cached, len(self.tokens), t,
                                    queue_s, time.monotonic() - self.t0)
         e = self.engine
-        looked = e.get("lookup_hits", 0) + e.get("lookup_misses", 0)
+        hits = e.expert_lookup_hits_total if e is not None else 0
+        looked = hits + e.expert_lookup_misses_total if e is not None else 0
         request_log.info(request_line(self.rid, self.kind, finish, len(self.ids), self.cached, len(self.tokens),
                                       t["prompt_ms"] / 1e3 if self.tokens else None, t["predicted_per_second"],
-                                      e.get("lookup_hits", 0) / looked if looked else None))
+                                      hits / looked if looked else None))
 
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
@@ -453,10 +436,14 @@ class _Gen:
         return u
 
     def full_timings(self) -> dict:
+        """The response's llama.cpp-style `timings`: the worker's figures and their per-token and per-second
+        rates (a request cancelled before it started has no figures: its prompt counts as not computed)."""
         t = self.timings
-        pn, pms = t.get("prompt_n", len(self.ids) - self.cached), t.get("prompt_ms", 0.0)
-        dn, dms = t.get("decode_steps", 0), t.get("predicted_ms", 0.0)
-        return {"cache_n": t.get("cache_n", self.cached), "prompt_n": pn, "prompt_ms": pms,
+        if t is None:
+            t = m.Timings(cache_n=self.cached, prompt_n=len(self.ids) - self.cached, prompt_ms=0.0,
+                          predicted_n=len(self.tokens), predicted_ms=0.0, decode_steps=0)
+        pn, pms, dn, dms = t.prompt_n, t.prompt_ms, t.decode_steps, t.predicted_ms
+        return {"cache_n": t.cache_n, "prompt_n": pn, "prompt_ms": pms,
                 "prompt_per_token_ms": pms / pn if pn else 0.0, "prompt_per_second": 1e3 * pn / pms if pms else 0.0,
                 "predicted_n": len(self.tokens), "predicted_ms": dms, "decode_steps": dn,
                 "predicted_per_token_ms": dms / dn if dn else 0.0,

@@ -1,7 +1,7 @@
 """Image content parts of chat requests: fetch (data URLs; http(s) only with `--allow-image-urls`, public hosts only
-unless `--allow-private-image-urls`; local files
-never), decode with limits, preprocess as transformers' processor does (`nemotron.vision_preprocess`), and build
-the prompt's image-token expansion. Every problem is an `APIError` 400 that says what is wrong."""
+unless `--allow-private-image-urls`; local files never), decode with limits, and preprocess as transformers'
+processor does (`nemotron.vision_preprocess`). The prompt's image-token expansion is
+`nemotron.vision_prompt.encode_prompt`. Every problem is an `APIError` 400 that says what is wrong."""
 from __future__ import annotations
 
 import base64
@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from nemotron import vision_preprocess as vp
+from procs.messages import Images
 from server.errors import APIError
 
 # Pillow format names we accept, and the data-URL media types that name them.
 SUPPORTED_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp"}
-DEFAULT_MAX_PIXELS = 50_000_000
 MAX_URL_BYTES = 64 << 20
 
 
@@ -32,10 +32,11 @@ class ImageInputs:
     positions: list[int]
     digests: list[str]
 
-    def message(self) -> dict:
-        return {"pixel_values": self.pixel_values.contiguous().numpy().astype("<f4").tobytes(),
-                "n_rows": int(self.pixel_values.shape[0]), "row_size": int(self.pixel_values.shape[1]),
-                "grid_hw": self.grid_hw, "positions": self.positions, "digests": self.digests}
+    def message(self) -> Images:
+        return Images(pixel_values=self.pixel_values.contiguous().numpy().astype("<f4").tobytes(),
+                      n_rows=int(self.pixel_values.shape[0]), row_size=int(self.pixel_values.shape[1]),
+                      grid_hw=[list(g) for g in self.grid_hw], positions=list(self.positions),
+                      digests=list(self.digests))
 
 
 def _bad(msg: str) -> APIError:
@@ -176,13 +177,3 @@ def preprocess(images: list[torch.Tensor], geom: vp.ImageGeometry) -> tuple[torc
         out.append(digest(pv[row:row + n], g))
         row += n
     return pv, grid, out
-
-
-def expand(text: str, grid, geom: vp.ImageGeometry) -> str:
-    """The rendered prompt with each `<image>` expanded; `grid` as `preprocess` returns it (a plain list of
-    rows means one row per image)."""
-    from nemotron.vision_prompt import expand_image_tokens
-    try:
-        return expand_image_tokens(text, grid, geom, getattr(grid, "grids_per_image", None))
-    except ValueError as e:
-        raise _bad(f"{e} (does a text part contain a literal {vp.IMAGE_TOKEN}?)") from e

@@ -9,6 +9,8 @@ import sys
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from procs.messages import EngineStats
+
 P = "moestream_"
 LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -49,7 +51,7 @@ def request_line(rid: str, endpoint: str, finish: str, prompt_n: int, cached_n: 
 class Metrics:
     def __init__(self, client):
         self.client = client
-        self.engine_stats: dict = {}
+        self.engine_stats = EngineStats()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(P + "requests", "finished requests", ["endpoint", "finish_reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens", registry=r)
@@ -100,9 +102,9 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        s = self.m.engine_stats or {}
-        cache, acc = s.get("cache", {}), s.get("accounting", {})
-        tot, at, snaps = s.get("totals", {}), s.get("accounting_totals", {}), s.get("snapshots", {})
+        s = self.m.engine_stats
+        cache, acc, at = s.cache, s.accounting_per_token, s.accounting_totals
+        tot, snaps = s.requests, s.snapshots
         hits, misses = cache.get("lookup_hits", 0), cache.get("lookup_misses", 0)
         g = GaugeMetricFamily(P + "expert_cache_hit_rate", "expert look-ups found in the RAM cache (all tokens)")
         g.add_metric([], hits / (hits + misses) if hits + misses else 0.0)
@@ -117,22 +119,22 @@ class _EngineCollector:
             c.add_metric([], float(cache.get(key, 0)))
             yield c
         c = CounterMetricFamily(P + "bytes_over_pcie", "expert bytes copied host to device")
-        c.add_metric([], float(at.get("bytes_over_pcie", 0)))
+        c.add_metric([], float(at.get("bytes_over_pcie_total", 0)))
         yield c
         steps = tot.get("decode_tokens", 0)
         g = GaugeMetricFamily(P + "bytes_from_disk_per_token", "bytes read from disk per decoded token")
         g.add_metric([], tot.get("decode_disk_bytes", 0) / steps if steps else 0.0)
         yield g
         g = GaugeMetricFamily(P + "bytes_over_pcie_per_token", "expert bytes over PCIe per decoded token")
-        g.add_metric([], float(acc.get("bytes_over_pcie", 0.0)))
+        g.add_metric([], float(acc.get("bytes_over_pcie_per_token", 0.0)))
         yield g
         g = GaugeMetricFamily(P + "ms_per_token", "per-token time breakdown of decoding (engine accounting)",
                               labels=["part"])
         total = tot.get("decode_ms", 0.0) / steps if steps else 0.0
-        parts = {k: float(acc.get(k, 0.0)) for k in ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router",
-                                                    "ms_bookkeeping")}
+        parts = {k: float(acc.get(f"ms_{k}_per_token", 0.0)) for k in ("waiting_for_disk", "experts",
+                                                                      "waiting_for_router", "bookkeeping")}
         for k, v in parts.items():
-            g.add_metric([k[3:]], v)
+            g.add_metric([k], v)
         g.add_metric(["total"], total)
         g.add_metric(["other"], max(total - sum(parts.values()), 0.0))
         yield g

@@ -1,10 +1,17 @@
 """OpenAI request schemas (pydantic). Unknown fields are accepted and ignored, as vLLM does, so clients that send
-extra fields keep working; fields we cannot honour are rejected with a 400 that names them."""
+extra fields keep working; fields we cannot honour are rejected with a 400 that names them.
+
+A sampling field left out is None here: its default is applied once, by `procs.messages.SamplingParams.for_request`
+(the model's generation config, else the API's defaults), not by the schema."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from procs.messages import SamplingParams
+
+_ENGINE = SamplingParams()      # the defaults that do not depend on the model
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2 ** 31)]
@@ -62,7 +69,7 @@ class _Sampling(_Base):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[TokenId]] = Field(None, description="extra token ids that end generation (vLLM)")
     ignore_eos: bool = Field(False, description="do not stop at the model's end-of-sequence tokens (vLLM)")
-    min_tokens: int = Field(0, ge=0, lt=2 ** 31, description="end-of-sequence tokens are not chosen before this many (vLLM)")
+    min_tokens: int = Field(_ENGINE.min_tokens, ge=0, lt=2 ** 31, description="end-of-sequence tokens are not chosen before this many (vLLM)")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)

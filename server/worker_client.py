@@ -1,12 +1,14 @@
 """The launcher's side of the compute process: starts `python -m gpu_worker.worker`, queues requests (batch 1,
-first in first out, bounded), relays its messages to the request that owns them, and restarts it when it dies.
+first in first out, bounded), relays its messages (`procs.messages`) to the request that owns them, and restarts
+it when it dies.
 
 The worker runs in its own session (so a Ctrl-C at the terminal reaches only the launcher, which then drains
-and stops it in order) and dies with the launcher (socket EOF, PR_SET_PDEATHSIG).
+and stops it in order) and dies with the launcher (socket EOF, `procs.spawn.die_with_parent`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import signal
@@ -16,11 +18,9 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import msgpack
-
-REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+from procs import messages as m
+from procs.spawn import spawn_module
 
 
 class QueueFull(Exception):
@@ -47,8 +47,9 @@ class WorkerConfig:
     snapshot_disk_count: int = 64
     vram_bytes: int | None = None     # the device budget; what the dense part leaves becomes the VRAM tier
 
-    def argv(self, fd: int) -> list[str]:
-        a = [sys.executable, "-m", "gpu_worker.worker", "--fd", str(fd), "--store", self.store,
+    def args(self, fd: int) -> list[str]:
+        """The command line of `python -m gpu_worker.worker`."""
+        a = ["--fd", str(fd), "--store", self.store,
              "--cache-bytes", str(self.cache_bytes), "--io-workers", str(self.io_workers), "--device", self.device,
              "--dtype", self.dtype, "--prefill-chunk", str(self.prefill_chunk), "--threads", str(self.threads),
              "--snapshot-count", str(self.snapshot_count), "--snapshot-ram-bytes", str(self.snapshot_ram_bytes),
@@ -65,7 +66,7 @@ class WorkerConfig:
 @dataclass
 class Job:
     id: str
-    msg: dict
+    msg: m.Generate
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "queued"            # queued | running | finished
     cancelled: bool = False
@@ -79,11 +80,11 @@ class WorkerClient:
                  max_restarts: int = 20):
         self.cfg, self.max_queue = cfg, max_queue
         self.max_restarts = max_restarts
-        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.max_start_failures = max_start_failures
         self.state = "loading"           # loading | ready | restarting | stopping | stopped | failed
         self.status = "starting"
-        self.info: dict = {}
+        self.info: m.WorkerInfo | None = None
         self.fatal: str | None = None
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
@@ -91,7 +92,7 @@ class WorkerClient:
         self.running: Job | None = None
         self._ids = itertools.count()
         self._stats_seq = itertools.count()
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._stats_waiters: dict[int, asyncio.Future[m.EngineStats]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -115,20 +116,18 @@ class WorkerClient:
 
     async def _spawn(self) -> None:
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(self.cfg.argv(child.fileno()), pass_fds=(child.fileno(),), env=env,
-                                     cwd=REPO_ROOT, start_new_session=True)
+        self.proc = spawn_module("gpu_worker.worker", self.cfg.args(child.fileno()), pass_fds=(child.fileno(),),
+                                 new_session=True)
         child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._tasks.append(asyncio.create_task(self._read(reader, self.proc), name="worker-read"))
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg) -> None:
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(msgpack.packb(msg, use_bin_type=True))
+            self._writer.write(m.encode(msg))
 
     async def _read(self, reader: asyncio.StreamReader, proc: subprocess.Popen) -> None:
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
+        unpacker = m.unpacker()
         while True:
             try:
                 data = await reader.read(1 << 16)
@@ -137,35 +136,51 @@ class WorkerClient:
             if not data:
                 break
             unpacker.feed(data)
-            for msg in unpacker:
-                self._on_message(msg)
+            for obj in unpacker:
+                self._on_wire(obj)
         await self._on_exit(proc)
 
-    def _on_message(self, msg: dict) -> None:
-        op = msg.get("op")
-        if op == "status":
-            self.status = msg.get("message", "")
+    def _on_wire(self, obj) -> None:
+        try:
+            msg = m.decode(obj, m.TO_LAUNCHER)
+        except m.ProtocolError as e:
+            self._on_bad_message(obj, e)
+            return
+        self._on_message(msg)
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, m.Status):
+            self.status = msg.message
             if self.on_status:
                 self.on_status(self.status)
-        elif op == "ready":
-            self.info = msg["info"]
+        elif isinstance(msg, m.Ready):
+            self.info = msg.info
             self.state = "ready"
             self.status = "ready"
             self._ready.set()
             self._wake.set()
-        elif op == "fatal":
-            self.fatal = msg.get("message")
-        elif op == "stats":
-            fut = self._stats_waiters.pop(msg.get("seq"), None)
+        elif isinstance(msg, m.Fatal):
+            self.fatal = msg.message
+        elif isinstance(msg, m.StatsReply):
+            fut = self._stats_waiters.pop(msg.seq, None)
             if fut is not None and not fut.done():
-                fut.set_result(msg.get("data") or {})
-        elif op in ("start", "token", "done", "error"):
+                fut.set_result(msg.stats)
+        elif isinstance(msg, (m.Started, m.Token, m.Done, m.Error)):
             job = self.running
-            if job is None or job.id != msg.get("id"):
+            if job is None or job.id != msg.id:
                 return
             job.events.put_nowait(msg)
-            if op in ("done", "error"):
+            if isinstance(msg, (m.Done, m.Error)):
                 self._finish(job)
+
+    def _on_bad_message(self, obj, e: m.ProtocolError) -> None:
+        """A message this launcher cannot read (a bug, or a worker of another version): said clearly, and the
+        request it was for fails instead of waiting for ever."""
+        self.log(f"launcher: unreadable message from the compute process: {e}")
+        job = self.running
+        if job is not None and isinstance(obj, dict) and obj.get("id") == job.id:
+            job.events.put_nowait(m.Error(job.id, f"the compute process sent an unreadable message: {e}"))
+            self._finish(job)
 
     def _finish(self, job: Job) -> None:
         job.state = "finished"
@@ -186,7 +201,7 @@ class WorkerClient:
         self._writer = None
         for fut in self._stats_waiters.values():
             if not fut.done():
-                fut.set_result({})
+                fut.set_result(m.EngineStats())
         self._stats_waiters.clear()
         if self.state in ("stopping", "stopped"):
             return
@@ -194,9 +209,8 @@ class WorkerClient:
         why = _exit_text(rc)
         job = self.running
         if job is not None:
-            job.events.put_nowait({"op": "error", "id": job.id, "crash": True,
-                                   "message": f"the compute process crashed ({why}) while serving this request; "
-                                              f"it is being restarted"})
+            job.events.put_nowait(m.Error(job.id, f"the compute process crashed ({why}) while serving this request; "
+                                                  f"it is being restarted", crash=True))
             self._finish(job)
         if self.restarts >= self.max_restarts:
             self.fatal = f"the compute process died {self.restarts + 1} times ({why}); not restarting it again"
@@ -228,17 +242,19 @@ class WorkerClient:
         self._failed.set()
         while self.queue:
             j = self.queue.popleft()
-            j.events.put_nowait({"op": "error", "id": j.id, "message": why})
+            j.events.put_nowait(m.Error(j.id, why))
             self._finish(j)
 
     # ---- requests -------------------------------------------------------------------------------
-    def submit(self, msg: dict) -> Job:
+    def submit(self, msg: m.Generate) -> Job:
+        """Queue a request; its id is given here (the one in `msg` is replaced)."""
         if self.state in ("stopping", "stopped", "failed"):
             raise WorkerUnavailable("the server is shutting down" if self.state != "failed" else self.fatal)
         waiting = sum(1 for j in self.queue if not j.cancelled)
         if waiting >= self.max_queue:
             raise QueueFull(f"{waiting} requests are waiting (--max-queue {self.max_queue})")
-        job = Job(f"r{next(self._ids)}", msg)
+        rid = f"r{next(self._ids)}"
+        job = Job(rid, dataclasses.replace(msg, id=rid))
         self.queue.append(job)
         self._idle.clear()
         self._wake.set()
@@ -256,7 +272,7 @@ class WorkerClient:
                 pass
             self._finish(job)
         else:
-            self._send({"op": "cancel", "id": job.id})
+            self._send(m.Cancel(job.id))
 
     @property
     def queue_depth(self) -> int:
@@ -279,24 +295,25 @@ class WorkerClient:
             job.state, job.started = "running", time.monotonic()
             self.running = job
             try:
-                self._send({"op": "generate", "id": job.id, **job.msg})
+                self._send(job.msg)
             except Exception as e:        # e.g. a value msgpack cannot carry: fail this request, not the queue
-                job.events.put_nowait({"op": "error", "id": job.id, "message": f"could not send the request: {e}"})
+                job.events.put_nowait(m.Error(job.id, f"could not send the request: {e}"))
                 self._finish(job)
             self._wake.set()
 
-    async def stats(self, timeout: float = 2.0) -> dict:
+    async def stats(self, timeout: float = 2.0) -> m.EngineStats:
+        """The engine's figures; empty ones when the compute process is not there to answer."""
         if self._writer is None or self.state != "ready":
-            return {}
+            return m.EngineStats()
         seq = next(self._stats_seq)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[seq] = fut
-        self._send({"op": "stats", "seq": seq})
+        self._send(m.StatsRequest(seq))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             self._stats_waiters.pop(seq, None)
-            return {}
+            return m.EngineStats()
 
     async def wait_idle(self, timeout: float) -> bool:
         self._update_idle()
@@ -310,7 +327,7 @@ class WorkerClient:
         while self.queue:
             j = self.queue.popleft()
             if not j.cancelled:
-                j.events.put_nowait({"op": "error", "id": j.id, "message": why, "abort": True})
+                j.events.put_nowait(m.Error(j.id, why, abort=True))
             self._finish(j)
         if self.running is not None:
             self.cancel(self.running)
@@ -323,7 +340,7 @@ class WorkerClient:
         self.state = "stopping"
         self.abort_all("the server is shutting down")
         proc = self.proc
-        self._send({"op": "shutdown"})
+        self._send(m.Shutdown())
         if self._writer is not None:
             try:
                 await asyncio.wait_for(self._writer.drain(), 1.0)

@@ -146,7 +146,7 @@ def test_lifecycle(synth, tmp_path):
         e = Stream(s, 40)
         assert e.first.wait(60)
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_for(lambda: "draining" in s.log(), 10, "the launcher to start draining")
         try:
             assert complete(s).status_code == 503
         except httpx.TransportError:
@@ -177,7 +177,7 @@ def test_lifecycle(synth, tmp_path):
         assert f.first.wait(60)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_for(lambda: "draining" in s.log(), 10, "the first signal to be handled")
         s.proc.send_signal(signal.SIGTERM)
         rc = s.proc.wait(30)
         assert time.monotonic() - t0 < 5 and rc == 128 + signal.SIGTERM

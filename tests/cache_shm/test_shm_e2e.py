@@ -15,7 +15,7 @@ import pytest
 from cache_shm.client import ExpertLoadError
 from cache_shm.names import list_entries, pid_alive, sweep_stale
 from cache_shm.shm import INF
-from cache_shm.supervisor import Supervisor
+from gpu_worker.cache_supervisor import Supervisor
 from moestream_fake_store import make_fake_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_demand_reads_go_before_prefetch_reads(run):
     sup = run(n_slots=40, n_workers=1, worker_args=("--fault-delay-ms", "40"))
     c, shm = sup.client(), sup.shm
     c.request(0, [], guess=list(range(10)), guess_layer=1)     # 10 prefetch reads for layer 1
-    time.sleep(0.02)
+    wait_until(lambda: c.stats()["prefetch_issued"] > 0, 10, "the prefetcher to queue them")
     c.request(2, [5])                                          # then one demand read
     s = c.wait(2, 5, timeout=10)
     landed_before = int((shm.slot_state[shm.slot_of_expert[1][shm.slot_of_expert[1] >= 0]] == 2).sum())
@@ -186,16 +186,16 @@ def test_prefetcher_killed_requests_still_complete(run):
 
 
 OWNER = textwrap.dedent("""
-    import json, sys, time
+    import json, signal, sys
     sys.path.insert(0, {fake!r})
     from moestream_fake_store import make_fake_store
-    from cache_shm.supervisor import Supervisor
+    from gpu_worker.cache_supervisor import Supervisor
     sup = Supervisor(make_fake_store({store!r}, n_layers=2, n_experts=8), n_slots=8, n_workers=2).start()
     c = sup.client()
     c.request(0, [1])
     c.wait(0, 1, timeout=10)
     print(json.dumps(dict(prefix=sup.prefix, pids=sup.child_pids())), flush=True)
-    time.sleep(600)
+    signal.pause()      # until the test's signal
 """)
 
 

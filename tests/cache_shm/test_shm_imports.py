@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_cache_shm_imports_no_torch_and_no_process_package():
     code = ("import sys, cache_shm.shm, cache_shm.client, cache_shm.ring, cache_shm.names, "
-            "cache_shm.supervisor, cache_shm.cuda_map\n"
+            "cache_shm.cuda_map\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'prefetcher', 'io_workers', 'gpu_worker', 'server')]\n"
             "assert not bad, bad")

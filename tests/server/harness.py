@@ -2,7 +2,9 @@
 looks at what it leaves behind (child processes, /dev/shm)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,19 +18,26 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
+# The launcher binds port 0 itself and names the port it got: a port picked here and closed before the launcher
+# binds it could be taken in between.
+LISTENING = re.compile(rb"listening on (http://[^\s]+) ")
+
+
+@contextlib.contextmanager
+def refusing_port():
+    """A localhost port that refuses connections while the block runs: bound, so nobody else takes it, and never
+    listening."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 class Launcher:
     def __init__(self, model: Path, *args: str, env: dict | None = None, api_key: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url: str | None = None         # known once the launcher says where it listens
         self.api_key = api_key
-        self.argv = [sys.executable, "launcher.py", *(["--model", str(model)] if model else []), "--port",
-                     str(self.port), "--threads", "1", "--io-workers", "2", "--log-level", "warning", *args]
+        self.argv = [sys.executable, "launcher.py", *(["--model", str(model)] if model else []), "--port", "0",
+                     "--threads", "1", "--io-workers", "2", "--log-level", "warning", *args]
         self.env = dict(os.environ, **(env or {}))
         if api_key:
             self.env["MOESTREAM_API_KEY"] = api_key
@@ -44,6 +53,12 @@ class Launcher:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launcher exited with {self.proc.returncode}:\n{self.log()}")
+            if self.url is None:
+                found = LISTENING.search(log_path.read_bytes())
+                if found is None:
+                    time.sleep(0.05)
+                    continue
+                self.url = found.group(1).decode()
             try:
                 code = httpx.get(self.url + "/health", timeout=2).status_code
                 if not self.health_seen or self.health_seen[-1] != code:

@@ -342,12 +342,22 @@ def test_concurrent_clients_are_served_in_order(server, model):
         with lock:
             done.append((i, r.status_code))
 
+    def arrived(i) -> bool:
+        """Requests 0..i are all in the server: finished, computing or queued."""
+        with lock:
+            finished = len(done)
+        in_server = metric(server, "moestream_requests_running") + metric(server, "moestream_requests_waiting")
+        return finished + in_server >= i + 1
+
     threads, peak = [], 0
     for i in range(8):
         t = threading.Thread(target=one, args=(i,))
         t.start()
         threads.append(t)
-        time.sleep(0.05)        # arrival order is the order of i; the first one keeps the others waiting
+        deadline = time.monotonic() + 30
+        while not arrived(i):            # so that arrival order is the order of i
+            assert time.monotonic() < deadline, f"request {i} never reached the server"
+            time.sleep(0.01)
         peak = max(peak, metric(server, "moestream_requests_waiting"))
     for t in threads:
         t.join(120)

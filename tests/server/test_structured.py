@@ -46,7 +46,7 @@ def compiler(tok_dir):
 
 def sample(compiler, spec, seed, max_tokens=300):
     """Tokens from random logits, with the grammar of `spec` (None: unconstrained); ends at a stop token."""
-    grammar = compiler.matcher(spec) if spec is not None else None
+    grammar = compiler.matcher(spec["structural_tag"], spec["special_tokens"]) if spec is not None else None
     s = Sampler(SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens), grammar=grammar)
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -60,7 +60,7 @@ def sample(compiler, spec, seed, max_tokens=300):
 
 def _matcher(compiler, spec):
     """A fresh xgrammar matcher of the spec, to feed strings."""
-    return compiler.matcher(spec).m
+    return compiler.matcher(spec["structural_tag"], spec["special_tokens"]).m
 
 
 def _json_valid(text, schema) -> bool:
@@ -149,7 +149,7 @@ def test_reasoning_comes_first_when_the_prompt_opened_think(compiler):
 
 def test_special_tokens_are_never_allowed_inside_constrained_text(compiler, hf):
     spec = constrained.for_chat({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, {}, None, True, False)
-    g = compiler.matcher(spec)
+    g = compiler.matcher(spec["structural_tag"], spec["special_tokens"])
     g.m.accept_string('{"city": "Pa')
     words = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
     g.fill(words)

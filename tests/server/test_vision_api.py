@@ -273,14 +273,11 @@ def test_http_urls_need_the_flag(server, url_server):
         by_url = ok(url_server, [user("Same?", img(url))], cache_prompt=False)
         by_data = ok(server, [user("Same?", img(A))], cache_prompt=False)
         assert same(by_url, by_data)
-        assert "could not be fetched" in bad(url_server, f"http://127.0.0.1:{free_closed_port()}/x.png")
+        from tests.server.harness import refusing_port
+        with refusing_port() as port:
+            assert "could not be fetched" in bad(url_server, f"http://127.0.0.1:{port}/x.png")
     finally:
         httpd.shutdown()
-
-
-def free_closed_port() -> int:
-    from tests.server.harness import free_port
-    return free_port()
 
 
 @pytest.mark.parametrize("path", ["/etc/hostname", "file:///etc/hostname", "./image.png", "~/image.png",

@@ -1,11 +1,10 @@
 """Starts and watches the cache's processes: one prefetcher and N IO workers for a store and a slab.
 
-It lives in the library so the launcher (or a test, or a benchmark) can use it; it imports no
-process package, it only names their entry points on a command line (`python -m prefetcher`,
-`python -m io_workers.reader`). It owns the run's shared memory: `stop()` (also at exit and on
-SIGTERM) terminates every child and unlinks every object. Children die with their parent too
-(PR_SET_PDEATHSIG plus a parent-pid check), so a SIGKILLed owner leaves only shared memory, which
-the next start's `sweep_stale()` removes.
+The compute process owns them (`StreamingEngine` runs one of these); a test or a benchmark may too. It
+owns the run's shared memory: `stop()` (also at exit and on SIGTERM) terminates every child and
+unlinks every object. Children die with their parent too (`procs.spawn.die_with_parent` plus a
+parent-pid check), so a SIGKILLed owner leaves only shared memory, which the next start's
+`sweep_stale()` removes. Whether a dead child comes back is decided in one place, `_restart`.
 """
 from __future__ import annotations
 
@@ -16,13 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-from .client import CacheClient
-from .names import sweep_stale
-from .shm import HDR, WKC, CacheShm
-
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+from cache_shm.client import CacheClient
+from cache_shm.names import sweep_stale
+from cache_shm.shm import HDR, WKC, CacheShm
+from procs.spawn import spawn_module
 
 
 class Supervisor:
@@ -37,7 +34,7 @@ class Supervisor:
                            prefetch_depth=prefetch_depth)
         self.policy, self.max_restarts = policy, max_restarts
         self.worker_args = ("--read-chunks", str(read_chunks), *worker_args)   # later ones win
-        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.shm: CacheShm | None = None
         self.prefetcher: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = []
@@ -66,21 +63,14 @@ class Supervisor:
         self._monitor.start()
         return self
 
-    def _env(self):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return env
-
     def _spawn_prefetcher(self):
-        return subprocess.Popen([sys.executable, "-m", "prefetcher", "--prefix", self.shm.prefix,
-                                 "--policy", self.policy, "--parent-pid", str(os.getpid())],
-                                env=self._env(), cwd=_REPO_ROOT)
+        return spawn_module("prefetcher", ["--prefix", self.shm.prefix, "--policy", self.policy,
+                                           "--parent-pid", os.getpid()])
 
     def _spawn_worker(self, w: int):
         self.shm.worker_counters[w, WKC["ready"]] = 0
-        return subprocess.Popen([sys.executable, "-m", "io_workers.reader", "--prefix", self.shm.prefix,
-                                 "--worker", str(w), "--parent-pid", str(os.getpid()),
-                                 *self.worker_args], env=self._env(), cwd=_REPO_ROOT)
+        return spawn_module("io_workers.reader", ["--prefix", self.shm.prefix, "--worker", w,
+                                                  "--parent-pid", os.getpid(), *self.worker_args])
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -110,7 +100,9 @@ class Supervisor:
                     if p.poll() is not None:
                         self._restart("workers", w)
 
+    # ---- restarts: the one place that decides whether a dead child comes back ---------------
     def _restart(self, what: str, w: int | None) -> None:
+        """`what` ("prefetcher" or "workers", the key of `restarts`) died; `w`: the IO worker's index."""
         old = self.prefetcher if w is None else self.workers[w]
         if self.restarts[what] >= self.max_restarts:
             if old.returncode is not None and not getattr(old, "_reported", False):

@@ -1,0 +1,1 @@
+"""Peers benchmarked beside moestream on the same checkpoint, in the same run (see bench/peers/compare.py)."""

@@ -1,0 +1,78 @@
+"""The launcher <-> compute process messages: every type survives the wire; anything else is a clear error."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from procs import messages as m
+
+EXAMPLES = [
+    m.Generate("r1", [1, 2, 3], m.SamplingParams(temperature=0.7, top_k=5, seed=2 ** 64 - 1, max_tokens=9,
+                                                 stop_token_ids=(2, 7)),
+               logprobs=3, keep_at=[2], use_snapshots=False,
+               images=m.Images(b"\0" * 8, 1, 2, [[2, 2]], [0], ["d"])),
+    m.Cancel("r1"), m.StatsRequest(4), m.Shutdown(),
+    m.Status("loading"), m.Fatal("no store"),
+    m.Ready(m.WorkerInfo(1, "cpu", "fp32", 100, [0, 1], "k", "/moestream-1-", [2, 3], 0)),
+    m.Started("r1", 5, "ram"), m.Token("r1", 9, "length", -0.25, [(9, -0.25), (3, -2.0)]),
+    m.Done("r1", "stop", m.Timings(1, 2, 3.5, 4, 5.5, 3), m.EngineTotals(3, 0.1, 0.2, 0.3, 0.4, 5, 6)),
+    m.Done("r1", "cancelled"), m.Error("r1", "boom", crash=True),
+    m.StatsReply(4, m.EngineStats(requests={"requests": 1}, accounting_per_token={"ms_experts_per_token": 0.5})),
+]
+
+
+def wire(msg):
+    return msgpack.unpackb(m.encode(msg), raw=False)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda x: type(x).__name__)
+def test_every_message_survives_the_wire(msg):
+    direction = m.TO_WORKER if type(msg) in m.TO_WORKER.values() else m.TO_LAUNCHER
+    assert m.decode(wire(msg), direction) == msg
+
+
+def test_each_direction_has_its_own_types():
+    assert {c.op for c in m.TO_WORKER.values()} == {"generate", "cancel", "stats", "shutdown"}
+    with pytest.raises(m.ProtocolError, match="unknown message op 'token'"):
+        m.decode(wire(m.Token("r", 1)), m.TO_WORKER)      # a launcher-bound message sent the wrong way
+
+
+@pytest.mark.parametrize("obj, why", [
+    ({"op": "nope"}, "unknown message op 'nope'; expected one of cancel, generate, shutdown, stats"),
+    ({"id": "r"}, "unknown message op None"),
+    ([1, 2], "a message must be a map"),
+    ({"op": "generate", "id": "r"}, "generate: missing field(s) 'prompt_ids', 'params'"),
+    ({"op": "cancel", "id": "r", "reason": "x"}, "cancel: unknown field(s) 'reason'"),
+    ({"op": "cancel", "id": 3}, "cancel.id: expected str, got int"),
+    ({"op": "generate", "id": "r", "prompt_ids": [1, "2"], "params": {}}, "generate.prompt_ids[1]: expected an integer"),
+    ({"op": "generate", "id": "r", "prompt_ids": [1], "params": {"top_p": 0}}, "generate.params: top_p must be in"),
+    ({"op": "generate", "id": "r", "prompt_ids": [1], "params": {"temperature": "hot"}}, "generate.params.temperature: expected a number"),
+])
+def test_malformed_messages_are_named(obj, why):
+    with pytest.raises(m.ProtocolError) as e:
+        m.decode(obj, m.TO_WORKER)
+    assert why in str(e.value)
+    good = {"op": "generate", "id": "r", "prompt_ids": [1], "params": {}}
+    assert m.decode(good, m.TO_WORKER).params == m.SamplingParams()      # the twin: a well-formed one decodes
+
+
+def test_a_new_field_with_a_default_is_one_line():
+    """A message type with one more field still decodes what an older sender wrote (the default fills it)."""
+    @dataclasses.dataclass
+    class Newer(m.SamplingParams):
+        min_p: float = 0.0
+    assert m._build(Newer, {"temperature": 0.5}, "params") == Newer(temperature=0.5)
+    assert m._build(Newer, {"min_p": 0.1}, "params").min_p == 0.1
+
+
+def test_sampling_defaults_are_applied_once_in_order():
+    gen = m.SamplingParams.model_defaults({"temperature": 0.6, "top_k": None})
+    assert gen == {"temperature": 0.6, "top_p": 1.0, "top_k": 0}          # generation config over the API's
+    assert m.SamplingParams.model_defaults({}) == m.API_DEFAULTS
+    p = m.SamplingParams.for_request({"temperature": None, "top_p": 0.5, "max_tokens": 3, "stream": True}, gen)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.5, 0, 3)   # request over defaults
+    assert m.SamplingParams().temperature == 0.0           # the engine's own default: greedy
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        m.SamplingParams.for_request({"temperature": -1}, gen)
