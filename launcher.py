@@ -186,8 +186,51 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the HTTP port cannot be had (checked before anything loads), or None."""
+    import errno
+    import socket
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"--host {host}: cannot resolve it ({e})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use (another server?): stop it or choose another --port"
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why --device cannot be used, or None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return f"--device {device}, but no CUDA GPU is visible to torch: use --device cpu (or auto)"
+    index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
+    if index >= torch.cuda.device_count():
+        return f"--device {device}, but only {torch.cuda.device_count()} CUDA GPU(s) are visible"
+    return None
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # flags that cannot work are one line and exit status 2, before anything is loaded or written
+    if a.max_tokens_default < 1:
+        log(f"error: --max-tokens-default {a.max_tokens_default}: must be at least 1")
+        return 2
+    for problem in (port_problem(a.host, a.port), device_problem(a.device)):
+        if problem:
+            log(f"error: {problem}")
+            return 2
     a.api_key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
     demo = not a.model and not a.store
     model = Path(a.model) if a.model else (ensure_demo_model() if demo else None)
@@ -291,7 +334,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
     while not server.started:
         if serve_task.done() or stop.is_set():
             log(f"error: could not serve on {a.host}:{a.port}")
-            return 1
+            return 2
         await asyncio.sleep(0.02)
     if a.port == 0:
         a.port = server.servers[0].sockets[0].getsockname()[1]
