@@ -272,6 +272,17 @@ def main(argv=None) -> int:
         return 130
 
 
+async def relay_progress(stream, state) -> None:
+    """The repack's stderr goes on to ours; its progress bar's percentage goes to /health ("repacking (n %)")."""
+    import re
+    while chunk := await stream.read(4096):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+        done = re.findall(rb"(\d+)%\|", chunk)
+        if done:
+            state.loading = f"repacking ({int(done[-1])} %)"
+
+
 def make_server(config):
     """uvicorn.Server without its own signal handling: the launcher drains and stops in its own order."""
     import uvicorn
@@ -352,10 +363,14 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
             if not store_is_complete(store):
                 notify(f"STATUS=repacking {model} into {store}")
                 log(f"repacking {model} into the expert store {store} (once; resumable)")
+                state.loading = "repacking (0 %)"
                 p = repack_proc[0] = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT))
+                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT),
+                    stderr=asyncio.subprocess.PIPE)
+                await relay_progress(p.stderr, state)
                 if await p.wait() != 0:
                     raise RuntimeError(f"repacking {model} failed (exit code {p.returncode})")
+            state.loading = "loading"
             notify("STATUS=loading the model")
             await client.start()
             await tok

@@ -49,6 +49,7 @@ class ServerState:
         self.settings, self.client = settings, client
         self.tokenizer: Tokenizer | None = None
         self.draining = False
+        self.loading: str | None = None     # the launcher's phase before the compute process: "repacking (n %)"
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
         gen = _read_json(Path(settings.model_dir) / "generation_config.json")
@@ -115,8 +116,10 @@ def create_app(state: ServerState) -> FastAPI:
             msg = f"the compute process failed: {c.fatal}"
         elif c.state == "restarting":
             msg = "the compute process is restarting"
+        elif state.loading and state.loading.startswith("repacking"):
+            msg = state.loading                     # "repacking (n %)": the store is being made, once
         else:
-            msg = f"Loading model ({c.status})"
+            msg = f"loading ({c.status})" if c.status else "loading"
         return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": msg,
                                                                  "type": "unavailable_error"}},
                             status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})

@@ -32,7 +32,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next th
 @pytest.fixture(scope="module")
 def server(synth, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tools-api")
-    s = Launcher(synth("tiny", "nvfp4"), "--max-model-len", "1024", "--cache-gb", "0.0005",
+    # a store of its own, so that this server always repacks (and /health says so) whatever ran before
+    s = Launcher(synth("tiny", "nvfp4"), "--store", str(tmp / "store"), "--max-model-len", "1024",
+                 "--cache-gb", "0.0005", "--log-level", "info",
                  "--max-tokens-default", str(DEFAULT_MAX_TOKENS),
                  "--default-chat-template-kwargs", '{"enable_thinking": false}', api_key=KEY)
     s.start(tmp / "launcher.log")
@@ -73,6 +75,20 @@ def valid_calls(calls) -> bool:
         except (KeyError, ValueError):
             return False
     return True
+
+
+def test_health_said_repacking_then_loading_and_the_log_has_one_line_per_request(server, client, model):
+    said = server.health_messages
+    assert any(m.startswith("repacking (") and m.endswith(" %)") for m in said), said
+    assert said[-1].startswith("loading"), said
+    assert said.index(next(m for m in said if m.startswith("loading"))) > 0     # after the repacking
+    before = server.log().count("moestream: request ")
+    client.chat.completions.create(model=model, messages=ASK, max_tokens=3)
+    lines = [ln for ln in server.log().splitlines() if ln.startswith("moestream: request ")]
+    assert len(lines) == before + 1
+    assert all(w in lines[-1] for w in ("prompt ", "cached", "generated 3", "TTFT", "tok/s", "hit rate", "finish"))
+    assert '"GET /health' not in server.log()         # probes are not logged at INFO
+    assert '"POST /v1/chat/completions' in server.log()      # the twin: other requests are
 
 
 # ------------------------------------------------------------------------------------------------ openai client
@@ -239,3 +255,29 @@ def test_simonw_llm_schema(server, model, tmp_path, monkeypatch):
     import llm
     m = llm.get_model("moestream")
     assert validates(m.prompt("The weather in Paris?", schema=WEATHER, seed=9, max_tokens=LONG).text(), WEATHER)
+
+
+def _requests_total(server, finish: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "moestream_requests_total" and s.labels.get("finish_reason") == finish)
+
+
+def test_a_cancelled_request_is_counted(server, model):
+    import time
+    before, done_before = _requests_total(server, "cancelled"), _requests_total(server, "length")
+    body = {"model": model, "messages": ASK, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(),
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break                       # hang up after the first token
+    deadline = time.monotonic() + 30
+    while _requests_total(server, "cancelled") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _requests_total(server, "cancelled") == before + 1
+    # the twin: a request that runs to its end is counted under its own finish reason, not as cancelled
+    post(server, "/v1/chat/completions", {"model": model, "messages": ASK, "max_tokens": 2, "ignore_eos": True})
+    assert _requests_total(server, "length") == done_before + 1
+    assert _requests_total(server, "cancelled") == before + 1
