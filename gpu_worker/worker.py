@@ -255,6 +255,9 @@ class Worker:
                 self.chan.send(m.Token(req.msg.id, step.token, step.finish_reason, step.logprob, step.top_logprobs))
         if out.finish is None:
             out.finish = "cancelled"
+        if grammar is not None and grammar.rejected is not None:
+            log(f"request {req.msg.id}: the grammar refused token {grammar.rejected} that its own mask allowed; "
+                "the rest of the answer was not constrained")
         out.t_end = time.perf_counter()
         return out
 

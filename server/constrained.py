@@ -3,7 +3,7 @@
 the request is queued) and compiled against the vocabulary in the compute process, which applies its token
 mask at every step (gpu_worker/grammar.py, gpu_worker/sampling.py).
 
-Why xgrammar (bench/constrained_mask.py, bench/NOTES-constrained.md): its per-token mask was cheaper than
+Why xgrammar (bench/constrained_mask.py; the figures are in docs/serving.md): its per-token mask was cheaper than
 llguidance's on both vocabularies, and it has the qwen3_coder XML parameter form of Nemotron's tool calls built in
 (`style="qwen_xml"`: each parameter's value typed by the tool's JSON schema), which llguidance's Lark would have
 to spell out per type.
