@@ -27,6 +27,7 @@ from pathlib import Path
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parent
+STOP_GRACE_S = 1.0      # the least time the compute process gets to stop in order after the drain
 
 
 def log(msg: str) -> None:
@@ -42,12 +43,15 @@ def demo_model_dir() -> Path:
 def ensure_demo_model() -> Path:
     out = demo_model_dir()
     if not (out / "config.json").exists():
-        from tools.synth import synthesize
         log(f"writing a tiny synthetic demo model to {out} (once)")
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
             shutil.rmtree(tmp)
-        synthesize(tmp, preset="tiny", quant="nvfp4", seed=0)
+        # the synthesizer is a tool, run as one like tools.repack below: the launcher imports no tools
+        r = subprocess.run([sys.executable, "-m", "tools.synth", "--preset", "tiny", "--quant", "nvfp4", "--seed", "0",
+                            "--out", str(tmp)], cwd=str(ROOT))
+        if r.returncode != 0:
+            raise RuntimeError(f"writing the demo model failed (exit code {r.returncode})")
         tmp.rename(out)
     return out
 
@@ -59,12 +63,12 @@ def store_is_complete(store: Path) -> bool:
 def sizes(model: Path | None, store: Path) -> tuple[int, int, int]:
     """(dense bytes, routed-expert bytes as stored, block stride) from the store, else from the checkpoint."""
     if store_is_complete(store):
-        from io_workers.store import ExpertStore
+        from expert_store.reader import ExpertStore
         st = ExpertStore.open(store)
         dense = sum(p.stat().st_size for p in st.dense_files if p.exists())
         n_blocks = len(st.moe_layers) * st.n_experts
         return dense, n_blocks * st.block_stride, st.block_stride
-    from tools.repack import make_plan
+    from expert_store.source import make_plan
     plan = make_plan(model)
     dense = sum(plan.infos[n].nbytes for n in plan.dense_names)
     return dense, plan.experts_bytes, plan.geometry.block_stride
@@ -93,17 +97,29 @@ def free_vram(device: str) -> int | None:
         return None
 
 
+SHM_MARGIN = 64 << 20      # beside the slab: the index, rings and counters, with room to spare
+
+
+def size_text(n: int) -> str:
+    """GiB with two decimals, MiB below 1 GiB (a small cache is not "0.00 GiB")."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 def preflight(a, cache_bytes: int, dense_bytes: int, snapshot_bytes: int) -> list[str]:
     """What stands in the way of starting with these flags, each with what to change."""
     problems = []
-    gb = lambda n: f"{n / GiB:.2f} GiB"   # noqa: E731
+    gb = size_text
     try:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         shm_free = None
-    if shm_free is not None and cache_bytes + (64 << 20) > shm_free:
-        problems.append(f"--cache-gb {a.cache_gb:g} needs {gb(cache_bytes)} in /dev/shm, which has {gb(shm_free)} free: "
-                        f"lower --cache-gb to at most {max(shm_free - (64 << 20), 0) / GiB:.1f}, or enlarge /dev/shm "
+    margin = SHM_MARGIN
+    if shm_free is not None and cache_bytes + margin > shm_free:
+        most = max(shm_free - margin, 0) / GiB
+        problems.append(f"--cache-gb {a.cache_gb:g} needs {gb(cache_bytes + margin)} in /dev/shm (the cache, "
+                        f"{gb(cache_bytes)}, plus a margin of {gb(margin)} for the index and rings), which has "
+                        f"{gb(shm_free)} free: lower --cache-gb to at most "
+                        f"{f'{most:.1f}' if most >= 0.1 else f'{most:.4f}'}, or enlarge /dev/shm "
                         f"(`mount -o remount,size=40G /dev/shm`; in Docker `--shm-size`)")
     avail = mem_available()
     host_dense = dense_bytes if a.device == "cpu" else 0
@@ -173,6 +189,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens-default", type=int, default=2048,
                     help="tokens a request may generate when it sets no max_tokens (default 2048: minutes, not hours, "
                          "at a few tokens per second; reported in /v1/models)")
+    ap.add_argument("--max-body-mb", type=float, default=None,
+                    help="larger request bodies get a 413, read no further than the limit (default: 16 MiB + 64 bytes "
+                         "per token of the context)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 + Retry-After")
     ap.add_argument("--snapshot-dir", default=None, help="keep conversation snapshots on disk here too (reloaded at "
                                                          "start)")
@@ -312,17 +331,20 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         vram_bytes=getattr(a, "vram_budget", None)), max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
-    state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir),
+    state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir), store_dir=str(store),
                                        max_model_len=a.max_model_len, api_key=a.api_key,
                                        chat_template_kwargs=a.default_chat_template_kwargs or {},
                                        allow_image_urls=a.allow_image_urls,
-                                       allow_private_image_urls=a.allow_private_image_urls, max_image_pixels=a.max_image_pixels,
+                                       allow_private_image_urls=a.allow_private_image_urls,
+                                       max_image_pixels=a.max_image_pixels,
+                                       max_body_bytes=int(a.max_body_mb * (1 << 20)) if a.max_body_mb else None,
                                        max_tokens_default=a.max_tokens_default, log_level=a.log_level),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))
     stop = asyncio.Event()
     signals = []
+    drain_until = [None]        # loop time: the first signal plus --shutdown-timeout
     exit_code = [0]
     repack_proc = [None]
 
@@ -330,6 +352,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         signals.append(sig)
         if len(signals) == 1:
             log(f"{signal.Signals(sig).name}: draining (up to {a.shutdown_timeout:g} s); a second signal exits at once")
+            drain_until[0] = loop.time() + a.shutdown_timeout
             stop.set()
         else:
             log("second signal: exiting at once")
@@ -378,7 +401,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
             ext.cancel()
         notify("READY=1", f"STATUS=serving {state.settings.model_name} on {a.host}:{a.port}")
         info = client.info
-        size = f"{cache_bytes / GiB:.2f} GiB" if cache_bytes >= GiB else f"{cache_bytes / (1 << 20):.1f} MiB"
+        size = size_text(cache_bytes)
         log(f"ready: {state.settings.model_name} on {info.device} ({info.dtype}), expert cache {size}; "
             f"OpenAI API at http://{a.host}:{a.port}/v1")
 
@@ -403,9 +426,12 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         if repack_proc[0] is not None and repack_proc[0].returncode is None:
             repack_proc[0].terminate()
             await repack_proc[0].wait()
-    if client.state == "ready" and not await client.wait_idle(a.shutdown_timeout):
+    # One deadline for the drain and the stop: what the drain leaves (at least STOP_GRACE_S) is the compute
+    # process's time to stop in order; then its process group is killed and the shared memory swept.
+    deadline = drain_until[0] if drain_until[0] is not None else loop.time()
+    if client.state == "ready" and not await client.wait_idle(max(deadline - loop.time(), 0.0)):
         log(f"shutdown timeout ({a.shutdown_timeout:g} s): aborting the remaining requests")
-    await client.stop()
+    await client.stop(max(deadline - loop.time(), STOP_GRACE_S))
     await asyncio.sleep(0.05)          # let aborted responses send their last event
     server.should_exit = True
     with contextlib.suppress(Exception):
@@ -417,4 +443,9 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is stopped and unlinked by now; what remains is tearing down torch's and transformers' modules,
+    # which took 2.4 s here on a busy host and counts against --shutdown-timeout (systemd's stop timeout).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -92,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--read-chunks", type=int, default=4)
     args = ap.parse_args(argv)
     if args.store_dir:
-        from io_workers.store import ExpertStore
+        from expert_store.reader import ExpertStore
         store = ExpertStore.open(args.store_dir)
     else:
         store = synthetic_store(Path(args.work_dir), args.layers, args.experts, args.block_bytes)

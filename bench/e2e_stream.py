@@ -113,7 +113,7 @@ def decode_run(eng, prompts, n_tokens, device):
         sync(device)
         t = time.perf_counter()
         for _ in range(n_tokens):
-            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            tok = int(eng.step(tok, st)[-1].argmax())
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         s1 = eng.cache_stats()
@@ -150,7 +150,7 @@ def main(argv=None):
                     help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
     a = ap.parse_args(argv)
     from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -223,9 +223,9 @@ def main(argv=None):
                 r["vram_after_load"] = mem0
                 r["vram_added_by_decode"] = torch.cuda.memory_allocated() - mem0
                 r["vram_peak_added"] = torch.cuda.max_memory_allocated() - mem0
-                g = eng.model.decode_graphs
+                g = eng.graphs
                 r["graphs_captured"] = g.captures if g is not None else 0
-            r["cuda_graphs"] = eng.model.decode_graphs is not None
+            r["cuda_graphs"] = eng.graphs is not None
             res[name] = r
         return r
 

@@ -23,7 +23,7 @@ class _Timed:
     def __init__(self, fn, kind, acc):
         self.fn, self.kind, self.acc = fn, kind, acc
 
-    def __getattr__(self, name):          # the decode graphs reach mixers' attributes (head, experts, ...)
+    def __getattr__(self, name):          # the decode graphs reach mixers' attributes (route, experts, ...)
         return getattr(self.fn, name)
 
     def __call__(self, *args, **kw):
@@ -34,10 +34,11 @@ class _Timed:
             self.acc[self.kind] = self.acc.get(self.kind, 0.0) + time.perf_counter() - t
 
 
-def host_breakdown(m, tok, tokens):
+def host_breakdown(eng, tok, tokens):
     """Host milliseconds per token by layer kind (Python + launches, and the waits inside them: the MoE
     source's share includes the one sync per MoE layer on the router's choice)."""
     acc: dict = {}
+    m = eng.model
     saved = list(m.mixers)
     ex = m.experts
     ex_apply = ex.apply
@@ -48,7 +49,7 @@ def host_breakdown(m, tok, tokens):
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(tokens):
-            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            tok = int(eng.step(tok, st)[-1].argmax())
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     finally:
@@ -82,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--out", default="profile_decode.json")
     a = ap.parse_args(argv)
     from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     work = Path(a.work)
     model_dir, store_dir = work / "model", work / "store"
     if not (model_dir / "config.json").exists():
@@ -104,21 +105,21 @@ def main(argv=None):
         st = m.new_state()
         tok = int(m.forward(list(range(100, 124)), st, last_only=True)[-1].argmax())
         for _ in range(3):
-            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            tok = int(eng.step(tok, st)[-1].argmax())
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             t = time.perf_counter()
             for _ in range(a.tokens):
-                tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+                tok = int(eng.step(tok, st)[-1].argmax())
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t) * 1e3 / a.tokens
         t = time.perf_counter()
         for _ in range(a.tokens):
-            tok = int(m.forward([tok], st, last_only=True)[-1].argmax())
+            tok = int(eng.step(tok, st)[-1].argmax())
         torch.cuda.synchronize()
         wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
-        host = host_breakdown(m, tok, a.tokens)
+        host = host_breakdown(eng, tok, a.tokens)
     ev = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) \
         if hasattr(ev[0], "self_device_time_total") else sum(e.self_cuda_time_total for e in ev)

@@ -6,7 +6,7 @@ Writes (or reuses) a synth checkpoint with the preset's per-layer shapes and few
 including its final fsync:
   plain write  the store's byte count (experts.bin + dense) written sequentially in 32 MiB pwrites
   plain copy   the checkpoint's shards copied file to file (reads and writes the same disk, like repack)
-  repack       tools.repack with N worker threads (blocks + dense + manifest, journal fsyncs included)
+  repack       expert_store.writer.repack with N worker threads (blocks + dense + manifest, journal fsyncs included)
   repack warm  the same with the checkpoint read into the page cache first (only the writes hit the disk)
 "cold" runs drop the checkpoint's page cache first (posix_fadvise DONTNEED), so reads come from the disk.
 The kinds of run alternate for --rounds rounds; the table shows the best of each. Prints a table, writes JSON.
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=platform.node())
     args = ap.parse_args(argv)
 
-    from tools.repack import make_plan, repack
+    from expert_store.source import make_plan
+    from expert_store.writer import repack
     ckpt = args.workdir / f"{args.preset}-{args.quant}-{args.moe_layers}moe"
     if not (ckpt / "config.json").exists():
         from tools.synth import synthesize
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     dense_bytes = sum(plan.infos[n].nbytes for n in plan.dense_names + plan.mtp_names)
     store_bytes = plan.experts_bytes + dense_bytes
     g = plan.geometry
-    print(f"{ckpt.name}: {plan.n_moe} MoE layers x {plan.n_experts} experts, {g.kind} block {g.block_bytes:,} B "
+    print(f"{ckpt.name}: {plan.n_moe} MoE layers x {plan.n_experts} experts, {g.fmt} block {g.block_bytes:,} B "
           f"(stride {g.block_stride:,}); store {store_bytes / 1e9:.2f} GB = experts {plan.experts_bytes / 1e9:.2f} "
           f"+ dense {dense_bytes / 1e9:.2f}", file=sys.stderr)
 

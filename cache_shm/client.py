@@ -29,6 +29,10 @@ class ExpertLoadError(RuntimeError):
     """A block could not be loaded (read error, short read, checksum mismatch)."""
 
 
+class CacheUnavailable(RuntimeError):
+    """The cache's processes are gone for good (their owner gave up restarting them): nothing will land."""
+
+
 class CacheClient:
     def __init__(self, shm: CacheShm, resend_s: float = 0.5):
         self.shm = shm
@@ -43,6 +47,7 @@ class CacheClient:
         self._lock = threading.Lock()   # one writer of pins per process; its release is also the fence
         self._resend_s = resend_s
         self._owns_shm = False
+        self.broken: str | None = None     # set by the owner when it gives up on the cache processes
 
     @classmethod
     def attach(cls, prefix: str, **kw) -> "CacheClient":
@@ -90,6 +95,8 @@ class CacheClient:
         deadline = None
         with self._lock:
             while not ring.push(payload):
+                if self.broken:
+                    raise CacheUnavailable(self.broken)
                 deadline = deadline or time.monotonic() + timeout
                 if time.monotonic() > deadline:
                     raise TimeoutError("prefetcher message ring full: is the prefetcher running?")
@@ -158,6 +165,8 @@ class CacheClient:
                     s = self._failed(layer, e)
                     if s is not None:
                         raise ExpertLoadError(f"layer {layer} expert {e}: {self.shm.fail_reason(s)}")
+                if self.broken:
+                    raise CacheUnavailable(self.broken)
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(self._diagnose(layer, left, timeout))

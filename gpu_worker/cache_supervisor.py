@@ -4,7 +4,10 @@ The compute process owns them (`StreamingEngine` runs one of these); a test or a
 owns the run's shared memory: `stop()` (also at exit and on SIGTERM) terminates every child and
 unlinks every object. Children die with their parent too (`procs.spawn.die_with_parent` plus a
 parent-pid check), so a SIGKILLed owner leaves only shared memory, which the next start's
-`sweep_stale()` removes. Whether a dead child comes back is decided in one place, `_restart`.
+`sweep_stale()` removes. Whether a dead child comes back is decided in one place, `_restart`: within a
+`RestartBudget` per kind of process (restarts over a sliding window, after a growing backoff). Past it the
+supervisor gives up: `failed` says why, the client's waits fail at once, and `on_failure(why)` tells the owner
+(the compute process reports it to the launcher and exits, and the launcher exits non-zero).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 from cache_shm.client import CacheClient
 from cache_shm.names import sweep_stale
 from cache_shm.shm import HDR, WKC, CacheShm
+from procs.restart_budget import RestartBudget
 from procs.spawn import spawn_module
 
 
@@ -26,19 +30,24 @@ class Supervisor:
     def __init__(self, store, *, cache_bytes: int | None = None, n_slots: int | None = None,
                  n_workers: int = 4, policy: str = "lru", verify_checksums: bool = True,
                  direct: str = "auto", prefetch_depth: int = 2, read_chunks: int = 4,
-                 worker_args: tuple = (),
-                 max_restarts: int = 20, log=None):
+                 worker_args: tuple = (), restart_budget=RestartBudget.from_env, log=None):
+        """restart_budget() -> a fresh `RestartBudget`, one per kind of process (default: from the
+        environment, see procs/restart_budget.py)."""
         self.store = store
         self.shm_kw = dict(cache_bytes=cache_bytes, n_slots=n_slots, n_workers=n_workers,
                            verify_checksums=verify_checksums, direct=direct,
                            prefetch_depth=prefetch_depth)
-        self.policy, self.max_restarts = policy, max_restarts
+        self.policy = policy
         self.worker_args = ("--read-chunks", str(read_chunks), *worker_args)   # later ones win
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.shm: CacheShm | None = None
         self.prefetcher: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = []
         self.restarts = {"prefetcher": 0, "workers": 0}
+        self.budgets = {"prefetcher": restart_budget(), "workers": restart_budget()}
+        self._restart_due: dict[tuple, float] = {}      # (what, w) -> when its backoff ends
+        self.failed: str | None = None
+        self.on_failure = None                          # callable(why), from the monitor thread
         self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._monitor: threading.Thread | None = None
@@ -92,7 +101,7 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._stopping.wait(0.05):
             with self._lock:
-                if self._stopping.is_set():
+                if self._stopping.is_set() or self.failed:
                     return
                 if self.prefetcher.poll() is not None:
                     self._restart("prefetcher", None)
@@ -102,27 +111,47 @@ class Supervisor:
 
     # ---- restarts: the one place that decides whether a dead child comes back ---------------
     def _restart(self, what: str, w: int | None) -> None:
-        """`what` ("prefetcher" or "workers", the key of `restarts`) died; `w`: the IO worker's index."""
+        """`what` ("prefetcher" or "workers", the key of `restarts`) died; `w`: the IO worker's index. Called on
+        every watch tick while it is dead: the first call takes a restart from the budget (or gives up), the
+        one after the backoff spawns it."""
         old = self.prefetcher if w is None else self.workers[w]
-        if self.restarts[what] >= self.max_restarts:
-            if old.returncode is not None and not getattr(old, "_reported", False):
-                old._reported = True
-                self.log(f"cache supervisor: {old.args[2]} died ({old.returncode}); restart limit "
-                         f"{self.max_restarts} reached, not restarting")
-            return
-        self.restarts[what] += 1
         name = "prefetcher" if w is None else f"io worker {w}"
-        self.log(f"cache supervisor: {name} (pid {old.pid}) exited with {old.returncode}; restarting")
+        now = time.monotonic()
+        due = self._restart_due.get((what, w))
+        if due is None:
+            budget = self.budgets[what]
+            delay = budget.allow()
+            if delay is None:
+                self._give_up(f"the {name} died again (exit {old.returncode}) after {budget.recent()} restarts of "
+                              f"the {what} within {budget.window_s:g} s (budget: {budget.describe()}); the expert "
+                              f"cache cannot be kept alive")
+                return
+            due = self._restart_due[(what, w)] = now + delay
+            self.log(f"cache supervisor: {name} (pid {old.pid}) exited with {old.returncode}; restarting"
+                     + (f" in {delay:.2f} s" if delay >= 0.01 else ""))
+        if now < due:
+            return
+        del self._restart_due[(what, w)]
+        self.restarts[what] += 1
         if w is None:
             self.prefetcher = self._spawn_prefetcher()
         else:
             self.workers[w] = self._spawn_worker(w)
+
+    def _give_up(self, why: str) -> None:
+        self.failed = why
+        self.log(f"cache supervisor: {why}")
+        if self._client is not None:
+            self._client.broken = why
+        if self.on_failure is not None:
+            self.on_failure(why)
 
     # ---- client and teardown ---------------------------------------------------------------
     def client(self) -> CacheClient:
         """The compute side's client in this process (other processes: CacheClient.attach(prefix))."""
         if self._client is None:
             self._client = CacheClient(self.shm)
+            self._client.broken = self.failed
         return self._client
 
     @property

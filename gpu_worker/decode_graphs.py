@@ -13,62 +13,323 @@ Per MoE layer j, in order:
   event   recorded after R_j: the host waits on it, not on the stream.
   S_j     graph: the latent projection, the shared expert, the gathers of the experts' global scales, the
           zeroing of the routed sum. It runs on the GPU while the host does the lookup.
-  route   host: wait on the event, read the choice, look up the VRAM tier and the cache, send the one
-          request. If every expert is present, copy their block addresses to a device buffer and let R_{j+1}
-          run the kernels ("slab" variant, or "mixed" when some are in the VRAM tier). Otherwise run them
-          eagerly as they land (misses), and R_{j+1} has no expert kernels ("eager" variant).
+  route   host: wait on the event, read the choice, hand it to the expert source (`decode_route`: it looks up
+          the VRAM tier and the cache and sends the one request). If every expert is present, the source gives
+          their block addresses: they go to a device buffer and R_{j+1} runs the kernels (`decode_kernels`;
+          "slab" variant, or "mixed" when some are in the VRAM tier). Otherwise the source runs them eagerly as
+          they land (`decode_eager`), and R_{j+1} has no expert kernels ("eager" variant).
 Then the final stretch: the last MoE layer's experts and combine, the remaining layers, final norm, lm_head.
 Attention layers run eagerly and split a stretch, because their KV cache grows and moves.
 
-Graph inputs and outputs live in static buffers owned by this object, so each graph (segment, variant) can be
-captured alone. Each is run eagerly the first time, which compiles its Triton kernels outside any capture. It
-is captured the second time and replayed from then on.
+The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`), each with
+`run(state)`. Graph inputs and outputs live in static buffers owned by this object (`RouterOutputs`,
+`ExpertInputs` per MoE layer, the residual stream, the logits), so each graph (segment, variant) can be
+captured alone. Each `Graphed` body is run eagerly the first time, which compiles its Triton kernels outside
+any capture. It is captured the second time and replayed from then on.
 
 Mamba states: a graph bakes in the addresses of the conv and SSM states it updates in place. This object owns
 one static copy of those states. The `InferenceState` being decoded is bound to them: its tensors are
 copied in and its `MambaState`s re-pointed at the static buffers. The state bound before gets private copies
 back first. So a state is never shared, and a state that prefill re-pointed elsewhere is copied back in at
 its next decode step. Binding costs one device copy of the Mamba states per switch of sequence, not per
-token. Tracing (`set_trace`) and image rows fall back to the eager forward.
+token. The engine's `step()` decides when to use this object; tracing (`set_trace`) and image rows use the
+model's own forward.
 """
 from __future__ import annotations
 
 import math
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-from kernels import moe_ops
 from kernels.linear import linear
 from nemotron.attention import Attention
 from nemotron.mamba import Mamba2Mixer, MambaState
 from nemotron.moe import MoEMixer
 from nemotron.norms import rms_norm
 
+# How a MoE layer's experts ran, which decides what the next stretch records: eagerly (no kernels in it), or
+# inside it from the slab alone (the kernels count the down groups they read over the bus) or partly from the
+# VRAM tier.
 EAGER, SLAB, MIXED = "eager", "slab", "mixed"
 
 
-class _Graph:
-    def __init__(self, fn, capture: bool, pool=None):
-        self.fn, self.capture, self.pool = fn, capture, pool
-        self.graphs: dict = {}
-        self.runs: dict = {}
+# ------------------------------------------------------------------ static buffers
+# Allocated on a body's first (eager) run, outside any capture, from the shapes that run produces.
+@dataclass
+class RouterOutputs:
+    """What R_j leaves for S_j and for the host: the router's input and choice, the choice (+ guess) pinned."""
+    h: torch.Tensor            # [1, hidden]: the layer's normed input
+    experts: torch.Tensor      # int64 [1, k]
+    weights: torch.Tensor      # fp32 [1, k]
+    choice: torch.Tensor       # int64 [k + guess] on the device
+    choice_host: torch.Tensor  # its pinned copy: the host reads it after the event
+    k: int
 
-    def __call__(self, variant=EAGER):
+    @classmethod
+    def like(cls, h, experts, weights, guess, pinned: bool) -> "RouterOutputs":
+        k = experts.shape[-1]
+        n = k + (0 if guess is None else guess.numel())
+        return cls(torch.empty_like(h), torch.empty_like(experts), torch.empty_like(weights),
+                   torch.empty(n, dtype=torch.long, device=h.device),
+                   torch.empty(n, dtype=torch.long, pin_memory=pinned), k)
+
+    def write(self, h, experts, weights, guess) -> None:
+        self.h.copy_(h)
+        self.experts.copy_(experts)
+        self.weights.copy_(weights)
+        self.choice[:self.k].copy_(experts[0])
+        if guess is not None:
+            self.choice[self.k:].copy_(guess)
+        self.choice_host.copy_(self.choice, non_blocking=True)
+
+    def on_host(self) -> tuple[list[int], list[int]]:
+        """(chosen experts, guess for the next MoE layer); only after the event recorded behind `write`."""
+        ids = self.choice_host.tolist()
+        return ids[:self.k], ids[self.k:]
+
+
+@dataclass
+class ExpertInputs:
+    """What S_j leaves for layer j's routed experts (run eagerly, or inside R_{j+1}); `acc` is their sum."""
+    lat: torch.Tensor                  # [1, L]: the experts' (latent) input
+    shared: torch.Tensor | None        # [1, hidden]: the shared expert's output
+    acc: torch.Tensor                  # fp32 [L]: the routed sum, zeroed by S_j
+    scales: tuple | None               # the chosen experts' (up, down) global scales (None: the source has none)
+    weights: torch.Tensor | None       # fp32 [k]: the routing weights, beside the scales
+    addresses: torch.Tensor            # int64 [k] on the device: the chosen experts' blocks
+    addresses_host: torch.Tensor       # pinned staging, written by the host; its last copy ran before the event
+
+    def __post_init__(self):
+        self._addresses_np = self.addresses_host.numpy()
+
+    @classmethod
+    def like(cls, lat, shared, scales, weights, pinned: bool) -> "ExpertInputs":
+        k = weights.shape[-1]
+        return cls(torch.empty_like(lat), None if shared is None else torch.empty_like(shared),
+                   torch.zeros(lat.shape[-1], dtype=torch.float32, device=lat.device),
+                   None if scales is None else tuple(torch.empty_like(t) for t in scales),
+                   None if scales is None else torch.empty(k, dtype=torch.float32, device=lat.device),
+                   torch.zeros(k, dtype=torch.long, device=lat.device),
+                   torch.zeros(k, dtype=torch.long, pin_memory=pinned))
+
+    def write(self, lat, shared, scales, weights) -> None:
+        self.lat.copy_(lat)
+        if shared is not None:
+            self.shared.copy_(shared)
+        if scales is not None:
+            for dst, src in zip(self.scales, scales):
+                dst.copy_(src)
+            self.weights.copy_(weights)
+        self.acc.zero_()
+
+    def set_addresses(self, addresses: list[int]) -> None:
+        self._addresses_np[:] = addresses
+        self.addresses.copy_(self.addresses_host, non_blocking=True)
+
+
+# ------------------------------------------------------------------ graphed bodies
+class Graphed:
+    """A body on static buffers, per variant: run eagerly the first time (which compiles its Triton kernels
+    outside any capture), captured the second, replayed from then on. Without capture it always runs eagerly."""
+
+    def __init__(self, dec: "DecodeGraphs"):
+        self.dec = dec
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.runs: dict[str, int] = {}
+
+    def body(self, variant: str) -> None:
+        raise NotImplementedError
+
+    def play(self, variant: str = EAGER) -> None:
         g = self.graphs.get(variant)
         if g is not None:
             g.replay()
             return
-        if self.runs.get(variant, 0) == 0 or not self.capture:
-            self.fn(variant)                    # warm: compiles kernels, runs for real
+        if self.runs.get(variant, 0) == 0 or not self.dec.capturing:
+            self.body(variant)                    # warm: compiles kernels, runs for real
         else:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):   # capture only: nothing runs yet
-                self.fn(variant)
-            self.graphs[variant] = g
-            g.replay()
+            self.capture(variant).replay()
         self.runs[variant] = self.runs.get(variant, 0) + 1
+
+    def capture(self, variant: str) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.dec.pool):   # capture only: nothing runs yet
+            self.body(variant)
+        self.graphs[variant] = g
+        return g
+
+
+class MoEStep:
+    """One MoE layer's share of the step: its router (the end of R_j), S_j, the host decision, its experts and
+    combine (the start of R_{j+1})."""
+
+    def __init__(self, dec: "DecodeGraphs", i: int):
+        self.dec, self.i = dec, i
+        self.out: RouterOutputs | None = None
+        self.inp: ExpertInputs | None = None
+        self.variant = EAGER
+        self.prepare = _Prepare(self)
+
+    @property
+    def mixer(self) -> MoEMixer:
+        return self.dec.m.mixers[self.i]
+
+    def route(self, x) -> None:
+        h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
+        experts, weights, guess = self.mixer.route(h)
+        if self.out is None:
+            self.out = RouterOutputs.like(h, experts, weights, guess, pinned=self.dec.cuda)
+        self.out.write(h, experts, weights, guess)
+
+    def decide(self) -> None:
+        """The host side, between R_j and R_{j+1}: S_j queued, wait for the choice, let the source route it."""
+        ev = None
+        if self.dec.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        self.prepare.play()              # the GPU works on this while the host waits and looks up
+        mixer, out, inp = self.mixer, self.out, self.inp
+        src = mixer.experts
+        t0 = time.perf_counter()
+        if ev is not None:
+            ev.synchronize()
+        chosen, guess = out.on_host()
+        r = src.decode_route(mixer.moe_index, self.i, chosen, guess, time.perf_counter() - t0)
+        if r.addresses is None:
+            src.decode_eager(r, inp.lat[0], out.experts[0], out.weights[0], inp.acc)
+            self.variant = EAGER
+        else:
+            inp.set_addresses(r.addresses)
+            self.variant = SLAB if r.count_down_groups else MIXED
+
+    def combine(self, x, variant: str):
+        """Layer j's experts (when every one was present) and its combine, at the start of R_{j+1}."""
+        mixer, inp = self.mixer, self.inp
+        if variant != EAGER:
+            mixer.experts.decode_kernels(mixer.moe_index, inp.lat[0], inp.addresses, inp.scales, inp.weights,
+                                         inp.acc, count_down_groups=variant == SLAB)
+        return x + mixer.tail(inp.acc[None], inp.shared)
+
+
+class _Prepare(Graphed):
+    """S_j: the latent projection, the shared expert, the gathers of the experts' scales, the zeroed sum."""
+
+    def __init__(self, moe: MoEStep):
+        super().__init__(moe.dec)
+        self.moe = moe
+
+    def body(self, variant):
+        moe = self.moe
+        mixer, out = moe.mixer, moe.out
+        lat, shared = mixer.prepare(out.h)
+        scales = mixer.experts.decode_scales(mixer.moe_index, out.experts[0])
+        weights = out.weights[0].float()
+        if moe.inp is None:
+            moe.inp = ExpertInputs.like(lat, shared, scales, weights, pinned=self.dec.cuda)
+        moe.inp.write(lat, shared, scales, weights)
+
+
+# ------------------------------------------------------------------ the ops of a stretch: x -> x
+class Embed:
+    def __init__(self, dec):
+        self.dec = dec
+
+    def __call__(self, x, variant):
+        m = self.dec.m
+        return m.embeddings[self.dec.tok].to(m.dtype)
+
+
+class Layer:
+    """A Mamba or MLP layer (its Mamba state: the static copy)."""
+
+    def __init__(self, dec, i: int):
+        self.dec, self.i = dec, i
+
+    def __call__(self, x, variant):
+        m, i = self.dec.m, self.i
+        h = rms_norm(x, m.norms[i], self.dec.eps)
+        s = self.dec.static.get(i)
+        return x + (m.mixers[i](h) if s is None else m.mixers[i](h, s))
+
+
+class Route:
+    """R_j's end: MoE layer j's router and guess, the choice copied to pinned memory."""
+
+    def __init__(self, moe: MoEStep):
+        self.moe = moe
+
+    def __call__(self, x, variant):
+        self.moe.route(x)
+        return x
+
+
+class Combine:
+    def __init__(self, moe: MoEStep):
+        self.moe = moe
+
+    def __call__(self, x, variant):
+        return self.moe.combine(x, variant)
+
+
+class Head:
+    """Final norm and lm_head into the static logits."""
+
+    def __init__(self, dec):
+        self.dec = dec
+
+    def __call__(self, x, variant):
+        m = self.dec.m
+        self.dec.logits.copy_(linear(rms_norm(x, m.norm_f, self.dec.eps), m.lm_head).float())
+        return x
+
+
+# ------------------------------------------------------------------ segments: run(state), in order
+class Stretch(Graphed):
+    """A graphed run of ops on the residual stream; its variant follows how the MoE layer before it ran."""
+    kind = "graph"
+
+    def __init__(self, dec, ops: list, follows: MoEStep | None):
+        super().__init__(dec)
+        self.ops, self.follows = ops, follows
+
+    def body(self, variant):
+        x = self.dec.x
+        for op in self.ops:
+            x = op(x, variant)
+        if x is not self.dec.x:
+            self.dec.x.copy_(x)
+
+    def run(self, state) -> None:
+        variant = self.follows.variant if self.follows is not None else EAGER
+        self.play(variant)
+        if variant != EAGER:            # e.g. VRAM-tier admissions, after the kernels that read the old slots
+            self.follows.mixer.experts.decode_launched()
+
+
+class HostDecision:
+    kind = "route"
+
+    def __init__(self, moe: MoEStep):
+        self.moe = moe
+
+    def run(self, state) -> None:
+        self.moe.decide()
+
+
+class AttentionLayer:
+    """Eager: the KV cache grows and moves."""
+    kind = "attn"
+
+    def __init__(self, dec, i: int):
+        self.dec, self.i = dec, i
+
+    def run(self, state) -> None:
+        dec, m = self.dec, self.dec.m
+        h = rms_norm(dec.x, m.norms[self.i], dec.eps)
+        dec.x.copy_(dec.x + m.mixers[self.i](h, state.layers[self.i]))
 
 
 class DecodeGraphs:
@@ -80,41 +341,34 @@ class DecodeGraphs:
             raise ValueError(f"decode graphs: {why}")
         self.m = m = model
         self.cuda = model.device.type == "cuda"
-        self.capture = self.cuda if capture is None else capture
+        self.capturing = self.cuda if capture is None else capture
         c, dev, dt = model.config, model.device, model.dtype
         # One memory pool for every graph (a private pool per graph keeps its own segments). Sharing is safe here
         # because nothing allocated inside a graph outlives it: every value that crosses a segment boundary lives
-        # in the static buffers below, allocated outside any capture. Measured on the H200 (4 MoE layers, 10
+        # in the static buffers, allocated outside any capture. Measured on the H200 (4 MoE layers, 10
         # graphs): decoding adds 64 MiB over the loaded engine either way, the cuBLAS workspaces of the first
         # GEMMs on the main and the capture stream; the graphs themselves add no measurable memory.
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
         self.eps = c.layer_norm_epsilon
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.x = torch.zeros(1, c.hidden_size, dtype=dt, device=dev)        # the residual stream between segments
         self.logits = torch.zeros(1, c.vocab_size, dtype=torch.float32, device=dev)
         self.static = {i: s for i, s in enumerate(model.new_state().layers) if isinstance(s, MambaState)}
         self.owner = None
-        self.buf: dict[int, dict] = {}      # MoE layer -> static tensors (choice, weights, guess, lat, shared, ...)
-        self.variant: dict[int, str] = {}   # MoE layer -> how its experts ran this token
-        # the plan: ("graph", _Graph, MoE layer whose experts its variant follows, or None) | ("attn", layer)
-        #           | ("route", MoE layer)   (records the event, runs S_j, does the host side)
-        self.segments, self.pre = [], {}
-        ops, after = [("embed", None)], None
+        self.moe: dict[int, MoEStep] = {}
+        self.segments: list = []
+        ops, follows = [Embed(self)], None
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
-                ops.append(("router", i))
-                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
-                self.pre[i] = _Graph(self._pre(i), self.capture, self.pool)
-                self.segments.append(("route", i))
-                ops, after = [("experts", i), ("moe_tail", i)], i
+                moe = self.moe[i] = MoEStep(self, i)
+                self.segments += [Stretch(self, ops + [Route(moe)], follows), HostDecision(moe)]
+                ops, follows = [Combine(moe)], moe
             elif isinstance(mixer, Attention):
-                self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
-                self.segments.append(("attn", i))
-                ops, after = [], None
+                self.segments += [Stretch(self, ops, follows), AttentionLayer(self, i)]
+                ops, follows = [], None
             else:
-                ops.append(("layer", i))
-        ops.append(("final", None))
-        self.segments.append(("graph", _Graph(self._stretch(ops), self.capture, self.pool), after))
+                ops.append(Layer(self, i))
+        self.segments.append(Stretch(self, ops + [Head(self)], follows))
 
     @staticmethod
     def unsupported(model) -> str | None:
@@ -127,122 +381,13 @@ class DecodeGraphs:
 
     @property
     def captures(self) -> int:
-        graphs = [s[1] for s in self.segments if s[0] == "graph"] + list(self.pre.values())
-        return sum(len(g.graphs) for g in graphs)
+        graphed = [s for s in self.segments if isinstance(s, Graphed)] + [moe.prepare for moe in self.moe.values()]
+        return sum(len(g.graphs) for g in graphed)
 
-    # ------------------------------------------------------------------ graph bodies
-    def _stretch(self, ops):
-        m = self.m
-
-        def run(variant):
-            x = self.x
-            for op, i in ops:
-                if op == "embed":
-                    x = m.embeddings[self.tok].to(m.dtype)
-                elif op == "layer":
-                    h = rms_norm(x, m.norms[i], self.eps)
-                    s = self.static.get(i)
-                    x = x + (m.mixers[i](h) if s is None else m.mixers[i](h, s))
-                elif op == "router":
-                    self._router(i, rms_norm(x, m.norms[i], self.eps))
-                elif op == "experts":
-                    if variant != EAGER:
-                        b, src = self.buf[i], m.mixers[i].experts
-                        moe_ops.expert_decode(b["lat"][0], b["addrs"], src.geom, b["ug"], b["dg"], b["w32"], b["acc"],
-                                              down_counter=src._down_groups if variant == SLAB else None)
-                elif op == "moe_tail":
-                    b = self.buf[i]
-                    x = x + m.mixers[i].tail(b["acc"][None], b.get("shared"))
-                elif op == "final":
-                    self.logits.copy_(linear(rms_norm(x, m.norm_f, self.eps), m.lm_head).float())
-            if x is not self.x:
-                self.x.copy_(x)
-        return run
-
-    def _router(self, i, h):
-        mixer = self.m.mixers[i]
-        experts, weights, guess = mixer.route(h)
-        b = self.buf.get(i)
-        if b is None:                                  # shapes from the first (eager) run
-            dev, k = h.device, experts.shape[-1]
-            lat = mixer.fc1.out_features if mixer.fc1 is not None else h.shape[-1]
-            kg = 0 if guess is None else guess.numel()
-            b = self.buf[i] = {
-                "h": torch.empty_like(h), "experts": torch.empty_like(experts), "weights": torch.empty_like(weights),
-                "choice": torch.empty(k + kg, dtype=torch.long, device=dev),
-                "choice_host": torch.empty(k + kg, dtype=torch.long, pin_memory=self.cuda),
-                "acc": torch.zeros(lat, dtype=torch.float32, device=dev),
-                "addrs": torch.zeros(k, dtype=torch.long, device=dev),
-                "addrs_host": torch.zeros(k, dtype=torch.long, pin_memory=self.cuda), "k": k}
-            b["addrs_np"] = b["addrs_host"].numpy()    # written from the host; its last copy ran before the event
-        b["h"].copy_(h)
-        b["experts"].copy_(experts)
-        b["weights"].copy_(weights)
-        b["choice"][:b["k"]].copy_(experts[0])
-        if guess is not None:
-            b["choice"][b["k"]:].copy_(guess)
-        b["choice_host"].copy_(b["choice"], non_blocking=True)
-
-    def _pre(self, i):
-        m = self.m
-        mixer = m.mixers[i]
-
-        def run(variant):
-            b = self.buf[i]
-            lat, shared = mixer.prepare(b["h"])
-            if "lat" not in b:
-                b["lat"] = torch.empty_like(lat)
-                if shared is not None:
-                    b["shared"] = torch.empty_like(shared)
-            b["lat"].copy_(lat)
-            if shared is not None:
-                b["shared"].copy_(shared)
-            src = mixer.experts
-            if hasattr(src, "up_global"):        # the graphed expert kernels' per-expert inputs
-                j = mixer.moe_index
-                ex = b["experts"][0]
-                for key, val in (("ug", src.up_global[j, ex]), ("dg", src.down_global[j, ex]),
-                                 ("w32", b["weights"][0].float())):
-                    if key not in b:
-                        b[key] = torch.empty_like(val)
-                    b[key].copy_(val)
-            b["acc"].zero_()
-        return run
-
-    # ------------------------------------------------------------------ eager parts
-    def _route(self, i):
-        mixer, b = self.m.mixers[i], self.buf[i]
-        ev = None
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-        self.pre[i]()                           # the GPU works on these while the host waits and looks up
-        src = mixer.experts
-        t0 = time.perf_counter()
-        if ev is not None:
-            ev.synchronize()
-        k = b["k"]
-        if not hasattr(src, "route"):          # any other expert source: its own apply
-            acc = src.apply(mixer.moe_index, i, b["lat"], b["experts"], b["weights"],
-                            guess=b["choice"][k:] if b["choice"].numel() > k else None)
-            b["acc"].copy_(acc[0])
-            self.variant[i] = EAGER
-            return
-        ids = b["choice_host"].tolist()
-        t = src.route(mixer.moe_index, ids[:k], ids[k:], time.perf_counter() - t0)
-        addrs = src.addresses(t)
-        if addrs is not None:
-            b["addrs_np"][:] = addrs
-            b["addrs"].copy_(b["addrs_host"], non_blocking=True)
-            self.variant[i] = MIXED if t.on_dev else SLAB
-        else:
-            src.compute(t, b["lat"][0], b["experts"][0], b["weights"][0], b["acc"])
-            self.variant[i] = EAGER
-
-    def _attn(self, i, state):
-        m = self.m
-        h = rms_norm(self.x, m.norms[i], self.eps)
-        self.x.copy_(self.x + m.mixers[i](h, state.layers[i]))
+    @property
+    def variant(self) -> dict[int, str]:
+        """MoE layer -> how its experts ran at the last step."""
+        return {i: moe.variant for i, moe in self.moe.items()}
 
     # ------------------------------------------------------------------ binding the state
     def _bind(self, state) -> None:
@@ -265,22 +410,15 @@ class DecodeGraphs:
         self.owner = weakref.ref(state)
 
     # ------------------------------------------------------------------ one token
+    @torch.inference_mode()
     def step(self, token, state) -> torch.Tensor:
-        """Feeds one token; returns logits fp32 [1, vocab] (a fresh tensor). The caller advances position."""
+        """Feeds one token (an int, or int64 [1] on the device); returns logits fp32 [1, vocab] (a fresh tensor)
+        and advances `state`."""
         self._bind(state)
         if not torch.is_tensor(token):      # a fresh pinned tensor: the allocator keeps it until the copy ran
             token = torch.tensor([int(token)], dtype=torch.long, pin_memory=self.cuda)
         self.tok.copy_(token.reshape(1), non_blocking=True)
         for seg in self.segments:
-            kind = seg[0]
-            if kind == "graph":
-                _, graph, after = seg
-                variant = self.variant.get(after, EAGER) if after is not None else EAGER
-                graph(variant)
-                if variant != EAGER:        # VRAM-tier admissions after the kernels that read the old slots
-                    self.m.mixers[after].experts.admit_pending()
-            elif kind == "route":
-                self._route(seg[1])
-            else:
-                self._attn(seg[1], state)
+            seg.run(state)
+        state.position += 1
         return self.logits.clone()

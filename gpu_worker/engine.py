@@ -2,6 +2,9 @@
 
 Owns the cache processes (a `gpu_worker.cache_supervisor.Supervisor`: prefetcher + IO workers) for its lifetime;
 `close()` (or leaving the `with` block) stops them and unlinks every shared-memory object.
+
+It drives the model as a bare `NemotronH` is driven: `new_state()`, `forward()` (prefill, image rows) and
+`step()` (one decode token). `step()` is where the CUDA graphs come in; the model knows nothing of them.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from cache_shm.cuda_map import register_slab, slab_tensor
 from gpu_worker.cache_supervisor import Supervisor
 from gpu_worker.streaming import StreamingExperts
 from gpu_worker.vram_tier import VramTier, vram_tier_slots
-from io_workers.store import ExpertStore, StoreError
+from expert_store.format import StoreError
+from expert_store.reader import ExpertStore
 from nemotron.checkpoint import Checkpoint
 from nemotron.model import NemotronH
 
@@ -37,6 +41,7 @@ class StreamingEngine:
         self.sup = Supervisor(self.store, cache_bytes=cache_bytes, n_workers=io_workers, policy=policy,
                               verify_checksums=verify_checksums)
         self.reg = None
+        self.graphs = None     # a DecodeGraphs where step() replays the one-token step as CUDA graphs
         try:
             self.sup.start()
             client = self.sup.client()
@@ -46,7 +51,7 @@ class StreamingEngine:
             if cuda_graphs and str(device).startswith("cuda"):
                 from gpu_worker.decode_graphs import DecodeGraphs
                 if DecodeGraphs.unsupported(self.model) is None:
-                    self.model.decode_graphs = DecodeGraphs(self.model)
+                    self.graphs = DecodeGraphs(self.model)
             if vram_bytes is not None:
                 self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device, vram_admit_after)
         except BaseException:
@@ -63,6 +68,21 @@ class StreamingEngine:
         n = vram_tier_slots(budget, used, self.store.block_stride, reserve)
         return VramTier(n, self.store.block_stride, self.store.block_bytes, device, admit_after)
 
+    def new_state(self):
+        return self.model.new_state()
+
+    def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None):
+        """The model's forward (prefill, image rows), always eager: see `NemotronH.forward`."""
+        return self.model.forward(ids, state, last_only=last_only, image_embeds=image_embeds,
+                                  image_positions=image_positions)
+
+    def step(self, token: int, state):
+        """One decode token -> logits fp32 [1, vocab]; advances `state`. The CUDA graphs where they are on,
+        else (and while the model traces: its hooks run only in the eager forward) `NemotronH.step`."""
+        if self.graphs is None or self.model.tracing:
+            return self.model.step(token, state)
+        return self.graphs.step(self.model.token_ids([int(token)]), state)
+
     @property
     def accounting(self):
         return self.experts.acct
@@ -71,9 +91,8 @@ class StreamingEngine:
         return self.sup.client().stats()
 
     def close(self):
-        model = getattr(self, "model", None)
-        if model is not None and model.decode_graphs is not None:
-            model.decode_graphs = None      # graphs and closures form cycles: let the device memory go now
+        if self.graphs is not None:
+            self.graphs = None      # the segments and the graphs object form cycles: let the device memory go now
             import gc
             gc.collect()
         if self.reg is not None:

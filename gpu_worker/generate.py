@@ -50,4 +50,4 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
         if cancel is not None and cancel.is_set():
             return   # the caller who set `cancel` knows why the stream ended
         with torch.inference_mode():
-            logits = model.forward([tok], state, last_only=True)
+            logits = model.step(tok, state)

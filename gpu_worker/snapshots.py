@@ -9,11 +9,16 @@ bounded by count and bytes) and, with a directory, also on disk:
     file = MAGIC (8 bytes) | header length (u32 LE) | msgpack header | payload (torch.save of the state)
     header = {format, version, model_key, n_tokens, ids (int32 LE bytes), payload_bytes, payload_sha256}
 
-File names are a hash of the model key and the ids, never text from a request. The model key covers the
-store's config hash and checkpoint fingerprint, the compute dtype and the device type, so a snapshot from
-another model, precision or device is a miss. A truncated, corrupted or mismatched file is a miss (and a
-damaged one is removed), never a crash or a wrong answer: the payload's sha256 is checked before loading and
-the tensors' shapes against a fresh state of the model.
+File names are a hash of the model key and the ids, never text from a request. The files hold the
+conversation (their headers decode to the prompt), so they are created 0600 in a 0700 directory, private from
+the first byte (the mode is given to open and mkdir, not set afterwards). A write goes to `NAME.tmp<pid>`
+first and is renamed into place; a failed write (a full disk) removes its temporary file, and temporary files
+of processes that are gone are swept at start.
+
+The model key covers the store's config hash and checkpoint fingerprint, the compute dtype and the device type,
+so a snapshot from another model, precision or device is a miss. A truncated, corrupted or mismatched file is a
+miss (and a damaged one is removed), never a crash or a wrong answer: the payload's sha256 is checked before
+loading and the tensors' shapes against a fresh state of the model.
 """
 from __future__ import annotations
 
@@ -31,8 +36,7 @@ import msgpack
 import numpy as np
 import torch
 
-from nemotron.attention import KVCache
-from nemotron.mamba import MambaState
+from cache_shm.names import pid_alive
 from nemotron.model import InferenceState
 
 MAGIC = b"MSSNAP\x00\x01"
@@ -61,63 +65,15 @@ def image_key_ids(ids: list[int], positions_per_image, digests) -> list[int]:
     return key
 
 
-# ------------------------------------------------------------------------------------------ state <-> dict
-def state_to_dict(state: InferenceState, device="cpu") -> dict:
-    layers = []
-    for s in state.layers:
-        if s is None:
-            layers.append(None)
-        elif isinstance(s, MambaState):
-            layers.append({"kind": "mamba", "conv": s.conv.to(device, copy=True), "ssm": s.ssm.to(device, copy=True)})
-        elif isinstance(s, KVCache):
-            layers.append({"kind": "kv", "k": s.k[:s.length].to(device, copy=True),
-                           "v": s.v[:s.length].to(device, copy=True), "length": int(s.length)})
-        else:
-            raise TypeError(f"cannot snapshot a layer state of type {type(s).__name__}")
-    return {"position": int(state.position), "layers": layers}
-
-
-def dict_to_state(d: dict, device) -> InferenceState:
-    layers = []
-    for s in d["layers"]:
-        if s is None:
-            layers.append(None)
-        elif s["kind"] == "mamba":
-            layers.append(MambaState(s["conv"].to(device, copy=True), s["ssm"].to(device, copy=True)))
-        else:
-            kv = KVCache.__new__(KVCache)
-            kv.k, kv.v, kv.length = s["k"].to(device, copy=True), s["v"].to(device, copy=True), int(s["length"])
-            layers.append(kv)
-    return InferenceState(layers, int(d["position"]))
-
-
+# ------------------------------------------------------------------------------------------ host copies
+# The states copy themselves to and from the host (`InferenceState.to_host` / `from_host`); a payload is that
+# dict as torch.save writes it.
 def check_compatible(d: dict, template: InferenceState, n_tokens: int) -> str | None:
-    """Why the snapshot dict cannot be restored into a model whose fresh state is `template` (None: it can)."""
-    if d.get("position") != n_tokens:
-        return f"position {d.get('position')} != {n_tokens} tokens"
-    if len(d.get("layers", ())) != len(template.layers):
-        return "layer count differs"
-    for i, (s, t) in enumerate(zip(d["layers"], template.layers)):
-        if (s is None) != (t is None):
-            return f"layer {i}: kind differs"
-        if t is None:
-            continue
-        if isinstance(t, MambaState):
-            if s.get("kind") != "mamba":
-                return f"layer {i}: not a Mamba state"
-            for name in ("conv", "ssm"):
-                a, b = s[name], getattr(t, name)
-                if not torch.is_tensor(a) or a.shape != b.shape or a.dtype != b.dtype:
-                    return f"layer {i}: {name} shape/dtype differs"
-        else:
-            if s.get("kind") != "kv":
-                return f"layer {i}: not a KV cache"
-            for name in ("k", "v"):
-                a, b = s[name], getattr(t, name)
-                if (not torch.is_tensor(a) or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype
-                        or a.shape[0] != s["length"] or s["length"] > n_tokens):
-                    return f"layer {i}: {name} shape/dtype differs"
-    return None
+    """Why the host copy `d` cannot be restored into a model whose fresh state is `template` after exactly
+    `n_tokens` tokens (None: it can)."""
+    if not isinstance(d, dict) or d.get("position") != n_tokens:
+        return f"position {d.get('position') if isinstance(d, dict) else '?'} != {n_tokens} tokens"
+    return template.host_mismatch(d)
 
 
 def state_bytes(d: dict) -> int:
@@ -225,7 +181,8 @@ class SnapshotStore:
         self._wake = threading.Condition(self._lock)
         self._closing = False
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.dir, self.log)
+            self._sweep_tmp()
             self._scan()
             self._writer = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
             self._writer.start()
@@ -239,7 +196,7 @@ class SnapshotStore:
         """Keep a copy of `state` (which has consumed exactly `ids`) in host RAM, and on disk with a directory."""
         if not ids or state.position != len(ids):
             return
-        d = state_to_dict(state, "cpu")
+        d = state.to_host()
         n = state_bytes(d)
         if n > self.max_bytes or self.max_count <= 0:
             return
@@ -270,7 +227,7 @@ class SnapshotStore:
                         continue
                     self.ram.move_to_end(k)
                     self.stats["hits_ram"] += 1
-                return Restored(dict_to_state(e.state, self.device), n, "ram")
+                return Restored(InferenceState.from_host(e.state, self.device), n, "ram")
             d = self._load(k)
             if d is None:
                 continue
@@ -279,7 +236,7 @@ class SnapshotStore:
                 while len(self.ram) > self.max_count or self.ram_bytes > self.max_bytes:
                     self.ram.popitem(last=False)
                 self.stats["hits_disk"] += 1
-            return Restored(dict_to_state(d, self.device), n, "disk")
+            return Restored(InferenceState.from_host(d, self.device), n, "disk")
         self.stats["misses"] += 1
         return None
 
@@ -339,9 +296,7 @@ class SnapshotStore:
                 self._writing += 1
             try:
                 p = self.path_for(k)
-                tmp = p.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_bytes(encode_file(self.key, list(k), d))
-                os.replace(tmp, p)
+                _write_private(p, encode_file(self.key, list(k), d))
                 with self._lock:
                     self.disk[k] = p
                     self.stats["written"] += 1
@@ -351,6 +306,15 @@ class SnapshotStore:
             finally:
                 with self._lock:
                     self._writing -= 1
+
+    def _sweep_tmp(self) -> None:
+        """Temporary files left by a process that died mid-write (a kill, a crash) are never renamed: remove
+        them. Those of a live process (another server sharing the directory) are its writes in progress."""
+        for t in self.dir.glob("*.tmp[0-9]*"):
+            pid = t.name.rsplit(".tmp", 1)[-1]
+            if not pid.isdigit() or not pid_alive(int(pid)) or int(pid) == os.getpid():
+                self.log(f"snapshots: removing {t.name}, left by an unfinished write")
+                _remove(t)
 
     def _trim_disk(self) -> None:
         with self._lock:
@@ -384,6 +348,32 @@ class SnapshotStore:
     def info(self) -> dict:
         with self._lock:
             return dict(self.stats, in_ram=len(self.ram), ram_bytes=self.ram_bytes, on_disk=len(self.disk))
+
+
+def _private_dir(d: Path, log) -> None:
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = d.stat().st_mode & 0o777
+        if mode & 0o077:
+            log(f"snapshots: {d} was mode {mode:03o}; making it 0700 (the files hold conversations)")
+            d.chmod(0o700)
+
+
+def _write_private(p: Path, data: bytes) -> None:
+    """`data` into `p`, atomically (a temporary file renamed), created 0600; on any failure the temporary file is
+    removed and the error raised."""
+    tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
+    _remove(tmp)        # O_EXCL: a file already there (its mode unknown) is never reused
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _remove(p: Path) -> None:

@@ -7,13 +7,13 @@ No cache bookkeeping happens here beyond that: the prefetcher owns the index.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels import moe_ops
-from kernels.expert_block import ExpertGeometry
+from nemotron.moe import DecodeRoute, ExpertSource
 
 
 @dataclass
@@ -25,19 +25,12 @@ class Accounting:
     ms_experts: float = 0.0
     ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
     ms_bookkeeping: float = 0.0          # lookup + the one message to the prefetcher
-    expert_uses: int = 0
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
     vram_hits: int = 0
     bytes_from_vram: int = 0
-    by_layer_hits: dict = field(default_factory=dict)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
-
-    @property
-    def ms_routing_msgs(self) -> float:
-        """Router wait + bookkeeping together (the split is in the two fields above)."""
-        return self.ms_waiting_for_router + self.ms_bookkeeping
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping", "bytes_over_pcie",
                "bytes_from_vram")
@@ -62,8 +55,8 @@ class Accounting:
 
 class RoutingRecorder:
     """`--record-routing FILE`: one msgpack record per MoE layer per decoded token,
-    (moe_index, token, chosen experts, guess for this layer made one layer earlier, hits at lookup) —
-    what an offline cache simulation needs (bench/cache_sim.py, tools.synth stats)."""
+    (moe_index, token, chosen experts, the guess for the next MoE layer sent with this layer's request, hits at
+    lookup) — what an offline cache simulation needs (bench/policy_sim.py, tools.synth stats)."""
 
     def __init__(self, path):
         import msgpack
@@ -92,22 +85,22 @@ class _TopK:
         self.position = {e: i for i, e in enumerate(ex)}
 
 
-class _Ticket:
+@dataclass
+class _Ticket(DecodeRoute):
     """One token's MoE layer after routing: the choice, what the VRAM tier and the cache hold (pinned)."""
-    __slots__ = ("j", "ex", "on_dev", "hits", "rest")
+    ex: list = None
+    on_dev: dict = None     # {expert: VRAM-tier slot}
+    hits: dict = None       # {expert: slab slot}, pinned
+    rest: list = None       # the experts not in the VRAM tier
 
-    def __init__(self, j, ex, on_dev, hits, rest):
-        self.j, self.ex, self.on_dev, self.hits, self.rest = j, ex, on_dev, hits, rest
 
-
-class StreamingExperts:
+class StreamingExperts(ExpertSource):
     wants_guess = True
 
     def __init__(self, store, client, device, slab=None, record=None, vram=None):
         """store: an opened ExpertStore; client: a CacheClient; slab: a torch U8 [n_slots, slot_bytes]
         tensor over the shared slab (registered with CUDA when device is cuda)."""
-        g = store.geometry
-        self.geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+        self.geom = store.geometry
         self.store, self.client, self.device = store, client, torch.device(device)
         self.up_global = torch.from_numpy(np.ascontiguousarray(store.up_global)).to(self.device)
         self.down_global = torch.from_numpy(np.ascontiguousarray(store.down_global)).to(self.device)
@@ -120,7 +113,6 @@ class StreamingExperts:
         self.vram = vram           # a VramTier, or None
         self.n_moe = len(store.moe_layers)
         self.record = record       # routing trace: callable(moe_index, token, experts, guess, hits)
-        self.trace = None
         self._cuda = self.device.type == "cuda"
         # the Triton kernels read NVFP4 blocks by address (zero-copy from the slab or the VRAM tier); FP8 / BF16
         # experts run the PyTorch twins, which take U8 tensors on the device
@@ -161,20 +153,47 @@ class StreamingExperts:
     # ------------------------------------------------------------------ ExpertSource
     def apply(self, moe_index, layer, x, experts, weights, guess=None):
         if x.shape[0] == 1:
-            return self._decode(moe_index, x[0], experts[0], weights[0], guess)
+            t0 = time.perf_counter()
+            k = experts.shape[1]
+            ids = (experts[0] if guess is None else torch.cat([experts[0], guess])).tolist()   # the one host sync
+            ticket = self._route(moe_index, layer, ids[:k], ids[k:], time.perf_counter() - t0)
+            acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
+            self.decode_eager(ticket, x[0], experts[0], weights[0], acc)
+            return acc[None]
         return self._prefill(moe_index, x, experts, weights)
 
-    def _decode(self, j, x, experts, weights, guess, ids=None, acc=None):
-        """ids: the choice (and guess) already on the host (the decode graphs read it through an event);
-        acc: fp32 [L] to accumulate into (default: a new zeroed one)."""
-        t0 = time.perf_counter()
-        k = experts.numel()
-        if ids is None:
-            ids = (experts if guess is None else torch.cat([experts, guess])).tolist()   # the one host sync
-        ticket = self.route(j, ids[:k], ids[k:], time.perf_counter() - t0)
-        acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device) if acc is None else acc
-        self.compute(ticket, x, experts, weights, acc)
-        return acc[None]
+    # ------------------------------------------------------------------ the decode graphs' side
+    def decode_scales(self, moe_index, experts):
+        return self.up_global[moe_index, experts], self.down_global[moe_index, experts]
+
+    def decode_route(self, moe_index, layer, chosen, guess, waited_s=0.0) -> "_Ticket":
+        """`_route`, and where every expert is present (VRAM tier or slab) and the kernels read by address:
+        their block addresses in top-k order, the slab pins deferred past the kernels, the bytes counted."""
+        t = self._route(moe_index, layer, chosen, guess, waited_s)
+        if not self._addressed or len(t.on_dev) + len(t.hits) != len(t.ex):
+            return t
+        base, vt = self.slab.data_ptr(), self.vram
+        t.addresses = [vt.address(t.on_dev[e]) if e in t.on_dev else base + t.hits[e] * self.slot_bytes
+                       for e in t.ex]
+        t.count_down_groups = not t.on_dev        # the kernel's counter cannot tell VRAM-tier groups apart
+        a = self.acct
+        a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
+        a.bytes_over_pcie += len(t.hits) * self.geom.up_bytes
+        # admissions wait until the kernels are launched: an admission may evict a VRAM slot they still read
+        self._pending_admit = (t.moe_index, list(t.hits.items()))
+        self._defer(list(t.hits.values()))
+        return t
+
+    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups):
+        moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
+                              down_counter=self._down_groups if count_down_groups else None)
+
+    def decode_launched(self) -> None:
+        """The VRAM-tier admissions of the last addressed `decode_route`, once its kernels are on the stream."""
+        if self._pending_admit is not None:
+            j, landed = self._pending_admit
+            self._pending_admit = None
+            self._admit(j, landed)
 
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels
@@ -195,7 +214,7 @@ class StreamingExperts:
             self.client.release(self._deferred)
             self._deferred = []
 
-    def route(self, j, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
+    def _route(self, j, layer, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
         """Host side of one token's MoE layer, after the choice is on the host (so the device has finished
         everything before it): release the pins the previous layer's kernels held, look up the VRAM tier and the
         cache (pinning hits), send the one request (misses + the guess for the next layer), count."""
@@ -219,35 +238,12 @@ class StreamingExperts:
         a.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         if self.record is not None:
             self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
-        return _Ticket(j, ex, on_dev, hits, rest)
+        return _Ticket(j, layer, ex=ex, on_dev=on_dev, hits=hits, rest=rest)
 
-    def addresses(self, t: "_Ticket") -> list[int] | None:
-        """Every expert of the ticket present (VRAM tier or slab): their block addresses in top-k order, the
-        slab pins deferred, admissions to the VRAM tier made; else None (then `compute` runs them)."""
-        if not self._addressed or len(t.on_dev) + len(t.hits) != len(t.ex):
-            return None
-        base, vt = self.slab.data_ptr(), self.vram
-        out = [vt.address(t.on_dev[e]) if e in t.on_dev else base + t.hits[e] * self.slot_bytes for e in t.ex]
-        a = self.acct
-        a.bytes_from_vram += len(t.on_dev) * self.geom.block_bytes
-        a.bytes_over_pcie += len(t.hits) * self.geom.up_bytes
-        a.expert_uses += len(t.ex)
-        # admissions wait until the kernels are launched: an admission may evict a VRAM slot they still read
-        self._pending_admit = (t.j, list(t.hits.items()))
-        self._defer(list(t.hits.values()))
-        return out
-
-    def admit_pending(self) -> None:
-        """The VRAM-tier admissions of the last `addresses()` call, once its kernels are on the stream."""
-        if self._pending_admit is not None:
-            j, landed = self._pending_admit
-            self._pending_admit = None
-            self._admit(j, landed)
-
-    def compute(self, t: "_Ticket", x, experts, weights, acc) -> None:
+    def decode_eager(self, t: "_Ticket", x, experts, weights, acc) -> None:
         """The ticket's experts into acc fp32 [L]: VRAM-tier and slab hits at once, misses as they land."""
         t1 = time.perf_counter()
-        j, a = t.j, self.acct
+        j, a = t.moe_index, self.acct
         topk = _TopK(experts, weights, t.ex)
         if t.on_dev:
             self._run(x, list(t.on_dev), self._vram_blocks(list(t.on_dev.values())), topk, j, acc)
@@ -274,7 +270,6 @@ class StreamingExperts:
                     self._flush(sync=True)
                 tw = time.perf_counter()
             a.ms_waiting_for_disk += waited * 1e3
-        a.expert_uses += len(t.ex)
         a.ms_experts += (time.perf_counter() - t1) * 1e3
 
     def _admit(self, j, landed) -> None:

@@ -195,8 +195,11 @@ class Worker:
             out = self._decode(req)
             self._finish(req, out, a0)
         except Exception as e:
+            from cache_shm.client import ExpertLoadError
             log(f"request {msg.id} failed:\n{traceback.format_exc()}")
-            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}"))
+            # a block the store cannot give (read twice): every request that routes to it will fail the same way
+            damaged = str(e) if isinstance(e, ExpertLoadError) else None
+            self.chan.send(m.Error(msg.id, f"{type(e).__name__}: {e}", store_damaged=damaged))
         finally:
             with self._lock:
                 self.current = None
@@ -243,7 +246,7 @@ class Worker:
         out.lookups_at_start = self._lookups()
         grammar = self._grammar(req.msg.grammar) if req.msg.grammar is not None else None
         if not req.cancel.is_set():
-            for step in generate(self.model, req.ids[req.pos:], req.msg.params, state=req.state,
+            for step in generate(self.engine, req.ids[req.pos:], req.msg.params, state=req.state,
                                  prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs,
                                  grammar=grammar, context_ids=req.ids):
                 out.t_last = time.perf_counter()
@@ -426,6 +429,7 @@ def main(argv=None) -> int:
         chan.send(m.Fatal(f"loading {a.store} failed: {type(e).__name__}: {e}"))
         return 2
     snaps = None
+    lost = []
     try:
         manifest = engine.store.manifest
         key = model_key(manifest["config_hash"], manifest.get("checkpoint_fingerprint", ""), dtype, a.device)
@@ -437,12 +441,21 @@ def main(argv=None) -> int:
             pid=os.getpid(), device=a.device, dtype=a.dtype, vocab_size=c.vocab_size,
             eos_token_ids=list(c.eos_token_ids), model_key=key, cache_prefix=engine.sup.prefix,
             cache_child_pids=engine.sup.child_pids(), snapshots_on_disk=len(snaps.disk))))
-        Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry, model_dir=a.model or a.store).serve()
+        worker = Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry, model_dir=a.model or a.store)
+
+        def cache_lost(why: str) -> None:       # the supervisor gave up: say so, stop serving, exit non-zero
+            lost.append(why)
+            chan.send(m.Fatal(f"the expert cache's processes cannot be kept alive: {why}"))
+            worker.jobs.put(None)
+        engine.sup.on_failure = cache_lost
+        if engine.sup.failed:
+            cache_lost(engine.sup.failed)
+        worker.serve()
     finally:
         if snaps is not None:
             snaps.close()
         engine.close()
-    return 0
+    return 3 if lost else 0
 
 
 if __name__ == "__main__":

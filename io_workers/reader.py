@@ -2,8 +2,9 @@
 
 One process per worker index w. It consumes two rings that the prefetcher fills, always the demand
 ring before the prefetch ring, reads each block with one `preadv` (O_DIRECT where the filesystem
-allows it, probed at start), checks its crc32, marks the slot ready or failed (with the reason),
-wakes the compute side, and reports the completion to the prefetcher. The request being served is
+allows it, probed at start), checks its crc32 (a block that fails is read once more: a transient error
+heals), marks the slot ready or failed (with the reason), wakes the compute side, and reports the
+completion to the prefetcher. The request being served is
 recorded in shared memory first, so a restarted worker w finishes what a killed one left.
 
     python -m io_workers.reader --prefix /moestream-123-abcd- --worker 0 --parent-pid 123
@@ -22,9 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import posix_ipc
 
 from cache_shm.shm import (DONE, FAILED, INF, LOADING, READY, REQ, WKC, CacheShm, DEMAND, HDR)
+from kernels.expert_block import BLOCK_ALIGN as ALIGN   # torch-free: the geometry is arithmetic
 from procs.spawn import die_with_parent
-
-ALIGN = 4096
 
 
 class ReadError(Exception):
@@ -240,25 +240,18 @@ class Worker:
             self._complete(gen, slot, ok if int(shm.slot_gen[slot]) == gen else -1, kind)
             return
         t0 = time.monotonic_ns()
-        offset = int(shm.store_offsets[layer, expert])
-        stride = shm.slot_bytes
         try:
             if self.open_error:
                 raise ReadError(self.open_error)
-            dest = self.slab_mv[slot * stride:(slot + 1) * stride]
-            if self.pool is not None:
-                n, got = read_block_crc(self.fd, dest, offset, shm.block_bytes, self.is_direct,
-                                        self.pool, self.read_chunks, self.path, self.verify)
-            else:
-                n = read_block(self.fd, dest, offset, shm.block_bytes, self.is_direct, self.path)
-                got = zlib.crc32(dest[:shm.block_bytes]) if self.verify else 0
-            if self.fault_delay_s:
-                time.sleep(self.fault_delay_s)
-            if self.verify:
-                want = int(shm.store_checksums[layer, expert])
-                if got != want:
-                    raise ReadError(f"checksum mismatch: crc32 {got:08x}, manifest {want:08x} "
-                                    f"(block at offset {offset} of {self.path}); corrupted store?")
+            try:
+                n = self._read_verified(slot, layer, expert)
+            except ReadError as first:
+                # once more: a transient read error or a bit flipped on the way heals; a damaged block fails again
+                print(f"io_workers[{self.w}]: {first}; reading the block again", file=sys.stderr, flush=True)
+                try:
+                    n = self._read_verified(slot, layer, expert)
+                except ReadError as e:
+                    raise ReadError(f"{e} (read twice)") from None
             self.wc[WKC["bytes_read"]] += n
             ok = 1
         except ReadError as e:
@@ -273,6 +266,27 @@ class Worker:
             shm.ready_of_expert[layer, expert] = slot      # publish to lookups last
         shm.sem_ready.release()
         self._complete(gen, slot, ok, kind)
+
+    def _read_verified(self, slot: int, layer: int, expert: int) -> int:
+        """Read the block of (layer, expert) into `slot` and check its crc32; bytes read, or ReadError."""
+        shm = self.shm
+        offset = int(shm.store_offsets[layer, expert])
+        stride = shm.slot_bytes
+        dest = self.slab_mv[slot * stride:(slot + 1) * stride]
+        if self.pool is not None:
+            n, got = read_block_crc(self.fd, dest, offset, shm.block_bytes, self.is_direct,
+                                    self.pool, self.read_chunks, self.path, self.verify)
+        else:
+            n = read_block(self.fd, dest, offset, shm.block_bytes, self.is_direct, self.path)
+            got = zlib.crc32(dest[:shm.block_bytes]) if self.verify else 0
+        if self.fault_delay_s:
+            time.sleep(self.fault_delay_s)
+        if self.verify:
+            want = int(shm.store_checksums[layer, expert])
+            if got != want:
+                raise ReadError(f"checksum mismatch: crc32 {got:08x}, manifest {want:08x} "
+                                f"(block at offset {offset} of {self.path}); corrupted store?")
+        return n
 
     def _complete(self, gen: int, slot: int, ok: int, kind: int) -> None:
         rec = DONE.pack(gen, slot, ok, kind)

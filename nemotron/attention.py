@@ -29,10 +29,36 @@ class KVCache:
         self.v[self.length:need] = v
         self.length = need
 
-    def clone(self) -> "KVCache":
-        c = KVCache.__new__(KVCache)
-        c.k, c.v, c.length = self.k[: self.length].clone(), self.v[: self.length].clone(), self.length
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, length: int) -> "KVCache":
+        """A cache over given tensors (capacity = their first dimension), the first `length` rows filled."""
+        c = cls.__new__(cls)
+        c.k, c.v, c.length = k, v, int(length)
         return c
+
+    def clone(self) -> "KVCache":
+        return KVCache.of(self.k[: self.length].clone(), self.v[: self.length].clone(), self.length)
+
+    def to_host(self) -> dict:
+        """The filled rows copied to host memory (a snapshot's payload)."""
+        return {"kind": "kv", "k": self.k[:self.length].to("cpu", copy=True),
+                "v": self.v[:self.length].to("cpu", copy=True), "length": int(self.length)}
+
+    @classmethod
+    def from_host(cls, d: dict, device) -> "KVCache":
+        return cls.of(d["k"].to(device, copy=True), d["v"].to(device, copy=True), d["length"])
+
+    def host_mismatch(self, d, position: int) -> str | None:
+        """Why the host copy `d` cannot stand in for a cache shaped like this one after `position` tokens."""
+        if not isinstance(d, dict) or d.get("kind") != "kv":
+            return "not a KV cache"
+        length = d.get("length")
+        for name in ("k", "v"):
+            a, b = d.get(name), getattr(self, name)
+            if (not torch.is_tensor(a) or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype
+                    or not isinstance(length, int) or a.shape[0] != length or length > position):
+                return f"{name} shape/dtype differs"
+        return None
 
 
 class Attention:

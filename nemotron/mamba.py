@@ -30,6 +30,24 @@ class MambaState:
     def clone(self) -> "MambaState":
         return MambaState(self.conv.clone(), self.ssm.clone())
 
+    def to_host(self) -> dict:
+        """Both states copied to host memory (a snapshot's payload)."""
+        return {"kind": "mamba", "conv": self.conv.to("cpu", copy=True), "ssm": self.ssm.to("cpu", copy=True)}
+
+    @classmethod
+    def from_host(cls, d: dict, device) -> "MambaState":
+        return cls(d["conv"].to(device, copy=True), d["ssm"].to(device, copy=True))
+
+    def host_mismatch(self, d, position: int) -> str | None:
+        """Why the host copy `d` cannot stand in for a state shaped like this one (None: it can)."""
+        if not isinstance(d, dict) or d.get("kind") != "mamba":
+            return "not a Mamba state"
+        for name in ("conv", "ssm"):
+            a, b = d.get(name), getattr(self, name)
+            if not torch.is_tensor(a) or a.shape != b.shape or a.dtype != b.dtype:
+                return f"{name} shape/dtype differs"
+        return None
+
 
 class Mamba2Mixer:
     def __init__(self, ckpt, layer: int, device, dtype):

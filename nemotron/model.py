@@ -2,7 +2,10 @@
 
 Weights stay in their checkpoint precision; each Linear is decoded as it is used. `InferenceState` holds
 everything a sequence carries (conv and SSM states, KV caches, position), so prefill-then-decode equals one
-long prefill, and a state can be cloned (conversation snapshots).
+long prefill, and a state can be cloned or copied to the host and back (conversation snapshots).
+
+`forward` (any number of tokens, image rows) and `step` (one token) are all a caller needs; an engine that
+replays the one-token step as CUDA graphs (gpu_worker/engine.py) offers the same two and falls back to these.
 """
 from __future__ import annotations
 
@@ -11,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.linear import linear
-from nemotron.attention import Attention
+from nemotron.attention import Attention, KVCache
 from nemotron.checkpoint import Checkpoint
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.mamba import Mamba2Mixer
+from nemotron.mamba import Mamba2Mixer, MambaState
 from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
 from nemotron.norms import rms_norm
 
@@ -26,6 +29,40 @@ class InferenceState:
 
     def clone(self) -> "InferenceState":
         return InferenceState([None if s is None else s.clone() for s in self.layers], self.position)
+
+    def to_host(self) -> dict:
+        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds)."""
+        layers = [None if s is None else s.to_host() for s in self.layers]
+        return {"position": int(self.position), "layers": layers}
+
+    @staticmethod
+    def from_host(d: dict, device) -> "InferenceState":
+        """The state `to_host` copied, on `device` (a copy: `d` stays intact). Check it with `host_mismatch`
+        first where it was read from outside."""
+        kinds = {"mamba": MambaState, "kv": KVCache}
+        layers = []
+        for i, s in enumerate(d["layers"]):
+            if s is not None and s.get("kind") not in kinds:
+                raise ValueError(f"layer {i}: unknown state kind {s.get('kind')!r}")
+            layers.append(None if s is None else kinds[s["kind"]].from_host(s, device))
+        return InferenceState(layers, int(d["position"]))
+
+    def host_mismatch(self, d: dict) -> str | None:
+        """Why the host copy `d` cannot stand in for a state shaped like this one, the fresh state of a model
+        (None: it can)."""
+        position = d.get("position")
+        if not isinstance(position, int) or position < 0:
+            return f"bad position {position!r}"
+        layers = d.get("layers")
+        if not isinstance(layers, list) or len(layers) != len(self.layers):
+            return "layer count differs"
+        for i, (s, t) in enumerate(zip(layers, self.layers)):
+            if (s is None) != (t is None):
+                return f"layer {i}: kind differs"
+            why = None if t is None else t.host_mismatch(s, position)
+            if why:
+                return f"layer {i}: {why}"
+        return None
 
 
 class NemotronH:
@@ -60,8 +97,7 @@ class NemotronH:
         moes = [m for m in self.mixers if isinstance(m, MoEMixer)]
         for m, nxt in zip(moes, moes[1:] + moes[:1]):   # the last layer guesses the first of the next token
             m.next_router = nxt.router
-        self.decode_graphs = None    # gpu_worker.decode_graphs.DecodeGraphs: one-token steps as CUDA graphs
-        self._tracing = False
+        self.tracing = False         # set_trace is on: one-token steps must run here, where the hooks are
         self.norm_f = self.ckpt.get_float("backbone.norm_f.weight", (c.hidden_size,)).to(self.device)
         if self.ckpt.has("lm_head.weight"):
             self.lm_head = self.ckpt.linear("lm_head", c.vocab_size, c.hidden_size).to(self.device)
@@ -98,16 +134,30 @@ class NemotronH:
 
     def set_trace(self, fn):
         """fn(event, **data) is called with 'route' (per MoE layer) and 'relu2' (zero counts) events."""
-        self._tracing = fn is not None
+        self.tracing = fn is not None
         for m in self.mixers:
             if isinstance(m, MoEMixer):
                 m.trace = fn
-        if hasattr(self.experts, "trace"):
-            self.experts.trace = fn
+        self.experts.set_trace(fn)
 
     def new_state(self) -> InferenceState:
         layers = [m.new_state(self.device) if hasattr(m, "new_state") else None for m in self.mixers]
         return InferenceState(layers, 0)
+
+    def token_ids(self, ids) -> torch.Tensor:
+        """ids (a list, an int or a tensor) -> int64 [T] on the model's device, checked against the vocabulary."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)    # on the host unless given on a device
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:   # no device sync for host ids
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        if ids.device != self.device:
+            ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+        return ids
+
+    def step(self, token: int, state: InferenceState) -> torch.Tensor:
+        """One decode token -> logits float32 [1, vocab]; advances `state`."""
+        return self.forward([int(token)], state, last_only=True)
 
     @torch.inference_mode()
     def forward(self, ids, state: InferenceState, last_only: bool = False,
@@ -117,17 +167,7 @@ class NemotronH:
         `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
         call's ids, in order): the projector's output for the `<image>` tokens, as transformers'
         `masked_scatter` places it."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)    # on the host unless given on a device
-        if ids.numel() == 0:
-            raise ValueError("forward needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:   # no device sync for host ids
-            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
-        if ids.device != self.device:
-            ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
-        if ids.numel() == 1 and self.decode_graphs is not None and image_embeds is None and not self._tracing:
-            logits = self.decode_graphs.step(ids, state)
-            state.position += 1
-            return logits
+        ids = self.token_ids(ids)
         x = self.embeddings[ids].to(self.dtype)
         if (image_embeds is None) != (image_positions is None):
             raise ValueError("give image_embeds and image_positions together")

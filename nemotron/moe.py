@@ -2,7 +2,9 @@
 routed experts (ReLU², no gate) from an `ExpertSource`, and the shared expert."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -13,16 +15,59 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 
 
-class ExpertSource(Protocol):
-    """Where routed experts come from: the checkpoint in memory (here), or the streaming cache (gpu_worker)."""
+@dataclass
+class DecodeRoute:
+    """One token's MoE layer after the host has seen its choice: what the decode graphs need to know."""
+    moe_index: int
+    layer: int
+    addresses: list[int] | None = None   # every expert present and addressable: block addresses, top-k order
+    count_down_groups: bool = False       # the graphed kernels count the down groups they read as bus traffic
 
-    wants_guess: bool   # True: apply() wants the next MoE layer's router guess (decode only)
 
+class ExpertSource(ABC):
+    """Where routed experts come from: the checkpoint in memory (here), or the streaming cache (gpu_worker).
+
+    `apply` is all the model calls. The `decode_*` methods are the one-token step split at the host decision,
+    for a caller that replays everything else as CUDA graphs (gpu_worker/decode_graphs.py): the defaults run
+    `apply` eagerly; a source that can hand out block addresses overrides them so that its kernels run inside
+    a graph."""
+
+    wants_guess = False   # True: apply() wants the next MoE layer's router guess (decode only)
+
+    @abstractmethod
     def apply(self, moe_index: int, layer: int, x: torch.Tensor, experts: torch.Tensor,
               weights: torch.Tensor, guess: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]. `guess`: the
         experts the next MoE layer's router picks on this layer's input (a prefetch hint)."""
-        ...
+
+    def set_trace(self, fn: Callable | None) -> None:
+        """fn('relu2', layer=, zeros=, total=) where the source can count zeros cheaply (default: never)."""
+
+    def decode_scales(self, moe_index: int, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chosen experts' (up, down) global scales gathered on the device, inputs of `decode_kernels`
+        (None: the source has none)."""
+        return None
+
+    def decode_route(self, moe_index: int, layer: int, chosen: list[int], guess: list[int],
+                     waited_s: float = 0.0) -> DecodeRoute:
+        """Host side of one token's MoE layer, once the choice is on the host (`waited_s`: how long that took).
+        With `addresses` set, the caller runs `decode_kernels` (in a graph) and then `decode_launched`;
+        without, it runs `decode_eager`."""
+        return DecodeRoute(moe_index, layer)
+
+    def decode_eager(self, route: DecodeRoute, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     acc: torch.Tensor) -> None:
+        """The routed experts of one token into acc fp32 [L]: x [L], experts [k], weights [k]."""
+        acc.copy_(self.apply(route.moe_index, route.layer, x[None], experts[None], weights[None])[0])
+
+    def decode_kernels(self, moe_index: int, x: torch.Tensor, addresses: torch.Tensor,
+                       scales: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, acc: torch.Tensor,
+                       count_down_groups: bool) -> None:
+        """The expert kernels on blocks by address (int64 [k] on the device), as a graph records them."""
+        raise NotImplementedError(f"{type(self).__name__} hands out no block addresses")
+
+    def decode_launched(self) -> None:
+        """Called once the kernels of a routed layer are on the stream (work that must follow them)."""
 
 
 def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -45,10 +90,8 @@ def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
     return acc
 
 
-class CheckpointExperts:
+class CheckpointExperts(ExpertSource):
     """Routed experts read from the checkpoint and kept in memory in their stored precision."""
-
-    wants_guess = False
 
     def __init__(self, ckpt, device):
         self.ckpt, self.device = ckpt, device
@@ -61,6 +104,9 @@ class CheckpointExperts:
             up, down = self.ckpt.expert_weights(layer, e)
             w = self._loaded[(layer, e)] = (up.to(self.device), down.to(self.device))
         return w
+
+    def set_trace(self, fn):
+        self.trace = fn
 
     def apply(self, moe_index, layer, x, experts, weights, guess=None):
         return apply_experts_torch(x, experts, weights, lambda e: self.weights(layer, e), self.trace, layer)
@@ -120,7 +166,7 @@ class MoEMixer:
         """(chosen experts, their weights, the guess for the next MoE layer or None), on the device."""
         experts, weights = self.router(h)
         guess = None
-        if h.shape[0] == 1 and self.next_router is not None and getattr(self.experts, "wants_guess", False):
+        if h.shape[0] == 1 and self.next_router is not None and self.experts.wants_guess:
             guess = self.next_router(h)[0][0]
         return experts, weights, guess
 

@@ -5,6 +5,7 @@ the slots the caller calls evictable (not pinned, not loading). Pluggable by nam
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import numpy as np
@@ -83,7 +84,75 @@ class LFUAwareLRUPolicy(LRUPolicy):
         return best
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUAwareLRUPolicy)}
+class DecayedFrequencyPolicy:
+    """LRFU: each use (an insert or a touch) adds 1 to the expert's count, and counts halve every
+    `half_life` uses of the whole cache; the victim is the evictable slot with the smallest count.
+    Between LRU (short half-life) and LFU (long). A count is kept as log2(count) + clock / half_life, which
+    does not change while the clock runs (every count decays alike), so the order is a heap of fixed keys.
+    Counts are per expert and outlive its eviction, like LFUAwareLRUPolicy's."""
+    name = "lrfu"
+
+    def __init__(self, n_layers: int, n_experts: int, half_life: float = 4096.0):
+        self.half_life = float(half_life)
+        self.level = np.full(n_layers * n_experts, -np.inf)   # log2(count) + clock / half_life, per expert
+        self._clock = 0
+        self._key: dict[int, int] = {}                         # slot -> expert key
+        self._heap: list[tuple[float, int, int]] = []          # (level, slot, key); stale entries skipped
+        self._demoted: set[int] = set()
+
+    def __len__(self):
+        return len(self._key)
+
+    def __contains__(self, slot):
+        return slot in self._key
+
+    def _use(self, slot: int, key: int) -> None:
+        now = self._clock / self.half_life
+        lv = self.level[key]
+        self.level[key] = now + np.log2(1.0 + (np.exp2(lv - now) if lv > -np.inf else 0.0))
+        self._clock += 1
+        self._key[slot] = key
+        self._demoted.discard(slot)
+        heapq.heappush(self._heap, (float(self.level[key]), slot, key))
+
+    def insert(self, slot: int, key: int) -> None:
+        self._use(slot, key)
+
+    def touch(self, slot: int, key: int) -> None:
+        if slot in self._key:
+            self._use(slot, key)
+
+    def remove(self, slot: int) -> None:
+        self._key.pop(slot, None)
+        self._demoted.discard(slot)
+
+    def demote(self, slot: int) -> None:
+        """To the eviction end until its next use: a block a prefill loaded and is done with."""
+        if slot in self._key:
+            self._demoted.add(slot)
+            heapq.heappush(self._heap, (-np.inf, slot, self._key[slot]))
+
+    def choose_victim(self, evictable) -> int | None:
+        skipped, victim = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            lv, slot, key = entry
+            if self._key.get(slot) != key or not (lv == self.level[key] or (lv == -np.inf and slot in self._demoted)):
+                continue                                        # stale: the slot moved on or was used since
+            if evictable(slot):
+                victim = slot
+                skipped.append(entry)                           # still resident until the caller removes it
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._key) + 64:          # drop stale entries now and then
+            self._heap = [(float(self.level[k]), s, k) for s, k in self._key.items()]
+            heapq.heapify(self._heap)
+        return victim
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUAwareLRUPolicy, DecayedFrequencyPolicy)}
 
 
 def make_policy(name: str, n_layers: int, n_experts: int):

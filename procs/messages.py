@@ -219,7 +219,7 @@ class Ready:
 
 @_message("fatal", TO_LAUNCHER)
 class Fatal:
-    message: str            # why loading failed; the process exits after it
+    message: str            # why loading failed, or why it cannot serve any more; the process exits after it
 
 
 @_message("start", TO_LAUNCHER)
@@ -252,6 +252,7 @@ class Error:
     message: str
     crash: bool = False      # set by the launcher: the compute process died while serving the request
     abort: bool = False      # set by the launcher: dropped at shutdown
+    store_damaged: Union[str, None] = None     # the block the expert store could not give (read twice)
 
 
 @_message("stats", TO_LAUNCHER)

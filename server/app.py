@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from procs import messages as m
-from server import errors, openapi, request_options
+from server import errors, limits, openapi, request_options
 from server.metrics import log as request_log, request_line, setup_logging
 from server.tool_calls import CallsInContent, messages_for_template
 from server.errors import APIError
@@ -39,6 +40,8 @@ class ServerSettings:
     allow_image_urls: bool = False      # fetch http(s) image URLs (--allow-image-urls); data URLs always work
     allow_private_image_urls: bool = False   # ... also from loopback / private / link-local hosts
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
+    max_body_bytes: int | None = None   # larger request bodies are a 413 (--max-body-mb); None: fits the context
+    store_dir: str | None = None        # the expert store (named in the log when a block is damaged)
     max_tokens_default: int = 2048      # a request without max_tokens gets at most this many (--max-tokens-default)
     log_level: str = "info"
     created: int = field(default_factory=lambda: int(time.time()))
@@ -48,7 +51,9 @@ class ServerState:
     def __init__(self, settings: ServerSettings, client: WorkerClient):
         self.settings, self.client = settings, client
         self.tokenizer: Tokenizer | None = None
+        self.piece_chars: int | None = None      # the most characters one token stands for
         self.draining = False
+        self.store_damaged: str | None = None     # why the expert store cannot serve a block (then /health 503)
         self.loading: str | None = None     # the launcher's phase before the compute process: "repacking (n %)"
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
@@ -66,7 +71,21 @@ class ServerState:
         self.sampling_defaults = m.SamplingParams.model_defaults(gen)
 
     def load_tokenizer(self) -> None:
-        self.tokenizer = Tokenizer(self.settings.model_dir)
+        tok = Tokenizer(self.settings.model_dir)
+        self.piece_chars = limits.max_piece_chars(tok, self.vocab_size)
+        self.tokenizer = tok
+
+    def mark_store_damaged(self, why: str) -> None:
+        if self.store_damaged is None:
+            s = self.settings
+            print(f"server: the expert store is damaged: {why}\nserver: check every block with `python -m "
+                  f"tools.repack --verify {s.store_dir or 'STORE'} --model {s.model_dir}`", file=sys.stderr,
+                  flush=True)
+        self.store_damaged = why
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.settings.max_body_bytes or limits.default_max_body_bytes(self.max_model_len)
 
     @property
     def ready(self) -> bool:
@@ -92,6 +111,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, errors.http_error)
     app.add_exception_handler(APIError, errors.api_error)
     app.add_exception_handler(Exception, errors.unexpected_error)
+    app.add_middleware(limits.BodyLimit, max_bytes=lambda: state.max_body_bytes,
+                       on_reject=lambda path: state.metrics.failed(path, "request_too_large"))
 
     def check_key(request: Request) -> None:
         key = state.settings.api_key
@@ -107,20 +128,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", responses=openapi.HEALTH)
     async def health():
-        if state.ready:
+        if state.ready and state.store_damaged is None:
             return {"status": "ok"}
         c = state.client
-        if state.draining or c.state in ("stopping", "stopped"):
+        if state.store_damaged is not None and c.state == "ready" and not state.draining:
+            msg = (f"the expert store is damaged: {state.store_damaged}. Requests that route to this block fail; "
+                   "`python -m tools.repack --verify STORE --model MODEL` checks every block (the server's log "
+                   "names STORE and MODEL); repack or restore the store, then restart")
+        elif c.state == "failed" or (c.fatal and c.state in ("stopping", "stopped")):
+            msg = f"the compute process failed: {c.fatal}"        # the reason, also while the launcher exits
+        elif state.draining or c.state in ("stopping", "stopped"):
             msg = "shutting down"
-        elif c.state == "failed":
-            msg = f"the compute process failed: {c.fatal}"
         elif c.state == "restarting":
             msg = "the compute process is restarting"
         elif state.loading and state.loading.startswith("repacking"):
             msg = state.loading                     # "repacking (n %)": the store is being made, once
         else:
             msg = f"loading ({c.status})" if c.status else "loading"
-        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": msg,
+        return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": errors.without_paths(msg),
                                                                  "type": "unavailable_error"}},
                             status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
@@ -143,6 +168,7 @@ def create_app(state: ServerState) -> FastAPI:
               responses={200: {"model": openapi.Tokens}, **openapi.errors(400, 401, 404, 413, 503)})
     async def tokenize(req: TokenizeRequest):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -150,13 +176,19 @@ def create_app(state: ServerState) -> FastAPI:
             ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, req.tools,
                                                 req.add_generation_prompt)    # it may fetch image URLs
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            encode = lambda text: tok.encode(text, add_special_tokens=req.add_special_tokens)    # noqa: E731
+            try:        # bounded like a prompt: a text far over the context is refused, not tokenized whole
+                ids = await asyncio.to_thread(limits.encode_within, encode, req.prompt, state.max_model_len,
+                                              state.piece_chars)
+            except limits.ContextTooLong as e:
+                raise limits.context_error(state.max_model_len, e, "prompt")
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth, response_model=None,
               responses={200: {"model": openapi.Text}, **openapi.errors(400, 401, 404, 413, 503)})
     async def detokenize(req: DetokenizeRequest):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_ids(state, req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
@@ -165,6 +197,7 @@ def create_app(state: ServerState) -> FastAPI:
               responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_unsupported(req)
         ids, keep_at, images = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs,
@@ -181,6 +214,7 @@ def create_app(state: ServerState) -> FastAPI:
               responses=openapi.generation(openapi.Completion))
     async def completions(req: CompletionRequest, request: Request):
         tok = _tokenizer(state)
+        limits.check_text(req)
         _check_model(state, req.model)
         _check_unsupported(req)
         if req.suffix:
@@ -191,7 +225,11 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "one prompt per request (batched prompts are not supported)", param="prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = tok.encode(p, add_special_tokens=False)
+            try:
+                ids = await asyncio.to_thread(limits.encode_within, tok.encode, p, state.max_model_len,
+                                              state.piece_chars)
+            except limits.ContextTooLong as e:
+                raise limits.context_error(state.max_model_len, e, "prompt")
             prompt_text = p
         else:
             ids = list(p)
@@ -205,10 +243,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _tokenizer(state: ServerState) -> Tokenizer:
+    c = state.client
+    if c.fatal and c.state in ("failed", "stopping", "stopped"):
+        raise APIError(503, f"the compute process failed: {c.fatal}", code="compute_process_failed")
     if state.draining or state.client.state in ("stopping", "stopped"):
         raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
-    if state.client.state == "failed":
-        raise APIError(503, f"the compute process failed: {state.client.fatal}")
     if state.tokenizer is None or state.client.state == "loading":
         raise APIError(503, "the model is loading", headers={"Retry-After": str(state.settings.retry_after_s)})
     return state.tokenizer
@@ -217,7 +256,8 @@ def _tokenizer(state: ServerState) -> Tokenizer:
 def _model_card(state: ServerState) -> dict:
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "moestream",
-            "root": s.model_dir, "max_model_len": state.max_model_len, "max_tokens_default": s.max_tokens_default,
+            "root": s.model_name, "max_model_len": state.max_model_len,     # not model_dir: no server paths
+            "max_tokens_default": s.max_tokens_default,
             # what a request that sets no chat_template_kwargs gets (the demo: thinking off, so the text of a
             # random-weight model arrives as content, not as reasoning_content)
             "default_chat_template_kwargs": dict(s.chat_template_kwargs)}
@@ -274,13 +314,17 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
         prompt_images = PromptImages(grid, grid.grids_per_image, geom, image_token_id(state.vision_config))
     template_kwargs = {**state.settings.chat_template_kwargs, **(template_kwargs or {})}
     try:
-        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), tok.encode,
+        within = lambda text: limits.encode_within(tok.encode, text, state.max_model_len,   # noqa: E731
+                                                   state.piece_chars)
+        prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), within,
                                prompt_images, add_generation_prompt, messages_end=True)
     except ImageTokenError as e:
         raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
                        code="invalid_image")
     except APIError:
         raise
+    except limits.ContextTooLong as e:
+        raise limits.context_error(state.max_model_len, e, "messages")
     except Exception as e:
         raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
                        param="messages")
@@ -398,6 +442,9 @@ class _Gen:
                     self.finish = "error"
                     if ev.abort:
                         raise APIError(503, ev.message, code="aborted")
+                    if ev.store_damaged:
+                        self.state.mark_store_damaged(ev.store_damaged)
+                        raise APIError(500, ev.message, code="store_damaged", headers={"x-should-retry": "false"})
                     raise APIError(500, ev.message, code="compute_process_crashed" if ev.crash else
                                    "generation_failed", headers={"x-should-retry": "false"})
         finally:
@@ -485,6 +532,7 @@ class _Gen:
 
     # ---- responses ------------------------------------------------------------------------------
     async def respond(self, request: Request):
+        self.request = request
         self.submit()
         if self.req.stream:
             return StreamingResponse(self.stream(), media_type="text/event-stream",
@@ -579,6 +627,7 @@ class _Gen:
             if self.include_usage:
                 yield self._chunk(None, usage=self.usage())
         except APIError as e:
+            errors.count_failure(self.request.scope, e.status, e.code)
             yield e.sse()           # the 200 status is gone: the error travels as an event
         yield "data: [DONE]\n\n"
 

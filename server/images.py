@@ -68,9 +68,34 @@ def check_destination(url: str, allow_private: bool) -> None:
         raise _bad(f"the image URL's host {host!r} does not resolve ({e})") from e
     for info in infos:
         ip = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not ip.is_global:
-            raise _bad(f"the image URL's host {host!r} is a non-public address ({ip}); this server fetches only "
+        inner = embedded_ipv4(ip) if ip.version == 6 else None
+        if not ip.is_global or (inner is not None and not inner.is_global):
+            shown = f"{ip}, which carries {inner}" if inner is not None else str(ip)
+            raise _bad(f"the image URL's host {host!r} is a non-public address ({shown}); this server fetches only "
                        "public hosts (start it with --allow-private-image-urls to allow LAN hosts)")
+
+
+def embedded_ipv4(ip):
+    """The IPv4 address inside an IPv6 address that reaches it (None: none). Python's `is_global` judges these
+    as IPv6 and calls them public, yet each one routes to its IPv4 address: IPv4-mapped `::ffff:a.b.c.d`,
+    IPv4-compatible `::a.b.c.d`, NAT64 `64:ff9b::/96` and `64:ff9b:1::/48`, 6to4 `2002:AABB:CCDD::/48`, Teredo
+    (the client address) and ISATAP (`...:0:5efe:a.b.c.d`)."""
+    import ipaddress
+    n = int(ip)
+    low32 = ipaddress.IPv4Address(n & 0xFFFFFFFF)
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if n >> 32 == 0 and n > 1:                                  # ::a.b.c.d (:: and ::1 are IPv6's own)
+        return low32
+    if ip in ipaddress.ip_network("64:ff9b::/96") or ip in ipaddress.ip_network("64:ff9b:1::/48"):
+        return low32
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    if (n >> 32) & 0xFDFFFFFF == 0x5EFE:                        # ISATAP interface id, u/l bit either way
+        return low32
+    return None
 
 
 def fetch(url: str, allow_urls: bool, allow_private: bool = False) -> bytes:

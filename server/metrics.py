@@ -13,6 +13,8 @@ from procs.messages import EngineStats
 
 P = "moestream_"
 LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
+             "/v1/models/{model_id:path}", "/health", "/metrics"}      # other paths count as "other"
 PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
@@ -54,6 +56,8 @@ class Metrics:
         self.engine_stats = EngineStats()
         r = self.registry = CollectorRegistry()
         self.requests = Counter(P + "requests", "finished requests", ["endpoint", "finish_reason"], registry=r)
+        self.failures = Counter(P + "request_failures", "requests answered with an error, by the error's code",
+                                ["endpoint", "reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(P + "prompt_tokens_cached", "prompt tokens restored from snapshots", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "generated tokens", registry=r)
@@ -72,6 +76,9 @@ class Metrics:
         Gauge(P + "compute_process_restarts", "restarts of the compute process", registry=r).set_function(
             lambda: client.restarts)
         r.register(_EngineCollector(self))
+
+    def failed(self, path: str, reason: str) -> None:
+        self.failures.labels(path if path in ENDPOINTS else "other", reason).inc()
 
     def observe(self, endpoint: str, finish: str, prompt_n: int, cached_n: int, completion_n: int, timings: dict,
                 queue_s: float, e2e_s: float) -> None:

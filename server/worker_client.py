@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from procs import messages as m
+from procs.restart_budget import RestartBudget
 from procs.spawn import spawn_module
 
 
@@ -77,9 +78,10 @@ class Job:
 
 class WorkerClient:
     def __init__(self, cfg: WorkerConfig, max_queue: int = 64, log=None, max_start_failures: int = 5,
-                 max_restarts: int = 20):
+                 max_restarts: int = 20, restart_window_s: float = 300.0):
         self.cfg, self.max_queue = cfg, max_queue
-        self.max_restarts = max_restarts
+        # deaths in a sliding window, not in the server's life: a process that crashed 20 times over weeks is fine
+        self.restart_budget = RestartBudget(max_restarts, restart_window_s, backoff_s=0.0)
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.max_start_failures = max_start_failures
         self.state = "loading"           # loading | ready | restarting | stopping | stopped | failed
@@ -161,6 +163,13 @@ class WorkerClient:
             self._wake.set()
         elif isinstance(msg, m.Fatal):
             self.fatal = msg.message
+            if self.state == "ready":       # it can serve no more (its cache processes are lost): fail now
+                self.log(f"launcher: {self.fatal}")
+                job = self.running
+                if job is not None:
+                    job.events.put_nowait(m.Error(job.id, self.fatal))
+                    self._finish(job)
+                self._fail_all(self.fatal)
         elif isinstance(msg, m.StatsReply):
             fut = self._stats_waiters.pop(msg.seq, None)
             if fut is not None and not fut.done():
@@ -212,8 +221,10 @@ class WorkerClient:
             job.events.put_nowait(m.Error(job.id, f"the compute process crashed ({why}) while serving this request; "
                                                   f"it is being restarted", crash=True))
             self._finish(job)
-        if self.restarts >= self.max_restarts:
-            self.fatal = f"the compute process died {self.restarts + 1} times ({why}); not restarting it again"
+        if self.restart_budget.allow() is None:
+            b = self.restart_budget
+            self.fatal = (f"the compute process died again ({why}) after {b.recent()} restarts within "
+                          f"{b.window_s:g} s; not restarting it again")
         if self.state == "loading" or self.fatal:
             self.fatal = self.fatal or f"the compute process exited while loading ({why})"
             self.log(f"launcher: {self.fatal}")
@@ -352,9 +363,13 @@ class WorkerClient:
             if rc is None:
                 self.log(f"launcher: the compute process did not stop within {timeout:.0f} s; terminating it")
                 kill_group(proc, signal.SIGTERM)
-                if await loop.run_in_executor(None, _wait, proc, 5.0) is None:
+                if await loop.run_in_executor(None, _wait, proc, 1.0) is None:     # a stuck one: no more waiting
                     kill_group(proc, signal.SIGKILL)
                     await loop.run_in_executor(None, _wait, proc, 5.0)
+        job = self.running
+        if job is not None:     # the worker went without ending it: end its response now, not at uvicorn's timeout
+            job.events.put_nowait(m.Error(job.id, "the server is shutting down", abort=True))
+            self._finish(job)
         self.state = "stopped"
         self._wake.set()
         for t in self._tasks:

@@ -250,3 +250,112 @@ def test_systemd_unit_verifies(tmp_path):
     assert "PrivateDevices=yes" not in text and "MemoryDenyWriteExecute=yes" not in text    # they break CUDA
     assert verify_unit(text, tmp_path) == ""
     assert "Unknown key" in verify_unit(text.replace("KillMode=mixed", "KillMood=mixed"), tmp_path)  # the twin
+
+
+def test_preflight_shm_message_in_mib_below_a_gib_and_says_a_margin_is_included(monkeypatch):
+    """A small cache in a small /dev/shm: the message gives MiB ("needs 0.00 GiB ... has 0.00 GiB free" said
+    nothing) and says that what it needs includes a margin beside the cache."""
+    import argparse
+    import collections
+    import shutil
+
+    import launcher
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 40 << 20))
+    a = argparse.Namespace(cache_gb=0.0039, device="cpu", vram_gb=None, snapshot_ram_gb=0.0)
+    problems = [p for p in launcher.preflight(a, 4 << 20, 1 << 20, 0) if "/dev/shm" in p]
+    assert len(problems) == 1, problems
+    p = problems[0]
+    assert "0.00 GiB" not in p and "68.0 MiB" in p and "40.0 MiB free" in p and "margin" in p, p
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 30, 0, 40 << 30))
+    a.cache_gb = 100.0
+    p = [p for p in launcher.preflight(a, 100 << 30, 1 << 20, 0) if "/dev/shm" in p][0]
+    assert "100.06 GiB" in p and "40.00 GiB free" in p, p       # the twin: GiB from 1 GiB up
+
+
+def test_sigterm_drain_honours_shutdown_timeout(synth, tmp_path):
+    """A compute process that does not answer the cancel (stopped here; in life a long prefill chunk or a stuck
+    read): the launcher still exits within --shutdown-timeout plus a short grace, killing it and its cache
+    processes and leaving no shared memory. (It waited 20 s more, then 5 s after SIGTERM, before.)"""
+    import os
+    timeout_s = 2.0
+    s = Launcher(synth("tiny", "nvfp4"), "--shutdown-timeout", str(timeout_s))
+    try:
+        s.start(tmp_path / "drain.log")
+        a = Stream(s, 3000)
+        assert a.first.wait(60)
+        worker = s.worker()
+        family = s.descendants()
+        pids = [s.proc.pid] + [p.pid for p in family]
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.proc.wait(60)
+        took = time.monotonic() - t0
+        assert rc == 0 and took < timeout_s + 4.0, (rc, took, s.log()[-2000:])
+        wait_for(lambda: not alive(family), 10, "children to go")
+        assert shm_entries_of(pids) == []
+        a.join(10)
+        assert a.events and a.events[-1] == "[DONE]", a.events[-3:]
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def test_cache_processes_that_cannot_be_kept_alive_end_the_launcher_non_zero(synth, tmp_path):
+    """21 kills of an IO worker within the window (the default budget: 20 restarts in 300 s): /health turns 503
+    with the reason, a request fails at once with it, and the launcher exits non-zero (systemd restarts it).
+    Before, the supervisor stopped restarting silently: /health stayed 200 and requests hung 60 s."""
+    import os
+
+    def io_workers():
+        out = []
+        for p in s.descendants():
+            try:
+                if "io_workers.reader" in " ".join(p.cmdline()) and p.status() != "zombie":
+                    out.append(p)
+            except Exception:
+                pass
+        return out
+
+    s = Launcher(synth("tiny", "nvfp4"), env={"MOESTREAM_CACHE_BACKOFF": "0.01/0.02"})   # the backoff only
+    try:
+        s.start(tmp_path / "budget.log")
+        pids = [s.proc.pid] + [p.pid for p in s.descendants()]
+        for k in range(21):
+            victims = io_workers()
+            assert victims, f"no IO worker after {k} kills:\n{s.log()[-2000:]}"
+            pids.append(victims[0].pid)
+            os.kill(victims[0].pid, signal.SIGKILL)
+            if k < 20:
+                wait_for(lambda: victims[0].pid not in [p.pid for p in io_workers()] and len(io_workers()) == 2,
+                         30, f"IO worker restart {k + 1}")
+        health = []
+        deadline = time.monotonic() + 60
+        while s.proc.poll() is None and not health and time.monotonic() < deadline:
+            try:
+                r = httpx.get(s.url + "/health", timeout=2)
+                if r.status_code == 503 and "cannot be kept alive" in r.text:
+                    health.append(r.json()["error"]["message"])
+                    t0 = time.monotonic()
+                    c = complete(s)
+                    health.append((c.status_code, c.json()["error"]["message"], time.monotonic() - t0))
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        rc = s.proc.wait(60)
+        assert rc != 0 and "cannot be kept alive" in s.log(), (rc, s.log()[-3000:])
+        assert health and "io worker" in health[0] and "restarts" in health[0], (health, s.log()[-3000:])
+        status, message, seconds = health[1]
+        assert status == 503 and "cannot be kept alive" in message and seconds < 1.0, health[1]
+        wait_for(lambda: not alive([p for p in map(_proc, pids) if p is not None]), 10, "children to go")
+        assert shm_entries_of(pids) == []
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def _proc(pid):
+    import psutil
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

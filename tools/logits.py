@@ -98,7 +98,7 @@ def logits_and_greedy(model, ids: list[int], n_decode: int, prefill_chunk: int =
     for _ in range(n_decode):
         tok = int(last.argmax())
         greedy.append(tok)
-        last = model.forward([tok], state)[0]
+        last = model.step(tok, state)[0]
         greedy_logits.append(last.cpu().numpy())
     vocab = logits.shape[1]
     gl = np.stack(greedy_logits) if greedy_logits else np.zeros((0, vocab), np.float32)
@@ -144,7 +144,7 @@ def main(argv=None):
         ids = read_ids(a.ids, a.ids_file)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
     from cache_shm.shm import CacheSizeError
-    from io_workers.store import StoreError
+    from expert_store.format import StoreError
     try:
         if a.store:
             from gpu_worker.engine import StreamingEngine
@@ -154,7 +154,7 @@ def main(argv=None):
                 with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
                                      io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec,
                                      vram_bytes=int(a.vram_gb * 2**30) if a.vram_gb else None) as eng:
-                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk,
+                    logits, greedy, gl = logits_and_greedy(eng, ids, a.decode, a.prefill_chunk,
                                                                     embeds, positions)
                     if a.stats:
                         print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)

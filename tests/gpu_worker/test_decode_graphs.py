@@ -1,7 +1,12 @@
 """The decode step cut into segments (graphs between MoE layers; experts and attention eager) against the plain
 forward: same logits token by token, with two sequences decoded in turns (the static Mamba states are bound to
 one sequence at a time) and a prefill in between. On the CPU the segments run eagerly with the fused kernels
-under Triton's interpreter; on CUDA they are captured (also run here when a GPU is present)."""
+under Triton's interpreter; on CUDA they are captured (also run here when a GPU is present).
+
+Under the interpreter every decode token costs seconds, so the model is cut to one layer of each kind and two
+MoE layers (`ME*-E`: a Mamba layer and an MLP inside graphed stretches, an attention layer splitting them, the
+last MoE layer guessing the first), each reference run is made once per module, and each run decodes only as
+many tokens as its check needs."""
 from __future__ import annotations
 
 import pytest
@@ -13,66 +18,78 @@ from nemotron.model import NemotronH
 
 # forcing the fused kernels on CPU tensors needs Triton's interpreter, which is on only where there is no GPU
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+PATTERN = ("--pattern", "ME*-E")
 
 
-@pytest.fixture(scope="module")
-def ckpt_dir(synth):
-    return synth("tiny", "bf16", 4)
+@pytest.fixture(scope="module", autouse=True)
+def fused_decode():
+    """The fused decode kernels (in-place Mamba step, split-K attention) on every device, as on CUDA."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mamba, "use_fused_decode", lambda h: True)
+        yield
 
 
-def run(model, steps=5, fixed=False):
-    """Two sequences decoded in turns, a third prefilled in the middle; greedy (or, with `fixed`, given tokens,
-    so that a near tie cannot fork the two runs); logits of every step."""
+def run(model, step=None, steps=3, fixed=False):
+    """Two sequences decoded in turns, a third prefilled in the middle and a clone of the first decoded beside
+    them, then both decoded once more; greedy (or, with `fixed`, given tokens, so that a near tie cannot fork
+    the two runs); logits of every step. `step`: how one token is decoded (default: the model's eager step)."""
+    step = step or model.step
     out = []
     a, b = model.new_state(), model.new_state()
-    la = model.forward(list(range(30, 50)), a, last_only=True)
-    lb = model.forward(list(range(60, 71)), b, last_only=True)
+    la = model.forward(list(range(30, 36)), a, last_only=True)     # short prompts: prefill is not on trial here
+    lb = model.forward(list(range(60, 64)), b, last_only=True)
     for t in range(steps):
-        la = model.forward([5 + 7 * t if fixed else int(la[-1].argmax())], a, last_only=True)
-        lb = model.forward([11 + 5 * t if fixed else int(lb[-1].argmax())], b, last_only=True)
+        la = step(5 + 7 * t if fixed else int(la[-1].argmax()), a)
+        lb = step(11 + 5 * t if fixed else int(lb[-1].argmax()), b)
         out += [la, lb]
-        if t == 2:
+        if t == steps - 2:
             c = model.new_state()
-            out.append(model.forward(list(range(5, 17)), c, last_only=True))
-            out.append(model.forward([3], c, last_only=True))
-            a2 = a.clone()                       # a clone of the bound sequence stays independent of it
-            out.append(model.forward([9], a2, last_only=True))
+            out.append(model.forward(list(range(5, 8)), c, last_only=True))
+            out.append(step(3, c))
+            a2 = a.clone()                       # a clone stays independent of the sequence it was made from
+            out.append(step(9, a2))
     return torch.cat([o.float().cpu() for o in out])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_segmented_decode_equals_plain_forward(ckpt_dir, device, monkeypatch):
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
-    plain = run(model)
-    model.decode_graphs = g = DecodeGraphs(model)
-    kinds = [seg[0] for seg in g.segments]
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(synth, device):
+    return NemotronH(synth("tiny", "bf16", 4, *PATTERN), device=device, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return run(model)
+
+
+def test_segmented_decode_equals_plain_forward(model, plain, device):
+    g = DecodeGraphs(model)
+    kinds = [seg.kind for seg in g.segments]
     assert "route" in kinds and "attn" in kinds and kinds.count("graph") >= 3
-    segmented = run(model)
+    segmented = run(model, g.step)
     assert plain.abs().max() > 0.1
     assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
     if device == "cuda":        # every stretch and every S_j captured (the in-memory source: eager variant only)
         assert g.captures == kinds.count("graph") + kinds.count("route")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_twin_state_not_copied_in_is_caught(ckpt_dir, device, monkeypatch):
+def test_twin_state_not_copied_in_is_caught(model, plain, monkeypatch):
     """Must-fail twin: binding that re-points a sequence at the static states without copying its own in."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    model = NemotronH(ckpt_dir, device=device, dtype=torch.float32)
-    plain = run(model, steps=2)
-    model.decode_graphs = g = DecodeGraphs(model)
+    g = DecodeGraphs(model)
 
     def careless_bind(state):
         for i, sb in g.static.items():
             state.layers[i].ssm, state.layers[i].conv = sb.ssm, sb.conv
     monkeypatch.setattr(g, "_bind", careless_bind)
-    assert (plain - run(model, steps=2)).abs().max() > 1e-2
+    assert (plain - run(model, g.step)).abs().max() > 1e-2
 
 
-def test_clamped_dt_is_refused(ckpt_dir):
-    model = NemotronH(ckpt_dir, dtype=torch.float32)
-    next(m for m in model.mixers if isinstance(m, mamba.Mamba2Mixer)).dt_max = 0.1
+def test_clamped_dt_is_refused(model, monkeypatch):
+    monkeypatch.setattr(next(m for m in model.mixers if isinstance(m, mamba.Mamba2Mixer)), "dt_max", 0.1)
     assert "clamps dt" in DecodeGraphs.unsupported(model)
     with pytest.raises(ValueError, match="clamps dt"):
         DecodeGraphs(model)
@@ -81,79 +98,121 @@ def test_clamped_dt_is_refused(ckpt_dir):
 # The cache-pipeline tests below force what CUDA does (fused kernels, blocks by address) on the CPU, which needs
 # Triton's interpreter; a GPU machine runs the same paths for real in bench/gpu_session.sh's `check` step.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant: the interpreter is off where a GPU is")
+PIPELINE_STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def store(synth, tmp_path_factory):
-    from io_workers.store import ExpertStore
+    """(model dir, store dir, expert blocks in the store, block stride)."""
+    from expert_store.reader import ExpertStore
     from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0, *PATTERN)
     out = tmp_path_factory.mktemp("graphs") / "store"
-    assert repack.main(["--model", str(synth("tiny", "nvfp4", 0)), "--out", str(out), "--no-progress"]) == 0
+    assert repack.main(["--model", str(model_dir), "--out", str(out), "--no-progress"]) == 0
     st = ExpertStore.open(out)
-    return out, len(st.moe_layers) * st.n_experts, st.block_stride
+    return model_dir, out, len(st.moe_layers) * st.n_experts, st.block_stride
 
 
 def engine(store, blocks: int, addressed: bool):
     from gpu_worker.engine import StreamingEngine
-    path, _, stride = store
+    _, path, _, stride = store
     eng = StreamingEngine(path, cache_bytes=blocks * stride, io_workers=2)
     if addressed:       # as on CUDA: the Triton kernels read blocks by address and count the down groups
         eng.experts._addressed = True
         eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
+    eng.graphs = DecodeGraphs(eng.model)    # what the engine installs on CUDA
     return eng
 
 
+@pytest.fixture(scope="module")
+def plain_in_memory(store):
+    """The reference where the experts run their PyTorch twins: the in-memory model's plain forward (the engine's
+    own plain forward equals it, tests/gpu_worker/test_streaming_pipeline.py)."""
+    return run(NemotronH(store[0]), steps=PIPELINE_STEPS, fixed=True)
+
+
+@pytest.fixture(scope="module")
+def plain_addressed(store):
+    """The reference where the experts run the Triton kernels on blocks by address: the engine's plain forward
+    (these kernels and the PyTorch twins differ by up to 2e-3 on these logits)."""
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        return run(eng.model, steps=PIPELINE_STEPS, fixed=True)
+
+
+def route_variants(g: DecodeGraphs) -> list[str]:
+    """Records how each MoE layer's experts ran, at every host decision from now on."""
+    seen = []
+    for seg in g.segments:
+        if seg.kind == "route":
+            def decide(real=seg.moe.decide, moe=seg.moe):
+                real()
+                seen.append(moe.variant)
+            seg.moe.decide = decide
+    return seen
+
+
 @cpu_only
-def test_segmented_decode_through_the_cache_pipeline(store, monkeypatch):
+def test_segmented_decode_through_the_cache_pipeline(store, plain_in_memory):
     """The streaming source's split API (route on the host, then compute, with pins deferred past the kernels)
-    with a cache of a tenth of the experts: same logits as the engine's plain forward."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    with engine(store, max(store[1] // 10, 8), addressed=False) as eng:
-        plain = run(eng.model, steps=3, fixed=True)
-        eng.model.decode_graphs = g = DecodeGraphs(eng.model)
-        segmented = run(eng.model, steps=3, fixed=True)
-        assert eng.sup.client().stats()["evictions"] > 0
-    assert set(g.variant.values()) == {"eager"}
+    with a cache of a tenth of the experts: same logits as the plain forward."""
+    with engine(store, max(store[2] // 10, 8), addressed=False) as eng:
+        evictions = eng.cache_stats()["evictions"]
+        segmented = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        assert eng.cache_stats()["evictions"] > evictions
+        assert set(eng.graphs.variant.values()) == {"eager"}
     # hits first, then misses in landing order: the fp32 sum's order follows the IO workers' timing
-    assert torch.allclose(plain, segmented, atol=1e-3, rtol=1e-4), (plain - segmented).abs().max()
+    assert torch.allclose(plain_in_memory, segmented, atol=1e-3, rtol=1e-4), (plain_in_memory - segmented).abs().max()
 
 
 @cpu_only
-def test_expert_kernels_inside_the_segments(store, monkeypatch):
+@pytest.mark.parametrize("cache", ["every expert", "a tenth"])
+def test_expert_kernels_inside_the_segments(store, plain_addressed, cache):
     """As on CUDA: blocks by address (the Triton kernels, here under the interpreter), and a layer whose experts
     are all present runs them inside the next segment ("slab" variant) instead of eagerly; a cache holding every
     expert makes that the common case, a tenth of them mixes both. Same logits as the plain forward."""
-    n = store[1]
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    for blocks in (n + 8, max(n // 10, 8)):
-        with engine(store, blocks, addressed=True) as eng:
-            ex = eng.experts
-            plain = run(eng.model, steps=3, fixed=True)
-            eng.model.decode_graphs = g = DecodeGraphs(eng.model)
-            seen = set()
-            real = g._route
-
-            def route(i):
-                real(i)
-                seen.add(g.variant[i])
-            g._route = route
-            segmented = run(eng.model, steps=3, fixed=True)
-            assert "slab" in seen and (blocks > n or "eager" in seen), seen
-            assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
-        # With a small cache, which experts of a layer run in one launch and which land later depends on the IO
-        # workers' timing, so fp32 sums are added in different orders (measured up to 6e-4 on logits of ~10);
-        # the must-fail twin below differs by far more than this tolerance.
-        assert torch.allclose(plain, segmented, atol=3e-3, rtol=1e-3), (blocks, (plain - segmented).abs().max())
+    n = store[2]
+    blocks = n + 8 if cache == "every expert" else max(n // 10, 8)
+    with engine(store, blocks, addressed=True) as eng:
+        ex = eng.experts
+        seen = route_variants(eng.graphs)
+        segmented = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        assert "slab" in seen and (blocks > n or "eager" in seen), seen
+        assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
+    # With a small cache, which experts of a layer run in one launch and which land later depends on the IO
+    # workers' timing, so fp32 sums are added in different orders (measured up to 6e-4 on logits of ~10);
+    # the must-fail twin below differs by far more than this tolerance.
+    assert torch.allclose(plain_addressed, segmented, atol=3e-3, rtol=1e-3), (blocks, (plain_addressed - segmented).abs().max())
 
 
 @cpu_only
-def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, monkeypatch):
+def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, plain_addressed, monkeypatch):
     """Must-fail twin: a segment that forgets the expert kernels in the "slab" variant changes the logits."""
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: True)
-    with engine(store, store[1] + 8, addressed=True) as eng:
-        plain = run(eng.model, steps=2, fixed=True)
-        eng.model.decode_graphs = DecodeGraphs(eng.model)
-        monkeypatch.setattr("gpu_worker.decode_graphs.moe_ops",
-                            type("NoKernels", (), {"expert_decode": staticmethod(lambda *a, **k: None)}))
-        broken = run(eng.model, steps=2, fixed=True)
-    assert (plain - broken).abs().max() > 3e-2
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        monkeypatch.setattr(eng.experts, "decode_kernels", lambda *a, **k: None)
+        seen = route_variants(eng.graphs)
+        broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+    assert "slab" in seen, seen
+    assert (plain_addressed - broken).abs().max() > 3e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("honours_tracing", [True, False])
+def test_tracing_steps_run_the_model_forward(store, honours_tracing):
+    """While the model traces, the engine's step is the model's own (the hooks live there), not the graphs; the
+    twin (a step that misses the tracing switch) never reaches the hooks."""
+    from nemotron.moe import MoEMixer
+    with engine(store, store[2] + 8, addressed=False) as eng:
+        routed = []
+        eng.model.set_trace(lambda event, **kw: routed.append(kw["layer"]) if event == "route" else None)
+        if not honours_tracing:
+            eng.model.tracing = False
+        st = eng.new_state()
+        eng.forward([5, 6, 7], st)
+        del routed[:]
+        eng.step(9, st)
+        graphed = any(moe.prepare.runs for moe in eng.graphs.moe.values())
+    moe_layers = [i for i, m in enumerate(eng.model.mixers) if isinstance(m, MoEMixer)]
+    if honours_tracing:
+        assert routed == moe_layers and not graphed
+    else:
+        assert routed == [] and graphed

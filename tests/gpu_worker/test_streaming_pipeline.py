@@ -30,7 +30,7 @@ def make_store(model_dir: Path, out: Path) -> Path:
 
 
 def tenth_of_experts(store_dir) -> int:
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     st = ExpertStore.open(store_dir)
     n_blocks = len(st.moe_layers) * st.n_experts
     return max(n_blocks // 10, 8) * st.block_stride
@@ -57,7 +57,7 @@ def test_pipeline_matches_in_memory_engine_and_transformers(tiny, tmp_path):
     ref = NemotronH(model_dir)
     r_logits, r_greedy, r_gl = logits_and_greedy(ref, ids, N_DECODE)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
-        logits, greedy, gl = logits_and_greedy(eng.model, ids, N_DECODE)
+        logits, greedy, gl = logits_and_greedy(eng, ids, N_DECODE)
         stats = eng.cache_stats()
         prefix = eng.sup.prefix
     assert stats["evictions"] > 0 and stats["lookup_misses"] > 0, "the cache was not small enough to evict"
@@ -86,13 +86,13 @@ def test_cancellation_stops_between_tokens(tiny):
     with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         cancel = threading.Event()
         got = []
-        for step in generate(eng.model, prompt(9), SamplingParams(max_tokens=50), cancel=cancel):
+        for step in generate(eng, prompt(9), SamplingParams(max_tokens=50), cancel=cancel):
             got.append(step.token)
             if len(got) == 3:
                 cancel.set()
         assert len(got) == 3
         # and the engine is still usable afterwards
-        again = [s.token for s in generate(eng.model, prompt(9), SamplingParams(max_tokens=4))]
+        again = [s.token for s in generate(eng, prompt(9), SamplingParams(max_tokens=4))]
         assert len(again) == 4
 
 
@@ -104,7 +104,7 @@ def test_crashed_io_worker_does_not_change_output(tiny):
     with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         out = []
         killed = None
-        for step in generate(eng.model, ids, SamplingParams(max_tokens=N_DECODE)):
+        for step in generate(eng, ids, SamplingParams(max_tokens=N_DECODE)):
             out.append(step.token)
             if len(out) == 3:
                 killed = eng.sup.workers[0].pid
@@ -121,6 +121,20 @@ def resident_keys(shm) -> set[int]:
     return {int(k) for k, st in zip(shm.slot_key, shm.slot_state) if k >= 0 and st == READY}
 
 
+def settled(shm, timeout: float = 10.0) -> None:
+    """Waits until the prefetcher has taken every message and no read is queued or in flight, so that what is
+    resident no longer changes (the last MoE layer's request, a guess prefetch, may still be landing)."""
+    from cache_shm.shm import LOADING
+    deadline = time.monotonic() + timeout
+    while True:
+        s = shm.stats()
+        if (len(shm.msg_ring) == 0 and s["demand_queue"] == 0 and s["prefetch_queue"] == 0
+                and not (shm.slot_state == LOADING).any()):
+            return
+        assert time.monotonic() < deadline, f"the cache did not settle in {timeout} s: {s}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("prefill_protects", [True, False])
 def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, monkeypatch):
     """A long prompt's experts go to the eviction end once used; the twin (prefill requests that touch
@@ -135,10 +149,10 @@ def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, m
         st = m.new_state()
         for t in prompt(2, seed=8):               # decode only: build the decode working set
             m.forward([t], st)
-        time.sleep(0.2)
+        settled(eng.sup.shm)
         before = resident_keys(eng.sup.shm)
         m.forward(prompt(60, seed=9), m.new_state())   # a long prompt touching most experts
-        time.sleep(0.2)
+        settled(eng.sup.shm)
         kept = len(before & resident_keys(eng.sup.shm)) / len(before)
     print(f"prefill_protects={prefill_protects}: {kept:.0%} of the decode working set kept")
     if prefill_protects:
@@ -176,11 +190,11 @@ def test_vram_tier_serves_hot_experts_and_keeps_output(tiny):
     ref = NemotronH(model_dir)
     r_greedy = [s.token for s in generate(ref, ids, SamplingParams(max_tokens=N_DECODE))]
     dense = ref.dense_nbytes()
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     stride = ExpertStore.open(store).block_stride
     with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2,
                          vram_bytes=dense + 24 * stride, vram_reserve_bytes=0) as eng:
-        out = [s.token for s in generate(eng.model, ids, SamplingParams(max_tokens=N_DECODE))]
+        out = [s.token for s in generate(eng, ids, SamplingParams(max_tokens=N_DECODE))]
         vt = eng.experts.vram
         acct = eng.accounting.per_token()
     assert vt.n_slots == 24

@@ -60,8 +60,8 @@ def test_ram_bounds(model):
         s.put(ids(5, seed=k), state_after(model, ids(5, seed=k)))
     assert s.info()["in_ram"] == 3 and s.info()["evicted"] == 3
     assert s.lookup(ids(5, seed=5) + [1]) is not None and s.lookup(ids(5, seed=0) + [1]) is None
-    from gpu_worker.snapshots import state_bytes, state_to_dict
-    per = state_bytes(state_to_dict(one))
+    from gpu_worker.snapshots import state_bytes
+    per = state_bytes(one.to_host())
     s = store(model, max_bytes=int(per * 2.5))
     for k in range(5):
         s.put(ids(5, seed=k), state_after(model, ids(5, seed=k)))
@@ -121,9 +121,9 @@ def test_another_models_file_is_a_miss_and_is_kept(model, tmp_path):
 
 def test_wrong_shapes_are_a_miss(model, synth, tmp_path):
     """A file whose header matches but whose tensors do not fit the model (e.g. written by a bug) is refused."""
-    from gpu_worker.snapshots import encode_file, state_to_dict
+    from gpu_worker.snapshots import encode_file
     a = ids(30, seed=1)
-    d = state_to_dict(state_after(model, a[:20]))
+    d = state_after(model, a[:20]).to_host()
     layer = next(i for i, x in enumerate(d["layers"]) if x is not None and x["kind"] == "mamba")
     d["layers"][layer]["ssm"] = d["layers"][layer]["ssm"][:1]
     s = store(model, tmp_path)

@@ -46,7 +46,7 @@ def text_view(omni, out):
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    from tools.repack import repack
+    from expert_store.writer import repack
     tmp = tmp_path_factory.mktemp("vision-api")
     d = tmp / "omni"
     synthesize_omni(d, seed=11)

@@ -18,7 +18,7 @@ A, B = data_url(encode(300, 200, 1)), data_url(encode(40, 130, 2))
 
 @pytest.fixture(scope="module")
 def tiled(tmp_path_factory):
-    from tools.repack import repack
+    from expert_store.writer import repack
     tmp = tmp_path_factory.mktemp("vision-tiles-api")
     d = tmp / "omni-tiled"
     synthesize_omni(d, seed=13, tiled=True)

@@ -1,4 +1,4 @@
-"""The expert block layout and the store reader, without a checkpoint: geometry, packing, views, errors."""
+"""expert_store: the block layout and the store reader, without a checkpoint: geometry, packing, views, errors."""
 from __future__ import annotations
 
 import json
@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from io_workers import store as st
+from expert_store.format import (EXPERTS_NAME, BLOCKS_NAME, FORMAT_NAME, FORMAT_VERSION, JOURNAL_NAME, MANIFEST_NAME,
+                                 StoreError, geometry_from_dict, write_manifest)
+from expert_store.layout import block_views, pack_block, raw_bytes, unpack_block, unpack_raw
+from expert_store.reader import ExpertStore
+from kernels.expert_block import BLOCK_ALIGN, FORMATS, ExpertGeometry
 from kernels.nvfp4 import decode_fp8, decode_nvfp4, encode_fp8, encode_nvfp4
 
 
 # ------------------------------------------------------------------------------------------ geometry
 def test_super_nvfp4_geometry_is_the_contract():
-    g = st.block_geometry("nvfp4", 1024, 2688)
+    g = ExpertGeometry(1024, 2688, "nvfp4")
     assert g.block_bytes == 3_096_576 == g.block_stride
     assert g.pages == 756
     assert (g.up_values.offset, g.up_values.nbytes) == (0, 1_376_256)
@@ -24,27 +28,27 @@ def test_super_nvfp4_geometry_is_the_contract():
     assert g.group_bytes == 9_216 and g.n_groups == 168
 
 
-@pytest.mark.parametrize("kind", st.KINDS)
+@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("L,I", [(2688, 1856), (1024, 2688), (32, 48), (80, 112)])
 def test_geometry_alignment(kind, L, I):
-    g = st.block_geometry(kind, L, I)
+    g = ExpertGeometry(L, I, kind)
     for s in g.sections():
         assert s.offset % 256 == 0   # docs/block-layout.md: sections start on 256-byte boundaries
     assert g.up_values.end <= g.up_scales.offset <= g.up_scales.end <= g.down_groups.offset
-    assert g.block_bytes == g.down_groups.end and g.block_stride % st.PAGE_BYTES == 0
-    assert 0 <= g.block_stride - g.block_bytes < st.PAGE_BYTES
-    assert st.BlockGeometry.from_dict(g.to_dict()) == g
+    assert g.block_bytes == g.down_groups.end and g.block_stride % BLOCK_ALIGN == 0
+    assert 0 <= g.block_stride - g.block_bytes < BLOCK_ALIGN
+    assert geometry_from_dict(g.to_dict()) == g
 
 
 def test_geometry_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiples of 16"):
-        st.block_geometry("nvfp4", 1000, 2688)
+        ExpertGeometry(1000, 2688, "nvfp4")
     with pytest.raises(ValueError, match="unknown block kind"):
-        st.block_geometry("int4", 1024, 2688)
-    d = st.block_geometry("nvfp4", 64, 48).to_dict()
+        ExpertGeometry(1024, 2688, "int4")
+    d = ExpertGeometry(64, 48, "nvfp4").to_dict()
     d["block_stride"] = 8192
-    with pytest.raises(st.StoreError, match="disagrees"):
-        st.BlockGeometry.from_dict(d)
+    with pytest.raises(StoreError, match="disagrees"):
+        geometry_from_dict(d)
 
 
 # ------------------------------------------------------------------------------------------ packing
@@ -64,14 +68,14 @@ def _u8(t):
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("kind", st.KINDS)
+@pytest.mark.parametrize("kind", FORMATS)
 def test_pack_unpack_round_trip(kind):
     L, I = 80, 112          # 7 groups; L not a power of two
-    g = st.block_geometry(kind, L, I)
+    g = ExpertGeometry(L, I, kind)
     uw, us, ug, dw, ds, dg = _expert(kind, L, I)
-    block = st.pack_block(g, uw, us, dw, ds)
+    block = pack_block(g, uw, us, dw, ds)
     assert block.dtype == np.uint8 and block.size == g.block_bytes
-    up, down = st.unpack_block(g, block, ug, dg)
+    up, down = unpack_block(g, block, ug, dg)
     assert torch.equal(_u8(up.weight), _u8(uw)) and torch.equal(_u8(down.weight), _u8(dw))
     assert up.weight.dtype == uw.dtype and down.weight.dtype == dw.dtype
     assert (up.out_features, up.in_features, down.out_features, down.in_features) == (I, L, L, I)
@@ -85,16 +89,16 @@ def test_pack_unpack_round_trip(kind):
         assert torch.equal(down.dequantize(), dw.float())
     for a, b in ((g.up_values.end, g.up_scales.offset), (g.up_scales.end, g.down_groups.offset)):
         assert not block[a:b].any()      # section padding is zero
-    raw = st.unpack_raw(g, block)
-    assert np.array_equal(raw["down_weight"], st.raw_bytes(dw))
+    raw = unpack_raw(g, block)
+    assert np.array_equal(raw["down_weight"], raw_bytes(dw))
 
 
 def test_views_follow_the_layout_and_do_not_copy():
     L, I = 64, 48
-    g = st.block_geometry("nvfp4", L, I)
+    g = ExpertGeometry(L, I, "nvfp4")
     uw, us, ug, dw, ds, dg = _expert("nvfp4", L, I, seed=1)
-    block = torch.from_numpy(st.pack_block(g, uw, us, dw, ds))
-    v = st.block_views(g, block)
+    block = torch.from_numpy(pack_block(g, uw, us, dw, ds))
+    v = block_views(g, block)
     base, end = block.data_ptr(), block.data_ptr() + block.numel()
     for name, t in v.items():
         assert base <= t.data_ptr() < end, name
@@ -112,9 +116,9 @@ def test_views_follow_the_layout_and_do_not_copy():
 def test_sparse_down_from_groups_equals_dense_decode():
     """What the sparse down kernel does, in torch: only groups with a non-zero activation are read."""
     L, I = 64, 96
-    g = st.block_geometry("nvfp4", L, I)
+    g = ExpertGeometry(L, I, "nvfp4")
     uw, us, ug, dw, ds, dg = _expert("nvfp4", L, I, seed=2)
-    v = st.block_views(g, st.pack_block(g, uw, us, dw, ds))
+    v = block_views(g, pack_block(g, uw, us, dw, ds))
     a = torch.zeros(I)
     a[[3, 40, 41, 90]] = torch.tensor([1.5, -2.0, 0.25, 3.0])
     want = decode_nvfp4(dw, ds, dg) @ a
@@ -131,9 +135,9 @@ def test_sparse_down_from_groups_equals_dense_decode():
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_views_fp8_bf16(kind):
     L, I = 32, 48
-    g = st.block_geometry(kind, L, I)
+    g = ExpertGeometry(L, I, kind)
     uw, _, _, dw, _, _ = _expert(kind, L, I, seed=3)
-    v = st.block_views(g, bytes(st.pack_block(g, uw, None, dw, None)))
+    v = block_views(g, bytes(pack_block(g, uw, None, dw, None)))
     assert v["up_scales"] is None and v["down_scales"] is None
     assert torch.equal(_u8(v["up_values"]), _u8(uw)) and v["up_values"].dtype == uw.dtype
     for grp in range(I // 16):
@@ -141,43 +145,43 @@ def test_views_fp8_bf16(kind):
 
 
 def test_pack_rejects_wrong_shapes():
-    g = st.block_geometry("nvfp4", 64, 48)
+    g = ExpertGeometry(64, 48, "nvfp4")
     uw, us, ug, dw, ds, dg = _expert("nvfp4", 64, 48)
     with pytest.raises(ValueError, match="down_weight"):
-        st.pack_block(g, uw, us, dw[:, :-1], ds)
+        pack_block(g, uw, us, dw[:, :-1], ds)
     with pytest.raises(ValueError, match="up_scale: missing"):
-        st.pack_block(g, uw, None, dw, ds)
+        pack_block(g, uw, None, dw, ds)
 
 
 # ------------------------------------------------------------------------------------------ the reader
 def _write_store(d, kind="nvfp4", n_moe=2, E=3, L=32, I=48, config_hash="abc123"):
-    g = st.block_geometry(kind, L, I)
+    g = ExpertGeometry(L, I, kind)
     offsets = np.zeros((n_moe, E), np.int64)
     crcs = np.zeros((n_moe, E), np.uint32)
     ug = np.ones((n_moe, E), np.float32)
     dg = np.ones((n_moe, E), np.float32)
     experts = {}
-    with open(d / st.EXPERTS_NAME, "wb") as f:
+    with open(d / EXPERTS_NAME, "wb") as f:
         for j in range(n_moe):
             for e in range(E):
                 t = _expert(kind, L, I, seed=10 * j + e)
                 experts[j, e] = t
-                b = st.pack_block(g, t[0], t[1], t[3], t[4])
+                b = pack_block(g, t[0], t[1], t[3], t[4])
                 offsets[j, e] = f.tell()
                 crcs[j, e] = zlib.crc32(b.tobytes())
                 if kind != "bf16":
                     ug[j, e], dg[j, e] = float(t[2]), float(t[5])
                 f.write(b.tobytes() + bytes(g.block_stride - g.block_bytes))
-    manifest = {"format": st.FORMAT_NAME, "format_version": st.FORMAT_VERSION, "state": "complete",
+    manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "state": "complete",
                 "config_hash": config_hash, "geometry": g.to_dict(), "moe_layers": [1, 3][:n_moe],
-                "n_experts": E, "experts_file": st.EXPERTS_NAME}
-    st.write_manifest(d, manifest, {"offsets": offsets, "checksums": crcs, "up_global": ug, "down_global": dg})
+                "n_experts": E, "experts_file": EXPERTS_NAME}
+    write_manifest(d, manifest, {"offsets": offsets, "checksums": crcs, "up_global": ug, "down_global": dg})
     return experts
 
 
 def test_store_open_and_read(tmp_path):
     experts = _write_store(tmp_path)
-    s = st.ExpertStore.open(tmp_path, expected_config_hash="abc123")
+    s = ExpertStore.open(tmp_path, expected_config_hash="abc123")
     assert (s.block_bytes, s.block_stride, s.n_experts, s.moe_layers) == (1888, 4096, 3, [1, 3])
     assert s.offsets.dtype == np.int64 and s.checksums.dtype == np.uint32 and s.up_global.dtype == np.float32
     assert s.offsets[1, 2] == 5 * 4096 and s.moe_index[3] == 1
@@ -191,50 +195,50 @@ def test_store_open_and_read(tmp_path):
 
 def test_store_other_model_is_refused(tmp_path):
     _write_store(tmp_path)
-    with pytest.raises(st.StoreError) as ei:
-        st.ExpertStore.open(tmp_path, expected_config_hash="ffff0000")
+    with pytest.raises(StoreError) as ei:
+        ExpertStore.open(tmp_path, expected_config_hash="ffff0000")
     msg = str(ei.value)
     assert str(tmp_path) in msg and "abc123" in msg and "ffff0000" in msg
 
 
 def test_store_other_format_version_is_refused(tmp_path):
     _write_store(tmp_path)
-    p = tmp_path / st.MANIFEST_NAME
+    p = tmp_path / MANIFEST_NAME
     m = json.loads(p.read_text())
-    m["format_version"] = st.FORMAT_VERSION + 1
+    m["format_version"] = FORMAT_VERSION + 1
     p.write_text(json.dumps(m))
-    with pytest.raises(st.StoreError, match="format version"):
-        st.ExpertStore.open(tmp_path)
+    with pytest.raises(StoreError, match="format version"):
+        ExpertStore.open(tmp_path)
 
 
 def test_store_truncated_file_names_the_first_missing_block(tmp_path):
     _write_store(tmp_path)
-    os.truncate(tmp_path / st.EXPERTS_NAME, 4 * 4096 + 100)
-    with pytest.raises(st.StoreError, match=r"truncated.*moe layer 1 = model layer 3, expert 1"):
-        st.ExpertStore.open(tmp_path)
+    os.truncate(tmp_path / EXPERTS_NAME, 4 * 4096 + 100)
+    with pytest.raises(StoreError, match=r"truncated.*moe layer 1 = model layer 3, expert 1"):
+        ExpertStore.open(tmp_path)
 
 
 def test_store_checksum_mismatch_names_the_block(tmp_path):
     _write_store(tmp_path)
-    s = st.ExpertStore.open(tmp_path)
+    s = ExpertStore.open(tmp_path)
     with open(s.experts_path, "r+b") as f:
         f.seek(int(s.offsets[1, 2]) + 777)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(st.StoreError, match=r"checksum mismatch in block \(moe layer 1 = model layer 3, expert 2\)"):
+    with pytest.raises(StoreError, match=r"checksum mismatch in block \(moe layer 1 = model layer 3, expert 2\)"):
         s.read_block(1, 2)
     s.read_block(1, 1)
 
 
 def test_store_incomplete_and_foreign_sidecar(tmp_path):
-    (tmp_path / st.JOURNAL_NAME).write_text("{}\n")
-    with pytest.raises(st.StoreError, match="incomplete store"):
-        st.ExpertStore.open(tmp_path)
+    (tmp_path / JOURNAL_NAME).write_text("{}\n")
+    with pytest.raises(StoreError, match="incomplete store"):
+        ExpertStore.open(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     _write_store(a, E=3)
     _write_store(b, E=4)
-    os.replace(b / st.BLOCKS_NAME, a / st.BLOCKS_NAME)
-    with pytest.raises(st.StoreError, match="crc32"):
-        st.ExpertStore.open(a)
+    os.replace(b / BLOCKS_NAME, a / BLOCKS_NAME)
+    with pytest.raises(StoreError, match="crc32"):
+        ExpertStore.open(a)

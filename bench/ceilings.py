@@ -1,0 +1,95 @@
+"""Ceilings measured the way the pipeline moves bytes, and the rule that keeps floors honest.
+
+A floor is bytes that must move ÷ a ceiling. The ceiling must be measured the way the pipeline moves them —
+the same reader processes, queue depth and block size for the disk; the same chunking for the bus — or the
+pipeline can beat its own "floor" (a ratio below 1: the floor is wrong, never a result).
+
+  pipeline_disk_gbps : the cache's own IO worker processes read a cold set of whole blocks, every one
+                       requested at once (the deepest queue the pipeline ever has), best of `repeats`
+                       disjoint sets; the virtual disk of the GPU machine varies 1.0-2.0 GB/s run to run
+  h2d_gbps           : pinned host -> device copies, one large buffer and block-sized chunks; the larger
+  checked_ratio      : measured / floor, or a FloorError when it falls below 0.97
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+MIN_RATIO = 0.97
+
+
+class FloorError(ValueError):
+    """The measured time beat its floor: the ceiling under it was measured wrong."""
+
+
+def checked_ratio(measured, floor, what: str) -> float:
+    if not floor or floor != floor:
+        raise FloorError(f"{what}: no floor (ceiling not measured)")
+    r = measured / floor
+    if r < MIN_RATIO:
+        raise FloorError(f"{what}: measured {measured:.4g} is {r:.2f}x its floor {floor:.4g}: the floor is wrong "
+                         f"(its ceiling was not measured the way the pipeline moves the bytes)")
+    return r
+
+
+def ratio_or_note(measured, floor, what: str) -> tuple[float | None, str | None]:
+    """For tables: (ratio, None), or (None, why the floor is wrong)."""
+    try:
+        return checked_ratio(measured, floor, what), None
+    except FloorError as e:
+        return None, str(e)
+
+
+def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repeats: int = 3,
+                       seed: int = 0, **supervisor_kw) -> dict:
+    """Cold reads of whole expert blocks through the cache's reader processes.
+
+    Each repeat starts a cache of exactly `blocks_per_set` slots (so nothing is cached from before), asks for
+    a fresh random set of blocks in one request per layer and waits for all of them."""
+    from gpu_worker.cache_supervisor import Supervisor   # noqa: the compute process owns the cache processes
+    rng = np.random.default_rng(seed)
+    layers = list(range(len(store.moe_layers)))
+    all_blocks = [(j, e) for j in layers for e in range(store.n_experts)]
+    order = rng.permutation(len(all_blocks))
+    n = min(blocks_per_set, len(all_blocks) // max(repeats, 1))
+    runs = []
+    for r in range(repeats):
+        chosen = [all_blocks[i] for i in order[r * n:(r + 1) * n]]
+        by_layer: dict[int, list[int]] = {}
+        for j, e in chosen:
+            by_layer.setdefault(j, []).append(e)
+        with Supervisor(store, n_slots=n, n_workers=io_workers, **supervisor_kw) as sup:
+            sup.start()
+            c = sup.client()
+            b0 = c.stats()["io_bytes_read"]
+            t = time.perf_counter()
+            for j, ex in by_layer.items():
+                c.request(j, ex, guess=())
+            for j, ex in by_layer.items():
+                for _, s in c.wait_any(j, ex, timeout=600):
+                    c.release([s])
+            dt = time.perf_counter() - t
+            runs.append((c.stats()["io_bytes_read"] - b0) / dt / 1e9)
+    return {"gbps": max(runs), "runs_gbps": runs, "blocks_per_set": n, "io_workers": io_workers}
+
+
+def h2d_gbps(device, chunk_bytes: int, total_bytes: int = 1 << 30) -> dict:
+    """Pinned host -> device: one large copy, and the same bytes as block-sized copies back to back."""
+    import torch
+    host = torch.empty(total_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(total_bytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, step in (("one_buffer", total_bytes), ("chunks", chunk_bytes)):
+        for rep in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(3):
+                for o in range(0, total_bytes - step + 1, step):
+                    dev[o:o + step].copy_(host[o:o + step], non_blocking=True)
+            torch.cuda.synchronize()
+            moved = 3 * (total_bytes // step) * step
+            out[name] = max(out.get(name, 0.0), moved / (time.perf_counter() - t) / 1e9)
+    out["gbps"] = max(out["one_buffer"], out["chunks"])
+    out["chunk_bytes"] = chunk_bytes
+    return out

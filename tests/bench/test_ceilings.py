@@ -1,0 +1,40 @@
+"""The floors' rule (a ratio below 0.97 is a wrong floor, never a result), the pipeline's own disk ceiling
+and the projection's arithmetic."""
+import pytest
+
+from bench.ceilings import FloorError, checked_ratio, pipeline_disk_gbps, ratio_or_note
+from bench.projection import RTX5060, project
+
+
+def test_a_ratio_below_its_floor_is_refused():
+    assert checked_ratio(1.10, 1.0, "disk") == pytest.approx(1.10)
+    assert checked_ratio(0.98, 1.0, "disk") == pytest.approx(0.98)
+    with pytest.raises(FloorError, match="the floor is wrong"):       # the must-fail twin: 0.80, as run 8 printed
+        checked_ratio(0.80, 1.0, "disk")
+    r, why = ratio_or_note(0.8, 1.0, "prefill")
+    assert r is None and "prefill" in why
+
+
+def test_pipeline_disk_ceiling_reads_each_block_once(synth, tmp_path):
+    from expert_store.reader import ExpertStore
+    from expert_store.writer import repack
+    store_dir = tmp_path / "store"
+    repack(synth("tiny", "nvfp4"), store_dir, progress=False)
+    store = ExpertStore.open(store_dir)
+    r = pipeline_disk_gbps(store, io_workers=2, blocks_per_set=12, repeats=2)
+    assert r["blocks_per_set"] == 12 and len(r["runs_gbps"]) == 2
+    assert r["gbps"] == max(r["runs_gbps"]) > 0
+
+
+def test_projection_scales_memory_and_instruction_bound_parts():
+    m = dict(dense_ms=2.0, dense_bytes=0.9e9, dense_hbm_fraction=0.17, pcie_bytes=0.46e9, pcie_fraction=0.8,
+             disk_bytes=0.07e9, disk_fraction=0.9, host_ms=0.3)
+    p = project(m, layers_scale=5.0)
+    # instruction-bound dense part: x (132 * 1.98) / (30 * 2.5) per layer, x5 layers
+    assert p["ms"]["dense"] == pytest.approx(2.0 * 132 * 1.98 / (30 * 2.5) * 5)
+    assert p["ms"]["bus"] == pytest.approx(0.46e9 * 5 / (26e9 * 0.8) * 1e3)
+    assert p["ms"]["disk"] == pytest.approx(0.07e9 * 5 / (6e9 * 0.9) * 1e3)
+    assert p["tps_serial"] < p["tps_overlapped"]
+    m["dense_hbm_fraction"] = 0.8                    # memory-bound: bytes at the target's bandwidth instead
+    q = project(m, layers_scale=5.0)
+    assert q["ms"]["dense"] == pytest.approx(0.9e9 / (RTX5060.hbm_gbps * 1e9 * 0.8) * 1e3 * 5)
