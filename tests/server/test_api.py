@@ -337,8 +337,10 @@ def test_concurrent_clients_are_served_in_order(server, model):
     done, lock = [], threading.Lock()
 
     def one(i):
-        r = post(server, "/v1/completions", {"model": model, "prompt": f"client {i}", "ignore_eos": True,
-                                             "max_tokens": 100 if i == 0 else 4})
+        # the first runs as long as the context allows, so that the others queue behind it (100 tokens took
+        # 0.55 s here with the device sampler, about as long as the seven arrivals' /metrics polls)
+        r = post(server, "/v1/completions", {"model": model, "prompt": [20] * 4 if i == 0 else f"client {i}",
+                                             "ignore_eos": True, "max_tokens": MAX_LEN - 4 if i == 0 else 4})
         with lock:
             done.append((i, r.status_code))
 
