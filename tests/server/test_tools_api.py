@@ -164,6 +164,25 @@ def test_json_schema_response_validates(client, model):
     assert not validates(r.choices[0].message.content, WEATHER)
 
 
+def test_json_object_is_a_json_object_whenever_the_answer_ends(client, model):
+    """An object's keys are free strings, which this random-weight model rarely closes: a seeded answer that
+    stops is a JSON object, one cut by max_tokens a prefix of one."""
+    ended = 0
+    for seed in range(4):
+        ch = client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                            seed=seed, max_tokens=LONG).choices[0]
+        text = ch.message.content
+        assert text.lstrip(" \t\n\r").startswith("{"), text
+        if ch.finish_reason == "stop":
+            ended += 1
+            assert isinstance(json.loads(text), dict), text
+    assert ended >= 1
+    # must-fail twin: without the response_format the answer is not JSON
+    r = client.chat.completions.create(model=model, messages=ASK, seed=0, max_tokens=40)
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
 def test_bad_schema_and_refused_fields_are_400s(server, model):
     cases = [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
@@ -255,6 +274,10 @@ def test_simonw_llm_schema(server, model, tmp_path, monkeypatch):
     import llm
     m = llm.get_model("moestream")
     assert validates(m.prompt("The weather in Paris?", schema=WEATHER, seed=9, max_tokens=LONG).text(), WEATHER)
+    # `llm -o json_object 1`: an object (or, cut by max_tokens, the start of one)
+    texts = [m.prompt("The weather in Paris?", json_object=True, seed=s, max_tokens=LONG).text() for s in range(3)]
+    assert all(t.lstrip(" \t\n\r").startswith("{") for t in texts), texts
+    assert any(validates(t, {"type": "object"}) for t in texts), texts
 
 
 def _requests_total(server, finish: str) -> float:
