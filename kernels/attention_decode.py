@@ -8,11 +8,11 @@ softmax); experiment 1 measured the IEEE fp32 dot at 5 % of HBM.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels import backend
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def attention_decode(q, k_cache, v_cache, scale: float, n_split: int | None = No
     rep = nq // nkv
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.is_contiguous()
     if bf16_dot is None:
-        bf16_dot = k_cache.is_cuda and k_cache.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+        bf16_dot = k_cache.is_cuda and k_cache.dtype == torch.bfloat16 and not backend.interpreted()
     if n_split is None:
         n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         n_split = max(1, min(triton.cdiv(S, block_s), 4 * n_sm // nkv))

@@ -1,24 +1,20 @@
 """Dense NVFP4 and FP8 linears: y = x @ W.T with W in its checkpoint precision, x [..., in] bf16/fp32.
 
-Decode shape (1-8 rows): `_nvfp4_gemv_kernel`, several inner loops (LOAD_MODE) measured side by side in
-bench/NOTES.md. Common to all: e2m1 -> fp16 is bit moves on the 4-bit code, (c&7)<<9 | (c&8)<<12 holds
-e2m1 * 2^-14 exactly (e2m1's 0.5 lands on fp16's subnormal 2^-15), and the products and sums run on the
-tensor cores with x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24).
-  0  bytes + interleave, x laid block-diagonally (one column per x row x 16-group): the e4m3 scale multiplies
-     one number per group after the dot;
-  1  as 0, each element loading its own byte (slow: 8x the load instructions);
-  2  as 0 through tl.dot_scaled(e2m1) (Triton's own upcast; 2x slower on Hopper);
-  3  as 0 without the interleave: low and high nibbles in two dots against x's even and odd elements
-     (default for one row: 59 us at 18,560 x 4,096 on an H200, 17 % of HBM);
-  4  scales applied to the decoded tile in fp16 (exact: <= 6 significant bits on a 2^-17 grid) and x.T as a
-     plain 16-column B, so BLOCK_K does not shrink with M (default for 2-8 rows);
-  5  experimental: weights as e4m3 (1 byte per value into the tensor cores), x split per tile into three
-     e4m3 parts; as written the split is redone by every program and costs 10x (see NOTES).
-All modes measured at 1.1-1.3 T weights/s: the limit is Triton's lowering of the 8/16-bit decode (one value
-per 32-bit register: ~1,000 integer instructions per loop body against ~200 for FP8) and too few resident
-warps, not the arithmetic that the modes vary. Next step in NOTES.md.
-Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel`, the mode-4 tile (e2m1 * scale exact in fp16) and a
-plain tensor-core GEMM.
+Decode shape (1-8 rows): `_nvfp4_gemv_kernel`. The weight tile is read as int16 (4 e2m1 codes each) and
+decoded per code position J by inline PTX, 4 instructions per two weights: two int16 share a 32-bit register,
+so code J of both lies 16 bits apart and one shift serves both fp16 lanes; (c&7)<<9 | (c&8)<<12 holds
+e2m1 * 2^-14 exactly. Products and sums run on the tensor cores (fp32 accumulation) against B_J = x at
+k = 4i + J, x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24), prepared once per call by
+`_x_operands_kernel` (or gathered per tile, X_INLINE). Two ways to apply the e4m3 scales (LOAD_MODE):
+  8  B_J block-diagonal (one column per x row x 16-group): each scale multiplies one fp32 number per group after
+     the dot; up to 4 rows of x. Default at M = 1-2: in_proj 18,560 x 4,096 24.8 us (41 % of HBM; the per-nibble
+     decode it replaces: 58.4 us), the 131,072-row lm_head size 102 us (71 %);
+  9  scales on the decoded tile (e2m1 * scale is exact in fp16), B_J plain: any M <= 8; default at M = 3-8.
+The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 operand) are in
+bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
+Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
+Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
+and `_fp8_gemm_kernel`.
 
 Twins: `nvfp4_linear_torch`, `fp8_linear_torch` (decode via kernels.nvfp4, then a matmul in fp32).
 """
@@ -28,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import backend
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
 _X_PRESCALE = tl.constexpr(1.0 / 256.0)        # x * 2^-8 before the fp16 cast
@@ -41,68 +38,125 @@ def _e2m1_to_fp16(codes):
     return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
 
 
-@triton.jit
-def _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, row_bytes, row_scales, o_n, m_n, k_lo, k_hi,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr):
-    """Σ_k x[m, k] · code[n, k] · scale[n, k/16] over k in [k_lo, k_hi), for M <= M_PAD rows of x.
+# code J of both int16 halves of $1 -> fp16 pair e2m1 · 2^-14: magnitude (r << 9-4J) & 0x0E000E00, sign
+# (r << 12-4J) & 0x80008000, merged by lop3 (a | (b & c) = 0xF8)
+_QUAD_ASM0 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 9; shl.b32 b, $1, 12; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM1 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 5; shl.b32 b, $1, 8; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM2 = tl.constexpr("{.reg .b32 a, b; shl.b32 a, $1, 1; shl.b32 b, $1, 4; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, b, 0x80008000, 0xF8;}")
+_QUAD_ASM3 = tl.constexpr("{.reg .b32 a; shr.u32 a, $1, 3; and.b32 a, a, 0x0E000E00; "
+                          "lop3.b32 $0, a, $1, 0x80008000, 0xF8;}")
 
-    w_ptr / s_ptr: U8 pointers to row-major values [*, row_bytes] and e4m3 scales [*, row_scales].
-    LOAD_MODE 0: byte loads + interleave; 1: each element loads its byte; 2: tl.dot_scaled (x as bf16);
-    3: no interleave, low and high nibbles in two dots against x's even and odd elements.
-    (4 is `_gemv_rows_scaled`.)
-    Returns fp32 [BLOCK_N, M_PAD], still times 2^-22 (see _UNDO_DECODE), global scale not applied.
-    """
-    G: tl.constexpr = BLOCK_K // 16
-    NCOL: tl.constexpr = M_PAD * G
-    o_c = tl.arange(0, NCOL)
-    c_m = o_c // G                      # column c of B holds row c_m of x restricted to group c_g
-    c_g = o_c % G
-    o_kk = tl.arange(0, BLOCK_K)
-    K = row_bytes * 2
-    b_acc = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
+
+@triton.jit
+def _e2m1_quad(h, J: tl.constexpr, USE_ASM: tl.constexpr):
+    """Code J (0-3) of each int16 (4 codes, low nibble first) -> fp16 equal to e2m1 · 2^-14 exactly.
+
+    As inline PTX two int16 share a 32-bit register, so code J of both sits 16 bits apart and one shift per
+    field serves both lanes: (r << 9-4J) & 0x0E000E00 is the magnitude, (r << 12-4J) & 0x80008000 the sign.
+    Interpreter: the same bit moves through `_e2m1_to_fp16`."""
+    if USE_ASM:
+        if J == 0:
+            v = tl.inline_asm_elementwise(_QUAD_ASM0, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 1:
+            v = tl.inline_asm_elementwise(_QUAD_ASM1, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 2:
+            v = tl.inline_asm_elementwise(_QUAD_ASM2, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            v = tl.inline_asm_elementwise(_QUAD_ASM3, "=r,r", [h], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        v = _e2m1_to_fp16(((h >> (4 * J)) & 15).to(tl.uint8))
+    return v
+
+
+@triton.jit
+def _b_operand(p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr):
+    """B_J of one tile: from the prepared operands, or gathered from x (fp16, times 2^-8)."""
+    if X_INLINE:
+        v = (tl.load(p_b + J, mask=keep, other=0.0).to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    else:
+        v = tl.load(p_b + J * row_q * 16, mask=keep, other=0.0)
+    return v
+
+
+@triton.jit
+def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
+                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0):
+    """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
+    into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
+    prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
+    SCALE_AFTER: B_J block-diagonal (column m·G + g holds x row m restricted to 16-group g of the tile, G = 16 /
+    M_PAD), so the fp32 product holds one sum per (row, x row, group) and each e4m3 scale multiplies it once.
+    Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
+    X_INLINE: xb_ptr is x itself [M, K] and each tile's B_J is gathered here with `_x_operands_kernel`'s masks
+    (no second launch: for short weights the launch costs more than the gather).
+    row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
+    divisibility-by-16 specialisation reaches them: 16-byte weight and 2-byte scale loads instead of 8 and 1.
+    Returns fp32 [BLOCK_N, M_PAD] times 2^-22 (SCALE_AFTER) or 2^-15."""
+    Q: tl.constexpr = BLOCK_K // 4
+    G: tl.constexpr = 16 // M_PAD if SCALE_AFTER else BLOCK_K // 16
+    o_i = tl.arange(0, Q)
+    o_c = tl.arange(0, 16)
+    GC: tl.constexpr = 16 // M_PAD
+    c_row = o_c // GC
+    w16 = w_ptr.to(tl.pointer_type(tl.int16))
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        o_k = k0 + o_kk
-        if LOAD_MODE == 3:
-            # no interleave: even codes (low nibbles) and odd codes (high) in two dots with x's even/odd rows
-            o_j = tl.arange(0, BLOCK_K // 2)
-            o_b = k0 // 2 + o_j
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                          mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-            k_e = k0 + 2 * o_j
-            m_e = (c_m[None, :] < M) & ((o_j[:, None] // 8) == c_g[None, :]) & (k_e[:, None] < K)
-            x_e = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None], mask=m_e, other=0.0)
-            x_o = tl.load(x_ptr + c_m[None, :] * stride_xm + k_e[:, None] + 1, mask=m_e, other=0.0)
-            x_e = (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            x_o = (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            b_r = tl.dot(_e2m1_to_fp16(b_w & 15), x_e)
-            b_r = tl.dot(_e2m1_to_fp16(b_w >> 4), x_o, b_r)
-        elif LOAD_MODE != 1:
-            # one byte per two codes, then interleave: element 2j = low nibble, 2j+1 = high nibble
-            o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + o_b[None, :],
-                          mask=m_n[:, None] & (o_b[None, :] < row_bytes), other=0)
-            codes = tl.join(b_w & 15, b_w >> 4).reshape(BLOCK_N, BLOCK_K)
+        o_q = k0 // 4 + o_i
+        m_q = o_q < row_q
+        b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
+        if X_INLINE:
+            if SCALE_AFTER:
+                keep = (c_row[None, :] < M) & (((o_q[:, None] // 4) % GC) == (o_c % GC)[None, :]) & m_q[:, None]
+            else:
+                keep = (c_row[None, :] < M) & ((o_c % GC) == 0)[None, :] & m_q[:, None]
+            p_b = xb_ptr + c_row[None, :] * stride_xm + 4 * o_q[:, None]
         else:
-            # each element loads its own byte (cached) and shifts: an elementwise chain, no reshape
-            b_w = tl.load(w_ptr + o_n[:, None] * row_bytes + (o_k // 2)[None, :],
-                          mask=m_n[:, None] & (o_k[None, :] < K), other=0)
-            codes = (b_w >> ((o_k & 1) * 4).to(tl.uint8)[None, :]) & 15
-        if LOAD_MODE != 3:
-            m_b = (c_m[None, :] < M) & ((o_kk[:, None] // 16) == c_g[None, :]) & (o_k[:, None] < K)
-            b_x = tl.load(x_ptr + c_m[None, :] * stride_xm + o_k[:, None], mask=m_b, other=0.0)
-        if LOAD_MODE == 3:
-            pass
-        elif LOAD_MODE == 2:
-            # Triton's own e2m1 operand path (upcast to bf16 inside dot_scaled); x as bf16, no prescale
-            b_r = tl.dot_scaled(b_w, None, "e2m1", b_x.to(tl.bfloat16), None, "bf16") * (1.0 / _UNDO_DECODE)
+            keep = m_q[:, None]
+            p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
+        if SCALE_AFTER:
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_operand(p_b, keep, 0, row_q, X_INLINE))
+            for J in tl.static_range(1, 4):
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_operand(p_b, keep, J, row_q, X_INLINE), b_r)
+            o_gs = k0 // 16 + (o_c % G)
+            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
+                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
+            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-            b_r = tl.dot(_e2m1_to_fp16(codes), b_x)              # [BLOCK_N, NCOL]: per (row, x row, group)
-        o_g = k0 // 16 + c_g
-        b_s = tl.load(s_ptr + o_n[:, None] * row_scales + o_g[None, :],
-                      mask=m_n[:, None] & (o_g[None, :] < row_scales), other=0)
-        b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, G), axis=2)
+            o_g = k0 // 16 + tl.arange(0, G)
+            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < row_s),
+                          other=0)
+            b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
+            b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
+            for J in tl.static_range(0, 4):
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, _b_operand(p_b, keep, J, row_q, X_INLINE), b_acc)
+    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
+
+
+@triton.jit
+def _x_operands_kernel(x_ptr, xb_ptr, M, K, stride_xm, M_PAD: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """x [M, K] -> B_J [4, K/4, 16] fp16 (x · 2^-8) for `_gemv_rows_quad`: B_J[i, c] = x[m, 4i + J] where column c
+    belongs to x row m (c // G = m, G = 16 / M_PAD) and, with SCALE_AFTER, to 16-group c % G = (i / 4) mod G of
+    its tile (block-diagonal), without it only c % G = 0; else 0."""
+    pid = tl.program_id(0)
+    G: tl.constexpr = 16 // M_PAD
+    o_i = pid * BLOCK + tl.arange(0, BLOCK)
+    o_c = tl.arange(0, 16)
+    m_i = o_i < K // 4
+    if SCALE_AFTER:
+        row = o_c // G
+        keep = (row[None, :] < M) & (((o_i[:, None] // 4) % G) == (o_c % G)[None, :])
+    else:   # row m in column m · 16/M_PAD (the others zero), as mode 4 lays out its B
+        row = o_c // G
+        keep = (row[None, :] < M) & ((o_c % G) == 0)[None, :] & (o_i[:, None] >= 0)
+    for J in tl.static_range(4):
+        v = tl.load(x_ptr + row[None, :] * stride_xm + 4 * o_i[:, None] + J, mask=keep & m_i[:, None], other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        tl.store(xb_ptr + J * (K // 4) * 16 + o_i[:, None] * 16 + o_c[None, :], v, mask=m_i[:, None])
 
 
 @triton.jit
@@ -131,91 +185,14 @@ def _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT: tl.constexpr, BL
 
 
 @triton.jit
-def _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi,
-                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """LOAD_MODE 4: scales applied to the decoded tile (exact in fp16), x.T as a plain B of 16 columns
-    (row m of x in column m · 16/M_PAD). Same contract and 2^-22 factor as `_gemv_rows`."""
-    SPREAD: tl.constexpr = 16 // M_PAD
-    o_c = tl.arange(0, 16)
-    c_row = o_c // SPREAD
-    m_c = ((o_c % SPREAD) == 0) & (c_row < M)
-    o_j = tl.arange(0, BLOCK_K // 2)
-    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        a_lo, a_hi = _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, 0, 0, BLOCK_K)
-        k_e = k0 + 2 * o_j
-        m_x = m_c[None, :] & (k_e[:, None] < K)
-        x_e = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None], mask=m_x, other=0.0)
-        x_o = tl.load(x_ptr + c_row[None, :] * stride_xm + k_e[:, None] + 1, mask=m_x, other=0.0)
-        b_acc = tl.dot(a_lo, (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-        b_acc = tl.dot(a_hi, (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
-    return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, SPREAD), axis=2) * (1.0 / 128.0)
-
-
-@triton.jit
-def _to_e4m3_value(v):
-    """v (|v| <= 448) rounded to an e4m3 value, as fp32: 4 significant bits, grid 2^-9 at the bottom.
-
-    Rounded by hand, then through the hardware cast, which is then exact (the interpreter's fp32 -> e4m3
-    cast is wrong when rounding carries into the exponent: -7.9989 -> -4).
-    """
-    q = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))) - 3.0, -9.0))
-    return (tl.floor(v / q + 0.5) * q).to(tl.float8e4nv).to(tl.float32)
-
-
-@triton.jit
-def _gemv_rows_fp8tc(x_ptr, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """LOAD_MODE 5 (one row of x): the weights enter the tensor cores as e4m3, 1 byte per value instead of 2.
-
-    e2m1 -> e4m3 is again bit moves: (c&7)<<2 | (c&8)<<4 is e2m1 · 2^-6 exactly (e4m3's subnormals cover 0.5).
-    x cannot be one e4m3 (4 significant bits), so each tile of x is scaled to |x·S| <= 240 and split into three
-    e4m3 parts, x·S = p0 + p1/16 + p2/256 (about 12 bits), laid block-diagonally: column (part, group).
-    Same contract and 2^-22 factor as `_gemv_rows`.
-    """
-    G: tl.constexpr = BLOCK_K // 16
-    NCOL: tl.constexpr = 4 * G
-    o_c = tl.arange(0, NCOL)
-    c_p = o_c // G                      # which part of x (3 = unused, zero)
-    c_g = o_c % G
-    fac = tl.where(c_p == 0, 1.0, tl.where(c_p == 1, 1.0 / 16.0, tl.where(c_p == 2, 1.0 / 256.0, 0.0)))
-    o_j = tl.arange(0, BLOCK_K // 2)
-    b_acc = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kb = k0 // 2 + o_j
-        b_w = tl.load(w_ptr + o_n[:, None] * (K // 2) + kb[None, :], mask=m_n[:, None] & (kb[None, :] < K // 2), other=0)
-        a_lo = (((b_w & 7) << 2) | ((b_w & 8) << 4)).to(tl.float8e4nv, bitcast=True)
-        a_hi = ((((b_w >> 4) & 7) << 2) | ((b_w >> 4) & 8) << 4).to(tl.float8e4nv, bitcast=True)
-        k_e = k0 + 2 * o_j
-        x_e = tl.load(x_ptr + k_e, mask=k_e < K, other=0.0).to(tl.float32)
-        x_o = tl.load(x_ptr + k_e + 1, mask=k_e < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x_e), axis=0), tl.max(tl.abs(x_o), axis=0))
-        sx = tl.where(amax > 0, 240.0 / amax, 1.0)
-        b_r = tl.zeros([BLOCK_N, NCOL], dtype=tl.float32)
-        for half in tl.static_range(2):
-            v = (x_e if half == 0 else x_o) * sx
-            p0 = _to_e4m3_value(v)
-            r1 = (v - p0) * 16.0
-            p1 = _to_e4m3_value(r1)
-            p2 = _to_e4m3_value((r1 - p1) * 16.0)
-            part = tl.where(c_p[None, :] == 0, p0[:, None], tl.where(c_p[None, :] == 1, p1[:, None], p2[:, None]))
-            b_x = tl.where(((o_j[:, None] // 8) == c_g[None, :]) & (c_p[None, :] < 3), part, 0.0).to(tl.float8e4nv)
-            b_r = tl.dot(a_lo if half == 0 else a_hi, b_x, b_r)
-        o_g = k0 // 16 + c_g
-        b_s = tl.load(s_ptr + o_n[:, None] * (K // 16) + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < K // 16),
-                      other=0)
-        b_acc += b_r * (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (fac / sx)[None, :])
-    return tl.sum(b_acc, axis=1)[:, None] * (1.0 / 65536.0)   # 2^6 (e4m3 decode) · 2^-22 (contract)
-
-
-@triton.jit
 def _nvfp4_gemv_kernel(
     # tensors
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
     # sizes and strides
-    M, N, K, stride_xm, stride_ym,
+    M, N, K, stride_xm, stride_ym, row_q, row_s,
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    LOAD_MODE: tl.constexpr,
+    LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -224,14 +201,10 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if LOAD_MODE == 5:
-        b_y = _gemv_rows_fp8tc(x_ptr, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, BLOCK_N, BLOCK_K)
-    elif LOAD_MODE == 4:
-        b_y = _gemv_rows_scaled(x_ptr, stride_xm, M, w_ptr, s_ptr, K, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K)
-    else:
-        b_y = _gemv_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, K // 2, K // 16, o_n, m_n, k_lo, k_hi,
-                         M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE)
-    b_y = b_y * (tl.load(gs_ptr) * _UNDO_DECODE)
+    # x_ptr: the prepared B operands (x itself with X_INLINE)
+    b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
+    b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_m[None, :] < M)
@@ -307,10 +280,56 @@ def _fp8_gemm_kernel(
     tl.store(y_ptr + o_m[None, :] * stride_ym + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
 
 
+@triton.jit
+def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
+    """x [M, K] -> x.T as fp16 [K, 16] (times 2^-8), column m = x row m, zero beyond M: a plain tensor-core B."""
+    o_k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o_c = tl.arange(0, 16)
+    m_k = o_k < K
+    v = tl.load(x_ptr + o_c[None, :] * stride_xm + o_k[:, None], mask=(o_c[None, :] < M) & m_k[:, None], other=0.0)
+    tl.store(xc_ptr + o_k[:, None] * 16 + o_c[None, :], (v.to(tl.float32) * _X_PRESCALE).to(tl.float16),
+             mask=m_k[:, None])
+
+
+@triton.jit
+def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
+    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, 16)
+    m_n = o_n < N
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_w = tl.load(w_ptr + o_n[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0)
+        b_w = b_w.to(tl.float8e4nv, bitcast=True)
+        if DIRECT:
+            b_w = b_w.to(tl.float16)
+        else:
+            b_w = b_w.to(tl.float32).to(tl.float16)
+        b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
+        b_acc = tl.dot(b_w, b_x, b_acc)
+    b_y = b_acc * (tl.load(scale_ptr) * 256.0)
+    p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
+    m_y = m_n[:, None] & (o_c[None, :] < M)
+    if SPLIT_K == 1:
+        tl.store(p_y, b_y, mask=m_y)
+    else:
+        tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------------------------------
 # wrappers
 
 DECODE_MAX_ROWS = 8
+DECODE_MODES = (8, 9)
 _n_sm_cache: dict = {}
 
 
@@ -324,22 +343,69 @@ def _n_sm(device) -> int:
 
 
 def gemv_config(M: int, N: int, K: int, device) -> dict:
-    """Block shape for the decode kernel: enough programs to fill the chip, split K when N is short."""
+    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2)."""
     m_pad = triton.next_power_of_2(max(M, 1))
-    # experiment 2 (H200): mode 3 best at M = 1 (58.7 us vs 64 for mode 0 at 18,560 x 4,096); modes 0-3 shrink
-    # BLOCK_K as M grows (B is block-diagonal), mode 4 keeps 256 for any M <= 16
-    mode = 3 if m_pad == 1 else 4
-    block_k = 256
     n_sm = _n_sm(device)
-    # measured (H200, experiment 1): BLOCK_N 64 beat 32 and 128; short N is better split along K than
-    # cut into thinner row blocks (4096 x 4096: 15.5 us with BLOCK_N 64 + split 4, 29 us with BLOCK_N 16)
-    block_n = 64
+    # M = 1: mode 8 at BLOCK_N 64 won every shape (in_proj 24.8 us vs 28.8 at BLOCK_N 128, 58.4 for mode 3);
+    # M = 2: mode 8 BLOCK_N 128 (28.7 vs 30.5 for mode 9); M = 3-4: mode 9 BLOCK_N 128 (mode 8's K-tile of 64 at
+    # M = 4: 43 us); M = 5-8: mode 9, BLOCK_N 64 with prepared x for the large in_proj (25.4 vs 32.6), BLOCK_N 128
+    # gathering x in the kernel for the others (out_proj 17.8 vs 19.2: the second launch costs more than the gather)
+    if m_pad == 1:
+        cfg = dict(LOAD_MODE=8, BLOCK_N=64)
+    elif m_pad == 2:
+        cfg = dict(LOAD_MODE=8, BLOCK_N=128)
+    elif m_pad == 4:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=128)
+    elif N >= 16384:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=64)
+    else:
+        cfg = dict(LOAD_MODE=9, BLOCK_N=128, X_INLINE=True)
+    block_k = 256 // m_pad if cfg["LOAD_MODE"] == 8 else 256
+    # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     split_k = 1
-    n_blocks = triton.cdiv(N, block_n)
     if n_blocks < 2 * n_sm:
-        split_k = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * block_k)))
-    return dict(M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, LOAD_MODE=mode,
-                num_warps=4, num_stages=3, n_sm=n_sm)
+        split_k = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * 256)))
+    return dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
+
+
+def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
+    """The B operands of LOAD_MODE 8/9 for x2 [M, K]: fp16 [4, K/4, 16] (see `_x_operands_kernel`)."""
+    M, K = x2.shape
+    xb = torch.empty((4, K // 4, 16), dtype=torch.float16, device=x2.device)
+    block = 128
+    _x_operands_kernel[(triton.cdiv(K // 4, block),)](x2, xb, M, K, x2.stride(0), M_PAD=m_pad, SCALE_AFTER=scale_after,
+                                                      BLOCK=block, num_warps=4)
+    return xb
+
+
+def x_columns(x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M <= 16, K] -> fp16 [K, 16], x.T times 2^-8 and zero-padded (`_x_columns_kernel`)."""
+    M, K = x2.shape
+    xc = torch.empty((K, 16), dtype=torch.float16, device=x2.device)
+    block = 256
+    _x_columns_kernel[(triton.cdiv(K, block),)](x2, xc, M, K, x2.stride(0), BLOCK=block, num_warps=4)
+    return xc
+
+
+def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`."""
+    N, K = weight_e4m3.shape
+    M = x2.shape[0]
+    n_sm = _n_sm(x2.device)
+    cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
+        cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
+    if cfg["SPLIT_K"] > 1:
+        y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
+    else:
+        y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x2.device)
+    grid = (n_blocks, cfg["SPLIT_K"])
+    _fp8_gemv_kernel[grid](x_columns(x2), _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
+                           DIRECT=not backend.interpreted(), **cfg)
+    return y
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -370,17 +436,26 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     if M <= DECODE_MAX_ROWS:
         cfg = {**gemv_config(M, N, K, x.device), **(config or {})}
         cfg.pop("n_sm", None)
-        if cfg["LOAD_MODE"] == 5 and M > 1:  # the e4m3 path takes one row of x
-            cfg["LOAD_MODE"] = 4
-        if cfg["LOAD_MODE"] in (0, 1, 2, 3):  # block-diagonal B has M_PAD * BLOCK_K / 16 columns: at least 16
-            cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 256 // cfg["M_PAD"])
+        if cfg["LOAD_MODE"] not in DECODE_MODES:
+            raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
+        cfg.setdefault("USE_ASM", not backend.interpreted())
+        if cfg["LOAD_MODE"] == 8:   # block-diagonal B_J: 16 columns = M_PAD rows x the tile's 16-groups
+            if "BLOCK_K" in (config or {}) and config["BLOCK_K"] != 256 // cfg["M_PAD"]:
+                raise ValueError(f"LOAD_MODE 8 at M_PAD {cfg['M_PAD']} needs BLOCK_K {256 // cfg['M_PAD']}")
+            if cfg["M_PAD"] > 4:
+                raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
+            cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
         split = cfg["SPLIT_K"]
         if split > 1:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
-        _nvfp4_gemv_kernel[grid](x2, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), **cfg)
+        xa = x2
+        if cfg["LOAD_MODE"] in (8, 9) and not cfg.get("X_INLINE", False):
+            xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+        _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
+                                 **cfg)
     else:
         cfg = {**dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **(config or {})}
         y = out if out is not None else torch.empty((M, N), dtype=torch.float32, device=x.device)
@@ -399,6 +474,9 @@ def fp8_linear(x: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype=None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if M <= DECODE_MAX_ROWS and "BLOCK_M" not in (config or {}):
+        y = fp8_gemv(x2, weight_e4m3, scale, out_dtype or x.dtype, config=config, out=out)
+        return (y if y.dtype == (out_dtype or x.dtype) else y.to(out_dtype or x.dtype)).reshape(*lead, N)
     block_m = 16 if M <= 16 else 64
     n_sm = _n_sm(x.device)
     block_n = 128

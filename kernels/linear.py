@@ -1,8 +1,8 @@
 """A Linear's weight in its checkpoint precision, and the op that applies it.
 
 Weights stay quantized in memory; `linear` decodes one weight at the moment it is used (on CUDA the Triton
-GEMV reads the packed bytes directly; on CPU the plain-PyTorch twin dequantizes that one weight). There is
-never a full-precision copy of the whole model.
+GEMV reads the packed bytes directly; on CPU the plain-PyTorch twin dequantizes that one weight; kernels.backend
+decides). There is never a full-precision copy of the whole model.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import backend
+from kernels.gemv_nvfp4 import fp8_linear, nvfp4_linear
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
 FORMATS = ("nvfp4", "fp8", "dense")
@@ -53,23 +55,8 @@ class QuantizedWeight:
 
 def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """y = x @ W.T in x's dtype; W decoded from its stored precision."""
-    if x.is_cuda and w.fmt in ("nvfp4", "fp8"):
-        fast = _cuda_linear(w.fmt)
-        if fast is not None:
-            return fast(x, w)
+    if w.fmt == "nvfp4" and backend.use_triton(x, "gemv_nvfp4"):
+        return nvfp4_linear(x, w.weight, w.weight_scale, w.weight_scale_2)
+    if w.fmt == "fp8" and backend.use_triton(x, "gemv_nvfp4"):
+        return fp8_linear(x, w.weight, w.weight_scale)
     return F.linear(x, w.dequantize(x.dtype))
-
-
-_cuda_impl: dict = {}
-
-
-def _cuda_linear(fmt):
-    """The Triton GEMV for this format, if the kernels module is present."""
-    if fmt not in _cuda_impl:
-        try:
-            from kernels import gemv_nvfp4
-            _cuda_impl["nvfp4"] = lambda x, w: gemv_nvfp4.nvfp4_linear(x, w.weight, w.weight_scale, w.weight_scale_2)
-            _cuda_impl["fp8"] = lambda x, w: gemv_nvfp4.fp8_linear(x, w.weight, w.weight_scale)
-        except (ImportError, AttributeError):
-            _cuda_impl["nvfp4"] = _cuda_impl["fp8"] = None
-    return _cuda_impl.get(fmt)

@@ -1,47 +1,31 @@
-"""One entry point per op the model calls: Triton on CUDA, the plain-PyTorch twin on the CPU.
+"""The routed-expert ops the engine calls, one entry point each: the Triton kernels for NVFP4 blocks given by
+address, the plain-PyTorch twins for blocks given as tensors (and for FP8/BF16 experts).
 
 Routed experts are passed as `blocks`: on CUDA an int64 tensor [k] of block base addresses (VRAM, or the
 slab registered with cudaHostRegister; see `block_addresses`), on the CPU a list of U8 tensors, one block each.
+The caller's choice of form follows kernels.backend (addresses only where the kernels run).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.expert_block import ExpertGeometry
+from kernels.expert_layer import expert_layer
 from kernels.expert_prefill import expert_prefill as _expert_prefill_triton
 from kernels.expert_prefill import expert_prefill_torch
-from kernels.expert_up import expert_up, expert_up_torch
-from kernels.gemv_nvfp4 import fp8_linear, fp8_linear_torch, nvfp4_linear, nvfp4_linear_torch
-from kernels.relu2_mask import relu2_group_mask, relu2_group_mask_torch
+from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch
 from kernels.sparse_down import sparse_down, sparse_down_torch
 
-__all__ = ["linear_nvfp4", "linear_fp8", "expert_decode", "expert_decode_torch", "expert_prefill",
-           "relu2_mask", "block_addresses"]
-
-
-def _triton_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
-def linear_nvfp4(x, weight_u8, weight_scale_e4m3, global_scale):
-    if _triton_ok(x):
-        return nvfp4_linear(x, weight_u8, weight_scale_e4m3, global_scale)
-    return nvfp4_linear_torch(x, weight_u8, weight_scale_e4m3, global_scale)
-
-
-def linear_fp8(x, weight_e4m3, scale):
-    if _triton_ok(x):
-        return fp8_linear(x, weight_e4m3, scale)
-    return fp8_linear_torch(x, weight_e4m3, scale)
-
-
-def relu2_mask(h):
-    return relu2_group_mask(h) if _triton_ok(h) else relu2_group_mask_torch(h)
+__all__ = ["expert_decode", "expert_decode_torch", "expert_prefill", "block_addresses", "expert_layer"]
 
 
 def block_addresses(blocks, device) -> torch.Tensor:
     """Base addresses of expert blocks (U8 tensors in VRAM or in registered host memory) as int64 [k]."""
     return torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64, device=device)
+
+
+def _addressed(blocks) -> bool:
+    return isinstance(blocks, torch.Tensor) and blocks.dtype == torch.int64
 
 
 def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None):
@@ -52,18 +36,21 @@ def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global,
     return sparse_down_torch(act, mask, blocks, geom, down_global, weights, acc)
 
 
-def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None, backend=None,
-                  up_config=None, down_config=None, down_counter=None):
+def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
+                  up_config=None, down_config=None, down_counter=None, fused: bool = False):
     """Routed experts of one token at one MoE layer. x [L]; up/down_global, weights fp32 [k].
 
-    CUDA (NVFP4): `blocks` is int64 [k] addresses; one grouped-up launch (ReLU² and group mask fused), one
-    sparse-down launch. Elsewhere, or for FP8/BF16 experts: the twin, `blocks` a list of U8 tensors.
-    backend='triton' forces the kernels (CPU: under TRITON_INTERPRET=1). The kernel defaults are tuned for
-    blocks in the pinned slab; for VRAM-resident blocks pass down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
-    down_counter: int32 [1] on the device, += the down groups the kernel read (Triton path only).
+    NVFP4 blocks by address (int64 [k]): one grouped-up launch (ReLU² and group mask fused), one sparse-down
+    launch (on CPU tensors only under Triton's interpreter). Blocks as tensors, or FP8/BF16 experts: the twin.
+    The kernel defaults are tuned for blocks in the pinned slab; for VRAM-resident blocks pass
+    down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
+    down_counter: int32 [1] on the device, += the down groups the kernel read (kernel path only).
+    fused: one launch for the whole layer (kernels/expert_layer.py; up_config/down_config do not apply), same
+    result as the two launches.
     """
-    addressed = isinstance(blocks, torch.Tensor) and blocks.dtype == torch.int64
-    if addressed and geom.fmt == "nvfp4":   # addresses are for the kernels (CPU: only under the interpreter)
+    if _addressed(blocks) and geom.fmt == "nvfp4" and fused:
+        return expert_layer(x, blocks, geom, up_global, down_global, weights, acc, counter=down_counter)
+    if _addressed(blocks) and geom.fmt == "nvfp4":
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
         act, mask = expert_up(x.reshape(-1).contiguous(), blocks, geom, up_global, config=up_config)
         return sparse_down(act, mask, blocks, geom, down_global, weights, acc, config=down_config,
@@ -76,7 +63,7 @@ def expert_prefill(x, block, geom: ExpertGeometry, up_global, down_global, token
 
     CUDA: `block` is an int64 [1] address tensor (up_global/down_global fp32 [1]); CPU: a U8 tensor.
     """
-    if isinstance(block, torch.Tensor) and block.dtype == torch.int64 and geom.fmt == "nvfp4":
+    if _addressed(block) and geom.fmt == "nvfp4":
         return _expert_prefill_triton(x.contiguous(), block, 0, geom, up_global, down_global, token_weights)
     return expert_prefill_torch(x, block, geom, up_global.reshape(-1)[0], down_global.reshape(-1)[0],
                                 token_weights)

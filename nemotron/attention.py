@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels import backend
 from kernels.attention_decode import attention_decode
 from kernels.linear import linear
-from nemotron import mamba
 
 
 class KVCache:
@@ -91,7 +91,7 @@ class Attention:
         cache.append(k, v)
         K = cache.k[: cache.length]                                    # [S, nkv, hd]
         V = cache.v[: cache.length]
-        if T == 1 and mamba.use_fused_decode(h):      # decode: split-K Triton kernel (kernels/attention_decode.py; twin below)
+        if T == 1 and backend.use_triton(h, "attention_decode"):      # decode: split-K Triton kernel (kernels/attention_decode.py; twin below)
             out = attention_decode(q[0].contiguous(), K, V, self.scale).reshape(1, self.nq * self.hd)
             y = linear(out, self.o_proj)
             return y + self.bias["o"] if "o" in self.bias else y

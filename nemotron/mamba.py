@@ -10,14 +10,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import mamba_step
+from kernels import backend, mamba_step
 from kernels.linear import linear
 from nemotron.norms import gated_group_rms_norm
-
-
-def use_fused_decode(h: torch.Tensor) -> bool:
-    """Decode steps run the Triton kernels on CUDA (tests also force them on the CPU under the interpreter)."""
-    return h.is_cuda
 
 
 class MambaState:
@@ -78,7 +73,7 @@ class Mamba2Mixer:
         T = h.shape[0]
         zxbcdt = linear(h, self.in_proj)
         z, xBC, dt = zxbcdt.split([self.I, self.conv_dim, self.nh], dim=-1)
-        if T == 1 and use_fused_decode(h) and self.dt_min == 0 and not math.isfinite(self.dt_max):
+        if T == 1 and backend.use_triton(h, "mamba_step") and self.dt_min == 0 and not math.isfinite(self.dt_max):
             return self._step_fused(z, xBC, dt, st)
         xBC = self._conv(xBC, st)
         x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)

@@ -75,7 +75,7 @@ def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
                         trace: Callable | None = None, layer: int = -1) -> torch.Tensor:
     """Plain-PyTorch routed experts: each used expert once, on all tokens routed to it."""
     acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    zeros = total = 0
+    zeros = total = groups = groups_total = 0
     for e in torch.unique(experts).tolist():
         tok, slot = torch.where(experts == e)
         up, down = get(e)
@@ -83,10 +83,14 @@ def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.T
         if trace is not None:
             zeros += int((a == 0).sum())
             total += a.numel()
+            if a.shape[1] % 16 == 0:    # 16-neuron groups with an active neuron: what the sparse down kernel reads
+                active = (a != 0).view(a.shape[0], -1, 16).any(-1)
+                groups += int(active.sum())
+                groups_total += active.numel()
         y = linear(a, down)
         acc.index_add_(0, tok, y * weights[tok, slot, None])
     if trace is not None:
-        trace("relu2", layer=layer, zeros=zeros, total=total)
+        trace("relu2", layer=layer, zeros=zeros, total=total, groups_active=groups, groups_total=groups_total)
     return acc
 
 

@@ -105,7 +105,7 @@ def test_lifecycle(synth, tmp_path):
         assert ext and ext[0] < msgs.index("READY=1") and any(m.startswith("STATUS=") for m in msgs)
 
         # ---- the bounded queue: one computing, one waiting, the next one 503 + Retry-After
-        a = Stream(s, 120)
+        a = Stream(s, 3000)        # long enough to still be running on a fast machine; cancelled below
         assert a.first.wait(60)
         b_result = {}
         b = threading.Thread(target=lambda: b_result.setdefault("r", complete(s)))
@@ -122,7 +122,7 @@ def test_lifecycle(synth, tmp_path):
         # ---- a crashed compute process: the in-flight request fails clearly, the process is restarted
         old = s.worker()
         old_family = [old] + old.children(recursive=True)
-        d = Stream(s, 120)
+        d = Stream(s, 3000)
         assert d.first.wait(60)
         old.kill()
         d.join(60)

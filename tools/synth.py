@@ -350,11 +350,12 @@ def plan(cfg: dict, quant: str, preset: str, seed: int, design: Design, reencode
                 lin(f"{m}.fc1_latent_proj", LinearSpec(lat, H, s1, zero_cols=z,
                                                        boost=(ANCHOR_LATENT, ANCHOR_HIDDEN, s1 * math.sqrt(lat))), i)
                 up = LinearSpec(cfg["moe_intermediate_size"], lat, 1 / (s1 * math.sqrt(lat) * hr),
-                                anchor_col=ANCHOR_LATENT)
+                                anchor_col=ANCHOR_LATENT, coherence=design.neuron_coherence)
                 down = LinearSpec(lat, cfg["moe_intermediate_size"],
                                   design.relu2_down_std(cfg["moe_intermediate_size"], b_r, k, rsf))
             else:
-                up = LinearSpec(cfg["moe_intermediate_size"], H, 1 / hr, anchor_col=ANCHOR_HIDDEN)
+                up = LinearSpec(cfg["moe_intermediate_size"], H, 1 / hr, anchor_col=ANCHOR_HIDDEN,
+                                coherence=design.neuron_coherence)
                 down = LinearSpec(H, cfg["moe_intermediate_size"],
                                   design.relu2_down_std(cfg["moe_intermediate_size"], b_r, k, rsf), zero_rows=z)
             for e in range(E):
@@ -508,6 +509,9 @@ def main(argv=None):
     ap.add_argument("--sparsity", type=float, default=0.92, help="target fraction of zero ReLU^2 expert neurons")
     ap.add_argument("--routing-skew", type=float, default=0.8,
                     help="target LRU hit rate of a cache of 25%% of a layer's experts (0 = uniform routing)")
+    ap.add_argument("--neuron-coherence", type=float, default=0.0,
+                    help="share of each routed expert's up codes copied within 16-neuron groups, so that neurons "
+                         "fire together as in a trained model (0 = independent zeros; docs/instrument.md)")
     ap.add_argument("--pattern")
     ap.add_argument("--experts", type=int)
     ap.add_argument("--top-k", type=int)
@@ -531,8 +535,12 @@ def main(argv=None):
         return
     if a.out is None:
         ap.error("--out is required")
+    if not 0.0 <= a.neuron_coherence < 1.0:
+        ap.error("--neuron-coherence must be in [0, 1)")
     synthesize(a.out, a.preset, a.quant, a.seed, a.moe_layers, a.sparsity, a.routing_skew, a.max_shard_gb,
-               a.workers, True, a.reencode, pattern=a.pattern, experts=a.experts, top_k=a.top_k, hidden=a.hidden,
+               a.workers, True, a.reencode,
+               design_overrides={"neuron_coherence": a.neuron_coherence} if a.neuron_coherence else None,
+               pattern=a.pattern, experts=a.experts, top_k=a.top_k, hidden=a.hidden,
                chunk_size=a.chunk_size, n_group=a.n_group, topk_group=a.topk_group, latent=a.latent, vocab=a.vocab)
 
 

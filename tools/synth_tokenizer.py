@@ -121,8 +121,13 @@ def build_tokenizer_json(vocab_size: int) -> str:
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
+    write_tokenizer_files(out, build_tokenizer_json(vocab_size))
+
+
+def write_tokenizer_files(out: Path, tokenizer_json: str) -> None:
+    """tokenizer.json as given, and the tokenizer_config.json (specials, chat template) every checkpoint here has."""
     out = Path(out)
-    (out / "tokenizer.json").write_text(build_tokenizer_json(vocab_size), encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     added = {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                       "special": True} for i, s in enumerate(SPECIALS)}
     cfg = {

@@ -1,14 +1,20 @@
-"""One whole MoE layer at decode (22 experts: grouped up + fused ReLU²/mask + sparse down) vs its bytes' floor."""
+"""One whole MoE layer at decode (22 experts) vs its bytes' floor: the two launches (grouped up + fused ReLU²/mask,
+then sparse down) and the fused single launch (kernels/expert_layer.py), from the pinned slab and from VRAM."""
 from __future__ import annotations
 
 import torch
 
 from bench.kernels.common import DEV, time_graph
 from bench.kernels.expert_up import addr_sets
+from kernels.expert_layer import expert_layer
 from kernels.moe_ops import expert_decode, expert_decode_torch
-from kernels.relu2_mask import relu2_group_mask_torch
-from kernels.expert_up import expert_up_torch
+from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
 from kernels.testing import rel_err
+
+
+# run 1 (bench/results/kernels_h200_issue19_run1.json): UP_MODE 8 BLOCK_N 64 best (now the default); BLOCK_N 128
+# 44-67 % (half the programs: too few in flight); UP_MODE 4 (the old up tile) 75-85 %, 10-17 % of HBM from VRAM
+FUSED_SWEEP = [None, dict(BLOCK_N=32), dict(UP_MODE=4)]
 
 
 def run(ctx) -> list[dict]:
@@ -33,13 +39,24 @@ def run(ctx) -> list[dict]:
                 _, mask = relu2_group_mask_torch(expert_up_torch(x, blocks, geom, ug))
                 nb_all += 22 * geom.up_bytes + int(mask.sum()) * geom.group_bytes
                 if s == 0:
-                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w, backend="triton"),
-                                expert_decode_torch(x, blocks, geom, ug, dg, w))
+                    ref = expert_decode_torch(x, blocks, geom, ug, dg, w)
+                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w), ref)
                     ctx["checks"].append(dict(check=f"moe layer {where} {label}", rel_err=e, ok=e < 1e-5))
+                    cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
+                    e = rel_err(expert_layer(x, sets[0], geom, ug, dg, w, counter=cnt), ref)
+                    ctx["checks"].append(dict(check=f"fused moe layer {where} {label}", rel_err=e, ok=e < 1e-5))
+                    n_ref = int(mask.sum())
+                    ctx["checks"].append(dict(check=f"fused moe layer groups counted {where} {label}",
+                                              rel_err=abs(int(cnt) - n_ref) / max(n_ref, 1), ok=int(cnt) == n_ref))
             nb = nb_all / 8
             acc = torch.zeros(geom.L, device=DEV)
-            sec = time_graph(lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc, backend="triton"), 8)
-            rows.append(dict(op="moe layer decode", case=f"{where} {label}", us=sec * 1e6, bytes=nb,
-                             GBps=nb / sec / 1e9, pct=100 * nb / sec / ceil, floor_us=nb / ceil * 1e6,
-                             vs="H2D" if where == "pinned" else "HBM"))
+            variants = [("two launches (up, sparse down)", lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc))]
+            for cfg in FUSED_SWEEP:
+                variants.append((f"fused {cfg or 'default'}",
+                                 lambda i, cfg=cfg: expert_layer(x, sets[i % 8], geom, ug, dg, w, acc, config=cfg)))
+            for vlabel, fn in variants:
+                sec = time_graph(fn, 8)
+                rows.append(dict(op="moe layer decode", case=f"{where} {label} | {vlabel}", us=sec * 1e6, bytes=nb,
+                                 GBps=nb / sec / 1e9, pct=100 * nb / sec / ceil, floor_us=nb / ceil * 1e6,
+                                 vs="H2D" if where == "pinned" else "HBM"))
     return rows

@@ -1,6 +1,6 @@
 """The whole kernel benchmark in one GPU call: ceilings first, then each op at Nemotron 3 Super shapes.
 
-    python -m bench.kernels.run_all [--only gemv,up,down,layer,mamba,attn] [--out DIR]
+    python -m bench.kernels.run_all [--only zero,gemv,lost,up,down,layer,prefill,mamba,attn] [--out DIR]
 
 Prints a short table last and writes results.json (ceilings, rows, correctness checks) into --out or $OUT.
 """
@@ -26,6 +26,7 @@ from bench.kernels import common  # noqa: E402
 from kernels.expert_block import SUPER, ExpertGeometry  # noqa: E402
 
 SECTIONS = [("zero", "bench.kernels.zero_copy"), ("gemv", "bench.kernels.gemv_nvfp4"),
+            ("lost", "bench.kernels.gemv_nvfp4_modes"),
             ("up", "bench.kernels.expert_up"), ("down", "bench.kernels.sparse_down"),
             ("layer", "bench.kernels.moe_layer"), ("prefill", "bench.kernels.expert_prefill"),
             ("mamba", "bench.kernels.mamba_step"), ("attn", "bench.kernels.attention_decode")]
@@ -52,7 +53,7 @@ def main():
     ctx = dict(geom=geom, n_per_set=n_per_set, checks=[], ceil={})
     if smoke:
         ctx.update(gemv_shapes=[("mamba.in_proj", 48, 512), ("mamba.out_proj", 32, 256)],
-                   gemv_sweep=[(32, 1, 4, 3, 0), (16, 1, 4, 3, 1)], big=(40, 256), prefill_rows=20,
+                   gemv_sweep=[(32, 1, 4, 3, 3), (16, 1, 4, 3, 4)], big=(40, 256), prefill_rows=20,
                    mamba_shape=(4, 16, 32, 2, 64), attn_shape=(32, 2, 16), attn_lengths=(40,),
                    prefill_tokens=(20,))
     slab = common.HostSlab(2 * n_per_set * geom.block_stride)
@@ -72,7 +73,8 @@ def main():
     print("ceilings", {k: round(v, 1) for k, v in c.items()}, flush=True)
 
     rows = []
-    for key, mod in SECTIONS:
+    order = [k for k in (a.only.split(",") if a.only else [])] or [k for k, _ in SECTIONS]
+    for key, mod in sorted(SECTIONS, key=lambda km: order.index(km[0]) if km[0] in order else len(order)):
         if only and key not in only:
             continue
         t1 = time.time()
@@ -88,22 +90,30 @@ def main():
             print(f"[{key}] FAILED\n{traceback.format_exc()}", flush=True)
             rows.append(dict(op=key, case="FAILED"))
         print(f"[{key}] {time.time() - t1:.1f}s", flush=True)
+        _dump(a.out, env, c, rows, ctx["checks"])       # after every section: a run cut short keeps what it measured
 
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(dict(env=env, ceilings=c, rows=rows, checks=ctx["checks"]), f, indent=1, default=str)
+    _dump(a.out, env, c, rows, ctx["checks"])
     print("\n== correctness at real sizes (GPU) ==")
-    for ch in ctx["checks"]:
-        print(f"  {'ok ' if ch['ok'] else 'BAD'} {ch['check']}: rel err {ch['rel_err']:.2e}")
+    bad = [ch for ch in ctx["checks"] if not ch["ok"]]
+    worst = max((ch["rel_err"] for ch in ctx["checks"] if ch["ok"]), default=0.0)
+    print(f"  {len(ctx['checks']) - len(bad)} ok (worst rel err {worst:.2e}), {len(bad)} BAD")
+    for ch in bad:
+        print(f"  BAD {ch['check']}: rel err {ch['rel_err']:.2e}")
     print(f"\n== ceilings == D2D {c['d2d_GBps']:.0f} GB/s | H2D pinned {c['h2d_pinned_GBps']:.1f} GB/s | "
           f"H2D registered slab {c['h2d_registered_slab_GBps']:.1f} GB/s")
     print("== table ==")
     for row in rows:
-        if "sweep" in row.get("op", ""):
+        if "sweep" in row.get("op", "") or "variant" in row:   # every variant is in results.json
             continue
         print(" ", _fmt(row))
     print(f"total {time.time() - t0:.0f}s")
     slab.close()
+
+
+def _dump(out, env, ceilings, rows, checks):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(env=env, ceilings=ceilings, rows=rows, checks=checks), f, indent=1, default=str)
 
 
 def _fmt(r):

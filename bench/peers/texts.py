@@ -47,10 +47,10 @@ def stdlib_docstrings(min_chars: int = 200_000) -> str:
 def load_text(path: str | Path | None = None) -> str:
     if path is not None:
         return Path(path).read_text(encoding="utf-8")
-    for p in DEFAULT_TEXT_FILES:
-        if p.exists():
-            return p.read_text(encoding="utf-8")
-    return stdlib_docstrings()
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in DEFAULT_TEXT_FILES if p.exists())
+    if len(text) < 200_000:        # the held-out file is small: long prompts must not repeat it
+        text = (text + "\n\n" + stdlib_docstrings(200_000 - len(text))).strip()
+    return text
 
 
 def prompts(text: str, n: int, n_chars: int, seed: int = 0) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker.decode_graphs import DecodeGraphs
-from nemotron import mamba
+from kernels import backend
 from nemotron.model import NemotronH
 
 # forcing the fused kernels on CPU tensors needs Triton's interpreter, which is on only where there is no GPU
@@ -25,7 +25,7 @@ PATTERN = ("--pattern", "ME*-E")
 def fused_decode():
     """The fused decode kernels (in-place Mamba step, split-K attention) on every device, as on CUDA."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mamba, "use_fused_decode", lambda h: True)
+        mp.setattr(backend, "FORCED", {"mamba_step": "triton", "attention_decode": "triton"})
         yield
 
 

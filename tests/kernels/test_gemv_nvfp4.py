@@ -1,10 +1,12 @@
 """Dense NVFP4 / FP8 linears: Triton kernels against their twins (and the twins against decode_nvfp4)."""
+import math
+
 import pytest
 import torch
 
 from kernels.nvfp4 import encode_fp8, encode_nvfp4, swap_nibbles
 from kernels import gemv_nvfp4 as g
-from kernels.testing import assert_close, rel_err
+from kernels.testing import assert_close, fp16_value, rel_err, run_ptx
 
 TOL = 2e-5  # fp32 accumulation; x is exact in fp16 after the 2^-8 prescale at these magnitudes
 
@@ -19,23 +21,58 @@ def _poisoned(M, N, device):
     return torch.full((M, N), float("nan"), dtype=torch.float32, device=device)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 37, 272), (3, 50, 96), (8, 24, 512), (5, 19, 48)])
-@pytest.mark.parametrize("load_mode", [0, 1, 2, 3, 4, 5])
-def test_nvfp4_gemv_matches_twin(M, N, K, load_mode, device):
+SHAPES = [(1, 37, 272), (3, 50, 96), (8, 24, 512), (5, 19, 48)]
+
+
+@pytest.mark.parametrize("M,N,K,load_mode", [(*s, m) for s in SHAPES for m in g.DECODE_MODES if m != 8 or s[0] <= 4])
+def test_nvfp4_gemv_matches_twin(M, N, K, load_mode, device):   # mode 8 takes up to 4 rows
     q, s, gs = _weight(N, K, device)
     x = torch.randn(M, K, device=device).bfloat16()
     out = _poisoned(M, N, device)
     y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(LOAD_MODE=load_mode, SPLIT_K=1), out=out)
-    tol = 1e-4 if load_mode == 5 and M == 1 else TOL   # mode 5 carries x in three e4m3 parts: ~12 bits
-    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), tol, "gemv")
+    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "gemv")
 
 
-def test_nvfp4_gemv_split_k(device):
+def test_lost_modes_are_refused(device):
+    q, s, gs = _weight(16, 64, device)
+    with pytest.raises(ValueError, match="LOAD_MODE 0"):
+        g.nvfp4_linear(torch.randn(1, 64, device=device), q, s, gs, config=dict(LOAD_MODE=0))
+
+
+@pytest.mark.parametrize("M,N,K,mode", [(1, 37, 272, 8), (3, 50, 96, 8), (3, 50, 96, 9), (8, 24, 512, 9), (5, 19, 48, 9)])
+def test_nvfp4_gemv_x_gathered_in_the_kernel(M, N, K, mode, device):
+    """Modes 8/9 with B gathered per tile from x (X_INLINE) instead of prepared by a second launch."""
+    q, s, gs = _weight(N, K, device)
+    x = torch.randn(M, K, device=device).bfloat16()
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device),
+                       config=dict(LOAD_MODE=mode, SPLIT_K=1, X_INLINE=True))
+    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "gemv x inline")
+
+
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_nvfp4_gemv_split_k(load_mode, device):
     M, N, K = 2, 21, 1024
     q, s, gs = _weight(N, K, device)
     x = torch.randn(M, K, device=device).bfloat16()
-    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(SPLIT_K=3, BLOCK_N=16))
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(SPLIT_K=3, BLOCK_N=16, LOAD_MODE=load_mode))
     assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "split-k")
+
+
+@pytest.mark.parametrize("mode", [8, 9])
+def test_prepared_x_operands_layout(mode, device):
+    """The B operands of modes 8/9, checked element by element against their definition."""
+    M, K = 3, 64
+    x = torch.randn(M, K, device=device)
+    m_pad = 4
+    xb = g.x_operands(x, m_pad, mode == 8).float().cpu() * 256
+    G = 16 // m_pad
+    for J in range(4):
+        for i in range(K // 4):
+            for c in range(16):
+                m = c // G
+                on = m < M and ((c % G == (i // 4) % G) if mode == 8 else c % G == 0)
+                want = float((x[m, 4 * i + J] / 256).half()) * 256 if on else 0.0   # fp16 of x · 2^-8
+                assert xb[J, i, c] == want, (J, i, c)
 
 
 def test_nvfp4_gemv_fp32_input(device):
@@ -69,6 +106,9 @@ def test_fp8_linear_matches_twin(M, N, K, device):
     x = torch.randn(M, K, device=device).bfloat16()
     y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, out=_poisoned(M, N, device))
     assert_close(y, g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32), TOL, "fp8")
+    if M <= g.DECODE_MAX_ROWS:   # the decode kernel, split along K too
+        y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, config=dict(SPLIT_K=2, BLOCK_K=64))
+        assert_close(y, g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32), TOL, "fp8 split")
 
 
 def test_twin_matches_float_reference():
@@ -79,16 +119,49 @@ def test_twin_matches_float_reference():
     assert rel_err(g.nvfp4_linear_torch(x, q, s, gs), x @ w.t()) < 0.15
 
 
-def test_must_fail_swapped_nibbles(device):
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_must_fail_swapped_nibbles(load_mode, device):
     q, s, gs = _weight(40, 256, device)
     x = torch.randn(1, 256, device=device)
     ref = g.nvfp4_linear_torch(x, q, s, gs)
-    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs), ref) > 0.1
+    cfg = dict(LOAD_MODE=load_mode)
+    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs, config=cfg), ref) > 0.1
+    assert rel_err(g.nvfp4_linear(x, q, s, gs, config=cfg), ref) < 1e-3      # fp32 x enters as fp16
 
 
-def test_must_fail_wrong_scale_group(device):
+@pytest.mark.parametrize("load_mode", g.DECODE_MODES)
+def test_must_fail_wrong_scale_group(load_mode, device):
     q, s, gs = _weight(40, 256, device)
     x = torch.randn(1, 256, device=device)
     ref = g.nvfp4_linear_torch(x, q, s, gs)
     s_shifted = torch.roll(s.view(torch.uint8), 1, dims=1).view(torch.float8_e4m3fn)
-    assert rel_err(g.nvfp4_linear(x, q, s_shifted, gs), ref) > 0.1
+    assert rel_err(g.nvfp4_linear(x, q, s_shifted, gs, config=dict(LOAD_MODE=load_mode)), ref) > 0.1
+
+
+# ---- the inline-PTX decode, run on a Python model of the PTX instructions it uses -----------------------------
+# (the interpreter cannot run inline assembly; on a GPU the kernels' own tests above run it)
+
+@pytest.mark.parametrize("J", [0, 1, 2, 3])
+def test_quad_asm_decodes_every_int16_code(J):
+    from kernels.nvfp4 import E2M1_VALUES
+    asm = [g._QUAD_ASM0, g._QUAD_ASM1, g._QUAD_ASM2, g._QUAD_ASM3][J].value
+    gen = torch.Generator().manual_seed(2 + J)
+    for lane in range(2):
+        for c in range(16):
+            h = torch.randint(0, 1 << 16, (2,), generator=gen).tolist()
+            h[lane] = (h[lane] & ~(15 << 4 * J)) | (c << 4 * J)
+            (out,) = run_ptx(asm, [h[0] | (h[1] << 16)])
+            for i in range(2):
+                code = (h[i] >> 4 * J) & 15
+                got = fp16_value((out >> 16 * i) & 0xFFFF) * 2.0 ** 14
+                want = E2M1_VALUES[code]
+                assert got == want and math.copysign(1, got) == math.copysign(1, want), (J, lane, c, i, hex(out))
+
+
+def test_must_fail_model_catches_a_wrong_sign_shift():
+    """The model is not vacuous: the quad decode with the sign taken 4 bits off is caught."""
+    bad = g._QUAD_ASM1.value.replace("shl.b32 b, $1, 8", "shl.b32 b, $1, 4")
+    (out,) = run_ptx(bad, [0x0080_0080])           # code 8 (-0.0) at J=1 in both lanes -> sign must be set
+    assert out & 0x80008000 != 0x80008000
+    (out,) = run_ptx(g._QUAD_ASM1.value, [0x0080_0080])
+    assert out & 0x80008000 == 0x80008000

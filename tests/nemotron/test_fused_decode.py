@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import backend
 from nemotron import mamba
 from nemotron.model import NemotronH
 
@@ -20,7 +21,8 @@ def model(synth):
 
 
 def decode(model, ids, steps, fused, monkeypatch):
-    monkeypatch.setattr(mamba, "use_fused_decode", lambda h: fused)
+    path = "triton" if fused else "twin"
+    monkeypatch.setattr(backend, "FORCED", {"mamba_step": path, "attention_decode": path})
     st = model.new_state()
     out = [model.forward(ids, st, last_only=True)]
     for t in range(steps):

@@ -14,10 +14,7 @@ from tests.server.harness import ROOT, Launcher
 
 
 def expert_store_class():
-    try:
-        from expert_store.reader import ExpertStore        # the store library (after its split out of io_workers)
-    except ImportError:
-        from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     return ExpertStore
 
 

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from kernels.nvfp4 import decode_nvfp4, encode_nvfp4, swap_nibbles
 from tools.synth import PRESETS, build_config, plan, shorten_pattern, split_shards, synthesize
-from tools.synth_stats import Weights, forward, make_prompts, measure_stats
+from nemotron.checkpoint import Checkpoint
+from tools.synth_stats import forward, load, make_prompts, measure_stats
 from tools.synth_weights import Design
 
 ST = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16}
@@ -210,10 +211,10 @@ def test_quant_modes_match_their_configs(base):
 
 def test_tiny_nvfp4_is_exactly_what_modelopt_would_write(base):
     """Tiny re-encodes with the ModelOpt algorithm: decoding and encoding again is the identity."""
-    W = Weights(make(base, "nvfp4"))
+    W = Checkpoint(make(base, "nvfp4"))
     for mod in ["backbone.layers.1.mixer.experts.3.up_proj", "backbone.layers.1.mixer.fc1_latent_proj",
                 "backbone.layers.0.mixer.in_proj", "backbone.layers.4.mixer.shared_experts.down_proj"]:
-        w, s, g = (W.raw(f"{mod}.{x}") for x in ("weight", "weight_scale", "weight_scale_2"))
+        w, s, g = (W.get(f"{mod}.{x}") for x in ("weight", "weight_scale", "weight_scale_2"))
         w2, s2, g2 = encode_nvfp4(decode_nvfp4(w, s, g))
         assert torch.equal(w, w2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8)), mod
         assert abs(float(g) - float(g2)) <= 1e-6 * float(g), mod   # amax/2688 round trip: 1 ulp
@@ -317,7 +318,7 @@ def test_tokenizer_and_chat_template(base):
 # ---------------------------------------------------------------- the instrument and the statistics
 
 def test_stats_forward_matches_transformers(base):
-    """Our measuring forward is the reference math: transformers' NemotronH agrees on the bf16 checkpoint."""
+    """The measuring forward (the engine's model) agrees with transformers' NemotronH on the bf16 checkpoint."""
     from transformers import NemotronHForCausalLM
     d = make(base, "bf16")
     model = NemotronHForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
@@ -327,10 +328,10 @@ def test_stats_forward_matches_transformers(base):
     ids = make_prompts(d, 1, 21, 1024, seed=3)[0]  # 21 tokens = 3 chunks of 8
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float()
-    ours = forward(Weights(d), ids)
+    ours = forward(load(d), ids)
     assert (ours - ref).abs().max() < 1e-3 * ref.abs().max(), (ours - ref).abs().max()
     # the must-fail twin: a checkpoint with another seed is far away
-    other = forward(Weights(make(base, "bf16", seed=1)), ids)
+    other = forward(load(make(base, "bf16", seed=1)), ids)
     assert (other - ref).abs().max() > 0.1 * ref.abs().max()
 
 
@@ -360,7 +361,7 @@ def test_knobs_move_the_statistics(base, tiny_stats):
     def swapped(name, t):
         return swap_nibbles(t) if t.dtype == torch.uint8 else t
     d = make(base, "nvfp4")
-    a_w, b_w = Weights(d), Weights(d, transform=swapped)
+    a_w, b_w = load(d), load(d, transform=swapped)
     kl = []
     for ids in make_prompts(d, 2, 32, 1024, seed=5):
         a, b = forward(a_w, ids).log_softmax(-1), forward(b_w, ids).log_softmax(-1)
@@ -377,7 +378,7 @@ def test_small_numeric_noise_stays_small(base):
             g = torch.Generator().manual_seed(int(hashlib.md5(name.encode()).hexdigest()[:8], 16))
             return (t.float() * (1 + 0.004 * torch.randn(t.shape, generator=g))).to(t.dtype)
         return t
-    a_w, b_w = Weights(d), Weights(d, transform=noisy)
+    a_w, b_w = load(d), load(d, transform=noisy)
     kl = []
     for ids in make_prompts(d, 2, 32, 1024, seed=7):
         a, b = forward(a_w, ids).log_softmax(-1), forward(b_w, ids).log_softmax(-1)

@@ -1,6 +1,5 @@
 """The NVFP4/FP8 codec against hand-computed vectors and an independent scalar implementation."""
 import math
-import random
 
 import pytest
 import torch

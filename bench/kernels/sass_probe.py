@@ -1,0 +1,73 @@
+"""Compile a kernel for sm_90 on a machine without a GPU and count the SASS of its main loop (no device time).
+
+    python -m bench.kernels.sass_probe 8:1:256:64:4      # the NVFP4 GEMV at LOAD_MODE:M_PAD:BLOCK_K:BLOCK_N:num_warps[:X_INLINE]
+
+Triton compiles for a named target without a device; its bundled cuobjdump disassembles the cubin. The loop body
+(the largest backward branch) over the weights one thread handles per iteration is the instruction count per weight
+that bench/NOTES.md experiments 3-4 compare (ncu measured 9.4 for mode 3, this count 8.5).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps=4, num_stages=3, div16=None):
+    """div16: the arguments the launcher would specialise as multiples of 16 (default: pointers and sizes)."""
+    names = list(signature)
+    if div16 is None:
+        div16 = [n for n in names if signature[n].startswith("*") or n in ("K", "N", "stride_xm", "stride_ym", "row_q",
+                                                                             "row_s")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              num_stages=num_stages))
+
+
+def sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    try:
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def loop_body(text: str) -> Counter:
+    """Opcode counts of the longest backward-branch loop."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", text)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    best: list = []
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = ins[at[int(m.group(1), 16)]: i + 1]
+            best = body if len(body) > len(best) else best
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in best)
+
+
+def main(argv):
+    from kernels import gemv_nvfp4 as g
+    sig = dict(x_ptr="*fp16", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", K="i32",
+               stride_xm="i32", stride_ym="i32", row_q="i32", row_s="i32")
+    for spec in argv[1:]:
+        mode, m_pad, bk, bn, nw, xi = (list(map(int, spec.split(":"))) + [0])[:6]
+        k = compile_sm90(g._nvfp4_gemv_kernel, sig, dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, LOAD_MODE=mode,
+                                                         USE_ASM=True, X_INLINE=bool(xi)), num_warps=nw)
+        body = loop_body(sass(k))
+        n = sum(body.values())
+        per_thread = bn * bk / (32 * nw)
+        print(f"{spec}: loop body {n} instructions, {n / per_thread:.2f} per weight; {dict(body.most_common(8))}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,130 @@
+"""The routed experts of one token at one MoE layer in one launch: up -> ReLU² -> 16-group mask -> sparse down.
+
+acc[l] += Σ_j w_j · down_global_j · Σ_{g active in j} scale_jg[l] · Σ_{n<16} act[j, 16g+n] · e2m1_jg[l, n],
+act = relu(up_j · x)². It replaces `expert_up` + `sparse_down` (kernels/moe_ops.expert_decode's two launches)
+with the same inputs and result. One program takes BLOCK_N neurons (BLOCK_N / 16 down groups) of one expert:
+it reads their up rows, keeps act in registers, and reads the down groups whose act is not all zero right away,
+so every byte crosses the bus once and no launch boundary idles the bus between up and down (bench/NOTES.md,
+issue 19). Blocks are read where they lie, by address (the pinned slab, zero-copy, or VRAM); layout:
+docs/block-layout.md.
+
+Twin: `expert_layer_torch` = the up twin, the ReLU² mask twin and the sparse-down twin in sequence.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import backend
+from kernels.expert_block import GROUP, ExpertGeometry
+from kernels.expert_up import _gemv_rows_scaled, _up_rows_quad, expert_up_torch, relu2_group_mask_torch
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_to_fp16
+from kernels.sparse_down import sparse_down_torch
+
+
+@triton.jit
+def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
+    """One 16-neuron down group at p_g (values U8 [L, 8], then e4m3 scales [L]) for the rows o_l:
+    Σ_n act[n] · e2m1[l, n] · scale[l], fp32 [BLOCK_L], times 2^-14 (the fp16 decode's factor).
+    a_even / a_odd: the group's act at neurons 2t and 2t+1 (the low and high nibble of byte t)."""
+    o_t = tl.arange(0, 8)
+    b_v = tl.load(p_g + o_l[:, None] * 8 + o_t[None, :], mask=m_l[:, None], other=0)
+    b_s = tl.load(p_g + 8 * L + o_l, mask=m_l, other=0)
+    lo = _e2m1_to_fp16(b_v & 15).to(tl.float32)
+    hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
+    part = tl.sum(lo * a_even[None, :] + hi * a_odd[None, :], axis=1)
+    return part * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _expert_layer_kernel(
+    # tensors
+    x_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    # sizes
+    L, I, up_scales_off, down_off,
+    # config
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
+    UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False,
+):
+    j = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    NG: tl.constexpr = BLOCK_N // 16
+    base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    # up for this program's neurons (mode 4 or 8 of the dense GEMV), then ReLU²; act stays in registers
+    if UP_MODE == 8:
+        b_h = _up_rows_quad(x_ptr, base, base + up_scales_off, L, o_n, m_n, BLOCK_N, USE_ASM)
+    else:
+        b_h = tl.sum(_gemv_rows_scaled(x_ptr, 0, 1, base, base + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N,
+                                       BLOCK_K), axis=1)
+    b_h = b_h * (tl.load(gup_ptr + j) * _UNDO_DECODE)
+    b_a = tl.maximum(b_h, 0.0)
+    b_a = tl.where(m_n, b_a * b_a, 0.0)
+    act = tl.reshape(b_a, (NG, 16))
+    active = tl.max((act != 0.0).to(tl.int32), axis=1)                     # [NG]
+    n_active = tl.sum(active, axis=0)
+    if n_active > 0:
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0     # 2^14 undoes the fp16 decode
+        o_r = tl.arange(0, NG)
+        for l0 in range(0, L, BLOCK_L):
+            o_l = l0 + tl.arange(0, BLOCK_L)
+            m_l = o_l < L
+            b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
+            for gi in tl.static_range(NG):
+                if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:     # an all-zero group is never read
+                    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [16]
+                    a_even, a_odd = tl.split(tl.reshape(a_g, (8, 2)))
+                    g = pid_n * NG + gi
+                    p_g = base + down_off + g.to(tl.int64) * (9 * L)
+                    b_out += _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd)
+            tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
+                 down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
+                 config: dict | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
+    """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active 16-neuron down groups.
+
+    The inputs of `expert_up` + `sparse_down` together: x [L] (bf16/fp32, on the device), addrs int64 [k] block
+    base addresses, up_global / down_global / weights fp32 [k], acc fp32 [L] (zeros when None).
+    counter: optional int32 [1], += the down groups read (the bytes-over-the-bus accounting of sparse_down).
+    """
+    if geom.fmt != "nvfp4":
+        raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
+    L, I = geom.L, geom.I
+    k = addrs.numel()
+    if x.numel() != L or addrs.dtype != torch.int64:
+        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
+    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
+        if t.numel() != k or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
+    if acc is None:
+        acc = torch.zeros(L, dtype=torch.float32, device=x.device)
+    if acc.shape != (L,) or acc.dtype != torch.float32:
+        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
+    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
+        raise ValueError("counter must be int32 [1]")
+    # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
+    # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
+    cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()), **(config or {})}
+    if cfg["UP_MODE"] not in (4, 8):
+        raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")
+    if cfg["BLOCK_N"] % GROUP:
+        raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
+    grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))
+    _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_global, down_global, weights, acc,
+                               counter if counter is not None else acc, L, I, geom.up_scales_off, geom.down_off,
+                               COUNT=counter is not None, **cfg)
+    return acc
+
+
+def expert_layer_torch(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None):
+    """Twin: up, ReLU² + group mask, sparse down (blocks: a list of U8 tensors, one expert block each)."""
+    acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
+    act, mask = relu2_group_mask_torch(expert_up_torch(x, blocks, geom, up_global))
+    return sparse_down_torch(act, mask, blocks, geom, down_global, weights, acc)
