@@ -186,6 +186,9 @@ def parse_args(argv=None):
                          "make the server reach its own or the network's internal services")
     ap.add_argument("--max-image-pixels", type=int, default=50_000_000,
                     help="images with more pixels (width x height) get a 400 (default 50 megapixels)")
+    ap.add_argument("--max-tokens-default", type=int, default=2048,
+                    help="tokens a request may generate when it sets no max_tokens (default 2048: minutes, not hours, "
+                         "at a few tokens per second; reported in /v1/models)")
     ap.add_argument("--max-body-mb", type=float, default=None,
                     help="larger request bodies get a 413, read no further than the limit (default: 16 MiB + 64 bytes "
                          "per token of the context)")
@@ -202,8 +205,51 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the HTTP port cannot be had (checked before anything loads), or None."""
+    import errno
+    import socket
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"--host {host}: cannot resolve it ({e})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use (another server?): stop it or choose another --port"
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why --device cannot be used, or None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return f"--device {device}, but no CUDA GPU is visible to torch: use --device cpu (or auto)"
+    index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
+    if index >= torch.cuda.device_count():
+        return f"--device {device}, but only {torch.cuda.device_count()} CUDA GPU(s) are visible"
+    return None
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # flags that cannot work are one line and exit status 2, before anything is loaded or written
+    if a.max_tokens_default < 1:
+        log(f"error: --max-tokens-default {a.max_tokens_default}: must be at least 1")
+        return 2
+    for problem in (port_problem(a.host, a.port), device_problem(a.device)):
+        if problem:
+            log(f"error: {problem}")
+            return 2
     a.api_key = a.api_key or os.environ.get("MOESTREAM_API_KEY") or None
     demo = not a.model and not a.store
     model = Path(a.model) if a.model else (ensure_demo_model() if demo else None)
@@ -245,6 +291,17 @@ def main(argv=None) -> int:
         return 130
 
 
+async def relay_progress(stream, state) -> None:
+    """The repack's stderr goes on to ours; its progress bar's percentage goes to /health ("repacking (n %)")."""
+    import re
+    while chunk := await stream.read(4096):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+        done = re.findall(rb"(\d+)%\|", chunk)
+        if done:
+            state.loading = f"repacking ({int(done[-1])} %)"
+
+
 def make_server(config):
     """uvicorn.Server without its own signal handling: the launcher drains and stops in its own order."""
     import uvicorn
@@ -280,7 +337,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
                                        allow_image_urls=a.allow_image_urls,
                                        allow_private_image_urls=a.allow_private_image_urls,
                                        max_image_pixels=a.max_image_pixels,
-                                       max_body_bytes=int(a.max_body_mb * (1 << 20)) if a.max_body_mb else None),
+                                       max_body_bytes=int(a.max_body_mb * (1 << 20)) if a.max_body_mb else None,
+                                       max_tokens_default=a.max_tokens_default, log_level=a.log_level),
                           client)
     server = make_server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                     timeout_graceful_shutdown=5, lifespan="off"))
@@ -310,7 +368,7 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
     while not server.started:
         if serve_task.done() or stop.is_set():
             log(f"error: could not serve on {a.host}:{a.port}")
-            return 1
+            return 2
         await asyncio.sleep(0.02)
     if a.port == 0:
         a.port = server.servers[0].sockets[0].getsockname()[1]
@@ -328,10 +386,14 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
             if not store_is_complete(store):
                 notify(f"STATUS=repacking {model} into {store}")
                 log(f"repacking {model} into the expert store {store} (once; resumable)")
+                state.loading = "repacking (0 %)"
                 p = repack_proc[0] = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT))
+                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT),
+                    stderr=asyncio.subprocess.PIPE)
+                await relay_progress(p.stderr, state)
                 if await p.wait() != 0:
                     raise RuntimeError(f"repacking {model} failed (exit code {p.returncode})")
+            state.loading = "loading"
             notify("STATUS=loading the model")
             await client.start()
             await tok

@@ -19,36 +19,27 @@ class Step:
 
 
 def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, prefill_chunk: int = 512,
-             cancel: threading.Event | None = None, logprobs: int | None = None) -> Iterator[Step]:
+             cancel: threading.Event | None = None, logprobs: int | None = None, grammar=None,
+             context_ids: list[int] | None = None) -> Iterator[Step]:
     """Yields tokens as they are chosen. `state` (an InferenceState that already holds a prefix) is advanced
     in place; a stop token ends generation and is yielded with finish_reason 'stop'. The last yielded token
     is never fed to the model, so afterwards `state.position` tokens of prompt + output are in the state.
     `logprobs` (None = off, k >= 0) adds each token's log-probability and the k most likely alternatives,
-    from the raw logits (before temperature and truncation), as OpenAI and vLLM report them."""
+    from the raw logits (before temperature and truncation), as OpenAI and vLLM report them. The token is chosen on
+    the logits' device (gpu_worker.sampling); `grammar` constrains it; `context_ids` (the whole prompt, when
+    `prompt_ids` is the tail after a snapshot) is what repetition_penalty looks back at."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     state = model.new_state() if state is None else state
-    sampler = Sampler(params)
+    sampler = Sampler(params, prompt_ids=context_ids if context_ids is not None else prompt_ids, grammar=grammar)
     logits = None
     for s in range(0, len(prompt_ids), prefill_chunk):
         if cancel is not None and cancel.is_set():
             return
         logits = model.forward(prompt_ids[s:s + prefill_chunk], state, last_only=True)
     stops = set(params.stop_token_ids)
-    banned = torch.tensor(sorted(t for t in stops if 0 <= t < logits.shape[-1]), dtype=torch.long)
     for i in range(params.max_tokens):
-        row = logits[-1]
-        if i < params.min_tokens and banned.numel():
-            row = row.clone()
-            row[banned.to(row.device)] = float("-inf")
-        tok = sampler(row)
-        lp = top = None
-        if logprobs is not None:
-            lsm = torch.log_softmax(logits[-1].float(), -1).cpu()
-            lp = float(lsm[tok])
-            if logprobs > 0:
-                v, ix = lsm.topk(min(logprobs, lsm.numel()))
-                top = list(zip(ix.tolist(), v.tolist()))
+        tok, lp, top = sampler.step(logits[-1], logprobs)     # min_tokens' ban on stop tokens is the sampler's
         if tok in stops:
             yield Step(tok, "stop", lp, top)
             return

@@ -93,16 +93,20 @@ class _Decoded:
     t_first: float | None = None
     t_last: float | None = None
     disk_at_first: int = 0
+    lookups_at_start: tuple[int, int] = (0, 0)
     t_end: float = 0.0
 
 
 class Worker:
     def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None,
-                 image_geometry=None):
+                 image_geometry=None, model_dir: str | None = None):
         """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None;
-        image_geometry: its `nemotron.vision_preprocess.ImageGeometry`."""
+        image_geometry: its `nemotron.vision_preprocess.ImageGeometry`; model_dir: where the tokenizer is (for
+        grammars)."""
         self.engine, self.model, self.chan = engine, engine.model, chan
         self.vision, self.image_geometry = vision, image_geometry
+        self.model_dir = model_dir
+        self._grammars = None       # gpu_worker.grammar.GrammarCompiler, built by the first constrained request
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
         self.jobs: queue.Queue = queue.Queue()
@@ -151,6 +155,22 @@ class Worker:
             if msg is None:
                 return
             self.run(msg)
+
+    def _lookups(self) -> tuple[int, int]:
+        """The expert cache's (hits, misses) so far."""
+        try:
+            c = self.engine.cache_stats()
+            return int(c.get("lookup_hits", 0)), int(c.get("lookup_misses", 0))
+        except Exception:
+            return 0, 0
+
+    def _grammar(self, g: m.Grammar):
+        """A request's grammar matcher (gpu_worker/grammar.py)."""
+        if self._grammars is None:
+            from gpu_worker.grammar import GrammarCompiler
+            c = self.model.config
+            self._grammars = GrammarCompiler(self.model_dir, c.vocab_size, c.eos_token_ids)
+        return self._grammars.matcher(g.structural_tag, g.special_tokens)
 
     def _disk_bytes(self) -> int:
         try:
@@ -223,9 +243,12 @@ class Worker:
         """The rest of the prompt and the generated tokens, each sent as it is chosen."""
         from gpu_worker.generate import generate
         out = _Decoded()
+        out.lookups_at_start = self._lookups()
+        grammar = self._grammar(req.msg.grammar) if req.msg.grammar is not None else None
         if not req.cancel.is_set():
             for step in generate(self.engine, req.ids[req.pos:], req.msg.params, state=req.state,
-                                 prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs):
+                                 prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs,
+                                 grammar=grammar, context_ids=req.ids):
                 out.t_last = time.perf_counter()
                 if out.t_first is None:
                     out.t_first = out.t_last
@@ -235,6 +258,9 @@ class Worker:
                 self.chan.send(m.Token(req.msg.id, step.token, step.finish_reason, step.logprob, step.top_logprobs))
         if out.finish is None:
             out.finish = "cancelled"
+        if grammar is not None and grammar.rejected is not None:
+            log(f"request {req.msg.id}: the grammar refused token {grammar.rejected} that its own mask allowed; "
+                "the rest of the answer was not constrained")
         out.t_end = time.perf_counter()
         return out
 
@@ -266,7 +292,9 @@ class Worker:
             tokens=d["tokens"], ms_waiting_for_disk_total=d["ms_waiting_for_disk_total"],
             ms_experts_total=d["ms_experts_total"], ms_waiting_for_router_total=d["ms_waiting_for_router_total"],
             ms_bookkeeping_total=d["ms_bookkeeping_total"], bytes_over_pcie_total=d["bytes_over_pcie_total"],
-            bytes_from_disk_decode_total=disk_decode)
+            bytes_from_disk_decode_total=disk_decode,
+            **{k: b - a for k, a, b in zip(("expert_lookup_hits_total", "expert_lookup_misses_total"),
+                                           out.lookups_at_start, self._lookups())})
         self.chan.send(m.Done(req.msg.id, out.finish, timings, engine))
 
     def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
@@ -413,7 +441,7 @@ def main(argv=None) -> int:
             pid=os.getpid(), device=a.device, dtype=a.dtype, vocab_size=c.vocab_size,
             eos_token_ids=list(c.eos_token_ids), model_key=key, cache_prefix=engine.sup.prefix,
             cache_child_pids=engine.sup.child_pids(), snapshots_on_disk=len(snaps.disk))))
-        worker = Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry)
+        worker = Worker(engine, chan, snaps, a.prefill_chunk, vision, image_geometry, model_dir=a.model or a.store)
 
         def cache_lost(why: str) -> None:       # the supervisor gave up: say so, stop serving, exit non-zero
             lost.append(why)

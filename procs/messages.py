@@ -44,6 +44,12 @@ class SamplingParams:
     max_tokens: int = 256
     min_tokens: int = 0              # stop tokens cannot be chosen before this many tokens
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0               # drop tokens below min_p x the most likely token's probability
+    presence_penalty: float = 0.0    # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0   # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF / vLLM: seen tokens' logits (prompt and answer) divided (> 0) or multiplied
+    # (token id, bias) pairs, added to the logits; pairs, not a map: msgpack maps of this wire have string keys
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -57,6 +63,17 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError("min_tokens must be >= 0")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        bias = dict(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        for t, b in bias.items():
+            if int(t) < 0 or not -100 <= float(b) <= 100:
+                raise ValueError(f"logit_bias {t}: {b}: token ids >= 0, biases in [-100, 100]")
+        self.logit_bias = tuple(sorted((int(t), float(b)) for t, b in bias.items()))
 
     @staticmethod
     def model_defaults(generation_config: dict) -> dict:
@@ -104,6 +121,14 @@ class Images:
     digests: list[str]
 
 
+@dataclass
+class Grammar:
+    """Constrained decoding (server/constrained.py builds it, gpu_worker/grammar.py compiles it): an xgrammar
+    structural tag (JSON) and the special tokens it spells, which the grammar's vocabulary keeps."""
+    structural_tag: str
+    special_tokens: list[str] = field(default_factory=list)
+
+
 @_message("generate", TO_WORKER)
 class Generate:
     id: str
@@ -113,6 +138,7 @@ class Generate:
     keep_at: list[int] = field(default_factory=list)    # prompt lengths at which to keep a snapshot too
     use_snapshots: bool = True
     images: Union[Images, None] = None
+    grammar: Union[Grammar, None] = None
 
 
 @_message("cancel", TO_WORKER)
@@ -165,6 +191,8 @@ class EngineTotals:
     ms_bookkeeping_total: float
     bytes_over_pcie_total: int
     bytes_from_disk_decode_total: int
+    expert_lookup_hits_total: int = 0        # this request's expert look-ups found in the RAM cache
+    expert_lookup_misses_total: int = 0
 
 
 @dataclass

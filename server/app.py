@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from procs import messages as m
-from server import errors, limits
+from server import errors, limits, openapi, request_options
+from server.metrics import log as request_log, request_line, setup_logging
+from server.tool_calls import CallsInContent, messages_for_template
 from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ImagePart, TextPart
@@ -40,6 +42,8 @@ class ServerSettings:
     max_image_pixels: int = 50_000_000  # larger images are a 400 (--max-image-pixels)
     max_body_bytes: int | None = None   # larger request bodies are a 413 (--max-body-mb); None: fits the context
     store_dir: str | None = None        # the expert store (named in the log when a block is damaged)
+    max_tokens_default: int = 2048      # a request without max_tokens gets at most this many (--max-tokens-default)
+    log_level: str = "info"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -50,6 +54,7 @@ class ServerState:
         self.piece_chars: int | None = None      # the most characters one token stands for
         self.draining = False
         self.store_damaged: str | None = None     # why the expert store cannot serve a block (then /health 503)
+        self.loading: str | None = None     # the launcher's phase before the compute process: "repacking (n %)"
         self.metrics = Metrics(client)
         cfg = _read_json(Path(settings.model_dir) / "config.json")
         gen = _read_json(Path(settings.model_dir) / "generation_config.json")
@@ -99,6 +104,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="moestream", version="0.1.0",
                   description="OpenAI-compatible API of moestream (NemotronH MoE with experts streamed from NVMe)")
     app.state.ms = state
+    setup_logging(state.settings.log_level)
+    plain_openapi = app.openapi
+    app.openapi = lambda: openapi.drop_unused_422(plain_openapi())
     app.add_exception_handler(RequestValidationError, errors.validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.http_error)
     app.add_exception_handler(APIError, errors.api_error)
@@ -118,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     auth = [Depends(check_key)]
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH)
     async def health():
         if state.ready and state.store_damaged is None:
             return {"status": "ok"}
@@ -133,26 +141,31 @@ def create_app(state: ServerState) -> FastAPI:
             msg = "shutting down"
         elif c.state == "restarting":
             msg = "the compute process is restarting"
+        elif state.loading and state.loading.startswith("repacking"):
+            msg = state.loading                     # "repacking (n %)": the store is being made, once
         else:
-            msg = f"Loading model ({c.status})"
+            msg = f"loading ({c.status})" if c.status else "loading"
         return JSONResponse({"status": "unavailable", "error": {"code": 503, "message": errors.without_paths(msg),
                                                                  "type": "unavailable_error"}},
                             status_code=503, headers={"Retry-After": str(state.settings.retry_after_s)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.METRICS, response_class=Response)
     async def metrics():
         return Response(await state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, response_model=None,
+             responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models():
         return {"object": "list", "data": [_model_card(state)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=None,
+             responses={200: {"model": openapi.ModelCard}, **openapi.errors(401, 404)})
     async def model(model_id: str):
         _check_model(state, model_id)
         return _model_card(state)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth, response_model=None,
+              responses={200: {"model": openapi.Tokens}, **openapi.errors(400, 401, 404, 413, 503)})
     async def tokenize(req: TokenizeRequest):
         tok = _tokenizer(state)
         limits.check_text(req)
@@ -160,7 +173,7 @@ def create_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, None,
+            ids, _, _ = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs, req.tools,
                                                 req.add_generation_prompt)    # it may fetch image URLs
         else:
             encode = lambda text: tok.encode(text, add_special_tokens=req.add_special_tokens)    # noqa: E731
@@ -171,7 +184,8 @@ def create_app(state: ServerState) -> FastAPI:
                 raise limits.context_error(state.max_model_len, e, "prompt")
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, response_model=None,
+              responses={200: {"model": openapi.Text}, **openapi.errors(400, 401, 404, 413, 503)})
     async def detokenize(req: DetokenizeRequest):
         tok = _tokenizer(state)
         limits.check_text(req)
@@ -179,23 +193,25 @@ def create_app(state: ServerState) -> FastAPI:
         _check_ids(state, req.tokens, "tokens")
         return {"prompt": tok.decode(req.tokens)}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None,
+              responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
         limits.check_text(req)
         _check_model(state, req.model)
         _check_unsupported(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
         ids, keep_at, images = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs,
                                                        req.tools, True)
+        in_reasoning = tok.starts_in_reasoning(ids)
+        tools = await asyncio.to_thread(request_options.chat_tools, req, in_reasoning)   # compiles a schema check
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         gen = _Gen(state, "chat", req, ids, max_tokens, keep_at=keep_at, images=images,
                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                   reasoning=True, in_reasoning=tok.starts_in_reasoning(ids))
+                   reasoning=True, in_reasoning=in_reasoning, tools=tools)
         return await gen.respond(request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, response_model=None,
+              responses=openapi.generation(openapi.Completion))
     async def completions(req: CompletionRequest, request: Request):
         tok = _tokenizer(state)
         limits.check_text(req)
@@ -240,7 +256,11 @@ def _tokenizer(state: ServerState) -> Tokenizer:
 def _model_card(state: ServerState) -> dict:
     s = state.settings
     return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "moestream",
-            "root": s.model_name, "max_model_len": state.max_model_len}     # not model_dir: no server paths
+            "root": s.model_name, "max_model_len": state.max_model_len,     # not model_dir: no server paths
+            "max_tokens_default": s.max_tokens_default,
+            # what a request that sets no chat_template_kwargs gets (the demo: thinking off, so the text of a
+            # random-weight model arrives as content, not as reasoning_content)
+            "default_chat_template_kwargs": dict(s.chat_template_kwargs)}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -256,9 +276,7 @@ def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def _check_unsupported(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    request_options.refuse_unsupported(req)
 
 
 def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generation_prompt: bool):
@@ -286,6 +304,7 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
         if d.get("role") == "developer":
             d["role"] = "system"
         msgs.append(d)
+    msgs = messages_for_template(msgs)
     from nemotron.vision_preprocess import IMAGE_TOKEN
     from nemotron.vision_prompt import ImageTokenError, PromptImages, encode_prompt, image_token_id
     prompt_images = images = None
@@ -317,8 +336,11 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
 # ------------------------------------------------------------------------------------------------ one generation
 class _Gen:
     def __init__(self, state: ServerState, kind: str, req, ids: list[int], max_tokens, keep_at=(), logprobs=None,
-                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None):
+                 reasoning: bool = False, in_reasoning: bool = False, echo: str | None = None, images=None,
+                 tools: request_options.ChatTools | None = None):
         self.state, self.kind, self.req, self.ids = state, kind, req, ids
+        self.tools = tools
+        self.calls = CallsInContent(tools.tools, tools.parallel) if tools is not None and tools.parse else None
         self.images = images
         self.tok = state.tokenizer
         self.logprobs = logprobs
@@ -335,30 +357,37 @@ class _Gen:
                                 f"{n} tokens{want}. Shorten the prompt or lower max_tokens.",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
                            n_prompt_tokens=n, n_ctx=limit)
-        self.max_tokens = max_tokens if max_tokens is not None else limit - n
+        # no max_tokens: a bounded default, not the rest of the context (a near-endless request at a few tok/s)
+        self.max_tokens = max_tokens if max_tokens is not None else min(limit - n, state.settings.max_tokens_default)
         stops = [] if req.ignore_eos else list(self.tok.eos_ids)
         stops += [int(t) for t in (req.stop_token_ids or [])]
         # the API's own readings of some fields (top_k -1 is off, min_tokens at most max_tokens, stop tokens
-        # are the eos ids plus the request's); every other sampling field is taken by name
+        # are the eos ids plus the request's, logit_bias checked against the vocabulary); every other sampling
+        # field is taken by name
         self.params = m.SamplingParams.for_request(
             {**{k: getattr(req, k) for k in type(req).model_fields}, "top_k": None if req.top_k is None else max(req.top_k, 0), "max_tokens": self.max_tokens,
-             "min_tokens": min(req.min_tokens, self.max_tokens), "stop_token_ids": sorted(set(stops))},
+             "min_tokens": min(req.min_tokens, self.max_tokens), "stop_token_ids": sorted(set(stops)),
+             "logit_bias": request_options.logit_bias(req, state.vocab_size)},
             state.sampling_defaults)
         self.stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning)
+        self.text = TextStream(self.tok, self.stop_strings, reasoning=reasoning, in_reasoning=in_reasoning,
+                               literal_tokens=self.tok.tool_call_marks if self.calls is not None else ())
         self.keep_at = list(keep_at)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.tokens: list[int] = []
         self.finish = None
         self.cached = 0
         self.timings: m.Timings | None = None
+        self.engine: m.EngineTotals | None = None     # the engine's figures of this request (the done message)
         self.job = None
 
     # ---- talking to the worker ------------------------------------------------------------------
     def submit(self) -> None:
         msg = m.Generate(id="", prompt_ids=self.ids, params=self.params, logprobs=self.logprobs,
                          keep_at=self.keep_at, use_snapshots=bool(self.req.cache_prompt),
-                         images=self.images.message() if self.images is not None else None)
+                         images=self.images.message() if self.images is not None else None,
+                         grammar=m.Grammar(**self.tools.grammar) if self.tools is not None and
+                         self.tools.grammar is not None else None)
         try:
             self.job = self.state.client.submit(msg)
         except QueueFull as e:
@@ -389,22 +418,28 @@ class _Gen:
                         lps = [(t, ev.logprob, ev.top_logprobs or [])]
                     if self.text.stopped:
                         stopped_by_text = True
-                        self.finish = "stop"
                         client.cancel(job)
+                        deltas = self._route(deltas, final=True)
+                        self.finish = self._tool_finish("stop")
                     elif ev.finish_reason:
                         tail = self.text.finish()
-                        deltas = {k: deltas[k] + tail[k] for k in deltas}
-                        self.finish = ev.finish_reason
+                        deltas = self._route({k: deltas[k] + tail[k] for k in deltas}, final=True)
+                        self.finish = self._tool_finish(ev.finish_reason)
+                    else:
+                        deltas = self._route(deltas)
                     yield deltas, lps
                 elif isinstance(ev, m.Done):
                     self.timings = ev.timings
+                    self.engine = ev.engine
                     if self.finish is None:
-                        tail = self.text.finish()
-                        if tail["reasoning"] or tail["content"]:
+                        tail = self._route(self.text.finish(), final=True)
+                        if tail["reasoning"] or tail["content"] or tail["tool_calls"]:
                             yield tail, None
                         self.finish = "abort" if ev.finish_reason == "cancelled" else ev.finish_reason
+                        self.finish = self._tool_finish(self.finish)
                     return
                 elif isinstance(ev, m.Error):
+                    self.finish = "error"
                     if ev.abort:
                         raise APIError(503, ev.message, code="aborted")
                     if ev.store_damaged:
@@ -417,13 +452,30 @@ class _Gen:
                 client.cancel(job)
             self._observe()
 
+    def _route(self, deltas: dict, final: bool = False) -> dict:
+        """Content through the tool-call parser when the request has tools; adds 'tool_calls' (delta entries)."""
+        if self.calls is None:
+            return {**deltas, "tool_calls": []}
+        return self.calls.finish(deltas) if final else self.calls.route(deltas)
+
+    def _tool_finish(self, finish: str | None) -> str | None:
+        # OpenAI: "tool_calls" when the model called tools (auto / required); a named tool_choice stays "stop"
+        if finish == "stop" and self.calls is not None and self.calls.calls and not self.tools.named:
+            return "tool_calls"
+        return finish
+
     def _observe(self) -> None:
-        if self.finish is None:
-            return
+        finish = self.finish or "cancelled"      # the client left: still a request, counted as such
         t = self.full_timings()
         queue_s = (self.job.started - self.job.enqueued) if self.job and self.job.started else 0.0
-        self.state.metrics.observe(self.kind, self.finish, len(self.ids), self.cached, len(self.tokens), t,
+        self.state.metrics.observe(self.kind, finish, len(self.ids), self.cached, len(self.tokens), t,
                                    queue_s, time.monotonic() - self.t0)
+        e = self.engine
+        hits = e.expert_lookup_hits_total if e is not None else 0
+        looked = hits + e.expert_lookup_misses_total if e is not None else 0
+        request_log.info(request_line(self.rid, self.kind, finish, len(self.ids), self.cached, len(self.tokens),
+                                      t["prompt_ms"] / 1e3 if self.tokens else None, t["predicted_per_second"],
+                                      hits / looked if looked else None))
 
     def usage(self) -> dict:
         u = {"prompt_tokens": len(self.ids), "completion_tokens": len(self.tokens),
@@ -524,6 +576,9 @@ class _Gen:
                 "usage": self.usage(), "timings": self.full_timings()}
         if self.kind == "chat":
             msg = {"role": "assistant", "content": "".join(content)}
+            if self.calls is not None and self.calls.calls:
+                msg["tool_calls"] = self.calls.calls
+                msg["content"] = msg["content"] or None      # OpenAI: null content beside tool calls
             r = "".join(reasoning)
             if r:
                 msg["reasoning_content"] = r
@@ -555,6 +610,8 @@ class _Gen:
                         delta["reasoning_content"] = deltas["reasoning"]
                     if deltas["content"]:
                         delta["content"] = deltas["content"]
+                    if deltas["tool_calls"]:
+                        delta["tool_calls"] = deltas["tool_calls"]
                     if delta or lps:
                         yield self._chunk({"index": 0, "delta": delta, "logprobs": self._chat_logprobs(lps),
                                            "finish_reason": None})

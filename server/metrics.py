@@ -3,6 +3,9 @@ finish; the engine's figures (cache hit rate, bytes from disk and over PCIe per 
 breakdown, snapshots) are read from the compute process at scrape time."""
 from __future__ import annotations
 
+import logging
+import sys
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -13,6 +16,38 @@ LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/models",
              "/v1/models/{model_id:path}", "/health", "/metrics"}      # other paths count as "other"
 PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+log = logging.getLogger("moestream.requests")
+
+
+def setup_logging(level: str = "info") -> None:
+    """One line per finished request on stderr at INFO (`request_line`); uvicorn's access lines for /health (a
+    probe every few seconds) only at DEBUG."""
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("moestream: %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+    log.setLevel(level.upper())
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _QuietProbes) for f in access.filters):
+        access.addFilter(_QuietProbes())
+
+
+class _QuietProbes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]) if len(args) >= 3 else ""
+        return path.split("?")[0] != "/health" or logging.getLogger("uvicorn.access").isEnabledFor(logging.DEBUG)
+
+
+def request_line(rid: str, endpoint: str, finish: str, prompt_n: int, cached_n: int, completion_n: int,
+                 ttft_s: float | None, decode_tps: float, hit_rate: float | None) -> str:
+    ttft = f"{ttft_s * 1e3:.0f} ms" if ttft_s is not None else "-"
+    hits = f"{100 * hit_rate:.1f} %" if hit_rate is not None else "-"
+    return (f"request {rid} {endpoint}: prompt {prompt_n} tokens ({cached_n} cached), generated {completion_n}, "
+            f"TTFT {ttft}, {decode_tps:.1f} tok/s, expert cache hit rate {hits}, finish {finish}")
 
 
 class Metrics:

@@ -54,6 +54,7 @@ class ChatMessage(_Base):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    continuous_usage_stats: Optional[bool] = Field(None, description="not supported (400): usage comes once")
 
 
 class _Sampling(_Base):
@@ -72,6 +73,11 @@ class _Sampling(_Base):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, description="> 1 discourages tokens of the "
+                                                "prompt and the answer (vLLM, HF)")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="drop tokens below min_p x the top probability")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id -> bias in [-100, 100]")
+    best_of: Optional[int] = Field(None, description="not supported (400) unless 1")
     user: Optional[str] = None
     cache_prompt: bool = Field(True, description="continue from a conversation snapshot when one matches, and keep "
                                                  "one afterwards (llama.cpp)")
@@ -86,7 +92,12 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
     tools: Optional[list[dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = Field(None, description="text, json_object or json_schema "
+                                                      "(constrained decoding)")
+    functions: Optional[list[dict[str, Any]]] = Field(None, description="deprecated; not supported (400): use tools")
+    function_call: Optional[Union[str, dict[str, Any]]] = Field(None, description="deprecated; not supported (400)")
 
 
 class CompletionRequest(_Sampling):
@@ -103,6 +114,7 @@ class TokenizeRequest(_Base):
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
 
 
 class DetokenizeRequest(_Base):

@@ -19,6 +19,7 @@ class Tokenizer:
         self.think_start = vocab.get("<think>")
         self.think_end = vocab.get("</think>")
         self.im_start = vocab.get("<|im_start|>")
+        self.tool_call_marks = [vocab[m] for m in ("<tool_call>", "</tool_call>") if m in vocab]
         self.has_template = bool(getattr(self.tok, "chat_template", None))
         self.eos_ids = self._eos_ids(vocab)
 
@@ -79,7 +80,7 @@ class TextStream:
     responses both go through this, so they are equal by construction."""
 
     def __init__(self, tok: Tokenizer, stop: list[str] | None = None, reasoning: bool = False,
-                 in_reasoning: bool = False):
+                 in_reasoning: bool = False, literal_tokens=()):
         from tokenizers.decoders import DecodeStream
         self.tok = tok
         self.decoder = DecodeStream(skip_special_tokens=True)
@@ -91,6 +92,7 @@ class TextStream:
         self.stopped = False
         self.text = {"reasoning": "", "content": ""}
         self.reasoning_tokens = 0
+        self.literal = set(literal_tokens)   # special tokens whose text is kept (<tool_call>: the tool parser reads it)
 
     def push(self, token: int) -> dict:
         """Feed one token; returns {'reasoning': str, 'content': str} deltas (empty strings when nothing new)."""
@@ -105,7 +107,7 @@ class TextStream:
             return out
         if self.segment == "reasoning":
             self.reasoning_tokens += 1
-        piece = self.decoder.step(self.tok.backend, int(token))
+        piece = self.tok.piece(token) if token in self.literal else self.decoder.step(self.tok.backend, int(token))
         if piece:
             self._add(piece, out)
         return out

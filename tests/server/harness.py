@@ -43,6 +43,7 @@ class Launcher:
             self.env["MOESTREAM_API_KEY"] = api_key
         self.proc: subprocess.Popen | None = None
         self.health_seen: list[int] = []
+        self.health_messages: list[str] = []    # what /health said while not ready, each change once
         self.log_path: Path | None = None
 
     def start(self, log_path: Path, timeout: float = 240.0) -> "Launcher":
@@ -60,9 +61,14 @@ class Launcher:
                     continue
                 self.url = found.group(1).decode()
             try:
-                code = httpx.get(self.url + "/health", timeout=2).status_code
+                r = httpx.get(self.url + "/health", timeout=2)
+                code = r.status_code
                 if not self.health_seen or self.health_seen[-1] != code:
                     self.health_seen.append(code)
+                if code == 503:
+                    said = r.json()["error"]["message"]
+                    if not self.health_messages or self.health_messages[-1] != said:
+                        self.health_messages.append(said)
                 if code == 200:
                     return self
             except httpx.TransportError:

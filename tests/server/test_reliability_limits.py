@@ -202,7 +202,7 @@ def test_failures_are_counted_by_reason(server, model):
             f"Content-Length: {2 << 20}\r\n\r\n").encode()
     post_raw(server, head)
     httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1,
-                                                     "presence_penalty": 1.0})
+                                                     "best_of": 2})     # refused: one candidate per request
     counts = {}
     for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
         for smp in fam.samples:
