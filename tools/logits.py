@@ -11,7 +11,8 @@ read from the checkpoint in memory. Both give the same arrays.
 
 OUT.npz: `logits` float32 [T, vocab] (prefill of the ids, used as given: no BOS, no template), `greedy`
 int64 [N] (greedy continuation through the step-by-step decode path; exactly N tokens, end-of-sequence does
-not stop it), `greedy_logits` float32 [N, vocab] (the logits behind each greedy token), `prompt_ids` int64 [T].
+not stop it), `greedy_logits` float32 [N, vocab] (row i: the logits greedy token i was chosen from,
+so argmax(row i) == greedy[i]; row 0 is the prefill's last row), `prompt_ids` int64 [T].
 
 `--messages-file` (an Omni / VL checkpoint): a JSON list of OpenAI-style chat messages, images as `image_url`
 parts with `data:image/png;base64,...` URLs. The checkpoint's chat template renders them (with the generation
@@ -95,11 +96,12 @@ def logits_and_greedy(model, ids: list[int], n_decode: int, prefill_chunk: int =
     logits = torch.cat(parts)
     last = logits[-1]
     greedy, greedy_logits = [], []
-    for _ in range(n_decode):
+    for i in range(n_decode):
         tok = int(last.argmax())
         greedy.append(tok)
-        last = model.forward([tok], state)[0]
-        greedy_logits.append(last.cpu().numpy())
+        greedy_logits.append(last.cpu().numpy())    # row i: the logits token i was chosen from
+        if i + 1 < n_decode:                         # the last token chosen is never fed
+            last = model.forward([tok], state)[0]
     vocab = logits.shape[1]
     gl = np.stack(greedy_logits) if greedy_logits else np.zeros((0, vocab), np.float32)
     return logits.cpu().numpy(), np.array(greedy, dtype=np.int64), gl
