@@ -28,6 +28,8 @@ class StreamingEngine:
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
         (gpu_worker/decode_graphs.py)."""
         store_dir = Path(store_dir)
+        # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py)
+        self.prefill_budget_bytes = vram_reserve_bytes if vram_bytes is not None else None
         dense = Checkpoint(store_dir)
         if model_dir is not None:
             want = Checkpoint(model_dir).config.config_hash()

@@ -68,12 +68,14 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None):
-        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None."""
+    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 0, vision=None):
+        """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None.
+        prefill_chunk: a cap on the prefill's span in tokens (0: the engine's prefill memory budget alone)."""
         self.engine, self.model, self.chan = engine, engine.model, chan
         self.vision = vision
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = engine.prefill_budget_bytes
         self.jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.current: tuple[str, threading.Event] | None = None
@@ -177,8 +179,8 @@ class Worker:
             t_first = t_last = None
             disk_at_first = 0
             if not cancel.is_set():
-                for step in generate(self.model, ids[pos:], params, state=state, prefill_chunk=self.prefill_chunk,
-                                     cancel=cancel, logprobs=msg.get("logprobs")):
+                for step in generate(self.model, ids[pos:], params, state=state, prefill_budget=self.prefill_budget,
+                                     max_span=self.prefill_chunk, cancel=cancel, logprobs=msg.get("logprobs")):
                     t_last = time.perf_counter()
                     if t_first is None:
                         t_first = t_last
@@ -227,19 +229,13 @@ class Worker:
                 self.current = None
 
     def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
-        """Feed ids[pos:end] in chunks; `rows` = (embeddings [K, hidden], absolute positions [K]) of image
-        tokens, whose embeddings replace the token embeddings."""
-        while pos < end and not cancel.is_set():
-            e = min(end, pos + self.prefill_chunk)
-            kw = {}
-            if rows is not None:
-                emb, at = rows
-                sel = (at >= pos) & (at < e)
-                if bool(sel.any()):
-                    kw = dict(image_embeds=emb[sel], image_positions=at[sel] - pos)
-            self.model.forward(ids[pos:e], state, last_only=True, **kw)
-            pos = e
-        return pos
+        """Feed ids[pos:end] (the state holds ids[:pos]) through the one prefill loop; `rows` = (embeddings
+        [K, hidden], absolute positions [K]) of image tokens, whose embeddings replace the token embeddings.
+        Returns the position reached: end, or 0 when cancelled (the state is then emptied)."""
+        from gpu_worker.prefill import ImageRows, prefill
+        prefill(self.model, ids, state, pos, end, images=ImageRows(*rows) if rows is not None else None,
+                cancel=cancel, budget_bytes=self.prefill_budget, max_span=self.prefill_chunk)
+        return state.position
 
     def _image_layout(self, img: dict, n_ids: int) -> dict:
         if self.vision is None:
@@ -283,7 +279,8 @@ class Worker:
                                      "ms_experts": acct.ms_experts, "ms_waiting_for_router": acct.ms_waiting_for_router,
                                      "ms_bookkeeping": acct.ms_bookkeeping,
                                      "bytes_over_pcie": acct.bytes_over_pcie, "hits_at_lookup": acct.hits_at_lookup,
-                                     "misses_at_lookup": acct.misses_at_lookup}}
+                                     "misses_at_lookup": acct.misses_at_lookup},
+               "prefill": self.engine.experts.prefill_acct.totals()}
         try:
             cs = self.engine.cache_stats()
             out["cache"] = {k: v for k, v in cs.items() if isinstance(v, (int, float))}
@@ -341,7 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--io-workers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="cap on the prefill span in tokens (0: the prefill memory budget alone decides)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
     ap.add_argument("--snapshot-dir")

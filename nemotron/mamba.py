@@ -69,10 +69,12 @@ class Mamba2Mixer:
             dt = dt.clamp(self.dt_min, self.dt_max)
         x = x.float().view(T, self.nh, self.hd)
         rep = self.nh // self.ng
-        B = B.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)  # [T, nh, N]
-        C = C.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)
+        # B and C stay per group [T, ng, N]; the scan widens them to heads one chunk at a time (at 16k tokens the
+        # full [T, nh, N] copies alone would be 1 GiB each on Super)
+        B = B.float().view(T, self.ng, self.N)
+        C = C.float().view(T, self.ng, self.N)
         if T == 1:
-            y = self._step(x[0], dt[0], B[0], C[0], st)[None]
+            y = self._step(x[0], dt[0], B[0].repeat_interleave(rep, dim=0), C[0].repeat_interleave(rep, dim=0), st)[None]
         else:
             y = self._chunk_scan(x, dt, B, C, st)
         y = y + self.D[:, None] * x
@@ -92,8 +94,11 @@ class Mamba2Mixer:
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
         seq = torch.cat([st.conv.to(xBC.dtype), xBC], dim=0)            # [K-1+T, conv_dim]
         st.conv = seq[-(self.K - 1):].clone()
-        windows = seq.float().unfold(0, self.K, 1)                       # [T, conv_dim, K]
-        out = (windows * self.conv_w).sum(-1) + self.conv_b
+        seqf = seq.float()
+        T = xBC.shape[0]
+        out = self.conv_b + seqf[:T] * self.conv_w[:, 0]                 # tap by tap: no [T, conv_dim, K] windows
+        for k in range(1, self.K):
+            out = out + seqf[k:k + T] * self.conv_w[:, k]
         return F.silu(out).to(xBC.dtype)
 
     def _step(self, x, dt, B, C, st: MambaState):
@@ -103,13 +108,16 @@ class Mamba2Mixer:
         return torch.einsum("hdn,hn->hd", st.ssm, C)
 
     def _chunk_scan(self, x, dt, B, C, st: MambaState):
-        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks."""
+        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks.
+        B, C per group [T, ng, N]."""
         T = x.shape[0]
-        ys = []
+        rep = self.nh // self.ng
+        ys = torch.empty_like(x)                                          # written chunk by chunk: no list + cat copy
         S = st.ssm
         for s in range(0, T, self.chunk_size):
             e = min(T, s + self.chunk_size)
-            xc, dtc, Bc, Cc = x[s:e], dt[s:e], B[s:e], C[s:e]             # [Q, nh, hd], [Q, nh], [Q, nh, N]
+            xc, dtc = x[s:e], dt[s:e]                                     # [Q, nh, hd], [Q, nh]
+            Bc, Cc = B[s:e].repeat_interleave(rep, dim=1), C[s:e].repeat_interleave(rep, dim=1)   # [Q, nh, N]
             a = dtc * self.A                                              # [Q, nh]
             acs = torch.cumsum(a, dim=0)                                  # [Q, nh]
             Q = e - s
@@ -123,6 +131,6 @@ class Mamba2Mixer:
             decay_to_end = torch.exp(acs[-1][None, :] - acs)              # [Q, nh]
             S = S * torch.exp(acs[-1])[:, None, None] + torch.einsum(
                 "jh,jhd,jhn->hdn", decay_to_end * dtc, xc, Bc)
-            ys.append(y)
+            ys[s:e] = y
         st.ssm = S
-        return torch.cat(ys, dim=0)
+        return ys
