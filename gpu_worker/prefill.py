@@ -9,15 +9,15 @@ layer's experts per chunk: 20.7 GB from disk for a 2,000-token prompt of a 12.7 
 
 The budget's model of memory (`span_bytes`), written from the layers' code, per token of the span:
   residual stream   x, the normed h, the mixer's output and the sum (activation dtype), rms_norm's fp32 copies
-  Mamba2            in_proj output, the conv's input in fp32 and its output, x/B/C in fp32, the scan output,
-                    the gated norm's fp32 temporaries (B and C stay per group; the scan widens one chunk at a time)
   attention         q, k, v, the output and the KV cache's growth (capacity doubles: old + new while copying)
   MoE               latent input, router scores, top-k, shared expert, the accumulator, the experts' tokens in
                     expert order
   logits            one row, or every row with all_logits
-and, once per span: one chunk of the Mamba scan (its [Q, Q, heads] matrices), one query block of attention scores
-(`nemotron.attention.SCORE_BYTES`: a 16k tail never holds T x T scores for all heads), and one grouped expert
-launch's intermediate (`gpu_worker.streaming.PREFILL_BATCH_BYTES`). The largest layer decides, since layers run
+and, once per span (each no more than the span needs): one piece of a Mamba2 mixer (`nemotron.mamba.PIECE_TOKENS`
+tokens: in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's fp32 temporaries, and one scan
+chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so the mixer needs no more), one
+query block of attention scores (`nemotron.attention.SCORE_BYTES`: a 16k tail never holds T x T scores for all
+heads at once), and one grouped expert launch's ReLU² rows (`gpu_worker.streaming.PREFILL_BATCH_BYTES`). The largest layer decides, since layers run
 one after the other. bench/prefill.py checks the estimate against the device's measured peak.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from nemotron.attention import SCORE_BYTES
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
+from nemotron.mamba import PIECE_TOKENS as MAMBA_PIECE_TOKENS
 from nemotron.model import Cancelled
 
 CPU_BUDGET_BYTES = 4 << 30
@@ -68,22 +69,23 @@ def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False)
     if MAMBA in kinds:
         I, conv, nh = cfg.mamba_intermediate, cfg.conv_dim, cfg.mamba_num_heads
         P = I + conv + nh
-        per_layer.append(T * (e * (P + 2 * conv) + 16 * conv + 28 * I + 8 * cfg.n_groups * cfg.ssm_state_size))
+        piece = min(T, cfg.chunk_size * max(1, MAMBA_PIECE_TOKENS // cfg.chunk_size))
         Q = min(cfg.chunk_size, T)
-        fixed.append(6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4)
+        fixed.append(piece * (e * (P + 2 * conv) + 16 * conv + 28 * I + 8 * cfg.n_groups * cfg.ssm_state_size)
+                     + 6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4)
     n_attn = cfg.layer_types.count(ATTENTION)
     kv = 0
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         per_layer.append(T * e * (2 * nq + 2 * nkv) * hd)
         kv = 3 * 2 * nkv * hd * e * n_attn * (past + T)
-        fixed.append(SCORE_BYTES)
+        fixed.append(min(SCORE_BYTES, nq * T * (past + T) * (2 * e + 8)))
     if MOE in kinds:
         Lat = cfg.moe_latent_size or H
         k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
         S = cfg.moe_shared_expert_intermediate_size if cfg.n_shared_experts else 0
         per_layer.append(T * (2 * e * Lat + 12 * E + 12 * k + 2 * e * S + e * H + 4 * Lat + k * (e * Lat + 16)))
-        fixed.append(PREFILL_BATCH_BYTES)
+        fixed.append(min(PREFILL_BATCH_BYTES, T * k * cfg.moe_intermediate_size * 2))
     if MLP in kinds:
         per_layer.append(T * 2 * e * cfg.intermediate_size)
     logits = (T if all_logits else 1) * cfg.vocab_size * (4 + e)
@@ -111,9 +113,10 @@ def default_budget(device) -> int:
     return CPU_BUDGET_BYTES
 
 
-def _streaming_ledger(model):
+def _streaming_source(model):
+    """The model's StreamingExperts (which account per prompt), or None for experts from the checkpoint."""
     from gpu_worker.streaming import StreamingExperts
-    return model.experts.prefill_acct if isinstance(model.experts, StreamingExperts) else None
+    return model.experts if isinstance(model.experts, StreamingExperts) else None
 
 
 @torch.inference_mode()
@@ -128,9 +131,9 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
         return None
     cfg = model.config
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
-    ledger = _streaming_ledger(model)
+    ledger = _streaming_source(model)
     if ledger is not None:
-        ledger.begin()
+        ledger.begin_prompt()
     t0 = time.perf_counter()
     parts, pos = [], start
     try:
@@ -149,10 +152,10 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
         fresh = model.new_state()
         state.layers[:], state.position = fresh.layers, 0
         if ledger is not None:
-            ledger.end(pos - start, time.perf_counter() - t0)
+            ledger.end_prompt(pos - start, time.perf_counter() - t0)
         return None
     if ledger is not None:
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        ledger.end(end - start, time.perf_counter() - t0)
+        ledger.end_prompt(end - start, time.perf_counter() - t0)
     return torch.cat(parts) if all_logits else parts[-1]

@@ -3,6 +3,11 @@
 Per MoE layer at decode: one lookup (pins the hits), one message to the prefetcher (the actual choice and
 the guess for the next MoE layer), the hits computed at once, the misses as they land, every pin released.
 No cache bookkeeping happens here beyond that: the prefetcher owns the index.
+
+Per MoE layer at prefill (the whole span of tokens at once, gpu_worker/prefill.py): the tokens sorted by expert
+on the device, one host sync for the experts' token counts and the next layer's guess, one lookup and one
+request for every expert the span routes to (plus the guess as prefetch), the hits in grouped launches, the
+misses in grouped launches as they land (kernels/expert_prefill.py).
 """
 from __future__ import annotations
 
@@ -12,8 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_worker.prefill_accounting import PrefillAccounting
 from kernels import moe_ops
 from kernels.expert_block import ExpertGeometry
+from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
+
+PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
+PREFILL_RING_SLOTS = 32             # staged weights: device slots the copy engine fills (one launch's experts at most)
 
 
 @dataclass
@@ -122,6 +132,11 @@ class StreamingExperts:
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._pending_admit = None
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters)
+        # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
+        # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
+        self.prefill_weights = "staged"
+        self._ring = None
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -153,7 +168,7 @@ class StreamingExperts:
     def apply(self, moe_index, layer, x, experts, weights, guess=None):
         if x.shape[0] == 1:
             return self._decode(moe_index, x[0], experts[0], weights[0], guess)
-        return self._prefill(moe_index, x, experts, weights)
+        return self._prefill(moe_index, x, experts, weights, guess)
 
     def _decode(self, j, x, experts, weights, guess, ids=None, acc=None):
         """ids: the choice (and guess) already on the host (the decode graphs read it through an event);
@@ -296,47 +311,130 @@ class StreamingExperts:
         if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel)
             self.acct.bytes_over_pcie += len(experts) * (self.geom.up_bytes if self._addressed else self.geom.block_bytes)
 
-    def _prefill(self, j, x, experts, weights):
-        """Every expert the chunk needs is requested once and applied to all of its tokens as it lands."""
-        uniq = torch.unique(experts).tolist()
+    # ------------------------------------------------------------------ prefill
+    def _disk_counters(self) -> tuple[int, int]:
+        s = self.client.stats()
+        return int(s.get("io_bytes_read", 0)), int(s.get("io_reads", 0))
+
+    def begin_prompt(self) -> None:
+        self.prefill_acct.begin()
+
+    def end_prompt(self, tokens: int, seconds: float) -> None:
+        """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
+        self._flush(sync=self._cuda)
+        self.prefill_acct.end(tokens, seconds)
+
+    def _prefill(self, j, x, experts, weights, guess=None):
+        """The span's tokens sorted by expert; every expert it routes to requested once, the hits in grouped
+        launches, the misses in grouped launches as they land. guess: bool [E], the experts the next MoE layer's
+        router picks on this layer's input (requested as prefetch reads)."""
+        T, k = experts.shape
+        E, pa = self.store.n_experts, self.prefill_acct
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=E)
+        host = (torch.cat([counts, guess.to(counts.dtype)]) if guess is not None else counts).cpu()  # the one sync
+        self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
+        counts = host[:E].tolist()
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        uniq = [e for e in range(E) if counts[e]]
+        seg = {e: (starts[e], counts[e]) for e in uniq}
+        tok = order // k
+        xs = x[tok].contiguous()
+        ws = weights.reshape(-1)[order].float().contiguous()
+        pa.routed(j, uniq, T * k)
+        nj, guess_list = (j + 1) % self.n_moe, []
+        if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
+            soe = self.client.shm.slot_of_expert
+            guess_list = [e for e in np.flatnonzero(host[E:].numpy()).tolist() if soe[nj, e] < 0]
+            pa.guessed_absent(nj, guess_list)
         hits = self.client.lookup(j, uniq)
-        self.client.request_prefill(j, uniq)
-        acc = torch.zeros(x.shape[0], self.geom.L, dtype=torch.float32, device=self.device)
-        self._flush(sync=False)          # torch.unique(...).tolist() waited for the device
+        self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+        acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
+        rows_cap = max(1, PREFILL_BATCH_BYTES // (2 * self.geom.I))
+        batch: list[tuple[int, int]] = []
         for e, s in hits.items():
-            try:
-                self._prefill_one(x, experts, weights, e, s, j, acc)
-            finally:
-                self._defer([s])
+            if batch and (sum(seg[b][1] for b, _ in batch) + seg[e][1] > rows_cap or len(batch) == PREFILL_RING_SLOTS):
+                self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
+                batch = []
+            batch.append((e, s))
+        if batch:
+            self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
         if misses:
+            self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
             tw = time.perf_counter()
             waited = 0.0
             used = []
             for e, s in self.client.wait_any(j, misses):
                 waited += time.perf_counter() - tw
-                try:
-                    self._prefill_one(x, experts, weights, e, s, j, acc)
-                finally:
-                    self._defer([s])
+                self._prefill_batch(j, [(e, s)], seg, xs, ws, tok, acc)
                 used.append(e)
                 if len(used) >= 8:      # hand used blocks back to the eviction end as we go
                     self.client.done_prefill(j, used)
                     used = []
+                    self._flush(sync=True)
                 tw = time.perf_counter()
             if used:
                 self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
-        self._flush(sync=True)
+            pa.last.ms_waiting_for_disk += waited * 1e3
         return acc
 
-    def _prefill_one(self, x, experts, weights, e, s, j, acc):
-        tok, slot = torch.where(experts == e)       # waits for the device: the earlier experts' kernels have run
-        self._flush(sync=False)
-        tw = weights[tok, slot].float().contiguous()
-        ug, dg = self.up_global[j, e:e + 1], self.down_global[j, e:e + 1]
-        block = self._blocks([s])
-        if not self._addressed:
-            block = block[0]
-        y = moe_ops.expert_prefill(x[tok].contiguous(), block, self.geom, ug, dg, tw)
-        acc.index_add_(0, tok, y)
+    def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
+        """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
+        ex, slots = [e for e, _ in batch], [s for _, s in batch]
+        segments = [seg[e] for e in ex]
+        try:
+            if self._addressed:
+                idx = self._dev(ex)
+                ug, dg = self.up_global[j, idx], self.down_global[j, idx]
+                if self.prefill_weights == "staged":
+                    addrs = self._stage(slots)
+                else:
+                    base = self.slab.data_ptr()
+                    addrs = [base + s * self.slot_bytes for s in slots]
+                n_tiles = sum(-(-n // GROUPED_CONFIG["BLOCK_M"]) for _, n in segments)
+                expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
+                if self.prefill_weights == "staged":
+                    self._ring_used()
+                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                else:     # every BLOCK_M tile re-reads its expert's weights over the bus
+                    self.prefill_acct.last.bytes_over_pcie += n_tiles * self.geom.block_bytes
+            else:
+                blocks = self._blocks(slots)
+                ug, dg = self.up_global[j, ex], self.down_global[j, ex]
+                expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok, acc)
+                if self._cuda:
+                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+            self.prefill_acct.last.launches += 1
+        finally:
+            self._defer(slots)
+
+    def _stage(self, slots) -> list[int]:
+        """Copy the blocks from the slab into ring slots on the copy stream; the compute stream waits for them.
+        A ring slot is reused only after the kernels that read it last have run (an event per slot)."""
+        if self._ring is None:
+            n, stride = PREFILL_RING_SLOTS, self.store.block_stride
+            self._ring = (torch.empty(n, stride, dtype=torch.uint8, device=self.device),
+                          [torch.cuda.Event() for _ in range(n)], torch.cuda.Stream(self.device), [0], [])
+        ring, free, cs, nxt, used = self._ring
+        bb = self.geom.block_bytes
+        used.clear()
+        for s in slots:
+            r = nxt[0]
+            nxt[0] = (r + 1) % len(free)
+            cs.wait_event(free[r])
+            with torch.cuda.stream(cs):
+                ring[r, :bb].copy_(self.slab[s, :bb], non_blocking=True)
+            used.append(r)
+        done = torch.cuda.Event()
+        done.record(cs)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return [ring[r].data_ptr() for r in used]
+
+    def _ring_used(self) -> None:
+        ring, free, cs, nxt, used = self._ring
+        cur = torch.cuda.current_stream(self.device)
+        for r in used:
+            free[r].record(cur)

@@ -117,11 +117,17 @@ class MoEMixer:
         self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
     def route(self, h: torch.Tensor):
-        """(chosen experts, their weights, the guess for the next MoE layer or None), on the device."""
+        """(chosen experts, their weights, the guess for the next MoE layer or None), on the device. The guess is
+        the next router's top-k [k] for one token; for several (prefill) a bool [E] of every expert it picks."""
         experts, weights = self.router(h)
         guess = None
-        if h.shape[0] == 1 and self.next_router is not None and getattr(self.experts, "wants_guess", False):
-            guess = self.next_router(h)[0][0]
+        if self.next_router is not None and getattr(self.experts, "wants_guess", False):
+            picks = self.next_router(h)[0]
+            if h.shape[0] == 1:
+                guess = picks[0]
+            else:
+                guess = torch.zeros(self.router.E, dtype=torch.bool, device=h.device)
+                guess[picks.reshape(-1)] = True
         return experts, weights, guess
 
     def prepare(self, h: torch.Tensor):

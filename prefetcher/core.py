@@ -159,6 +159,15 @@ class Prefetcher:
                         self.prefill_loaded.add(k)
                 else:
                     self.c[PFC["hits"]] += 1     # resident: used as is, its place in the order kept
+                    s = int(soe[layer, e])
+                    if s in self.prefetched_unused:      # a prefill guess that came true
+                        self.prefetched_unused.discard(s)
+                        self.c[PFC["prefetch_used"]] += 1
+            for e in guess:                      # the next layer's likely experts: prefetch reads
+                k = guess_layer * E + e
+                if soe[guess_layer, e] < 0 and k not in self.pending_demand and k not in self.pending_prefetch:
+                    self.pending_prefetch[k] = None
+                    self.prefill_loaded.add(k)   # demoted like the prompt's demand reads once used
             return
         if kind == MSG_DEMOTE:
             for e in actual:
