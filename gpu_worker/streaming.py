@@ -24,6 +24,7 @@ from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, exper
 
 PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
 PREFILL_RING_SLOTS = 32             # staged weights: device slots the copy engine fills (one launch's experts at most)
+PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 
 
 @dataclass
@@ -326,14 +327,16 @@ class StreamingExperts:
 
     def _prefill(self, j, x, experts, weights, guess=None):
         """The span's tokens sorted by expert; every expert it routes to requested once, the hits in grouped
-        launches, the misses in grouped launches as they land. guess: bool [E], the experts the next MoE layer's
-        router picks on this layer's input (requested as prefetch reads)."""
+        launches, the misses in grouped launches as they land. guess: int64 [E], how many tokens the next MoE
+        layer's router sends to each expert on this layer's input: the absent ones are requested as prefetch reads,
+        the most used first, as many as the cache holds beside this layer's experts (more would evict blocks
+        before their use, and the prompt would read them twice)."""
         T, k = experts.shape
         E, pa = self.store.n_experts, self.prefill_acct
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         counts = torch.bincount(flat, minlength=E)
-        host = (torch.cat([counts, guess.to(counts.dtype)]) if guess is not None else counts).cpu()  # the one sync
+        host = (torch.cat([counts, guess]) if guess is not None else counts).cpu()  # the one sync of the layer
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
         counts = host[:E].tolist()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
@@ -345,8 +348,10 @@ class StreamingExperts:
         pa.routed(j, uniq, T * k)
         nj, guess_list = (j + 1) % self.n_moe, []
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
-            soe = self.client.shm.slot_of_expert
-            guess_list = [e for e in np.flatnonzero(host[E:].numpy()).tolist() if soe[nj, e] < 0]
+            soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
+            room = self.client.shm.n_slots - len(uniq) - PREFILL_SLOT_MARGIN
+            absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
+            guess_list = absent[:max(room, 0)]
             pa.guessed_absent(nj, guess_list)
         hits = self.client.lookup(j, uniq)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
@@ -379,6 +384,8 @@ class StreamingExperts:
                 self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
             pa.last.ms_waiting_for_disk += waited * 1e3
+        if hits:         # hits the prompt's own prefetch brought in go to the eviction end too (others are kept)
+            self.client.done_prefill(j, list(hits))
         return acc
 
     def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:

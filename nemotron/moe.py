@@ -118,7 +118,8 @@ class MoEMixer:
 
     def route(self, h: torch.Tensor):
         """(chosen experts, their weights, the guess for the next MoE layer or None), on the device. The guess is
-        the next router's top-k [k] for one token; for several (prefill) a bool [E] of every expert it picks."""
+        the next router's top-k [k] for one token; for several (prefill) int64 [E]: how many tokens it sends to each
+        expert."""
         experts, weights = self.router(h)
         guess = None
         if self.next_router is not None and getattr(self.experts, "wants_guess", False):
@@ -126,8 +127,7 @@ class MoEMixer:
             if h.shape[0] == 1:
                 guess = picks[0]
             else:
-                guess = torch.zeros(self.router.E, dtype=torch.bool, device=h.device)
-                guess[picks.reshape(-1)] = True
+                guess = torch.bincount(picks.reshape(-1), minlength=self.router.E)
         return experts, weights, guess
 
     def prepare(self, h: torch.Tensor):
