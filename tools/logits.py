@@ -3,11 +3,18 @@
     python -m tools.logits --model DIR (--ids 1,2,3 | --ids-file F.json | --messages-file M.json) --out OUT.npz
                            [--decode N]
                            [--device cpu|cuda] [--dtype float32|bfloat16]
-                           [--store STORE --cache-mb N [--io-workers K]]
+                           [--store STORE --cache-mb N [--io-workers K] [--stats-json F]]
+                           [--prefill-chunk T] [--prefill-budget-mb M]
 
 With `--store`, the routed experts stream from the store through the full multi-process pipeline (prefetcher,
 IO workers, shared-memory slab of N MiB; N may be fractional so that a tiny model evicts); without it they are
-read from the checkpoint in memory. Both give the same arrays.
+read from the checkpoint in memory. Both give the same arrays. The prompt goes through the engine's one prefill
+loop (gpu_worker/prefill.py): layer-major, split only where the memory budget forces it (`--prefill-chunk` caps
+the span, e.g. 512 for the old chunked prefill). `--stats-json F` writes the cache counters and the accounting
+totals of the run: `cache`, `decode`, and the prefill's `prefill_*` (prefill_blocks_read: blocks read from disk
+while prefilling; prefill_distinct_experts: distinct (layer, expert) pairs the prompt routed to;
+prefill_prefetch_wasted: blocks requested ahead for the prompt that it never routed to; tokens, seconds,
+tokens_per_s, bytes_from_disk, bytes_over_pcie, expert_uses, launches; `prefill_last_*` for the last prompt).
 
 OUT.npz: `logits` float32 [T, vocab] (prefill of the ids, used as given: no BOS, no template), `greedy`
 int64 [N] (greedy continuation through the step-by-step decode path; exactly N tokens, end-of-sequence does
