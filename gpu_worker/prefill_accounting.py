@@ -71,6 +71,10 @@ class PrefillAccounting:
         for name in PromptCost.__dataclass_fields__:
             setattr(t, name, getattr(t, name) + getattr(p, name))
 
+    def routed_keys(self) -> set:
+        """(layer, expert) pairs the current or last prompt routed to."""
+        return set(self._routed)
+
     def totals(self) -> dict:
         """Flat `prefill_*` figures: totals over all prompts, and `prefill_last_*` for the last one."""
         out = {"prefill_prompts": self.prompts}

@@ -23,7 +23,8 @@ from kernels.expert_block import ExpertGeometry
 from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
 
 PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
-PREFILL_RING_SLOTS = 32             # staged weights: device slots the copy engine fills (one launch's experts at most)
+PREFILL_RING_SLOTS = 64             # staged weights: device slots the copy engine fills (two launches' experts, so
+                                    # that one launch's copies overlap the kernels of the one before)
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 
 
@@ -335,7 +336,7 @@ class StreamingExperts:
         E, pa = self.store.n_experts, self.prefill_acct
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=E)
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         host = (torch.cat([counts, guess]) if guess is not None else counts).cpu()  # the one sync of the layer
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
         counts = host[:E].tolist()
@@ -358,11 +359,13 @@ class StreamingExperts:
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         rows_cap = max(1, PREFILL_BATCH_BYTES // (2 * self.geom.I))
         batch: list[tuple[int, int]] = []
+        rows = 0
         for e, s in hits.items():
-            if batch and (sum(seg[b][1] for b, _ in batch) + seg[e][1] > rows_cap or len(batch) == PREFILL_RING_SLOTS):
+            if batch and (rows + seg[e][1] > rows_cap or len(batch) == PREFILL_RING_SLOTS // 2):
                 self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
-                batch = []
+                batch, rows = [], 0
             batch.append((e, s))
+            rows += seg[e][1]
         if batch:
             self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
@@ -419,29 +422,41 @@ class StreamingExperts:
             self._defer(slots)
 
     def _stage(self, slots) -> list[int]:
-        """Copy the blocks from the slab into ring slots on the copy stream; the compute stream waits for them.
-        A ring slot is reused only after the kernels that read it last have run (an event per slot)."""
         if self._ring is None:
-            n, stride = PREFILL_RING_SLOTS, self.store.block_stride
-            self._ring = (torch.empty(n, stride, dtype=torch.uint8, device=self.device),
-                          [torch.cuda.Event() for _ in range(n)], torch.cuda.Stream(self.device), [0], [])
-        ring, free, cs, nxt, used = self._ring
-        bb = self.geom.block_bytes
-        used.clear()
-        for s in slots:
-            r = nxt[0]
-            nxt[0] = (r + 1) % len(free)
-            cs.wait_event(free[r])
+            self._ring = _StagingRing(PREFILL_RING_SLOTS, self.store.block_stride, self.geom.block_bytes, self.device)
+        return self._ring.stage([self.slab[s] for s in slots])
+
+    def _ring_used(self) -> None:
+        self._ring.read_by_current_stream()
+
+
+class _StagingRing:
+    """Device slots that the copy engine fills from the pinned slab on its own stream. The compute stream waits
+    for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
+    slot), so the copies of one launch overlap the kernels of the one before (the ring holds two launches)."""
+
+    def __init__(self, n: int, stride: int, block_bytes: int, device):
+        self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
+        self.free = [torch.cuda.Event() for _ in range(n)]
+        self.stream = torch.cuda.Stream(device)
+        self.device, self.block_bytes = device, block_bytes
+        self.next, self.used = 0, []
+
+    def stage(self, sources) -> list[int]:
+        bb, cs = self.block_bytes, self.stream
+        self.used = []
+        for src in sources:
+            r, self.next = self.next, (self.next + 1) % len(self.free)
+            cs.wait_event(self.free[r])
             with torch.cuda.stream(cs):
-                ring[r, :bb].copy_(self.slab[s, :bb], non_blocking=True)
-            used.append(r)
+                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
+            self.used.append(r)
         done = torch.cuda.Event()
         done.record(cs)
         torch.cuda.current_stream(self.device).wait_event(done)
-        return [ring[r].data_ptr() for r in used]
+        return [self.buf[r].data_ptr() for r in self.used]
 
-    def _ring_used(self) -> None:
-        ring, free, cs, nxt, used = self._ring
+    def read_by_current_stream(self) -> None:
         cur = torch.cuda.current_stream(self.device)
-        for r in used:
-            free[r].record(cur)
+        for r in self.used:
+            self.free[r].record(cur)

@@ -127,7 +127,9 @@ class MoEMixer:
             if h.shape[0] == 1:
                 guess = picks[0]
             else:
-                guess = torch.bincount(picks.reshape(-1), minlength=self.router.E)
+                flat = picks.reshape(-1)     # counted without torch.bincount, which waits for the device on CUDA
+                guess = torch.zeros(self.router.E, dtype=torch.int64, device=h.device).index_add_(
+                    0, flat, torch.ones_like(flat))
         return experts, weights, guess
 
     def prepare(self, h: torch.Tensor):

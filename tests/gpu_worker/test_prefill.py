@@ -197,3 +197,25 @@ def test_cancel_stops_a_long_prefill_within_one_layer(tiny, monkeypatch):
         assert int(eng.sup.shm.slot_pins.sum()) == 0, "the cancelled prefill left pins behind"
         again = prefill(m, ids, m.new_state())
     torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped kernels and both weight paths need CUDA")
+@pytest.mark.parametrize("path", ["staged", "zero_copy"])
+def test_gpu_layer_major_both_weight_paths(tiny, path):
+    """On the GPU (bf16), through the grouped launches with the weights staged into the device ring or read
+    zero-copy from the slab: the CPU engine's logits (fp32), layer-major and chunked alike."""
+    model_dir, store = tiny
+    ids = prompt(2 * OLD_CHUNK + 40, seed=7)
+    ref, ref_greedy, _ = logits_tool.logits_and_greedy(NemotronH(model_dir), ids, 2)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2,
+                         device="cuda", dtype=torch.bfloat16) as eng:
+        eng.experts.prefill_weights = path
+        lm, greedy, _ = logits_tool.logits_and_greedy(eng.model, ids, 2)
+        launches = eng.experts.prefill_acct.last.launches
+        ch, _, _ = logits_tool.logits_and_greedy(eng.model, ids, 2, prefill_chunk=OLD_CHUNK)
+    kl, kl_ch = mean_kl(ref, lm), mean_kl(ref, ch)
+    print(f"{path}: mean KL vs the CPU engine {kl:.2e} (chunked {kl_ch:.2e}), {launches} grouped launches")
+    assert kl < 3e-3 and kl_ch < 3e-3
+    assert greedy[0] == ref_greedy[0]
+    assert launches < 4 * 32, "one launch per expert: the grouping did not happen"
