@@ -100,7 +100,10 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1
         uq, us, _ = encode_nvfp4(torch.randn(I, L))
         dq, ds, _ = encode_nvfp4(torch.randn(L, I))
         blk.append(pack_expert_block(geom, uq, us, dq, ds))
-    host = torch.empty(n_sets * n_experts, stride, dtype=torch.uint8).pin_memory()
+    from bench.kernels.common import HostSlab
+    slab = HostSlab(n_sets * n_experts * stride)          # a registered /dev/shm mapping, as the engine's slab
+    assert slab.registered, "cudaHostRegister failed: no zero-copy source"
+    host = slab.tensor.view(n_sets * n_experts, stride)
     for i in range(host.shape[0]):
         host[i] = blk[i % len(blk)]
     vram = host.to(device)
@@ -159,6 +162,61 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1
         res["faster_path"] = "staged" if res["staged_us"] < res["zero_copy_us"] else "zero_copy"
         rows.append(res)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+    torch.cuda.synchronize()
+    del host
+    slab.close()
+    return rows
+
+
+SWEEP = [dict(X_LOAD=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2),
+         dict(X_LOAD=0, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)]
+
+
+def kernel_sweep(geom, device, gemm_rate, tokens_per_expert=(256, 1024), n_experts=32) -> list[dict]:
+    """Tile shapes and x loads of the grouped launch, weights in VRAM (llm.c style: every variant checked against
+    the twin and timed; the winner becomes GROUPED_CONFIG)."""
+    from kernels.expert_block import pack_expert_block
+    from kernels.expert_prefill import expert_prefill_grouped, expert_prefill_grouped_torch
+    from kernels.nvfp4 import encode_nvfp4
+    from kernels.testing import rel_err
+    L, I, stride = geom.L, geom.I, geom.block_stride
+    uq, us, _ = encode_nvfp4(torch.randn(I, L))
+    dq, ds, _ = encode_nvfp4(torch.randn(L, I))
+    one = pack_expert_block(geom, uq, us, dq, ds)
+    vram = one.to(device).repeat(4 * n_experts, 1)
+    ug = torch.full((n_experts,), 3e-3, device=device)
+    dg = torch.full((n_experts,), 3e-3, device=device)
+    rows = []
+    for T in tokens_per_expert:
+        M = T * n_experts
+        segments = [(i * T, T) for i in range(n_experts)]
+        xs = torch.randn(M, L, device=device).bfloat16()
+        ws = torch.rand(M, device=device)
+        tok = torch.arange(M, device=device) % max(M // 4, 1)
+        acc = torch.zeros(max(M // 4, 1), L, device=device)
+        ref = expert_prefill_grouped_torch(xs, segments[:2], [vram[0], vram[1]], geom, ug[:2], dg[:2], ws, tok,
+                                           torch.zeros_like(acc))
+        for v, cfg in enumerate(SWEEP):
+            row = dict(tokens_per_expert=T, variant=v, **cfg)
+            try:
+                part = torch.zeros_like(acc)
+                expert_prefill_grouped(xs, segments[:2], [vram[0].data_ptr(), vram[1].data_ptr()], geom, ug[:2],
+                                       dg[:2], ws, tok, part, config=cfg)
+                row["rel_err"] = rel_err(part, ref)
+                sec = _median_time(lambda i: expert_prefill_grouped(
+                    xs, segments, [vram[(i % 4) * n_experts + e].data_ptr() for e in range(n_experts)], geom, ug, dg,
+                    ws, tok, acc, config=cfg), 6, reps=3)
+                row["us"] = sec * 1e6
+                row["tflops"] = 2 * 2 * M * L * I / sec / 1e12
+                row["fraction_of_gemm"] = row["tflops"] / gemm_rate
+            except Exception as e:        # a shape the compiler cannot fit (shared memory) is a result too
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print("sweep", json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}),
+                  flush=True)
     return rows
 
 
@@ -261,7 +319,7 @@ def main(argv=None):
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--sizes", default="128,1000,4000,16000")
     ap.add_argument("--io-workers", type=int, default=8)
-    ap.add_argument("--skip", default="", help="comma list of: kernel,ram,disk")
+    ap.add_argument("--skip", default="", help="comma list of: kernel,sweep,ram,disk")
     ap.add_argument("--out", default="prefill.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (tiny preset, no kernel part)")
     a = ap.parse_args(argv)
@@ -300,6 +358,8 @@ def main(argv=None):
     print(json.dumps(res), flush=True)
     if "kernel" not in skip:
         res["kernel"] = kernel_bench(geom, device, c["gemm_tflops"], c["h2d_gbps"])
+    if "sweep" not in skip and cuda:
+        res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
     vocab = cfg.vocab_size
 
     def prompt(n, seed=1000):
@@ -343,6 +403,11 @@ def main(argv=None):
               f"({r['vram_fraction_of_gemm']:.0%} of GEMM); zero-copy {r['zero_copy_weight_gbps']:.1f} GB/s "
               f"({r['zero_copy_fraction_of_h2d']:.0%} of H2D); staged {r['staged_weight_gbps']:.1f} GB/s "
               f"({r['staged_fraction_of_h2d']:.0%}); faster: {r['faster_path']}")
+    for r in res.get("sweep", []):
+        print(f"sweep T/expert {r['tokens_per_expert']:>5} v{r['variant']} X_LOAD {r['X_LOAD']} "
+              f"{r['BLOCK_M']}x{r['BLOCK_N']}x{r['BLOCK_K']} w{r['num_warps']} s{r['num_stages']}: "
+              + (f"{r['tflops']:.1f} TFLOP/s ({r['fraction_of_gemm']:.0%}), err {r['rel_err']:.1e}" if "tflops" in r
+                 else r.get("error", "?")))
     print("regime | weights | tokens | TTFT s | floor s (by) | ratio | distinct | missing | blocks read | "
           "peak/est MiB")
     for name in ("ram", "disk"):

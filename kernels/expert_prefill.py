@@ -75,17 +75,27 @@ def expert_prefill_torch(x: torch.Tensor, blk: torch.Tensor, geom: ExpertGeometr
 # ------------------------------------------------------------------------------------------------ grouped
 @triton.jit
 def _tile_dot(x_ptr, stride_xm, o_m, m_m, w_ptr, s_ptr, o_n, m_n, N, K, LAYOUT: tl.constexpr,
-              X_PRESCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Σ_k W[n, k] x[m, k] for one (BLOCK_N, BLOCK_M) tile, global scale not applied. x rows at o_m (int64)."""
+              X_PRESCALED: tl.constexpr, X_LOAD: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k W[n, k] x[m, k] for one (BLOCK_N, BLOCK_M) tile, global scale not applied. x rows at o_m (int64).
+    X_LOAD 0: x's even and odd columns in two strided loads; 1: one contiguous [BLOCK_M, BLOCK_K] load, split."""
     b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     o_j = tl.arange(0, BLOCK_K // 2)
+    o_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         a_lo, a_hi = _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT, BLOCK_K)
-        k_e = k0 + 2 * o_j
-        m_x = m_m[None, :] & (k_e[:, None] < K)
-        p_x = x_ptr + o_m[None, :] * stride_xm + k_e[:, None]
-        x_e = tl.load(p_x, mask=m_x, other=0.0)
-        x_o = tl.load(p_x + 1, mask=m_x, other=0.0)
+        if X_LOAD == 1:
+            m_xr = m_m[:, None] & ((k0 + o_k)[None, :] < K)
+            b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + (k0 + o_k)[None, :], mask=m_xr, other=0.0)
+            x_e, x_o = tl.split(tl.reshape(b_x, (BLOCK_M, BLOCK_K // 2, 2)))
+            x_e = tl.trans(x_e)
+            x_o = tl.trans(x_o)
+        else:
+            k_e = k0 + 2 * o_j
+            m_x = m_m[None, :] & (k_e[:, None] < K)
+            p_x = x_ptr + o_m[None, :] * stride_xm + k_e[:, None]
+            x_e = tl.load(p_x, mask=m_x, other=0.0)
+            x_o = tl.load(p_x + 1, mask=m_x, other=0.0)
         if X_PRESCALED:
             b_acc = tl.dot(a_lo, x_e, b_acc)
             b_acc = tl.dot(a_hi, x_o, b_acc)
@@ -102,7 +112,7 @@ def _grouped_up_kernel(
     # sizes
     n_tiles, I, L, stride_xm, up_scales_off,
     # config
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -114,7 +124,7 @@ def _grouped_up_kernel(
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < I
     m_m = o_m < m1
-    b_h = _tile_dot(x_ptr, stride_xm, o_m, m_m, base, base + up_scales_off, o_n, m_n, I, L, 0, False,
+    b_h = _tile_dot(x_ptr, stride_xm, o_m, m_m, base, base + up_scales_off, o_n, m_n, I, L, 0, False, X_LOAD,
                     BLOCK_M, BLOCK_N, BLOCK_K) * tl.load(gs_ptr + i)
     b_h = tl.maximum(b_h, 0.0)
     b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)    # what the down GEMM's x load would make of it
@@ -128,7 +138,7 @@ def _grouped_down_kernel(
     # sizes
     n_tiles, L, I, down_off,
     # config
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -140,13 +150,13 @@ def _grouped_down_kernel(
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < L
     m_m = o_m < m1
-    b_y = _tile_dot(h_ptr, I, o_m, m_m, base, base, o_n, m_n, L, I, 1, True, BLOCK_M, BLOCK_N, BLOCK_K)
+    b_y = _tile_dot(h_ptr, I, o_m, m_m, base, base, o_n, m_n, L, I, 1, True, X_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
     b_y = b_y * tl.load(gs_ptr + i) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
     tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
 
 
-GROUPED_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+GROUPED_CONFIG = dict(X_LOAD=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int, int, int]]:

@@ -36,8 +36,8 @@ def _routed(T, k, E, device):
             list(zip(starts, counts)))
 
 
-@pytest.mark.parametrize("T,k", [(29, 3), (37, 2)])
-def test_grouped_prefill_matches_twin_and_dense(T, k, device):
+@pytest.mark.parametrize("T,k,x_load", [(29, 3, 0), (37, 2, 1)])
+def test_grouped_prefill_matches_twin_and_dense(T, k, x_load, device):
     E = 5
     geom, blocks, ug, dg, ups, downs = _layer(E, device)
     experts, weights, tok, w, segments = _routed(T, k, E, device)
@@ -46,7 +46,7 @@ def test_grouped_prefill_matches_twin_and_dense(T, k, device):
     xs = x[tok].contiguous()
     addrs = [b.data_ptr() for b in blocks]
     got = ep.expert_prefill_grouped(xs, segments, addrs, geom, ug, dg, w, tok,
-                                    torch.zeros(T, L, device=device), config=CFG)
+                                    torch.zeros(T, L, device=device), config=dict(CFG, X_LOAD=x_load))
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
     # the ReLU² rows enter the down GEMM as fp16 (11-bit significand): ~2^-12 relative per element
     assert_close(got, ref, 1e-3, "grouped prefill vs twin")
