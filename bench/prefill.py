@@ -356,10 +356,14 @@ def main(argv=None):
     disk = pipeline_disk_gbps(store_dir, all_bytes // 3, a.io_workers, store)
     c["disk_gbps"], c["disk_probe"] = disk["gbps"], disk
     print(json.dumps(res), flush=True)
+    out_path = Path(a.out)
+
+    def save():          # after every part: a run stopped at its time limit still leaves what it measured
+        out_path.write_text(json.dumps(res, indent=1, default=float))
+
     if "kernel" not in skip:
         res["kernel"] = kernel_bench(geom, device, c["gemm_tflops"], c["h2d_gbps"])
-    if "sweep" not in skip and cuda:
-        res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
+        save()
     vocab = cfg.vocab_size
 
     def prompt(n, seed=1000):
@@ -393,9 +397,13 @@ def main(argv=None):
     if "ram" not in skip:
         res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
                             paths=("staged", "zero_copy") if cuda else ("cpu",))
+        save()
     if "disk" not in skip:
         res["disk"] = regime("disk", all_bytes // 3, False, paths=("staged",) if cuda else ("cpu",))
-    Path(a.out).write_text(json.dumps(res, indent=1, default=float))
+        save()
+    if "sweep" not in skip and cuda:
+        res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
+        save()
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s")
     for r in res.get("kernel", []):

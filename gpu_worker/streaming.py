@@ -371,6 +371,9 @@ class StreamingExperts:
         misses = [e for e in uniq if e not in hits]
         if misses:
             self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
+            # landed misses stay pinned until their kernels have run (CUDA): give them back often enough that the
+            # cache always has slots for the next reads, however small it is
+            flush_every = max(1, min(8, self.client.shm.n_slots // 4))
             tw = time.perf_counter()
             waited = 0.0
             used = []
@@ -381,6 +384,7 @@ class StreamingExperts:
                 if len(used) >= 8:      # hand used blocks back to the eviction end as we go
                     self.client.done_prefill(j, used)
                     used = []
+                if len(self._deferred) >= flush_every:
                     self._flush(sync=True)
                 tw = time.perf_counter()
             if used:
