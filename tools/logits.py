@@ -179,8 +179,8 @@ def main(argv=None):
                 with StreamingEngine(a.store, model_dir=a.model, cache_bytes=int(a.cache_mb * 2**20),
                                      io_workers=a.io_workers, device=a.device, dtype=dtype, record=rec,
                                      vram_bytes=int(a.vram_gb * 2**30) if a.vram_gb else None) as eng:
-                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk,
-                                                           embeds, positions, budget)
+                    logits, greedy, gl = logits_and_greedy(eng.model, ids, a.decode, a.prefill_chunk, embeds,
+                                                           positions, budget or eng.prefill_budget_bytes)
                     if a.stats:
                         print(eng.accounting.per_token(), eng.cache_stats(), file=sys.stderr)
                     if a.stats_json:
