@@ -74,16 +74,14 @@ def test_streaming_layer_major_with_cache_at_a_tenth(tiny):
     ref, ref_greedy, _ = logits_tool.logits_and_greedy(NemotronH(model_dir), ids, N_GREEDY)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         lm, greedy, _ = logits_tool.logits_and_greedy(eng.model, ids, N_GREEDY)
-        ch, ch_greedy, _ = logits_tool.logits_and_greedy(eng.model, ids, N_GREEDY, prefill_chunk=OLD_CHUNK)
         pf = eng.experts.prefill_acct.totals()
         stats = eng.cache_stats()
     assert stats["evictions"] > 0
+    # the reference is the in-memory engine, whose layer-major prefill equals the chunked one (test above)
     np.testing.assert_allclose(lm, ref, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(ch, ref, rtol=1e-5, atol=1e-4)
     assert mean_kl(ref, lm) < 1e-6
     np.testing.assert_array_equal(greedy, ref_greedy)
-    np.testing.assert_array_equal(ch_greedy, ref_greedy)
-    assert pf["prefill_prompts"] == 2 and pf["prefill_tokens"] == 2 * len(ids)
+    assert pf["prefill_prompts"] == 1 and pf["prefill_tokens"] == len(ids)
     assert pf["prefill_last_distinct_experts"] <= 4 * 32 and pf["prefill_last_blocks_read"] > 0
 
 
@@ -182,7 +180,7 @@ def _cancel_after_layer(model, n: int, cancel, ran: list, monkeypatch):
 
 def test_cancel_stops_a_long_prefill_within_one_layer(tiny, monkeypatch):
     model_dir, store = tiny
-    ids = prompt(1200, seed=6)
+    ids = prompt(600, seed=6)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         m = eng.model
         ref = prefill(m, ids, m.new_state())
