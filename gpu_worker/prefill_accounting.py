@@ -31,6 +31,8 @@ class PromptCost:
 class PrefillAccounting:
     """Totals over every prompt, and the last prompt's cost. `disk()` -> (io_bytes_read, io_reads) now."""
     disk: object = None
+    n_keys: int = 0                     # n_layers * n_experts (cache keys)
+    n_experts: int = 0
     prompts: int = 0
     total: PromptCost = field(default_factory=PromptCost)
     last: PromptCost = field(default_factory=PromptCost)
@@ -38,10 +40,13 @@ class PrefillAccounting:
     _guessed: set = field(default_factory=set)
     _disk0: tuple = (0, 0)
     _open: bool = False
+    _mask: object = None
+    _mask_n: int = -1
 
     def begin(self) -> None:
         self.last = PromptCost()
         self._routed, self._guessed = set(), set()
+        self._mask = None
         self._disk0 = self.disk() if self.disk is not None else (0, 0)
         self._open = True
 
@@ -70,6 +75,16 @@ class PrefillAccounting:
         t = self.total
         for name in PromptCost.__dataclass_fields__:
             setattr(t, name, getattr(t, name) + getattr(p, name))
+
+    def used_mask(self):
+        """bool [n_layers * n_experts] by cache key (layer * E + expert): routed by the current prompt."""
+        import numpy as np
+        if self._mask is None or self._mask_n != len(self._routed):
+            m = np.zeros(self.n_keys, dtype=bool)
+            if self._routed:
+                m[[j * self.n_experts + e for j, e in self._routed]] = True
+            self._mask, self._mask_n = m, len(self._routed)
+        return self._mask
 
     def routed_keys(self) -> set:
         """(layer, expert) pairs the current or last prompt routed to."""

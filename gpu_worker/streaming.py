@@ -134,7 +134,8 @@ class StreamingExperts:
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._pending_admit = None
-        self.prefill_acct = PrefillAccounting(disk=self._disk_counters)
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, n_keys=self.n_moe * store.n_experts,
+                                              n_experts=store.n_experts)
         # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
@@ -348,13 +349,12 @@ class StreamingExperts:
         ws = weights.reshape(-1)[order].float().contiguous()
         pa.routed(j, uniq, T * k)
         nj, guess_list = (j + 1) % self.n_moe, []
+        hits = self.client.lookup(j, uniq)
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
             soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
-            room = self.client.shm.n_slots - len(uniq) - PREFILL_SLOT_MARGIN
             absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
-            guess_list = absent[:max(room, 0)]
+            guess_list = absent[:max(self._prefetch_room(j, len(uniq) - len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
-        hits = self.client.lookup(j, uniq)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         rows_cap = max(1, PREFILL_BATCH_BYTES // (2 * self.geom.I))
@@ -394,6 +394,15 @@ class StreamingExperts:
         if hits:         # hits the prompt's own prefetch brought in go to the eviction end too (others are kept)
             self.client.done_prefill(j, list(hits))
         return acc
+
+    def _prefetch_room(self, j: int, misses: int) -> int:
+        """Slots the next layer's prefetch may take without evicting a block this prompt still needs: the empty ones
+        and those holding what the prompt used in earlier layers (demoted, first to go), less this layer's misses."""
+        keys = self.client.shm.slot_key
+        held = keys[keys >= 0]
+        done = self.prefill_acct.used_mask()[held]
+        done &= (held // self.store.n_experts) < j
+        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) - misses - PREFILL_SLOT_MARGIN
 
     def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
