@@ -131,9 +131,9 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
         return None
     cfg = model.config
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
-    ledger = _streaming_source(model)
-    if ledger is not None:
-        ledger.begin_prompt()
+    source = _streaming_source(model)       # accounts per prompt
+    if source is not None:
+        source.begin_prompt()
     t0 = time.perf_counter()
     parts, pos = [], start
     try:
@@ -151,11 +151,11 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
     except Cancelled:
         fresh = model.new_state()
         state.layers[:], state.position = fresh.layers, 0
-        if ledger is not None:
-            ledger.end_prompt(pos - start, time.perf_counter() - t0)
+        if source is not None:
+            source.end_prompt(pos - start, time.perf_counter() - t0)
         return None
-    if ledger is not None:
+    if source is not None:
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        ledger.end_prompt(end - start, time.perf_counter() - t0)
+        source.end_prompt(end - start, time.perf_counter() - t0)
     return torch.cat(parts) if all_logits else parts[-1]

@@ -412,14 +412,15 @@ class StreamingExperts:
             if self._addressed:
                 idx = self._dev(ex)
                 ug, dg = self.up_global[j, idx], self.down_global[j, idx]
-                if self.prefill_weights == "staged":
+                staged = self.prefill_weights == "staged" and self._cuda   # (tests run addresses on the CPU too)
+                if staged:
                     addrs = self._stage(slots)
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
                 n_tiles = sum(-(-n // GROUPED_CONFIG["BLOCK_M"]) for _, n in segments)
                 expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
-                if self.prefill_weights == "staged":
+                if staged:
                     self._ring_used()
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
                 else:     # every BLOCK_M tile re-reads its expert's weights over the bus
