@@ -198,7 +198,8 @@ def parse_args(argv=None):
     ap.add_argument("--snapshot-ram-gb", type=float, default=2.0, help="RAM budget of conversation snapshots, GiB")
     ap.add_argument("--snapshots", type=int, default=32, help="most snapshots kept in RAM")
     ap.add_argument("--snapshot-disk-count", type=int, default=64, help="most snapshots kept on disk")
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="cap on the prefill span in tokens (0: the prefill memory budget alone decides)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds a signal waits for in-flight and queued requests before aborting them")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -149,13 +149,16 @@ class CacheClient:
         self._cc[REQUESTS] += 1
         self._send(msg)
 
-    def request_prefill(self, layer: int, experts) -> None:
-        """A prefill chunk needs `experts` of `layer`: misses become demand reads, hits are not
-        promoted, so a long prompt does not push the decode working set out of the cache."""
+    def request_prefill(self, layer: int, experts, guess=(), guess_layer: int = 0) -> None:
+        """A prefill span needs `experts` of `layer`: misses become demand reads, hits are not
+        promoted, so a long prompt does not push the decode working set out of the cache. `guess`:
+        experts of `guess_layer` it will likely need next (prefetch reads, demoted like the rest once used)."""
         experts = [int(e) for e in experts]
-        for s in range(0, len(experts), 256):     # keep each message well under the ring's record size
+        guess = [int(e) for e in guess]
+        for s in range(0, max(len(experts), len(guess)), 256):     # keep each message well under the ring's record size
             self._cc[REQUESTS] += 1
-            self._send(msgpack.packb((MSG_PREFILL, int(layer), experts[s:s + 256], 0, [])))
+            self._send(msgpack.packb((MSG_PREFILL, int(layer), experts[s:s + 256], int(guess_layer),
+                                      guess[s:s + 256])))
 
     def done_prefill(self, layer: int, experts) -> None:
         """The prefill chunk is done with `experts`: the ones it loaded go to the eviction end."""

@@ -32,6 +32,8 @@ class StreamingEngine:
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
         (gpu_worker/decode_graphs.py)."""
         store_dir = Path(store_dir)
+        # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py)
+        self.prefill_budget_bytes = vram_reserve_bytes if vram_bytes is not None else None
         dense = Checkpoint(store_dir)
         if model_dir is not None:
             want = Checkpoint(model_dir).config.config_hash()
@@ -71,10 +73,24 @@ class StreamingEngine:
     def new_state(self):
         return self.model.new_state()
 
-    def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None):
-        """The model's forward (prefill, image rows), always eager: see `NemotronH.forward`."""
+    def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None, cancel=None):
+        """The model's forward (prefill, image rows, `cancel` checked per layer), always eager: see
+        `NemotronH.forward`."""
         return self.model.forward(ids, state, last_only=last_only, image_embeds=image_embeds,
-                                  image_positions=image_positions)
+                                  image_positions=image_positions, cancel=cancel)
+
+    # what the one prefill loop (gpu_worker/prefill.py) reads of the model it runs, so it takes the engine too
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def dtype(self):
+        return self.model.dtype
 
     def step(self, token: int, state):
         """One decode token -> logits fp32 [1, vocab]; advances `state`. The CUDA graphs where they are on,

@@ -1,4 +1,5 @@
-"""The generation loop: prefill in chunks, then one token at a time, as a streaming iterator."""
+"""The generation loop: the prompt through the one prefill loop (gpu_worker/prefill.py), then one token at a time,
+as a streaming iterator."""
 from __future__ import annotations
 
 import threading
@@ -7,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from gpu_worker.prefill import prefill
 from gpu_worker.sampling import Sampler, SamplingParams
 
 
@@ -18,25 +20,25 @@ class Step:
     top_logprobs: list | None = None   # with logprobs=k > 0: [(token, logprob)] of the k most likely
 
 
-def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, prefill_chunk: int = 512,
+def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, prefill_budget: int | None = None,
              cancel: threading.Event | None = None, logprobs: int | None = None, grammar=None,
-             context_ids: list[int] | None = None) -> Iterator[Step]:
+             context_ids: list[int] | None = None, max_span: int = 0) -> Iterator[Step]:
     """Yields tokens as they are chosen. `state` (an InferenceState that already holds a prefix) is advanced
     in place; a stop token ends generation and is yielded with finish_reason 'stop'. The last yielded token
     is never fed to the model, so afterwards `state.position` tokens of prompt + output are in the state.
     `logprobs` (None = off, k >= 0) adds each token's log-probability and the k most likely alternatives,
     from the raw logits (before temperature and truncation), as OpenAI and vLLM report them. The token is chosen on
     the logits' device (gpu_worker.sampling); `grammar` constrains it; `context_ids` (the whole prompt, when
-    `prompt_ids` is the tail after a snapshot) is what repetition_penalty looks back at."""
+    `prompt_ids` is the tail after a snapshot) is what repetition_penalty looks back at.
+    `prefill_budget` (device bytes for the prompt's activations; None: `prefill.default_budget`) and `max_span`
+    bound the prefill's spans (`gpu_worker.prefill.prefill`)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     state = model.new_state() if state is None else state
     sampler = Sampler(params, prompt_ids=context_ids if context_ids is not None else prompt_ids, grammar=grammar)
-    logits = None
-    for s in range(0, len(prompt_ids), prefill_chunk):
-        if cancel is not None and cancel.is_set():
-            return
-        logits = model.forward(prompt_ids[s:s + prefill_chunk], state, last_only=True)
+    logits = prefill(model, prompt_ids, state, cancel=cancel, budget_bytes=prefill_budget, max_span=max_span)
+    if logits is None:      # cancelled
+        return
     stops = set(params.stop_token_ids)
     for i in range(params.max_tokens):
         tok, lp, top = sampler.step(logits[-1], logprobs)     # min_tokens' ban on stop tokens is the sampler's

@@ -3,6 +3,11 @@
 Per MoE layer at decode: one lookup (pins the hits), one message to the prefetcher (the actual choice and
 the guess for the next MoE layer), the hits computed at once, the misses as they land, every pin released.
 No cache bookkeeping happens here beyond that: the prefetcher owns the index.
+
+Per MoE layer at prefill (the whole span of tokens at once, gpu_worker/prefill.py): the tokens sorted by expert
+on the device, one host sync for the experts' token counts and the next layer's guess, one lookup and one
+request for every expert the span routes to (plus the guess as prefetch), the hits in grouped launches, the
+misses in grouped launches as they land (kernels/expert_prefill.py).
 """
 from __future__ import annotations
 
@@ -12,8 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_worker.prefill_accounting import PrefillAccounting
 from kernels import moe_ops
+from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
 from nemotron.moe import DecodeRoute, ExpertSource
+
+PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
+PREFILL_RING_SLOTS = 64             # staged weights: device slots the copy engine fills (two launches' experts, so
+                                    # that one launch's copies overlap the kernels of the one before)
+PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 
 
 @dataclass
@@ -128,6 +140,12 @@ class StreamingExperts(ExpertSource):
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._launched = None            # an addressed route's work that waits until its kernels are launched
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, n_keys=self.n_moe * store.n_experts,
+                                              n_experts=store.n_experts)
+        # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
+        # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
+        self.prefill_weights = "staged"
+        self._ring = None
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -165,7 +183,7 @@ class StreamingExperts(ExpertSource):
             acc = torch.zeros(self.geom.L, dtype=torch.float32, device=self.device)
             self.decode_eager(ticket, x[0], experts[0], weights[0], acc)
             return acc[None]
-        return self._prefill(moe_index, x, experts, weights)
+        return self._prefill(moe_index, x, experts, weights, guess)
 
     # ------------------------------------------------------------------ the decode graphs' side
     def decode_scales(self, moe_index, experts):
@@ -336,47 +354,163 @@ class StreamingExperts(ExpertSource):
         if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel)
             self.acct.bytes_over_pcie += len(experts) * (self.geom.up_bytes if self._addressed else self.geom.block_bytes)
 
-    def _prefill(self, j, x, experts, weights):
-        """Every expert the chunk needs is requested once and applied to all of its tokens as it lands."""
-        uniq = torch.unique(experts).tolist()
+    # ------------------------------------------------------------------ prefill
+    def _disk_counters(self) -> tuple[int, int]:
+        s = self.client.stats()
+        return int(s.get("io_bytes_read", 0)), int(s.get("io_reads", 0))
+
+    def begin_prompt(self) -> None:
+        self.prefill_acct.begin()
+
+    def end_prompt(self, tokens: int, seconds: float) -> None:
+        """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
+        self._flush(sync=self._cuda)
+        self.prefill_acct.end(tokens, seconds)
+
+    def _prefill(self, j, x, experts, weights, guess=None):
+        """The span's tokens sorted by expert; every expert it routes to requested once, the hits in grouped
+        launches, the misses in grouped launches as they land. guess: int64 [E], how many tokens the next MoE
+        layer's router sends to each expert on this layer's input: the absent ones are requested as prefetch reads,
+        the most used first, as many as the cache holds beside this layer's experts (more would evict blocks
+        before their use, and the prompt would read them twice)."""
+        T, k = experts.shape
+        E, pa = self.store.n_experts, self.prefill_acct
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        host = (torch.cat([counts, guess]) if guess is not None else counts).cpu()  # the one sync of the layer
+        self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
+        counts = host[:E].tolist()
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        uniq = [e for e in range(E) if counts[e]]
+        seg = {e: (starts[e], counts[e]) for e in uniq}
+        tok = order // k
+        xs = x[tok].contiguous()
+        ws = weights.reshape(-1)[order].float().contiguous()
+        pa.routed(j, uniq, T * k)
+        nj, guess_list = (j + 1) % self.n_moe, []
         hits = self.client.lookup(j, uniq)
-        self.client.request_prefill(j, uniq)
-        acc = torch.zeros(x.shape[0], self.geom.L, dtype=torch.float32, device=self.device)
-        self._flush(sync=False)          # torch.unique(...).tolist() waited for the device
+        if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
+            soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
+            absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
+            guess_list = absent[:max(self._prefetch_room(j, len(uniq) - len(hits)), 0)]
+            pa.guessed_absent(nj, guess_list)
+        self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+        acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
+        rows_cap = max(1, PREFILL_BATCH_BYTES // (2 * self.geom.I))
+        batch: list[tuple[int, int]] = []
+        rows = 0
         for e, s in hits.items():
-            try:
-                self._prefill_one(x, experts, weights, e, s, j, acc)
-            finally:
-                self._defer([s])
+            if batch and (rows + seg[e][1] > rows_cap or len(batch) == PREFILL_RING_SLOTS // 2):
+                self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
+                batch, rows = [], 0
+            batch.append((e, s))
+            rows += seg[e][1]
+        if batch:
+            self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
         if misses:
+            self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
+            # landed misses stay pinned until their kernels have run (CUDA): give them back often enough that the
+            # cache always has slots for the next reads, however small it is
+            flush_every = max(1, min(8, self.client.shm.n_slots // 4))
             tw = time.perf_counter()
             waited = 0.0
             used = []
             for e, s in self.client.wait_any(j, misses):
                 waited += time.perf_counter() - tw
-                try:
-                    self._prefill_one(x, experts, weights, e, s, j, acc)
-                finally:
-                    self._defer([s])
+                self._prefill_batch(j, [(e, s)], seg, xs, ws, tok, acc)
                 used.append(e)
                 if len(used) >= 8:      # hand used blocks back to the eviction end as we go
                     self.client.done_prefill(j, used)
                     used = []
+                if len(self._deferred) >= flush_every:
+                    self._flush(sync=True)
                 tw = time.perf_counter()
             if used:
                 self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
-        self._flush(sync=True)
+            pa.last.ms_waiting_for_disk += waited * 1e3
+        if hits:         # hits the prompt's own prefetch brought in go to the eviction end too (others are kept)
+            self.client.done_prefill(j, list(hits))
         return acc
 
-    def _prefill_one(self, x, experts, weights, e, s, j, acc):
-        tok, slot = torch.where(experts == e)       # waits for the device: the earlier experts' kernels have run
-        self._flush(sync=False)
-        tw = weights[tok, slot].float().contiguous()
-        ug, dg = self.up_global[j, e:e + 1], self.down_global[j, e:e + 1]
-        block = self._blocks([s])
-        if not self._addressed:
-            block = block[0]
-        y = moe_ops.expert_prefill(x[tok].contiguous(), block, self.geom, ug, dg, tw)
-        acc.index_add_(0, tok, y)
+    def _prefetch_room(self, j: int, misses: int) -> int:
+        """Slots the next layer's prefetch may take without evicting a block this prompt still needs: the empty ones
+        and those holding what the prompt used in earlier layers (demoted, first to go), less this layer's misses."""
+        keys = self.client.shm.slot_key
+        held = keys[keys >= 0]
+        done = self.prefill_acct.used_mask()[held]
+        done &= (held // self.store.n_experts) < j
+        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) - misses - PREFILL_SLOT_MARGIN
+
+    def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
+        """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
+        ex, slots = [e for e, _ in batch], [s for _, s in batch]
+        segments = [seg[e] for e in ex]
+        try:
+            if self._addressed:
+                idx = self._dev(ex)
+                ug, dg = self.up_global[j, idx], self.down_global[j, idx]
+                staged = self.prefill_weights == "staged" and self._cuda   # (tests run addresses on the CPU too)
+                if staged:
+                    addrs = self._stage(slots)
+                else:
+                    base = self.slab.data_ptr()
+                    addrs = [base + s * self.slot_bytes for s in slots]
+                n_tiles = sum(-(-n // GROUPED_CONFIG["BLOCK_M"]) for _, n in segments)
+                expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
+                if staged:
+                    self._ring_used()
+                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                else:     # every BLOCK_M tile re-reads its expert's weights over the bus
+                    self.prefill_acct.last.bytes_over_pcie += n_tiles * self.geom.block_bytes
+            else:
+                blocks = self._blocks(slots)
+                ug, dg = self.up_global[j, ex], self.down_global[j, ex]
+                expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok, acc)
+                if self._cuda:
+                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+            self.prefill_acct.last.launches += 1
+        finally:
+            self._defer(slots)
+
+    def _stage(self, slots) -> list[int]:
+        if self._ring is None:
+            self._ring = _StagingRing(PREFILL_RING_SLOTS, self.store.block_stride, self.geom.block_bytes, self.device)
+        return self._ring.stage([self.slab[s] for s in slots])
+
+    def _ring_used(self) -> None:
+        self._ring.read_by_current_stream()
+
+
+class _StagingRing:
+    """Device slots that the copy engine fills from the pinned slab on its own stream. The compute stream waits
+    for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
+    slot), so the copies of one launch overlap the kernels of the one before (the ring holds two launches)."""
+
+    def __init__(self, n: int, stride: int, block_bytes: int, device):
+        self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
+        self.free = [torch.cuda.Event() for _ in range(n)]
+        self.stream = torch.cuda.Stream(device)
+        self.device, self.block_bytes = device, block_bytes
+        self.next, self.used = 0, []
+
+    def stage(self, sources) -> list[int]:
+        bb, cs = self.block_bytes, self.stream
+        self.used = []
+        for src in sources:
+            r, self.next = self.next, (self.next + 1) % len(self.free)
+            cs.wait_event(self.free[r])
+            with torch.cuda.stream(cs):
+                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
+            self.used.append(r)
+        done = torch.cuda.Event()
+        done.record(cs)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return [self.buf[r].data_ptr() for r in self.used]
+
+    def read_by_current_stream(self) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        for r in self.used:
+            self.free[r].record(cur)

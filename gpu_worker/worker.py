@@ -98,17 +98,19 @@ class _Decoded:
 
 
 class Worker:
-    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 512, vision=None,
+    def __init__(self, engine, chan: Channel, snapshots=None, prefill_chunk: int = 0, vision=None,
                  image_geometry=None, model_dir: str | None = None):
         """vision: a `nemotron.vision.VisionTower` (`load_vision`) for an Omni / VL checkpoint, else None;
         image_geometry: its `nemotron.vision_preprocess.ImageGeometry`; model_dir: where the tokenizer is (for
-        grammars)."""
+        grammars). prefill_chunk: a cap on the prefill's span in tokens (0: the engine's prefill memory budget
+        alone)."""
         self.engine, self.model, self.chan = engine, engine.model, chan
         self.vision, self.image_geometry = vision, image_geometry
         self.model_dir = model_dir
         self._grammars = None       # gpu_worker.grammar.GrammarCompiler, built by the first constrained request
         self.snaps = snapshots
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = engine.prefill_budget_bytes
         self.jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.current: tuple[str, threading.Event] | None = None
@@ -247,7 +249,8 @@ class Worker:
         grammar = self._grammar(req.msg.grammar) if req.msg.grammar is not None else None
         if not req.cancel.is_set():
             for step in generate(self.engine, req.ids[req.pos:], req.msg.params, state=req.state,
-                                 prefill_chunk=self.prefill_chunk, cancel=req.cancel, logprobs=req.msg.logprobs,
+                                 prefill_budget=self.prefill_budget, max_span=self.prefill_chunk,
+                                 cancel=req.cancel, logprobs=req.msg.logprobs,
                                  grammar=grammar, context_ids=req.ids):
                 out.t_last = time.perf_counter()
                 if out.t_first is None:
@@ -298,19 +301,13 @@ class Worker:
         self.chan.send(m.Done(req.msg.id, out.finish, timings, engine))
 
     def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
-        """Feed ids[pos:end] in chunks; `rows` = (embeddings [K, hidden], absolute positions [K]) of image
-        tokens, whose embeddings replace the token embeddings."""
-        while pos < end and not cancel.is_set():
-            e = min(end, pos + self.prefill_chunk)
-            kw = {}
-            if rows is not None:
-                emb, at = rows
-                sel = (at >= pos) & (at < e)
-                if bool(sel.any()):
-                    kw = dict(image_embeds=emb[sel], image_positions=at[sel] - pos)
-            self.model.forward(ids[pos:e], state, last_only=True, **kw)
-            pos = e
-        return pos
+        """Feed ids[pos:end] (the state holds ids[:pos]) through the one prefill loop; `rows` = (embeddings
+        [K, hidden], absolute positions [K]) of image tokens, whose embeddings replace the token embeddings.
+        Returns the position reached: end, or 0 when cancelled (the state is then emptied)."""
+        from gpu_worker.prefill import ImageRows, prefill
+        prefill(self.model, ids, state, pos, end, images=ImageRows(*rows) if rows is not None else None,
+                cancel=cancel, budget_bytes=self.prefill_budget, max_span=self.prefill_chunk)
+        return state.position
 
     def _image_layout(self, img: m.Images, n_ids: int) -> _PromptImages:
         if self.vision is None:
@@ -350,7 +347,7 @@ class Worker:
     def stats(self) -> m.EngineStats:
         acct = self.engine.accounting
         out = m.EngineStats(requests=dict(self.totals), accounting_per_token=acct.per_token(),
-                            accounting_totals=acct.totals())
+                            accounting_totals=acct.totals(), prefill=self.engine.experts.prefill_acct.totals())
         try:
             cs = self.engine.cache_stats()
             out.cache = {k: v for k, v in cs.items() if isinstance(v, (int, float))}
@@ -400,7 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--io-workers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="cap on the prefill span in tokens (0: the prefill memory budget alone decides)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
     ap.add_argument("--snapshot-dir")

@@ -1,4 +1,15 @@
-"""One expert on all tokens of a prefill chunk that were routed to it: two tensor-core GEMMs.
+"""Routed experts at prefill: every expert of a MoE layer on the tokens routed to it, as tensor-core GEMMs.
+
+`expert_prefill_grouped` is the engine's: one up launch and one down launch for a whole group of experts (all of a
+layer's hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens
+each expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a
+program takes one (tile, BLOCK_N columns) pair, reads its expert's block by address (the pinned slab zero-copy,
+VRAM, or a device ring the copy engine staged it into), decodes NVFP4 in the kernel, and the down launch adds
+w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over experts varies from run to run).
+No host sync per expert. The intermediate ReLU² rows are stored as fp16 already multiplied by 2^-8: exactly what
+the down GEMM would have converted them to on loading.
+
+`expert_prefill` (one expert per call) is the first build's, kept for bench/kernels.
 
 y[t, :] = w[t] · down(relu(up x[t])²) for the T tokens given; the caller scatters y into the chunk's
 accumulator. The expert's block is read where it lies (VRAM or the mapped slab, by address), in the block
@@ -15,7 +26,7 @@ import triton.language as tl
 
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import up_weight_torch
-from kernels.gemv_nvfp4 import _nvfp4_gemm_body
+from kernels.gemv_nvfp4 import _X_PRESCALE, _nvfp4_gemm_body, _nvfp4_tile_split
 from kernels.sparse_down import down_group_weights_torch
 
 
@@ -101,3 +112,144 @@ def expert_prefill_torch(x: torch.Tensor, blk: torch.Tensor, geom: ExpertGeometr
     down = down_group_weights_torch(geom, blk, down_global).permute(1, 0, 2).reshape(geom.L, geom.I)
     a = torch.relu(x.float() @ up.t()) ** 2
     return (a @ down.t()) * token_weights.float()[:, None]
+
+
+# ------------------------------------------------------------------------------------------------ grouped
+@triton.jit
+def _tile_dot(x_ptr, stride_xm, o_m, m_m, w_ptr, s_ptr, o_n, m_n, N, K, LAYOUT: tl.constexpr,
+              X_PRESCALED: tl.constexpr, X_LOAD: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k W[n, k] x[m, k] for one (BLOCK_N, BLOCK_M) tile, global scale not applied. x rows at o_m (int64).
+    X_LOAD 0: x's even and odd columns in two strided loads; 1: one contiguous [BLOCK_M, BLOCK_K] load, split."""
+    b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    o_j = tl.arange(0, BLOCK_K // 2)
+    o_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        a_lo, a_hi = _nvfp4_tile_split(w_ptr, s_ptr, o_n, m_n, k0, K, N, LAYOUT, BLOCK_K)
+        if X_LOAD == 1:
+            m_xr = m_m[:, None] & ((k0 + o_k)[None, :] < K)
+            b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + (k0 + o_k)[None, :], mask=m_xr, other=0.0)
+            x_e, x_o = tl.split(tl.reshape(b_x, (BLOCK_M, BLOCK_K // 2, 2)))
+            x_e = tl.trans(x_e)
+            x_o = tl.trans(x_o)
+        else:
+            k_e = k0 + 2 * o_j
+            m_x = m_m[None, :] & (k_e[:, None] < K)
+            p_x = x_ptr + o_m[None, :] * stride_xm + k_e[:, None]
+            x_e = tl.load(p_x, mask=m_x, other=0.0)
+            x_o = tl.load(p_x + 1, mask=m_x, other=0.0)
+        if X_PRESCALED:
+            b_acc = tl.dot(a_lo, x_e, b_acc)
+            b_acc = tl.dot(a_hi, x_o, b_acc)
+        else:
+            b_acc = tl.dot(a_lo, (x_e.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
+            b_acc = tl.dot(a_hi, (x_o.to(tl.float32) * _X_PRESCALE).to(tl.float16), b_acc)
+    return b_acc * 32768.0   # 2^7 (tile) · 2^8 (x prescale)
+
+
+@triton.jit
+def _grouped_up_kernel(
+    # tensors
+    x_ptr, table_ptr, gs_ptr, h_ptr,
+    # sizes
+    n_tiles, I, L, stride_xm, up_scales_off,
+    # config
+    X_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    i = tl.load(table_ptr + 3 * t)                    # the expert's index in this launch
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_n = o_n < I
+    m_m = o_m < m1
+    b_h = _tile_dot(x_ptr, stride_xm, o_m, m_m, base, base + up_scales_off, o_n, m_n, I, L, 0, False, X_LOAD,
+                    BLOCK_M, BLOCK_N, BLOCK_K) * tl.load(gs_ptr + i)
+    b_h = tl.maximum(b_h, 0.0)
+    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)    # what the down GEMM's x load would make of it
+    tl.store(h_ptr + o_m[None, :] * I + o_n[:, None], b_h, mask=m_n[:, None] & m_m[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    # tensors
+    h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr,
+    # sizes
+    n_tiles, L, I, down_off,
+    # config
+    X_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    i = tl.load(table_ptr + 3 * t)
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8)) + down_off
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_n = o_n < L
+    m_m = o_m < m1
+    b_y = _tile_dot(h_ptr, I, o_m, m_m, base, base, o_n, m_n, L, I, 1, True, X_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
+    b_y = b_y * tl.load(gs_ptr + i) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
+
+
+# bench/prefill.py's sweep (H200, 32 experts, weights in VRAM): this shape 117 / 139 TFLOP/s at 256 / 1,024 tokens
+# per expert; the first default (X_LOAD 0, BLOCK_M 64) 61 / 71; X_LOAD 1 alone 94 / 111 (bench/NOTES.md)
+GROUPED_CONFIG = dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int, int, int]]:
+    """(expert index, first row, end row) of every BLOCK_M tile of the experts' row segments (start, count)."""
+    return [(i, m0, start + n) for i, (start, n) in enumerate(segments) for m0 in range(start, start + n, block_m)]
+
+
+def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int]], addrs: list[int],
+                           geom: ExpertGeometry, up_global: torch.Tensor, down_global: torch.Tensor,
+                           w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
+                           config: dict | None = None, h: torch.Tensor | None = None) -> torch.Tensor:
+    """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
+    segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
+    up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
+    acc fp32 [T, L]. h: optional fp16 buffer of at least (rows of the segments) x I. Two launches, no sync."""
+    assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
+    L, I = geom.L, geom.I
+    assert len(segments) == len(addrs) == up_global.numel() == down_global.numel()
+    assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
+    assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
+    cfg = {**GROUPED_CONFIG, **(config or {})}
+    table = tile_table(segments, cfg["BLOCK_M"])
+    if not table:
+        return acc
+    used = [(s, n) for s, n in segments if n > 0]
+    lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
+    # the rows of this launch, re-based so that h holds only them
+    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
+    dev = x_sorted.device
+    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    rows = hi - lo
+    if h is None or h.numel() < rows * I:
+        h = torch.empty(rows * I, dtype=torch.float16, device=dev)
+    grid = (triton.cdiv(I, cfg["BLOCK_N"]), len(table))
+    _grouped_up_kernel[grid](x_sorted[lo:hi], tab, up_global, h, len(table), I, L, x_sorted.stride(0),
+                             geom.up_scales_off, **cfg)
+    grid = (triton.cdiv(L, cfg["BLOCK_N"]), len(table))
+    _grouped_down_kernel[grid](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
+                               geom.down_off, **cfg)
+    return acc
+
+
+def expert_prefill_grouped_torch(x_sorted: torch.Tensor, segments: list[tuple[int, int]], blocks, geom,
+                                 up_global, down_global, w_sorted, tok_sorted, acc) -> torch.Tensor:
+    """Twin: each expert decoded from its block (U8 tensor) and applied to its segment in fp32."""
+    for i, (s, n) in enumerate(segments):
+        if n == 0:
+            continue
+        y = expert_prefill_torch(x_sorted[s:s + n], blocks[i], geom, float(up_global[i]), float(down_global[i]),
+                                 w_sorted[s:s + n])
+        acc.index_add_(0, tok_sorted[s:s + n], y)
+    return acc

@@ -8,6 +8,16 @@ from kernels.attention_decode import attention_decode
 from kernels.linear import linear
 
 
+SCORE_BYTES = 256 << 20     # prefill attention: scores of one query block at most (fp32 softmax and its inputs)
+
+
+def query_block(n_heads: int, T: int, S: int, act_bytes: int) -> int:
+    """Queries per block so that one block's scores (in the activation dtype, the fp32 softmax and its output,
+    and the probabilities cast back) stay within SCORE_BYTES."""
+    per_query = n_heads * S * (2 * act_bytes + 8)
+    return max(1, min(T, SCORE_BYTES // max(per_query, 1)))
+
+
 class KVCache:
     __slots__ = ("k", "v", "length")
 
@@ -96,14 +106,22 @@ class Attention:
             y = linear(out, self.o_proj)
             return y + self.bias["o"] if "o" in self.bias else y
         rep = self.nq // self.nkv
-        qg = q.view(T, self.nkv, rep, self.hd).permute(1, 2, 0, 3)     # [nkv, rep, T, hd]
-        scores = torch.einsum("grtd,sgd->grts", qg, K) * self.scale    # [nkv, rep, T, S]
         S = cache.length
-        if T > 1:
-            mask = torch.arange(S, device=h.device)[None, :] > (past + torch.arange(T, device=h.device))[:, None]
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.einsum("grts,sgd->tgrd", probs, V).reshape(T, self.nq * self.hd)
+        out = torch.empty(T, self.nq * self.hd, device=h.device, dtype=q.dtype)
+        # Queries in blocks so that no more than SCORE_BYTES of scores live at once (a 16k tail would otherwise
+        # hold T x S scores for every head: 34 GB on Super). Rows are independent: any block gives the same rows.
+        qb = query_block(self.nq, T, S, q.element_size())
+        for t0 in range(0, T, qb):
+            t1 = min(T, t0 + qb)
+            qg = q[t0:t1].view(t1 - t0, self.nkv, rep, self.hd).permute(1, 2, 0, 3)   # [nkv, rep, Tq, hd]
+            s_end = min(S, past + t1)                                  # keys after the block's last query: masked anyway
+            scores = torch.einsum("grtd,sgd->grts", qg, K[:s_end]) * self.scale      # [nkv, rep, Tq, s_end]
+            if T > 1:
+                mask = (torch.arange(s_end, device=h.device)[None, :]
+                        > (past + torch.arange(t0, t1, device=h.device))[:, None])
+                scores = scores.masked_fill(mask, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out[t0:t1] = torch.einsum("grts,sgd->tgrd", probs, V[:s_end]).reshape(t1 - t0, self.nq * self.hd)
         y = linear(out, self.o_proj)
         return y + self.bias["o"] if "o" in self.bias else y
 

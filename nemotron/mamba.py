@@ -15,6 +15,9 @@ from kernels.linear import linear
 from nemotron.norms import gated_group_rms_norm
 
 
+PIECE_TOKENS = 512    # a long prefill runs through the mixer in pieces of about this many tokens (see __call__)
+
+
 class MambaState:
     __slots__ = ("conv", "ssm")
 
@@ -64,6 +67,8 @@ class Mamba2Mixer:
         self.D = ckpt.get_float(p + "D", (self.nh,)).to(device, torch.float32)
         self.norm_w = ckpt.get_float(p + "norm.weight", (self.I,)).to(device)
         self.dtype = dtype
+        # a whole number of scan chunks, so that the pieces cut the scan where it cuts itself
+        self.piece = self.chunk_size * max(1, PIECE_TOKENS // self.chunk_size)
 
     def new_state(self, device) -> MambaState:
         return MambaState(torch.zeros(self.K - 1, self.conv_dim, device=device, dtype=self.dtype),
@@ -71,6 +76,13 @@ class Mamba2Mixer:
 
     def __call__(self, h: torch.Tensor, st: MambaState) -> torch.Tensor:
         T = h.shape[0]
+        if T > self.piece:
+            # The recurrence carries everything between tokens in `st`, so pieces give the same result while the
+            # mixer's activations (~470 KB per token on Super) stay bounded by the piece, whatever the span.
+            out = torch.empty(T, self.out_proj.out_features, device=h.device, dtype=self.dtype)
+            for s in range(0, T, self.piece):
+                out[s:s + self.piece] = self(h[s:s + self.piece], st)
+            return out
         zxbcdt = linear(h, self.in_proj)
         z, xBC, dt = zxbcdt.split([self.I, self.conv_dim, self.nh], dim=-1)
         if T == 1 and backend.use_triton(h, "mamba_step") and self.dt_min == 0 and not math.isfinite(self.dt_max):
@@ -82,10 +94,12 @@ class Mamba2Mixer:
             dt = dt.clamp(self.dt_min, self.dt_max)
         x = x.float().view(T, self.nh, self.hd)
         rep = self.nh // self.ng
-        B = B.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)  # [T, nh, N]
-        C = C.float().view(T, self.ng, self.N).repeat_interleave(rep, dim=1)
+        # B and C stay per group [T, ng, N]; the scan widens them to heads one chunk at a time (at 16k tokens the
+        # full [T, nh, N] copies alone would be 1 GiB each on Super)
+        B = B.float().view(T, self.ng, self.N)
+        C = C.float().view(T, self.ng, self.N)
         if T == 1:
-            y = self._step(x[0], dt[0], B[0], C[0], st)[None]
+            y = self._step(x[0], dt[0], B[0].repeat_interleave(rep, dim=0), C[0].repeat_interleave(rep, dim=0), st)[None]
         else:
             y = self._chunk_scan(x, dt, B, C, st)
         y = y + self.D[:, None] * x
@@ -105,8 +119,11 @@ class Mamba2Mixer:
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
         seq = torch.cat([st.conv.to(xBC.dtype), xBC], dim=0)            # [K-1+T, conv_dim]
         st.conv = seq[-(self.K - 1):].clone()
-        windows = seq.float().unfold(0, self.K, 1)                       # [T, conv_dim, K]
-        out = (windows * self.conv_w).sum(-1) + self.conv_b
+        seqf = seq.float()
+        T = xBC.shape[0]
+        out = self.conv_b + seqf[:T] * self.conv_w[:, 0]                 # tap by tap: no [T, conv_dim, K] windows
+        for k in range(1, self.K):
+            out = out + seqf[k:k + T] * self.conv_w[:, k]
         return F.silu(out).to(xBC.dtype)
 
     def _step(self, x, dt, B, C, st: MambaState):
@@ -116,13 +133,16 @@ class Mamba2Mixer:
         return torch.einsum("hdn,hn->hd", st.ssm, C)
 
     def _chunk_scan(self, x, dt, B, C, st: MambaState):
-        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks."""
+        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks.
+        B, C per group [T, ng, N]."""
         T = x.shape[0]
-        ys = []
+        rep = self.nh // self.ng
+        ys = torch.empty_like(x)                                          # written chunk by chunk: no list + cat copy
         S = st.ssm
         for s in range(0, T, self.chunk_size):
             e = min(T, s + self.chunk_size)
-            xc, dtc, Bc, Cc = x[s:e], dt[s:e], B[s:e], C[s:e]             # [Q, nh, hd], [Q, nh], [Q, nh, N]
+            xc, dtc = x[s:e], dt[s:e]                                     # [Q, nh, hd], [Q, nh]
+            Bc, Cc = B[s:e].repeat_interleave(rep, dim=1), C[s:e].repeat_interleave(rep, dim=1)   # [Q, nh, N]
             a = dtc * self.A                                              # [Q, nh]
             acs = torch.cumsum(a, dim=0)                                  # [Q, nh]
             Q = e - s
@@ -136,6 +156,6 @@ class Mamba2Mixer:
             decay_to_end = torch.exp(acs[-1][None, :] - acs)              # [Q, nh]
             S = S * torch.exp(acs[-1])[:, None, None] + torch.einsum(
                 "jh,jhd,jhn->hdn", decay_to_end * dtc, xc, Bc)
-            ys.append(y)
+            ys[s:e] = y
         st.ssm = S
-        return torch.cat(ys, dim=0)
+        return ys

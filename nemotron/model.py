@@ -22,6 +22,11 @@ from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
 from nemotron.norms import rms_norm
 
 
+class Cancelled(Exception):
+    """`forward(..., cancel=event)` stopped between two layers: the state is part-way through the call and
+    must be dropped."""
+
+
 @dataclass
 class InferenceState:
     layers: list = field(default_factory=list)   # per layer: MambaState | KVCache | None
@@ -161,12 +166,13 @@ class NemotronH:
 
     @torch.inference_mode()
     def forward(self, ids, state: InferenceState, last_only: bool = False,
-                image_embeds: torch.Tensor | None = None, image_positions=None) -> torch.Tensor:
+                image_embeds: torch.Tensor | None = None, image_positions=None, cancel=None) -> torch.Tensor:
         """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`.
 
         `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
         call's ids, in order): the projector's output for the `<image>` tokens, as transformers'
-        `masked_scatter` places it."""
+        `masked_scatter` places it. `cancel` (a threading.Event) is checked before each layer: set, the call
+        raises `Cancelled` (a long prefill stops within one layer)."""
         ids = self.token_ids(ids)
         x = self.embeddings[ids].to(self.dtype)
         if (image_embeds is None) != (image_positions is None):
@@ -182,6 +188,8 @@ class NemotronH:
             x[pos] = image_embeds.to(device=self.device, dtype=self.dtype)
         eps = self.config.layer_norm_epsilon
         for i, mixer in enumerate(self.mixers):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"cancelled before layer {i}")
             h = rms_norm(x, self.norms[i], eps)
             s = state.layers[i]
             x = x + (mixer(h) if s is None else mixer(h, s))

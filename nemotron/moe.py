@@ -32,7 +32,7 @@ class ExpertSource(ABC):
     `apply` eagerly; a source that can hand out block addresses overrides them so that its kernels run inside
     a graph."""
 
-    wants_guess = False   # True: apply() wants the next MoE layer's router guess (decode only)
+    wants_guess = False   # True: apply() wants the next MoE layer's router guess (one row at decode, counts at prefill)
 
     @abstractmethod
     def apply(self, moe_index: int, layer: int, x: torch.Tensor, experts: torch.Tensor,
@@ -167,11 +167,19 @@ class MoEMixer:
         self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
     def route(self, h: torch.Tensor):
-        """(chosen experts, their weights, the guess for the next MoE layer or None), on the device."""
+        """(chosen experts, their weights, the guess for the next MoE layer or None), on the device. The guess is
+        the next router's top-k [k] for one token; for several (prefill) int64 [E]: how many tokens it sends to each
+        expert."""
         experts, weights = self.router(h)
         guess = None
-        if h.shape[0] == 1 and self.next_router is not None and self.experts.wants_guess:
-            guess = self.next_router(h)[0][0]
+        if self.next_router is not None and self.experts.wants_guess:
+            picks = self.next_router(h)[0]
+            if h.shape[0] == 1:
+                guess = picks[0]
+            else:
+                flat = picks.reshape(-1)     # counted without torch.bincount, which waits for the device on CUDA
+                guess = torch.zeros(self.router.E, dtype=torch.int64, device=h.device).index_add_(
+                    0, flat, torch.ones_like(flat))
         return experts, weights, guess
 
     def prepare(self, h: torch.Tensor):

@@ -199,12 +199,14 @@ class EngineTotals:
 class EngineStats:
     """The compute process's figures at scrape time. `accounting_per_token` holds `*_per_token` figures and
     `accounting_totals` `*_total` ones (gpu_worker.streaming.Accounting); `requests` the worker's request totals;
-    `cache` the cache's counters; `snapshots` the snapshot store's."""
+    `cache` the cache's counters; `snapshots` the snapshot store's; `prefill` the prefill accounting
+    (gpu_worker.prefill_accounting: totals and the last prompt's figures)."""
     requests: dict[str, float] = field(default_factory=dict)
     accounting_per_token: dict[str, float] = field(default_factory=dict)
     accounting_totals: dict[str, float] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     snapshots: dict[str, Any] = field(default_factory=dict)
+    prefill: dict[str, Any] = field(default_factory=dict)
 
 
 @_message("status", TO_LAUNCHER)

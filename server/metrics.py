@@ -145,6 +145,24 @@ class _EngineCollector:
         g.add_metric(["total"], total)
         g.add_metric(["other"], max(total - sum(parts.values()), 0.0))
         yield g
+        pf = s.prefill
+        for name, key, doc in [("prefill_tokens", "prefill_tokens", "tokens prefilled by the engine"),
+                               ("prefill_bytes_from_disk", "prefill_bytes_from_disk", "bytes read from disk while prefilling"),
+                               ("prefill_bytes_over_pcie", "prefill_bytes_over_pcie", "expert bytes over PCIe while prefilling"),
+                               ("prefill_blocks_read", "prefill_blocks_read", "expert blocks read from disk while prefilling"),
+                               ("prefill_distinct_experts", "prefill_distinct_experts",
+                                "distinct (layer, expert) pairs routed, summed over prompts")]:
+            c = CounterMetricFamily(P + name, doc)
+            c.add_metric([], float(pf.get(key, 0)))
+            yield c
+        for name, key, doc in [("last_prefill_tokens_per_second", "prefill_last_tokens_per_s", "prefill speed of the last prompt (engine)"),
+                               ("last_prefill_bytes_from_disk", "prefill_last_bytes_from_disk", "bytes from disk for the last prompt"),
+                               ("last_prefill_bytes_over_pcie", "prefill_last_bytes_over_pcie", "expert bytes over PCIe for the last prompt"),
+                               ("last_prefill_distinct_experts", "prefill_last_distinct_experts", "distinct experts the last prompt routed to"),
+                               ("last_prefill_blocks_read", "prefill_last_blocks_read", "blocks read from disk for the last prompt")]:
+            g = GaugeMetricFamily(P + name, doc)
+            g.add_metric([], float(pf.get(key, 0)))
+            yield g
         for name, key, doc in [("snapshot_hits_ram", "hits_ram", "requests continued from a snapshot in RAM"),
                                ("snapshot_hits_disk", "hits_disk", "requests continued from a snapshot on disk"),
                                ("snapshot_misses", "misses", "requests with no usable snapshot"),

@@ -40,7 +40,7 @@ class WorkerConfig:
     io_workers: int = 4
     device: str = "cpu"
     dtype: str = "fp32"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 0         # cap on the prefill span (0: the memory budget alone)
     threads: int = 0
     snapshot_dir: str | None = None
     snapshot_count: int = 32

@@ -79,13 +79,14 @@ def hf_logits_and_greedy(model, ids: list[int], n_decode: int):
     cache = out.past_key_values
     last = out.logits[0, -1].float()
     greedy, greedy_logits = [], []
-    for _ in range(n_decode):
+    for i in range(n_decode):
         tok = int(last.argmax())
         greedy.append(tok)
-        step = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-        cache = step.past_key_values
-        last = step.logits[0, -1].float()
-        greedy_logits.append(last.numpy())
+        greedy_logits.append(last.numpy())          # row i: the logits token i was chosen from (tools.logits' contract)
+        if i + 1 < n_decode:
+            step = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            last = step.logits[0, -1].float()
     gl = np.stack(greedy_logits) if greedy_logits else np.zeros((0, logits.shape[1]), np.float32)
     return logits, np.array(greedy, dtype=np.int64), gl
 

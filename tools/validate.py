@@ -57,9 +57,8 @@ def run_variant(name, args, work: Path, n_decode: int, n_prompt: int) -> dict:
     ref, ref_greedy, ref_gl = hf_logits_and_greedy(hf, ids, n_decode)
     t_ref = time.time() - t0
     del hf
-    prev = np.concatenate([ref[-1:], ref_gl[:-1]]) if n_decode else ref_gl
     agree = next((i for i, (a, b) in enumerate(zip(ref_greedy, greedy)) if a != b), n_decode)
-    tie = agree < n_decode and abs(prev[agree][ref_greedy[agree]] - prev[agree][greedy[agree]]) < 1e-4
+    tie = agree < n_decode and abs(ref_gl[agree][ref_greedy[agree]] - ref_gl[agree][greedy[agree]]) < 1e-4
     top1 = torch.softmax(torch.from_numpy(ref), -1).max(-1).values.mean().item()
     return dict(variant=name, pattern=cfg.pattern, hidden=cfg.hidden_size, experts=cfg.n_routed_experts,
                 top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, prompt=len(ids), mean_kl=mean_kl(ref, logits),

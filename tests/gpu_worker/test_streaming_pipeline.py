@@ -143,7 +143,7 @@ def test_prefill_does_not_flush_the_decode_working_set(tiny, prefill_protects, m
     with StreamingEngine(store, cache_bytes=tenth_of_experts(store) * 5, io_workers=2) as eng:
         if not prefill_protects:
             c = eng.sup.client()
-            monkeypatch.setattr(c, "request_prefill", lambda j, ex: c.request(j, ex))
+            monkeypatch.setattr(c, "request_prefill", lambda j, ex, guess=(), guess_layer=0: c.request(j, ex, guess, guess_layer))
             monkeypatch.setattr(c, "done_prefill", lambda j, ex: None)
         m = eng.model
         st = m.new_state()
@@ -167,8 +167,9 @@ def test_record_routing_trace(tiny, tmp_path):
     from tools import logits as logits_tool
     model_dir, store = tiny
     trace = tmp_path / "routing.msgpack"
+    # 4 greedy tokens: the first 3 are fed through the decode path (the last chosen is never fed)
     rc = logits_tool.main(["--model", str(model_dir), "--store", str(store), "--cache-mb", "0.2",
-                           "--ids", "20,21,22,23,24", "--decode", "3", "--out", str(tmp_path / "o.npz"),
+                           "--ids", "20,21,22,23,24", "--decode", "4", "--out", str(tmp_path / "o.npz"),
                            "--record-routing", str(trace)])
     assert rc == 0
     recs = list(read_routing(trace))

@@ -38,9 +38,7 @@ def prompt(cfg, n, seed=0):
 def reference(model_dir, ids, n, tmp_path):
     hf = load_hf_model(dequantize_checkpoint(model_dir, tmp_path / "dense"))
     logits, greedy, gl = hf_logits_and_greedy(hf, ids, n)
-    # logits that chose each greedy token: the prefill's last row, then each decode step's
-    prev = np.concatenate([logits[-1:], gl[:-1]]) if n else gl
-    return logits, greedy, prev
+    return logits, greedy, gl      # gl row i: the logits that chose greedy token i
 
 
 def compare(model_dir, tmp_path, n_prompt=None, seed=0, engine_dir=None):

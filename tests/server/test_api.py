@@ -305,7 +305,13 @@ def test_completion_continues_from_the_exact_end_of_the_previous_one(server, mod
 def test_metrics(server, model):
     before = metric(server, "moestream_generation_tokens_total")
     ttft_before = metric(server, "moestream_time_to_first_token_seconds_count")
-    completion(server, model, max_tokens=7)
+    prefilled_before = metric(server, "moestream_prefill_tokens_total")
+    r = completion(server, model, max_tokens=7, prompt="A metrics probe, a prompt of its own")
+    prefilled = metric(server, "moestream_prefill_tokens_total") - prefilled_before
+    assert prefilled == r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"] > 1
+    assert metric(server, "moestream_last_prefill_tokens_per_second") > 0
+    assert metric(server, "moestream_last_prefill_distinct_experts") > 0
+    assert metric(server, "moestream_prefill_blocks_read_total") >= 0
     assert metric(server, "moestream_generation_tokens_total") == before + 7
     assert metric(server, "moestream_time_to_first_token_seconds_count") == ttft_before + 1
     assert 0 < metric(server, "moestream_expert_cache_hit_rate") <= 1

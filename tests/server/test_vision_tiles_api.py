@@ -57,9 +57,9 @@ def test_two_tiled_images_match_the_engine_reference(server, tiled):
     assert toks == greedy.tolist()[:len(toks)]
     first = logits_and_greedy(model, ids, 0, 0, emb, pos)[0][-1]
     assert abs(float(torch.log_softmax(torch.tensor(first), -1)[toks[0]]) - lps[0]) < 1e-3
-    ref_lp = torch.log_softmax(torch.tensor(gl), -1)
-    for k in range(1, len(toks)):
-        assert abs(lps[k] - float(ref_lp[k - 1, toks[k]])) < 1e-3
+    ref_lp = torch.log_softmax(torch.tensor(gl), -1)     # row k: the logits token k was chosen from
+    for k in range(len(toks)):
+        assert abs(lps[k] - float(ref_lp[k, toks[k]])) < 1e-3
     # must-fail twin: image A's 3x2 tiles in column-major order
     t = emb[:7 * 16].reshape(7, 16, -1)
     colmajor = torch.cat([t[:6].reshape(2, 3, 16, -1).transpose(0, 1).reshape(6 * 16, -1), t[6].reshape(16, -1),

@@ -1,0 +1,432 @@
+"""Time to first token of a prompt through the streaming engine, beside its floor, with the ceilings measured in
+the same run; and the grouped expert prefill kernel against the GEMM and H2D ceilings.
+
+    python -m bench.prefill --work DIR [--moe-layers 4] [--sizes 128,1000,4000,16000] [--out OUT.json]
+
+One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
+  ceilings  pinned host->device copy (H2D); bf16 GEMM (8192^3, random data); disk: demand reads through the
+            pipeline itself (the same IO worker processes, queue depth and block size as a prompt's misses)
+  kernel    the grouped launch at T tokens per expert: weights in VRAM, zero-copy from pinned memory, and staged
+            by the copy engine into a device ring (both paths, the faster is the engine's)
+  RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host)
+  disk      cache holds a third of the experts; each prompt size in turn (the cache keeps what earlier ones left)
+Each TTFT beside its floor = max(distinct expert bytes the prompt routes to / H2D, distinct expert bytes it routes
+to that were not in the cache at its start / disk ceiling, FLOPs / GEMM rate): the bytes that must move once,
+never the bytes the run happened to read. A ratio under 0.97 means the floor is wrong: it is not printed.
+Prompts are random token ids (one seed per size): the synthetic weights make no text more realistic than another.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.e2e_stream import copy_gbps, sh
+
+MIN_RATIO = 0.97
+
+
+# ------------------------------------------------------------------ ceilings
+def gemm_tflops(device, n=8192, reps=10) -> float:
+    """bf16 on CUDA; on the CPU (a smoke run) fp32, the dtype the engine computes in there."""
+    cuda = str(device).startswith("cuda")
+    n = n if cuda else 1024
+    dt = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        ts.append(time.perf_counter() - t)
+    return 2 * n ** 3 / float(np.median(ts)) / 1e12
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def pipeline_disk_gbps(store_dir, cache_bytes, io_workers, store) -> dict:
+    """Demand reads through the pipeline: a fresh cache, whole layers of experts requested as a prefill requests
+    them, timed until the last one is ready (pins released as they land)."""
+    from cache_shm.supervisor import Supervisor
+    sup = Supervisor(store, cache_bytes=cache_bytes, n_workers=io_workers, verify_checksums=True)  # as the engine
+    try:
+        sup.start()
+        c = sup.client()
+        n_slots = sup.shm.n_slots
+        want = [(j, e) for j in range(len(store.moe_layers)) for e in range(store.n_experts)][: max(n_slots - 8, 1)]
+        by_layer: dict[int, list[int]] = {}
+        for j, e in want:
+            by_layer.setdefault(j, []).append(e)
+        s0 = c.stats()
+        t = time.perf_counter()
+        for j, ex in by_layer.items():
+            c.request_prefill(j, ex)
+        for j, ex in by_layer.items():
+            for e, s in c.wait_any(j, ex, timeout=600):
+                c.release(s)
+        sec = time.perf_counter() - t
+        s1 = c.stats()
+    finally:
+        sup.stop()
+    nbytes = s1["io_bytes_read"] - s0["io_bytes_read"]
+    return dict(gbps=nbytes / sec / 1e9, blocks=s1["io_reads"] - s0["io_reads"], seconds=sec)
+
+
+# ------------------------------------------------------------------ the kernel
+def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1024), n_experts=32) -> list[dict]:
+    """The grouped launch over n_experts experts at T tokens each, weights (a) in VRAM, (b) read zero-copy from
+    pinned host memory, (c) staged: copied by the copy engine into a device ring, batch i+1's copy overlapping
+    batch i's kernels."""
+    from kernels.expert_block import pack_expert_block
+    from kernels.expert_prefill import expert_prefill_grouped, expert_prefill_grouped_torch
+    from kernels.nvfp4 import encode_nvfp4
+    from kernels.testing import rel_err
+    L, I, stride, bb = geom.L, geom.I, geom.block_stride, geom.block_bytes
+    n_sets = 4       # rotate over several weight sets so that repeated launches do not measure the L2
+    blk = []
+    for _ in range(min(n_experts, 8)):
+        uq, us, _ = encode_nvfp4(torch.randn(I, L))
+        dq, ds, _ = encode_nvfp4(torch.randn(L, I))
+        blk.append(pack_expert_block(geom, uq, us, dq, ds))
+    from bench.kernels.common import HostSlab
+    slab = HostSlab(n_sets * n_experts * stride)          # a registered /dev/shm mapping, as the engine's slab
+    assert slab.registered, "cudaHostRegister failed: no zero-copy source"
+    host = slab.tensor.view(n_sets * n_experts, stride)
+    for i in range(host.shape[0]):
+        host[i] = blk[i % len(blk)]
+    vram = host.to(device)
+    ring = torch.empty(2 * n_experts, stride, dtype=torch.uint8, device=device)
+    ug = torch.full((n_experts,), 3e-3, device=device)
+    dg = torch.full((n_experts,), 3e-3, device=device)
+    rows, copy = [], torch.cuda.Stream()
+    half_free = [torch.cuda.Event(), torch.cuda.Event()]     # the kernels that last read each half of the ring
+    for T in tokens_per_expert:
+        M = T * n_experts
+        segments = [(i * T, T) for i in range(n_experts)]
+        xs = torch.randn(M, L, device=device).bfloat16()
+        ws = torch.rand(M, device=device)
+        tok = torch.randperm(M, device=device) % max(M // 4, 1)       # tokens routed to several experts
+        acc = torch.zeros(max(M // 4, 1), L, device=device)
+        h = torch.empty(M * I, dtype=torch.float16, device=device)
+
+        def run(src, i):
+            base = src.data_ptr() + (i % n_sets) * n_experts * stride
+            expert_prefill_grouped(xs, segments, [base + e * stride for e in range(n_experts)], geom, ug, dg, ws, tok,
+                                   acc, h=h)
+
+        # correctness on these shapes: against the twin (a few experts)
+        k = 3
+        part = torch.zeros_like(acc)
+        expert_prefill_grouped(xs, segments[:k], [vram[e].data_ptr() for e in range(k)], geom, ug[:k], dg[:k], ws,
+                               tok, part, h=h)
+        ref = expert_prefill_grouped_torch(xs, segments[:k], [vram[e] for e in range(k)], geom, ug[:k], dg[:k], ws,
+                                           tok, torch.zeros_like(acc))
+        err = rel_err(part, ref)
+        res = dict(tokens_per_expert=T, experts=n_experts, rel_err_vs_twin=err)
+        flops = 2 * 2 * M * L * I
+        for name, src in (("vram", vram), ("zero_copy", host)):
+            sec = _median_time(lambda i: run(src, i), 8)
+            res[f"{name}_us"] = sec * 1e6
+            res[f"{name}_tflops"] = flops / sec / 1e12
+            res[f"{name}_weight_gbps"] = n_experts * bb / sec / 1e9
+
+        def staged(i):
+            half = i % 2
+            r0 = half * n_experts
+            copy.wait_event(half_free[half])          # batch i-2's kernels are done with this half
+            with torch.cuda.stream(copy):
+                ring[r0:r0 + n_experts].copy_(host[(i % n_sets) * n_experts:][:n_experts], non_blocking=True)
+            torch.cuda.current_stream().wait_stream(copy)
+            expert_prefill_grouped(xs, segments, [ring[r0 + e].data_ptr() for e in range(n_experts)], geom, ug, dg,
+                                   ws, tok, acc, h=h)
+            half_free[half].record()
+        sec = _median_time(staged, 8)
+        res["staged_us"] = sec * 1e6
+        res["staged_tflops"] = flops / sec / 1e12
+        res["staged_weight_gbps"] = n_experts * bb / sec / 1e9
+        res["vram_fraction_of_gemm"] = res["vram_tflops"] / gemm_rate
+        res["zero_copy_fraction_of_h2d"] = res["zero_copy_weight_gbps"] / h2d
+        res["staged_fraction_of_h2d"] = res["staged_weight_gbps"] / h2d
+        res["faster_path"] = "staged" if res["staged_us"] < res["zero_copy_us"] else "zero_copy"
+        rows.append(res)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+    torch.cuda.synchronize()
+    del host
+    slab.close()
+    return rows
+
+
+SWEEP = [dict(X_LOAD=0, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(X_LOAD=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2),
+         dict(X_LOAD=0, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)]
+
+
+def kernel_sweep(geom, device, gemm_rate, tokens_per_expert=(256, 1024), n_experts=32) -> list[dict]:
+    """Tile shapes and x loads of the grouped launch, weights in VRAM (llm.c style: every variant checked against
+    the twin and timed; the winner becomes GROUPED_CONFIG)."""
+    from kernels.expert_block import pack_expert_block
+    from kernels.expert_prefill import expert_prefill_grouped, expert_prefill_grouped_torch
+    from kernels.nvfp4 import encode_nvfp4
+    from kernels.testing import rel_err
+    L, I, stride = geom.L, geom.I, geom.block_stride
+    uq, us, _ = encode_nvfp4(torch.randn(I, L))
+    dq, ds, _ = encode_nvfp4(torch.randn(L, I))
+    one = pack_expert_block(geom, uq, us, dq, ds)
+    vram = one.to(device).repeat(4 * n_experts, 1)
+    ug = torch.full((n_experts,), 3e-3, device=device)
+    dg = torch.full((n_experts,), 3e-3, device=device)
+    rows = []
+    for T in tokens_per_expert:
+        M = T * n_experts
+        segments = [(i * T, T) for i in range(n_experts)]
+        xs = torch.randn(M, L, device=device).bfloat16()
+        ws = torch.rand(M, device=device)
+        tok = torch.arange(M, device=device) % max(M // 4, 1)
+        acc = torch.zeros(max(M // 4, 1), L, device=device)
+        ref = expert_prefill_grouped_torch(xs, segments[:2], [vram[0], vram[1]], geom, ug[:2], dg[:2], ws, tok,
+                                           torch.zeros_like(acc))
+        for v, cfg in enumerate(SWEEP):
+            row = dict(tokens_per_expert=T, variant=v, **cfg)
+            try:
+                part = torch.zeros_like(acc)
+                expert_prefill_grouped(xs, segments[:2], [vram[0].data_ptr(), vram[1].data_ptr()], geom, ug[:2],
+                                       dg[:2], ws, tok, part, config=cfg)
+                row["rel_err"] = rel_err(part, ref)
+                sec = _median_time(lambda i: expert_prefill_grouped(
+                    xs, segments, [vram[(i % 4) * n_experts + e].data_ptr() for e in range(n_experts)], geom, ug, dg,
+                    ws, tok, acc, config=cfg), 6, reps=3)
+                row["us"] = sec * 1e6
+                row["tflops"] = 2 * 2 * M * L * I / sec / 1e12
+                row["fraction_of_gemm"] = row["tflops"] / gemm_rate
+            except Exception as e:        # a shape the compiler cannot fit (shared memory) is a result too
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print("sweep", json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}),
+                  flush=True)
+    return rows
+
+
+def _median_time(fn, n, reps=5) -> float:
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for i in range(n):
+            fn(i)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3 / n)
+    return float(np.median(ts))
+
+
+# ------------------------------------------------------------------ floors
+def prefill_flops(cfg, T: int, expert_uses: int, past: int = 0) -> float:
+    """Multiply-adds x 2 of one prefill of T tokens: the dense linears per token, attention over the causal
+    prefix, the Mamba2 scan's chunk products, the routed experts (per (token, expert) use), one lm_head row."""
+    from nemotron.config import ATTENTION, MAMBA, MLP, MOE
+    H = cfg.hidden_size
+    per_token = 0.0
+    attn = 0.0
+    for kind in cfg.layer_types:
+        if kind == MAMBA:
+            I, conv, nh = cfg.mamba_intermediate, cfg.conv_dim, cfg.mamba_num_heads
+            per_token += 2 * H * (I + conv + nh) + 2 * I * H
+            Q, N, hd = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
+            per_token += 2 * nh * (Q * (N + hd) + 2 * hd * N)
+        elif kind == ATTENTION:
+            nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            per_token += 2 * H * (nq + 2 * nkv) * hd + 2 * nq * hd * H
+            attn += 4 * nq * hd * (T * past + T * (T + 1) / 2)
+        elif kind == MOE:
+            Lat = cfg.moe_latent_size or H
+            per_token += 2 * H * cfg.n_routed_experts
+            if cfg.moe_latent_size:
+                per_token += 2 * 2 * H * Lat
+            if cfg.n_shared_experts:
+                per_token += 2 * 2 * H * cfg.moe_shared_expert_intermediate_size
+        elif kind == MLP:
+            per_token += 2 * 2 * H * cfg.intermediate_size
+    Lat = cfg.moe_latent_size or H
+    experts = expert_uses * 4 * Lat * cfg.moe_intermediate_size
+    return T * per_token + attn + experts + 2 * H * cfg.vocab_size
+
+
+def resident(eng) -> set:
+    from cache_shm.shm import READY
+    shm = eng.sup.shm
+    E = shm.n_experts
+    return {(int(k) // E, int(k) % E) for k, st in zip(shm.slot_key, shm.slot_state) if k >= 0 and st == READY}
+
+
+# ------------------------------------------------------------------ one prompt
+def ttft(eng, ids, device) -> dict:
+    from gpu_worker.prefill import prefill, span_bytes
+    m = eng.model
+    before = resident(eng)
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        mem0 = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    logits = prefill(m, ids, m.new_state())
+    tok = int(logits[-1].argmax())          # the first token, on the host
+    sec = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
+    last = eng.experts.prefill_acct.last
+    routed = eng.experts.prefill_acct.routed_keys()
+    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
+                missing_at_start=len(routed - before), expert_uses=last.expert_uses,
+                blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
+                bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
+                ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
+                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids)))
+
+
+def with_floor(r, cfg, block_bytes, c) -> dict:
+    need = r["distinct_experts"] * block_bytes
+    miss = r["missing_at_start"] * block_bytes
+    parts = dict(h2d=need / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
+                 flops=prefill_flops(cfg, r["tokens"], r["expert_uses"]) / (c["gemm_tflops"] * 1e12))
+    r["floor_parts_s"] = parts
+    r["floor_s"] = max(parts.values())
+    r["floor_by"] = max(parts, key=parts.get)
+    r["ratio"] = r["ttft_s"] / r["floor_s"]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--preset", default="super")
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--sizes", default="128,1000,4000,16000")
+    ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--skip", default="", help="comma list of: kernel,sweep,ram,disk")
+    ap.add_argument("--out", default="prefill.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (tiny preset, no kernel part)")
+    a = ap.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
+    from gpu_worker.engine import StreamingEngine
+    from io_workers.store import ExpertStore
+    from kernels.expert_block import ExpertGeometry
+    from nemotron.config import NemotronHConfig
+    device, skip = a.device, set(a.skip.split(","))
+    cuda = device.startswith("cuda")
+    if not cuda:
+        skip.add("kernel")
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, store_dir = work / "model", work / "store"
+    res = dict(preset=a.preset, moe_layers=a.moe_layers, device=torch.cuda.get_device_name() if cuda else "cpu")
+    if not (model_dir / "config.json").exists():
+        res["s_synth"] = sh([sys.executable, "-m", "tools.synth", "--preset", a.preset, "--quant", "nvfp4",
+                             "--moe-layers", str(a.moe_layers), "--out", str(model_dir)])
+    if not (store_dir / "manifest.json").exists():
+        res["s_repack"] = sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out",
+                              str(store_dir), "--no-progress"])
+    store = ExpertStore.open(store_dir)
+    cfg = NemotronHConfig.from_dir(model_dir)
+    g = store.geometry
+    geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+    n_blocks = len(store.moe_layers) * store.n_experts
+    all_bytes = n_blocks * store.block_stride
+    sizes = [int(s) for s in a.sizes.split(",")]
+    c = res["ceilings"] = {}
+    c["h2d_gbps"], c["d2d_gbps"] = copy_gbps(device)
+    c["gemm_tflops"] = gemm_tflops(device)
+    disk = pipeline_disk_gbps(store_dir, all_bytes // 3, a.io_workers, store)
+    c["disk_gbps"], c["disk_probe"] = disk["gbps"], disk
+    print(json.dumps(res), flush=True)
+    out_path = Path(a.out)
+
+    def save():          # after every part: a run stopped at its time limit still leaves what it measured
+        out_path.write_text(json.dumps(res, indent=1, default=float))
+
+    if "kernel" not in skip:
+        res["kernel"] = kernel_bench(geom, device, c["gemm_tflops"], c["h2d_gbps"])
+        save()
+    vocab = cfg.vocab_size
+
+    def prompt(n, seed=1000):
+        return [int(t) for t in np.random.default_rng(seed + n).integers(14, vocab, size=n)]
+
+    def regime(name, cache_bytes, warm, paths=("staged",)):
+        out = {}
+        with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=device,
+                             dtype=torch.bfloat16 if cuda else torch.float32) as eng:
+            if warm:
+                cl = eng.sup.client()
+                for j in range(len(store.moe_layers)):
+                    ex = list(range(store.n_experts))
+                    cl.request(j, ex)
+                    for e, s in cl.wait_any(j, ex, timeout=600):
+                        cl.release(s)
+            from gpu_worker.prefill import prefill
+            prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
+            for path in paths:
+                if cuda:
+                    eng.experts.prefill_weights = path
+                rows = []
+                for n in sizes:
+                    r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
+                    rows.append(r)
+                    print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                                  for k, v in r.items() if k != "floor_parts_s"}), flush=True)
+                out[path] = rows
+        return out
+
+    if "ram" not in skip:
+        res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
+                            paths=("staged", "zero_copy") if cuda else ("cpu",))
+        save()
+    if "disk" not in skip:
+        res["disk"] = regime("disk", all_bytes // 3, False, paths=("staged",) if cuda else ("cpu",))
+        save()
+    if "sweep" not in skip and cuda:
+        res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
+        save()
+    print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
+          f"GEMM {c['gemm_tflops']:.3f} TFLOP/s")
+    for r in res.get("kernel", []):
+        print(f"kernel T/expert {r['tokens_per_expert']:>5}: vram {r['vram_tflops']:.1f} TFLOP/s "
+              f"({r['vram_fraction_of_gemm']:.0%} of GEMM); zero-copy {r['zero_copy_weight_gbps']:.1f} GB/s "
+              f"({r['zero_copy_fraction_of_h2d']:.0%} of H2D); staged {r['staged_weight_gbps']:.1f} GB/s "
+              f"({r['staged_fraction_of_h2d']:.0%}); faster: {r['faster_path']}")
+    for r in res.get("sweep", []):
+        print(f"sweep T/expert {r['tokens_per_expert']:>5} v{r['variant']} X_LOAD {r['X_LOAD']} "
+              f"{r['BLOCK_M']}x{r['BLOCK_N']}x{r['BLOCK_K']} w{r['num_warps']} s{r['num_stages']}: "
+              + (f"{r['tflops']:.1f} TFLOP/s ({r['fraction_of_gemm']:.0%}), err {r['rel_err']:.1e}" if "tflops" in r
+                 else r.get("error", "?")))
+    print("regime | weights | tokens | TTFT s | floor s (by) | ratio | distinct | missing | blocks read | "
+          "peak/est MiB")
+    for name in ("ram", "disk"):
+        for path, rows in res.get(name, {}).items():
+            for r in rows:
+                ratio = (f"{r['ratio']:.2f}" if r["ratio"] >= MIN_RATIO
+                         else f"floor wrong ({r['ratio']:.2f} < {MIN_RATIO})")
+                print(f"{name} | {path} | {r['tokens']} | {r['ttft_s']:.3f} | {r['floor_s']:.3f} ({r['floor_by']}) | "
+                      f"{ratio} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} | "
+                      f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}")
+
+
+if __name__ == "__main__":
+    main()

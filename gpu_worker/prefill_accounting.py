@@ -1,0 +1,99 @@
+"""What each prompt's prefill cost: tokens/s, bytes from disk and over PCIe, distinct experts routed, blocks read.
+
+A prompt is one call of `gpu_worker.prefill.prefill` (begin .. end); its spans and layers add into it. Disk figures
+are the IO workers' own counters (cache_shm), read at both ends, so a block read twice for the prompt counts twice:
+that is what `prefill_blocks_read <= prefill_distinct_experts + prefill_prefetch_wasted` tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PromptCost:
+    tokens: int = 0
+    seconds: float = 0.0
+    bytes_from_disk: int = 0
+    blocks_read: int = 0
+    bytes_over_pcie: int = 0            # expert bytes the kernels read over the bus (zero-copy) or staged copies
+    distinct_experts: int = 0           # (layer, expert) pairs the prompt routed to
+    expert_uses: int = 0                # (token, expert) pairs
+    prefetch_wasted: int = 0            # guessed blocks requested while absent that the prompt never routed to
+    launches: int = 0                   # grouped expert launches (each two kernels)
+    ms_waiting_for_disk: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PrefillAccounting:
+    """Totals over every prompt, and the last prompt's cost. `disk()` -> (io_bytes_read, io_reads) now."""
+    disk: object = None
+    n_keys: int = 0                     # n_layers * n_experts (cache keys)
+    n_experts: int = 0
+    prompts: int = 0
+    total: PromptCost = field(default_factory=PromptCost)
+    last: PromptCost = field(default_factory=PromptCost)
+    _routed: set = field(default_factory=set)
+    _guessed: set = field(default_factory=set)
+    _disk0: tuple = (0, 0)
+    _open: bool = False
+    _mask: object = None
+    _mask_n: int = -1
+
+    def begin(self) -> None:
+        self.last = PromptCost()
+        self._routed, self._guessed = set(), set()
+        self._mask = None
+        self._disk0 = self.disk() if self.disk is not None else (0, 0)
+        self._open = True
+
+    def routed(self, layer: int, experts, uses: int) -> None:
+        if not self._open:          # a forward outside prefill() (tests, benches): not a prompt
+            return
+        self._routed.update((layer, int(e)) for e in experts)
+        self.last.expert_uses += uses
+
+    def guessed_absent(self, layer: int, experts) -> None:
+        if not self._open:
+            return
+        self._guessed.update((layer, int(e)) for e in experts)
+
+    def end(self, tokens: int, seconds: float) -> None:
+        if not self._open:
+            return
+        self._open = False
+        p = self.last
+        p.tokens, p.seconds = tokens, seconds
+        b, n = self.disk() if self.disk is not None else (0, 0)
+        p.bytes_from_disk, p.blocks_read = b - self._disk0[0], n - self._disk0[1]
+        p.distinct_experts = len(self._routed)
+        p.prefetch_wasted = len(self._guessed - self._routed)
+        self.prompts += 1
+        t = self.total
+        for name in PromptCost.__dataclass_fields__:
+            setattr(t, name, getattr(t, name) + getattr(p, name))
+
+    def used_mask(self):
+        """bool [n_layers * n_experts] by cache key (layer * E + expert): routed by the current prompt."""
+        import numpy as np
+        if self._mask is None or self._mask_n != len(self._routed):
+            m = np.zeros(self.n_keys, dtype=bool)
+            if self._routed:
+                m[[j * self.n_experts + e for j, e in self._routed]] = True
+            self._mask, self._mask_n = m, len(self._routed)
+        return self._mask
+
+    def routed_keys(self) -> set:
+        """(layer, expert) pairs the current or last prompt routed to."""
+        return set(self._routed)
+
+    def totals(self) -> dict:
+        """Flat `prefill_*` figures: totals over all prompts, and `prefill_last_*` for the last one."""
+        out = {"prefill_prompts": self.prompts}
+        for prefix, c in (("prefill_", self.total), ("prefill_last_", self.last)):
+            out.update({prefix + k: getattr(c, k) for k in PromptCost.__dataclass_fields__})
+            out[prefix + "tokens_per_s"] = c.tokens_per_s
+        return out
