@@ -326,7 +326,7 @@ def main(argv=None):
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
     from gpu_worker.engine import StreamingEngine
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     from kernels.expert_block import ExpertGeometry
     from nemotron.config import NemotronHConfig
     device, skip = a.device, set(a.skip.split(","))

@@ -18,8 +18,9 @@ of C blocks is C / 880 of Super's per-token experts, and holds that share of the
 Super-shaped synthetic trace (bench.policy_sim.synthetic_trace, its skew tuned to --synth-repeat) is run
 beside it at Super's own sizes, so the mapping can be checked against a trace that needs none.
 
-Policies: `engine` mirrors gpu_worker/vram_tier.py (admitted on the 2nd use from the slab, evicted least
-recently used); `lru` admits on the first use; `freq` admits a missed expert only over a less used resident
+Policies: `engine` runs gpu_worker/vram_tier.py's VramTier itself (CPU, one-byte blocks: frequency admission
+with a decayed use count, the engine's defaults); `lru2` is the engine's former rule (admitted on the 2nd use
+from the slab, evicted least recently used); `lru` admits on the first use; `freq` admits a missed expert only over a less used resident
 (use counts over the whole history); `static` pins the experts used most often in the first half
 of the trace and is scored on the second half (no admissions after the start: a one-time fill); `oracle`
 pins the most used of the whole trace (an in-sample upper bound for a static tier).
@@ -36,15 +37,17 @@ import sys
 from collections import Counter, OrderedDict
 from pathlib import Path
 
+import torch
 
 from bench.policy_sim import Trace, read_trace, synthetic_trace
+from gpu_worker.vram_tier import VramTier
 
 GIB = 2 ** 30
 SUPER = dict(moe_layers=40, n_experts=512, top_k=22, block_bytes=3_096_576, up_bytes=1_548_288,
              down_bytes=1_548_288, vocab=131_072, hidden=4_096)
 CARD_GIB, DENSE_GIB, RESERVE_GIB = 8.0, 6.6, 0.5
 TIERS_GIB = (0.5, 1.0, 1.5, 2.0)
-POLICIES = ("engine", "lru", "freq", "static", "oracle")
+POLICIES = ("engine", "lru2", "lru", "freq", "static", "oracle")
 
 
 def repeat_rate(trace: Trace) -> float:
@@ -76,11 +79,13 @@ def tier_replay(trace: Trace, capacity: int, policy: str) -> dict:
         return dict(uses=uses, hits=hits, admissions=0, fill_blocks=len(pinned))
     if policy == "freq":
         return _freq_replay(trace, capacity)
-    admit_after = 2 if policy == "engine" else 1
+    if policy == "engine":
+        return _engine_replay(trace, capacity)
+    admit_after = 2 if policy == "lru2" else 1
     lru: OrderedDict[int, None] = OrderedDict()
     seen: Counter = Counter()
     for j, ex, _ in steps:
-        for e in ex:                       # gpu_worker/vram_tier.py: lookup first, then admit what landed
+        for e in ex:                       # the former gpu_worker/vram_tier.py: lookup first, then admit
             k = trace.key(j, e)
             uses += 1
             if k in lru:
@@ -94,6 +99,22 @@ def tier_replay(trace: Trace, capacity: int, policy: str) -> dict:
                 lru[k] = None
                 admissions += 1
     return dict(uses=uses, hits=hits, admissions=admissions, fill_blocks=0)
+
+
+def _engine_replay(trace: Trace, capacity: int) -> dict:
+    """The engine's own tier, driven as gpu_worker/streaming.py drives it: one lookup per layer, then `want`
+    (and `admit` from a slab slot) for every expert the lookup did not find."""
+    vt = VramTier(capacity, 1, 1, "cpu")
+    src = torch.zeros(1, dtype=torch.uint8)
+    uses = 0
+    for j, ex, _ in trace.steps:
+        ex = list(ex)
+        uses += len(ex)
+        on_dev = vt.lookup(j, ex)
+        for e in ex:
+            if e not in on_dev and vt.want(j, e):
+                vt.admit(j, e, src)
+    return dict(uses=uses, hits=vt.hits, admissions=vt.admissions, fill_blocks=0)
 
 
 def _freq_replay(trace: Trace, capacity: int) -> dict:

@@ -54,6 +54,10 @@ def test_lru_thrashes_below_the_working_set_and_frequency_admission_does_not():
     assert tier_replay(t, 8, "lru")["hits"] == 0
     freq = tier_replay(t, 8, "freq")
     assert freq["hits"] > 0.5 * freq["uses"] and freq["admissions"] < 0.05 * freq["uses"]
+    # the engine's own tier (gpu_worker/vram_tier.py) behaves as freq does; its former rule (lru2) thrashes
+    engine, lru2 = tier_replay(t, 8, "engine"), tier_replay(t, 8, "lru2")
+    assert engine["hits"] > 0.5 * engine["uses"] and engine["admissions"] < 0.05 * engine["uses"]
+    assert lru2["hits"] == 0 and lru2["admissions"] > 0.5 * lru2["uses"]
 
 
 def test_bytes_model_and_evaluate():

@@ -129,7 +129,7 @@ def test_budget_splits_only_when_it_must(tiny, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ reads
 def _one_layer_cache(store) -> int:
-    from io_workers.store import ExpertStore
+    from expert_store.reader import ExpertStore
     st = ExpertStore.open(store)
     return st.n_experts * st.block_stride
 

@@ -23,7 +23,7 @@ def replies(sock, n):
 
 def test_a_malformed_request_is_answered_with_an_error_naming_it():
     ours, theirs = socket.socketpair()
-    w = Worker(SimpleNamespace(model=None), Channel(theirs))
+    w = Worker(SimpleNamespace(model=None, prefill_budget_bytes=None), Channel(theirs))
     w.stats = lambda: m.EngineStats(requests={"requests": 7})
     t = threading.Thread(target=w.read_loop, daemon=True)
     t.start()

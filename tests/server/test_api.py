@@ -384,7 +384,11 @@ def test_timed_out_clients_are_cancelled(server, model):
         return res
 
     res = asyncio.run(run())
-    assert all(isinstance(r, openai.APITimeoutError) for r in res), {type(r).__name__ for r in res}
+    # 88 tokens of the tiny model can finish inside the 0.5 s timeout on an idle machine: the requests reached
+    # first may complete; the rest, queued behind them, must have been abandoned by the client
+    timed_out = sum(isinstance(r, openai.APITimeoutError) for r in res)
+    assert {type(r).__name__ for r in res} <= {"APITimeoutError", "Completion"}
+    assert timed_out >= len(res) - 3, {type(r).__name__ for r in res}
     t0 = time.monotonic()
     r = completion(server, model, max_tokens=4)
     assert r["usage"]["completion_tokens"] == 4
