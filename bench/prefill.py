@@ -59,7 +59,7 @@ def sync(device):
 def pipeline_disk_gbps(store_dir, cache_bytes, io_workers, store) -> dict:
     """Demand reads through the pipeline: a fresh cache, whole layers of experts requested as a prefill requests
     them, timed until the last one is ready (pins released as they land)."""
-    from cache_shm.supervisor import Supervisor
+    from gpu_worker.cache_supervisor import Supervisor
     sup = Supervisor(store, cache_bytes=cache_bytes, n_workers=io_workers, verify_checksums=True)  # as the engine
     try:
         sup.start()
@@ -346,7 +346,7 @@ def main(argv=None):
     store = ExpertStore.open(store_dir)
     cfg = NemotronHConfig.from_dir(model_dir)
     g = store.geometry
-    geom = ExpertGeometry(L=g.L, I=g.I, fmt=g.kind)
+    geom = g                    # the store's geometry is the kernels' ExpertGeometry
     n_blocks = len(store.moe_layers) * store.n_experts
     all_bytes = n_blocks * store.block_stride
     sizes = [int(s) for s in a.sizes.split(",")]
