@@ -123,8 +123,12 @@ _WHY = {400: "invalid request: the message and `param` name the problem",
         413: "request body too large",
         500: "the compute process failed (not retried: `x-should-retry: false`)",
         503: "loading, restarting, shutting down or busy (`Retry-After`)"}
-_SSE = {"text/event-stream": {"schema": {"type": "string",
-                                         "description": "`data: {chunk}` events, then `data: [DONE]`"}}}
+# one server-sent event, as SSE clients (and schemathesis' stream checks) parse it: `data` is a JSON chunk or [DONE]
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+    "description": "`data: {chunk}` events, then `data: [DONE]`"}}}
 
 
 def errors(*codes: int) -> dict:
