@@ -59,8 +59,7 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
         by_layer: dict[int, list[int]] = {}
         for j, e in chosen:
             by_layer.setdefault(j, []).append(e)
-        with Supervisor(store, n_slots=n, n_workers=io_workers, **supervisor_kw) as sup:
-            sup.start()
+        with Supervisor(store, n_slots=n, n_workers=io_workers, **supervisor_kw) as sup:     # started by `with`
             c = sup.client()
             b0 = c.stats()["io_bytes_read"]
             t = time.perf_counter()

@@ -1,5 +1,8 @@
 """The floors' rule (a ratio below 0.97 is a wrong floor, never a result), the pipeline's own disk ceiling
 and the projection's arithmetic."""
+import os
+from pathlib import Path
+
 import pytest
 
 from bench.ceilings import FloorError, checked_ratio, pipeline_disk_gbps, ratio_or_note
@@ -21,7 +24,10 @@ def test_pipeline_disk_ceiling_reads_each_block_once(synth, tmp_path):
     store_dir = tmp_path / "store"
     repack(synth("tiny", "nvfp4"), store_dir, progress=False)
     store = ExpertStore.open(store_dir)
+    before = {p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*")}
     r = pipeline_disk_gbps(store, io_workers=2, blocks_per_set=12, repeats=2)
+    # each repeat's cache is unlinked when it stops (a second start() inside `with` once leaked one per repeat)
+    assert {p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*")} == before
     assert r["blocks_per_set"] == 12 and len(r["runs_gbps"]) == 2
     assert r["gbps"] == max(r["runs_gbps"]) > 0
 
