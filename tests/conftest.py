@@ -53,3 +53,14 @@ def copy_with_swapped_nibbles(src: Path, dst: Path) -> Path:
                 tensors[name] = swap_nibbles(t)
         save_file(tensors, shard, metadata={"format": "pt"})
     return dst
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """Whatever the tests start in this process (caches, supervisors, engines) unlinks its shared memory: at the
+    end of the session none named for this process is left in /dev/shm."""
+    yield
+    mine = sorted(p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*"))
+    for name in mine:                    # clean up first, so that one leak does not spill into the next run
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+    assert mine == [], f"shared memory left behind by this test session: {mine}"
