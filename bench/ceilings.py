@@ -7,7 +7,6 @@ pipeline can beat its own "floor" (a ratio below 1: the floor is wrong, never a 
   pipeline_disk_gbps : the cache's own IO worker processes read a cold set of whole blocks, every one
                        requested at once (the deepest queue the pipeline ever has), best of `repeats`
                        disjoint sets; the virtual disk of the GPU machine varies 1.0-2.0 GB/s run to run
-  h2d_gbps           : pinned host -> device copies, one large buffer and block-sized chunks; the larger
   checked_ratio      : measured / floor, or a FloorError when it falls below 0.97
 """
 from __future__ import annotations
@@ -71,24 +70,3 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
             dt = time.perf_counter() - t
             runs.append((c.stats()["io_bytes_read"] - b0) / dt / 1e9)
     return {"gbps": max(runs), "runs_gbps": runs, "blocks_per_set": n, "io_workers": io_workers}
-
-
-def h2d_gbps(device, chunk_bytes: int, total_bytes: int = 1 << 30) -> dict:
-    """Pinned host -> device: one large copy, and the same bytes as block-sized copies back to back."""
-    import torch
-    host = torch.empty(total_bytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(total_bytes, dtype=torch.uint8, device=device)
-    out = {}
-    for name, step in (("one_buffer", total_bytes), ("chunks", chunk_bytes)):
-        for rep in range(2):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(3):
-                for o in range(0, total_bytes - step + 1, step):
-                    dev[o:o + step].copy_(host[o:o + step], non_blocking=True)
-            torch.cuda.synchronize()
-            moved = 3 * (total_bytes // step) * step
-            out[name] = max(out.get(name, 0.0), moved / (time.perf_counter() - t) / 1e9)
-    out["gbps"] = max(out["one_buffer"], out["chunks"])
-    out["chunk_bytes"] = chunk_bytes
-    return out

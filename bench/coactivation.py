@@ -16,13 +16,13 @@ by); `random` is the control for requantization without any co-activation gain.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from bench.report import emit
 from bench.down_groups import measure, token_ids
 
 
@@ -142,11 +142,7 @@ def main(argv=None) -> int:
     orders = [o for o in a.orders.split(",") if o]
     with tempfile.TemporaryDirectory(prefix="coact-") as tmp:
         res = run(a.model, calib, held, orders, a.requantize, a.work or Path(tmp), a.bus_gbps)
-    print(table(res))
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if a.plot:
-        plot(res, a.plot)
+    emit(res, table, plot, a.json, a.plot)
     return 0
 
 

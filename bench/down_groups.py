@@ -14,12 +14,12 @@ cost the disk regime: a miss reads a bigger block). Without --text the synth tok
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+from bench.report import emit
 from kernels.expert_block import DOWN_GROUP_NEURONS, ExpertGeometry
 
 FMT_OF_DTYPE = {torch.uint8: "nvfp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
@@ -152,11 +152,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     ids = token_ids(a.model, a.text.read_text() if a.text else None, a.ids, a.max_tokens)
     res = measure(a.model, ids, bus_gbps=a.bus_gbps)
-    print(table(res))
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if a.plot:
-        plot(res, a.plot)
+    emit(res, table, plot, a.json, a.plot)
     return 0
 
 

@@ -32,13 +32,13 @@ lm_head are 131,072 x 4,096 bf16 = 1 GiB each; the engine's reserve for activati
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
 
+from bench.report import emit
 from bench.policy_sim import Trace, read_trace, synthetic_trace
 from gpu_worker.vram_tier import VramTier
 
@@ -287,11 +287,7 @@ def main(argv=None) -> int:
         ap.error("give a trace file or --synth-repeat")
     res = dict(bus_gbps=a.bus_gbps, down_fraction=a.down_fraction, budget=vram_budget(), super=SUPER,
                evaluations=evals)
-    print(table(res))
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if a.plot:
-        plot(res, a.plot)
+    emit(res, table, plot, a.json, a.plot)
     return 0
 
 

@@ -38,6 +38,7 @@ model's own forward.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import time
 import weakref
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ class ExpertInputs:
 
 
 # ------------------------------------------------------------------ graphed bodies
-class Graphed:
+class Graphed(ABC):
     """A body on static buffers, per variant: run eagerly the first time (which compiles its Triton kernels
     outside any capture), captured the second, replayed from then on. Without capture it always runs eagerly."""
 
@@ -140,8 +141,9 @@ class Graphed:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.runs: dict[str, int] = {}
 
+    @abstractmethod
     def body(self, variant: str) -> None:
-        raise NotImplementedError
+        """The kernels of this body for `variant`, on the static buffers (what is run, captured, replayed)."""
 
     def play(self, variant: str = EAGER) -> None:
         g = self.graphs.get(variant)

@@ -133,7 +133,6 @@ INSTRUMENT = Path(__file__).resolve().parents[1] / "data" / "instrument-tiny"
 HELDOUT = INSTRUMENT.parent / "instrument-heldout.txt"
 
 
-@pytest.mark.skipif(not INSTRUMENT.exists(), reason="the trained instrument (tests/data/instrument-tiny) is absent")
 def test_trained_instrument_reads_fewer_groups_held_out_at_a_small_cost(tmp_path):
     """On trained weights the order found on one half of the held-out text reads fewer 16-neuron groups on
     the other half, and the NVFP4 requantization it needs moves the output by little."""
