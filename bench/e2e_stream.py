@@ -100,7 +100,7 @@ def decode_run(eng, prompts, n_tokens, device):
     """Prefill each prompt, then time n_tokens greedy steps. Returns per-token figures."""
     m = eng.model
     acct = eng.accounting
-    ms, disk_bytes, hits, looked, waits, pcie = [], 0, 0, 0, 0.0, 0
+    ms, disk_bytes, hits, looked, waits, pcie, wasted = [], 0, 0, 0, 0.0, 0, 0
     cache0 = eng.cache_stats()
     for p in prompts:
         st = m.new_state()
@@ -110,7 +110,7 @@ def decode_run(eng, prompts, n_tokens, device):
         h0, l0 = acct.hits_at_lookup + acct.vram_hits, acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits
         w0 = acct.ms_waiting_for_disk
         acct.per_token()                     # folds the kernels' device-side counters in
-        b0 = acct.bytes_over_pcie
+        b0, u0 = acct.bytes_over_pcie, acct.ups_staged - acct.ups_staged_used
         sync(device)
         t = time.perf_counter()
         for _ in range(n_tokens):
@@ -124,13 +124,17 @@ def decode_run(eng, prompts, n_tokens, device):
         waits += acct.ms_waiting_for_disk - w0
         acct.per_token()
         pcie += acct.bytes_over_pcie - b0
+        wasted += acct.ups_staged - acct.ups_staged_used - u0
     n = n_tokens * len(prompts)
     cache1 = eng.cache_stats()
     cache = {k: cache1[k] - cache0[k] for k in ("evictions", "demand_reads", "prefetch_issued", "prefetch_wasted",
                                                 "stalls_no_slot", "failed_slots", "resends") if k in cache1}
     return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
-                ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n)
+                ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n,
+                # staged ups of guesses the router did not choose: moved, but not bytes the token needed
+                pcie_wasted_bytes_per_token=wasted * eng.experts.up_bytes / n,
+                staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
 def main(argv=None):
@@ -210,7 +214,7 @@ def main(argv=None):
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             res["dense_bytes_per_token"] = dense_bytes
-            if name in ("ram", "ram_eager", "vram"):   # warm: one pass over every expert (demand reads of all)
+            if name in ("ram", "ram_nostage", "ram_eager", "vram"):   # warm: one pass over every expert (demand reads of all)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
                     eng.sup.client().request(j, ex)
@@ -249,6 +253,8 @@ def main(argv=None):
 
     if "ram" not in skip:
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
+    if "ram_nostage" not in skip and "ram" not in skip:
+        regime("ram_nostage", int(all_bytes * 1.02) + (8 << 20), 1, stage_ups=False)
     if a.eager_too and "ram" not in skip:
         regime("ram_eager", int(all_bytes * 1.02) + (8 << 20), 1, cuda_graphs=False)
     if "disk" not in skip:
@@ -269,7 +275,9 @@ def main(argv=None):
         r = res["ram"]
         pcie_lo = uses * up_b            # up always crosses; down only its active groups
         pcie_hi = uses * (up_b + down_b)
-        moved = r.get("pcie_bytes_per_token") or pcie_lo     # measured: up + the down groups the kernel read
+        # the bytes that must move once: each chosen expert's up + the down groups the kernel read (measured),
+        # less the staged ups of wrong guesses (moved in idle bus time, not needed)
+        moved = (r.get("pcie_bytes_per_token") or pcie_lo) - r.get("pcie_wasted_bytes_per_token", 0.0)
         floor = max(moved / (h2d * 1e9) * 1e3, dense_ms)
         rows.append(("RAM", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                      moved / 1e6, floor, r["ms_per_token"] / floor if floor else float("nan")))
@@ -280,6 +288,11 @@ def main(argv=None):
         r = res["ram_eager"]
         floor = res["ram_floor_ms"]
         rows.append(("RAM eager", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                     (r.get("pcie_bytes_per_token") or 0) / 1e6, floor, r["ms_per_token"] / floor))
+    if "ram_nostage" in res:   # the same, without the early ups: the A/B of the staging, same run
+        r = res["ram_nostage"]
+        floor = res["ram_floor_ms"]
+        rows.append(("RAM no staging", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                      (r.get("pcie_bytes_per_token") or 0) / 1e6, floor, r["ms_per_token"] / floor))
     if "disk" in res:
         r = res["disk"]
@@ -324,9 +337,12 @@ def main(argv=None):
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    for name in ("ram", "ram_eager", "disk", "vram"):
+    for name in ("ram", "ram_nostage", "ram_eager", "disk", "vram"):
         if name in res:
             acc = res[name]["accounting"]
+            if res[name].get("staged_up_use_rate") is not None:
+                print(f"{name}: staged ups read {res[name]['staged_up_use_rate']:.3f} of those copied; "
+                      f"{res[name]['pcie_wasted_bytes_per_token'] / 1e6:.1f} MB/token of wrong guesses moved")
             print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
                   f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (+ {acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} "
                   f"after the launch), waiting for disk "

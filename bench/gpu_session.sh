@@ -23,9 +23,10 @@ for s in $STEPS; do
         python3 -m tools.logits --model $W/tiny --ids $IDS --decode 16 --out $W/cpu.npz
         python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu.npz --stats
         python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 0.3 --device cuda --ids $IDS --decode 16 --out $W/gpu_vram.npz --stats --vram-gb 20
+        python3 -m tools.logits --model $W/tiny --store $W/tinystore --cache-mb 64 --device cuda --ids $IDS --decode 16 --out $W/gpu_ram.npz --stats
         python3 - <<'PY'
 import numpy as np, torch
-for name in ("gpu", "gpu_vram"):
+for name in ("gpu", "gpu_vram", "gpu_ram"):
   a, b = np.load("/tmp/w/cpu.npz"), np.load(f"/tmp/w/{name}.npz")
   la, lb = torch.log_softmax(torch.tensor(a["logits"]).double(), -1), torch.log_softmax(torch.tensor(b["logits"]).double(), -1)
   kl = float((la.exp() * (la - lb)).sum(-1).mean())

@@ -84,11 +84,13 @@ class CacheClient:
         cc[LOOKUP_MISSES] += len(experts) - len(got)
         return got
 
-    def lookup_slots(self, layer: int, experts: list[int]) -> list[int]:
+    def lookup_slots(self, layer: int, experts: list[int], count: bool = True) -> list[int]:
         """`lookup` aligned with `experts` (a list of ints), no dict built: the slot of each expert that is
-        ready now, pinned, else -1. The decode route's fast path, where usually every expert is present."""
+        ready now, pinned, else -1. The decode route's fast path, where usually every expert is present.
+        count=False: not a use (an early copy of guessed experts), so the hit counters do not move."""
         if not experts:
-            self._cc[LOOKUPS] += 1
+            if count:
+                self._cc[LOOKUPS] += 1
             return []
         row, pins = self._rdy_rows[layer], self._pins
         gather = operator.itemgetter(*experts)      # one C-level gather from the memoryview (a loop: 3× slower)
@@ -106,6 +108,8 @@ class CacheClient:
                     if s >= 0 and now != s:
                         pins[s] -= 1
                         slots[i] = -1
+        if not count:
+            return slots
         cc, n_miss = self._cc, slots.count(-1)
         cc[LOOKUPS] += 1
         cc[LOOKUP_HITS] += len(slots) - n_miss

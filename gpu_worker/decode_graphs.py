@@ -6,18 +6,20 @@ per MoE layer where the host must look at device data: the router's choice, whic
 Everything else is a fixed sequence of kernels on fixed shapes, so it is recorded once and replayed.
 
 Per MoE layer j, in order:
-  R_j     graph: the expert kernels of layer j-1 (when all its experts were present), the combine of layer
-          j-1 (routed sum to hidden width, plus the shared expert), the Mamba / MLP layers up to layer j, its
-          router, the guess for the next MoE layer, and a copy of choice + guess into pinned host memory.
-          (For j = 0: the embedding instead of the previous layer.)
+  K_{j-1} graph: the expert kernels of layer j-1 (when all its experts were present) and its combine (routed sum
+          to hidden width, plus the shared expert). Then the host lets the source start moving what layer j
+          will probably read (`decode_stage`: the guessed experts' up sections, by the copy engine, while R_j
+          runs; gpu_worker/up_staging.py).
+  R_j     graph: the Mamba / MLP layers up to layer j, its router, the guess for the next MoE layer, and a copy of
+          choice + guess into pinned host memory. (For j = 0: the embedding first.)
   event   recorded after R_j: the host waits on it, not on the stream.
   S_j     graph: the latent projection, the shared expert, the gathers of the experts' global scales, the
           zeroing of the routed sum. It runs on the GPU while the host does the lookup.
   route   host: wait on the event, read the choice, hand it to the expert source (`decode_route`: it looks up
           the VRAM tier and the cache and sends the one request). If every expert is present, the source gives
-          their block addresses: they go to a device buffer and R_{j+1} runs the kernels (`decode_kernels`;
+          their block addresses: they go to a device buffer and K_j runs the kernels (`decode_kernels`;
           "slab" variant, or "mixed" when some are in the VRAM tier). Otherwise the source runs them eagerly as
-          they land (`decode_eager`), and R_{j+1} has no expert kernels ("eager" variant).
+          they land (`decode_eager`), and K_j has no expert kernels ("eager" variant).
 Then the final stretch: the last MoE layer's experts and combine, the remaining layers, final norm, lm_head.
 Attention layers run eagerly and split a stretch, because their KV cache grows and moves.
 
@@ -100,7 +102,7 @@ class ExpertInputs:
     acc: torch.Tensor                  # fp32 [L]: the routed sum, zeroed by S_j
     scales: tuple | None               # the chosen experts' (up, down) global scales (None: the source has none)
     weights: torch.Tensor | None       # fp32 [k]: the routing weights, beside the scales
-    addresses: torch.Tensor            # int64 [k] on the device: the chosen experts' blocks
+    addresses: torch.Tensor            # int64 [2, k] on the device: the chosen experts' blocks, their up sections
     addresses_host: torch.Tensor       # pinned staging, written by the host; its last copy ran before the event
 
     def __post_init__(self):
@@ -113,8 +115,8 @@ class ExpertInputs:
                    torch.zeros(lat.shape[-1], dtype=torch.float32, device=lat.device),
                    None if scales is None else tuple(torch.empty_like(t) for t in scales),
                    None if scales is None else torch.empty(k, dtype=torch.float32, device=lat.device),
-                   torch.zeros(k, dtype=torch.long, device=lat.device),
-                   torch.zeros(k, dtype=torch.long, pin_memory=pinned))
+                   torch.zeros(2, k, dtype=torch.long, device=lat.device),
+                   torch.zeros(2, k, dtype=torch.long, pin_memory=pinned))
 
     def write(self, lat, shared, scales, weights) -> None:
         self.lat.copy_(lat)
@@ -126,8 +128,10 @@ class ExpertInputs:
             self.weights.copy_(weights)
         self.acc.zero_()
 
-    def set_addresses(self, addresses: list[int]) -> None:
-        self._addresses_np[:] = addresses
+    def set_addresses(self, addresses: list[int], up_addresses: list[int] | None = None) -> None:
+        """Blocks in top-k order; up_addresses: where their up sections lie (None: in the blocks)."""
+        self._addresses_np[0] = addresses
+        self._addresses_np[1] = addresses if up_addresses is None else up_addresses
         self.addresses.copy_(self.addresses_host, non_blocking=True)
 
 
@@ -204,15 +208,16 @@ class MoEStep:
             src.decode_eager(r, inp.lat[0], out.experts[0], out.weights[0], inp.acc)
             self.variant = EAGER
         else:
-            inp.set_addresses(r.addresses)
+            inp.set_addresses(r.addresses, r.up_addresses)
             self.variant = SLAB if r.count_down_groups else MIXED
 
     def combine(self, x, variant: str):
-        """Layer j's experts (when every one was present) and its combine, at the start of R_{j+1}."""
+        """Layer j's experts (when every one was present) and its combine: K_j."""
         mixer, inp = self.mixer, self.inp
         if variant != EAGER:
-            mixer.experts.decode_kernels(mixer.moe_index, inp.lat[0], inp.addresses, inp.scales, inp.weights,
-                                         inp.acc, count_down_groups=variant == SLAB)
+            mixer.experts.decode_kernels(mixer.moe_index, inp.lat[0], inp.addresses[0], inp.scales, inp.weights,
+                                         inp.acc, count_down_groups=variant == SLAB,
+                                         up_addresses=inp.addresses[1] if variant == SLAB else None)
         return x + mixer.tail(inp.acc[None], inp.shared)
 
 
@@ -307,8 +312,11 @@ class Stretch(Graphed):
     def run(self, state) -> None:
         variant = self.follows.variant if self.follows is not None else EAGER
         self.play(variant)
-        if variant != EAGER:            # e.g. VRAM-tier admissions, after the kernels that read the old slots
-            self.follows.mixer.experts.decode_launched()
+        if self.follows is not None:
+            src = self.follows.mixer.experts
+            if variant != EAGER:        # e.g. VRAM-tier admissions, after the kernels that read the old slots
+                src.decode_launched()
+            src.decode_stage()          # before the dense stretch is queued: its copies overlap it
 
 
 class HostDecision:
@@ -359,18 +367,22 @@ class DecodeGraphs:
         self.owner = None
         self.moe: dict[int, MoEStep] = {}
         self.segments: list = []
-        ops, follows = [Embed(self)], None
+        ops = [Embed(self)]
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
                 moe = self.moe[i] = MoEStep(self, i)
-                self.segments += [Stretch(self, ops + [Route(moe)], follows), HostDecision(moe)]
-                ops, follows = [Combine(moe)], moe
+                # K_j apart from R_{j+1}: the source's early copies are queued between the two (decode_stage)
+                self.segments += [Stretch(self, ops + [Route(moe)], None), HostDecision(moe),
+                                  Stretch(self, [Combine(moe)], moe)]
+                ops = []
             elif isinstance(mixer, Attention):
-                self.segments += [Stretch(self, ops, follows), AttentionLayer(self, i)]
-                ops, follows = [], None
+                if ops:
+                    self.segments.append(Stretch(self, ops, None))
+                self.segments.append(AttentionLayer(self, i))
+                ops = []
             else:
                 ops.append(Layer(self, i))
-        self.segments.append(Stretch(self, ops + [Head(self)], follows))
+        self.segments.append(Stretch(self, ops + [Head(self)], None))
 
     @staticmethod
     def unsupported(model) -> str | None:

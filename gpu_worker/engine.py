@@ -26,11 +26,13 @@ class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
-                 vram_admit_after: int = 2, cuda_graphs: bool = True):
+                 vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
         for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier.
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
-        (gpu_worker/decode_graphs.py)."""
+        (gpu_worker/decode_graphs.py).
+        stage_ups: while the dense layers run, the copy engine moves the guessed experts' up sections of the next
+        MoE layer into VRAM (gpu_worker/up_staging.py; top-k × ~1.5 MB on Super, taken from the reserve)."""
         store_dir = Path(store_dir)
         # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py)
         self.prefill_budget_bytes = vram_reserve_bytes if vram_bytes is not None else None
@@ -49,6 +51,7 @@ class StreamingEngine:
             client = self.sup.client()
             self.reg = register_slab(client.shm, device="cuda" if str(device).startswith("cuda") else "cpu")
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
+            self.experts.stage_ups = self.experts.stage_ups and stage_ups
             self.model = NemotronH(dense, device=device, dtype=dtype, experts=self.experts)
             if cuda_graphs and str(device).startswith("cuda"):
                 from gpu_worker.decode_graphs import DecodeGraphs

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gpu_worker.prefill_accounting import PrefillAccounting
+from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
 from nemotron.moe import DecodeRoute, ExpertSource
@@ -43,10 +44,12 @@ class Accounting:
     bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
     vram_hits: int = 0
     bytes_from_vram: int = 0
+    ups_staged: int = 0                  # guessed ups copied into VRAM during the dense layers (gpu_worker/up_staging)
+    ups_staged_used: int = 0             # ... that the layer's kernel then read instead of the slab's
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
-               "ms_bookkeeping_after_launch", "bytes_over_pcie", "bytes_from_vram")
+               "ms_bookkeeping_after_launch", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -63,6 +66,7 @@ class Accounting:
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
         return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses, hit_rate=self.hits_at_lookup / looked,
+                    staged_up_use_rate=self.ups_staged_used / max(self.ups_staged, 1),
                     **{f"{k}_per_token": getattr(self, k) / n for k in self._SUMMED})
 
 
@@ -146,6 +150,12 @@ class StreamingExperts(ExpertSource):
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
         self._ring = None
+        # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
+        # the fused kernel reads them, so only where it runs (NVFP4 by address, 16-neuron down groups)
+        self.stage_ups = self._addressed and self.geom.down_group_neurons == 16
+        self.ups: UpStaging | None = None
+        self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
+        self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -206,22 +216,27 @@ class StreamingExperts(ExpertSource):
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
             return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
+        ups = None
         if on_dev:
             at = dict(zip(rest, slots))
             addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
-        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s)
+            staged = self.ups.take(j, chosen) if self.ups is not None else None
+            if staged:
+                ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
+        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if ups else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
-        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev)
+        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups)
 
-    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups):
+    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
+        fused = count_down_groups and self.geom.down_group_neurons == 16
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
-                              fused=count_down_groups)
+                              fused=count_down_groups, up_blocks=up_addresses if fused else None)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
@@ -231,16 +246,40 @@ class StreamingExperts(ExpertSource):
         if self._launched is None:
             return
         t0 = time.perf_counter()
-        j, chosen, guess, on_dev, rest, slots, waited_s = self._launched
+        j, chosen, guess, on_dev, rest, slots, waited_s, n_staged = self._launched
         self._launched = None
         self._flush(sync=False)
         self._request(j, None, chosen, guess, on_dev, rest, rest, waited_s, None)     # every one of rest hit
         a = self.acct
         a.bytes_from_vram += len(on_dev) * self.block_bytes
-        a.bytes_over_pcie += len(rest) * self.up_bytes
+        a.bytes_over_pcie += (len(rest) - n_staged) * self.up_bytes      # staged ups crossed when copied
+        a.ups_staged_used += n_staged
         self._admit(j, zip(rest, slots))
         self._defer(slots)
         a.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
+
+    def decode_stage(self) -> None:
+        """The next MoE layer's guessed experts that are in the slab: their up sections into VRAM, by the copy
+        engine after this layer's expert kernel, while the dense layers run (gpu_worker/up_staging.py). Their slab
+        slots stay pinned until the copies are done. The copies count as bus bytes whether used or not."""
+        if not self.stage_ups or self._next_guess is None:
+            return
+        t0 = time.perf_counter()
+        nj, guess = self._next_guess
+        self._next_guess = None
+        if self.ups is None:
+            self.ups = UpStaging(len(guess), self._up_span, self.device)
+        slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
+        pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
+        extra = pairs[len(self.ups.buf):]
+        pairs = pairs[:len(self.ups.buf)]
+        if extra:
+            self.client.release([s for _, s in extra])
+        if pairs:
+            self.ups.stage(nj, [e for e, _ in pairs], [self.slab[s] for _, s in pairs], [s for _, s in pairs])
+            self.acct.ups_staged += len(pairs)
+            self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
+        self.acct.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels
@@ -260,6 +299,10 @@ class StreamingExperts(ExpertSource):
                 torch.cuda.current_stream(self.device).synchronize()
             self.client.release(self._deferred)
             self._deferred = []
+        if self.ups is not None:
+            done = self.ups.releasable(wait=sync)     # the staged ups' slab slots, once their copies ran
+            if done:
+                self.client.release(done)
 
     def _route(self, j, layer, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
         """Host side of one token's MoE layer, after the choice is on the host (so the device has finished
@@ -281,6 +324,7 @@ class StreamingExperts(ExpertSource):
             nj = (j + 1) % self.n_moe
             guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
         self.client.request(j, rest, guess=guess_list)
+        self._next_guess = ((j + 1) % self.n_moe, guess_list)
         a = self.acct
         if j == 0:
             a.tokens += 1
@@ -305,7 +349,11 @@ class StreamingExperts(ExpertSource):
         hits, misses = t.hits, [e for e in t.rest if e not in t.hits]
         try:
             if hits:
-                self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True)
+                ups, staged = None, (self.ups.take(j, list(hits)) if self.ups is not None else None)
+                if staged:
+                    ups = self._dev([staged.get(e, self._slot_address[s]) for e, s in hits.items()])
+                self._run(x, list(hits), self._blocks(list(hits.values())), topk, j, acc, pcie=True, ups=ups,
+                          n_staged=len(staged) if staged else 0)
                 self._admit(j, hits.items())
         finally:
             self._defer(list(hits.values()))
@@ -341,7 +389,7 @@ class StreamingExperts(ExpertSource):
             return self._dev([self.vram.address(v) for v in vslots])
         return [self.vram.block(v) for v in vslots]
 
-    def _run(self, x, experts, blocks, topk, j, acc, pcie=False):
+    def _run(self, x, experts, blocks, topk, j, acc, pcie=False, ups=None, n_staged=0):
         pos = [topk.position[e] for e in experts]                  # positions in this token's top-k
         if pos == list(range(len(topk.position))):                 # all of them, in order: no gather launches
             idx, w = topk.experts, topk.weights
@@ -350,9 +398,11 @@ class StreamingExperts(ExpertSource):
             idx, w = topk.experts[sel], topk.weights[sel]
         counter = self._down_groups if pcie else None
         moe_ops.expert_decode(x, blocks, self.geom, self.up_global[j, idx], self.down_global[j, idx], w.float(), acc,
-                              down_counter=counter, fused=pcie)
-        if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel)
-            self.acct.bytes_over_pcie += len(experts) * (self.geom.up_bytes if self._addressed else self.geom.block_bytes)
+                              down_counter=counter, fused=pcie, up_blocks=ups)
+        if pcie and self._cuda:       # addressed: up read whole (down groups: counted by the kernel); staged ups
+            per = self.geom.up_bytes if self._addressed else self.geom.block_bytes      # crossed when copied
+            self.acct.bytes_over_pcie += (len(experts) - n_staged) * per
+            self.acct.ups_staged_used += n_staged
 
     # ------------------------------------------------------------------ prefill
     def _disk_counters(self) -> tuple[int, int]:

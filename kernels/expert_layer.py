@@ -40,7 +40,7 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
 @triton.jit
 def _expert_layer_kernel(
     # tensors
-    x_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
     # sizes
     L, I, up_scales_off, down_off,
     # config
@@ -51,13 +51,14 @@ def _expert_layer_kernel(
     pid_n = tl.program_id(1)
     NG: tl.constexpr = BLOCK_N // 16
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
+    ubase = tl.load(up_addr_ptr + j).to(tl.pointer_type(tl.uint8))    # the up rows: in the block, or staged
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     # up for this program's neurons (mode 4 or 8 of the dense GEMV), then ReLU²; act stays in registers
     if UP_MODE == 8:
-        b_h = _up_rows_quad(x_ptr, base, base + up_scales_off, L, o_n, m_n, BLOCK_N, USE_ASM)
+        b_h = _up_rows_quad(x_ptr, ubase, ubase + up_scales_off, L, o_n, m_n, BLOCK_N, USE_ASM)
     else:
-        b_h = tl.sum(_gemv_rows_scaled(x_ptr, 0, 1, base, base + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N,
+        b_h = tl.sum(_gemv_rows_scaled(x_ptr, 0, 1, ubase, ubase + up_scales_off, L, o_n, m_n, 0, L, 1, BLOCK_N,
                                        BLOCK_K), axis=1)
     b_h = b_h * (tl.load(gup_ptr + j) * _UNDO_DECODE)
     b_a = tl.maximum(b_h, 0.0)
@@ -86,12 +87,16 @@ def _expert_layer_kernel(
 
 def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
-                 config: dict | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
+                 config: dict | None = None, counter: torch.Tensor | None = None,
+                 up_addrs: torch.Tensor | None = None) -> torch.Tensor:
     """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active 16-neuron down groups.
 
     The inputs of `expert_up` + `sparse_down` together: x [L] (bf16/fp32, on the device), addrs int64 [k] block
     base addresses, up_global / down_global / weights fp32 [k], acc fp32 [L] (zeros when None).
     counter: optional int32 [1], += the down groups read (the bytes-over-the-bus accounting of sparse_down).
+    up_addrs: optional int64 [k], where each expert's up section (values then scales, the block's first
+    `geom.down_off` bytes) lies when it is not in the block, e.g. staged into VRAM while the dense layers ran
+    (gpu_worker/up_staging.py); None: in the block.
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -108,6 +113,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
         raise ValueError("counter must be int32 [1]")
+    if up_addrs is None:
+        up_addrs = addrs
+    elif up_addrs.shape != addrs.shape or up_addrs.dtype != torch.int64:
+        raise ValueError(f"up_addrs must be int64 {tuple(addrs.shape)}, got {up_addrs.dtype} {tuple(up_addrs.shape)}")
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
@@ -117,7 +126,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
     grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))
-    _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_global, down_global, weights, acc,
+    _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
                                counter if counter is not None else acc, L, I, geom.up_scales_off, geom.down_off,
                                COUNT=counter is not None, **cfg)
     return acc

@@ -22,6 +22,7 @@ class DecodeRoute:
     layer: int
     addresses: list[int] | None = None   # every expert present and addressable: block addresses, top-k order
     count_down_groups: bool = False       # the graphed kernels count the down groups they read as bus traffic
+    up_addresses: list[int] | None = None  # where each expert's up section lies when not in its block (staged)
 
 
 class ExpertSource(ABC):
@@ -62,12 +63,17 @@ class ExpertSource(ABC):
 
     def decode_kernels(self, moe_index: int, x: torch.Tensor, addresses: torch.Tensor,
                        scales: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, acc: torch.Tensor,
-                       count_down_groups: bool) -> None:
-        """The expert kernels on blocks by address (int64 [k] on the device), as a graph records them."""
+                       count_down_groups: bool, up_addresses: torch.Tensor | None = None) -> None:
+        """The expert kernels on blocks by address (int64 [k] on the device), as a graph records them;
+        up_addresses (int64 [k]): where each up section lies (the block's own, or a staged copy)."""
         raise NotImplementedError(f"{type(self).__name__} hands out no block addresses")
 
     def decode_launched(self) -> None:
         """Called once the kernels of a routed layer are on the stream (work that must follow them)."""
+
+    def decode_stage(self) -> None:
+        """Called once a MoE layer's expert kernels are on the stream, before the dense layers that follow: a
+        source may start moving what the next MoE layer will probably read (default: nothing)."""
 
 
 def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

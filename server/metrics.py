@@ -128,6 +128,12 @@ class _EngineCollector:
         c = CounterMetricFamily(P + "bytes_over_pcie", "expert bytes copied host to device")
         c.add_metric([], float(at.get("bytes_over_pcie_total", 0)))
         yield c
+        for name, key, doc in [("ups_staged", "ups_staged_total",
+                                "guessed experts' up sections copied to VRAM during the dense layers"),
+                               ("ups_staged_used", "ups_staged_used_total", "staged up sections a kernel then read")]:
+            c = CounterMetricFamily(P + name, doc)
+            c.add_metric([], float(at.get(key, 0)))
+            yield c
         steps = tot.get("decode_tokens", 0)
         g = GaugeMetricFamily(P + "bytes_from_disk_per_token", "bytes read from disk per decoded token")
         g.add_metric([], tot.get("decode_disk_bytes", 0) / steps if steps else 0.0)

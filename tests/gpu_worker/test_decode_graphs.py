@@ -118,9 +118,10 @@ def engine(store, blocks: int, addressed: bool):
     from gpu_worker.engine import StreamingEngine
     _, path, _, stride = store
     eng = StreamingEngine(path, cache_bytes=blocks * stride, io_workers=2)
-    if addressed:       # as on CUDA: the Triton kernels read blocks by address and count the down groups
-        eng.experts._addressed = True
+    if addressed:       # as on CUDA: the Triton kernels read blocks by address and count the down groups, and the
+        eng.experts._addressed = True       # next layer's guessed ups are staged while the dense layers run
         eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
+        eng.experts.stage_ups = True
     eng.graphs = DecodeGraphs(eng.model)    # what the engine installs on CUDA
     return eng
 
@@ -179,6 +180,12 @@ def test_expert_kernels_inside_the_segments(store, plain_addressed, cache):
         segmented = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
         assert "slab" in seen and (blocks > n or "eager" in seen), seen
         assert ex._deferred == [] or all(c >= 1 for c in ex.client._pins[ex._deferred])
+        # the staged ups were read (the last MoE layer's guess stages the first's), and no pin outlives its use:
+        # every pin left is a deferred one or one held for copies (released at the next flush)
+        a = ex.acct
+        assert a.ups_staged > 0 and 0 < a.ups_staged_used <= a.ups_staged, (a.ups_staged, a.ups_staged_used)
+        held = [s for _, slots in ex.ups._held for s in slots]
+        assert sum(ex.client._pins) == len(ex._deferred) + len(held)
     # With a small cache, which experts of a layer run in one launch and which land later depends on the IO
     # workers' timing, so fp32 sums are added in different orders (measured up to 6e-4 on logits of ~10);
     # the must-fail twin below differs by far more than this tolerance.
@@ -193,6 +200,23 @@ def test_twin_kernels_skipped_in_the_slab_variant_is_caught(store, plain_address
         seen = route_variants(eng.graphs)
         broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
     assert "slab" in seen, seen
+    assert (plain_addressed - broken).abs().max() > 3e-2
+
+
+@cpu_only
+def test_twin_staged_ups_of_the_wrong_experts_is_caught(store, plain_addressed, monkeypatch):
+    """Must-fail twin: staging that hands each chosen expert another staged expert's up section."""
+    from gpu_worker.up_staging import UpStaging
+    real = UpStaging.take
+
+    def shuffled(self, layer, experts):
+        got = real(self, layer, experts)
+        keys = list(got)
+        return dict(zip(keys, [got[k] for k in keys[1:] + keys[:1]])) if len(keys) > 1 else got
+    monkeypatch.setattr(UpStaging, "take", shuffled)
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        assert eng.experts.acct.ups_staged_used > 1
     assert (plain_addressed - broken).abs().max() > 3e-2
 
 
@@ -217,3 +241,25 @@ def test_tracing_steps_run_the_model_forward(store, honours_tracing):
         assert routed == moe_layers and not graphed
     else:
         assert routed == [] and graphed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine and the captured graphs: CUDA")
+def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
+    """On CUDA, every expert cached: the graphs with the next layer's guessed ups staged into VRAM by the copy
+    engine give the logits of the graphs without staging (same kernels, same sums), and the staged ups are read."""
+    from gpu_worker.engine import StreamingEngine
+    _, path, n, stride = store
+    out = {}
+    for stage in (False, True):
+        with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda",
+                             dtype=torch.float32, stage_ups=stage) as eng:
+            eng_graphs = eng.graphs
+            seen = route_variants(eng_graphs)
+            out[stage] = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+            assert "slab" in seen, seen
+            a = eng.experts.acct
+            if stage:
+                assert a.ups_staged > 0 and a.ups_staged_used > 0, (a.ups_staged, a.ups_staged_used)
+            else:
+                assert a.ups_staged == 0
+    assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()

@@ -103,3 +103,26 @@ def test_bad_input_is_named(device):
         expert_layer(x, addrs, geom, ug, dg, w.double())
     with pytest.raises(ValueError, match="x has 47 elements"):
         expert_layer(x[:47], addrs, geom, ug, dg, w)
+
+
+@pytest.mark.parametrize("up_mode", [4, 8])
+def test_up_sections_read_apart_from_their_blocks(up_mode, device):
+    """The up rows of some experts staged elsewhere (gpu_worker/up_staging.py copies them into VRAM while the
+    dense layers run): the same result, read from the staged copies. Twin that must fail: a staged copy that
+    holds another expert's up rows."""
+    geom, blocks, ug, dg, ups, downs, x, w = _inputs(device, positive=True)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    # the staged copies alone: the blocks' own up sections are overwritten, so only the copies give the result
+    staged = [b[: geom.down_off].clone() for b in blocks[:2]]
+    broken = [b.clone() for b in blocks]
+    for b in broken[:2]:
+        b[: geom.down_off] = 0x77
+    up = block_addresses(staged + broken[2:], device)
+    cfg = dict(SMALL, UP_MODE=up_mode)
+    out = expert_layer(x, block_addresses(broken, device), geom, ug, dg, w, config=cfg, up_addrs=up)
+    assert_close(out, ref, TOL, "staged ups")
+    wrong = block_addresses([staged[1], staged[0]] + broken[2:], device)
+    assert rel_err(expert_layer(x, block_addresses(broken, device), geom, ug, dg, w, config=cfg,
+                                up_addrs=wrong), ref) > 0.05
+    with pytest.raises(ValueError, match="up_addrs must be int64"):
+        expert_layer(x, block_addresses(broken, device), geom, ug, dg, w, up_addrs=up[:-1])
