@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill" (default: vision check e2e profile omni), PYTEST_TESTS,
+#   STEPS="vision check e2e profile omni pytest smoke prefill host" (default: vision check e2e profile omni), PYTEST_TESTS,
 #   MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT.
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
 set -uo pipefail
@@ -42,6 +42,7 @@ PY
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
+    host) timeout 150 python3 -m bench.host_bookkeeping --tag h200 --out-dir "$OUT" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
   esac
   echo "== $s: rc $? in $(( $(date +%s) - t )) s"
