@@ -241,6 +241,10 @@ def main(argv=None):
                 res["prefill_distinct_experts"] = len(routed)
                 res["prefill_missing_bytes"] = len(routed - before) * store.block_bytes
             r["accounting"] = eng.accounting.per_token()      # the always-on split (warm-up tokens included)
+            ups = eng.experts.ups
+            if ups is not None:       # how often each guess rank was right, and what each layer's copies settled at
+                r["staged_ups"] = dict(staged_by_rank=ups.staged_by_rank, used_by_rank=ups.used_by_rank,
+                                       limits=ups.limit)
             if cuda:     # what decoding added on the device: graph pools, static buffers, KV caches of live states
                 r["vram_after_load"] = mem0
                 r["vram_added_by_decode"] = torch.cuda.memory_allocated() - mem0
@@ -343,6 +347,10 @@ def main(argv=None):
             if res[name].get("staged_up_use_rate") is not None:
                 print(f"{name}: staged ups read {res[name]['staged_up_use_rate']:.3f} of those copied; "
                       f"{res[name]['pcie_wasted_bytes_per_token'] / 1e6:.1f} MB/token of wrong guesses moved")
+                su = res[name].get("staged_ups")
+                if su:
+                    rate = [round(u / s, 2) if s else None for u, s in zip(su["used_by_rank"], su["staged_by_rank"])]
+                    print(f"  right by guess rank: {rate}; copies per layer settled at {su['limits']}")
             print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
                   f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (+ {acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} "
                   f"after the launch), waiting for disk "

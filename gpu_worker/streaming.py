@@ -269,14 +269,13 @@ class StreamingExperts(ExpertSource):
         self._next_guess = None
         if self.ups is None:
             self.ups = UpStaging(len(guess), self._up_span, self.device)
+        guess = guess[:self.ups.how_many(nj)]       # the router's rank order: the likeliest first
         slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
-        extra = pairs[len(self.ups.buf):]
-        pairs = pairs[:len(self.ups.buf)]
-        if extra:
-            self.client.release([s for _, s in extra])
         if pairs:
-            self.ups.stage(nj, [e for e, _ in pairs], [self.slab[s] for _, s in pairs], [s for _, s in pairs])
+            ss = [s for _, s in pairs]
+            self.ups.stage(nj, [e for e, _ in pairs], [self._slot_address[s] for s in ss], ss,
+                           views=None if self.ups._memcpy is not None else [self.slab[s] for s in ss])
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
