@@ -263,6 +263,11 @@ def main(argv=None):
         regime("ram_eager", int(all_bytes * 1.02) + (8 << 20), 1, cuda_graphs=False)
     if "disk" not in skip:
         regime("disk", all_bytes // 3, 2)
+        # the virtual disk drifts: probe again right after the regime it prices, keep the best
+        again = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=2,
+                                   seed=1)
+        res["disk_ceiling_after"] = again
+        res["odirect_gbps"] = max(res["odirect_gbps"], again["gbps"])
     if a.vram_gb and "vram" not in skip:
         regime("vram", int(all_bytes * 1.02) + (8 << 20), 1, vram_bytes=int(a.vram_gb * 2**30), vram_admit_after=1)
 
@@ -336,6 +341,8 @@ def main(argv=None):
             host_ms=acc.get("ms_bookkeeping_per_token", 0.0))
     Path(a.out).write_text(json.dumps(res, indent=1, default=float))
     print(f"\nceilings: disk {res['odirect_gbps']:.2f} GB/s (pipeline readers {res['disk_ceiling']['runs_gbps']}, "
+          f"re-read {res['disk_ceiling'].get('reread_gbps')}, after the disk regime "
+          f"{res.get('disk_ceiling_after', {}).get('gbps')}, "
           f"thread pool {res['odirect_gbps_threads']:.2f}), H2D {res['h2d_gbps']} GB/s, D2D {res['d2d_gbps']} GB/s;"
           f" dense floor {dense_ms:.2f} ms/token ({res.get('dense_bytes_per_token', 0) / 1e9:.2f} GB)")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
