@@ -361,7 +361,8 @@ def main(argv=None):
             print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
                   f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (+ {acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} "
                   f"after the launch), waiting for disk "
-                  f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
+                  f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}, "
+                  f"staging {acc.get('ms_staging_per_token', 0.0):.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
             if "vram_added_by_decode" in res[name]:
                 r = res[name]
                 print(f"  device memory: {r['vram_after_load'] / 2**30:.2f} GiB after load; decoding added "

@@ -39,6 +39,7 @@ class Accounting:
     ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
     ms_bookkeeping: float = 0.0          # host work the device waits for: lookup (+ the message where a miss needs it)
     ms_bookkeeping_after_launch: float = 0.0   # host work while the next graph runs: message, releases, counts
+    ms_staging: float = 0.0              # host work issuing the next layer's early ups (also while a graph runs)
     hits_at_lookup: int = 0
     misses_at_lookup: int = 0
     bytes_over_pcie: int = 0             # up halves (read whole) + down groups read, as the kernels report them
@@ -49,7 +50,7 @@ class Accounting:
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
-               "ms_bookkeeping_after_launch", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used")
+               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -278,7 +279,7 @@ class StreamingExperts(ExpertSource):
                            views=None if self.ups._memcpy is not None else [self.slab[s] for s in ss])
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
-        self.acct.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
+        self.acct.ms_staging += (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels

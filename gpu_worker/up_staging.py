@@ -63,6 +63,7 @@ class UpStaging:
         self.buf = torch.empty(n_slots, stride, dtype=torch.uint8, device=self.device)
         self._address = [self.buf[i].data_ptr() for i in range(n_slots)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
         self._memcpy = driver_memcpy_async() if self.cuda else None
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
         self.used_by_rank = [0] * n_slots    # how often the guess of each rank was read
@@ -92,9 +93,8 @@ class UpStaging:
         experts = experts[:n]
         ub = self.up_bytes
         if self.cuda:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(after)
+            self._after.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(self._after)
             if self._memcpy is not None:
                 cp, h, dst = self._memcpy, self.stream.cuda_stream, self._address
                 for i in range(n):
