@@ -20,8 +20,13 @@ Per MoE layer j, in order:
           their block addresses: they go to a device buffer and K_j runs the kernels (`decode_kernels`;
           "slab" variant, or "mixed" when some are in the VRAM tier). Otherwise the source runs them eagerly as
           they land (`decode_eager`), and K_j has no expert kernels ("eager" variant).
-Then the final stretch: the last MoE layer's experts and combine, the remaining layers, final norm, lm_head.
-Attention layers run eagerly and split a stretch, because their KV cache grows and moves.
+Then the final stretch: the remaining layers, final norm, lm_head.
+Attention layers are ops of a stretch like the others: their KV caches are bound to static buffers of this object
+(as the Mamba states are, below) with room to grow, the new row is written at a position and the attention reads a
+length that the host writes to the device before each step (`kernels/attention_decode.attention_decode_static`).
+When a sequence outgrows the buffers they are reallocated at twice the size and the stretches that hold attention
+are captured again. (Before, each attention layer ran eagerly between two graphs: ~0.65 ms of host time per token
+on the H200 host, which bound the VRAM regime.) `graph_attention=False` keeps the eager layer.
 
 The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`), each with
 `run(state)`. Graph inputs and outputs live in static buffers owned by this object (`RouterOutputs`,
@@ -53,6 +58,9 @@ from nemotron.attention import Attention
 from nemotron.mamba import Mamba2Mixer, MambaState
 from nemotron.moe import MoEMixer
 from nemotron.norms import rms_norm
+
+KV_START = 256      # rows of a static KV buffer when first bound
+KV_GROW = 2         # a buffer that must grow is reallocated at this times the rows needed
 
 # How a MoE layer's experts ran, which decides what the next stretch records: eagerly (no kernels in it), or
 # inside it from the slab alone (the kernels count the down groups they read over the bus) or partly from the
@@ -294,6 +302,20 @@ class Combine:
         return self.moe.combine(x, variant)
 
 
+class Attn:
+    """An attention layer on its static KV buffers (written at `pos`, read up to `length`)."""
+
+    def __init__(self, dec, i: int, row: int):
+        self.dec, self.i, self.row = dec, i, row
+
+    def __call__(self, x, variant):
+        dec, m, i = self.dec, self.dec.m, self.i
+        h = rms_norm(x, m.norms[i], dec.eps)
+        k_buf, v_buf = dec.kv[i]
+        pos, length = dec.kv_pos[self.row, 0:1], dec.kv_pos[self.row, 1:2]
+        return x + m.mixers[i].step_static(h, k_buf, v_buf, pos, length)
+
+
 class Head:
     """Final norm and lm_head into the static logits."""
 
@@ -356,9 +378,10 @@ class AttentionLayer:
 
 
 class DecodeGraphs:
-    def __init__(self, model, capture: bool | None = None):
+    def __init__(self, model, capture: bool | None = None, graph_attention: bool = True):
         """capture: record and replay CUDA graphs (default: on a CUDA model). Without it the same segments run
-        eagerly (the CPU tests check the segmentation and the state binding that way)."""
+        eagerly (the CPU tests check the segmentation and the state binding that way). graph_attention: attention
+        layers inside the stretches on static KV buffers (else eager between them)."""
         why = self.unsupported(model)
         if why:
             raise ValueError(f"decode graphs: {why}")
@@ -380,6 +403,12 @@ class DecodeGraphs:
         self.owner = None
         self.moe: dict[int, MoEStep] = {}
         self.segments: list = []
+        self.kv_layers = [i for i, mx in enumerate(m.mixers) if isinstance(mx, Attention)] if graph_attention else []
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}      # layer -> static (k, v) buffers
+        # per attention layer: (row the new k/v go to, rows to attend over), written by the host before each step
+        self.kv_pos = torch.zeros(max(len(self.kv_layers), 1), 2, dtype=torch.long, device=dev)
+        self._kv_row = {i: r for r, i in enumerate(self.kv_layers)}
+        self.kv_grown = 0          # times the static KV buffers were reallocated (each recaptures attention's stretches)
         ops = [Embed(self)]
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
@@ -388,6 +417,8 @@ class DecodeGraphs:
                 self.segments += [Stretch(self, ops + [Route(moe)], None), HostDecision(moe),
                                   Stretch(self, [Combine(moe)], moe)]
                 ops = []
+            elif isinstance(mixer, Attention) and graph_attention:
+                ops.append(Attn(self, i, self._kv_row[i]))
             elif isinstance(mixer, Attention):
                 if ops:
                     self.segments.append(Stretch(self, ops, None))
@@ -426,6 +457,11 @@ class DecodeGraphs:
                     st.ssm = sb.ssm.clone()
                 if st.conv is sb.conv:
                     st.conv = sb.conv.clone()
+            for i, (kb, vb) in self.kv.items():
+                c = owner.layers[i]
+                if c.k is kb:
+                    c.k, c.v = kb[:c.length].clone(), vb[:c.length].clone()
+        self._bind_kv(state)
         for i, sb in self.static.items():
             st = state.layers[i]
             if st.ssm is not sb.ssm:
@@ -435,6 +471,37 @@ class DecodeGraphs:
                 sb.conv.copy_(st.conv)
                 st.conv = sb.conv
         self.owner = weakref.ref(state)
+
+    def _bind_kv(self, state) -> None:
+        """The sequence's KV caches in the static buffers, with room for this step's row; buffers that must grow
+        are reallocated (twice what is needed) and the stretches holding attention captured again."""
+        grown = False
+        for i in self.kv_layers:
+            c = state.layers[i]
+            buf = self.kv.get(i)
+            if buf is not None and c.k is buf[0] and c.length < buf[0].shape[0]:
+                continue                                   # bound, with room
+            need = c.length + 1
+            if buf is None or buf[0].shape[0] < need:
+                cap = max(KV_START, KV_GROW * need)
+                buf = (torch.empty(cap, *c.k.shape[1:], dtype=c.k.dtype, device=c.k.device),
+                       torch.empty(cap, *c.v.shape[1:], dtype=c.v.dtype, device=c.v.device))
+                grown = True
+            if c.k is not buf[0]:
+                buf[0][:c.length].copy_(c.k[:c.length])
+                buf[1][:c.length].copy_(c.v[:c.length])
+            c.k, c.v = buf
+            self.kv[i] = buf
+        self.kv_grown += grown
+        if grown:       # the graphs baked the old buffers' addresses in
+            for seg in self.segments:
+                if isinstance(seg, Stretch) and any(isinstance(op, Attn) for op in seg.ops):
+                    seg.graphs.clear()
+                    seg.runs.clear()
+        if self.kv_layers:
+            rows = [(state.layers[i].length, state.layers[i].length + 1) for i in self.kv_layers]
+            host = torch.tensor(rows, dtype=torch.long, pin_memory=self.cuda)   # fresh: kept until the copy ran
+            self.kv_pos.copy_(host, non_blocking=True)
 
     # ------------------------------------------------------------------ one token
     @torch.inference_mode()
@@ -447,5 +514,7 @@ class DecodeGraphs:
         self.tok.copy_(token.reshape(1), non_blocking=True)
         for seg in self.segments:
             seg.run(state)
+        for i in self.kv_layers:
+            state.layers[i].length += 1
         state.position += 1
         return self.logits.clone()

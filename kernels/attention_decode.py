@@ -5,6 +5,10 @@ Split-S ("flash decoding"): each program takes one KV head, all its query heads 
 partial; a second small kernel merges the slices. K and V are read once: the floor is 2 · S · nkv · hd
 elements. On the GPU with bf16 caches the two dots run in bf16 on the tensor cores (fp32 accumulation, fp32
 softmax); experiment 1 measured the IEEE fp32 dot at 5 % of HBM.
+
+`attention_decode_static` is the same over a KV buffer at a fixed address whose filled length lives on the device,
+so that the decode step can be a CUDA graph (gpu_worker/decode_graphs.py): the split count follows the buffer's
+capacity, and slices past the length contribute nothing (the merge weighs an empty slice by 0).
 """
 from __future__ import annotations
 
@@ -17,10 +21,13 @@ from kernels import backend
 
 @triton.jit
 def _attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, len_ptr,
     S, s_per_split, stride_s, nq, scale,
     REP: tl.constexpr, REP_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr, BF16_DOT: tl.constexpr,
+    S_ON_DEVICE: tl.constexpr = False,
 ):
+    if S_ON_DEVICE:           # the filled length of a fixed-capacity buffer, read where a graph cannot bake it in
+        S = tl.load(len_ptr).to(tl.int32)
     g = tl.program_id(0)
     sp = tl.program_id(1)
     o_r = tl.arange(0, REP_PAD)
@@ -99,9 +106,36 @@ def attention_decode(q, k_cache, v_cache, scale: float, n_split: int | None = No
     n_split = triton.cdiv(S, s_per_split)
     acc = torch.empty((n_split, nq, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((n_split, nq, 2), dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(nkv, n_split)](q, k_cache, v_cache, acc, ml, S, s_per_split, nkv * hd, nq, scale,
+    _attn_split_kernel[(nkv, n_split)](q, k_cache, v_cache, acc, ml, acc, S, s_per_split, nkv * hd, nq, scale,
                                        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd,
                                        BLOCK_S=block_s, BF16_DOT=bf16_dot, num_warps=4)
+    out = torch.empty((nq, hd), dtype=torch.float32, device=q.device)
+    _attn_merge_kernel[(nq,)](acc, ml, out, n_split, nq, HD=hd, num_warps=1)
+    return out.to(q.dtype)
+
+
+def attention_decode_static(q, k_buf, v_buf, length, scale: float, n_split: int | None = None, block_s: int = 64,
+                            bf16_dot: bool | None = None):
+    """`attention_decode` over the first `length` rows of k_buf, v_buf [capacity, nkv, hd] (contiguous);
+    length: int64 [1] on the device (1 <= length <= capacity). Launch shapes depend on the capacity only."""
+    nq, hd = q.shape
+    C, nkv, _ = k_buf.shape
+    rep = nq // nkv
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and q.is_contiguous()
+    if length.dtype != torch.int64 or length.numel() != 1:
+        raise ValueError(f"length must be int64 [1] on the device, got {length.dtype} {tuple(length.shape)}")
+    if bf16_dot is None:
+        bf16_dot = k_buf.is_cuda and k_buf.dtype == torch.bfloat16 and not backend.interpreted()
+    if n_split is None:
+        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        n_split = max(1, min(triton.cdiv(C, block_s), 4 * n_sm // nkv))
+    s_per_split = triton.cdiv(triton.cdiv(C, n_split), block_s) * block_s
+    n_split = triton.cdiv(C, s_per_split)
+    acc = torch.empty((n_split, nq, hd), dtype=torch.float32, device=q.device)
+    ml = torch.empty((n_split, nq, 2), dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(nkv, n_split)](q, k_buf, v_buf, acc, ml, length, C, s_per_split, nkv * hd, nq, scale,
+                                       REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd,
+                                       BLOCK_S=block_s, BF16_DOT=bf16_dot, S_ON_DEVICE=True, num_warps=4)
     out = torch.empty((nq, hd), dtype=torch.float32, device=q.device)
     _attn_merge_kernel[(nq,)](acc, ml, out, n_split, nq, HD=hd, num_warps=1)
     return out.to(q.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kernels import backend
-from kernels.attention_decode import attention_decode
+from kernels.attention_decode import attention_decode, attention_decode_static, attention_decode_torch
 from kernels.linear import linear
 
 
@@ -123,6 +123,22 @@ class Attention:
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             out[t0:t1] = torch.einsum("grts,sgd->tgrd", probs, V[:s_end]).reshape(t1 - t0, self.nq * self.hd)
         y = linear(out, self.o_proj)
+        return y + self.bias["o"] if "o" in self.bias else y
+
+    def step_static(self, h: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
+                    length: torch.Tensor) -> torch.Tensor:
+        """One decode token against KV buffers at fixed addresses (what a CUDA graph can replay): its k and v
+        written at row `pos`, attention over the first `length` rows (both int64 [1] on the device; length =
+        pos + 1). The caller owns the buffers and the host-side length (gpu_worker/decode_graphs.py)."""
+        q = self._proj(h, self.q_proj, "q").view(1, self.nq, self.hd)
+        k_buf.index_copy_(0, pos, self._proj(h, self.k_proj, "k").view(1, self.nkv, self.hd))
+        v_buf.index_copy_(0, pos, self._proj(h, self.v_proj, "v").view(1, self.nkv, self.hd))
+        if backend.use_triton(h, "attention_decode"):
+            out = attention_decode_static(q[0].contiguous(), k_buf, v_buf, length, self.scale)
+        else:      # the twin (CPU): the length read on the host
+            n = int(length)
+            out = attention_decode_torch(q[0], k_buf[:n], v_buf[:n], self.scale)
+        y = linear(out.reshape(1, self.nq * self.hd), self.o_proj)
         return y + self.bias["o"] if "o" in self.bias else y
 
     def _proj(self, h, w, name):

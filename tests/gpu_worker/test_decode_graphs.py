@@ -67,15 +67,42 @@ def plain(model):
     return run(model)
 
 
-def test_segmented_decode_equals_plain_forward(model, plain, device):
-    g = DecodeGraphs(model)
+@pytest.mark.parametrize("graph_attention", [True, False])
+def test_segmented_decode_equals_plain_forward(model, plain, device, graph_attention, monkeypatch):
+    """With attention inside the stretches (static KV buffers that grow by one row at a time here, so they are
+    reallocated and the stretches holding attention captured again at every step) and with attention eager."""
+    from gpu_worker import decode_graphs
+    from gpu_worker.decode_graphs import Attn
+    monkeypatch.setattr(decode_graphs, "KV_START", 1)
+    monkeypatch.setattr(decode_graphs, "KV_GROW", 1)
+    g = DecodeGraphs(model, graph_attention=graph_attention)
     kinds = [seg.kind for seg in g.segments]
-    assert "route" in kinds and "attn" in kinds and kinds.count("graph") >= 3
+    in_stretch = any(isinstance(op, Attn) for seg in g.segments if seg.kind == "graph" for op in seg.ops)
+    assert "route" in kinds and kinds.count("graph") >= 3
+    assert in_stretch == graph_attention and ("attn" in kinds) != graph_attention
     segmented = run(model, g.step)
+    assert (g.kv_grown > 1) == graph_attention     # the first allocation, then growth
     assert plain.abs().max() > 0.1
     assert torch.allclose(plain, segmented, atol=1e-5, rtol=1e-5), (plain - segmented).abs().max()
     if device == "cuda":        # every stretch and every S_j captured (the in-memory source: eager variant only)
         assert g.captures == kinds.count("graph") + kinds.count("route")
+
+
+def test_twin_kv_not_copied_in_is_caught(model, plain, monkeypatch):
+    """Must-fail twin: binding that points a sequence's KV caches at the static buffers without its rows."""
+    g = DecodeGraphs(model)
+
+    def careless(state):
+        for i in g.kv_layers:
+            c = state.layers[i]
+            if i not in g.kv:
+                g.kv[i] = (torch.zeros(64, *c.k.shape[1:], dtype=c.k.dtype), torch.zeros(64, *c.v.shape[1:],
+                                                                                        dtype=c.v.dtype))
+            c.k, c.v = g.kv[i]
+        rows = [(state.layers[i].length, state.layers[i].length + 1) for i in g.kv_layers]
+        g.kv_pos.copy_(torch.tensor(rows))
+    monkeypatch.setattr(g, "_bind_kv", careless)
+    assert (plain - run(model, g.step)).abs().max() > 1e-2
 
 
 def test_twin_state_not_copied_in_is_caught(model, plain, monkeypatch):
@@ -85,6 +112,7 @@ def test_twin_state_not_copied_in_is_caught(model, plain, monkeypatch):
     def careless_bind(state):
         for i, sb in g.static.items():
             state.layers[i].ssm, state.layers[i].conv = sb.ssm, sb.conv
+        g._bind_kv(state)                  # the KV caches bound properly: only the Mamba states are careless
     monkeypatch.setattr(g, "_bind", careless_bind)
     assert (plain - run(model, g.step)).abs().max() > 1e-2
 
