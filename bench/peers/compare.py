@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -275,9 +276,12 @@ def main(argv=None):
                     help="moestream's regimes during the llama.cpp build (default: on a GPU)")
     ap.add_argument("--ours-cpus", default="0-2", help="with --overlap: moestream's CPUs (the build gets the rest)")
     ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"), help="the cgroup-v2 mount")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     a = ap.parse_args(argv)
+    # a `timeout` that stops us: the with-blocks still stop the servers and the JSON so far is on disk
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clock = Clock(a.budget_s)
     a.work.mkdir(parents=True, exist_ok=True)
     log = open(a.work / "compare.log", "a")
@@ -358,6 +362,7 @@ def main(argv=None):
     prompts = {n: texts.prompt_of_tokens(measured_text, tok, n, seed=100 + n) for n in sizes}
     # passages no measured prompt has, long enough to route to most experts
     warm_prompts = [texts.prompt_of_tokens(warm_text, tok, max(3 * max(sizes), 4000), seed=7 + i) for i in range(4)]
+    warm_decode_prompt = texts.prompt_of_tokens(warm_text, tok, 128, seed=3)
     ctx = max(sizes) + max(a.decode_tokens, 8) + 64
     env["text_chars"] = len(text)
     env["prompt_tokens"] = {n: len(tok.encode(p, add_special_tokens=False).ids) for n, p in prompts.items()}
@@ -370,7 +375,7 @@ def main(argv=None):
         logp = a.work / f"moestream-{regime}.log"
         if tier_bytes is None or not cuda:
             srv = MoestreamServer(model, store, cache_gb=cache_gb, device=a.device, vram_gb=None,
-                                  io_workers=a.io_workers, log_path=logp, cpus=cpus)
+                                  io_workers=a.io_workers, log_path=logp, cpus=cpus, pid_dir=a.work / "pids")
             try:
                 srv.wait_ready(timeout=max(clock.left(), 30))
             except BaseException:
@@ -384,7 +389,7 @@ def main(argv=None):
                 guess = vram_floor["gb"]
             vgb = round(guess + tier_bytes / GiB, 3)
             srv = MoestreamServer(model, store, cache_gb=cache_gb, device=a.device, vram_gb=vgb,
-                                  io_workers=a.io_workers, log_path=logp, cpus=cpus)
+                                  io_workers=a.io_workers, log_path=logp, cpus=cpus, pid_dir=a.work / "pids")
             try:
                 srv.wait_ready(timeout=max(clock.left(), 30))
                 if vram_floor["gb"] is None:
@@ -421,6 +426,8 @@ def main(argv=None):
                     if f.bytes_from_disk < 0.01 * all_experts:
                         break
                 row["warm_disk_bytes"] = warm
+                # decode steps too: a VRAM tier admits what decode uses, and each graph is captured once
+                srv.complete(warm_decode_prompt, a.decode_tokens)
                 for n in sizes:
                     f = srv.complete(prompts[n], a.decode_tokens)
                     row["runs"].append({
@@ -484,10 +491,10 @@ def main(argv=None):
         _, libdirs, found = llama_cpp.cublas_hints()
         if libdirs:
             run_env["LD_LIBRARY_PATH"] = os.pathsep.join(libdirs + [run_env.get("LD_LIBRARY_PATH", "")])
-    why_no_cgroup = llama_cpp.cgroup_v2_available()
+    why_no_cgroup = llama_cpp.cgroup_v2_available(a.cgroup_root)
     if why_no_cgroup is None:
         try:
-            llama_cpp.enable_memory_controller()
+            llama_cpp.enable_memory_controller(a.cgroup_root)
         except OSError as e:
             why_no_cgroup = f"cannot hand the memory controller to child groups: {e}"
 
@@ -505,7 +512,7 @@ def main(argv=None):
             limited = limit_bytes is not None or measure_footprint
             if limited and why_no_cgroup:
                 raise RuntimeError(why_no_cgroup)
-            lim = llama_cpp.MemoryLimit(limit_bytes) if limited else None
+            lim = llama_cpp.MemoryLimit(limit_bytes, root=a.cgroup_root) if limited else None
             if lim is not None:
                 lim.__enter__()
             try:

@@ -72,7 +72,7 @@ def vram_floor_from_log(text: str) -> float | None:
 class MoestreamServer:
     def __init__(self, model: Path, store: Path, *, cache_gb: float, device: str, vram_gb: float | None,
                  io_workers: int = 8, log_path: Path | None = None, extra: list[str] | None = None,
-                 cpus: list[int] | None = None):
+                 cpus: list[int] | None = None, pid_dir: Path | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, str(ROOT / "launcher.py"), "--model", str(model), "--store", str(store),
@@ -85,6 +85,11 @@ class MoestreamServer:
         pin = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None       # its children inherit it
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=pin)
+        # its own session outlives a harness that is killed: the pid file lets the caller's shell end it
+        self.pid_file = Path(pid_dir) / str(self.proc.pid) if pid_dir else None
+        if self.pid_file:
+            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+            self.pid_file.write_text(" ".join(argv))
         self.http = httpx.Client(base_url=self.url, timeout=600)
 
     def wait_ready(self, timeout: float = 600) -> None:
@@ -153,6 +158,8 @@ class MoestreamServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        if self.pid_file:
+            self.pid_file.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
