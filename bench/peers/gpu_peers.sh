@@ -13,7 +13,7 @@ W=${W:-/tmp/pw}; mkdir -p "$W"
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "$TOP"/.whl/*.whl "$TOP"/build/gpuwheels/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
-mount -o remount,size=100G /dev/shm 2>/dev/null || true
+command -v nvidia-smi >/dev/null && { mount -o remount,size=100G /dev/shm 2>/dev/null || true; }
 { nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv
   nproc; free -g; df -h /tmp /dev/shm
   echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>&1)"; nvcc --version 2>&1 | tail -2

@@ -62,27 +62,57 @@ def _set_cpus(cpus):
     return lambda: os.sched_setaffinity(0, set(cpus))
 
 
-def cublas_hints(python: str = sys.executable) -> tuple[list[str], list[str], str]:
-    """(cmake flags, library folders for LD_LIBRARY_PATH, what was found) when the CUDA toolkit beside nvcc has no
-    cuBLAS: then torch's pip wheels (nvidia/cu13 or nvidia/cublas) carry its headers and libraries."""
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+def find_nvcc() -> str | None:
+    """The toolkit's own nvcc (/usr/local/cuda/bin first: a `nvcc` on PATH can be a wrapper script elsewhere)."""
+    for c in ("/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def find_libcuda(root: Path, system_dirs=("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib",
+                                           "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")) -> str | None:
+    """libcuda to link llama.cpp against: the toolkit's stub, else the driver's library."""
+    for pat in ("lib64/stubs/libcuda.so", "lib/stubs/libcuda.so", "targets/*/lib/stubs/libcuda.so"):
+        hits = sorted(root.glob(pat))
+        if hits:
+            return str(hits[0])
+    for d in system_dirs:
+        for name in ("libcuda.so", "libcuda.so.1"):
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+def cublas_hints(python: str = sys.executable, nvcc: str | None = None, bases: list[str] | None = None
+                 ) -> tuple[list[str], list[str], str]:
+    """(cmake flags, library folders for LD_LIBRARY_PATH, what was found). A toolkit with cuBLAS beside nvcc
+    needs only the compiler named; one without it (seen: nvcc and cudart alone) gets cuBLAS from the pip wheel
+    that torch depends on (nvidia/cu13/{include,lib}, versioned .so files only, so the libraries are named)."""
+    nvcc = nvcc or find_nvcc()
     if nvcc is None:
         return [], [], "no nvcc on PATH or in /usr/local/cuda"
     root = Path(nvcc).resolve().parent.parent
+    flags = [f"-DCMAKE_CUDA_COMPILER={nvcc}"]
+    driver = find_libcuda(root)
+    if driver:        # CUDA::cuda_driver: the toolkit's stub, else the driver's own library (no stubs seen here)
+        flags.append(f"-DCUDA_cuda_driver_LIBRARY={driver}")
     if list(root.glob("include/cublas_v2.h")) + list(root.glob("targets/*/include/cublas_v2.h")):
-        return [f"-DCMAKE_CUDA_COMPILER={nvcc}"], [], f"cuBLAS beside {nvcc}"
-    r = subprocess.run([python, "-c", "import nvidia, sys; print('\\n'.join(nvidia.__path__))"],
-                       capture_output=True, text=True)
-    for base in r.stdout.split():
+        return flags, [], f"cuBLAS beside {nvcc}, libcuda {driver}"
+    if bases is None:
+        r = subprocess.run([python, "-c", "import nvidia; print('\\n'.join(nvidia.__path__))"],
+                           capture_output=True, text=True)
+        bases = r.stdout.split()
+    for base in bases:
         heads = glob.glob(f"{base}/**/include/cublas_v2.h", recursive=True)
-        libs = glob.glob(f"{base}/**/lib/libcublas.so*", recursive=True)
-        lts = glob.glob(f"{base}/**/lib/libcublasLt.so*", recursive=True)
+        libs = sorted(glob.glob(f"{base}/**/lib/libcublas.so*", recursive=True))
+        lts = sorted(glob.glob(f"{base}/**/lib/libcublasLt.so*", recursive=True))
         if heads and libs and lts:
             inc, lib = str(Path(heads[0]).parent), str(Path(libs[0]).parent)
-            return ([f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}",
-                     f"-DCUDA_cublas_LIBRARY={sorted(libs)[0]}", f"-DCUDA_cublasLt_LIBRARY={sorted(lts)[0]}"],
-                    [lib], f"cuBLAS from the pip wheel in {lib}")
-    return [f"-DCMAKE_CUDA_COMPILER={nvcc}"], [], f"no cuBLAS found beside {nvcc} nor in the nvidia pip packages"
+            return (flags + [f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}", f"-DCMAKE_C_FLAGS=-I{inc}",
+                             f"-DCUDA_cublas_LIBRARY={libs[0]}", f"-DCUDA_cublasLt_LIBRARY={lts[0]}"],
+                    [lib], f"cuBLAS from the pip wheel in {lib} (the toolkit beside {nvcc} has none), libcuda {driver}")
+    return flags, [], f"no cuBLAS beside {nvcc} nor in the nvidia pip packages ({bases})"
 
 
 def build(src: Path, build_dir: Path, cuda: bool, jobs: int | None = None, log=None, cpus=None,

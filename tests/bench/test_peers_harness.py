@@ -196,3 +196,36 @@ def test_split_text_keeps_the_parts_apart():
     assert texts.split_text("one\n\ntwo", 0.99) == ("one", "two")     # each part keeps a paragraph
     with pytest.raises(ValueError, match="two paragraphs"):
         texts.split_text("one paragraph only", 0.5)
+
+
+def _toolkit(root, with_cublas):
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (root / "lib64" / "stubs").mkdir(parents=True)
+    (root / "lib64" / "stubs" / "libcuda.so").write_text("")
+    if with_cublas:
+        (root / "include").mkdir()
+        (root / "include" / "cublas_v2.h").write_text("")
+    return str(root / "bin" / "nvcc")
+
+
+def test_cublas_from_the_pip_wheel_when_the_toolkit_has_none(tmp_path):
+    wheel = tmp_path / "site" / "nvidia"
+    (wheel / "cu13" / "include").mkdir(parents=True)
+    (wheel / "cu13" / "lib").mkdir()
+    (wheel / "cu13" / "include" / "cublas_v2.h").write_text("")
+    for lib in ("libcublas.so.13", "libcublasLt.so.13"):
+        (wheel / "cu13" / "lib" / lib).write_text("")
+    nvcc = _toolkit(tmp_path / "cuda", with_cublas=False)
+    flags, libdirs, found = llama_cpp.cublas_hints(nvcc=nvcc, bases=[str(wheel)])
+    assert f"-DCMAKE_CUDA_FLAGS=-I{wheel}/cu13/include" in flags
+    assert f"-DCUDA_cublas_LIBRARY={wheel}/cu13/lib/libcublas.so.13" in flags
+    assert f"-DCUDA_cublasLt_LIBRARY={wheel}/cu13/lib/libcublasLt.so.13" in flags
+    assert f"-DCUDA_cuda_driver_LIBRARY={tmp_path}/cuda/lib64/stubs/libcuda.so" in flags
+    assert libdirs == [f"{wheel}/cu13/lib"] and "pip wheel" in found
+    # must-fail twin: a toolkit that has cuBLAS is not pointed at the wheel
+    nvcc2 = _toolkit(tmp_path / "cuda2", with_cublas=True)
+    flags2, libdirs2, _ = llama_cpp.cublas_hints(nvcc=nvcc2, bases=[str(wheel)])
+    assert libdirs2 == [] and not any("_cublas_LIBRARY" in f or "-I" in f for f in flags2)
+    # and with neither, it says so rather than guessing
+    assert "no cuBLAS" in llama_cpp.cublas_hints(nvcc=nvcc, bases=[str(tmp_path / "empty")])[2]
