@@ -550,40 +550,62 @@ def main(argv=None):
         row["seconds"] = time.monotonic() - t
         return keep(summarize_runs(row, sizes))
 
-    footprint = None
-    if "ram" in regimes:
-        for c in a.llama_configs.split(","):
-            # the mmap row runs in a group without a limit: its peak, less page cache, is llama.cpp's own RAM
-            r = theirs("ram", c, measure_footprint=(c == "cpu_mmap" and why_no_cgroup is None))
-            if r and r.get("footprint_bytes"):
-                footprint = r["footprint_bytes"]
-                env["llama_footprint_bytes"] = footprint
-    if "small_ram" in regimes:
-        m = (ms or {}).get("small_ram")
-        for match in a.small_ram_match.split(","):
-            if not m or "memory" not in m:
-                limit, why = None, "no moestream small_ram row to match"
-            elif why_no_cgroup:
-                limit, why = None, why_no_cgroup
-            elif match == "total":
-                limit, why = m["memory"]["total_bytes"], None
-            elif match == "experts":
-                limit, why = (footprint + m["memory"]["shm_bytes"], None) if footprint else \
-                    (None, "llama.cpp's footprint was not measured (regime ram, cpu_mmap)")
-            else:
-                raise SystemExit(f"--small-ram-match {match!r}: total or experts")
-            label = f"cpu_mmap, memory.max = {match}" + (f" ({limit / GiB:.2f} GiB)" if limit else "")
-            if limit is None:
-                keep({"engine": "llama.cpp", "regime": "small_ram", "config": label, "error": why})
-                continue
-            theirs("small_ram", "cpu_mmap", limit_bytes=int(limit), label=label,
-                   decode_tokens=a.slow_decode_tokens)
-        if gguf is not None:          # the rows after this one read the GGUF through a warm page cache again
+    footprint = {"bytes": None}
+    cache_cold = {"since_drop": False}
+
+    def warm_gguf():
+        """After a memory.max row dropped the page cache, mmap rows must find the GGUF cached again."""
+        if cache_cold["since_drop"] and gguf is not None:
             t = time.monotonic()
             with open(gguf, "rb") as f:
                 while f.read(64 << 20):
                     pass
+            cache_cold["since_drop"] = False
             clock.say(f"page cache refilled with the GGUF in {time.monotonic() - t:.1f} s")
+
+    def ram_row(c):
+        # the mmap row runs in a group without a limit: its peak, less page cache, is llama.cpp's own RAM
+        warm_gguf()
+        r = theirs("ram", c, measure_footprint=(c == "cpu_mmap" and why_no_cgroup is None))
+        if r and r.get("footprint_bytes"):
+            footprint["bytes"] = env["llama_footprint_bytes"] = r["footprint_bytes"]
+
+    def small_ram_row(match):
+        m = (ms or {}).get("small_ram")
+        if not m or "memory" not in m:
+            limit, why = None, "no moestream small_ram row to match"
+        elif why_no_cgroup:
+            limit, why = None, why_no_cgroup
+        elif match == "total":
+            limit, why = m["memory"]["total_bytes"], None
+        elif match == "experts":
+            limit, why = (footprint["bytes"] + m["memory"]["shm_bytes"], None) if footprint["bytes"] else \
+                (None, "llama.cpp's footprint was not measured (regime ram, cpu_mmap)")
+        else:
+            raise SystemExit(f"--small-ram-match {match!r}: total or experts")
+        label = f"cpu_mmap, memory.max = {match}" + (f" ({limit / GiB:.2f} GiB)" if limit else "")
+        if limit is None:
+            keep({"engine": "llama.cpp", "regime": "small_ram", "config": label, "error": why})
+            return
+        cache_cold["since_drop"] = True
+        theirs("small_ram", "cpu_mmap", limit_bytes=int(limit), label=label, decode_tokens=a.slow_decode_tokens)
+
+    # The order keeps the rows that matter most inside the budget: the mmap row first (it measures the
+    # footprint the `experts` match needs), that match (the regime this project exists for), the other RAM
+    # configurations, the other match, then the VRAM rows.
+    ram_cfgs = a.llama_configs.split(",") if "ram" in regimes else []
+    matches = a.small_ram_match.split(",") if "small_ram" in regimes else []
+    ram_cfgs.sort(key=lambda c: c != "cpu_mmap")
+    matches.sort(key=lambda x: x != "experts")
+    if ram_cfgs:
+        ram_row(ram_cfgs[0])
+    if matches:
+        small_ram_row(matches[0])
+    for c in ram_cfgs[1:]:
+        ram_row(c)
+    for x in matches[1:]:
+        small_ram_row(x)
+    warm_gguf()
     if "vram" in regimes and cuda:
         n_cpu = llama_cpp.n_cpu_moe_for(pattern, n_moe - k_gpu) if pattern else n_moe - k_gpu
         env["vram_match"] = {"moe_layers_on_gpu": k_gpu, "tier_bytes": tier_bytes, "n_cpu_moe": n_cpu}

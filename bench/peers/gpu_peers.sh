@@ -4,7 +4,7 @@
 # compare.log, moestream.log).
 # Run from this worktree's root inside the main checkout (`cd .wt/h16-peers`); TOP is the checkout's root, which
 # holds the carried .peers/lcpp, .whl and build/gpuwheels. MOE_LAYERS (default 2), BUDGET (seconds the harness
-# plans for, default 520), KILL (hard stop, default 560) and COMPARE_ARGS (more flags) can be set.
+# plans for, default 515), KILL (hard stop, default 550) and COMPARE_ARGS (more flags) can be set.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,8 +27,8 @@ command -v nvidia-smi >/dev/null && { mount -o remount,size=100G /dev/shm 2>/dev
   ls /usr/local/cuda/include/cublas_v2.h /usr/local/cuda/targets/*/include/cublas_v2.h 2>&1 | head -2
 } > "$OUT/env.txt" 2>&1
 echo "== setup $(( $(date +%s) - t0 )) s"; cat "$OUT/env.txt"
-timeout -k 15 "${KILL:-560}" python3 -m bench.peers.compare --llama-src "$TOP/.peers/lcpp" --work "$W" \
-  --moe-layers "${MOE_LAYERS:-2}" --device cuda --budget-s "${BUDGET:-520}" \
+timeout -k 15 "${KILL:-550}" python3 -m bench.peers.compare --llama-src "$TOP/.peers/lcpp" --work "$W" \
+  --moe-layers "${MOE_LAYERS:-2}" --device cuda --budget-s "${BUDGET:-515}" \
   --out "$OUT/peers.json" --plot "$OUT/peers.png" ${COMPARE_ARGS:-} 2>&1 | tee "$OUT/peers.log"
 echo "== compare rc ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 tail -c 4000000 "$W/compare.log" > "$OUT/compare.log" 2>/dev/null
