@@ -81,3 +81,13 @@ def prompt_of_tokens(text: str, tokenizer, n_tokens: int, seed: int = 0) -> str:
         chars = max(64, int(chars * n_tokens / max(got, 1)))
     ids = tokenizer.encode(prompts(text, 1, chars * 2, seed)[0], add_special_tokens=False).ids[:n_tokens]
     return tokenizer.decode(ids)
+
+
+def split_text(text: str, first: float = 0.6) -> tuple[str, str]:
+    """The text cut at a paragraph boundary into a first and a second part: prompts measured from one, the
+    cache warmed from the other, so that no warm-up has routed a measured passage before."""
+    paras = [p for p in text.split("\n\n") if p.strip()]
+    if len(paras) < 2:
+        raise ValueError("the prompt text needs at least two paragraphs to be split")
+    k = min(max(1, round(len(paras) * first)), len(paras) - 1)
+    return "\n\n".join(paras[:k]), "\n\n".join(paras[k:])
