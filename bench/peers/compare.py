@@ -157,7 +157,10 @@ def summary(rows: list[dict], sizes: list[int]) -> dict:
     from this run, and whether the issue's goal is met."""
     out = {}
     for regime in dict.fromkeys(r["regime"] for r in rows):
-        ours = [r for r in rows if r["engine"] == "moestream" and r["regime"] == regime and "error" not in r]
+        # measured rows only: a row skipped for time (or failed) has no figures (H200 run: a skipped recheck crashed
+        # the summary after every row had been measured)
+        ours = [r for r in rows if r["engine"] == "moestream" and r["regime"] == regime and "error" not in r
+                and r.get("decode_ms_per_token")]
         peers = [r for r in rows if r["engine"] == "llama.cpp" and r["regime"] == regime and "error" not in r
                  and r.get("decode_ms_per_token")]
         if not ours or not peers:

@@ -173,7 +173,9 @@ def test_summary_takes_the_best_peer_and_checks_the_goal():
         {"size": 128, "prefill_tps": 4000.0, "decode_ms_per_token": 3.6},
         {"size": 1000, "prefill_tps": 8000.0, "decode_ms_per_token": 3.6}]}, sizes)
     broken = {"engine": "llama.cpp", "regime": "ram", "config": "x", "error": "crashed"}
-    s = compare.summary([ours, slow, fast, broken], sizes)["ram"]
+    skipped = {"engine": "moestream", "regime": "ram", "config": "recheck", "skipped": "no time left"}
+    s = compare.summary([ours, slow, fast, broken, skipped], sizes)["ram"]
+    assert s["moestream_row"] == "m"                 # the skipped recheck has no figures: not the row compared
     assert s["decode_best_peer"] == "lm none" and s["decode_speedup"] == pytest.approx(3.6 / 2.2)
     assert s["prefill_speedup_128"] == pytest.approx(0.5) and s["prefill_best_peer_128"] == "lm none"
     assert s["prefill_speedup_1000"] == pytest.approx(9000 / 8000)
