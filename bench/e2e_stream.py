@@ -236,7 +236,8 @@ def main(argv=None):
     ap.add_argument("--down-group-neurons", default="",
                     help="comma list of sub-group sizes (16,8,4,2,1): the sub-group table instead of the one store")
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
-                    "--routing-skew 0.3 --neuron-coherence 0.25\" (instrument-like)")
+                    "--routing-skew 0.3 --neuron-coherence 0.45\" (instrument-like at Super's shape: 94.5 %% zeros, "
+                    "38 %% active 16-groups; bench/NOTES.md)")
     a = ap.parse_args(argv)
     sizes = [int(n) for n in a.down_group_neurons.split(",") if n.strip()]
     from kernels.expert_block import DOWN_GROUP_NEURONS

@@ -110,6 +110,13 @@ def policy_at(rows: list[dict], label: str, fraction: float) -> dict:
     raise AssertionError("unreachable")
 
 
+def down_ratios(d: dict) -> dict:
+    """{N: down bytes at N / at 16} from a bench.down_groups json (rows) or a bench.coactivation one (identity)."""
+    if "rows" in d:
+        return {str(r["down_group_neurons"]): r["down_vs_16"] for r in d["rows"]}
+    return next(o for o in d["orders"] if o["order"] == "identity")["down_vs_unordered_16"]
+
+
 def instrument_projection(res: dict, policy_rows: list[dict], policy_label: str, down_vs_16: dict,
                           active_groups: float, sizes=(16, 8, 4), target: Box = RTX5060,
                           moe_layers_target: int = SUPER["moe_layers"]) -> list[dict]:
@@ -162,9 +169,9 @@ def main(argv=None):
     ap.add_argument("--instrument", action="store_true", help="expert bytes from the instrument (docstring)")
     ap.add_argument("--policy-json", default="bench/results/policy_sim-instrument.json")
     ap.add_argument("--policy", default="lru+prefetch", help="a policy_sim row label (the engine's: lru+prefetch)")
-    ap.add_argument("--down-json", default="bench/results/coactivation-tiny-coherent-nvfp4.json",
-                    help="bench.coactivation output of an instrument-like checkpoint: its unordered row gives "
-                         "the down bytes at N against 16")
+    ap.add_argument("--down-json", default="bench/results/down_groups-super1-coh045.json",
+                    help="bench.down_groups (or bench.coactivation: its unordered row) output of an instrument-like "
+                         "checkpoint: the down bytes at N against 16")
     ap.add_argument("--active-groups", type=float, default=0.39,
                     help="share of 16-neuron down groups with an active neuron (the instrument: docs/instrument.md)")
     ap.add_argument("--sizes", default="16,8,4")
@@ -177,8 +184,7 @@ def main(argv=None):
         print_projection(p)
         return
     rows = json.loads(open(a.policy_json).read())["rows"]
-    down = next(o for o in json.loads(open(a.down_json).read())["orders"] if o["order"] == "identity")
-    ps = instrument_projection(res, rows, a.policy, down["down_vs_unordered_16"], a.active_groups,
+    ps = instrument_projection(res, rows, a.policy, down_ratios(json.loads(open(a.down_json).read())), a.active_groups,
                                [int(x) for x in a.sizes.split(",")], moe_layers_target=a.moe_layers_target)
     print(f"inputs: {a.e2e_json} (dense, host, ceiling fractions), {a.policy_json} ({a.policy}), {a.down_json} "
           f"(down at N vs 16), active 16-groups {a.active_groups:.0%}")

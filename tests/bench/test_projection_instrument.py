@@ -49,3 +49,12 @@ def test_bigger_blocks_shrink_the_cache_share_and_read_more():
     assert p4["disk_bytes"] > p16["disk_bytes"] and p4["bus_bytes"] < p16["bus_bytes"]
     assert any(a.startswith("N = 4: block") for a in p4["assumptions"])
     assert not any("as in the run's disk regime" in a for a in p4["assumptions"])
+
+
+def test_down_ratios_read_both_bench_formats():
+    from bench.projection import down_ratios
+    dg = {"rows": [{"down_group_neurons": 16, "down_vs_16": 1.0}, {"down_group_neurons": 4, "down_vs_16": 0.59}]}
+    co = {"orders": [{"order": "random", "down_vs_unordered_16": {"16": 1.19}},
+                     {"order": "identity", "down_vs_unordered_16": {"16": 1.0, "4": 0.51}}]}
+    assert down_ratios(dg) == {"16": 1.0, "4": 0.59}
+    assert down_ratios(co) == {"16": 1.0, "4": 0.51}        # the unordered row, not the first
