@@ -109,7 +109,7 @@ def decode_run(eng, prompts, n_tokens, device):
     """Prefill each prompt, then time n_tokens greedy steps. Returns per-token figures."""
     m = eng.model
     acct = eng.accounting
-    ms, disk_bytes, hits, looked, waits, pcie = [], 0, 0, 0, 0.0, 0
+    ms, disk_bytes, hits, looked, waits, pcie, greedy = [], 0, 0, 0, 0.0, 0, []
     cache0 = eng.cache_stats()
     for p in prompts:
         st = m.new_state()
@@ -124,6 +124,7 @@ def decode_run(eng, prompts, n_tokens, device):
         t = time.perf_counter()
         for _ in range(n_tokens):
             tok = int(eng.step(tok, st)[-1].argmax())
+            greedy.append(tok)
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         s1 = eng.cache_stats()
@@ -137,7 +138,7 @@ def decode_run(eng, prompts, n_tokens, device):
     cache1 = eng.cache_stats()
     cache = {k: cache1[k] - cache0[k] for k in ("evictions", "demand_reads", "prefetch_issued", "prefetch_wasted",
                                                 "stalls_no_slot", "failed_slots", "resends") if k in cache1}
-    return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
+    return dict(greedy=[int(t) for t in greedy], ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
                 ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n)
 
@@ -182,8 +183,14 @@ def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
             g["ratio"], why = ratio_or_note(g["ms_per_token"], floor, f"N={n} {name} regime") if floor else (None, None)
             if why:
                 g["floor_note"] = why
+        base = rows.get("16", {})
+        for name in ("ram", "disk"):       # the split is exact: the same prompts should decode the same tokens
+            if name in r and name in base:
+                a16, an = base[name]["greedy"], r[name]["greedy"]
+                r[name]["greedy_agree_with_16"] = sum(x == y for x, y in zip(a16, an)) / max(len(a16), 1)
         print(json.dumps({"down_group_neurons": n, "block_bytes": st.block_bytes, "disk_gbps": r["disk_gbps"]}),
               flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1, default=float))      # what a timeout leaves is kept
     Path(a.out).write_text(json.dumps(res, indent=1, default=float))
     print_subgroup_table(res)
     return res
@@ -197,8 +204,8 @@ def print_subgroup_table(res: dict) -> None:
     print(f"\nsub-group table ({res['preset']}, {res['moe_layers']} MoE layers, synth args "
           f"{res.get('synth_args') or '(defaults)'}; H2D {f(res['h2d_gbps'], '.1f')} GB/s; ms and bytes per token "
           "of the run's layers; 'down' = the down groups the sparse kernel read, over the bus)")
-    print("N | block B | vs 16 | RAM ms | RAM floor | ratio | down MB | vs 16 | pcie MB | disk ms | hit | disk MB"
-          " | disk GB/s | disk floor | ratio")
+    print("N | block B | vs 16 | RAM ms | RAM floor | ratio | down MB | vs 16 | down read | pcie MB | disk ms | hit"
+          " | disk MB | disk GB/s | disk floor | ratio | greedy = N16 (RAM, disk)")
     for n, r in rows.items():
         ram, disk = r.get("ram", {}), r.get("disk", {})
         down = ram.get("down_bytes_per_token")
@@ -207,10 +214,12 @@ def print_subgroup_table(res: dict) -> None:
             n, f"{r['block_bytes']:,}", f(r["block_bytes"] / base["block_bytes"] if base else None, ".3f"),
             f(ram.get("ms_per_token"), ".3f"), f(ram.get("floor_ms"), ".3f"), f(ram.get("ratio"), ".2f"),
             f(down / 1e6 if down is not None else None, ".2f"), f(down / bdown if down and bdown else None, ".3f"),
+            f(down / r["down_bytes_all_per_token"] if down is not None else None, ".3f"),
             f(ram.get("pcie_bytes_per_token", 0) / 1e6 if ram else None, ".2f"),
             f(disk.get("ms_per_token"), ".3f"), f(disk.get("hit_rate"), ".3f"),
             f(disk.get("disk_bytes_per_token", 0) / 1e6 if disk else None, ".2f"), f(r["disk_gbps"], ".2f"),
-            f(disk.get("floor_ms"), ".3f"), f(disk.get("ratio"), ".2f")]))
+            f(disk.get("floor_ms"), ".3f"), f(disk.get("ratio"), ".2f"),
+            f"{f(ram.get('greedy_agree_with_16'), '.0%')}, {f(disk.get('greedy_agree_with_16'), '.0%')}"]))
     for r in rows.values():
         for g in (r.get("ram", {}), r.get("disk", {})):
             if g.get("floor_note"):
