@@ -21,106 +21,27 @@ use, uses so far) with the reuse probabilities counted on the trace itself — a
 recency/frequency policies: what no such policy can beat by much. `--rotate U:C` replays the trace as U
 conversations served C tokens at a time in turn; `--host-cost F` times each policy's bookkeeping per lookup.
 
+The traces and the counts live in bench/policy_trace.py, Belady and the references in bench/policy_bounds.py.
+
 Assumptions: every prefetch lands before the next layer needs it (an upper bound on what prefetching buys
 and on the reads it wastes); a guessed expert not used by the time it is evicted, or by the end, is wasted.
 """
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench.policy_bounds import (belady, belady_prefetch, fitted_ranking, fitted_table,  # noqa: F401 (re-exported)
+                                 next_use_table)
+from bench.policy_trace import Result, Trace, read_trace, rotate, synthetic_trace, token_of_steps  # noqa: F401
 from prefetcher.policy import POLICIES, make_policy
 
 FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc")
-
-
-@dataclass
-class Trace:
-    """Decode routing: steps[i] = (moe layer, experts chosen, guess for the next MoE layer)."""
-    steps: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
-    n_layers: int
-    n_experts: int
-    tokens: int
-
-    def key(self, layer: int, e: int) -> int:
-        return layer * self.n_experts + e
-
-
-def read_trace(paths, n_experts: int | None = None) -> Trace:
-    """One or more `--record-routing` files, concatenated in order (a conversation's turns, rotating prompts)."""
-    import msgpack
-    steps, tokens, n_layers, top = [], 0, 0, 0
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        last_token = None
-        with open(path, "rb") as f:
-            for rec in msgpack.Unpacker(f):
-                if len(rec) != 5:
-                    raise ValueError(f"{path}: record {rec!r} is not (moe_index, token, experts, guess, hits)")
-                j, tok, ex, guess, _ = rec
-                steps.append((int(j), tuple(int(e) for e in ex), tuple(int(e) for e in guess)))
-                if tok != last_token:
-                    tokens, last_token = tokens + 1, tok
-                n_layers = max(n_layers, int(j) + 1)
-                top = max([top, *ex, *guess])
-    if not steps:
-        raise ValueError(f"{paths}: no routing records")
-    if n_experts is None:
-        n_experts = top + 1
-    elif top >= n_experts:
-        raise ValueError(f"{paths}: expert {top} in the trace, but --n-experts is {n_experts}")
-    return Trace(steps, n_layers, n_experts, tokens)
-
-
-def synthetic_trace(n_layers: int, n_experts: int, top_k: int, tokens: int, skew: float, seed: int,
-                    guess_accuracy: float = 0.7) -> Trace:
-    """Seeded random routing with Zipf-like popularity per layer and a drifting hot set; guesses are the next
-    layer's actual choice with each expert replaced at random with probability 1 - guess_accuracy."""
-    rng = np.random.default_rng(seed)
-    base = rng.random((n_layers, n_experts)) ** (1.0 / max(skew, 1e-3))
-    steps = []
-    choice = [None] * n_layers
-    for t in range(tokens):
-        for j in range(n_layers):
-            w = base[j] * np.exp(0.3 * rng.standard_normal(n_experts))
-            choice[j] = tuple(int(e) for e in rng.choice(n_experts, top_k, replace=False, p=w / w.sum()))
-        for j in range(n_layers):
-            nxt = choice[(j + 1) % n_layers]
-            guess = tuple(e if rng.random() < guess_accuracy else int(rng.integers(n_experts)) for e in nxt)
-            steps.append((j, choice[j], tuple(dict.fromkeys(guess))))
-        base[:, rng.integers(n_experts)] *= 1.5          # popularity drifts
-    return Trace(steps, n_layers, n_experts, tokens)
-
-
-@dataclass
-class Result:
-    policy: str
-    prefetch: bool
-    capacity: int
-    accesses: int = 0
-    hits: int = 0
-    demand_reads: int = 0
-    prefetch_reads: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / max(self.accesses, 1)
-
-    @property
-    def reads_per_token(self) -> float:
-        return (self.demand_reads + self.prefetch_reads) / max(self.tokens, 1)
-
-    def row(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "reads_per_token": self.reads_per_token}
 
 
 def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, **policy_kw) -> Result:
@@ -181,211 +102,6 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
                     r.prefetch_reads += 1
     r.prefetch_wasted += len(unused_prefetch)
     return r
-
-
-def belady(trace: Trace, capacity: int, next_use=None) -> Result:
-    """Belady's MIN: on a miss with a full cache, evict the resident expert used again farthest in the future
-    (or never). Demand only; optimal in misses for every trace and capacity. `next_use` replaces the next-use
-    table (the tests' deliberately wrong optimum)."""
-    keys = [trace.key(j, e) for j, ex, _ in trace.steps for e in ex]
-    n = len(keys)
-    if next_use is None:
-        next_use = next_use_table(keys)
-    r = Result("belady", False, capacity, tokens=trace.tokens)
-    resident: dict[int, int] = {}           # key -> its next use (position)
-    heap: list[tuple[int, int]] = []        # (-next use, key); stale entries skipped
-    for p, k in enumerate(keys):
-        r.accesses += 1
-        if k in resident:
-            r.hits += 1
-        else:
-            r.demand_reads += 1
-            if len(resident) >= capacity:
-                while True:
-                    nu, victim = heapq.heappop(heap)
-                    if resident.get(victim) == -nu:
-                        break
-                del resident[victim]
-        resident[k] = int(next_use[p]) if next_use[p] < n else n + k      # never again: farthest (ties apart)
-        heapq.heappush(heap, (-resident[k], k))
-    return r
-
-
-def next_use_table(keys) -> np.ndarray:
-    """next_use[p] = the next position of keys[p], or len(keys) if it is not used again."""
-    n = len(keys)
-    out = np.full(n, n, dtype=np.int64)
-    last: dict[int, int] = {}
-    for p in range(n - 1, -1, -1):
-        out[p] = last.get(keys[p], n)
-        last[keys[p]] = p
-    return out
-
-
-def token_of_steps(trace: Trace) -> list[int]:
-    """The decode token of each step: a new token starts where the MoE layer index does not grow."""
-    out, tok, prev = [], -1, None
-    for j, _, _ in trace.steps:
-        if prev is None or j <= prev:
-            tok += 1
-        prev = j
-        out.append(tok)
-    return out
-
-
-def belady_prefetch(trace: Trace, capacity: int, nearest: bool = False) -> Result:
-    """Belady's eviction with the same guess prefetch as `simulate(..., prefetch=True)`: a reference for the
-    prefetching policies, not a bound (the reads ahead are fixed by the guess, and a read ahead may push out
-    an expert that MIN would keep). Evicts the unpinned resident used again farthest in the future (`nearest`:
-    the soonest, the tests' deliberately wrong reference)."""
-    import bisect
-    keys = [trace.key(j, e) for j, ex, _ in trace.steps for e in ex]
-    n = len(keys)
-    where: dict[int, list[int]] = {}
-    for p, k in enumerate(keys):
-        where.setdefault(k, []).append(p)
-
-    def next_after(k: int, p: int) -> int:      # first use of k at position >= p, or farther than any
-        ps = where.get(k, ())
-        i = bisect.bisect_left(ps, p)
-        return ps[i] if i < len(ps) else n + k
-    r = Result("belady", True, capacity, tokens=trace.tokens)
-    resident: dict[int, int] = {}
-    heap: list[tuple[int, int]] = []
-    unused: set[int] = set()
-
-    def make_room(pinned, p) -> bool:
-        if len(resident) < capacity:
-            return True
-        skipped, victim = [], None
-        while heap:
-            nu, k = heapq.heappop(heap)
-            if resident.get(k) != sign * nu:
-                continue
-            if k in pinned:
-                skipped.append((nu, k))
-                continue
-            victim = k
-            break
-        for e in skipped:
-            heapq.heappush(heap, e)
-        if victim is None:
-            return False
-        del resident[victim]
-        if victim in unused:
-            unused.discard(victim)
-            r.prefetch_wasted += 1
-        return True
-
-    sign = 1 if nearest else -1
-
-    def place(k: int, p: int) -> None:
-        resident[k] = next_after(k, p)
-        heapq.heappush(heap, (sign * resident[k], k))
-    p = 0
-    for j, ex, guess in trace.steps:
-        step = [trace.key(j, e) for e in ex]
-        pinned = set(step)
-        for k in step:
-            r.accesses += 1
-            if k in resident:
-                r.hits += 1
-                if k in unused:
-                    unused.discard(k)
-                    r.prefetch_used += 1
-            else:
-                r.demand_reads += 1
-                make_room(pinned, p)
-            p += 1
-            place(k, p)
-        nj = (j + 1) % trace.n_layers
-        for e in guess:
-            k = trace.key(nj, e)
-            if k not in resident and make_room(pinned, p):
-                pinned.add(k)
-                place(k, p)
-                unused.add(k)
-                r.prefetch_reads += 1
-    r.prefetch_wasted += len(unused)
-    return r
-
-
-MAX_AGE, MAX_USES = 48, 24
-
-
-def fitted_table(trace: Trace, max_age: int = MAX_AGE, max_uses: int = MAX_USES) -> np.ndarray:
-    """prob[a, c]: how often an expert was used at its layer's turn in a token, given a tokens since its last use
-    and c uses before (both capped), counted over the whole trace."""
-    L, E = trace.n_layers, trace.n_experts
-    tok = token_of_steps(trace)
-    T = tok[-1] + 1
-    used = np.zeros((T, L * E), dtype=bool)
-    for (j, ex, _), t in zip(trace.steps, tok):
-        used[t, [j * E + e for e in ex]] = True
-    num = np.zeros((max_age + 1, max_uses + 1))
-    den = np.zeros_like(num)
-    for k in range(L * E):
-        ts = np.flatnonzero(used[:, k])
-        if len(ts) == 0:
-            continue
-        t = np.arange(ts[0] + 1, T)
-        n_before = np.searchsorted(ts, t, side="left")       # uses before token t
-        age = np.minimum(t - ts[n_before - 1], max_age)
-        c = np.minimum(n_before, max_uses)
-        np.add.at(den, (age, c), 1)
-        np.add.at(num, (age, c), used[t, k])
-    return (num + 0.5) / (den + 8.0)      # a weak prior keeps unseen cells unremarkable
-
-
-def fitted_ranking(trace: Trace, capacity: int, prob: np.ndarray | None = None) -> Result:
-    """An optimistic bound for policies that rank residents by recency and frequency: the victim is the expert
-    least likely to be used at its layer's next turn given (tokens since its last use at that turn, its uses
-    so far, kept across evictions), with that probability table (`fitted_table`) counted on this same trace:
-    in-sample, so no online policy of this family knows it. Ties go to the least recent. Demand only. `prob`
-    replaces the table (the tests' deliberately wrong ranking)."""
-    L, E = trace.n_layers, trace.n_experts
-    prob = fitted_table(trace) if prob is None else prob
-    max_age, max_uses = prob.shape[0] - 1, prob.shape[1] - 1
-    tok = token_of_steps(trace)
-    r = Result("fitted", False, capacity, tokens=trace.tokens)
-    last = np.full(L * E, -1, dtype=np.int64)
-    uses = np.zeros(L * E, dtype=np.int64)
-    resident: set[int] = set()
-    for (j, ex, _), t in zip(trace.steps, tok):
-        step = [j * E + e for e in ex]
-        for k in step:
-            r.accesses += 1
-            if k in resident:
-                r.hits += 1
-            else:
-                r.demand_reads += 1
-                if len(resident) >= capacity:
-                    cand = np.array([q for q in resident if q not in step])
-                    nxt = np.where(cand // E > j, t, t + 1)
-                    score = prob[np.minimum(nxt - last[cand], max_age), np.minimum(uses[cand], max_uses)]
-                    resident.discard(int(cand[np.lexsort((last[cand], score))[0]]))
-                resident.add(k)
-            last[k], uses[k] = t, uses[k] + 1
-    return r
-
-
-def rotate(trace: Trace, users: int, chunk: int) -> Trace:
-    """Several conversations served in turn: the trace's tokens cut into `users` consecutive parts (one a
-    user), then `chunk` tokens of each part in rotation — less locality than one conversation at a time."""
-    tok = token_of_steps(trace)
-    per_token: list[list] = [[] for _ in range(tok[-1] + 1)]
-    for st, t in zip(trace.steps, tok):
-        per_token[t].append(st)
-    T = len(per_token)
-    if users < 1 or chunk < 1 or users > T:
-        raise ValueError(f"rotate: {users} users x {chunk} tokens do not fit a trace of {T} tokens")
-    parts = [per_token[u * T // users:(u + 1) * T // users] for u in range(users)]
-    steps = []
-    for c0 in range(0, max(len(p) for p in parts), chunk):
-        for p in parts:
-            for toks in p[c0:c0 + chunk]:
-                steps.extend(toks)
-    return Trace(steps, trace.n_layers, trace.n_experts, trace.tokens)
 
 
 def host_cost(trace: Trace, capacity: int, policy: str, repeat: int = 1) -> float:
