@@ -10,6 +10,15 @@ One run: write a synthetic checkpoint (or reuse DIR/model), repack it, measure t
                 has the TTFT table at several sizes)
 and print a table: ms/token, hit rate, bytes per token from disk and over PCIe, each floor and the ratio.
 Per-token figures are also scaled to Super's 40 MoE layers (x 40 / MoE layers of the model run).
+
+    python -m bench.e2e_stream --work DIR --down-group-neurons 16,8,4 [--synth-args "--sparsity 0.95 ..."]
+
+The sub-group table (issue 15): the same checkpoint repacked once per down sub-group size
+(`tools.repack --down-group-neurons N`), the RAM and disk regimes run on each store (the prefill is skipped),
+and per N: decode ms/token, down bytes per token (as the sparse-down kernel counts them), block size on disk,
+hit rate, each beside its floor (the disk ceiling is measured again per store: its blocks differ in size).
+`--synth-args` passes knobs to tools.synth (e.g. an instrument-like sparsity); they are recorded next to the
+checkpoint, and a checkpoint written with other knobs is refused rather than reused.
 """
 from __future__ import annotations
 
@@ -100,7 +109,7 @@ def decode_run(eng, prompts, n_tokens, device):
     """Prefill each prompt, then time n_tokens greedy steps. Returns per-token figures."""
     m = eng.model
     acct = eng.accounting
-    ms, disk_bytes, hits, looked, waits, pcie, wasted = [], 0, 0, 0, 0.0, 0, 0
+    ms, disk_bytes, hits, looked, waits, pcie, wasted, greedy = [], 0, 0, 0, 0.0, 0, 0, []
     cache0 = eng.cache_stats()
     for p in prompts:
         st = m.new_state()
@@ -115,6 +124,7 @@ def decode_run(eng, prompts, n_tokens, device):
         t = time.perf_counter()
         for _ in range(n_tokens):
             tok = int(eng.step(tok, st)[-1].argmax())
+            greedy.append(tok)
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         s1 = eng.cache_stats()
@@ -129,12 +139,95 @@ def decode_run(eng, prompts, n_tokens, device):
     cache1 = eng.cache_stats()
     cache = {k: cache1[k] - cache0[k] for k in ("evictions", "demand_reads", "prefetch_issued", "prefetch_wasted",
                                                 "stalls_no_slot", "failed_slots", "resends") if k in cache1}
-    return dict(ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
+    return dict(greedy=[int(t) for t in greedy], ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
                 ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n,
                 # staged ups of guesses the router did not choose: moved, but not bytes the token needed
                 pcie_wasted_bytes_per_token=wasted * eng.experts.up_bytes / n,
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
+
+
+def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
+    """One store per down sub-group size; the RAM and disk regimes on each; the table beside the floors."""
+    from bench.ceilings import pipeline_disk_gbps, ratio_or_note
+    from expert_store.reader import ExpertStore
+    k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
+    h2d = res["h2d_gbps"]
+    d2d = res["d2d_gbps"]
+    rows = res["subgroups"] = {}
+    for n in sizes:
+        sdir = work / "store" if n == 16 else work / f"store-n{n}"
+        r = rows[str(n)] = {"down_group_neurons": n}
+        if not (sdir / "manifest.json").exists():
+            r["s_repack"] = sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(sdir),
+                                "--down-group-neurons", str(n), "--no-progress"])
+        st = ExpertStore.open(sdir)
+        if st.geometry.down_group_neurons != n:
+            raise SystemExit(f"{sdir} holds down groups of {st.geometry.down_group_neurons}, not {n}")
+        n_blocks = len(st.moe_layers) * st.n_experts
+        up_b = st.geometry.sections()[0].nbytes + st.geometry.sections()[1].nbytes
+        uses = k * len(st.moe_layers)
+        r.update(block_bytes=st.block_bytes, up_bytes_per_token=uses * up_b,
+                 down_bytes_all_per_token=uses * st.geometry.n_groups * st.geometry.group_bytes)
+        disk = pipeline_disk_gbps(st, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=3)
+        r["disk_gbps"] = disk["gbps"]
+        all_bytes = n_blocks * st.block_stride
+        counted = str(a.device).startswith("cuda") and a.quant == "nvfp4"    # the kernel counts its down groups
+        for name, cache_bytes, seed in (("ram", int(all_bytes * 1.02) + (8 << 20), 1), ("disk", all_bytes // 3, 2)):
+            if name in skip:
+                continue
+            g = regime(name, cache_bytes, seed, store_path=sdir, into=r)
+            dense_ms = r["dense_bytes_per_token"] / (d2d / 2 * 1e9) * 1e3 if d2d else 0.0
+            g["down_bytes_per_token"] = g["pcie_bytes_per_token"] - uses * up_b if counted else None
+            if name == "ram":
+                floor = max(g["pcie_bytes_per_token"] / (h2d * 1e9) * 1e3, dense_ms) if h2d else None
+            else:
+                floor = g["disk_bytes_per_token"] / (r["disk_gbps"] * 1e9) * 1e3
+            g["floor_ms"] = floor
+            g["ratio"], why = ratio_or_note(g["ms_per_token"], floor, f"N={n} {name} regime") if floor else (None, None)
+            if why:
+                g["floor_note"] = why
+        base = rows.get("16", {})
+        for name in ("ram", "disk"):       # the split is exact: the same prompts should decode the same tokens
+            if name in r and name in base:
+                a16, an = base[name]["greedy"], r[name]["greedy"]
+                r[name]["greedy_agree_with_16"] = sum(x == y for x, y in zip(a16, an)) / max(len(a16), 1)
+        print(json.dumps({"down_group_neurons": n, "block_bytes": st.block_bytes, "disk_gbps": r["disk_gbps"]}),
+              flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1, default=float))      # what a timeout leaves is kept
+    Path(a.out).write_text(json.dumps(res, indent=1, default=float))
+    print_subgroup_table(res)
+    return res
+
+
+def print_subgroup_table(res: dict) -> None:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+    rows = res["subgroups"]
+    base = rows.get("16")
+    print(f"\nsub-group table ({res['preset']}, {res['moe_layers']} MoE layers, synth args "
+          f"{res.get('synth_args') or '(defaults)'}; H2D {f(res['h2d_gbps'], '.1f')} GB/s; ms and bytes per token "
+          "of the run's layers; 'down' = the down groups the sparse kernel read, over the bus)")
+    print("N | block B | vs 16 | RAM ms | RAM floor | ratio | down MB | vs 16 | down read | pcie MB | disk ms | hit"
+          " | disk MB | disk GB/s | disk floor | ratio | greedy = N16 (RAM, disk)")
+    for n, r in rows.items():
+        ram, disk = r.get("ram", {}), r.get("disk", {})
+        down = ram.get("down_bytes_per_token")
+        bdown = base.get("ram", {}).get("down_bytes_per_token") if base else None
+        print(" | ".join([
+            n, f"{r['block_bytes']:,}", f(r["block_bytes"] / base["block_bytes"] if base else None, ".3f"),
+            f(ram.get("ms_per_token"), ".3f"), f(ram.get("floor_ms"), ".3f"), f(ram.get("ratio"), ".2f"),
+            f(down / 1e6 if down is not None else None, ".2f"), f(down / bdown if down and bdown else None, ".3f"),
+            f(down / r["down_bytes_all_per_token"] if down is not None else None, ".3f"),
+            f(ram.get("pcie_bytes_per_token", 0) / 1e6 if ram else None, ".2f"),
+            f(disk.get("ms_per_token"), ".3f"), f(disk.get("hit_rate"), ".3f"),
+            f(disk.get("disk_bytes_per_token", 0) / 1e6 if disk else None, ".2f"), f(r["disk_gbps"], ".2f"),
+            f(disk.get("floor_ms"), ".3f"), f(disk.get("ratio"), ".2f"),
+            f"{f(ram.get('greedy_agree_with_16'), '.0%')}, {f(disk.get('greedy_agree_with_16'), '.0%')}"]))
+    for r in rows.values():
+        for g in (r.get("ram", {}), r.get("disk", {})):
+            if g.get("floor_note"):
+                print(f"  ! {g['floor_note']}")
 
 
 def main(argv=None):
@@ -153,17 +246,32 @@ def main(argv=None):
     ap.add_argument("--eager-too", action="store_true", help="also the RAM regime without CUDA graphs")
     ap.add_argument("--vram-gb", type=float, default=0.0,
                     help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
+    ap.add_argument("--down-group-neurons", default="",
+                    help="comma list of sub-group sizes (16,8,4,2,1): the sub-group table instead of the one store")
+    ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
+                    "--routing-skew 0.3 --neuron-coherence 0.45\" (instrument-like at Super's shape: 94.5 %% zeros, "
+                    "38 %% active 16-groups; bench/NOTES.md)")
     a = ap.parse_args(argv)
+    sizes = [int(n) for n in a.down_group_neurons.split(",") if n.strip()]
+    from kernels.expert_block import DOWN_GROUP_NEURONS
+    if any(n not in DOWN_GROUP_NEURONS for n in sizes):
+        ap.error(f"--down-group-neurons {a.down_group_neurons}: each size must be one of {DOWN_GROUP_NEURONS}")
     from gpu_worker.engine import StreamingEngine
     from expert_store.reader import ExpertStore
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir, store_dir = work / "model", work / "store"
-    res = dict(device=str(a.device), preset=a.preset, quant=a.quant, moe_layers=a.moe_layers)
+    res = dict(device=str(a.device), preset=a.preset, quant=a.quant, moe_layers=a.moe_layers,
+               synth_args=a.synth_args)
+    knobs = work / "synth_args.json"
+    if (model_dir / "config.json").exists() and knobs.exists() and json.loads(knobs.read_text()) != a.synth_args:
+        raise SystemExit(f"{model_dir} was written with synth args {json.loads(knobs.read_text())!r}, not "
+                         f"{a.synth_args!r}: use another --work")
     if not (model_dir / "config.json").exists():
         res["s_synth"] = sh([sys.executable, "-m", "tools.synth", "--preset", a.preset, "--quant", a.quant,
-                             "--moe-layers", str(a.moe_layers), "--out", str(model_dir)])
+                             "--moe-layers", str(a.moe_layers), *a.synth_args.split(), "--out", str(model_dir)])
+        knobs.write_text(json.dumps(a.synth_args))
     if not (store_dir / "manifest.json").exists():
         res["s_repack"] = sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out",
                               str(store_dir), "--no-progress"])
@@ -201,11 +309,11 @@ def main(argv=None):
         return [[t for t in tok.encode(p, add_special_tokens=False).ids if t < vocab][:64]
                 for p in texts.prompts(text, a.prompts, 400, seed)]
 
-    def regime(name, cache_bytes, seed, **kw):
+    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, **kw):
         t = time.time()
-        with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
+        with StreamingEngine(store_path, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
                              dtype=dtype, **kw) as eng:
-            res[f"s_load_{name}"] = time.time() - t
+            into[f"s_load_{name}"] = time.time() - t
             cuda = str(a.device).startswith("cuda")
             if cuda:
                 torch.cuda.synchronize()
@@ -213,7 +321,7 @@ def main(argv=None):
                 mem0 = torch.cuda.memory_allocated()
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
-            res["dense_bytes_per_token"] = dense_bytes
+            into["dense_bytes_per_token"] = dense_bytes
             if name in ("ram", "ram_nostage", "ram_eager", "vram"):   # warm: one pass over every expert (demand reads of all)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
@@ -225,7 +333,7 @@ def main(argv=None):
                 decode_run(eng, prompts(seed + 200), a.tokens, a.device)
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
-            if name == "disk" and "prefill" not in skip:
+            if name == "disk" and "prefill" not in skip and into is res:
                 from bench.prefill import resident
                 from gpu_worker.prefill import prefill
                 ids = [int(t) for t in rng.integers(14, vocab, size=a.prefill_tokens)]
@@ -252,9 +360,11 @@ def main(argv=None):
                 g = eng.graphs
                 r["graphs_captured"] = g.captures if g is not None else 0
             r["cuda_graphs"] = eng.graphs is not None
-            res[name] = r
+            into[name] = r
         return r
 
+    if sizes:
+        return subgroup_table(a, res, sizes, model_dir, work, regime, skip)
     if "ram" not in skip:
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
     if "ram_nostage" not in skip and "ram" not in skip:

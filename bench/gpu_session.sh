@@ -44,6 +44,9 @@ PY
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
     host) timeout 150 python3 -m bench.host_bookkeeping --tag h200 --out-dir "$OUT" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
+    subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
+           --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
+           --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;
   esac
   echo "== $s: rc $? in $(( $(date +%s) - t )) s"
 done

@@ -11,10 +11,17 @@ hit and is touched, a missing one is a demand read), then the guess is applied (
 expert is touched, a missing one is read ahead — the current prefetcher's behaviour). Cache sizes are a
 fraction of all n_moe × E experts; the experts of the record being served are pinned (never the victim).
 
-Policies: the prefetcher's own classes (`prefetcher/policy.py`: lru, lfu, lrfu), each demand-only and with the
-guess prefetch, and Belady's MIN (evict the expert whose next use is farthest; demand only): no demand policy
-misses less, so it bounds every demand policy's hit rate. Prefetching reads beyond the demand misses (its
+Policies: the prefetcher's own classes (`prefetcher/policy.py`: lru, lfu, lrfu, slru, arc), each demand-only and
+with the guess prefetch, and Belady's MIN (evict the expert whose next use is farthest; demand only): no demand
+policy misses less, so it bounds every demand policy's hit rate. Prefetching reads beyond the demand misses (its
 wasted reads are counted), so a prefetching policy may pass the demand bound in hit rate while reading more.
+Two references beside them (`--no-references` skips them): `belady+prefetch`, MIN's eviction with the same reads
+ahead (what eviction could add to the guess; not a bound), and `fitted`, the ranking by (tokens since the last
+use, uses so far) with the reuse probabilities counted on the trace itself — an in-sample, optimistic bound for
+recency/frequency policies: what no such policy can beat by much. `--rotate U:C` replays the trace as U
+conversations served C tokens at a time in turn; `--host-cost F` times each policy's bookkeeping per lookup.
+
+The traces and the counts live in bench/policy_trace.py, Belady and the references in bench/policy_bounds.py.
 
 Assumptions: every prefetch lands before the next layer needs it (an upper bound on what prefetching buys
 and on the reads it wastes); a guessed expert not used by the time it is evicted, or by the end, is wasted.
@@ -22,99 +29,19 @@ and on the reads it wastes); a guessed expert not used by the time it is evicted
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench.policy_bounds import (belady, belady_prefetch, fitted_ranking, fitted_table,  # noqa: F401 (re-exported)
+                                 next_use_table)
+from bench.policy_trace import Result, Trace, read_trace, rotate, synthetic_trace, token_of_steps  # noqa: F401
 from prefetcher.policy import POLICIES, make_policy
 
 FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
-
-
-@dataclass
-class Trace:
-    """Decode routing: steps[i] = (moe layer, experts chosen, guess for the next MoE layer)."""
-    steps: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
-    n_layers: int
-    n_experts: int
-    tokens: int
-
-    def key(self, layer: int, e: int) -> int:
-        return layer * self.n_experts + e
-
-
-def read_trace(paths, n_experts: int | None = None) -> Trace:
-    """One or more `--record-routing` files, concatenated in order (a conversation's turns, rotating prompts)."""
-    import msgpack
-    steps, tokens, n_layers, top = [], 0, 0, 0
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        last_token = None
-        with open(path, "rb") as f:
-            for rec in msgpack.Unpacker(f):
-                if len(rec) != 5:
-                    raise ValueError(f"{path}: record {rec!r} is not (moe_index, token, experts, guess, hits)")
-                j, tok, ex, guess, _ = rec
-                steps.append((int(j), tuple(int(e) for e in ex), tuple(int(e) for e in guess)))
-                if tok != last_token:
-                    tokens, last_token = tokens + 1, tok
-                n_layers = max(n_layers, int(j) + 1)
-                top = max([top, *ex, *guess])
-    if not steps:
-        raise ValueError(f"{paths}: no routing records")
-    if n_experts is None:
-        n_experts = top + 1
-    elif top >= n_experts:
-        raise ValueError(f"{paths}: expert {top} in the trace, but --n-experts is {n_experts}")
-    return Trace(steps, n_layers, n_experts, tokens)
-
-
-def synthetic_trace(n_layers: int, n_experts: int, top_k: int, tokens: int, skew: float, seed: int,
-                    guess_accuracy: float = 0.7) -> Trace:
-    """Seeded random routing with Zipf-like popularity per layer and a drifting hot set; guesses are the next
-    layer's actual choice with each expert replaced at random with probability 1 - guess_accuracy."""
-    rng = np.random.default_rng(seed)
-    base = rng.random((n_layers, n_experts)) ** (1.0 / max(skew, 1e-3))
-    steps = []
-    choice = [None] * n_layers
-    for t in range(tokens):
-        for j in range(n_layers):
-            w = base[j] * np.exp(0.3 * rng.standard_normal(n_experts))
-            choice[j] = tuple(int(e) for e in rng.choice(n_experts, top_k, replace=False, p=w / w.sum()))
-        for j in range(n_layers):
-            nxt = choice[(j + 1) % n_layers]
-            guess = tuple(e if rng.random() < guess_accuracy else int(rng.integers(n_experts)) for e in nxt)
-            steps.append((j, choice[j], tuple(dict.fromkeys(guess))))
-        base[:, rng.integers(n_experts)] *= 1.5          # popularity drifts
-    return Trace(steps, n_layers, n_experts, tokens)
-
-
-@dataclass
-class Result:
-    policy: str
-    prefetch: bool
-    capacity: int
-    accesses: int = 0
-    hits: int = 0
-    demand_reads: int = 0
-    prefetch_reads: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / max(self.accesses, 1)
-
-    @property
-    def reads_per_token(self) -> float:
-        return (self.demand_reads + self.prefetch_reads) / max(self.tokens, 1)
-
-    def row(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "reads_per_token": self.reads_per_token}
+DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc")
 
 
 def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, **policy_kw) -> Result:
@@ -177,55 +104,32 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
     return r
 
 
-def belady(trace: Trace, capacity: int, next_use=None) -> Result:
-    """Belady's MIN: on a miss with a full cache, evict the resident expert used again farthest in the future
-    (or never). Demand only; optimal in misses for every trace and capacity. `next_use` replaces the next-use
-    table (the tests' deliberately wrong optimum)."""
-    keys = [trace.key(j, e) for j, ex, _ in trace.steps for e in ex]
-    n = len(keys)
-    if next_use is None:
-        next_use = next_use_table(keys)
-    r = Result("belady", False, capacity, tokens=trace.tokens)
-    resident: dict[int, int] = {}           # key -> its next use (position)
-    heap: list[tuple[int, int]] = []        # (-next use, key); stale entries skipped
-    for p, k in enumerate(keys):
-        r.accesses += 1
-        if k in resident:
-            r.hits += 1
-        else:
-            r.demand_reads += 1
-            if len(resident) >= capacity:
-                while True:
-                    nu, victim = heapq.heappop(heap)
-                    if resident.get(victim) == -nu:
-                        break
-                del resident[victim]
-        resident[k] = int(next_use[p]) if next_use[p] < n else n + k      # never again: farthest (ties apart)
-        heapq.heappush(heap, (-resident[k], k))
-    return r
-
-
-def next_use_table(keys) -> np.ndarray:
-    """next_use[p] = the next position of keys[p], or len(keys) if it is not used again."""
-    n = len(keys)
-    out = np.full(n, n, dtype=np.int64)
-    last: dict[int, int] = {}
-    for p in range(n - 1, -1, -1):
-        out[p] = last.get(keys[p], n)
-        last[keys[p]] = p
-    return out
+def host_cost(trace: Trace, capacity: int, policy: str, repeat: int = 1) -> float:
+    """Microseconds of policy bookkeeping per expert lookup (touch / insert / victim / remove) when the trace
+    is replayed with the guess prefetch: the prefetcher's work on the decode path, less its ring traffic."""
+    import time
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r = simulate(trace, capacity, policy, prefetch=True)
+        best = min(best, time.perf_counter() - t0)
+    return best / max(r.accesses, 1) * 1e6
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
-def sweep(trace: Trace, fractions=FRACTIONS, variants=None) -> list[dict]:
-    variants = variants or [("lru", False, {}), ("lru", True, {}), ("lfu", False, {}), ("lfu", True, {}),
-                            ("lrfu", False, {}), ("lrfu", True, {})]      # (policy, prefetch, kwargs[, label])
+def sweep(trace: Trace, fractions=FRACTIONS, variants=None, references: bool = False) -> list[dict]:
+    """Every variant (policy, prefetch, kwargs[, label]) at every cache fraction, beside Belady; with
+    `references` also Belady with the guess prefetch and the fitted recency/frequency ranking."""
+    variants = variants or [(name, pf, {}) for name in DEFAULT_POLICIES for pf in (False, True)]
     n_all = trace.n_layers * trace.n_experts
     top_k = max(len(ex) for _, ex, _ in trace.steps)
     rows = []
     for f in fractions:
         cap = max(top_k, round(f * n_all))
         rows.append({**belady(trace, cap).row(), "fraction": f})
+        if references:
+            rows.append({**belady_prefetch(trace, cap).row(), "fraction": f})
+            rows.append({**fitted_ranking(trace, cap).row(), "fraction": f})
         for name, pf, kw, *tag in variants:
             res = simulate(trace, cap, name, pf, **kw)
             res.policy = name + (tag[0] if tag else "")
@@ -246,21 +150,28 @@ def table(rows) -> str:
     for lb in labels:
         out.append(f"{lb:<28}" + "".join(f"{by[lb, f]['hit_rate'] * 100:>7.1f} ({by[lb, f]['reads_per_token']:>5.1f})"
                                          for f in fr))
-    gap = ["gap closed from LRU to Belady (demand policies; prefetching ones against the same two ends)"]
+    gap = ["gap closed from LRU to Belady (demand policies: lru -> belady; prefetching ones: lru+prefetch -> "
+           "belady+prefetch where that reference ran, else the demand ends)"]
+    points = ["hit-rate points over LRU in the same mode (demand / with the guess prefetch)"]
     for lb in labels:
-        if lb in ("lru", "belady"):
+        if lb in ("lru", "belady", "lru+prefetch", "belady+prefetch"):
             continue
-        cells = []
+        same = "lru+prefetch" if "+prefetch" in lb else "lru"
+        ends = ("lru+prefetch", "belady+prefetch") if same == "lru+prefetch" and ("belady+prefetch", fr[0]) in by \
+            else ("lru", "belady")
+        cells, pts = [], []
         for f in fr:
-            lo, hi = by["lru", f]["hit_rate"], by["belady", f]["hit_rate"]
+            lo, hi = by[ends[0], f]["hit_rate"], by[ends[1], f]["hit_rate"]
             cells.append(f"{(by[lb, f]['hit_rate'] - lo) / (hi - lo) * 100:>14.0f}%" if hi > lo else f"{'-':>15}")
+            pts.append(f"{(by[lb, f]['hit_rate'] - by[same, f]['hit_rate']) * 100:>+15.1f}")
         gap.append(f"{lb:<28}" + "".join(cells))
+        points.append(f"{lb:<28}" + "".join(pts))
     wasted = ["prefetch reads wasted (% of prefetch reads)"]
     for lb in labels:
         if "+prefetch" in lb:
             wasted.append(f"{lb:<28}" + "".join(
                 f"{by[lb, f]['prefetch_wasted'] / max(by[lb, f]['prefetch_reads'], 1) * 100:>14.0f}%" for f in fr))
-    return "\n".join(out + [""] + gap + [""] + wasted)
+    return "\n".join(out + [""] + points + [""] + gap + [""] + wasted)
 
 
 def plot(rows, path: Path, title: str) -> None:
@@ -271,8 +182,11 @@ def plot(rows, path: Path, title: str) -> None:
     for lb in dict.fromkeys(label(r) for r in rows):
         pts = sorted((r["fraction"] * 100, r["hit_rate"] * 100) for r in rows if label(r) == lb)
         style = dict(color="black", linewidth=2.5) if lb == "belady" else \
+            dict(color="black", linewidth=1.5, linestyle="--") if lb == "belady+prefetch" else \
+            dict(color="black", linewidth=1.5, linestyle=":") if lb == "fitted" else \
             dict(linestyle="--" if "+prefetch" in lb else "-")
         ax.plot(*zip(*pts), marker="o", markersize=3, label=lb, **style)
+    ax.axvspan(24, 34, color="orange", alpha=0.08, label="the original's 24-34 %")
     ax.set_xlabel("cache size, % of all routed experts")
     ax.set_ylabel("hit rate, %")
     ax.set_title(title)
@@ -317,6 +231,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rotate", default="", metavar="USERS:CHUNK",
+                    help="replay the trace as USERS conversations served CHUNK tokens at a time in turn")
+    ap.add_argument("--no-references", action="store_true",
+                    help="skip belady+prefetch and the fitted ranking (the slow rows)")
+    ap.add_argument("--host-cost", type=float, default=0.0, metavar="FRACTION",
+                    help="also time each policy's bookkeeping per lookup at this cache fraction")
     a = ap.parse_args(argv)
     if a.synth_trace:
         if not (a.model and a.store):
@@ -326,19 +246,31 @@ def main(argv=None) -> int:
     if not a.traces:
         ap.error("give one or more trace files")
     trace = read_trace(a.traces, a.n_experts)
+    rot = ""
+    if a.rotate:
+        users, chunk = (int(x) for x in a.rotate.split(":"))
+        trace, rot = rotate(trace, users, chunk), f", rotated: {users} conversations, {chunk} tokens a turn"
     variants = None
     if a.half_lives:
         per_token = len(trace.steps) / max(trace.tokens, 1) * max(len(ex) for _, ex, _ in trace.steps)
-        variants = [("lru", False, {}), ("lru", True, {}), ("lfu", False, {}), ("lfu", True, {})] + [
+        variants = [(name, pf, {}) for name in DEFAULT_POLICIES if name != "lrfu" for pf in (False, True)] + [
             (name, pf, {"half_life": float(h) * per_token}, f"({h} tok)") for h in a.half_lives.split(",")
             for name, pf in (("lrfu", False), ("lrfu", True))]
-    rows = sweep(trace, [float(f) for f in a.fractions.split(",")], variants)
+    rows = sweep(trace, [float(f) for f in a.fractions.split(",")], variants, references=not a.no_references)
+    top_k = max(len(ex) for _, ex, _ in trace.steps)
     head = (f"{', '.join(map(str, a.traces))}: {trace.tokens} tokens, {trace.n_layers} MoE layers x "
-            f"{trace.n_experts} experts, top-{max(len(ex) for _, ex, _ in trace.steps)}")
+            f"{trace.n_experts} experts, top-{top_k}{rot}")
     print(head)
     print(table(rows))
+    costs = {}
+    if a.host_cost:
+        cap = max(top_k, round(a.host_cost * trace.n_layers * trace.n_experts))
+        costs = {name: host_cost(trace, cap, name, repeat=3) for name in DEFAULT_POLICIES}
+        print(f"\nhost cost, us per expert lookup (policy bookkeeping, with prefetch, cache {a.host_cost:.0%}, "
+              "best of 3): " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
     if a.json:
-        a.json.write_text(json.dumps({"trace": head, "rows": rows}, indent=1) + "\n")
+        a.json.write_text(json.dumps({"trace": head, "rows": rows, "host_cost_us_per_lookup": costs},
+                                     indent=1) + "\n")
     if a.plot:
         plot(rows, a.plot, a.title or head)
     return 0

@@ -152,7 +152,153 @@ class DecayedFrequencyPolicy:
         return victim
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUAwareLRUPolicy, DecayedFrequencyPolicy)}
+class SegmentedLRUPolicy:
+    """Segmented LRU with a ghost list, 2Q-like: a slot enters on probation, a touch while resident moves it to
+    the protected segment (at most `protected` of the cache's slots, taken as the most ever resident; its oldest
+    fall back to probation), victims come from probation first. An expert evicted within the last `ghost` × resident evictions re-enters protected
+    (it was used again soon after it left: 2Q's A1out). Scan resistance for one-off reads, e.g. a wrong guess
+    that is read ahead and never used sits on probation, not at the head of an LRU."""
+    name = "slru"
+
+    def __init__(self, n_layers: int, n_experts: int, protected: float = 0.5, ghost: float = 1.0):
+        if not 0.0 < protected < 1.0:
+            raise ValueError(f"slru: protected share {protected} is not in (0, 1)")
+        self.protected_share, self.ghost_share = float(protected), float(ghost)
+        self._prob: OrderedDict[int, int] = OrderedDict()     # slot -> key, oldest first
+        self._prot: OrderedDict[int, int] = OrderedDict()
+        self._ghost: OrderedDict[int, None] = OrderedDict()   # recently evicted expert keys, oldest first
+        self.c = 1
+
+    def __len__(self):
+        return len(self._prob) + len(self._prot)
+
+    def __contains__(self, slot):
+        return slot in self._prob or slot in self._prot
+
+    def _rebalance(self) -> None:
+        limit = max(1, int(self.protected_share * self.c))
+        while len(self._prot) > limit:
+            s, k = self._prot.popitem(last=False)
+            self._prob[s] = k
+
+    def insert(self, slot: int, key: int) -> None:
+        self._prob.pop(slot, None)
+        self._prot.pop(slot, None)
+        if key in self._ghost:
+            del self._ghost[key]
+            self._prot[slot] = key
+            self._rebalance()
+        else:
+            self._prob[slot] = key
+        self.c = max(self.c, len(self))
+
+    def touch(self, slot: int, key: int) -> None:
+        if slot in self._prob:
+            del self._prob[slot]
+            self._prot[slot] = key
+            self._rebalance()
+        elif slot in self._prot:
+            self._prot.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        key = self._prob.pop(slot, None)
+        if key is None:
+            key = self._prot.pop(slot, None)
+        if key is not None and self.ghost_share > 0:
+            self._ghost[key] = None
+            self._ghost.move_to_end(key)
+            while len(self._ghost) > self.ghost_share * self.c:
+                self._ghost.popitem(last=False)
+
+    def demote(self, slot: int) -> None:
+        """To the eviction end: a block a prefill loaded and is done with."""
+        key = self._prot.pop(slot, None)
+        if key is not None:
+            self._prob[slot] = key
+        if slot in self._prob:
+            self._prob.move_to_end(slot, last=False)
+
+    def choose_victim(self, evictable) -> int | None:
+        for seg in (self._prob, self._prot):
+            for slot in seg:
+                if evictable(slot):
+                    return slot
+        return None
+
+
+class ARCPolicy:
+    """Adaptive Replacement Cache (Megiddo & Modha 2003) over slots: T1 holds experts used once since they
+    entered, T2 those used again; ghost lists B1 / B2 remember keys evicted from each, and a miss that finds its
+    key in B1 (B2) grows (shrinks) T1's target share p. The cache's size c is not given to a policy: it is taken
+    as the most slots ever resident (the shared cache fills and stays full)."""
+    name = "arc"
+
+    def __init__(self, n_layers: int, n_experts: int):
+        self._t1: OrderedDict[int, int] = OrderedDict()       # slot -> key, oldest first
+        self._t2: OrderedDict[int, int] = OrderedDict()
+        self._b1: OrderedDict[int, None] = OrderedDict()      # ghost keys, oldest first
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self.p, self.c = 0.0, 1
+
+    def __len__(self):
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, slot):
+        return slot in self._t1 or slot in self._t2
+
+    def insert(self, slot: int, key: int) -> None:
+        self._t1.pop(slot, None)
+        self._t2.pop(slot, None)
+        if key in self._b1:
+            self.p = min(float(self.c), self.p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+            self._t2[slot] = key
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+            self._t2[slot] = key
+        else:
+            self._t1[slot] = key
+        self.c = max(self.c, len(self))
+
+    def touch(self, slot: int, key: int) -> None:
+        if slot in self._t1:
+            del self._t1[slot]
+            self._t2[slot] = key
+        elif slot in self._t2:
+            self._t2.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        if slot in self._t1:
+            self._b1[self._t1.pop(slot)] = None
+        elif slot in self._t2:
+            self._b2[self._t2.pop(slot)] = None
+        else:
+            return
+        while len(self._t1) + len(self._b1) > self.c and self._b1:
+            self._b1.popitem(last=False)
+        while len(self) + len(self._b1) + len(self._b2) > 2 * self.c and self._b2:
+            self._b2.popitem(last=False)
+
+    def demote(self, slot: int) -> None:
+        """To the eviction end: a block a prefill loaded and is done with."""
+        key = self._t2.pop(slot, None)
+        if key is not None:
+            self._t1[slot] = key
+        if slot in self._t1:
+            self._t1.move_to_end(slot, last=False)
+
+    def choose_victim(self, evictable) -> int | None:
+        first = (self._t1, self._t2) if self._t1 and len(self._t1) > self.p else (self._t2, self._t1)
+        for seg in first:
+            for slot in seg:
+                if evictable(slot):
+                    return slot
+        return None
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUAwareLRUPolicy, DecayedFrequencyPolicy, SegmentedLRUPolicy,
+                                ARCPolicy)}
 
 
 def make_policy(name: str, n_layers: int, n_experts: int):
