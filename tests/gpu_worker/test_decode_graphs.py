@@ -96,8 +96,8 @@ def test_twin_kv_not_copied_in_is_caught(model, plain, monkeypatch):
         for i in g.kv_layers:
             c = state.layers[i]
             if i not in g.kv:
-                g.kv[i] = (torch.zeros(64, *c.k.shape[1:], dtype=c.k.dtype), torch.zeros(64, *c.v.shape[1:],
-                                                                                        dtype=c.v.dtype))
+                g.kv[i] = (torch.zeros(64, *c.k.shape[1:], dtype=c.k.dtype, device=c.k.device),
+                           torch.zeros(64, *c.v.shape[1:], dtype=c.v.dtype, device=c.v.device))
             c.k, c.v = g.kv[i]
         rows = [(state.layers[i].length, state.layers[i].length + 1) for i in g.kv_layers]
         g.kv_pos.copy_(torch.tensor(rows))
