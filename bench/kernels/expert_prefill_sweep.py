@@ -250,29 +250,48 @@ def main(argv=None):
 
 
 def parts(geom, vram, ug, dg, cases, E, n_sets, d2d, gemm) -> list[dict]:
-    """The dequantized path in two pieces: the decode of E experts alone (against the copy ceiling, counting the
-    fp4 read and the 16-bit write) and the two GEMMs over weights already decoded (against the GEMM)."""
+    """The dequantized path in pieces: the decode of E experts alone (against the copy ceiling, counting the fp4
+    read and the 16-bit write), the two GEMMs over weights already decoded, and each GEMM alone (against the GEMM)."""
+    import triton
+    from kernels import expert_prefill as ep
     stride, L, I = geom.block_stride, geom.L, geom.I
     up_w = torch.empty((E, I, L), dtype=torch.bfloat16, device=DEV)
     down_w = torch.empty((E, L, I), dtype=torch.float16, device=DEV)
     sets = [torch.tensor([vram.data_ptr() + (s * E + e) * stride for e in range(E)], dtype=torch.int64, device=DEV)
             for s in range(n_sets)]
     out = []
-    sec = median_seconds(lambda i: V.dequantize(sets[i % n_sets], geom, up_w, down_w), 8)
+    sec = median_seconds(lambda i: ep.dequantize(sets[i % n_sets], geom, up_w, down_w), 8)
     moved = E * (geom.block_bytes + 4 * L * I)
     out.append(dict(part="dequantize", experts=E, us=sec * 1e6, gbps=moved / sec / 1e9, of_d2d=moved / sec / 1e9 / d2d))
-    V.dequantize(sets[0], geom, up_w, down_w)
-    for cname, cfg in (("128x128x64 s4", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
-                       ("128x256x64 s3", dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))):
-        for T, (xs, ws, tok, acc, segs, _) in cases.items():
+    print(json.dumps(out[-1], default=float), flush=True)
+    ep.dequantize(sets[0], geom, up_w, down_w)
+    cfg = dict(ep.DEQUANT_CONFIG)
+    kcfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    live = list(range(E))
+    for T, (xs, ws, tok, acc, segs, _) in cases.items():
+        flat = ep.chunk_table(segs, live, [0] * E, cfg["BLOCK_M"], 0)
+        tab = torch.tensor(flat, dtype=torch.int64, device=DEV)
+        n_tiles = (len(flat) - 2 * E) // 3
+        h = torch.empty(T * E * I, dtype=torch.float16, device=DEV)
+        fl = 2 * T * E * L * I
+
+        def both(i):
+            ep.dense_gemms(xs, n_tiles, E, geom, up_w, down_w, tab, 0, T * E, ug, dg, ws, tok, acc, cfg, h)
+
+        def up(i):
+            ep._dense_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n_tiles)](
+                xs, tab, ug, up_w, h, n_tiles, E, I, L, xs.stride(0), EVEN_K=True, UPCAST=False, **kcfg)
+
+        def down(i):
+            ep._dense_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_tiles)](
+                h, tab, dg, ws, tok, down_w, acc, n_tiles, E, L, I, EVEN_K=True, UPCAST=False, **kcfg)
+        for name, fn, flops in (("gemms", both, 2 * fl), ("up gemm", up, fl), ("down gemm", down, fl)):
             try:
-                sec = median_seconds(lambda i: V.dense_grouped(xs, segs, geom, up_w, down_w, ug, dg, ws, tok, acc, cfg),
-                                     6)
-                tf = 2 * 2 * T * E * L * I / sec / 1e12
-                out.append(dict(part=f"gemms only {cname}", tokens_per_expert=T, us=sec * 1e6, tflops=tf,
-                                of_gemm=tf / gemm))
+                sec = median_seconds(fn, 6)
+                out.append(dict(part=name, tokens_per_expert=T, us=sec * 1e6, tflops=flops / sec / 1e12,
+                                of_gemm=flops / sec / 1e12 / gemm))
             except Exception as e:
-                out.append(dict(part=f"gemms only {cname}", tokens_per_expert=T, error=f"{type(e).__name__}: {e}"[:300]))
+                out.append(dict(part=name, tokens_per_expert=T, error=f"{type(e).__name__}: {e}"[:300]))
             print(json.dumps(out[-1], default=float), flush=True)
     return out
 
