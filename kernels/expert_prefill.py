@@ -261,7 +261,7 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
     if grouped_path(x_sorted, segments, geom, path) == "dequant":
-        cfg = {**DEQUANT_CONFIG, **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK",)}}
+        cfg = {**DEQUANT_CONFIG, **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA")}}
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h)
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
@@ -418,6 +418,64 @@ def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr
     tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
 
 
+@triton.jit
+def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I, L, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dense_up_kernel` with both operands through the copy engine (TMA descriptors): x [rows, L], W [C·I, L].
+    A tile's rows past its expert's (the next expert's rows, or zeros past the end) and its weight rows past I
+    (the next slot's) only reach outputs the store masks off."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t).to(tl.int32)
+    m0 = tl.load(table_ptr + 3 * t + 1).to(tl.int32)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        a = x_desc.load([m0, k0])
+        b = w_desc.load([c * I + pid_n * BLOCK_N, k0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    b_h = tl.maximum(b_acc * gs, 0.0)
+    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)
+    tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=(o_m < m1)[:, None] & (o_n < I)[None, :])
+
+
+@triton.jit
+def _tma_down_kernel(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_desc, acc_ptr, n_tiles, n_slots, L, I,
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dense_down_kernel` with both operands through TMA descriptors: h [rows, I], D [C·L, I]."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t).to(tl.int32)
+    m0 = tl.load(table_ptr + 3 * t + 1).to(tl.int32)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = h_desc.load([m0, k0])
+        b = wd_desc.load([c * L + pid_n * BLOCK_N, k0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < m1
+    b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & (o_n < L)[None, :])
+
+
+def _tma_able(*tensors) -> bool:
+    """Copy-engine descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
 def chunk_table(segments, live: list[int], addrs, block_m: int, lo: int) -> list[int]:
     """One chunk's table: (scratch slot, first row - lo, end row - lo) per BLOCK_M tile of its live experts, then
     their block addresses (by slot), then their indexes into the launch (by slot, for the global scales)."""
@@ -434,12 +492,24 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
     if h is None or h.numel() < (hi - lo) * I:
         h = torch.empty((hi - lo) * I, dtype=torch.float16, device=x_sorted.device)
     kcfg = {k: cfg[k] for k in _DEQUANT_KEYS}
-    _dense_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n_tiles)](
-        x_sorted[lo:hi], tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
-        EVEN_K=L % cfg["BLOCK_K"] == 0, UPCAST=_UPCAST, **kcfg)
-    _dense_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_tiles)](
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x = x_sorted[lo:hi]
+    h2 = h[:(hi - lo) * I].view(hi - lo, I)
+    if cfg.get("TMA") and _tma_able(x, h2):
+        from triton.tools.tensor_descriptor import TensorDescriptor as TD
+        _tma_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+            TD.from_tensor(x, [bm, bk]), tab, up_global, TD.from_tensor(up_w.view(-1, L), [bn, bk]), h, n_tiles,
+            n_slots, I, L, UPCAST=_UPCAST, **kcfg)
+        _tma_down_kernel[(triton.cdiv(L, bn), n_tiles)](
+            TD.from_tensor(h2, [bm, bk]), tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
+            TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST, **kcfg)
+        return h
+    _dense_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+        x, tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
+        EVEN_K=L % bk == 0, UPCAST=_UPCAST, **kcfg)
+    _dense_down_kernel[(triton.cdiv(L, bn), n_tiles)](
         h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], down_w, acc, n_tiles, n_slots, L, I,
-        EVEN_K=I % cfg["BLOCK_K"] == 0, UPCAST=_UPCAST, **kcfg)
+        EVEN_K=I % bk == 0, UPCAST=_UPCAST, **kcfg)
     return h
 
 

@@ -39,33 +39,33 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 TOL = 1e-3
 
 # (name, variant, config); names are variant/what differs
+P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
     ("fused/base", "fused", dict(GROUPED_CONFIG)),
-    ("dequant/c32", "dequant", dict(CHUNK=32, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
-    ("dequant/c32n256", "dequant", dict(CHUNK=32, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)),
-    ("dequant/c16", "dequant", dict(CHUNK=16, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
-    ("dequant/c8", "dequant", dict(CHUNK=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
-    ("quad/base", "quad", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
+    ("dequant/tma", "dequant", dict(P128, TMA=True)),
+    ("dequant/tma-n256", "dequant", dict(P128, BLOCK_N=256, num_stages=3, TMA=True)),
+    ("dequant/tma-m256", "dequant", dict(P128, BLOCK_M=256, num_stages=3, TMA=True)),
+    ("dequant/tma-w4", "dequant", dict(P128, num_warps=4, TMA=True)),
+    ("dequant/tma-s3", "dequant", dict(P128, num_stages=3, TMA=True)),
+    ("dequant/tma-k128", "dequant", dict(P128, BLOCK_K=128, num_stages=3, TMA=True)),
+    ("dequant/c16", "dequant", dict(P128, CHUNK=16)),
+    ("dequant/c8", "dequant", dict(P128, CHUNK=8)),
+    ("dequant/tma-c8", "dequant", dict(P128, CHUNK=8, TMA=True)),
+    ("dequant/m256", "dequant", dict(P128, BLOCK_M=256, num_stages=3)),
     ("quad/bk128", "quad", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)),
-    ("grouped_mm", "grouped_mm", {}),
-    ("dequant/c4", "dequant", dict(CHUNK=4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)),
-    ("dequant/c32w4", "dequant", dict(CHUNK=32, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
-    ("dequant/c32m256", "dequant", dict(CHUNK=32, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-    ("dequant/c32m64", "dequant", dict(CHUNK=32, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)),
-    ("quad/bm256", "quad", dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-    ("fused/s4", "fused", dict(GROUPED_CONFIG, num_stages=4)),
     ("fused/bk128", "fused", dict(GROUPED_CONFIG, BLOCK_K=128, num_stages=2)),
-    ("fused/bm256", "fused", dict(GROUPED_CONFIG, BLOCK_M=256)),
+    ("grouped_mm", "grouped_mm", {}),
 ]
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 
 
 def _small(cfg):
     """The interpreter's tiles: the candidate's structure (chunking) at sizes it can run in seconds."""
-    out = {k: v for k, v in cfg.items() if k == "CHUNK"}
+    out = {k: v for k, v in cfg.items() if k in ("CHUNK", "TMA")}
     if "CHUNK" in out:
         out["CHUNK"] = 2
-    return {**out, **SMALL} if cfg else {}
+    return {**out, **SMALL}
 
 
 # ------------------------------------------------------------------ data
@@ -285,7 +285,11 @@ def parts(geom, vram, ug, dg, cases, E, n_sets, d2d, gemm) -> list[dict]:
         def down(i):
             ep._dense_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_tiles)](
                 h, tab, dg, ws, tok, down_w, acc, n_tiles, E, L, I, EVEN_K=True, UPCAST=False, **kcfg)
-        for name, fn, flops in (("gemms", both, 2 * fl), ("up gemm", up, fl), ("down gemm", down, fl)):
+        def both_tma(i):
+            ep.dense_gemms(xs, n_tiles, E, geom, up_w, down_w, tab, 0, T * E, ug, dg, ws, tok, acc,
+                           dict(cfg, TMA=True), h)
+        for name, fn, flops in (("gemms", both, 2 * fl), ("up gemm", up, fl), ("down gemm", down, fl),
+                                ("gemms tma", both_tma, 2 * fl)):
             try:
                 sec = median_seconds(fn, 6)
                 out.append(dict(part=name, tokens_per_expert=T, us=sec * 1e6, tflops=flops / sec / 1e12,

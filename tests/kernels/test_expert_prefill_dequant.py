@@ -43,14 +43,14 @@ def test_must_fail_dequantize_addresses_off_by_one(device):
     assert not torch.equal(up, ref_up) and not torch.equal(down, ref_down)
 
 
-@pytest.mark.parametrize("T,k,chunk", [(41, 3, 2), (47, 2, None)])
-def test_dequant_path_matches_twin(T, k, chunk, device):
+@pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 2, True)])
+def test_dequant_path_matches_twin(T, k, chunk, tma, device):
     E = 6
     geom, blocks, ug, dg, _, _ = _layer(E, device)
     _, _, tok, w, segments = _routed(T, k, E, device)
     assert any(n == 0 for _, n in segments) and any(n > CFG["BLOCK_M"] for _, n in segments)
     xs = torch.randn(T, L, device=device).bfloat16()[tok]
-    cfg = dict(CFG, CHUNK=chunk) if chunk else CFG
+    cfg = dict(CFG, CHUNK=chunk, TMA=tma) if chunk else dict(CFG, TMA=tma)
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
                                     torch.zeros(T, L, device=device), config=cfg, path="dequant")
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
