@@ -1,13 +1,17 @@
 """Routed experts at prefill: every expert of a MoE layer on the tokens routed to it, as tensor-core GEMMs.
 
-`expert_prefill_grouped` is the engine's: one up launch and one down launch for a whole group of experts (all of a
-layer's hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens
-each expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a
-program takes one (tile, BLOCK_N columns) pair, reads its expert's block by address (the pinned slab zero-copy,
-VRAM, or a device ring the copy engine staged it into), decodes NVFP4 in the kernel, and the down launch adds
-w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over experts varies from run to run).
-No host sync per expert. The intermediate ReLU² rows are stored as fp16 already multiplied by 2^-8: exactly what
-the down GEMM would have converted them to on loading.
+`expert_prefill_grouped` is the engine's: one grouped computation for a whole group of experts (all of a layer's
+hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens each
+expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a program
+takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed expert (`grouped_path`):
+- fused (few rows): one up and one down launch; each program reads its expert's block by address (the pinned
+  slab zero-copy, VRAM, or a device ring the copy engine staged it into) and decodes NVFP4 in its tile loop;
+- dequantized (from DEQUANT_MIN_TOKENS rows per expert; bf16 x): per chunk of experts, one launch decodes their
+  blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
+  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2).
+Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
+experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
+already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
 
 `expert_prefill` (one expert per call) is the first build's, kept for bench/kernels.
 
@@ -248,7 +252,8 @@ def block_reads(segments: list[tuple[int, int]], geom: ExpertGeometry, x_sorted:
 def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int]], addrs: list[int],
                            geom: ExpertGeometry, up_global: torch.Tensor, down_global: torch.Tensor,
                            w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
-                           config: dict | None = None, h: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+                           config: dict | None = None, h: torch.Tensor | None = None,
+                           path: str = "auto") -> torch.Tensor:
     """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
     segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
     up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
