@@ -211,6 +211,10 @@ GROUPED_CONFIG = dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=
 # tokens per expert against the fused kernel's 121 / 141; 76 against 59 at 64; a tie at 16 (bench/NOTES.md)
 DEQUANT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 DEQUANT_MIN_TOKENS = 32          # mean rows per routed expert of a launch from which the dequantized path runs
+# both GEMM operands through TMA descriptors, 3 stages: 389 TFLOP/s at 1,024 tokens per expert against 309 with
+# pointer loads (every TMA config of run 2 won there, 322-389), but 162 against 207 at 256: only from 1,024 on
+DEQUANT_TMA_CONFIG = dict(DEQUANT_CONFIG, num_stages=3, TMA=True)
+DEQUANT_TMA_MIN_TOKENS = 1024
 # the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, 4 % of an
 # 8 GB card; the sweep lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
 DEQUANT_SCRATCH_BYTES = 384 << 20
@@ -237,6 +241,14 @@ def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: 
         return path
     live = [n for _, n in segments if n > 0]
     return "dequant" if able and live and sum(live) >= DEQUANT_MIN_TOKENS * len(live) else "fused"
+
+
+def dequant_config(segments: list[tuple[int, int]]) -> dict:
+    """The dequantized path's GEMM config for a launch: TMA operands from DEQUANT_TMA_MIN_TOKENS mean rows per
+    routed expert on, pointer loads below."""
+    live = [n for _, n in segments if n > 0]
+    big = live and sum(live) >= DEQUANT_TMA_MIN_TOKENS * len(live)
+    return dict(DEQUANT_TMA_CONFIG if big else DEQUANT_CONFIG)
 
 
 def block_reads(segments: list[tuple[int, int]], geom: ExpertGeometry, x_sorted: torch.Tensor,
@@ -266,7 +278,8 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
     if grouped_path(x_sorted, segments, geom, path) == "dequant":
-        cfg = {**DEQUANT_CONFIG, **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA")}}
+        cfg = {**dequant_config(segments),
+               **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA")}}
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h)
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}

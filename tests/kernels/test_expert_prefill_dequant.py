@@ -103,3 +103,10 @@ def test_size_switch_and_block_reads():
         ep.grouped_path(xb, many, geom, "fast")
     assert ep.block_reads(many, geom, xb) == 2                               # each routed block once
     assert ep.block_reads(few, geom, xb, config=dict(BLOCK_M=16)) == 2 + 2   # one read per 16-row tile
+
+
+def test_dequant_config_switch():
+    """TMA operands only where run 2 measured them faster (1,024 rows per routed expert), pointer loads below."""
+    assert ep.dequant_config([(0, 1024), (1024, 0), (1024, 1100)]).get("TMA")
+    assert not ep.dequant_config([(0, 1000), (1000, 900)]).get("TMA")
+    assert ep.dequant_config([]) == ep.DEQUANT_CONFIG
