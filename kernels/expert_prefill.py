@@ -1,13 +1,17 @@
 """Routed experts at prefill: every expert of a MoE layer on the tokens routed to it, as tensor-core GEMMs.
 
-`expert_prefill_grouped` is the engine's: one up launch and one down launch for a whole group of experts (all of a
-layer's hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens
-each expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a
-program takes one (tile, BLOCK_N columns) pair, reads its expert's block by address (the pinned slab zero-copy,
-VRAM, or a device ring the copy engine staged it into), decodes NVFP4 in the kernel, and the down launch adds
-w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over experts varies from run to run).
-No host sync per expert. The intermediate ReLU² rows are stored as fp16 already multiplied by 2^-8: exactly what
-the down GEMM would have converted them to on loading.
+`expert_prefill_grouped` is the engine's: one grouped computation for a whole group of experts (all of a layer's
+hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens each
+expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a program
+takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed expert (`grouped_path`):
+- fused (few rows): one up and one down launch; each program reads its expert's block by address (the pinned
+  slab zero-copy, VRAM, or a device ring the copy engine staged it into) and decodes NVFP4 in its tile loop;
+- dequantized (from DEQUANT_MIN_TOKENS rows per expert; bf16 x): per chunk of experts, one launch decodes their
+  blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
+  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2).
+Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
+experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
+already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
 
 `expert_prefill` (one expert per call) is the first build's, kept for bench/kernels.
 
@@ -19,6 +23,8 @@ A store split into down sub-groups (`--down-group-neurons` < 16) has its expert'
 16-neuron groups in a device buffer first (one small copy kernel), then the same GEMM runs.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -201,6 +207,19 @@ def _grouped_down_kernel(
 # bench/prefill.py's sweep (H200, 32 experts, weights in VRAM): this shape 117 / 139 TFLOP/s at 256 / 1,024 tokens
 # per expert; the first default (X_LOAD 0, BLOCK_M 64) 61 / 71; X_LOAD 1 alone 94 / 111 (bench/NOTES.md)
 GROUPED_CONFIG = dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+# the dequantized path (bench/kernels/expert_prefill_sweep.py, H200, 32 experts): 201 / 294 TFLOP/s at 256 / 1,024
+# tokens per expert against the fused kernel's 121 / 141; 76 against 59 at 64; a tie at 16 (bench/NOTES.md)
+DEQUANT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+DEQUANT_MIN_TOKENS = 32          # mean rows per routed expert of a launch from which the dequantized path runs
+# both GEMM operands through TMA descriptors, 3 stages: 389 TFLOP/s at 1,024 tokens per expert against 309 with
+# pointer loads (every TMA config of run 2 won there, 322-389), but 162 against 207 at 256: only from 1,024 on
+DEQUANT_TMA_CONFIG = dict(DEQUANT_CONFIG, num_stages=3, TMA=True)
+DEQUANT_TMA_MIN_TOKENS = 1024
+# the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, 4 % of an
+# 8 GB card; the sweep lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
+DEQUANT_SCRATCH_BYTES = 384 << 20
+_FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_DEQUANT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int, int, int]]:
@@ -208,20 +227,67 @@ def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int,
     return [(i, m0, start + n) for i, (start, n) in enumerate(segments) for m0 in range(start, start + n, block_m)]
 
 
+def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: ExpertGeometry,
+                 path: str = "auto") -> str:
+    """"dequant" or "fused": the one `expert_prefill_grouped` runs. The dequantized path multiplies x as bf16 and
+    reads unsplit 16-neuron down groups; it pays its decode (~4 µs per Super expert) back from ~32 rows per expert."""
+    if path not in ("auto", "fused", "dequant"):
+        raise ValueError(f"path={path!r}: one of auto, fused, dequant")
+    able = x_sorted.dtype == torch.bfloat16 and geom.down_group_neurons == GROUP
+    if path == "dequant" and not able:
+        raise ValueError(f"the dequantized path needs bf16 x and 16-neuron down groups (x {x_sorted.dtype}, "
+                         f"down_group_neurons {geom.down_group_neurons})")
+    if path != "auto":
+        return path
+    live = [n for _, n in segments if n > 0]
+    return "dequant" if able and live and sum(live) >= DEQUANT_MIN_TOKENS * len(live) else "fused"
+
+
+def dequant_config(segments: list[tuple[int, int]]) -> dict:
+    """The dequantized path's GEMM config for a launch: TMA operands from DEQUANT_TMA_MIN_TOKENS mean rows per
+    routed expert on, pointer loads below."""
+    live = [n for _, n in segments if n > 0]
+    big = live and sum(live) >= DEQUANT_TMA_MIN_TOKENS * len(live)
+    return dict(DEQUANT_TMA_CONFIG if big else DEQUANT_CONFIG)
+
+
+def block_reads(segments: list[tuple[int, int]], geom: ExpertGeometry, x_sorted: torch.Tensor,
+                config: dict | None = None, path: str = "auto") -> int:
+    """How many expert blocks a launch reads from where they lie (once per expert dequantized, once per BLOCK_M
+    tile fused): the bytes over the bus of a zero-copy launch are this times geom.block_bytes."""
+    if grouped_path(x_sorted, segments, geom, path) == "dequant":
+        return sum(1 for _, n in segments if n > 0)
+    bm = {**GROUPED_CONFIG, **(config or {})}["BLOCK_M"]
+    return sum(-(-n // bm) for _, n in segments)
+
+
 def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int]], addrs: list[int],
                            geom: ExpertGeometry, up_global: torch.Tensor, down_global: torch.Tensor,
                            w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
-                           config: dict | None = None, h: torch.Tensor | None = None) -> torch.Tensor:
+                           config: dict | None = None, h: torch.Tensor | None = None,
+                           path: str = "auto") -> torch.Tensor:
     """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
     segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
     up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
-    acc fp32 [T, L]. h: optional fp16 buffer of at least (rows of the segments) x I. Two launches, no sync."""
+    acc fp32 [T, L]. h: optional fp16 buffer of at least (rows of the segments) x I. No host sync.
+    path (`grouped_path`): "fused" decodes NVFP4 in the GEMM's tile loop (two launches); "dequant" decodes each
+    chunk of experts into a scratch first, then two GEMMs over plain loads (three or four launches a chunk)."""
     assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
-    L, I = geom.L, geom.I
+    L = geom.L
     assert len(segments) == len(addrs) == up_global.numel() == down_global.numel()
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
-    cfg = {**GROUPED_CONFIG, **(config or {})}
+    if grouped_path(x_sorted, segments, geom, path) == "dequant":
+        cfg = {**dequant_config(segments),
+               **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA")}}
+        return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
+                                cfg, h)
+    cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
+    return _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h)
+
+
+def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h):
+    L, I = geom.L, geom.I
     table = tile_table(segments, cfg["BLOCK_M"])
     if not table:
         return acc
@@ -240,6 +306,253 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     grid = (triton.cdiv(L, cfg["BLOCK_N"]), len(table))
     _grouped_down_kernel[grid](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
                                geom.down_off, **cfg)
+    return acc
+
+
+# ------------------------------------------------------------------------------------------------ dequantized
+# Triton's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit integers (3.9: off by 1e10 on a 16 x 16
+# product): there the dense GEMMs upcast their operands to fp32 first, exact for bf16 and fp16 values
+_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dequant_kernel(addr_ptr, w_off, s_off, out_ptr, N, K, LAYOUT: tl.constexpr, OUT_BF16: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Matrix [N, K] of the block at addr_ptr[c] (c = program_id 2) decoded into out[c], row-major: e2m1 · e4m3,
+    the global scale not applied, exact in bf16 and in fp16 (≤ 6 significant bits, 2^-10 ≤ |v| ≤ 2,688)."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    c = tl.program_id(2)
+    base = tl.load(addr_ptr + c).to(tl.pointer_type(tl.uint8))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    lo, hi = _nvfp4_tile_split(base + w_off, base + s_off, o_n, m_n, k0, K, N, LAYOUT, BLOCK_K)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float32) * 128.0   # undo the tile's 2^-7
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    p = out_ptr + c.to(tl.int64) * N * K + o_n[:, None] * K + o_k[None, :]
+    if OUT_BF16:
+        tl.store(p, w.to(tl.bfloat16), mask=m_n[:, None] & (o_k[None, :] < K))
+    else:
+        tl.store(p, w.to(tl.float16), mask=m_n[:, None] & (o_k[None, :] < K))
+
+
+DEQUANT_BLOCK = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)   # 78 % of the device copy rate (H200, run 1)
+
+
+def dequantize(addrs: torch.Tensor, geom: ExpertGeometry, up: torch.Tensor | None, down: torch.Tensor | None,
+               down_bf16: bool = False):
+    """Blocks at addrs (int64 [C] on the device) -> up[c] = [I, L] bf16 and down[c] = [L, I] fp16 (bf16 if
+    down_bf16), both e2m1 · e4m3 without the global scale. Either output may be None (not decoded)."""
+    C, L, I = addrs.numel(), geom.L, geom.I
+    assert geom.down_group_neurons == GROUP, "dequantize reads 16-neuron down groups"
+    bn, bk, nw = DEQUANT_BLOCK["BLOCK_N"], DEQUANT_BLOCK["BLOCK_K"], DEQUANT_BLOCK["num_warps"]
+    if up is not None:
+        assert up.dtype == torch.bfloat16 and up.numel() >= C * I * L and up.is_contiguous()
+        _dequant_kernel[(triton.cdiv(I, bn), triton.cdiv(L, bk), C)](addrs, 0, geom.up_scales_off, up, I, L,
+                                                                     LAYOUT=0, OUT_BF16=True, BLOCK_N=bn,
+                                                                     BLOCK_K=bk, num_warps=nw)
+    if down is not None:
+        assert down.dtype == (torch.bfloat16 if down_bf16 else torch.float16) and down.numel() >= C * L * I
+        assert down.is_contiguous()
+        _dequant_kernel[(triton.cdiv(L, bn), triton.cdiv(I, bk), C)](addrs, geom.down_off, geom.down_off, down, L, I,
+                                                                     LAYOUT=1, OUT_BF16=down_bf16, BLOCK_N=bn,
+                                                                     BLOCK_K=bk, num_warps=nw)
+
+
+@triton.jit
+def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I, L, stride_xm,
+                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[m, n] = relu(gs · Σ_k x[m, k] W_c[n, k])² · 2^-8 as fp16; W_c = w[c] bf16 [I, L] (c the tile's scratch
+    slot), gs = gs_ptr[the slot's launch index], x bf16 as it is: bf16 products are exact, the sum fp32."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t)
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    o_k = tl.arange(0, BLOCK_K)
+    m_n = o_n < I
+    m_m = o_m < m1
+    p_x = x_ptr + o_m[:, None] * stride_xm + o_k[None, :]
+    p_w = w_ptr + c.to(tl.int64) * I * L + o_n[:, None] * L + o_k[None, :]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+            b = tl.load(p_w, mask=m_n[:, None], other=0.0)
+        else:
+            m_k = (k0 + o_k)[None, :] < L
+            a = tl.load(p_x, mask=m_m[:, None] & m_k, other=0.0)
+            b = tl.load(p_w, mask=m_n[:, None] & m_k, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+        p_x += BLOCK_K
+        p_w += BLOCK_K
+    b_h = tl.maximum(b_acc * gs, 0.0)
+    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)    # as the fused path stores them
+    tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr, n_tiles, n_slots, L, I,
+                       EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[tok[m], n] += w[m] · gs · 2^8 · Σ_k h[m, k] D_c[n, k]; D_c = wd[c] fp16 [L, I], h fp16 (· 2^-8)."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t)
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    o_k = tl.arange(0, BLOCK_K)
+    m_n = o_n < L
+    m_m = o_m < m1
+    p_h = h_ptr + o_m[:, None] * I + o_k[None, :]
+    p_w = wd_ptr + c.to(tl.int64) * L * I + o_n[:, None] * I + o_k[None, :]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(p_h, mask=m_m[:, None], other=0.0)
+            b = tl.load(p_w, mask=m_n[:, None], other=0.0)
+        else:
+            m_k = (k0 + o_k)[None, :] < I
+            a = tl.load(p_h, mask=m_m[:, None] & m_k, other=0.0)
+            b = tl.load(p_w, mask=m_n[:, None] & m_k, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+        p_h += BLOCK_K
+        p_w += BLOCK_K
+    b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I, L, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dense_up_kernel` with both operands through the copy engine (TMA descriptors): x [rows, L], W [C·I, L].
+    A tile's rows past its expert's (the next expert's rows, or zeros past the end) and its weight rows past I
+    (the next slot's) only reach outputs the store masks off."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t).to(tl.int32)
+    m0 = tl.load(table_ptr + 3 * t + 1).to(tl.int32)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        a = x_desc.load([m0, k0])
+        b = w_desc.load([c * I + pid_n * BLOCK_N, k0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    b_h = tl.maximum(b_acc * gs, 0.0)
+    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)
+    tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=(o_m < m1)[:, None] & (o_n < I)[None, :])
+
+
+@triton.jit
+def _tma_down_kernel(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_desc, acc_ptr, n_tiles, n_slots, L, I,
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dense_down_kernel` with both operands through TMA descriptors: h [rows, I], D [C·L, I]."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    c = tl.load(table_ptr + 3 * t).to(tl.int32)
+    m0 = tl.load(table_ptr + 3 * t + 1).to(tl.int32)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = h_desc.load([m0, k0])
+        b = wd_desc.load([c * L + pid_n * BLOCK_N, k0])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < m1
+    b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & (o_n < L)[None, :])
+
+
+def _tma_able(*tensors) -> bool:
+    """Copy-engine descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def chunk_table(segments, live: list[int], addrs, block_m: int, lo: int) -> list[int]:
+    """One chunk's table: (scratch slot, first row - lo, end row - lo) per BLOCK_M tile of its live experts, then
+    their block addresses (by slot), then their indexes into the launch (by slot, for the global scales)."""
+    tiles = tile_table([segments[i] for i in live], block_m)
+    return ([v for (c, m0, m1) in tiles for v in (c, m0 - lo, m1 - lo)] + [int(addrs[i]) for i in live]
+            + list(live))
+
+
+def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_global, down_global, w_sorted,
+                tok_sorted, acc, cfg, h=None):
+    """The up and down GEMMs of one chunk over its decoded weights (n_slots of them), tab its chunk_table of
+    n_tiles tiles, rows lo:hi of the launch."""
+    L, I = geom.L, geom.I
+    if h is None or h.numel() < (hi - lo) * I:
+        h = torch.empty((hi - lo) * I, dtype=torch.float16, device=x_sorted.device)
+    kcfg = {k: cfg[k] for k in _DEQUANT_KEYS}
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x = x_sorted[lo:hi]
+    h2 = h[:(hi - lo) * I].view(hi - lo, I)
+    if cfg.get("TMA") and _tma_able(x, h2):
+        from triton.tools.tensor_descriptor import TensorDescriptor as TD
+        _tma_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+            TD.from_tensor(x, [bm, bk]), tab, up_global, TD.from_tensor(up_w.view(-1, L), [bn, bk]), h, n_tiles,
+            n_slots, I, L, UPCAST=_UPCAST, **kcfg)
+        _tma_down_kernel[(triton.cdiv(L, bn), n_tiles)](
+            TD.from_tensor(h2, [bm, bk]), tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
+            TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST, **kcfg)
+        return h
+    _dense_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+        x, tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
+        EVEN_K=L % bk == 0, UPCAST=_UPCAST, **kcfg)
+    _dense_down_kernel[(triton.cdiv(L, bn), n_tiles)](
+        h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], down_w, acc, n_tiles, n_slots, L, I,
+        EVEN_K=I % bk == 0, UPCAST=_UPCAST, **kcfg)
+    return h
+
+
+def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h):
+    """Chunks of experts (the scratch within DEQUANT_SCRATCH_BYTES, or cfg CHUNK experts): decode their blocks,
+    then the two GEMMs. One pinned table per chunk, copied without a sync (a pageable copy would wait for the
+    stream, the run-1 variant's cost per chunk)."""
+    L, I, dev = geom.L, geom.I, x_sorted.device
+    live = [i for i, (_, n) in enumerate(segments) if n > 0]
+    if not live:
+        return acc
+    C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
+    C = min(C, len(live))
+    up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
+    down_w = torch.empty((C, L, I), dtype=torch.float16, device=dev)
+    for c0 in range(0, len(live), C):
+        part = live[c0:c0 + C]
+        lo = min(segments[i][0] for i in part)
+        hi = max(segments[i][0] + segments[i][1] for i in part)
+        flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo)
+        tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        n_tiles = (len(flat) - 2 * len(part)) // 3
+        dequantize(tab[3 * n_tiles:3 * n_tiles + len(part)], geom, up_w, down_w)
+        h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
+                        w_sorted, tok_sorted, acc, cfg, h)
     return acc
 
 

@@ -50,7 +50,7 @@ def test_grouped_prefill_matches_twin_and_dense(T, k, x_load, device):
     xs = x[tok].contiguous()
     addrs = [b.data_ptr() for b in blocks]
     got = ep.expert_prefill_grouped(xs, segments, addrs, geom, ug, dg, w, tok,
-                                    torch.zeros(T, L, device=device), config=dict(CFG, X_LOAD=x_load))
+                                    torch.zeros(T, L, device=device), config=dict(CFG, X_LOAD=x_load), path="fused")
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
     # the ReLU² rows enter the down GEMM as fp16 (11-bit significand): ~2^-12 relative per element
     assert_close(got, ref, 1e-3, "grouped prefill vs twin")
@@ -75,7 +75,7 @@ def test_grouped_prefill_subset_of_experts_rebased(device):
     for part in ([2, 0], [3, 1, 4]):          # two landings, out of order
         sel = torch.tensor(part, device=device)
         ep.expert_prefill_grouped(xs, [segments[i] for i in part], [blocks[i].data_ptr() for i in part], geom,
-                                  ug[sel], dg[sel], w, tok, acc, config=CFG)
+                                  ug[sel], dg[sel], w, tok, acc, config=CFG, path="fused")
     assert_close(acc, full, 1e-3, "two grouped launches vs the twin over all experts")
 
 
@@ -89,7 +89,7 @@ def test_must_fail_tile_table_missing_last_tiles(device, monkeypatch):
     good = ep.tile_table
     monkeypatch.setattr(ep, "tile_table", lambda segs, bm: [t for t in good(segs, bm) if t[2] - t[1] > bm])
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
-                                    torch.zeros(T, L, device=device), config=CFG)
+                                    torch.zeros(T, L, device=device), config=CFG, path="fused")
     assert rel_err(got, ref) > 1e-2
 
 

@@ -1,0 +1,112 @@
+"""The grouped prefill's dequantized path: the decode of blocks into dense weights (exact, against the twin's
+decode), the chunked grouped GEMMs against the PyTorch twin on odd shapes and fresh random inputs (with must-fail
+twins: a tile table missing each expert's last tile, addresses off by one expert), and the size switch."""
+import pytest
+import torch
+
+import kernels.expert_prefill as ep
+from kernels.expert_block import ExpertGeometry
+from kernels.expert_up import up_weight_torch
+from kernels.sparse_down import down_group_weights_torch
+from kernels.testing import assert_close, rel_err
+from test_expert_prefill import L, I, _layer, _routed
+
+CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+
+
+def _dense_weights(geom, blocks):
+    up = torch.stack([up_weight_torch(geom, b.cpu(), 1.0) for b in blocks])
+    down = torch.stack([down_group_weights_torch(geom, b.cpu(), 1.0).permute(1, 0, 2).reshape(geom.L, geom.I)
+                        for b in blocks])
+    return up, down
+
+
+def _decode(geom, addrs, device, n):
+    up = torch.full((n, geom.I, geom.L), float("nan"), dtype=torch.bfloat16, device=device)    # poisoned
+    down = torch.full((n, geom.L, geom.I), float("nan"), dtype=torch.float16, device=device)
+    ep.dequantize(torch.tensor(addrs, dtype=torch.int64, device=device), geom, up, down)
+    return up.float().cpu(), down.float().cpu()
+
+
+def test_dequantize_is_exact(device):
+    geom, blocks, *_ = _layer(3, device)
+    up, down = _decode(geom, [b.data_ptr() for b in blocks], device, 3)
+    ref_up, ref_down = _dense_weights(geom, blocks)
+    # e2m1 · e4m3 has at most 6 significant bits: bf16 and fp16 hold it exactly, so equality, not closeness
+    assert torch.equal(up, ref_up) and torch.equal(down, ref_down)
+
+
+def test_must_fail_dequantize_addresses_off_by_one(device):
+    geom, blocks, *_ = _layer(3, device)
+    up, down = _decode(geom, [blocks[(c + 1) % 3].data_ptr() for c in range(3)], device, 3)
+    ref_up, ref_down = _dense_weights(geom, blocks)
+    assert not torch.equal(up, ref_up) and not torch.equal(down, ref_down)
+
+
+@pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 2, True)])
+def test_dequant_path_matches_twin(T, k, chunk, tma, device):
+    E = 6
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    assert any(n == 0 for _, n in segments) and any(n > CFG["BLOCK_M"] for _, n in segments)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    cfg = dict(CFG, CHUNK=chunk, TMA=tma) if chunk else dict(CFG, TMA=tma)
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                                    torch.zeros(T, L, device=device), config=cfg, path="dequant")
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    # as the fused path: bf16 x times exact weights in fp32 sums; the ReLU² rows enter the down GEMM as fp16
+    assert_close(got, ref, 1e-3, "dequantized grouped prefill vs twin")
+
+
+def test_dequant_path_subset_launches_and_scratch_bound(device, monkeypatch):
+    """The misses landing in two launches, out of order, with a scratch budget of two experts (chunks of two)."""
+    monkeypatch.setattr(ep, "DEQUANT_SCRATCH_BYTES", 2 * 4 * L * I)
+    E, T, k = 6, 27, 3
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    full = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    acc = torch.zeros(T, L, device=device)
+    for part in ([4, 0, 2], [3, 1, 5]):
+        sel = torch.tensor(part, device=device)
+        ep.expert_prefill_grouped(xs, [segments[i] for i in part], [blocks[i].data_ptr() for i in part], geom,
+                                  ug[sel], dg[sel], w, tok, acc, config=CFG, path="dequant")
+    assert_close(acc, full, 1e-3, "two dequantized launches vs the twin over all experts")
+
+
+def test_must_fail_dequant_tile_table_missing_last_tiles(device, monkeypatch):
+    E, T, k = 5, 37, 2
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    good = ep.tile_table
+    monkeypatch.setattr(ep, "tile_table", lambda segs, bm: [t for t in good(segs, bm) if t[2] - t[1] > bm])
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                                    torch.zeros(T, L, device=device), config=CFG, path="dequant")
+    assert rel_err(got, ref) > 1e-2
+
+
+def test_size_switch_and_block_reads():
+    geom = ExpertGeometry(L, I, "nvfp4")
+    xb, xf = torch.zeros(1, L, dtype=torch.bfloat16), torch.zeros(1, L)
+    many = [(0, 40), (40, 0), (40, 30)]          # 35 rows per routed expert: from DEQUANT_MIN_TOKENS (32) on
+    few = [(0, 20), (20, 0), (20, 30)]           # 25
+    assert ep.grouped_path(xb, many, geom) == "dequant" and ep.grouped_path(xb, few, geom) == "fused"
+    assert ep.grouped_path(xf, many, geom) == "fused"                        # fp32 x: only the fused path takes it
+    split = ExpertGeometry(L, I, "nvfp4", down_group_neurons=4)
+    assert ep.grouped_path(xb, many, split) == "fused"
+    assert ep.grouped_path(xb, many, geom, "fused") == "fused"
+    with pytest.raises(ValueError, match="bf16 x"):
+        ep.grouped_path(xf, many, geom, "dequant")
+    with pytest.raises(ValueError, match="one of auto"):
+        ep.grouped_path(xb, many, geom, "fast")
+    assert ep.block_reads(many, geom, xb) == 2                               # each routed block once
+    assert ep.block_reads(few, geom, xb, config=dict(BLOCK_M=16)) == 2 + 2   # one read per 16-row tile
+
+
+def test_dequant_config_switch():
+    """TMA operands only where run 2 measured them faster (1,024 rows per routed expert), pointer loads below."""
+    assert ep.dequant_config([(0, 1024), (1024, 0), (1024, 1100)]).get("TMA")
+    assert not ep.dequant_config([(0, 1000), (1000, 900)]).get("TMA")
+    assert ep.dequant_config([]) == ep.DEQUANT_CONFIG
