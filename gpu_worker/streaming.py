@@ -20,7 +20,7 @@ import torch
 from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
-from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
+from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
 from nemotron.moe import DecodeRoute, ExpertSource
 
 PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
@@ -508,13 +508,13 @@ class StreamingExperts(ExpertSource):
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
-                n_tiles = sum(-(-n // GROUPED_CONFIG["BLOCK_M"]) for _, n in segments)
+                n_reads = block_reads(segments, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
                 expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
                 if staged:
                     self._ring_used()
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
-                else:     # every BLOCK_M tile re-reads its expert's weights over the bus
-                    self.prefill_acct.last.bytes_over_pcie += n_tiles * self.geom.block_bytes
+                else:     # zero-copy: each read of a block crosses the bus
+                    self.prefill_acct.last.bytes_over_pcie += n_reads * self.geom.block_bytes
             else:
                 blocks = self._blocks(slots)
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
