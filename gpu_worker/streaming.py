@@ -409,30 +409,34 @@ class StreamingExperts(ExpertSource):
         if batch:
             self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
+        # Blocks this layer is done with go back as it goes: reported done first (the prefetcher then gives their
+        # slots to this layer's waiting reads before any block a later layer needs, prefetcher/core.py), then
+        # unpinned once their kernels have run. The hits go back before the first miss is waited for; landed
+        # misses every `flush_every`, and whenever the loop would wait (nothing else may free a slot then).
+        used = list(hits)
         if misses:
-            self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
-            # landed misses stay pinned until their kernels have run (CUDA): give them back often enough that the
-            # cache always has slots for the next reads, however small it is
             flush_every = max(1, min(8, self.client.shm.n_slots // 4))
+
+            def give_back():
+                if used:
+                    self.client.done_prefill(j, used)
+                    used.clear()
+                self._flush(sync=True)
+
+            give_back()
             tw = time.perf_counter()
             waited = 0.0
-            used = []
-            for e, s in self.client.wait_any(j, misses):
+            for e, s in self.client.wait_any(j, misses, idle=give_back):
                 waited += time.perf_counter() - tw
                 self._prefill_batch(j, [(e, s)], seg, xs, ws, tok, acc)
                 used.append(e)
-                if len(used) >= 8:      # hand used blocks back to the eviction end as we go
-                    self.client.done_prefill(j, used)
-                    used = []
-                if len(self._deferred) >= flush_every:
-                    self._flush(sync=True)
+                if len(used) >= flush_every:
+                    give_back()
                 tw = time.perf_counter()
-            if used:
-                self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
             pa.last.ms_waiting_for_disk += waited * 1e3
-        if hits:         # hits the prompt's own prefetch brought in go to the eviction end too (others are kept)
-            self.client.done_prefill(j, list(hits))
+        if used:         # the last pins go with the next layer's first sync
+            self.client.done_prefill(j, used)
         return acc
 
     def _prefetch_room(self, j: int, misses: int) -> int:
