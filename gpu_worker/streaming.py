@@ -146,6 +146,7 @@ class StreamingExperts(ExpertSource):
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
         self._ring = None
+        self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -463,7 +464,7 @@ class StreamingExperts(ExpertSource):
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
                 n_tiles = sum(-(-n // GROUPED_CONFIG["BLOCK_M"]) for _, n in segments)
-                expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
+                self._launch(lambda: expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc))
                 if staged:
                     self._ring_used()
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
@@ -472,17 +473,25 @@ class StreamingExperts(ExpertSource):
             else:
                 blocks = self._blocks(slots)
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
-                expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok, acc)
+                self._launch(lambda: expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok,
+                                                                  acc))
                 if self._cuda:
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
             self.prefill_acct.last.launches += 1
         finally:
             self._defer(slots)
 
+    def _launch(self, fn) -> None:
+        if self.prefill_profile is None:
+            fn()
+        else:
+            self.prefill_profile.launch(fn)
+
     def _stage(self, slots) -> list[int]:
         if self._ring is None:
             self._ring = _StagingRing(PREFILL_RING_SLOTS, self.store.block_stride, self.geom.block_bytes, self.device)
-        return self._ring.stage([self.slab[s] for s in slots])
+        events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
+        return self._ring.stage([self.slab[s] for s in slots], events)
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
@@ -500,15 +509,22 @@ class _StagingRing:
         self.device, self.block_bytes = device, block_bytes
         self.next, self.used = 0, []
 
-    def stage(self, sources) -> list[int]:
+    def stage(self, sources, events=None) -> list[int]:
+        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None."""
         bb, cs = self.block_bytes, self.stream
         self.used = []
+        if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
+            for i in range(len(sources)):
+                cs.wait_event(self.free[(self.next + i) % len(self.free)])
+            events[0].record(cs)
         for src in sources:
             r, self.next = self.next, (self.next + 1) % len(self.free)
             cs.wait_event(self.free[r])
             with torch.cuda.stream(cs):
                 self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
             self.used.append(r)
+        if events is not None:
+            events[1].record(cs)
         done = torch.cuda.Event()
         done.record(cs)
         torch.cuda.current_stream(self.device).wait_event(done)
