@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cache_shm.shm import READY
 from gpu_worker.prefill_accounting import PrefillAccounting
 from kernels import moe_ops
 from kernels.expert_prefill import GROUPED_CONFIG, expert_prefill_grouped, expert_prefill_grouped_torch
@@ -140,8 +141,8 @@ class StreamingExperts(ExpertSource):
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._launched = None            # an addressed route's work that waits until its kernels are launched
-        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, n_keys=self.n_moe * store.n_experts,
-                                              n_experts=store.n_experts)
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, resident=self._ready_keys,
+                                              n_keys=self.n_moe * store.n_experts, n_experts=store.n_experts)
         # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
@@ -359,6 +360,10 @@ class StreamingExperts(ExpertSource):
     def _disk_counters(self) -> tuple[int, int]:
         s = self.client.stats()
         return int(s.get("io_bytes_read", 0)), int(s.get("io_reads", 0))
+
+    def _ready_keys(self) -> np.ndarray:
+        shm = self.client.shm
+        return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
 
     def begin_prompt(self) -> None:
         self.prefill_acct.begin()

@@ -39,6 +39,7 @@ def _prompts_in_turn(store_dir) -> list[dict]:
             before = resident(eng)
             prefill(m, ids, m.new_state())
             routed = pa.routed_keys()
+            assert pa.last.missing_at_start == len(routed - before), "the accounting's missing count"
             rows.append(dict(tokens=n, distinct=len(routed), missing=len(routed - before),
                              read=pa.last.blocks_read, wasted=pa.last.prefetch_wasted))
         assert int(eng.sup.shm.slot_pins.sum()) == 0, "the prefill left pins behind"
