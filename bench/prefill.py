@@ -260,6 +260,7 @@ def ttft(eng, ids, device) -> dict:
     from gpu_worker.prefill import prefill, span_bytes
     m = eng.model
     before = resident(eng)
+    forced0 = eng.cache_stats()["prefill_forced"]
     cuda = str(device).startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -274,6 +275,7 @@ def ttft(eng, ids, device) -> dict:
     routed = eng.experts.prefill_acct.routed_keys()
     return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses,
+                forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
                 ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
@@ -422,7 +424,7 @@ def main(argv=None):
               f"{r['BLOCK_M']}x{r['BLOCK_N']}x{r['BLOCK_K']} w{r['num_warps']} s{r['num_stages']}: "
               + (f"{r['tflops']:.1f} TFLOP/s ({r['fraction_of_gemm']:.0%}), err {r['rel_err']:.1e}" if "tflops" in r
                  else r.get("error", "?")))
-    print("regime | weights | tokens | TTFT s | floor s (by) | ratio | distinct | missing | blocks read | "
+    print("regime | weights | tokens | TTFT s | floor s (by) | ratio | distinct | missing | blocks read (forced) | "
           "peak/est MiB")
     names = ["ram"] + [k for k in res if k == "disk" or k.startswith("disk_")]
     for name in names:
@@ -431,7 +433,7 @@ def main(argv=None):
                 ratio, why = ratio_or_note(r["ttft_s"], r["floor_s"], f"{name} {r['tokens']} tokens")
                 shown = f"{ratio:.2f}" if ratio is not None else f"floor wrong ({r['ratio']:.2f} < {MIN_RATIO})"
                 print(f"{name} | {path} | {r['tokens']} | {r['ttft_s']:.3f} | {r['floor_s']:.3f} ({r['floor_by']}) | "
-                      f"{shown} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} | "
+                      f"{shown} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} ({r['forced_reads']}) | "
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]

@@ -415,19 +415,20 @@ class StreamingExperts(ExpertSource):
         if batch:
             self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
-        # Blocks this layer is done with go back as it goes: reported done first (the prefetcher then gives their
-        # slots to this layer's waiting reads before any block a later layer needs, prefetcher/core.py), then
-        # unpinned once their kernels have run. The hits go back before the first miss is waited for; landed
-        # misses every `flush_every`, and whenever the loop would wait (nothing else may free a slot then).
+        # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
+        # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
+        # reads before any block a later layer needs, prefetcher/core.py). The hits go back before the first miss is
+        # waited for; landed misses every `flush_every`, and whenever the loop would wait (else a read could wait
+        # for a slot that the waiting loop holds).
         used = list(hits)
         if misses:
             flush_every = max(1, min(8, self.client.shm.n_slots // 4))
 
             def give_back():
+                self._flush(sync=True)
                 if used:
                     self.client.done_prefill(j, used)
                     used.clear()
-                self._flush(sync=True)
 
             give_back()
             tw = time.perf_counter()
@@ -441,7 +442,7 @@ class StreamingExperts(ExpertSource):
                 tw = time.perf_counter()
             self.acct.ms_waiting_for_disk += waited * 1e3
             pa.last.ms_waiting_for_disk += waited * 1e3
-        if used:         # the last pins go with the next layer's first sync
+        if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
             self.client.done_prefill(j, used)
         return acc
 

@@ -57,6 +57,7 @@ class Prefetcher:
         self._spent_other: deque[tuple[int, int]] = deque()
         self._spent_keys: set[int] = set()
         self._spent_pinned = 0
+        self._waiting_spent = False          # a demand read waits for a spent slot (see _allocate)
         self._want: set[int] = set()         # keys of prefill_layer the prompt asked for
         self._done: set[int] = set()         # of those, the ones it is done with
         self.min_inflight = 2 * shm.n_workers
@@ -113,9 +114,9 @@ class Prefetcher:
     def run(self) -> None:
         shm = self.shm
         while True:
-            stalled = bool(self.pending_demand) and not self.free
+            stalled = bool(self.pending_demand) and not self.free and not self._waiting_spent
             try:
-                shm.sem_prefetcher.acquire(0.002 if stalled else 0.2)
+                shm.sem_prefetcher.acquire(0.002 if stalled else 0.05 if self._waiting_spent else 0.2)
             except posix_ipc.BusyError:
                 pass
             self.step()
@@ -257,6 +258,7 @@ class Prefetcher:
     # ---- reads -----------------------------------------------------------------------------
     def dispatch(self) -> None:
         shm = self.shm
+        self._waiting_spent = False
         while self.pending_demand:
             ws = [w for w in range(shm.n_workers) if len(shm.demand_rings[w]) < shm.demand_rings[w].capacity]
             if not ws:
@@ -305,24 +307,30 @@ class Prefetcher:
     # ---- slots for a prefill's reads -------------------------------------------------------
     # A prefill runs the prompt through one MoE layer at a time and uses each block once there. The blocks a read
     # may take without costing the prompt a re-read are those of layers it has passed and those of its current
-    # layer it reported done (MSG_DEMOTE, sent before it unpins them): `_spent_*`, the ones it loaded itself
-    # first. A block of the current layer it still needs, or of a later layer, is kept: on the H200 (16k tokens,
+    # layer it reported done (MSG_DEMOTE, sent once it has unpinned them, or just before its next layer's request
+    # when their kernels still run): `_spent_*`, the ones it loaded itself first. A block of the current layer it still needs, or of a later layer, is kept: on the H200 (16k tokens,
     # a third of the experts cached) 476 of 1,747 reads were such blocks evicted by earlier reads, and on the CPU
     # (bench/NOTES.md, session 4) nearly all at MoE layer 0, where every miss got its slot the moment it was
     # queued, while the only evictable blocks were later layers' (the layer's hits were still pinned) - a scan
     # bound on a later-layer filter (the rule before) let the same through. So while no spent block is free, a
-    # read waits, as long as `min_inflight` of the current layer's blocks are in flight or in use (they come
-    # back); below that a block goes that the layer did not ask for, else the least recent (a later layer's), so that
-    # the disk never idles for want of a slot.
+    # read waits, as long as `min_inflight` of the current layer's blocks (or as many as reads wait, if fewer) are in
+    # flight or in use (they come back); below that a block goes that the layer did not ask for, else the least
+    # recent (a later layer's), so that the disk never idles for want of a slot. What ends such a wait comes with a message (done, or the next
+    # request), so the loop then sleeps on its semaphore instead of polling for pins.
     def _enter_prefill_layer(self, j: int) -> None:
         old = self.prefill_layer
         if old == j:
             return
-        if old is None or j < old:       # a new prompt (or span): nothing is spent yet
+        new_prompt = old is None or j < old      # (or a new span of the same prompt): nothing is spent yet
+        if new_prompt:
             self._reset_prefill()
-            lo = 0
-        else:
-            lo = old
+        lo = 0 if new_prompt else old
+        # guesses for layers the prompt has passed (or, at a new prompt, for the last one) that were never dispatched
+        # are moot: dispatched later they would only be read for nobody, and counted to the next prompt
+        stale = [k for k in self.pending_prefetch if new_prompt or k // self.E < j]
+        for k in stale:
+            del self.pending_prefetch[k]
+        self.c[PFC["prefetch_cancelled"]] += len(stale)
         keys = self.shm.slot_key
         layer_of = keys // self.E
         for s in ((keys >= 0) & (layer_of >= lo) & (layer_of < j)).nonzero()[0].tolist():
@@ -373,8 +381,9 @@ class Prefetcher:
             s = self._take_spent()
             if s is not None:
                 return s
-            if self.prefill_reads == "as_slots_free" and (kind == PREFETCH or
-                                                           self._coming_back() >= self.min_inflight):
+            if self.prefill_reads == "as_slots_free" and (
+                    kind == PREFETCH or self._coming_back() >= min(self.min_inflight, len(self.pending_demand))):
+                self._waiting_spent = kind == DEMAND
                 return None      # wait for a spent slot: the prompt needs every block it could evict now
         for _ in range(8):
             s = None
@@ -385,6 +394,8 @@ class Prefetcher:
             if s is None:
                 return None
             if self._evict(s):
+                if self.prefill_layer is not None:
+                    self.c[PFC["prefill_forced"]] += 1
                 return s
         return None
 

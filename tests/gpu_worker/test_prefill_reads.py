@@ -37,11 +37,13 @@ def _prompts_in_turn(store_dir) -> list[dict]:
         for n in SIZES:
             ids = [int(t) for t in np.random.default_rng(1000 + n).integers(14, m.config.vocab_size, size=n)]
             before = resident(eng)
+            forced0 = eng.cache_stats()["prefill_forced"]
             prefill(m, ids, m.new_state())
             routed = pa.routed_keys()
             assert pa.last.missing_at_start == len(routed - before), "the accounting's missing count"
             rows.append(dict(tokens=n, distinct=len(routed), missing=len(routed - before),
-                             read=pa.last.blocks_read, wasted=pa.last.prefetch_wasted))
+                             read=pa.last.blocks_read, wasted=pa.last.prefetch_wasted,
+                             forced=eng.cache_stats()["prefill_forced"] - forced0))
         assert int(eng.sup.shm.slot_pins.sum()) == 0, "the prefill left pins behind"
     return rows
 
@@ -60,5 +62,6 @@ def test_a_third_cached_reads_each_missing_block_once(wide, monkeypatch, reads):
     over = [r["read"] - r["missing"] - r["wasted"] for r in rows]
     if reads == "as_slots_free":
         assert all(o <= slack for o in over), rows
+        assert all(r["forced"] <= slack for r in rows[1:]), "more reads went ahead than min_inflight"
     else:
         assert over[1] > 10 * slack, rows

@@ -88,8 +88,9 @@ def _held(shm):
     return {(j, e) for j in range(3) for e in range(8) if shm.slot_of_expert[j, e] >= 0}
 
 
-@pytest.mark.parametrize("reads", ["as_slots_free", "at_once"])
-def test_prefill_reads_wait_for_the_layers_own_slots(full, reads):
+@pytest.mark.parametrize("reads,order", [("as_slots_free", "release_then_done"), ("as_slots_free", "done_then_release"),
+                                         ("at_once", None)])
+def test_prefill_reads_wait_for_the_layers_own_slots(full, reads, order):
     """MoE layer 0 of a prompt: two hits (pinned while their kernels run) and two misses in a cache full of later
     layers' blocks. The misses wait until the prompt reports the hits done, then take their slots; layers 1 and 2
     keep every block. The twin (every read gets its slot when queued) evicts later layers' blocks the prompt is
@@ -107,10 +108,14 @@ def test_prefill_reads_wait_for_the_layers_own_slots(full, reads):
         assert len(served) == 2 and len(later & _held(shm)) == 2, _held(shm)
         return
     assert served == [] and later <= _held(shm), "a read took a later layer's block while the hits were in use"
-    c.done_prefill(0, [0, 1])          # reported done first, unpinned after (as gpu_worker/streaming.py does)
+    # gpu_worker/streaming.py unpins, then reports done; the layer's last blocks are reported while still pinned
+    first, second = ((lambda: c.release(list(hits.values())), lambda: c.done_prefill(0, [0, 1]))
+                     if order == "release_then_done" else
+                     (lambda: c.done_prefill(0, [0, 1]), lambda: c.release(list(hits.values()))))
+    first()
     pf.step()
-    assert serve_all(shm, pf) == [], "a read took a slot still pinned"
-    c.release(list(hits.values()))
+    assert serve_all(shm, pf) == [] and later <= _held(shm), "a read went ahead of blocks about to come back"
+    second()
     pf.step()
     serve_all(shm, pf)
     assert _held(shm) == later | {(0, 2), (0, 3)}
@@ -147,14 +152,23 @@ def test_prefill_reads_go_ahead_when_nothing_comes_back(tmp_path):
 
 
 def test_prefill_reads_take_the_layers_unasked_blocks_before_later_layers(full):
-    """Nothing comes back, and the layer holds blocks the prompt did not ask for: those go, not later layers'."""
+    """Nothing comes back, and the layer holds blocks the prompt did not ask for: the read that must go ahead takes
+    one of those, not a later layer's; the next waits for the first to come back (one read is in flight for the one
+    waiting), and takes its slot."""
     shm, c = full
     pf = core.Prefetcher(shm)
     _fill_later_first(shm, pf, c)
     c.request_prefill(0, [4, 5])
     pf.step()
     serve_all(shm, pf)
-    assert _held(shm) == {(0, 4), (0, 5), (1, 0), (1, 1), (2, 0), (2, 1)}
+    held = _held(shm)
+    assert (0, 4) in held and (0, 5) not in held and len({(0, 0), (0, 1)} & held) == 1
+    assert {(1, 0), (1, 1), (2, 0), (2, 1)} <= held
+    c.done_prefill(0, [4])
+    pf.step()
+    serve_all(shm, pf)
+    held = _held(shm)
+    assert (0, 5) in held and (0, 4) not in held and {(1, 0), (1, 1), (2, 0), (2, 1)} <= held
 
 
 def test_prefill_prefetch_never_evicts_a_needed_block(full):
