@@ -433,7 +433,8 @@ def main(argv=None):
                 ratio, why = ratio_or_note(r["ttft_s"], r["floor_s"], f"{name} {r['tokens']} tokens")
                 shown = f"{ratio:.2f}" if ratio is not None else f"floor wrong ({r['ratio']:.2f} < {MIN_RATIO})"
                 print(f"{name} | {path} | {r['tokens']} | {r['ttft_s']:.3f} | {r['floor_s']:.3f} ({r['floor_by']}) | "
-                      f"{shown} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} ({r['forced_reads']}) | "
+                      f"{shown} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} "
+                      f"({r['forced_reads']}) | "
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]

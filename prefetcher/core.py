@@ -30,8 +30,9 @@ class Prefetcher:
     def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None,
                  prefill_reads: str | None = None):
         """prefill_reads: "as_slots_free" (a prefill's reads wait for slots the prompt is done with, see
-        `_allocate`), or "at_once" (every read gets a slot when it is queued, spent blocks first, else plain LRU: the rule
-        before but for its scan bound, kept as the tests' twin and for measurement); default: $MOESTREAM_PREFILL_READS, else as_slots_free."""
+        `_allocate`), or "at_once" (every read gets a slot when it is queued: spent blocks first, then the layer's
+        unasked ones, then plain LRU; the rule before but for its scan bound, kept as the tests' twin and for
+        measurement). Default: $MOESTREAM_PREFILL_READS, else as_slots_free."""
         self.shm = shm
         self.E = shm.n_experts
         self.policy = make_policy(policy, shm.n_layers, shm.n_experts)
@@ -307,16 +308,17 @@ class Prefetcher:
     # ---- slots for a prefill's reads -------------------------------------------------------
     # A prefill runs the prompt through one MoE layer at a time and uses each block once there. The blocks a read
     # may take without costing the prompt a re-read are those of layers it has passed and those of its current
-    # layer it reported done (MSG_DEMOTE, sent once it has unpinned them, or just before its next layer's request
-    # when their kernels still run): `_spent_*`, the ones it loaded itself first. A block of the current layer it still needs, or of a later layer, is kept: on the H200 (16k tokens,
-    # a third of the experts cached) 476 of 1,747 reads were such blocks evicted by earlier reads, and on the CPU
-    # (bench/NOTES.md, session 4) nearly all at MoE layer 0, where every miss got its slot the moment it was
-    # queued, while the only evictable blocks were later layers' (the layer's hits were still pinned) - a scan
-    # bound on a later-layer filter (the rule before) let the same through. So while no spent block is free, a
-    # read waits, as long as `min_inflight` of the current layer's blocks (or as many as reads wait, if fewer) are in
-    # flight or in use (they come back); below that a block goes that the layer did not ask for, else the least
-    # recent (a later layer's), so that the disk never idles for want of a slot. What ends such a wait comes with a message (done, or the next
-    # request), so the loop then sleeps on its semaphore instead of polling for pins.
+    # layer it reported done (MSG_DEMOTE, sent once it has unpinned them, or, for a layer's last few, just before
+    # the next layer's request): `_spent_*`, the ones it loaded itself first. A block of the current layer it still
+    # needs, or of a later layer, is kept. On the H200 (16k tokens, a third of the experts cached) 476 of 1,747
+    # reads were such blocks evicted by earlier reads; on the CPU (bench/NOTES.md, session 4) nearly all at MoE
+    # layer 0, where every miss got its slot the moment it was queued while the only evictable blocks were later
+    # layers' (the layer's hits were still pinned), and a scan bound on the later-layer filter of the rule before
+    # let the same through elsewhere. So while no spent block is free, a read waits, as long as `min_inflight` of
+    # the current layer's blocks (or as many as reads wait, if fewer) are in flight or in use: they come back.
+    # Below that a read goes ahead into a block the layer did not ask for, else the least recent (a later
+    # layer's), so that the disk never idles for want of a slot. What ends a wait comes with a message (done, or
+    # the next request), so the loop then sleeps on its semaphore instead of polling for pins.
     def _enter_prefill_layer(self, j: int) -> None:
         old = self.prefill_layer
         if old == j:
