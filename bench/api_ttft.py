@@ -5,7 +5,8 @@
 
 DIR/model and DIR/store are bench.prefill's (made here when absent), so one device call writes the model once.
 Ceilings first, in this process, before any server holds the device: pinned H2D, the bf16 GEMM, the disk through the
-pipeline's own readers (best of three cold sets, bench/ceilings.py). Then per regime one server
+pipeline's own readers (best of three cold sets, bench/ceilings.py), or `--ceilings-from` bench.prefill's JSON of the
+same device call. Then per regime one server
 (bench/peers/moestream_server.py):
   ram    the cache holds every expert; warmed by long prompts until one reads nothing from the disk
   disk   the cache holds a third; every turn starts from what the turn before left (one warm-up turn first)
@@ -125,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--warm-tokens", type=int, default=4000, help="RAM regime: the warm-up prompts' length")
     ap.add_argument("--warm-max", type=int, default=4)
     ap.add_argument("--regimes", default="ram,disk")
+    ap.add_argument("--ceilings-from", help="a bench.prefill JSON of the same device call: its ceilings, not measured "
+                                            "again (same machine, same run; the floors of both benches then agree)")
     ap.add_argument("--out", default="api_ttft.json")
     a = ap.parse_args(argv)
     cuda = a.device.startswith("cuda")
@@ -148,13 +151,16 @@ def main(argv=None):
     cfg = NemotronHConfig.from_dir(model_dir)
     n_blocks = len(store.moe_layers) * store.n_experts
     all_bytes = n_blocks * store.block_stride
-    c = res["ceilings"] = {}
-    c["h2d_gbps"], _ = copy_gbps(a.device)
-    c["gemm_tflops"] = gemm_tflops(a.device)
-    if cuda:
-        torch.cuda.empty_cache()          # the servers need the device, not this process
-    disk = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=3)
-    c["disk_gbps"], c["disk_probe"] = disk["gbps"], disk
+    if a.ceilings_from and Path(a.ceilings_from).exists():
+        c = res["ceilings"] = dict(json.loads(Path(a.ceilings_from).read_text())["ceilings"], source=a.ceilings_from)
+    else:
+        c = res["ceilings"] = {}
+        c["h2d_gbps"], _ = copy_gbps(a.device)
+        c["gemm_tflops"] = gemm_tflops(a.device)
+        if cuda:
+            torch.cuda.empty_cache()          # the servers need the device, not this process
+        disk = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=3)
+        c["disk_gbps"], c["disk_probe"] = disk["gbps"], disk
     print(json.dumps(res), flush=True)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     text = texts.load_text()
