@@ -9,6 +9,8 @@ ended with later layers' blocks), that many reads take blocks a later layer may 
 idle. The twin, every read given its slot when queued (the rule before), re-reads hundreds."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,16 @@ def wide(synth, tmp_path_factory):
     return make_store(model_dir, tmp_path_factory.mktemp("prefill-reads") / "wide")
 
 
+def _settle(eng, timeout=30.0) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        st = eng.cache_stats()
+        if st["demand_queue"] == 0 and st["prefetch_queue"] == 0:
+            return
+        time.sleep(0.01)
+    raise TimeoutError("the cache's reads did not settle")
+
+
 def _prompts_in_turn(store_dir) -> list[dict]:
     st = ExpertStore.open(store_dir)
     n_blocks = len(st.moe_layers) * st.n_experts
@@ -36,6 +48,7 @@ def _prompts_in_turn(store_dir) -> list[dict]:
         m, pa = eng.model, eng.experts.prefill_acct
         for n in SIZES:
             ids = [int(t) for t in np.random.default_rng(1000 + n).integers(14, m.config.vocab_size, size=n)]
+            _settle(eng)         # the last prompt's guesses still in flight land now, counted to neither prompt
             before = resident(eng)
             forced0 = eng.cache_stats()["prefill_forced"]
             prefill(m, ids, m.new_state())
