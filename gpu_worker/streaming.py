@@ -399,7 +399,7 @@ class StreamingExperts(ExpertSource):
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
             soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
             absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
-            guess_list = absent[:max(self._prefetch_room(j, len(uniq) - len(hits)), 0)]
+            guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
@@ -446,14 +446,17 @@ class StreamingExperts(ExpertSource):
             self.client.done_prefill(j, used)
         return acc
 
-    def _prefetch_room(self, j: int, misses: int) -> int:
-        """Slots the next layer's prefetch may take without evicting a block this prompt still needs: the empty ones
-        and those holding what the prompt used in earlier layers (demoted, first to go), less this layer's misses."""
+    def _prefetch_room(self, j: int, hits: int) -> int:
+        """Slots the next layer's prefetch may fill, once this layer's reads have theirs, without evicting a block this
+        prompt still needs or one it never used (the decode working set): the empty ones, those holding what the
+        prompt used in earlier layers, and this layer's hits (done with before its misses land; each miss takes a
+        slot and gives one back), less a margin. The prefetcher gives a prefetch only a free or spent slot, after
+        this layer's reads (prefetcher/core.py)."""
         keys = self.client.shm.slot_key
         held = keys[keys >= 0]
         done = self.prefill_acct.used_mask()[held]
         done &= (held // self.store.n_experts) < j
-        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) - misses - PREFILL_SLOT_MARGIN
+        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
     def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
