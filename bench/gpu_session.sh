@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill host" (default: vision check e2e profile omni), PYTEST_TESTS,
-#   MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT.
+#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft host subgroups" (default: vision check e2e profile omni),
+#   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
+#   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -39,6 +40,9 @@ PY
            --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
     prefill) timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; tail -22 "$OUT/prefill.log";;
+    api_ttft) CEIL=(); [ -f "$OUT/prefill.json" ] && CEIL=(--ceilings-from "$OUT/prefill.json")   # same call: same ceilings
+      timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+           ${CEIL[@]+"${CEIL[@]}"} ${API_ARGS:-} --out "$OUT/api_ttft.json" > "$OUT/api_ttft.log" 2>&1; tail -6 "$OUT/api_ttft.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;

@@ -182,8 +182,10 @@ class CacheClient:
             return s
         raise AssertionError("unreachable")
 
-    def wait_any(self, layer: int, experts, timeout: float = 60.0):
-        """Yield (expert, slot) for each of `experts` as it becomes ready (pinned), in landing order."""
+    def wait_any(self, layer: int, experts, timeout: float = 60.0, idle=None):
+        """Yield (expert, slot) for each of `experts` as it becomes ready (pinned), in landing order. `idle()`, if
+        given, is called whenever none is ready, before waiting (a prefill hands back what it is done with there:
+        the prefetcher may be holding a read until a slot comes back)."""
         left = list(dict.fromkeys(experts.tolist() if hasattr(experts, "tolist") else experts))
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -197,6 +199,13 @@ class CacheClient:
                     left = [e for e in left if e not in got]
                     yield from got.items()
                     continue
+                if idle is not None:
+                    idle()
+                    got = self._try_pin(layer, left)
+                    if got:
+                        left = [e for e in left if e not in got]
+                        yield from got.items()
+                        continue
                 for e in left:
                     s = self._failed(layer, e)
                     if s is not None:

@@ -2,7 +2,8 @@
 
 A prompt is one call of `gpu_worker.prefill.prefill` (begin .. end); its spans and layers add into it. Disk figures
 are the IO workers' own counters (cache_shm), read at both ends, so a block read twice for the prompt counts twice:
-that is what `prefill_blocks_read <= prefill_distinct_experts + prefill_prefetch_wasted` tests.
+that is what `prefill_blocks_read <= prefill_distinct_experts + prefill_prefetch_wasted` tests. `missing_at_start`
+(routed, not in the RAM cache when the prompt began) is what a disk floor counts: the bytes that must move once.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class PromptCost:
     blocks_read: int = 0
     bytes_over_pcie: int = 0            # expert bytes the kernels read over the bus (zero-copy) or staged copies
     distinct_experts: int = 0           # (layer, expert) pairs the prompt routed to
+    missing_at_start: int = 0           # of those, not in the cache (ready) when the prompt began
     expert_uses: int = 0                # (token, expert) pairs
     prefetch_wasted: int = 0            # guessed blocks requested while absent that the prompt never routed to
     launches: int = 0                   # grouped expert launches (each two kernels)
@@ -29,8 +31,10 @@ class PromptCost:
 
 @dataclass
 class PrefillAccounting:
-    """Totals over every prompt, and the last prompt's cost. `disk()` -> (io_bytes_read, io_reads) now."""
+    """Totals over every prompt, and the last prompt's cost. `disk()` -> (io_bytes_read, io_reads) now;
+    `resident()` -> the cache keys (layer * n_experts + expert) ready now."""
     disk: object = None
+    resident: object = None
     n_keys: int = 0                     # n_layers * n_experts (cache keys)
     n_experts: int = 0
     prompts: int = 0
@@ -39,6 +43,7 @@ class PrefillAccounting:
     _routed: set = field(default_factory=set)
     _guessed: set = field(default_factory=set)
     _disk0: tuple = (0, 0)
+    _resident0: object = None
     _open: bool = False
     _mask: object = None
     _mask_n: int = -1
@@ -48,6 +53,12 @@ class PrefillAccounting:
         self._routed, self._guessed = set(), set()
         self._mask = None
         self._disk0 = self.disk() if self.disk is not None else (0, 0)
+        self._resident0 = None
+        if self.resident is not None:
+            import numpy as np
+            m = np.zeros(self.n_keys, dtype=bool)
+            m[self.resident()] = True
+            self._resident0 = m
         self._open = True
 
     def routed(self, layer: int, experts, uses: int) -> None:
@@ -70,6 +81,8 @@ class PrefillAccounting:
         b, n = self.disk() if self.disk is not None else (0, 0)
         p.bytes_from_disk, p.blocks_read = b - self._disk0[0], n - self._disk0[1]
         p.distinct_experts = len(self._routed)
+        if self._resident0 is not None:
+            p.missing_at_start = sum(1 for j, e in self._routed if not self._resident0[j * self.n_experts + e])
         p.prefetch_wasted = len(self._guessed - self._routed)
         self.prompts += 1
         t = self.total

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cache_shm.shm import READY
 from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
@@ -145,8 +146,8 @@ class StreamingExperts(ExpertSource):
         self.acct.refresh = self._fold_counters
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._launched = None            # an addressed route's work that waits until its kernels are launched
-        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, n_keys=self.n_moe * store.n_experts,
-                                              n_experts=store.n_experts)
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, resident=self._ready_keys,
+                                              n_keys=self.n_moe * store.n_experts, n_experts=store.n_experts)
         # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
@@ -157,6 +158,7 @@ class StreamingExperts(ExpertSource):
         self.ups: UpStaging | None = None
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
+        self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -409,6 +411,10 @@ class StreamingExperts(ExpertSource):
         s = self.client.stats()
         return int(s.get("io_bytes_read", 0)), int(s.get("io_reads", 0))
 
+    def _ready_keys(self) -> np.ndarray:
+        shm = self.client.shm
+        return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
+
     def begin_prompt(self) -> None:
         self.prefill_acct.begin()
 
@@ -443,7 +449,7 @@ class StreamingExperts(ExpertSource):
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
             soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
             absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
-            guess_list = absent[:max(self._prefetch_room(j, len(uniq) - len(hits)), 0)]
+            guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
@@ -459,40 +465,48 @@ class StreamingExperts(ExpertSource):
         if batch:
             self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
         misses = [e for e in uniq if e not in hits]
+        # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
+        # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
+        # reads before any block a later layer needs, prefetcher/core.py). The hits go back before the first miss is
+        # waited for; landed misses every `flush_every`, and whenever the loop would wait (else a read could wait
+        # for a slot that the waiting loop holds).
+        used = list(hits)
         if misses:
-            self._flush(sync=True)       # a cache smaller than the layer's working set needs the hits' slots
-            # landed misses stay pinned until their kernels have run (CUDA): give them back often enough that the
-            # cache always has slots for the next reads, however small it is
             flush_every = max(1, min(8, self.client.shm.n_slots // 4))
+
+            def give_back():
+                self._flush(sync=True)
+                if used:
+                    self.client.done_prefill(j, used)
+                    used.clear()
+
+            give_back()
             tw = time.perf_counter()
             waited = 0.0
-            used = []
-            for e, s in self.client.wait_any(j, misses):
+            for e, s in self.client.wait_any(j, misses, idle=give_back):
                 waited += time.perf_counter() - tw
                 self._prefill_batch(j, [(e, s)], seg, xs, ws, tok, acc)
                 used.append(e)
-                if len(used) >= 8:      # hand used blocks back to the eviction end as we go
-                    self.client.done_prefill(j, used)
-                    used = []
-                if len(self._deferred) >= flush_every:
-                    self._flush(sync=True)
+                if len(used) >= flush_every:
+                    give_back()
                 tw = time.perf_counter()
-            if used:
-                self.client.done_prefill(j, used)
             self.acct.ms_waiting_for_disk += waited * 1e3
             pa.last.ms_waiting_for_disk += waited * 1e3
-        if hits:         # hits the prompt's own prefetch brought in go to the eviction end too (others are kept)
-            self.client.done_prefill(j, list(hits))
+        if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
+            self.client.done_prefill(j, used)
         return acc
 
-    def _prefetch_room(self, j: int, misses: int) -> int:
-        """Slots the next layer's prefetch may take without evicting a block this prompt still needs: the empty ones
-        and those holding what the prompt used in earlier layers (demoted, first to go), less this layer's misses."""
+    def _prefetch_room(self, j: int, hits: int) -> int:
+        """Slots the next layer's prefetch may fill, once this layer's reads have theirs, without evicting a block this
+        prompt still needs or one it never used (the decode working set): the empty ones, those holding what the
+        prompt used in earlier layers, and this layer's hits (done with before its misses land; each miss takes a
+        slot and gives one back), less a margin. The prefetcher gives a prefetch only a free or spent slot, after
+        this layer's reads (prefetcher/core.py)."""
         keys = self.client.shm.slot_key
         held = keys[keys >= 0]
         done = self.prefill_acct.used_mask()[held]
         done &= (held // self.store.n_experts) < j
-        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) - misses - PREFILL_SLOT_MARGIN
+        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
     def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
@@ -509,7 +523,7 @@ class StreamingExperts(ExpertSource):
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
                 n_reads = block_reads(segments, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
-                expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc)
+                self._launch(lambda: expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc))
                 if staged:
                     self._ring_used()
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
@@ -518,17 +532,25 @@ class StreamingExperts(ExpertSource):
             else:
                 blocks = self._blocks(slots)
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
-                expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok, acc)
+                self._launch(lambda: expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok,
+                                                                  acc))
                 if self._cuda:
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
             self.prefill_acct.last.launches += 1
         finally:
             self._defer(slots)
 
+    def _launch(self, fn) -> None:
+        if self.prefill_profile is None:
+            fn()
+        else:
+            self.prefill_profile.launch(fn)
+
     def _stage(self, slots) -> list[int]:
         if self._ring is None:
             self._ring = _StagingRing(PREFILL_RING_SLOTS, self.store.block_stride, self.geom.block_bytes, self.device)
-        return self._ring.stage([self.slab[s] for s in slots])
+        events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
+        return self._ring.stage([self.slab[s] for s in slots], events)
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
@@ -546,15 +568,22 @@ class _StagingRing:
         self.device, self.block_bytes = device, block_bytes
         self.next, self.used = 0, []
 
-    def stage(self, sources) -> list[int]:
+    def stage(self, sources, events=None) -> list[int]:
+        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None."""
         bb, cs = self.block_bytes, self.stream
         self.used = []
+        if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
+            for i in range(len(sources)):
+                cs.wait_event(self.free[(self.next + i) % len(self.free)])
+            events[0].record(cs)
         for src in sources:
             r, self.next = self.next, (self.next + 1) % len(self.free)
             cs.wait_event(self.free[r])
             with torch.cuda.stream(cs):
                 self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
             self.used.append(r)
+        if events is not None:
+            events[1].record(cs)
         done = torch.cuda.Event()
         done.record(cs)
         torch.cuda.current_stream(self.device).wait_event(done)

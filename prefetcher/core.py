@@ -23,9 +23,16 @@ from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, 
 
 from .policy import make_policy
 
+PREFILL_READS = ("as_slots_free", "at_once")
+
 
 class Prefetcher:
-    def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None):
+    def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None,
+                 prefill_reads: str | None = None):
+        """prefill_reads: "as_slots_free" (a prefill's reads wait for slots the prompt is done with, see
+        `_allocate`), or "at_once" (every read gets a slot when it is queued: spent blocks first, then the layer's
+        unasked ones, then plain LRU; the rule before but for its scan bound, kept as the tests' twin and for
+        measurement). Default: $MOESTREAM_PREFILL_READS, else as_slots_free."""
         self.shm = shm
         self.E = shm.n_experts
         self.policy = make_policy(policy, shm.n_layers, shm.n_experts)
@@ -40,6 +47,21 @@ class Prefetcher:
         self.credited: set[int] = set()              # loading prefetch slots already counted used
         self.prefill_loaded: set[int] = set()        # keys read for a prefill, not yet used by decode
         self.prefill_layer: int | None = None        # the MoE layer a prefill is at (None: decoding)
+        if prefill_reads is None:
+            prefill_reads = os.environ.get("MOESTREAM_PREFILL_READS", "as_slots_free")
+        if prefill_reads not in PREFILL_READS:
+            raise ValueError(f"prefill reads {prefill_reads!r}: one of {PREFILL_READS}")
+        self.prefill_reads = prefill_reads
+        # what the prompt has passed (layers before prefill_layer) or is done with (prefill_layer's blocks it
+        # reported back), in the order it got so: the blocks it loaded itself first, then the rest
+        self._spent_loaded: deque[tuple[int, int]] = deque()     # (slot, key)
+        self._spent_other: deque[tuple[int, int]] = deque()
+        self._spent_keys: set[int] = set()
+        self._spent_pinned = 0
+        self._waiting_spent = False          # a demand read waits for a spent slot (see _allocate)
+        self._want: set[int] = set()         # keys of prefill_layer the prompt asked for
+        self._done: set[int] = set()         # of those, the ones it is done with
+        self.min_inflight = 2 * shm.n_workers
         self._rr = 0
         self._rebuild()
         shm.hdr[HDR["prefetcher_pid"]] = os.getpid()
@@ -93,9 +115,9 @@ class Prefetcher:
     def run(self) -> None:
         shm = self.shm
         while True:
-            stalled = bool(self.pending_demand) and not self.free
+            stalled = bool(self.pending_demand) and not self.free and not self._waiting_spent
             try:
-                shm.sem_prefetcher.acquire(0.002 if stalled else 0.2)
+                shm.sem_prefetcher.acquire(0.002 if stalled else 0.05 if self._waiting_spent else 0.2)
             except posix_ipc.BusyError:
                 pass
             self.step()
@@ -150,7 +172,8 @@ class Prefetcher:
                     self.pending_demand[k] = None
             return
         if kind == MSG_PREFILL:
-            self.prefill_layer = layer
+            self._enter_prefill_layer(layer)
+            self._want.update(layer * E + e for e in actual)
             for e in actual:
                 k = layer * E + e
                 if soe[layer, e] < 0:
@@ -172,16 +195,25 @@ class Prefetcher:
                     self.prefill_loaded.add(k)   # demoted like the prompt's demand reads once used
             return
         if kind == MSG_DEMOTE:
+            j = self.prefill_layer
             for e in actual:
                 k = layer * E + e
                 s = int(soe[layer, e])
-                if k in self.prefill_loaded:
+                loaded = k in self.prefill_loaded
+                if loaded:
                     self.prefill_loaded.discard(k)
                     if s >= 0:
                         self.policy.demote(s)
+                if j is not None and layer <= j:
+                    if layer == j:
+                        self._done.add(k)
+                    if s >= 0:
+                        self._spend(s, k, loaded)
             return
         assert kind == MSG_LAYER, f"unknown message kind {kind}"
-        self.prefill_layer = None
+        if self.prefill_layer is not None:
+            self._reset_prefill()
+            self.prefill_layer = None
         for e in actual:
             k = layer * E + e
             self.prefill_loaded.discard(k)      # decode uses it: an ordinary resident now
@@ -227,6 +259,7 @@ class Prefetcher:
     # ---- reads -----------------------------------------------------------------------------
     def dispatch(self) -> None:
         shm = self.shm
+        self._waiting_spent = False
         while self.pending_demand:
             ws = [w for w in range(shm.n_workers) if len(shm.demand_rings[w]) < shm.demand_rings[w].capacity]
             if not ws:
@@ -248,7 +281,7 @@ class Prefetcher:
                     key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
             if counts[w] >= self.depth:
                 break
-            s = self._allocate()
+            s = self._allocate(PREFETCH)
             if s is None:
                 break
             k, _ = self.pending_prefetch.popitem(last=False)
@@ -272,60 +305,131 @@ class Prefetcher:
     def _evictable(self, s: int) -> bool:
         return self.shm.slot_pins[s] == 0 and self.shm.slot_state[s] in (READY, FAILED)
 
-    # While a prefill runs layer by layer, a block of this MoE layer or a later one is one the prompt will likely
-    # need (this layer's landed misses are evictable until the compute process pins them): keep it while an
-    # evictable block of an earlier layer (first of all what the prompt has used and demoted) can go instead. Measured on the H200 before this: at 16k tokens with a third of the experts cached, 460 of
-    # 1,727 blocks read were residents of later layers evicted by earlier layers' reads. The scan of the LRU order
-    # gives up after AHEAD_SCAN such blocks (then plain LRU), so a large cache costs no long scans; when only
-    # later layers' blocks are evictable, one of them goes.
-    AHEAD_SCAN = 256
+    # ---- slots for a prefill's reads -------------------------------------------------------
+    # A prefill runs the prompt through one MoE layer at a time and uses each block once there. The blocks a read
+    # may take without costing the prompt a re-read are those of layers it has passed and those of its current
+    # layer it reported done (MSG_DEMOTE, sent once it has unpinned them, or, for a layer's last few, just before
+    # the next layer's request): `_spent_*`, the ones it loaded itself first. A block of the current layer it still
+    # needs, or of a later layer, is kept. On the H200 (16k tokens, a third of the experts cached) 476 of 1,747
+    # reads were such blocks evicted by earlier reads; on the CPU (bench/NOTES.md, session 4) nearly all at MoE
+    # layer 0, where every miss got its slot the moment it was queued while the only evictable blocks were later
+    # layers' (the layer's hits were still pinned), and a scan bound on the later-layer filter of the rule before
+    # let the same through elsewhere. So while no spent block is free, a read waits, as long as `min_inflight` of
+    # the current layer's blocks (or as many as reads wait, if fewer) are in flight or in use: they come back.
+    # Below that a read goes ahead into a block the layer did not ask for, else the least recent (a later
+    # layer's), so that the disk never idles for want of a slot. What ends a wait comes with a message (done, or
+    # the next request), so the loop then sleeps on its semaphore instead of polling for pins.
+    def _enter_prefill_layer(self, j: int) -> None:
+        old = self.prefill_layer
+        if old == j:
+            return
+        new_prompt = old is None or j < old      # (or a new span of the same prompt): nothing is spent yet
+        if new_prompt:
+            self._reset_prefill()
+        lo = 0 if new_prompt else old
+        # guesses for layers the prompt has passed (or, at a new prompt, for the last one) that were never dispatched
+        # are moot: dispatched later they would only be read for nobody, and counted to the next prompt
+        stale = [k for k in self.pending_prefetch if new_prompt or k // self.E < j]
+        for k in stale:
+            del self.pending_prefetch[k]
+        self.c[PFC["prefetch_cancelled"]] += len(stale)
+        keys = self.shm.slot_key
+        layer_of = keys // self.E
+        for s in ((keys >= 0) & (layer_of >= lo) & (layer_of < j)).nonzero()[0].tolist():
+            k = int(keys[s])
+            self._spend(s, k, k in self.prefill_loaded)
+        self.prefill_layer = j
+        self._want, self._done = set(), set()
 
-    def _victim_filter(self):
-        if self.prefill_layer is None:
-            return self._evictable
-        j, E, keys, left = self.prefill_layer, self.E, self.shm.slot_key, [self.AHEAD_SCAN]
+    def _reset_prefill(self) -> None:
+        self._spent_loaded.clear()
+        self._spent_other.clear()
+        self._spent_keys.clear()
+        self._want, self._done = set(), set()
 
-        def ok(s: int) -> bool:
-            if not self._evictable(s):
-                return False
-            if left[0] > 0 and int(keys[s]) // E >= j:
-                left[0] -= 1
-                return False
-            return True
-        return ok
+    def _spend(self, s: int, k: int, loaded: bool) -> None:
+        if k not in self._spent_keys:
+            self._spent_keys.add(k)
+            (self._spent_loaded if loaded else self._spent_other).append((s, k))
 
-    def _allocate(self) -> int | None:
+    def _take_spent(self) -> int | None:
+        """An evicted slot from the spent blocks, or None (pinned ones wait at the back of their queue)."""
+        key, state = self.shm.slot_key, self.shm.slot_state
+        self._spent_pinned = 0
+        for q in (self._spent_loaded, self._spent_other):
+            for _ in range(len(q)):
+                s, k = q.popleft()
+                if int(key[s]) != k or state[s] not in (READY, FAILED):
+                    self._spent_keys.discard(k)      # gone already (evicted, or read again elsewhere)
+                    continue
+                if self.shm.slot_pins[s] == 0 and self._evict(s):
+                    self._spent_keys.discard(k)
+                    return s
+                self._spent_pinned += 1
+                q.append((s, k))
+        return None
+
+    def _coming_back(self) -> int:
+        """Slots that will be spent and free soon: the spent ones still pinned (reported done, kernels running; as
+        counted by the last `_take_spent`) and the blocks of the prefill's layer it asked for, not yet reported
+        done, that are loading or resident."""
+        soe = self.shm.slot_of_expert.reshape(-1)
+        return self._spent_pinned + sum(1 for k in self._want if k not in self._done and soe[k] >= 0)
+
+    def _allocate(self, kind: int = DEMAND) -> int | None:
         if self.free:
             return self.free.popleft()
-        shm = self.shm
-        soe, rdy = shm.slot_of_expert.reshape(-1), shm.ready_of_expert.reshape(-1)
+        if self.prefill_layer is not None:
+            s = self._take_spent()
+            if s is not None:
+                return s
+            if self.prefill_reads == "as_slots_free" and (
+                    kind == PREFETCH or self._coming_back() >= min(self.min_inflight, len(self.pending_demand))):
+                self._waiting_spent = kind == DEMAND
+                return None      # wait for a spent slot: the prompt needs every block it could evict now
         for _ in range(8):
-            s = self.policy.choose_victim(self._victim_filter())
-            if s is None and self.prefill_layer is not None:     # only later layers' blocks can go
+            s = None
+            if self.prefill_layer is not None:     # the layer's blocks the prompt did not ask for go first
+                s = self.policy.choose_victim(self._unwanted_here)
+            if s is None:
                 s = self.policy.choose_victim(self._evictable)
             if s is None:
                 return None
-            k, st = int(shm.slot_key[s]), int(shm.slot_state[s])
-            rdy[k] = -1                 # unpublish, then look for a pin taken meanwhile
-            soe[k] = -1
-            shm.slot_gen[s] += 1
-            shm.slot_state[s] = EMPTY
-            full_fence()
-            if shm.slot_pins[s] != 0:   # the client pinned it in the race: give it back
-                shm.slot_state[s] = st
-                soe[k] = s
-                if st == READY:
-                    rdy[k] = s
-                self.policy.touch(s, k)
-                continue
-            shm.slot_key[s] = -1
-            self.policy.remove(s)
-            self.c[PFC["evictions"]] += 1
-            if s in self.prefetched_unused:
-                self.prefetched_unused.discard(s)
-                self.c[PFC["prefetch_wasted"]] += 1
-            return s
+            if self._evict(s):
+                if self.prefill_layer is not None:
+                    self.c[PFC["prefill_forced"]] += 1
+                return s
         return None
+
+    def _unwanted_here(self, s: int) -> bool:
+        k = int(self.shm.slot_key[s])
+        return k // self.E == self.prefill_layer and k not in self._want and self._evictable(s)
+
+    def _evict(self, s: int) -> bool:
+        """Unpublish and free slot s (evictable when chosen); False if the client pinned it in the race (then it
+        is published again and stays)."""
+        shm = self.shm
+        soe, rdy = shm.slot_of_expert.reshape(-1), shm.ready_of_expert.reshape(-1)
+        k, st = int(shm.slot_key[s]), int(shm.slot_state[s])
+        rdy[k] = -1                 # unpublish, then look for a pin taken meanwhile
+        soe[k] = -1
+        shm.slot_gen[s] += 1
+        shm.slot_state[s] = EMPTY
+        full_fence()
+        if shm.slot_pins[s] != 0:   # the client pinned it in the race: give it back
+            shm.slot_state[s] = st
+            soe[k] = s
+            if st == READY:
+                rdy[k] = s
+            self.policy.touch(s, k)
+            return False
+        shm.slot_key[s] = -1
+        self.policy.remove(s)
+        self.c[PFC["evictions"]] += 1
+        if s in self.prefetched_unused:
+            self.prefetched_unused.discard(s)
+            self.c[PFC["prefetch_wasted"]] += 1
+        return True
 
 
 def main(argv=None) -> int:

@@ -165,6 +165,8 @@ class _EngineCollector:
                                ("last_prefill_bytes_from_disk", "prefill_last_bytes_from_disk", "bytes from disk for the last prompt"),
                                ("last_prefill_bytes_over_pcie", "prefill_last_bytes_over_pcie", "expert bytes over PCIe for the last prompt"),
                                ("last_prefill_distinct_experts", "prefill_last_distinct_experts", "distinct experts the last prompt routed to"),
+                               ("last_prefill_missing_at_start", "prefill_last_missing_at_start",
+                                "of those, not in the RAM cache when the prompt began"),
                                ("last_prefill_blocks_read", "prefill_last_blocks_read", "blocks read from disk for the last prompt")]:
             g = GaugeMetricFamily(P + name, doc)
             g.add_metric([], float(pf.get(key, 0)))

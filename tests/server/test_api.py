@@ -311,6 +311,8 @@ def test_metrics(server, model):
     assert prefilled == r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"] > 1
     assert metric(server, "moestream_last_prefill_tokens_per_second") > 0
     assert metric(server, "moestream_last_prefill_distinct_experts") > 0
+    assert 0 <= metric(server, "moestream_last_prefill_missing_at_start") <= metric(
+        server, "moestream_last_prefill_distinct_experts")
     assert metric(server, "moestream_prefill_blocks_read_total") >= 0
     assert metric(server, "moestream_generation_tokens_total") == before + 7
     assert metric(server, "moestream_time_to_first_token_seconds_count") == ttft_before + 1
