@@ -278,7 +278,7 @@ class StreamingExperts(ExpertSource):
         if pairs:
             ss = [s for _, s in pairs]
             self.ups.stage(nj, [e for e, _ in pairs], [self._slot_address[s] for s in ss], ss,
-                           views=None if self.ups._memcpy is not None else [self.slab[s] for s in ss])
+                           views=None if self.ups.by_address else [self.slab[s] for s in ss])
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_staging += (time.perf_counter() - t0) * 1e3

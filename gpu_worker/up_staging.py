@@ -73,8 +73,11 @@ class UpStaging:
         self.done = None                     # event after the copies (CUDA)
         self._waited = True                  # the compute stream already waits for `done`
         self._held: list[tuple[object, list[int]]] = []   # (copies' event, slab slots pinned for them)
-        self.staged = 0                      # ups copied (each crossed the bus once)
-        self.used = 0                        # staged ups a kernel read
+
+    @property
+    def by_address(self) -> bool:
+        """True: `stage` copies from the blocks' addresses (the driver); False: it needs their U8 views."""
+        return self._memcpy is not None
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +118,6 @@ class UpStaging:
         self._waited = False
         self.layer = layer
         self.slot_of = {e: i for i, e in enumerate(experts)}
-        self.staged += n
         self._held.append((self.done, list(slots)))
 
     def take(self, layer: int, experts: list[int]) -> dict[int, int]:
@@ -131,7 +133,6 @@ class UpStaging:
             self.limit[layer] = min(lim + 1, len(addr)) if self.done.query() else max(lim - 1, 1)
         self.layer, self.slot_of = None, {}
         if got:
-            self.used += len(got)
             for e in got:
                 self.used_by_rank[slot_of[e]] += 1
             if self.cuda and not self._waited:

@@ -93,12 +93,27 @@ def attention_decode(q, k_cache, v_cache, scale: float, n_split: int | None = No
     bf16_dot (default: bf16 caches on a GPU): QK and PV on the tensor cores in bf16 with fp32 accumulation,
     as flash attention does; otherwise IEEE fp32 dots (the interpreter's bf16 dot is wrong, and fp32 caches).
     """
+    return _split_attention(q, k_cache, v_cache, None, scale, n_split, block_s, bf16_dot)
+
+
+def attention_decode_static(q, k_buf, v_buf, length, scale: float, n_split: int | None = None, block_s: int = 64,
+                            bf16_dot: bool | None = None):
+    """`attention_decode` over the first `length` rows of k_buf, v_buf [capacity, nkv, hd] (contiguous);
+    length: int64 [1] on the device (1 <= length <= capacity). Launch shapes depend on the capacity only."""
+    if length.dtype != torch.int64 or length.numel() != 1:
+        raise ValueError(f"length must be int64 [1] on the device, got {length.dtype} {tuple(length.shape)}")
+    return _split_attention(q, k_buf, v_buf, length, scale, n_split, block_s, bf16_dot)
+
+
+def _split_attention(q, k, v, length, scale, n_split, block_s, bf16_dot):
+    """The two launches over k, v [S, nkv, hd]: all S rows (length None), or the first `length` (a device
+    tensor, read by the kernel), with the splits sized for S either way."""
     nq, hd = q.shape
-    S, nkv, _ = k_cache.shape
+    S, nkv, _ = k.shape
     rep = nq // nkv
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.is_contiguous()
+    assert k.is_contiguous() and v.is_contiguous() and q.is_contiguous()
     if bf16_dot is None:
-        bf16_dot = k_cache.is_cuda and k_cache.dtype == torch.bfloat16 and not backend.interpreted()
+        bf16_dot = k.is_cuda and k.dtype == torch.bfloat16 and not backend.interpreted()
     if n_split is None:
         n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         n_split = max(1, min(triton.cdiv(S, block_s), 4 * n_sm // nkv))
@@ -106,36 +121,10 @@ def attention_decode(q, k_cache, v_cache, scale: float, n_split: int | None = No
     n_split = triton.cdiv(S, s_per_split)
     acc = torch.empty((n_split, nq, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((n_split, nq, 2), dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(nkv, n_split)](q, k_cache, v_cache, acc, ml, acc, S, s_per_split, nkv * hd, nq, scale,
-                                       REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd,
-                                       BLOCK_S=block_s, BF16_DOT=bf16_dot, num_warps=4)
-    out = torch.empty((nq, hd), dtype=torch.float32, device=q.device)
-    _attn_merge_kernel[(nq,)](acc, ml, out, n_split, nq, HD=hd, num_warps=1)
-    return out.to(q.dtype)
-
-
-def attention_decode_static(q, k_buf, v_buf, length, scale: float, n_split: int | None = None, block_s: int = 64,
-                            bf16_dot: bool | None = None):
-    """`attention_decode` over the first `length` rows of k_buf, v_buf [capacity, nkv, hd] (contiguous);
-    length: int64 [1] on the device (1 <= length <= capacity). Launch shapes depend on the capacity only."""
-    nq, hd = q.shape
-    C, nkv, _ = k_buf.shape
-    rep = nq // nkv
-    assert k_buf.is_contiguous() and v_buf.is_contiguous() and q.is_contiguous()
-    if length.dtype != torch.int64 or length.numel() != 1:
-        raise ValueError(f"length must be int64 [1] on the device, got {length.dtype} {tuple(length.shape)}")
-    if bf16_dot is None:
-        bf16_dot = k_buf.is_cuda and k_buf.dtype == torch.bfloat16 and not backend.interpreted()
-    if n_split is None:
-        n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_split = max(1, min(triton.cdiv(C, block_s), 4 * n_sm // nkv))
-    s_per_split = triton.cdiv(triton.cdiv(C, n_split), block_s) * block_s
-    n_split = triton.cdiv(C, s_per_split)
-    acc = torch.empty((n_split, nq, hd), dtype=torch.float32, device=q.device)
-    ml = torch.empty((n_split, nq, 2), dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(nkv, n_split)](q, k_buf, v_buf, acc, ml, length, C, s_per_split, nkv * hd, nq, scale,
-                                       REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), HD=hd,
-                                       BLOCK_S=block_s, BF16_DOT=bf16_dot, S_ON_DEVICE=True, num_warps=4)
+    _attn_split_kernel[(nkv, n_split)](q, k, v, acc, ml, acc if length is None else length, S, s_per_split,
+                                       nkv * hd, nq, scale, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
+                                       HD=hd, BLOCK_S=block_s, BF16_DOT=bf16_dot, S_ON_DEVICE=length is not None,
+                                       num_warps=4)
     out = torch.empty((nq, hd), dtype=torch.float32, device=q.device)
     _attn_merge_kernel[(nq,)](acc, ml, out, n_split, nq, HD=hd, num_warps=1)
     return out.to(q.dtype)

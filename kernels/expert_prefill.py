@@ -360,39 +360,53 @@ def dequantize(addrs: torch.Tensor, geom: ExpertGeometry, up: torch.Tensor | Non
 
 
 @triton.jit
-def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I, L, stride_xm,
-                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[m, n] = relu(gs · Σ_k x[m, k] W_c[n, k])² · 2^-8 as fp16; W_c = w[c] bf16 [I, L] (c the tile's scratch
-    slot), gs = gs_ptr[the slot's launch index], x bf16 as it is: bf16 products are exact, the sum fp32."""
-    pid_n = tl.program_id(0)
+def _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots):
+    """Tile t of a dequantized launch: (scratch slot c, first row, end row, the slot's global scale)."""
     t = tl.program_id(1)
     c = tl.load(table_ptr + 3 * t)
     m0 = tl.load(table_ptr + 3 * t + 1)
     m1 = tl.load(table_ptr + 3 * t + 2)
     gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return c, m0, m1, gs
+
+
+@triton.jit
+def _dense_dot(p_a, p_b, m_m, m_n, K, o_k, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k a[m, k] b[n, k] over K in BLOCK_K steps, fp32 [BLOCK_M, BLOCK_N] (plain pointer loads)."""
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+            b = tl.load(p_b, mask=m_n[:, None], other=0.0)
+        else:
+            m_k = (k0 + o_k)[None, :] < K
+            a = tl.load(p_a, mask=m_m[:, None] & m_k, other=0.0)
+            b = tl.load(p_b, mask=m_n[:, None] & m_k, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        b_acc = tl.dot(a, tl.trans(b), b_acc)
+        p_a += BLOCK_K
+        p_b += BLOCK_K
+    return b_acc
+
+
+@triton.jit
+def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I, L, stride_xm,
+                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[m, n] = relu(gs · Σ_k x[m, k] W_c[n, k])² · 2^-8 as fp16; W_c = w[c] bf16 [I, L] (c the tile's scratch
+    slot), gs = gs_ptr[the slot's launch index], x bf16 as it is: bf16 products are exact, the sum fp32."""
+    c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
     m_n = o_n < I
     m_m = o_m < m1
     p_x = x_ptr + o_m[:, None] * stride_xm + o_k[None, :]
     p_w = w_ptr + c.to(tl.int64) * I * L + o_n[:, None] * L + o_k[None, :]
-    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(p_x, mask=m_m[:, None], other=0.0)
-            b = tl.load(p_w, mask=m_n[:, None], other=0.0)
-        else:
-            m_k = (k0 + o_k)[None, :] < L
-            a = tl.load(p_x, mask=m_m[:, None] & m_k, other=0.0)
-            b = tl.load(p_w, mask=m_n[:, None] & m_k, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        b_acc = tl.dot(a, tl.trans(b), b_acc)
-        p_x += BLOCK_K
-        p_w += BLOCK_K
+    b_acc = _dense_dot(p_x, p_w, m_m, m_n, L, o_k, EVEN_K, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     b_h = tl.maximum(b_acc * gs, 0.0)
     b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)    # as the fused path stores them
     tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None] & m_n[None, :])
@@ -403,34 +417,15 @@ def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr
                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc[tok[m], n] += w[m] · gs · 2^8 · Σ_k h[m, k] D_c[n, k]; D_c = wd[c] fp16 [L, I], h fp16 (· 2^-8)."""
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    c = tl.load(table_ptr + 3 * t)
-    m0 = tl.load(table_ptr + 3 * t + 1)
-    m1 = tl.load(table_ptr + 3 * t + 2)
-    gs = tl.load(gs_ptr + tl.load(table_ptr + 3 * n_tiles + n_slots + c))
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
     m_n = o_n < L
     m_m = o_m < m1
     p_h = h_ptr + o_m[:, None] * I + o_k[None, :]
     p_w = wd_ptr + c.to(tl.int64) * L * I + o_n[:, None] * I + o_k[None, :]
-    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(p_h, mask=m_m[:, None], other=0.0)
-            b = tl.load(p_w, mask=m_n[:, None], other=0.0)
-        else:
-            m_k = (k0 + o_k)[None, :] < I
-            a = tl.load(p_h, mask=m_m[:, None] & m_k, other=0.0)
-            b = tl.load(p_w, mask=m_n[:, None] & m_k, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        b_acc = tl.dot(a, tl.trans(b), b_acc)
-        p_h += BLOCK_K
-        p_w += BLOCK_K
+    b_acc = _dense_dot(p_h, p_w, m_m, m_n, I, o_k, EVEN_K, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
     tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
