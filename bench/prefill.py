@@ -19,7 +19,9 @@ One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
 Each TTFT beside its floor = max(distinct expert bytes the prompt routes to / H2D, distinct expert bytes it routes
 to that were not in the cache at its start / disk ceiling, FLOPs / GEMM rate): the bytes that must move once,
 never the bytes the run happened to read. A ratio under 0.97 means the floor is wrong: it is not printed.
-Prompts are random token ids (one seed per size): the synthetic weights make no text more realistic than another.
+Prompts are windows of varied real text (bench/peers/texts.py) through the checkpoint's tokenizer, another window
+for every run: a text's repeated tokens route unlike uniform random ids. In the RAM regime each size runs twice: the
+first prompt of a size compiles the kernel configurations it needs (`TTFT cold`, printed apart), the second is the TTFT.
 """
 from __future__ import annotations
 
@@ -367,8 +369,22 @@ def main(argv=None):
         save()
     vocab = cfg.vocab_size
 
+    # prompts of varied real text through the checkpoint's tokenizer (the routing of random ids is not a prompt's),
+    # a different window for every run
+    from tokenizers import Tokenizer
+    from bench.peers import texts
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    corpus = texts.load_text()
+
     def prompt(n, seed=1000):
-        return [int(t) for t in np.random.default_rng(seed + n).integers(14, vocab, size=n)]
+        ids = [t for t in tokenizer.encode(texts.prompt_of_tokens(corpus, tokenizer, n, seed + n),
+                                           add_special_tokens=False).ids if t < vocab][:n]
+        rng = np.random.default_rng(seed + n)       # a short text window: padded with more of the text
+        while len(ids) < n:
+            more = tokenizer.encode(texts.prompts(corpus, 1, 4 * (n - len(ids)) + 64, int(rng.integers(1 << 30)))[0],
+                                    add_special_tokens=False).ids
+            ids += [t for t in more if t < vocab][:n - len(ids)]
+        return ids
 
     def regime(name, cache_bytes, warm, paths=("staged",), profile=False):
         out = {}
@@ -388,7 +404,11 @@ def main(argv=None):
                     eng.experts.prefill_weights = path
                 rows = []
                 for n in sizes:
+                    cold = None
+                    if warm:     # the first prompt of a size compiles its kernel configurations: timed apart
+                        cold = ttft(eng, prompt(n, seed=77), device)["ttft_s"]
                     r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
+                    r["ttft_cold_s"] = cold
                     if profile and path == paths[0]:
                         r["profile"] = profiled(eng, prompt(n), device)
                     rows.append(r)
@@ -425,7 +445,7 @@ def main(argv=None):
               + (f"{r['tflops']:.1f} TFLOP/s ({r['fraction_of_gemm']:.0%}), err {r['rel_err']:.1e}" if "tflops" in r
                  else r.get("error", "?")))
     print("regime | weights | tokens | TTFT s | floor s (by) | ratio | distinct | missing | blocks read (forced) | "
-          "peak/est MiB")
+          "peak/est MiB | TTFT cold s")
     names = ["ram"] + [k for k in res if k == "disk" or k.startswith("disk_")]
     for name in names:
         for path, rows in res.get(name, {}).items():
@@ -435,7 +455,8 @@ def main(argv=None):
                 print(f"{name} | {path} | {r['tokens']} | {r['ttft_s']:.3f} | {r['floor_s']:.3f} ({r['floor_by']}) | "
                       f"{shown} | {r['distinct_experts']} | {r['missing_at_start']} | {r['blocks_read']} "
                       f"({r['forced_reads']}) | "
-                      f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}")
+                      f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f} | "
+                      + (f"{r['ttft_cold_s']:.3f}" if r.get("ttft_cold_s") is not None else "-"))
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]
     if profiles:

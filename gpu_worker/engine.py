@@ -34,7 +34,8 @@ class StreamingEngine:
         stage_ups: while the dense layers run, the copy engine moves the guessed experts' up sections of the next
         MoE layer into VRAM (gpu_worker/up_staging.py; top-k × ~1.5 MB on Super, taken from the reserve)."""
         store_dir = Path(store_dir)
-        # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py)
+        # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py):
+        # the reserve, and whatever a tier that holds every expert leaves of the budget (set by _vram_tier)
         self.prefill_budget_bytes = vram_reserve_bytes if vram_bytes is not None else None
         dense = Checkpoint(store_dir)
         if model_dir is not None:
@@ -70,7 +71,11 @@ class StreamingEngine:
             raise ValueError(f"--vram-gb {budget / 2**30:.2f} is too small: the dense part takes "
                              f"{used / 2**30:.2f} GiB and {reserve / 2**30:.2f} GiB is kept for activations "
                              f"and KV caches; raise --vram-gb to at least {(used + reserve) / 2**30:.2f}")
-        n = vram_tier_slots(budget, used, self.store.block_stride, reserve)
+        # never more slots than there are experts: a large card's budget is not all for the tier (a server on a
+        # 141 GB GPU without --vram-gb took 139 GB of tier for 6 GB of experts, and its prefill ran out of memory)
+        every = len(self.store.moe_layers) * self.store.n_experts
+        n = min(vram_tier_slots(budget, used, self.store.block_stride, reserve), every)
+        self.prefill_budget_bytes = max(reserve, budget - used - n * self.store.block_stride)
         return VramTier(n, self.store.block_stride, self.store.block_bytes, device, admit_after)
 
     def new_state(self):

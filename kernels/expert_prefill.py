@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import varying
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import up_weight_torch
 from kernels.gemv_nvfp4 import _X_PRESCALE, _nvfp4_gemm_body, _nvfp4_tile_split
@@ -153,7 +154,7 @@ def _tile_dot(x_ptr, stride_xm, o_m, m_m, w_ptr, s_ptr, o_n, m_n, N, K, LAYOUT: 
     return b_acc * 32768.0   # 2^7 (tile) · 2^8 (x prescale)
 
 
-@triton.jit
+@triton.jit(**varying("table_ptr", "n_tiles"))
 def _grouped_up_kernel(
     # tensors
     x_ptr, table_ptr, gs_ptr, h_ptr,
@@ -179,7 +180,7 @@ def _grouped_up_kernel(
     tl.store(h_ptr + o_m[None, :] * I + o_n[:, None], b_h, mask=m_n[:, None] & m_m[None, :])
 
 
-@triton.jit
+@triton.jit(**varying("table_ptr", "w_ptr", "tok_ptr", "n_tiles"))
 def _grouped_down_kernel(
     # tensors
     h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr,
@@ -315,7 +316,7 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(**varying("addr_ptr"))
 def _dequant_kernel(addr_ptr, w_off, s_off, out_ptr, N, K, LAYOUT: tl.constexpr, OUT_BF16: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Matrix [N, K] of the block at addr_ptr[c] (c = program_id 2) decoded into out[c], row-major: e2m1 · e4m3,
@@ -392,7 +393,7 @@ def _dense_dot(p_a, p_b, m_m, m_n, K, o_k, EVEN_K: tl.constexpr, UPCAST: tl.cons
     return b_acc
 
 
-@triton.jit
+@triton.jit(**varying("n_tiles", "n_slots"))
 def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I, L, stride_xm,
                      EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -412,7 +413,7 @@ def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I
     tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
 def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr, n_tiles, n_slots, L, I,
                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -431,7 +432,7 @@ def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr
     tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(**varying("n_tiles", "n_slots"))
 def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I, L, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_dense_up_kernel` with both operands through the copy engine (TMA descriptors): x [rows, L], W [C·I, L].
@@ -458,7 +459,7 @@ def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I
     tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=(o_m < m1)[:, None] & (o_n < I)[None, :])
 
 
-@triton.jit
+@triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
 def _tma_down_kernel(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_desc, acc_ptr, n_tiles, n_slots, L, I,
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_dense_down_kernel` with both operands through TMA descriptors: h [rows, I], D [C·L, I]."""

@@ -210,3 +210,23 @@ def test_vram_budget_below_dense_part_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="--vram-gb .* too small: the dense part takes"):
         StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2, vram_bytes=1024)
     assert set(leftovers("/moestream-")) <= before, "a failed start left shared memory behind"
+
+
+def test_vram_tier_never_exceeds_the_experts_and_leaves_the_rest_to_prefill(tiny):
+    """A budget far beyond the model (a large card without --vram-gb): the tier holds every expert, no more, and
+    what is left of the budget goes to the prefill's activations instead of idle tier slots."""
+    model_dir, store = tiny
+    from expert_store.reader import ExpertStore
+    st = ExpertStore.open(store)
+    every = len(st.moe_layers) * st.n_experts
+    dense = NemotronH(model_dir).dense_nbytes()
+    budget = dense + 10 * every * st.block_stride
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2,
+                         vram_bytes=budget, vram_reserve_bytes=1 << 20) as eng:
+        assert eng.experts.vram.n_slots == every
+        used = eng.model.dense_nbytes()
+        assert eng.prefill_budget_bytes == budget - used - every * st.block_stride
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2,
+                         vram_bytes=dense + 24 * st.block_stride, vram_reserve_bytes=0) as eng:
+        assert eng.experts.vram.n_slots == 24 < every      # a tight budget: the tier as before, prefill the reserve
+        assert eng.prefill_budget_bytes == 0
