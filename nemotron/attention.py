@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import backend
 from kernels.attention_decode import attention_decode, attention_decode_static, attention_decode_torch
@@ -105,9 +106,37 @@ class Attention:
             out = attention_decode(q[0].contiguous(), K, V, self.scale).reshape(1, self.nq * self.hd)
             y = linear(out, self.o_proj)
             return y + self.bias["o"] if "o" in self.bias else y
+        out = self.attend_fused(q, K, V, past) if h.is_cuda else None
+        if out is None:
+            out = self.attend_blocks(q, K, V, past)
+        y = linear(out, self.o_proj)
+        return y + self.bias["o"] if "o" in self.bias else y
+
+    def attend_fused(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, past: int) -> torch.Tensor | None:
+        """Prefill attention of T queries (after `past` cached rows) as one fused SDPA launch (flash / cuDNN /
+        memory-efficient: none holds the T x S scores), [T, nq * hd]; None where no fused kernel takes the inputs
+        (the caller then runs `attend_blocks`, the query-blocked reference). Measured before (H200, session 5): the
+        blocked einsums took 173 ms of a 16,000-token prompt at one attention layer."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+        T, S = q.shape[0], K.shape[0]
+        qh, kh, vh = (t.permute(1, 0, 2)[None] for t in (q, K, V))              # [1, heads, rows, hd]
+        # the queries are the last T of S positions: causal aligned at the lower right (top left when past == 0)
+        mask = causal_lower_right(T, S) if T > 1 and past > 0 else None
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        try:
+            with sdpa_kernel(fused):
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=T > 1 and past == 0,
+                                                   scale=self.scale, enable_gqa=self.nq != self.nkv)
+        except RuntimeError:          # "no available kernel": an unsupported dtype, head size or mask
+            return None
+        return o[0].permute(1, 0, 2).reshape(T, self.nq * self.hd)
+
+    def attend_blocks(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, past: int) -> torch.Tensor:
+        """Prefill attention in query blocks of explicit scores (the reference, and the CPU's path), [T, nq * hd]."""
+        T, S = q.shape[0], K.shape[0]
         rep = self.nq // self.nkv
-        S = cache.length
-        out = torch.empty(T, self.nq * self.hd, device=h.device, dtype=q.dtype)
+        out = torch.empty(T, self.nq * self.hd, device=q.device, dtype=q.dtype)
         # Queries in blocks so that no more than SCORE_BYTES of scores live at once (a 16k tail would otherwise
         # hold T x S scores for every head: 34 GB on Super). Rows are independent: any block gives the same rows.
         qb = query_block(self.nq, T, S, q.element_size())
@@ -117,13 +146,12 @@ class Attention:
             s_end = min(S, past + t1)                                  # keys after the block's last query: masked anyway
             scores = torch.einsum("grtd,sgd->grts", qg, K[:s_end]) * self.scale      # [nkv, rep, Tq, s_end]
             if T > 1:
-                mask = (torch.arange(s_end, device=h.device)[None, :]
-                        > (past + torch.arange(t0, t1, device=h.device))[:, None])
+                mask = (torch.arange(s_end, device=q.device)[None, :]
+                        > (past + torch.arange(t0, t1, device=q.device))[:, None])
                 scores = scores.masked_fill(mask, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             out[t0:t1] = torch.einsum("grts,sgd->tgrd", probs, V[:s_end]).reshape(t1 - t0, self.nq * self.hd)
-        y = linear(out, self.o_proj)
-        return y + self.bias["o"] if "o" in self.bias else y
+        return out
 
     def step_static(self, h: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
                     length: torch.Tensor) -> torch.Tensor:
