@@ -12,6 +12,9 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
 Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
 experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
+Both read 16-neuron down groups: a store split into sub-groups (`--down-group-neurons` < 16) has the launch's down
+sections regrouped into 16-neuron groups on the device first (`regroup_downs`, one launch, exact), then runs as an
+unsplit store does.
 
 `expert_prefill` (one expert per call) is the first build's, kept for bench/kernels.
 
