@@ -404,7 +404,8 @@ def dequantize(addrs: torch.Tensor, geom: ExpertGeometry, up: torch.Tensor | Non
         d_addrs, d_off = addrs, geom.down_off
         if geom.down_group_neurons != GROUP:     # LAYOUT 1 reads 16-neuron groups: regroup the sub-groups first
             regrouped = regroup_downs(addrs, geom)          # alive until the decode is queued (stream order)
-            d_addrs = regrouped.data_ptr() + torch.arange(C, dtype=torch.int64, device=addrs.device) * regrouped.shape[1]
+            rows = torch.arange(C, dtype=torch.int64, device=addrs.device)
+            d_addrs = regrouped.data_ptr() + rows * regrouped.shape[1]
             d_off = 0
         _dequant_kernel[(triton.cdiv(L, bn), triton.cdiv(I, bk), C)](d_addrs, d_off, d_off, down, L, I,
                                                                      LAYOUT=1, OUT_BF16=down_bf16, BLOCK_N=bn,

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     def report(name, n, where, err, err16, tol):
         ok = err <= tol and (err16 is None or err16 <= tol)
         e16 = "   n/a  " if err16 is None else f"{err16:.2e}"
-        print(f"{name:<18} N={n:<2} {where:<6} vs twin {err:.2e}  vs N=16 {e16}  {'OK' if ok else 'DIFFERS'}", flush=True)
+        verdict = "OK" if ok else "DIFFERS"
+        print(f"{name:<18} N={n:<2} {where:<6} vs twin {err:.2e}  vs N=16 {e16}  {verdict}", flush=True)
         if not ok:
             bad.append(f"{name} N={n} {where}")
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
             # decode up (the same up section whatever N: a check that the block's up is where the kernel reads it)
             act, mask = expert_up(x, addrs, geom, ug)
             h = expert_up_torch(x, twin_blocks, geom, ug)
-            act_t, mask_t = relu2_group_mask_torch(h)
+            act_t, _ = relu2_group_mask_torch(h)
             report("expert_up", n, where, rel_err(act, act_t), None if first else rel_err(act, base[where, "up"]),
                    TOL["expert_up"])
             # sparse down on the kernel's own activation (so only the down is on trial)

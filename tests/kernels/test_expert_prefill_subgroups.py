@@ -48,7 +48,8 @@ def _run(path, geom, blocks, ug, dg, x, tok, w, segments, config=CFG):
     xs = x[tok].contiguous()
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
                                     torch.zeros(T, L, device=x.device), config=config, path=path)
-    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=x.device))
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok,
+                                          torch.zeros(T, L, device=x.device))
     return got, ref
 
 
