@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU variant: the interpreter is off where a GPU is (the GPU runs the engine)")
-N_DECODE = 2
+N_DECODE = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +29,30 @@ def stores(synth, tmp_path_factory):
 
 
 def _logits(store, n_decode=N_DECODE):
-    """Prompt logits and greedy-step logits, blocks by address (a cold cache: misses are summed in the order they
-    land, which moves fp32 sums by ~1e-7; a warm-up pass would double the interpreter's time)."""
+    """Prompt logits and greedy-step logits, blocks by address, decode through the segmented step the engine installs
+    on CUDA (DecodeGraphs: hits in the "slab" variant, misses eagerly). A cold cache: misses are summed in the
+    order they land, which moves fp32 sums by ~1e-7 (a warm-up pass would double the interpreter's time)."""
     from expert_store.reader import ExpertStore
+    from gpu_worker.decode_graphs import DecodeGraphs
     from gpu_worker.engine import StreamingEngine
-    from tools.logits import logits_and_greedy
+    from gpu_worker.prefill import prefill
     ids = [int(t) for t in np.random.default_rng(7).integers(14, 500, size=12)]
     s = ExpertStore.open(store)
     with StreamingEngine(store, cache_bytes=len(s.moe_layers) * s.n_experts * s.block_stride, io_workers=1) as eng:
         ex = eng.experts
         ex._addressed = True               # as on CUDA: the kernels read the slab by address, count down groups
         ex._down_groups = torch.zeros(1, dtype=torch.int32)
-        prompt, greedy, gl = logits_and_greedy(eng.model, ids, n_decode)
+        eng.graphs = DecodeGraphs(eng.model)
+        state = eng.model.new_state()
+        prompt = prefill(eng.model, ids, state, all_logits=True).float()
+        last, greedy, steps = prompt[-1:], [], []
+        for _ in range(n_decode):
+            greedy.append(int(last[0].argmax()))
+            last = eng.step(greedy[-1], state).float()
+            steps.append(last)
         assert int(ex._down_groups) > 0 or not n_decode, "the sparse-down kernel did not run"
-    return prompt, greedy, gl
+    gl = torch.cat(steps).numpy() if steps else np.zeros((0, prompt.shape[1]), np.float32)
+    return prompt.numpy(), np.array(greedy), gl
 
 
 def _rel(a, b):
