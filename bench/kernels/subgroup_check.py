@@ -1,6 +1,6 @@
 """Issue 15's probe: every kernel that reads a store split into down sub-groups, against its PyTorch twin and
 against the same weights stored unsplit, at Super's expert shape (L = 1024, I = 2688), blocks in VRAM and in
-pinned host memory (read zero-copy, as the engine reads its slab).
+a host mapping registered with CUDA (read zero-copy, as the engine reads its slab).
 
     python -m bench.kernels.subgroup_check [--sizes 8,4] [--device cuda] [--experts 8]
 
@@ -8,7 +8,8 @@ One line per (kernel, N, where): the relative error to the twin, to the N = 16 k
 Checked: expert_up (the up GEMV and its ReLU² group mask), sparse_down (the sub-group kernel on a sparse ReLU²
 activation), expert_decode (both launches), regroup_downs (bytes equal to the unsplit down section), and
 expert_prefill_grouped on its fused path (20 rows per expert) and its dequantized path (40 rows per expert).
-Runs in seconds on a GPU; under TRITON_INTERPRET=1 on the CPU it runs too (--experts 1, minutes).
+Runs in seconds on a GPU; under TRITON_INTERPRET=1 on the CPU too (`--experts 1`: ~2 min per N and place at
+Super's shape; `--shape 48,80` a smoke of seconds).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 import torch
 
 import kernels.expert_prefill as ep
+from bench.kernels.common import HostSlab
 from kernels.expert_block import SUPER, ExpertGeometry, pack_expert_block
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch
 from kernels.moe_ops import block_addresses, expert_decode, expert_decode_torch
@@ -29,10 +31,10 @@ from kernels.testing import rel_err
 TOL = {"expert_up": 1e-5, "sparse_down": 1e-5, "expert_decode": 1e-4, "prefill": 2e-3}
 
 
-def _experts(k, x):
+def _experts(k, x, I):
     """Checkpoint tensors of k experts whose ReLU² on x is sparse the way an instrument's is: 70 % of the 16-neuron
     groups off, half the neurons off in the others (so sub-groups of 8 and 4 inside active groups are skipped)."""
-    L, I = SUPER.L, SUPER.I
+    L = x.numel()
     toward = x.float() / x.float().norm()
     raw = []
     for _ in range(k):
@@ -45,10 +47,20 @@ def _experts(k, x):
     return raw
 
 
-def _place(blocks, where, device):
+def _place(blocks, where, device, slabs):
+    """The blocks in VRAM, or in a /dev/shm mapping registered with CUDA (mapped) as the engine's slab is, read
+    zero-copy by address."""
     if where == "vram":
         return [b.to(device) for b in blocks]
-    return [b.pin_memory() for b in blocks]         # UVA: the host address is the device address
+    stride = blocks[0].numel()
+    slab = HostSlab(len(blocks) * stride, name="moestream-subgroup-check")
+    slabs.append(slab)
+    if device == "cuda" and not slab.registered:       # (the interpreter reads host addresses as they are)
+        raise SystemExit("cudaHostRegister failed: the slab case cannot run")
+    views = [slab.tensor[i * stride:(i + 1) * stride] for i in range(len(blocks))]
+    for v, b in zip(views, blocks):
+        v.copy_(b)
+    return views
 
 
 def main(argv=None) -> int:
@@ -57,12 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", default=f"{SUPER.L},{SUPER.I}", help="L,I (default Super's; smaller for a CPU smoke)")
     a = ap.parse_args(argv)
     torch.manual_seed(a.seed)
     dev, K = a.device, a.experts
-    L, I = SUPER.L, SUPER.I
+    L, I = (int(v) for v in a.shape.split(","))
     x = torch.randn(L).bfloat16()                    # the engine's activations are bf16
-    raw = _experts(K, x)
+    raw = _experts(K, x, I)
     x = x.to(dev)
     ug = torch.tensor([r[4] for r in raw], device=dev)
     dg = torch.tensor([r[5] for r in raw], device=dev)
@@ -72,9 +85,9 @@ def main(argv=None) -> int:
         segments = [(e * T, T) for e in range(K)]
         prefill_inputs[path] = (torch.randn(T, L).bfloat16().repeat(K, 1).contiguous().to(dev),
                                 torch.arange(T).repeat(K).to(dev), (torch.rand(T * K) + 0.1).to(dev), segments)
-    wheres = ["vram", "pinned"] if dev == "cuda" else ["vram"]
+    wheres = ["vram", "slab"]
     sizes = [16] + [int(n) for n in a.sizes.split(",") if n.strip()]
-    bad, base = [], {}
+    bad, base, slabs = [], {}, []
     t0 = time.time()
 
     def report(name, n, where, err, err16, tol):
@@ -89,7 +102,7 @@ def main(argv=None) -> int:
         for n in sizes:
             geom = ExpertGeometry(L, I, "nvfp4", down_group_neurons=n)
             host = [pack_expert_block(geom, *r[:4]) for r in raw]
-            blocks = _place(host, where, dev)
+            blocks = _place(host, where, dev, slabs)
             twin_blocks = [b.to(dev) for b in host]
             addrs = block_addresses(blocks, dev)
             first = n == 16
@@ -136,6 +149,8 @@ def main(argv=None) -> int:
                     base[where, path] = got
     if dev == "cuda":
         torch.cuda.synchronize()
+    for slab in slabs:
+        slab.close()
     print(f"{len(bad)} differ{': ' + ', '.join(bad) if bad else ''} ({time.time() - t0:.1f} s)")
     return 1 if bad else 0
 
