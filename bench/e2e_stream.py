@@ -147,6 +147,13 @@ def decode_run(eng, prompts, n_tokens, device):
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
+def down_bytes_per_token(g: dict, uses: int, up_bytes: int) -> float:
+    """The down groups the sparse-down kernels read, per token, from a regime's bytes over the bus: less the up
+    halves of the experts used and less the staged ups of wrong guesses (moved, but not down groups; only a store of
+    16-neuron groups stages ups, so without this N = 16's down bytes came out 32 MB/token high on the H200)."""
+    return g["pcie_bytes_per_token"] - g.get("pcie_wasted_bytes_per_token", 0.0) - uses * up_bytes
+
+
 def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
     """One store per down sub-group size; the RAM and disk regimes on each; the table beside the floors."""
     from bench.ceilings import pipeline_disk_gbps, ratio_or_note
@@ -178,7 +185,7 @@ def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
                 continue
             g = regime(name, cache_bytes, seed, store_path=sdir, into=r)
             dense_ms = r["dense_bytes_per_token"] / (d2d / 2 * 1e9) * 1e3 if d2d else 0.0
-            g["down_bytes_per_token"] = g["pcie_bytes_per_token"] - uses * up_b if counted else None
+            g["down_bytes_per_token"] = down_bytes_per_token(g, uses, up_b) if counted else None
             if name == "ram":
                 floor = max(g["pcie_bytes_per_token"] / (h2d * 1e9) * 1e3, dense_ms) if h2d else None
             else:

@@ -12,6 +12,9 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
 Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
 experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
+Both read 16-neuron down groups: a store split into sub-groups (`--down-group-neurons` < 16) has the launch's down
+sections regrouped into 16-neuron groups on the device first (`regroup_downs`, one launch, exact), then runs as an
+unsplit store does.
 
 `expert_prefill` (one expert per call) is the first build's, kept for bench/kernels.
 
@@ -87,29 +90,51 @@ def _subgroup_codes(base, g, o_l, m_l, m, L, SUB: tl.constexpr):
 
 
 @triton.jit
-def _regroup_down_kernel(addr_ptr, j, down_off, out_ptr, L, SUB: tl.constexpr, BLOCK_L: tl.constexpr):
-    """16-neuron group g of a store split into sub-groups of SUB neurons, written in the 16-neuron layout:
-    values [L, 8] (neurons 2t, 2t+1 in byte t) then the scales [L] of the group's first sub-group."""
+def _regroup_down_kernel(addr_ptr, down_off, out_ptr, out_stride, L, SUB: tl.constexpr, BLOCK_L: tl.constexpr):
+    """16-neuron group g (program 0) of the block at addr_ptr[c] (program 2), split into sub-groups of SUB neurons,
+    written in the 16-neuron layout at out + c · out_stride: values [L, 8] (neurons 2t, 2t+1 in byte t) then the
+    scales [L] of the group's first sub-group."""
     g = tl.program_id(0)
+    c = tl.program_id(2)
     o_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     m_l = o_l < L
-    base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)) + down_off
+    base = tl.load(addr_ptr + c).to(tl.pointer_type(tl.uint8)) + down_off
     o_t = tl.arange(0, 8)
     lo = _subgroup_codes(base, g, o_l, m_l, 2 * o_t, L, SUB)
     hi = _subgroup_codes(base, g, o_l, m_l, 2 * o_t + 1, L, SUB)
-    out = out_ptr + g.to(tl.int64) * (9 * L)
+    out = out_ptr + c.to(tl.int64) * out_stride + g.to(tl.int64) * (9 * L)
     tl.store(out + o_l[:, None] * 8 + o_t[None, :], (lo | (hi << 4)).to(tl.uint8), mask=m_l[:, None])
     sc = tl.load(base + (g * (16 // SUB)).to(tl.int64) * (L * SUB // 2 + L) + L * SUB // 2 + o_l, mask=m_l, other=0)
     tl.store(out + 8 * L + o_l, sc, mask=m_l)
 
 
+def regrouped_bytes(geom: ExpertGeometry) -> int:
+    """Bytes of one expert's down section rewritten as 16-neuron groups (an unsplit block's down section)."""
+    return geom.n_scale_groups * 9 * geom.L
+
+
+def regroup_downs(addrs: torch.Tensor, geom: ExpertGeometry, out: torch.Tensor | None = None,
+                  block_l: int = 128) -> torch.Tensor:
+    """The down sections of the blocks at addrs (int64 [C] on the device; sub-groups of geom.down_group_neurons
+    neurons) rewritten as 16-neuron groups into out[c] (U8 [>= C, regrouped_bytes], a new buffer if None), one
+    launch. A GEMM that reads 16-neuron groups then reads out[c] as expert c's down section (at offset 0)."""
+    assert geom.fmt == "nvfp4" and geom.down_group_neurons != GROUP
+    C, nb = addrs.numel(), regrouped_bytes(geom)
+    if out is None:
+        out = torch.empty((C, nb), dtype=torch.uint8, device=addrs.device)
+    assert out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] >= C and out.shape[1] == nb
+    assert out.is_contiguous()
+    if C:
+        grid = (geom.n_scale_groups, triton.cdiv(geom.L, block_l), C)
+        _regroup_down_kernel[grid](addrs, geom.down_off, out, nb, geom.L, SUB=geom.down_group_neurons,
+                                   BLOCK_L=block_l)
+    return out
+
+
 def regroup_down(addrs: torch.Tensor, j: int, geom: ExpertGeometry, block_l: int = 128) -> torch.Tensor:
     """The down section of block addrs[j] (sub-groups of geom.down_group_neurons neurons) rewritten as 16-neuron
     groups (the layout of an unsplit block's down section) into a new device buffer, U8 [I/16 · 9L]."""
-    out = torch.empty(geom.n_scale_groups * 9 * geom.L, dtype=torch.uint8, device=addrs.device)
-    grid = (geom.n_scale_groups, triton.cdiv(geom.L, block_l))
-    _regroup_down_kernel[grid](addrs, j, geom.down_off, out, geom.L, SUB=geom.down_group_neurons, BLOCK_L=block_l)
-    return out
+    return regroup_downs(addrs[j:j + 1], geom, block_l=block_l).reshape(-1)
 
 
 def expert_prefill_torch(x: torch.Tensor, blk: torch.Tensor, geom: ExpertGeometry, up_global, down_global,
@@ -219,8 +244,16 @@ DEQUANT_TMA_MIN_TOKENS = 1024
 # the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, 4 % of an
 # 8 GB card; the sweep lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
 DEQUANT_SCRATCH_BYTES = 384 << 20
+# a sub-grouped store's fused launch regroups its experts' down sections (1.5 MB per Super expert) into one
+# scratch of at most this; more experts run as several launches
+REGROUP_SCRATCH_BYTES = 384 << 20
 _FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _DEQUANT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def regroup_chunk(geom: ExpertGeometry) -> int:
+    """Experts per fused launch of a sub-grouped store (their regrouped down sections within REGROUP_SCRATCH_BYTES)."""
+    return max(1, REGROUP_SCRATCH_BYTES // regrouped_bytes(geom))
 
 
 def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int, int, int]]:
@@ -231,13 +264,13 @@ def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int,
 def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: ExpertGeometry,
                  path: str = "auto") -> str:
     """"dequant" or "fused": the one `expert_prefill_grouped` runs. The dequantized path multiplies x as bf16 and
-    reads unsplit 16-neuron down groups; it pays its decode (~4 µs per Super expert) back from ~32 rows per expert."""
+    pays its decode (~4 µs per Super expert) back from ~32 rows per expert. Either path takes a store split into down
+    sub-groups: both GEMMs read 16-neuron groups, so the launch regroups its experts' down sections first."""
     if path not in ("auto", "fused", "dequant"):
         raise ValueError(f"path={path!r}: one of auto, fused, dequant")
-    able = x_sorted.dtype == torch.bfloat16 and geom.down_group_neurons == GROUP
+    able = x_sorted.dtype == torch.bfloat16
     if path == "dequant" and not able:
-        raise ValueError(f"the dequantized path needs bf16 x and 16-neuron down groups (x {x_sorted.dtype}, "
-                         f"down_group_neurons {geom.down_group_neurons})")
+        raise ValueError(f"the dequantized path needs bf16 x (x {x_sorted.dtype})")
     if path != "auto":
         return path
     live = [n for _, n in segments if n > 0]
@@ -289,6 +322,13 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
 
 def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h):
     L, I = geom.L, geom.I
+    split = geom.down_group_neurons != GROUP
+    if split and len(segments) > regroup_chunk(geom):     # the regrouped down sections within their bound
+        C = regroup_chunk(geom)
+        for c0 in range(0, len(segments), C):
+            _grouped_fused(x_sorted, segments[c0:c0 + C], addrs[c0:c0 + C], geom, up_global[c0:c0 + C],
+                           down_global[c0:c0 + C], w_sorted, tok_sorted, acc, cfg, h)
+        return acc
     table = tile_table(segments, cfg["BLOCK_M"])
     if not table:
         return acc
@@ -304,9 +344,16 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
     grid = (triton.cdiv(I, cfg["BLOCK_N"]), len(table))
     _grouped_up_kernel[grid](x_sorted[lo:hi], tab, up_global, h, len(table), I, L, x_sorted.stride(0),
                              geom.up_scales_off, **cfg)
+    down_tab, down_off = tab, geom.down_off
+    if split:       # the down GEMM reads 16-neuron groups (LAYOUT 1): it reads the launch's regrouped sections
+        regrouped = regroup_downs(tab[3 * len(table):], geom)     # alive until the GEMM is queued (stream order)
+        nb = regrouped.shape[1]
+        flat[3 * len(table):] = [regrouped.data_ptr() + i * nb for i in range(len(addrs))]
+        down_tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        down_off = 0
     grid = (triton.cdiv(L, cfg["BLOCK_N"]), len(table))
-    _grouped_down_kernel[grid](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
-                               geom.down_off, **cfg)
+    _grouped_down_kernel[grid](h, down_tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
+                               down_off, **cfg)
     return acc
 
 
@@ -343,9 +390,9 @@ DEQUANT_BLOCK = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4)   # 78 % of the devic
 def dequantize(addrs: torch.Tensor, geom: ExpertGeometry, up: torch.Tensor | None, down: torch.Tensor | None,
                down_bf16: bool = False):
     """Blocks at addrs (int64 [C] on the device) -> up[c] = [I, L] bf16 and down[c] = [L, I] fp16 (bf16 if
-    down_bf16), both e2m1 · e4m3 without the global scale. Either output may be None (not decoded)."""
+    down_bf16), both e2m1 · e4m3 without the global scale. Either output may be None (not decoded). A store split
+    into down sub-groups has its blocks' down sections regrouped into 16-neuron groups first (one more launch)."""
     C, L, I = addrs.numel(), geom.L, geom.I
-    assert geom.down_group_neurons == GROUP, "dequantize reads 16-neuron down groups"
     bn, bk, nw = DEQUANT_BLOCK["BLOCK_N"], DEQUANT_BLOCK["BLOCK_K"], DEQUANT_BLOCK["num_warps"]
     if up is not None:
         assert up.dtype == torch.bfloat16 and up.numel() >= C * I * L and up.is_contiguous()
@@ -355,7 +402,13 @@ def dequantize(addrs: torch.Tensor, geom: ExpertGeometry, up: torch.Tensor | Non
     if down is not None:
         assert down.dtype == (torch.bfloat16 if down_bf16 else torch.float16) and down.numel() >= C * L * I
         assert down.is_contiguous()
-        _dequant_kernel[(triton.cdiv(L, bn), triton.cdiv(I, bk), C)](addrs, geom.down_off, geom.down_off, down, L, I,
+        d_addrs, d_off = addrs, geom.down_off
+        if geom.down_group_neurons != GROUP:     # LAYOUT 1 reads 16-neuron groups: regroup the sub-groups first
+            regrouped = regroup_downs(addrs, geom)          # alive until the decode is queued (stream order)
+            rows = torch.arange(C, dtype=torch.int64, device=addrs.device)
+            d_addrs = regrouped.data_ptr() + rows * regrouped.shape[1]
+            d_off = 0
+        _dequant_kernel[(triton.cdiv(L, bn), triton.cdiv(I, bk), C)](d_addrs, d_off, d_off, down, L, I,
                                                                      LAYOUT=1, OUT_BF16=down_bf16, BLOCK_N=bn,
                                                                      BLOCK_K=bk, num_warps=nw)
 

@@ -27,3 +27,14 @@ def test_a_checkpoint_written_with_other_synth_knobs_is_not_reused(tmp_path):
     with pytest.raises(RuntimeError, match="tools.repack"):
         e2e_stream.main(["--work", str(tmp_path), "--device", "cpu", "--down-group-neurons", "16",
                          "--synth-args", "--sparsity 0.92"])
+
+
+def test_down_bytes_leave_out_the_up_halves_and_the_wrong_guesses_staged():
+    """The bus carries the used experts' ups, the down groups read, and the staged ups of guesses the router did not
+    choose; the sub-group table's down bytes are the second alone. Twin: without the wrong guesses' ups taken out
+    (the first GPU table's N = 16 row), the down bytes come out high by exactly those."""
+    uses, up_b, down, wasted = 44, 1_548_288, 23_250_000.0, 32_126_976.0
+    g = dict(pcie_bytes_per_token=uses * up_b + down + wasted, pcie_wasted_bytes_per_token=wasted)
+    assert e2e_stream.down_bytes_per_token(g, uses, up_b) == down
+    assert e2e_stream.down_bytes_per_token(dict(pcie_bytes_per_token=uses * up_b + down), uses, up_b) == down
+    assert g["pcie_bytes_per_token"] - uses * up_b == down + wasted != down

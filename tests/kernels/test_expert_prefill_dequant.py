@@ -95,7 +95,7 @@ def test_size_switch_and_block_reads():
     assert ep.grouped_path(xb, many, geom) == "dequant" and ep.grouped_path(xb, few, geom) == "fused"
     assert ep.grouped_path(xf, many, geom) == "fused"                        # fp32 x: only the fused path takes it
     split = ExpertGeometry(L, I, "nvfp4", down_group_neurons=4)
-    assert ep.grouped_path(xb, many, split) == "fused"
+    assert ep.grouped_path(xb, many, split) == "dequant"                    # sub-groups: regrouped first
     assert ep.grouped_path(xb, many, geom, "fused") == "fused"
     with pytest.raises(ValueError, match="bf16 x"):
         ep.grouped_path(xf, many, geom, "dequant")
