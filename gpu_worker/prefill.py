@@ -17,7 +17,7 @@ is per token of the span:
                     the token and weight of each sorted row), the fp32 sum of the routed experts
   logits            one row, or every row with all_logits (fp32), after the last layer
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: 512 tokens for a large one, down to one Mamba scan chunk): the normed input and rms_norm's fp32
+from the budget: 512 tokens for a large one, down to one Mamba scan chunk, Mamba layers on their own): the normed input and rms_norm's fp32
 copies, the mixer's output, the MoE's router scores, latent projections and shared expert, and one piece of a Mamba2
 mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's fp32 temporaries, plus one scan
 chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so the mixer needs no more); an
@@ -92,11 +92,9 @@ def _moe_piece_per_token(cfg, e: int) -> int:
 
 
 def _piece_per_token(cfg, e: int) -> int:
-    """The largest per-token temporaries of a piece, over the layer kinds of cfg (the norm's included)."""
+    """The largest per-token temporaries of a piece, over the layer kinds of cfg but Mamba (the norm's included)."""
     H, kinds = cfg.hidden_size, set(cfg.layer_types)
     per = [2 * e * H + 8 * H]
-    if MAMBA in kinds:
-        per.append(_mamba_piece_per_token(cfg, e))
     if MOE in kinds:
         per.append(_moe_piece_per_token(cfg, e))
     if MLP in kinds:
@@ -112,10 +110,16 @@ def span_plan(cfg, dtype, budget_bytes: int) -> SpanPlan:
     temporaries take more than an eighth (not below one Mamba scan chunk)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
-    tokens, per = PIECE_TOKENS, _piece_per_token(cfg, e)
-    while tokens > cfg.chunk_size and tokens * per > budget_bytes // 8:
-        tokens //= 2
-    return SpanPlan(Pieces(tokens=tokens, score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
+
+    def halved(per: int) -> int:
+        tokens = PIECE_TOKENS
+        while tokens > cfg.chunk_size and tokens * per > budget_bytes // 8:
+            tokens //= 2
+        return tokens
+    H = cfg.hidden_size
+    mamba = halved(2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) if MAMBA in cfg.layer_types else 0
+    return SpanPlan(Pieces(tokens=halved(_piece_per_token(cfg, e)), mamba_tokens=mamba,
+                           score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)))
 
 
@@ -134,9 +138,10 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
     if n_mamba:
         conv, nh = cfg.conv_dim, cfg.mamba_num_heads
         t["states"] = n_mamba * ((cfg.conv_kernel - 1) * conv * e + nh * cfg.mamba_head_dim * cfg.ssm_state_size * 4)
-        Q = min(cfg.chunk_size, P)
+        Pm = min(T, plan.pieces.tokens_for(cfg, mamba=True))
+        Q = min(cfg.chunk_size, Pm)
         scan = 6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4
-        t["mamba"] = around + P * _mamba_piece_per_token(cfg, e) + scan
+        t["mamba"] = Pm * (2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) + scan
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         caps = [max(past, 256)] * n_attn if kv_rows is None else list(kv_rows)

@@ -42,15 +42,17 @@ class Pieces:
     a small budget."""
     tokens: int = PIECE_TOKENS
     score_bytes: int = 0
+    mamba_tokens: int = 0      # a Mamba layer's pieces (0: `tokens`): its temporaries per token are ~5x the others'
 
     def __post_init__(self):
-        if self.tokens < 1 or self.score_bytes < 0:
-            raise ValueError(f"pieces of {self.tokens} tokens and {self.score_bytes} score bytes: tokens must be "
-                             f">= 1, score bytes >= 0")
+        if self.tokens < 1 or self.score_bytes < 0 or self.mamba_tokens < 0:
+            raise ValueError(f"pieces of {self.tokens} tokens ({self.mamba_tokens} in Mamba layers) and "
+                             f"{self.score_bytes} score bytes: tokens must be >= 1, the others >= 0")
 
-    def tokens_for(self, config) -> int:
+    def tokens_for(self, config, mamba: bool = False) -> int:
+        n = (self.mamba_tokens or self.tokens) if mamba else self.tokens
         q = config.chunk_size
-        return self.tokens // q * q if self.tokens >= q else self.tokens
+        return n // q * q if n >= q else n
 
     def queries_for(self, config, keys: int, act_bytes: int, step: int) -> int:
         """Queries per attention piece over `keys` keys (as nemotron.attention.query_block prices a score)."""
@@ -246,7 +248,7 @@ class NemotronH:
                 # every routed expert once per piece
                 x += mixer(rms_norm(x, norm, eps))
                 continue
-            layer_step = step
+            layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
             if isinstance(s, KVCache):
                 _grow_kv(s, s.length + T)
                 layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)

@@ -145,7 +145,40 @@ def test_super_span_at_512_mib():
     assert n >= SPAN_AT_512_MIB
     assert span_bytes(cfg, torch.bfloat16, n, plan=plan) <= budget < span_bytes(cfg, torch.bfloat16, n + 1, plan=plan)
     assert span_bytes(cfg, torch.bfloat16, n, plan=SpanPlan()) > budget
-    assert plan.launch() <= budget // 4 and plan.pieces.tokens % cfg.chunk_size == 0
+    assert plan.launch() <= budget // 4 and plan.pieces.tokens_for(cfg, mamba=True) % cfg.chunk_size == 0
+
+
+def test_bench_shape_takes_16k_in_one_span_at_512_mib():
+    """bench.prefill's Super shape (4 MoE layers, 9 layers): a 16,000-token prompt in one span at 512 MiB (987
+    tokens before, issue 13's 4,000-token prompt in 5 spans); the twin, a budget below its estimate, splits it."""
+    cfg = NemotronHConfig.from_dict(build_config("super", "nvfp4", argparse.Namespace(pattern=None, moe_layers=4)))
+    budget = 512 << 20
+    assert prefill_span(cfg, torch.bfloat16, budget, cap=16000) == 16000
+    need = span_bytes(cfg, torch.bfloat16, 16000, plan=span_plan(cfg, torch.bfloat16, budget))
+    assert need <= budget and prefill_span(cfg, torch.bfloat16, need // 2, cap=16000) < 16000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped Triton launches and the staging ring: CUDA")
+@pytest.mark.parametrize("path", ["staged", "zero_copy"])
+def test_gpu_small_launches_equal_large(tiny_model, tmp_path, monkeypatch, path):
+    """On the GPU (bf16), a launch budget of one expert with its rows in windows (and a ring of two slots) gives the
+    logits of the default launches."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(6).integers(14, 1000, size=900)]
+    outs = []
+    for launch in (streaming.PREFILL_BATCH_BYTES, 40 << 10):
+        monkeypatch.setattr(streaming, "PREFILL_BATCH_BYTES", launch)
+        with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2,
+                             device="cuda", dtype=torch.bfloat16) as eng:
+            eng.experts.prefill_weights = path
+            outs.append(prefill(eng.model, ids, eng.model.new_state()).float().cpu())
+            last = eng.experts.prefill_acct.last
+            if launch < 1 << 20:
+                assert last.launches > last.distinct_experts
+    a, b = (torch.log_softmax(o.double(), -1) for o in outs)
+    kl = float((a.exp() * (a - b)).sum(-1).mean())
+    print(f"{path}: KL small launches vs default {kl:.2e}")
+    assert kl < 1e-3 and int(outs[0].argmax()) == int(outs[1].argmax())
 
 
 def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
