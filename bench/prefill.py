@@ -486,7 +486,8 @@ def main(argv=None):
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}")
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB | {r['tokens']} tokens | spans {r['spans']} | "
-              f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f}"
+              f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
+              f"{r['estimated_bytes'] / 2**20:.0f}"
               f" | peak within the estimate: {r['peak_within_estimate']}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]

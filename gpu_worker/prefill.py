@@ -17,16 +17,16 @@ is per token of the span:
                     the token and weight of each sorted row), the fp32 sum of the routed experts
   logits            one row, or every row with all_logits (fp32), after the last layer
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: 512 tokens for a large one, down to one Mamba scan chunk, Mamba layers on their own): the normed input and rms_norm's fp32
-copies, the mixer's output, the MoE's router scores, latent projections and shared expert, and one piece of a Mamba2
-mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's fp32 temporaries, plus one scan
-chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so the mixer needs no more); an
-attention layer runs as many queries per piece as keep one piece's scores within the plan's score bytes (a 16k
-tail never holds T x T scores for all heads at once). An MoE layer's grouped expert launches keep their device
-buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered in expert order, for that
-launch's experts only) within the plan's launch bytes (`gpu_worker.streaming.launch_limits`). The largest layer
-decides, since layers run one after the other. bench/prefill.py checks the estimate against the device's measured
-peak, with a budget that splits a long prompt.
+from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
+input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
+expert, and one piece of a Mamba2 mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's
+fp32 temporaries, plus one scan chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so
+the mixer needs no more); an attention layer runs as many queries per piece as keep one piece's scores within the
+plan's score bytes (a 16k tail never holds T x T scores for all heads at once). An MoE layer's grouped expert
+launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
+in expert order, for that launch's experts only) within the plan's launch bytes
+(`gpu_worker.streaming.launch_limits`). The largest layer decides, since layers run one after the other.
+bench/prefill.py checks the estimate against the device's measured peak, with a budget as the server gives it.
 """
 from __future__ import annotations
 

@@ -577,7 +577,7 @@ class StreamingExperts(ExpertSource):
     def _stage(self, slots) -> list[int]:
         n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
         if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
-            self._ring = None
+            self._ring = None            # a budget changed: the old ring goes before the new one is allocated
             self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device)
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
         return self._ring.stage([self.slab[s] for s in slots], events)
