@@ -21,8 +21,9 @@ from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's
 fp32 temporaries, plus one scan chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so
-the mixer needs no more); an attention layer runs as many queries per piece as keep one piece's scores within the
-plan's score bytes (a 16k tail never holds T x T scores for all heads at once). An MoE layer's grouped expert
+the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
+else it runs as many queries per piece as keep one piece's scores within the plan's score bytes (a 16k tail never
+holds T x T scores for all heads at once). An MoE layer's grouped expert
 launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
 in expert order, for that launch's experts only) within the plan's launch bytes
 (`gpu_worker.streaming.launch_limits`). The largest layer decides, since layers run one after the other.
@@ -71,6 +72,7 @@ class SpanPlan:
     hold (0: gpu_worker.streaming.PREFILL_BATCH_BYTES)."""
     pieces: Pieces = Pieces()
     launch_bytes: int = 0
+    fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
 
     def launch(self) -> int:
         from gpu_worker.streaming import PREFILL_BATCH_BYTES
@@ -104,10 +106,11 @@ def _piece_per_token(cfg, e: int) -> int:
     return 2 * e * H + 8 * H + max(per)
 
 
-def span_plan(cfg, dtype, budget_bytes: int) -> SpanPlan:
+def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
     """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
     attention scores within a quarter (SCORE_BYTES at most), pieces of PIECE_TOKENS halved while one piece's
-    temporaries take more than an eighth (not below one Mamba scan chunk)."""
+    temporaries take more than an eighth (not below one Mamba scan chunk). `device`: where the forward runs (on
+    CUDA attention holds no scores)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
@@ -120,7 +123,8 @@ def span_plan(cfg, dtype, budget_bytes: int) -> SpanPlan:
     mamba = halved(2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) if MAMBA in cfg.layer_types else 0
     return SpanPlan(Pieces(tokens=halved(_piece_per_token(cfg, e)), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
-                    launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)))
+                    launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
+                    fused_attention=device is not None and torch.device(device).type == "cuda")
 
 
 def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
@@ -148,8 +152,12 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
         need = past + T                  # forward grows a short cache to exactly this, one layer at a time
         t["kv"] = 2 * nkv * hd * e * (sum(max(c, need) for c in caps) + max([c for c in caps if c < need], default=0))
         S = past + T
-        q = plan.pieces.queries_for(cfg, S, e, P)
-        t["attention"] = around + q * e * (2 * nq + 2 * nkv) * hd + nq * q * S * (2 * e + 8)
+        if plan.fused_attention:         # flash / cuDNN / memory-efficient SDPA: the fp32 log-sum-exp rows
+            q, scores = P, 4 * nq * P
+        else:
+            q = plan.pieces.queries_for(cfg, S, e, P)
+            scores = nq * q * S * (2 * e + 8)
+        t["attention"] = around + q * e * (2 * nq + 2 * nkv) * hd + scores
     if MOE in kinds:
         Lat = cfg.moe_latent_size or H
         k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -173,10 +181,10 @@ def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
 
 
 def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool = False, cap: int = 1 << 20,
-                 kv_rows: list[int] | None = None) -> int:
-    """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces;
-    kv_rows as `span_terms` takes them."""
-    plan = span_plan(cfg, dtype, budget_bytes)
+                 kv_rows: list[int] | None = None, device=None) -> int:
+    """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces on
+    `device`; kv_rows as `span_terms` takes them."""
+    plan = span_plan(cfg, dtype, budget_bytes, device)
     lo, hi = 1, cap
     while lo < hi:                      # span_bytes grows with tokens: the largest span that fits
         mid = (lo + hi + 1) // 2
@@ -219,7 +227,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
         return None
     cfg = model.config
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
-    plan = span_plan(cfg, model.dtype, budget)
+    plan = span_plan(cfg, model.dtype, budget, model.device)
     source = _streaming_source(model)       # accounts per prompt
     if source is not None:
         source.begin_prompt(launch_bytes=plan.launch())
@@ -230,7 +238,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled between spans")
             span = prefill_span(cfg, model.dtype, budget, state.position, all_logits, cap=end - pos,
-                                kv_rows=kv_rows(state))
+                                kv_rows=kv_rows(state), device=model.device)
             if max_span:
                 span = min(span, max_span)
             e = min(end, pos + span)

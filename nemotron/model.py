@@ -36,9 +36,9 @@ PIECE_TOKENS = 512    # forward's default piece: a multiple of every preset's Ma
 class Pieces:
     """How `forward` bounds the per-layer temporaries of a long call: `tokens` per piece (the norm, the mixer, the
     residual add, an MoE layer's router, latent projections and shared expert; rounded down to a whole number of
-    Mamba scan chunks, so that the pieces cut the scan where it cuts itself), and an attention layer's queries per
-    piece so that one piece's scores stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of
-    its own query blocks). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
+    Mamba scan chunks, so that the pieces cut the scan where it cuts itself), and, where attention computes its
+    scores explicitly (not CUDA's fused launch), an attention layer's queries per piece so that one piece's scores
+    stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of its own query blocks). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
     a small budget."""
     tokens: int = PIECE_TOKENS
     score_bytes: int = 0
@@ -251,7 +251,8 @@ class NemotronH:
             layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
             if isinstance(s, KVCache):
                 _grow_kv(s, s.length + T)
-                layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
+                if not x.is_cuda:   # CUDA attends in one fused SDPA launch a piece, which holds no scores
+                    layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
             for a, b in moe_pieces(T, layer_step):
                 h = rms_norm(x[a:b], norm, eps)
                 x[a:b] += mixer(h) if s is None else mixer(h, s)
