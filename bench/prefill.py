@@ -16,6 +16,8 @@ One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
   profile   (--profile) each RAM-regime prompt once more under gpu_worker.prefill_profile: ms per layer kind, the
             routed experts' share of it (waiting for the disk, grouped launches, staging copies); syncs at every
             layer boundary, so its TTFT is reported beside the plain one
+  budget    (--budget-mb, 512 by default) the RAM regime's prompts of 1,000 tokens and more under that budget, as
+            the server runs them: spans, TTFT, the measured peak against the estimate of the largest span
 Each TTFT beside its floor = max(distinct expert bytes the prompt routes to / H2D, distinct expert bytes it routes
 to that were not in the cache at its start / disk ceiling, FLOPs / GEMM rate): the bytes that must move once,
 never the bytes the run happened to read. A ratio under 0.97 means the floor is wrong: it is not printed.
@@ -284,6 +286,42 @@ def ttft(eng, ids, device) -> dict:
                 peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids)))
 
 
+def budgeted(eng, ids, device, budget: int) -> dict:
+    """One prompt under a stated budget, as the server runs it (`--vram-gb`: the engine's reserve is the prefill's
+    budget): its spans, the measured peak beside the budget and beside the model's estimate of its largest span
+    (gpu_worker/prefill.py, with the plan and the KV capacities each span was planned with)."""
+    from gpu_worker.prefill import kv_rows, prefill, span_bytes, span_plan
+    m = eng.model
+    plan = span_plan(m.config, m.dtype, budget, m.device)
+    prefill(m, ids[::-1], m.new_state(), budget_bytes=budget)     # the launches of this budget compiled: untimed
+    spans, est, fwd = [], 0, m.forward
+
+    def spy(part, state, *a, **kw):
+        nonlocal est
+        est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=plan, kv_rows=kv_rows(state)))
+        spans.append(len(part))
+        return fwd(part, state, *a, **kw)
+    cuda = str(device).startswith("cuda")
+    m.forward = spy
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            mem0 = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        logits = prefill(m, ids, m.new_state(), budget_bytes=budget)
+        tok = int(logits[-1].argmax())
+        sec = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
+    finally:
+        del m.forward
+    return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
+                tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
+                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, score_bytes=plan.pieces.score_bytes,
+                                               launch_bytes=plan.launch()),
+                peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
+
+
 def profiled(eng, ids, device) -> dict:
     """The same prompt once more under the per-stage profile (gpu_worker/prefill_profile.py)."""
     from gpu_worker.prefill import prefill
@@ -322,6 +360,9 @@ def main(argv=None):
                     help="comma list of the prefetcher's prefill read rules to run the disk regime under")
     ap.add_argument("--experts", type=int, help="tools.synth knob (a new --work only): routed experts per layer")
     ap.add_argument("--top-k", type=int, help="tools.synth knob (a new --work only): experts per token")
+    ap.add_argument("--budget-mb", type=int, default=512,
+                    help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
+                         "reserve through the server): spans, peak against the estimate; 0: not run")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
@@ -386,7 +427,7 @@ def main(argv=None):
             ids += [t for t in more if t < vocab][:n - len(ids)]
         return ids
 
-    def regime(name, cache_bytes, warm, paths=("staged",), profile=False):
+    def regime(name, cache_bytes, warm, paths=("staged",), profile=False, budget=False):
         out = {}
         with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=device,
                              dtype=torch.bfloat16 if cuda else torch.float32) as eng:
@@ -415,11 +456,19 @@ def main(argv=None):
                     print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
+            if budget and a.budget_mb:
+                eng.experts.prefill_weights = paths[0] if cuda else eng.experts.prefill_weights
+                res["budget"] = []
+                for n in [n for n in sizes if n >= 1000]:
+                    r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                    res["budget"].append(r)
+                    print("budget", json.dumps(r, default=float), flush=True)
+                    save()
         return out
 
     if "ram" not in skip:
         res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
-                            paths=("staged", "zero_copy") if cuda else ("cpu",), profile=a.profile)
+                            paths=("staged", "zero_copy") if cuda else ("cpu",), profile=a.profile, budget=True)
         save()
     if "disk" not in skip:
         import os
@@ -457,6 +506,11 @@ def main(argv=None):
                       f"({r['forced_reads']}) | "
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f} | "
                       + (f"{r['ttft_cold_s']:.3f}" if r.get("ttft_cold_s") is not None else "-"))
+    for r in res.get("budget", []):
+        print(f"budget {r['budget_bytes'] >> 20} MiB | {r['tokens']} tokens | spans {r['spans']} | "
+              f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
+              f"{r['estimated_bytes'] / 2**20:.0f}"
+              f" | peak within the estimate: {r['peak_within_estimate']}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]
     if profiles:

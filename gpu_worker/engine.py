@@ -81,11 +81,12 @@ class StreamingEngine:
     def new_state(self):
         return self.model.new_state()
 
-    def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None, cancel=None):
-        """The model's forward (prefill, image rows, `cancel` checked per layer), always eager: see
-        `NemotronH.forward`."""
+    def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None, cancel=None,
+                pieces=None):
+        """The model's forward (prefill, image rows, `cancel` checked per layer, `pieces` bounding a long call's
+        temporaries), always eager: see `NemotronH.forward`."""
         return self.model.forward(ids, state, last_only=last_only, image_embeds=image_embeds,
-                                  image_positions=image_positions, cancel=cancel)
+                                  image_positions=image_positions, cancel=cancel, pieces=pieces)
 
     # what the one prefill loop (gpu_worker/prefill.py) reads of the model it runs, so it takes the engine too
     @property

@@ -7,18 +7,27 @@ calls as memory allows: `prefill_span` gives the longest span whose activations 
 split only when that is shorter than the tail. (A first build fed fixed 512-token chunks, which re-read every
 layer's experts per chunk: 20.7 GB from disk for a 2,000-token prompt of a 12.7 GB expert set.)
 
-The budget's model of memory (`span_bytes`), written from the layers' code, per token of the span:
-  residual stream   x, the normed h, the mixer's output and the sum (activation dtype), rms_norm's fp32 copies
-  attention         q, k, v, the output and the KV cache's growth (capacity doubles: old + new while copying)
-  MoE               latent input, router scores, top-k, shared expert, the accumulator, the experts' tokens in
-                    expert order
-  logits            one row, or every row with all_logits
-and, once per span (each no more than the span needs): one piece of a Mamba2 mixer (`nemotron.mamba.PIECE_TOKENS`
-tokens: in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's fp32 temporaries, and one scan
-chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so the mixer needs no more), one
-query block of attention scores (`nemotron.attention.SCORE_BYTES`: a 16k tail never holds T x T scores for all
-heads at once), and one grouped expert launch's ReLU² rows (`gpu_worker.streaming.PREFILL_BATCH_BYTES`). The largest layer decides, since layers run
-one after the other. bench/prefill.py checks the estimate against the device's measured peak.
+The budget's model of memory (`span_bytes`), written from the layers' code. Only what must live across a layer
+is per token of the span:
+  residual stream   x [T, hidden] (activation dtype)
+  states            the KV rows of every attention layer, grown once per span to their new length where the capacity
+                    is short (one layer's old buffer alive while it is copied; `prefill` passes the capacities the
+                    state holds); the sequence's Mamba conv and SSM states (fixed, already there)
+  MoE layer         the routed experts' latent input, their choice and weights, the sort by expert (its indices and
+                    the token and weight of each sorted row), the fp32 sum of the routed experts
+  logits            one row, or every row with all_logits (fp32), after the last layer
+Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
+from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
+input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
+expert, and one piece of a Mamba2 mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's
+fp32 temporaries, plus one scan chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so
+the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
+else it runs as many queries per piece as keep one piece's scores within the plan's score bytes (a 16k tail never
+holds T x T scores for all heads at once). An MoE layer's grouped expert
+launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
+in expert order, for that launch's experts only) within the plan's launch bytes
+(`gpu_worker.streaming.launch_limits`). The largest layer decides, since layers run one after the other.
+bench/prefill.py checks the estimate against the device's measured peak, with a budget as the server gives it.
 """
 from __future__ import annotations
 
@@ -27,10 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nemotron.attention import SCORE_BYTES
+from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.mamba import PIECE_TOKENS as MAMBA_PIECE_TOKENS
-from nemotron.model import Cancelled
+from nemotron.model import PIECE_TOKENS, Cancelled, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
 
@@ -58,46 +66,129 @@ def _act_bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False) -> int:
-    """Peak device bytes beyond the weights of one forward over `tokens` new tokens after `past` (see the module
-    docstring for what is counted)."""
+@dataclass(frozen=True)
+class SpanPlan:
+    """What a budget buys beside the span's length: forward's pieces, and the bytes one grouped expert launch may
+    hold (0: gpu_worker.streaming.PREFILL_BATCH_BYTES)."""
+    pieces: Pieces = Pieces()
+    launch_bytes: int = 0
+    fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
+
+    def launch(self) -> int:
+        from gpu_worker.streaming import PREFILL_BATCH_BYTES
+        return self.launch_bytes or PREFILL_BATCH_BYTES
+
+
+def _mamba_piece_per_token(cfg, e: int) -> int:
+    I, conv = cfg.mamba_intermediate, cfg.conv_dim
+    return e * (I + conv + cfg.mamba_num_heads + 2 * conv) + 16 * conv + 28 * I + 8 * cfg.n_groups * cfg.ssm_state_size
+
+
+def _moe_piece_per_token(cfg, e: int) -> int:
+    """An MoE layer's head and tail per token of a piece: the router's and the next router's fp32 scores, choice and
+    top-k, the latent projection, the shared expert's up and down, the routed sum cast, projected back and added."""
+    H, E = cfg.hidden_size, cfg.n_routed_experts
+    Lat = cfg.moe_latent_size or H
+    S = cfg.moe_shared_expert_intermediate_size if cfg.n_shared_experts else 0
+    return 24 * E + 2 * e * Lat + 2 * e * S + 3 * e * H
+
+
+def _piece_per_token(cfg, e: int) -> int:
+    """The largest per-token temporaries of a piece, over the layer kinds of cfg but Mamba (the norm's included)."""
+    H, kinds = cfg.hidden_size, set(cfg.layer_types)
+    per = [2 * e * H + 8 * H]
+    if MOE in kinds:
+        per.append(_moe_piece_per_token(cfg, e))
+    if MLP in kinds:
+        per.append(2 * e * cfg.intermediate_size)
+    if ATTENTION in kinds:
+        per.append(e * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim)
+    return 2 * e * H + 8 * H + max(per)
+
+
+def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
+    """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
+    attention scores within a quarter (SCORE_BYTES at most), pieces of PIECE_TOKENS halved while one piece's
+    temporaries take more than an eighth (not below one Mamba scan chunk). `device`: where the forward runs (on
+    CUDA attention holds no scores)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    e = _act_bytes(dtype)
+
+    def halved(per: int) -> int:
+        tokens = PIECE_TOKENS
+        while tokens > cfg.chunk_size and tokens * per > budget_bytes // 8:
+            tokens //= 2
+        return tokens
+    H = cfg.hidden_size
+    mamba = halved(2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) if MAMBA in cfg.layer_types else 0
+    return SpanPlan(Pieces(tokens=halved(_piece_per_token(cfg, e)), mamba_tokens=mamba,
+                           score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
+                    launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
+                    fused_attention=device is not None and torch.device(device).type == "cuda")
+
+
+def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
+               plan: SpanPlan | None = None, kv_rows: list[int] | None = None) -> dict:
+    """`span_bytes`' terms by name: what lives across the layers (x, states, kv), each layer kind's peak beside them
+    (mamba, attention, moe, mlp) and the logits after the last layer. kv_rows: each attention layer's KV capacity
+    now (None: what a fresh state or a prefill leaves, max(past, 256) rows)."""
+    plan = plan or SpanPlan()
     e, H, T = _act_bytes(dtype), cfg.hidden_size, tokens
-    stream = T * (4 * e * H + 8 * H)
+    P = min(T, plan.pieces.tokens_for(cfg))
+    n_mamba, n_attn = cfg.layer_types.count(MAMBA), cfg.layer_types.count(ATTENTION)
     kinds = set(cfg.layer_types)
-    per_layer, fixed = [0], [0]
-    if MAMBA in kinds:
-        I, conv, nh = cfg.mamba_intermediate, cfg.conv_dim, cfg.mamba_num_heads
-        P = I + conv + nh
-        piece = min(T, cfg.chunk_size * max(1, MAMBA_PIECE_TOKENS // cfg.chunk_size))
-        Q = min(cfg.chunk_size, T)
-        fixed.append(piece * (e * (P + 2 * conv) + 16 * conv + 28 * I + 8 * cfg.n_groups * cfg.ssm_state_size)
-                     + 6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4)
-    n_attn = cfg.layer_types.count(ATTENTION)
-    kv = 0
+    t = dict(x=T * e * H, states=0, kv=0)
+    around = P * (2 * e * H + 8 * H)     # a piece's normed input, rms_norm's fp32 copies, the mixer's output
+    if n_mamba:
+        conv, nh = cfg.conv_dim, cfg.mamba_num_heads
+        t["states"] = n_mamba * ((cfg.conv_kernel - 1) * conv * e + nh * cfg.mamba_head_dim * cfg.ssm_state_size * 4)
+        Pm = min(T, plan.pieces.tokens_for(cfg, mamba=True))
+        Q = min(cfg.chunk_size, Pm)
+        scan = 6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4
+        t["mamba"] = Pm * (2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) + scan
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        per_layer.append(T * e * (2 * nq + 2 * nkv) * hd)
-        kv = 3 * 2 * nkv * hd * e * n_attn * (past + T)
-        fixed.append(min(SCORE_BYTES, nq * T * (past + T) * (2 * e + 8)))
+        caps = [max(past, 256)] * n_attn if kv_rows is None else list(kv_rows)
+        need = past + T                  # forward grows a short cache to exactly this, one layer at a time
+        t["kv"] = 2 * nkv * hd * e * (sum(max(c, need) for c in caps) + max([c for c in caps if c < need], default=0))
+        S = past + T
+        if plan.fused_attention:         # flash / cuDNN / memory-efficient SDPA: the fp32 log-sum-exp rows
+            q, scores = P, 4 * nq * P
+        else:
+            q = plan.pieces.queries_for(cfg, S, e, P)
+            scores = nq * q * S * (2 * e + 8)
+        t["attention"] = around + q * e * (2 * nq + 2 * nkv) * hd + scores
     if MOE in kinds:
         Lat = cfg.moe_latent_size or H
-        k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
-        S = cfg.moe_shared_expert_intermediate_size if cfg.n_shared_experts else 0
-        per_layer.append(T * (2 * e * Lat + 12 * E + 12 * k + 2 * e * S + e * H + 4 * Lat + k * (e * Lat + 16)))
-        fixed.append(min(PREFILL_BATCH_BYTES, T * k * cfg.moe_intermediate_size * 2))
+        k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        span = T * (e * Lat + 4 * Lat + 44 * k)  # latent in, fp32 sum; choice 8 + 4, sort 32 (+ scratch), token, weight
+        launch = min(plan.launch(), T * k * (2 * I + e * Lat + 20) + min(32, cfg.n_routed_experts) * 8 * Lat * I)
+        t["moe"] = span + max(launch, around + P * _moe_piece_per_token(cfg, e))
     if MLP in kinds:
-        per_layer.append(T * 2 * e * cfg.intermediate_size)
-    logits = (T if all_logits else 1) * cfg.vocab_size * (4 + e)
-    return stream + max(per_layer) + kv + logits + max(fixed)
+        t["mlp"] = around + P * 2 * e * cfg.intermediate_size
+    rows = T if all_logits else 1
+    t["logits"] = rows * cfg.vocab_size * 4 + min(rows, P) * (cfg.vocab_size * e + 8 * H)
+    return t
 
 
-def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool = False, cap: int = 1 << 20) -> int:
-    """The most tokens one forward may take within `budget_bytes` (at least 1)."""
+def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False, plan: SpanPlan | None = None,
+               kv_rows: list[int] | None = None) -> int:
+    """Peak device bytes beyond the weights of one forward over `tokens` new tokens after `past`, run with `plan`'s
+    pieces and launches (default: a large budget's; see the module docstring for what is counted)."""
+    t = span_terms(cfg, dtype, tokens, past, all_logits, plan, kv_rows)
+    lasting = t["x"] + t["states"] + t["kv"]
+    return lasting + max(t.get(k, 0) for k in ("mamba", "attention", "moe", "mlp", "logits"))
+
+
+def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool = False, cap: int = 1 << 20,
+                 kv_rows: list[int] | None = None, device=None) -> int:
+    """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces on
+    `device`; kv_rows as `span_terms` takes them."""
+    plan = span_plan(cfg, dtype, budget_bytes, device)
     lo, hi = 1, cap
     while lo < hi:                      # span_bytes grows with tokens: the largest span that fits
         mid = (lo + hi + 1) // 2
-        if span_bytes(cfg, dtype, mid, past, all_logits) <= budget_bytes:
+        if span_bytes(cfg, dtype, mid, past, all_logits, plan, kv_rows) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -111,6 +202,11 @@ def default_budget(device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     return CPU_BUDGET_BYTES
+
+
+def kv_rows(state) -> list[int]:
+    """Each attention layer's KV capacity in rows, as `span_terms` takes them."""
+    return [s.k.shape[0] for s in state.layers if isinstance(s, KVCache)]
 
 
 def _streaming_source(model):
@@ -131,21 +227,23 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
         return None
     cfg = model.config
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
+    plan = span_plan(cfg, model.dtype, budget, model.device)
     source = _streaming_source(model)       # accounts per prompt
     if source is not None:
-        source.begin_prompt()
+        source.begin_prompt(launch_bytes=plan.launch())
     t0 = time.perf_counter()
     parts, pos = [], start
     try:
         while pos < end:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled between spans")
-            span = prefill_span(cfg, model.dtype, budget, state.position, all_logits, cap=end - pos)
+            span = prefill_span(cfg, model.dtype, budget, state.position, all_logits, cap=end - pos,
+                                kv_rows=kv_rows(state), device=model.device)
             if max_span:
                 span = min(span, max_span)
             e = min(end, pos + span)
             kw = images.within(pos, e) if images is not None else {}
-            out = model.forward(ids[pos:e], state, last_only=not all_logits, cancel=cancel, **kw)
+            out = model.forward(ids[pos:e], state, last_only=not all_logits, cancel=cancel, pieces=plan.pieces, **kw)
             parts.append(out if all_logits else out[-1:])
             pos = e
     except Cancelled:

@@ -24,10 +24,22 @@ from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
 from nemotron.moe import DecodeRoute, ExpertSource
 
-PREFILL_BATCH_BYTES = 256 << 20     # one grouped prefill launch's ReLU² rows (fp16) at most
-PREFILL_RING_SLOTS = 64             # staged weights: device slots the copy engine fills (two launches' experts, so
-                                    # that one launch's copies overlap the kernels of the one before)
+PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers at most (`launch_limits`); a prefill
+                                    # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
+PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
+
+
+def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int) -> tuple[int, int]:
+    """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
+    per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
+    kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
+    row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
+    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile."""
+    per_expert = 2 * block_stride + 4 * L * I
+    experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes // 2) // per_expert))
+    per_row = 2 * I + act_bytes * L + 20
+    return experts, max(64, (launch_bytes - experts * per_expert) // per_row)
 
 
 @dataclass
@@ -152,6 +164,7 @@ class StreamingExperts(ExpertSource):
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
         self._ring = None
+        self.launch_bytes = PREFILL_BATCH_BYTES     # set per prompt by begin_prompt
         # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
         # the fused kernel reads them, so only where it runs (NVFP4 by address, 16-neuron down groups)
         self.stage_ups = self._addressed and self.geom.down_group_neurons == 16
@@ -415,8 +428,14 @@ class StreamingExperts(ExpertSource):
         shm = self.client.shm
         return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
 
-    def begin_prompt(self) -> None:
+    def begin_prompt(self, launch_bytes: int | None = None) -> None:
+        """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
+        PREFILL_BATCH_BYTES)."""
+        self.launch_bytes = PREFILL_BATCH_BYTES if launch_bytes is None else int(launch_bytes)
         self.prefill_acct.begin()
+
+    def _launch_limits(self, act_bytes: int) -> tuple[int, int]:
+        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes)
 
     def end_prompt(self, tokens: int, seconds: float) -> None:
         """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
@@ -441,8 +460,9 @@ class StreamingExperts(ExpertSource):
         uniq = [e for e in range(E) if counts[e]]
         seg = {e: (starts[e], counts[e]) for e in uniq}
         tok = order // k
-        xs = x[tok].contiguous()
         ws = weights.reshape(-1)[order].float().contiguous()
+        del order
+        rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
         pa.routed(j, uniq, T * k)
         nj, guess_list = (j + 1) % self.n_moe, []
         hits = self.client.lookup(j, uniq)
@@ -453,17 +473,17 @@ class StreamingExperts(ExpertSource):
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
-        rows_cap = max(1, PREFILL_BATCH_BYTES // (2 * self.geom.I))
+        n_cap, rows_cap = self._launch_limits(x.element_size())
         batch: list[tuple[int, int]] = []
-        rows = 0
+        n_rows = 0
         for e, s in hits.items():
-            if batch and (rows + seg[e][1] > rows_cap or len(batch) == PREFILL_RING_SLOTS // 2):
-                self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
-                batch, rows = [], 0
+            if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
+                self._prefill_batch(j, batch, seg, rows, acc)
+                batch, n_rows = [], 0
             batch.append((e, s))
-            rows += seg[e][1]
+            n_rows += seg[e][1]
         if batch:
-            self._prefill_batch(j, batch, seg, xs, ws, tok, acc)
+            self._prefill_batch(j, batch, seg, rows, acc)
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
         # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
@@ -485,7 +505,7 @@ class StreamingExperts(ExpertSource):
             waited = 0.0
             for e, s in self.client.wait_any(j, misses, idle=give_back):
                 waited += time.perf_counter() - tw
-                self._prefill_batch(j, [(e, s)], seg, xs, ws, tok, acc)
+                self._prefill_batch(j, [(e, s)], seg, rows, acc)
                 used.append(e)
                 if len(used) >= flush_every:
                     give_back()
@@ -508,10 +528,13 @@ class StreamingExperts(ExpertSource):
         done &= (held // self.store.n_experts) < j
         return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
-    def _prefill_batch(self, j, batch, seg, xs, ws, tok, acc) -> None:
-        """One grouped launch over the experts of `batch` [(expert, slab slot)]; their pins are deferred."""
+    def _prefill_batch(self, j, batch, seg, rows: "_SortedRows", acc) -> None:
+        """One grouped launch over the experts of `batch` [(expert, slab slot)], on their rows gathered from x (an
+        expert with more rows than a launch may hold: several launches over the one staged block); their pins are
+        deferred."""
         ex, slots = [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
+        rows_cap = self._launch_limits(rows.x.element_size())[1]
         try:
             if self._addressed:
                 idx = self._dev(ex)
@@ -522,21 +545,26 @@ class StreamingExperts(ExpertSource):
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
-                n_reads = block_reads(segments, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
-                self._launch(lambda: expert_prefill_grouped(xs, segments, addrs, self.geom, ug, dg, ws, tok, acc))
+                for part in _windows(segments, rows_cap):
+                    xs, ws, tok, local = rows.gather(part)
+                    n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
+                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
+                    self.prefill_acct.last.launches += 1
+                    if not staged:      # zero-copy: each read of a block crosses the bus
+                        self.prefill_acct.last.bytes_over_pcie += n_reads * self.geom.block_bytes
                 if staged:
                     self._ring_used()
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
-                else:     # zero-copy: each read of a block crosses the bus
-                    self.prefill_acct.last.bytes_over_pcie += n_reads * self.geom.block_bytes
             else:
                 blocks = self._blocks(slots)
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
-                self._launch(lambda: expert_prefill_grouped_torch(xs, segments, blocks, self.geom, ug, dg, ws, tok,
-                                                                  acc))
+                for part in _windows(segments, rows_cap):
+                    xs, ws, tok, local = rows.gather(part)
+                    self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok,
+                                                                      acc))
+                    self.prefill_acct.last.launches += 1
                 if self._cuda:
                     self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
-            self.prefill_acct.last.launches += 1
         finally:
             self._defer(slots)
 
@@ -547,13 +575,53 @@ class StreamingExperts(ExpertSource):
             self.prefill_profile.launch(fn)
 
     def _stage(self, slots) -> list[int]:
-        if self._ring is None:
-            self._ring = _StagingRing(PREFILL_RING_SLOTS, self.store.block_stride, self.geom.block_bytes, self.device)
+        n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
+        if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
+            self._ring = None            # a budget changed: the old ring goes before the new one is allocated
+            self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device)
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
         return self._ring.stage([self.slab[s] for s in slots], events)
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:
+    """The launches of one batch: all of its segments at once, or, where one expert's segment alone holds more than
+    rows_cap rows (a batch of one), that segment cut into windows of rows_cap rows."""
+    if len(segments) != 1 or segments[0][1] <= rows_cap:
+        return [segments]
+    s, n = segments[0]
+    return [[(a, min(rows_cap, s + n - a))] for a in range(s, s + n, rows_cap)]
+
+
+class _SortedRows:
+    """A span's (token, weight) pairs sorted by expert, and the span's latent input x [T, L]: a launch gathers
+    x's rows for its own segments only (the whole span's gathered rows would be T·k rows: 44 KiB per token on
+    Super)."""
+
+    def __init__(self, x, tok, ws, cuda: bool):
+        self.x, self.tok, self.ws, self.cuda = x, tok, ws, cuda
+
+    def gather(self, segments: list[tuple[int, int]]):
+        """(x rows, weights, tokens, the segments re-based onto them) of `segments` (start, count) of the order."""
+        live = [(a, n) for a, n in segments if n > 0]
+        if not live:
+            return self.x[:0], self.ws[:0], self.tok[:0], [(0, 0)] * len(segments)
+        contiguous = all(a + n == b for (a, n), (b, _) in zip(live, live[1:]))
+        if contiguous:
+            lo, hi = live[0][0], live[-1][0] + live[-1][1]
+            tok, ws = self.tok[lo:hi], self.ws[lo:hi]
+            local = [(a - lo, n) if n > 0 else (0, 0) for a, n in segments]
+        else:
+            idx = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in live]))
+            idx = (idx.pin_memory() if self.cuda else idx).to(self.tok.device, non_blocking=True)
+            tok, ws = self.tok[idx], self.ws[idx]
+            local, at = [], 0
+            for a, n in segments:
+                local.append((at, n) if n > 0 else (0, 0))
+                at += n
+        return self.x[tok], ws, tok, local
 
 
 class _StagingRing:

@@ -14,17 +14,51 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.linear import linear
+import nemotron.attention as attention
 from nemotron.attention import Attention, KVCache
 from nemotron.checkpoint import Checkpoint
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.mamba import Mamba2Mixer, MambaState
 from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
+from nemotron.moe import pieces as moe_pieces
 from nemotron.norms import rms_norm
 
 
 class Cancelled(Exception):
     """`forward(..., cancel=event)` stopped between two layers: the state is part-way through the call and
     must be dropped."""
+
+
+PIECE_TOKENS = 512    # forward's default piece: a multiple of every preset's Mamba scan chunk
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How `forward` bounds the per-layer temporaries of a long call: `tokens` per piece (the norm, the mixer, the
+    residual add, an MoE layer's router, latent projections and shared expert; rounded down to a whole number of
+    Mamba scan chunks, so that the pieces cut the scan where it cuts itself), and, where attention computes its
+    scores explicitly (not CUDA's fused launch), an attention layer's queries per piece so that one piece's scores
+    stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of its own query blocks). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
+    a small budget."""
+    tokens: int = PIECE_TOKENS
+    score_bytes: int = 0
+    mamba_tokens: int = 0      # a Mamba layer's pieces (0: `tokens`): its temporaries per token are ~5x the others'
+
+    def __post_init__(self):
+        if self.tokens < 1 or self.score_bytes < 0 or self.mamba_tokens < 0:
+            raise ValueError(f"pieces of {self.tokens} tokens ({self.mamba_tokens} in Mamba layers) and "
+                             f"{self.score_bytes} score bytes: tokens must be >= 1, the others >= 0")
+
+    def tokens_for(self, config, mamba: bool = False) -> int:
+        n = (self.mamba_tokens or self.tokens) if mamba else self.tokens
+        q = config.chunk_size
+        return n // q * q if n >= q else n
+
+    def queries_for(self, config, keys: int, act_bytes: int, step: int) -> int:
+        """Queries per attention piece over `keys` keys (as nemotron.attention.query_block prices a score)."""
+        per_query = config.num_attention_heads * keys * (2 * act_bytes + 8)
+        budget = min(self.score_bytes or attention.SCORE_BYTES, attention.SCORE_BYTES)
+        return max(1, min(step, budget // max(per_query, 1)))
 
 
 @dataclass
@@ -166,17 +200,32 @@ class NemotronH:
 
     @torch.inference_mode()
     def forward(self, ids, state: InferenceState, last_only: bool = False,
-                image_embeds: torch.Tensor | None = None, image_positions=None, cancel=None) -> torch.Tensor:
+                image_embeds: torch.Tensor | None = None, image_positions=None, cancel=None,
+                pieces: Pieces | None = None) -> torch.Tensor:
         """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`.
 
         `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
         call's ids, in order): the projector's output for the `<image>` tokens, as transformers'
         `masked_scatter` places it. `cancel` (a threading.Event) is checked before each layer: set, the call
-        raises `Cancelled` (a long prefill stops within one layer)."""
+        raises `Cancelled` (a long prefill stops within one layer).
+
+        Layer-major over the whole call, but only the residual stream x [T, hidden], the states (KV rows grown
+        once to their new length) and an MoE layer's routed inputs and sum live across a layer: the norm, the
+        mixer and the residual add run a piece of `pieces.tokens` tokens at a time (`Pieces`), so a long span's
+        per-layer temporaries are bounded by the piece, not by the span. Each routed expert still runs once per
+        layer on all of the call's tokens (`MoEMixer.add_to`)."""
         ids = self.token_ids(ids)
-        x = self.embeddings[ids].to(self.dtype)
+        T = ids.numel()
         if (image_embeds is None) != (image_positions is None):
             raise ValueError("give image_embeds and image_positions together")
+        if T == 1 and image_embeds is None:
+            return self._one_token(ids, state, cancel)
+        plan = pieces or Pieces()
+        step = plan.tokens_for(self.config)
+        H, eps = self.config.hidden_size, self.config.layer_norm_epsilon
+        x = torch.empty(T, H, dtype=self.dtype, device=self.device)
+        for a, b in moe_pieces(T, step):
+            x[a:b] = self.embeddings[ids[a:b]]
         if image_embeds is not None:
             pos = torch.as_tensor(image_positions, dtype=torch.long, device=self.device).reshape(-1)
             if image_embeds.shape != (pos.numel(), self.config.hidden_size):
@@ -186,6 +235,40 @@ class NemotronH:
                                 or pos.unique().numel() != pos.numel()):
                 raise ValueError(f"image_positions must be distinct indices into the {ids.numel()} ids")
             x[pos] = image_embeds.to(device=self.device, dtype=self.dtype)
+        kinds = self.config.layer_types
+        for i, mixer in enumerate(self.mixers):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"cancelled before layer {i}")
+            s, norm = state.layers[i], self.norms[i]
+            if isinstance(mixer, MoEMixer):
+                mixer.add_to(x, norm, eps, step)
+                continue
+            if kinds[i] == MOE:
+                # a wrapped MoE mixer (a profile's timer, a test's spy) is called as a whole: per piece it would run
+                # every routed expert once per piece
+                x += mixer(rms_norm(x, norm, eps))
+                continue
+            layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
+            if isinstance(s, KVCache):
+                _grow_kv(s, s.length + T)
+                if not x.is_cuda:   # CUDA attends in one fused SDPA launch a piece, which holds no scores
+                    layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
+            for a, b in moe_pieces(T, layer_step):
+                h = rms_norm(x[a:b], norm, eps)
+                x[a:b] += mixer(h) if s is None else mixer(h, s)
+        state.position += T
+        if last_only:
+            x = x[-1:]
+        if x.shape[0] <= step:
+            return linear(rms_norm(x, self.norm_f, eps), self.lm_head).float()
+        out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=self.device)
+        for a, b in moe_pieces(x.shape[0], step):
+            out[a:b] = linear(rms_norm(x[a:b], self.norm_f, eps), self.lm_head)
+        return out
+
+    def _one_token(self, ids, state: InferenceState, cancel) -> torch.Tensor:
+        """forward() of one token (decode): nothing to cut into pieces."""
+        x = self.embeddings[ids].to(self.dtype)
         eps = self.config.layer_norm_epsilon
         for i, mixer in enumerate(self.mixers):
             if cancel is not None and cancel.is_set():
@@ -193,8 +276,18 @@ class NemotronH:
             h = rms_norm(x, self.norms[i], eps)
             s = state.layers[i]
             x = x + (mixer(h) if s is None else mixer(h, s))
-        state.position += ids.numel()
-        if last_only:
-            x = x[-1:]
+        state.position += 1
         x = rms_norm(x, self.norm_f, eps)
         return linear(x, self.lm_head).float()
+
+
+def _grow_kv(cache: KVCache, need: int) -> None:
+    """Room for `need` rows in one step, before a span's pieces append to it: appended piece by piece, the cache
+    would double several times and end up to twice the span (and hold old + new while copying each time)."""
+    if cache.k.shape[0] >= need:
+        return
+    for name in ("k", "v"):
+        old = getattr(cache, name)
+        new = torch.empty(need, *old.shape[1:], device=old.device, dtype=old.dtype)
+        new[:cache.length] = old[:cache.length]
+        setattr(cache, name, new)

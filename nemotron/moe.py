@@ -9,10 +9,18 @@ from typing import Callable
 import torch
 
 from kernels.linear import QuantizedWeight, linear
+from nemotron.norms import rms_norm
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
+
+
+def pieces(T: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the consecutive pieces of at most `size` tokens that cover [0, T)."""
+    if size < 1:
+        raise ValueError(f"pieces of {size} tokens")
+    return [(a, min(T, a + size)) for a in range(0, T, size)]
 
 
 @dataclass
@@ -178,15 +186,21 @@ class MoEMixer:
         expert."""
         experts, weights = self.router(h)
         guess = None
-        if self.next_router is not None and self.experts.wants_guess:
-            picks = self.next_router(h)[0]
+        if self._wants_guess():
             if h.shape[0] == 1:
-                guess = picks[0]
+                guess = self.next_router(h)[0][0]
             else:
-                flat = picks.reshape(-1)     # counted without torch.bincount, which waits for the device on CUDA
-                guess = torch.zeros(self.router.E, dtype=torch.int64, device=h.device).index_add_(
-                    0, flat, torch.ones_like(flat))
+                guess = self._count_guess(h, torch.zeros(self.router.E, dtype=torch.int64, device=h.device))
         return experts, weights, guess
+
+    def _wants_guess(self) -> bool:
+        return self.next_router is not None and self.experts.wants_guess
+
+    def _count_guess(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """counts[e] += how many of h's tokens the next MoE layer's router sends to e (without torch.bincount,
+        which waits for the device on CUDA)."""
+        flat = self.next_router(h)[0].reshape(-1)
+        return counts.index_add_(0, flat, torch.ones_like(flat))
 
     def prepare(self, h: torch.Tensor):
         """(latent input of the routed experts, the shared expert's output or None)."""
@@ -214,6 +228,38 @@ class MoEMixer:
                        guess=guess)
         routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess)
         return self.tail(routed, shared)
+
+    def add_to(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, piece: int) -> None:
+        """x += this layer on rms_norm(x) (a prefill span, in place), with every per-token temporary a piece of
+        `piece` tokens at a time. What lives across the layer's pieces: the latent input of the routed experts
+        and their choice (filled piece by piece), then their fp32 sum (`ExpertSource.apply`, which runs each
+        routed expert once on all of the span's tokens). The normed input is computed twice, for the head and
+        for the tail (the shared expert, the latent projection back): two cheap norms instead of a [T, hidden]
+        copy kept across the experts."""
+        T, dev = x.shape[0], x.device
+        k = self.router.k
+        width = self.fc1.out_features if self.fc1 is not None else x.shape[1]
+        lat = torch.zeros(T, width, dtype=self.dtype, device=dev)
+        experts = torch.zeros(T, k, dtype=torch.int64, device=dev)
+        weights = torch.zeros(T, k, dtype=torch.float32, device=dev)
+        guess = torch.zeros(self.router.E, dtype=torch.int64, device=dev) if self._wants_guess() else None
+        parts = pieces(T, piece)
+        for a, b in parts:
+            h = rms_norm(x[a:b], norm_weight, eps)
+            experts[a:b], weights[a:b] = self.router(h)
+            if guess is not None:
+                self._count_guess(h, guess)
+            lat[a:b] = linear(h, self.fc1) if self.fc1 is not None else h
+        if self.trace is not None:
+            self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights,
+                       guess=guess)
+        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess)
+        del lat, experts, weights
+        for a, b in parts:
+            h = rms_norm(x[a:b], norm_weight, eps)
+            shared = (linear(relu2(linear(h, self.shared_up)), self.shared_down) if self.shared_up is not None
+                      else None)
+            x[a:b] += self.tail(routed[a:b], shared)
 
 
 class MLPMixer:

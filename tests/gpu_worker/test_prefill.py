@@ -14,7 +14,7 @@ import torch
 import nemotron.attention as attention
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.generate import generate
-from gpu_worker.prefill import ImageRows, prefill, prefill_span, span_bytes
+from gpu_worker.prefill import ImageRows, prefill, prefill_span, span_bytes, span_plan
 from gpu_worker.sampling import SamplingParams
 from nemotron.model import NemotronH
 from tests.gpu_worker.test_streaming_pipeline import make_store, tenth_of_experts
@@ -115,14 +115,28 @@ def test_budget_splits_only_when_it_must(tiny, monkeypatch):
     whole = prefill(engine, ids, engine.new_state(), budget_bytes=span_bytes(cfg, torch.float32, len(ids)))
     assert spy.calls == [len(ids)]
     spy.calls.clear()
-    budget = span_bytes(cfg, torch.float32, 200)
-    st = engine.new_state()
+
+    # a budget that holds the prompt's last 30 tokens beside the KV rows of all before them: the earlier spans,
+    # whose KV rows are fewer, are longer (the plan follows the budget, so a few rounds settle it)
+    past, n_attn = len(ids) - 30, cfg.layer_types.count("attention")
+    budget = span_bytes(cfg, torch.float32, 30, past, kv_rows=[past] * n_attn)
+    for _ in range(3):
+        budget = span_bytes(cfg, torch.float32, 30, past, plan=span_plan(cfg, torch.float32, budget),
+                            kv_rows=[past] * n_attn)
+    plan = span_plan(cfg, torch.float32, budget)
+    st, caps = engine.new_state(), []
+    spans_at = prefill_span.__globals__["prefill_span"]
+
+    def span_seen(*a, **kw):    # the KV capacities each span was planned with
+        caps.append(kw.get("kv_rows"))
+        return spans_at(*a, **kw)
+    monkeypatch.setattr("gpu_worker.prefill.prefill_span", span_seen)
     split = prefill(engine, ids, st, budget_bytes=budget)
     assert len(spy.calls) >= 3 and sum(spy.calls) == len(ids) == st.position
     past = 0
-    for n in spy.calls:         # each span the longest the budget allows, and within it
-        assert span_bytes(cfg, torch.float32, n, past) <= budget
-        assert n == prefill_span(cfg, torch.float32, budget, past, cap=len(ids) - past)
+    for n, rows in zip(spy.calls, caps):    # each span the longest the budget allows, and within it
+        assert span_bytes(cfg, torch.float32, n, past, plan=plan, kv_rows=rows) <= budget
+        assert n == spans_at(cfg, torch.float32, budget, past, cap=len(ids) - past, kv_rows=rows)
         past += n
     torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-4)
 
@@ -166,7 +180,8 @@ def test_each_routed_expert_read_at_most_once_per_prompt(tiny, tmp_path, chunk):
 
 # ------------------------------------------------------------------------------------------------ cancel
 def _cancel_after_layer(model, n: int, cancel, ran: list, monkeypatch):
-    """Wrap every mixer: record the layers that run, set `cancel` once layer n has run."""
+    """Wrap every mixer: record the layers that run (once per call: a layer runs a piece per call), set `cancel`
+    once layer n has run."""
     def wrap(i, m):
         def wrapped(*a):
             out = m(*a)
@@ -189,7 +204,8 @@ def test_cancel_stops_a_long_prefill_within_one_layer(tiny, monkeypatch):
         with monkeypatch.context() as mp:
             _cancel_after_layer(m, 1, cancel, ran, mp)
             assert prefill(m, ids, st, cancel=cancel) is None
-            assert ran == [0, 1], "layers ran after the cancel"
+            # a layer runs in pieces (one call each) and the layers in order: none after layer 1
+            assert ran == sorted(ran) and set(ran) == {0, 1}, f"layers ran after the cancel: {ran}"
             assert st.position == 0, "a state part-way through a call was kept"
             assert list(generate(m, ids, SamplingParams(max_tokens=3), cancel=cancel)) == []
         assert int(eng.sup.shm.slot_pins.sum()) == 0, "the cancelled prefill left pins behind"

@@ -1,0 +1,214 @@
+"""A prefill span's per-layer temporaries bounded by a piece of tokens, not by the span: the piecewise MoE layer
+equals the whole-span one (each routed expert still run once, on every token of the span), a launch budget too
+small for one expert's rows still gives the same logits, and on the Super shape a 512 MiB budget holds a span of
+about 10k tokens (869 before). Each check has a twin that breaks the piece boundaries or the windows."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+import gpu_worker.streaming as streaming
+import nemotron.moe as moe
+from gpu_worker.engine import StreamingEngine
+from gpu_worker.prefill import SpanPlan, prefill, prefill_span, span_bytes, span_plan
+from nemotron.config import NemotronHConfig
+from nemotron.model import NemotronH, Pieces
+from nemotron.moe import ExpertSource, MoEMixer
+from nemotron.norms import rms_norm
+from tests.gpu_worker.test_streaming_pipeline import make_store, tenth_of_experts
+from tools.synth import build_config
+
+T_ODD, PIECE = 1023, 100          # the piece does not divide the span
+SPAN_AT_512_MIB = 9800            # gpu_worker/prefill.py's model on the Super shape: 9,880 (bench/NOTES.md, h17)
+
+
+class Counting(ExpertSource):
+    """The checkpoint's experts, with every apply() recorded: (rows, the guess it was given)."""
+    wants_guess = True
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def apply(self, moe_index, layer, x, experts, weights, guess=None):
+        self.calls.append((x.shape[0], None if guess is None else guess.clone()))
+        return self.inner.apply(moe_index, layer, x, experts, weights, guess)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(synth):
+    return synth("tiny", "nvfp4")
+
+
+def _moe_layer(model: NemotronH):
+    i, m = next((i, m) for i, m in enumerate(model.mixers) if isinstance(m, MoEMixer))
+    return m, model.norms[i], model.config.layer_norm_epsilon
+
+
+def _random_x(model, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, model.config.hidden_size, generator=g) * 0.5
+
+
+def test_piecewise_moe_equals_whole_span(tiny_model):
+    model = NemotronH(tiny_model)
+    m, norm, eps = _moe_layer(model)
+    m.experts = src = Counting(m.experts)
+    x = _random_x(model, T_ODD)
+    whole = x + m(rms_norm(x, norm, eps))
+    (rows, guess_whole), = src.calls
+    src.calls.clear()
+    y = x.clone()
+    m.add_to(y, norm, eps, PIECE)
+    (rows_p, guess_p), = src.calls        # one apply for the whole span: each routed expert read once
+    assert rows == rows_p == T_ODD
+    assert torch.equal(guess_p, guess_whole) and int(guess_p.sum()) == T_ODD * m.router.k
+    torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_piecewise_moe_twin_dropping_a_row_is_caught(tiny_model, monkeypatch):
+    """Must-fail twin: pieces whose ends fall one row short leave those rows without the layer's output."""
+    model = NemotronH(tiny_model)
+    m, norm, eps = _moe_layer(model)
+    x = _random_x(model, T_ODD, seed=1)
+    whole = x + m(rms_norm(x, norm, eps))
+    right = moe.pieces
+
+    def short(T, size):
+        return [(a, b - 1 if b < T else b) for a, b in right(T, size)]
+    monkeypatch.setattr(moe, "pieces", short)
+    y = x.clone()
+    m.add_to(y, norm, eps, PIECE)
+    bad = (y - whole).abs().amax(-1) > 1e-3
+    assert bad.any(), "a dropped row went unnoticed"
+    assert bad.nonzero().flatten().tolist() == [b - 1 for _, b in right(T_ODD, PIECE)[:-1]]
+
+
+def test_forward_in_small_pieces_equals_large(tiny_model):
+    """The whole model: pieces of one scan chunk and attention queries capped to a few score rows against the
+    default pieces (the piece size must not change the logits); the twin runs the default with one token less."""
+    model = NemotronH(tiny_model)
+    ids = [int(t) for t in np.random.default_rng(3).integers(14, 1000, size=T_ODD)]
+    ref = model.forward(ids, model.new_state())
+    small = model.forward(ids, model.new_state(), pieces=Pieces(tokens=model.config.chunk_size, score_bytes=4096))
+    torch.testing.assert_close(small, ref, rtol=1e-4, atol=1e-4)
+    shifted = model.forward(ids[1:], model.new_state())
+    assert (shifted - ref[1:]).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ launches
+def _streamed_logits(model_dir, store, ids, launch_bytes, monkeypatch):
+    monkeypatch.setattr(streaming, "PREFILL_BATCH_BYTES", launch_bytes)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
+        out = prefill(eng.model, ids, eng.model.new_state())
+        last = eng.experts.prefill_acct.last
+        return out, (last.launches, last.distinct_experts), eng.experts.launch_bytes
+
+
+def test_small_launches_windows_and_gathers_equal_the_checkpoint(tiny_model, tmp_path, monkeypatch):
+    """A launch budget below one expert's rows: one expert per launch, its rows in several windows (and the
+    hits' rows gathered where they are not contiguous). The logits equal the in-memory engine's; the twin drops a
+    window's last row."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(4).integers(14, 1000, size=900)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    small = 40 << 10
+    n_experts, rows = streaming.launch_limits(1, 64, 96, 4, small)
+    assert n_experts == 1 and rows < 900 * 4 // 32, "the budget must split an expert's rows"
+    out, (launches, distinct), used = _streamed_logits(tiny_model, store, ids, small, monkeypatch)
+    assert used == small and launches > distinct, "no expert's rows were split into windows"
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    right = streaming._windows
+
+    def short(segments, cap):
+        return [[(a, n - 1 if n > 1 else n) for a, n in w] for w in right(segments, cap)]
+    monkeypatch.setattr(streaming, "_windows", short)
+    bad, _, _ = _streamed_logits(tiny_model, store, ids, small, monkeypatch)
+    assert (bad - ref).abs().max() > 1e-3, "a dropped row went unnoticed"
+
+
+# ------------------------------------------------------------------------------------------------ budget
+def _super():
+    return NemotronHConfig.from_dict(build_config("super", "nvfp4", argparse.Namespace(pattern=None, moe_layers=None)))
+
+
+def test_super_span_at_512_mib():
+    """At the engine's 512 MiB reserve, the Super shape's span is at least SPAN_AT_512_MIB tokens (869 when every
+    per-layer temporary was priced per token of the span). The twin prices that span with a large budget's
+    pieces and launches (512-token pieces, PREFILL_BATCH_BYTES): it does not fit."""
+    cfg, budget = _super(), 512 << 20
+    n = prefill_span(cfg, torch.bfloat16, budget)
+    plan = span_plan(cfg, torch.bfloat16, budget)
+    print(f"Super at 512 MiB: {n} tokens, {plan}")
+    assert n >= SPAN_AT_512_MIB
+    assert span_bytes(cfg, torch.bfloat16, n, plan=plan) <= budget < span_bytes(cfg, torch.bfloat16, n + 1, plan=plan)
+    assert span_bytes(cfg, torch.bfloat16, n, plan=SpanPlan()) > budget
+    assert plan.launch() <= budget // 4 and plan.pieces.tokens_for(cfg, mamba=True) % cfg.chunk_size == 0
+    # on CUDA attention holds no scores (one fused launch a piece): the MoE layer still decides
+    assert prefill_span(cfg, torch.bfloat16, budget, device="cuda") == n
+
+
+def test_bench_shape_takes_16k_in_one_span_at_512_mib():
+    """bench.prefill's Super shape (4 MoE layers, 9 layers): a 16,000-token prompt in one span at 512 MiB (987
+    tokens before, issue 13's 4,000-token prompt in 5 spans); the twin, a budget below its estimate, splits it."""
+    cfg = NemotronHConfig.from_dict(build_config("super", "nvfp4", argparse.Namespace(pattern=None, moe_layers=4)))
+    budget = 512 << 20
+    assert prefill_span(cfg, torch.bfloat16, budget, cap=16000) == 16000
+    need = span_bytes(cfg, torch.bfloat16, 16000, plan=span_plan(cfg, torch.bfloat16, budget))
+    assert need <= budget and prefill_span(cfg, torch.bfloat16, need // 2, cap=16000) < 16000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped Triton launches and the staging ring: CUDA")
+@pytest.mark.parametrize("path", ["staged", "zero_copy"])
+def test_gpu_small_launches_equal_large(tiny_model, tmp_path, monkeypatch, path):
+    """On the GPU (bf16), a launch budget of one expert with its rows in windows (and a ring of two slots) gives the
+    logits of the default launches."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(6).integers(14, 1000, size=900)]
+    outs = []
+    for launch in (streaming.PREFILL_BATCH_BYTES, 40 << 10):
+        monkeypatch.setattr(streaming, "PREFILL_BATCH_BYTES", launch)
+        with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2,
+                             device="cuda", dtype=torch.bfloat16) as eng:
+            eng.experts.prefill_weights = path
+            outs.append(prefill(eng.model, ids, eng.model.new_state()).float().cpu())
+            last = eng.experts.prefill_acct.last
+            if launch < 1 << 20:
+                assert last.launches > last.distinct_experts
+    a, b = (torch.log_softmax(o.double(), -1) for o in outs)
+    kl = float((a.exp() * (a - b)).sum(-1).mean())
+    print(f"{path}: KL small launches vs default {kl:.2e}")
+    assert kl < 1e-3 and int(outs[0].argmax()) == int(outs[1].argmax())
+
+
+def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
+    """With a cache of a tenth the hits are scattered among the routed experts, so a launch of several hits gathers
+    rows from segments with gaps between them: the logits equal the in-memory engine's. The twin re-bases the
+    segments as if there were no gaps (the rows of the slice from the first to the last)."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=700)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    gaps, gather = [], streaming._SortedRows.gather
+
+    def seen(self, segments):
+        live = [(a, n) for a, n in segments if n > 0]
+        gaps.append(any(a + n != b for (a, n), (b, _) in zip(live, live[1:])))
+        return gather(self, segments)
+    monkeypatch.setattr(streaming._SortedRows, "gather", seen)
+    out, _, _ = _streamed_logits(tiny_model, store, ids, streaming.PREFILL_BATCH_BYTES, monkeypatch)
+    assert any(gaps) and not all(gaps)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+    def gapless(self, segments):
+        live = [(a, n) for a, n in segments if n > 0]
+        lo, hi = live[0][0], live[-1][0] + live[-1][1]
+        local, at = [], 0
+        for a, n in segments:
+            local.append((at, n))
+            at += n
+        return self.x[self.tok[lo:hi]], self.ws[lo:hi], self.tok[lo:hi], local
+    monkeypatch.setattr(streaming._SortedRows, "gather", gapless)
+    bad, _, _ = _streamed_logits(tiny_model, store, ids, streaming.PREFILL_BATCH_BYTES, monkeypatch)
+    assert (bad - ref).abs().max() > 1e-3, "rows gathered across a gap went unnoticed"
