@@ -433,6 +433,8 @@ class StreamingExperts(ExpertSource):
         """The one request of a looked-up layer and its counts; `tr`: when the bookkeeping the device waits for
         began (None: after the launch, timed by the caller)."""
         vt = self.vram
+        if j == 0:               # once per token, before the guess is filtered: what it admits needs no prefetch
+            self._fill_vram()
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
             guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
@@ -441,7 +443,6 @@ class StreamingExperts(ExpertSource):
         a = self.acct
         if j == 0:
             a.tokens += 1
-            self._fill_vram()
         a.vram_hits += len(on_dev)
         a.hits_at_lookup += len(hits)
         a.misses_at_lookup += len(rest) - len(hits)

@@ -133,6 +133,17 @@ class VramTier:
         self.admissions += 1
         self._placed(k, self.address(s))
 
+    def evict(self, j: int, e: int) -> int:
+        """Drop a resident now, its slot back to the free list (a block found bad; the tests' stale-table check);
+        returns the slot. Refused while its layer is held."""
+        if j in self.held:
+            raise ValueError(f"VRAM tier: MoE layer {j} is routed on the device this token, its experts stay")
+        s = self._evict((j, e))
+        self._heap = [(v, k) for v, k in self._heap if k != (j, e)]
+        heapq.heapify(self._heap)
+        self.free.append(s)
+        return s
+
     def _evict(self, k: tuple[int, int]) -> int:
         """Drop a resident (its heap entry is the caller's); returns its slot."""
         s = self.slot_of.pop(k)
