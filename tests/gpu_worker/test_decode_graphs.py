@@ -446,7 +446,9 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
             plans = device_plans(g)
             out[device_routing] = run(eng.model, eng.step, steps=PIPELINE_STEPS + 1, fixed=True)
             t = eng.accounting.totals()
-            counts[device_routing] = {k: v for k, v in t.items() if not k.startswith("ms_")}
+            # (the staged ups' count follows how fast the copies ran: not compared here)
+            counts[device_routing] = {k: t[k] for k in ("tokens", "vram_hits", "hits_at_lookup", "misses_at_lookup",
+                                                         "bytes_from_vram_total")}
             every_layer = frozenset(g.moe)
             if device_routing:
                 assert plans.count(every_layer) >= 3, plans
