@@ -28,6 +28,32 @@ When a sequence outgrows the buffers they are reallocated at twice the size and 
 are captured again. (Before, each attention layer ran eagerly between two graphs: ~0.65 ms of host time per token
 on the H200 host, which bound the VRAM regime.) `graph_attention=False` keeps the eager layer.
 
+Device routing (the VRAM regime: every expert of a layer in the VRAM tier). Such a layer leaves the host nothing to
+decide: its experts sit at fixed device addresses, so the graph gathers them from the tier's table (`VramTier.table`,
+int64 [n_moe, n_experts], 0 where absent) by the router's top-k, and R_j, S_j and K_j of the layer join the stretch
+they are in (`DeviceExperts`). A token whose MoE layers are all device-routed is one graph replay, with no host wait
+until the logits. Per token:
+  which layers  the source's `decode_device_layers()` at the token's start: the tier's complete layers, held against
+                eviction until `decode_token_end` (an admission whose victim is in a held layer is put off, and that
+                layer is host-routed for the next token so that the eviction can go ahead: a layer falls back to the
+                host path whenever the tier changes it, and comes back when it is whole again). The tier fills a layer
+                whole while its free slots can take every missing expert (gpu_worker/vram_tier.py).
+  the plan      one list of segments per set of device-routed layers (`plans`, built on first use; the empty set is
+                the host-routed step, `segments`); each is captured like any other, per variant.
+  the choices   every layer's choice (+ guess) is a row of one device buffer (`routed`); a host-routed layer's Route
+                copies to pinned memory its own row and those of the device-routed layers since the last host
+                decision (one copy), and the host books those layers right after its event, before its own route (the
+                order of the host path). The device-routed layers after the last host decision are copied by the
+                final stretch (`Report`) and booked after the token: read at the next step's start (the caller has
+                read the logits by then: the event costs nothing), before this token's graphs rewrite the rows, and
+                booked once the next token's first graph is queued, or earlier where the source needs its counts
+                (a prefill, an eager step, `Accounting.totals`).
+  booking       the source does for a device-routed layer what `decode_route` + `decode_launched` do for a layer
+                whose every expert is in the tier: the tier's use counts, the one message (the prefetcher hears it a
+                token late; it asks for nothing, the tier serves the layer), the counts, the routing record. Only the
+                router wait and staging differ: a device-routed layer waits for nothing and stages no ups for the next
+                layer (its guess reaches the host after that layer's kernels are queued).
+
 The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`), each with
 `run(state)`. Graph inputs and outputs live in static buffers owned by this object (`RouterOutputs`,
 `ExpertInputs` per MoE layer, the residual stream, the logits), so each graph (segment, variant) can be
