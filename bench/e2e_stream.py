@@ -127,12 +127,12 @@ def decode_run(eng, prompts, n_tokens, device):
             greedy.append(tok)
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
+        acct.per_token()                     # folds the device counters, books the last token's device-routed layers
         s1 = eng.cache_stats()
         disk_bytes += s1["io_bytes_read"] - s0["io_bytes_read"]
         hits += acct.hits_at_lookup + acct.vram_hits - h0
         looked += acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits - l0
         waits += acct.ms_waiting_for_disk - w0
-        acct.per_token()
         pcie += acct.bytes_over_pcie - b0
         wasted += acct.ups_staged - acct.ups_staged_used - u0
     n = n_tokens * len(prompts)
