@@ -458,3 +458,31 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
                 assert set(plans) == {frozenset()}, plans
     assert counts[True] == counts[False]
     assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4), (out[True] - out[False]).abs().max()
+
+
+@cpu_only
+@pytest.mark.parametrize("asks", [True, False])
+def test_the_tier_fills_whole_layers_from_disk(store, monkeypatch, asks):
+    """A tier with room for every expert and a cold cache: the experts no token has used are asked for as prefetch
+    reads and copied in as they land, so every layer is whole within a few tokens (then routed on the device). Twin
+    (asks=False): a prefetcher that never hears the fill's requests leaves the layers incomplete."""
+    from cache_shm.client import CacheClient
+    if not asks:
+        real = CacheClient.request
+        monkeypatch.setattr(CacheClient, "request", lambda self, layer, actual, guess=(), guess_layer=None:
+                            None if not actual and guess_layer == layer else real(self, layer, actual, guess,
+                                                                                   guess_layer))
+    n, stride = store[2], store[3]
+    with engine(store, n + 8, addressed=False) as eng:
+        vt = eng.experts.vram = eng._vram_tier(eng.model.dense_nbytes() + n * stride, 0, "cpu", 2)
+        st = eng.new_state()
+        eng.forward([1, 2, 3], st)
+        for t in range(12):
+            eng.step(7 + t, st)
+            if all(vt.complete(j) for j in range(eng.experts.n_moe)):
+                break
+        whole = [vt.complete(j) for j in range(eng.experts.n_moe)]
+        reads = eng.cache_stats()["io_reads"]
+    assert all(whole) == asks, (whole, t)
+    if asks:
+        assert reads <= n       # each block read once: the fill copies from the slab, it does not read again
