@@ -358,8 +358,8 @@ class StreamingExperts(ExpertSource):
 
     def _fill_vram(self) -> None:
         """Once per token: a layer whose missing experts all fit in the tier's free slots gets up to
-        VRAM_FILL_PER_TOKEN of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are asked
-        for as prefetch reads. Copies are ordered after the kernels queued so far; their pins are held until done."""
+        VRAM_FILL_PER_TOKEN of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are read
+        (demand reads that count no use). Copies are ordered after the kernels queued so far; their pins are held until done."""
         vt = self.vram
         got = vt.fillable() if vt is not None and vt.table is not None else None
         if got is None:
@@ -371,8 +371,8 @@ class StreamingExperts(ExpertSource):
         for e, s in landed:
             vt.admit(j, e, self.slab[s, :self.block_bytes])
         absent = [e for e, s in zip(missing, slots) if s < 0]
-        if absent:
-            self.client.request(j, [], guess=absent, guess_layer=j)
+        if absent:     # reads without a use: a prefetch would be dropped by the layer's next request if not yet read
+            self.client.demand(j, absent)
         held = [s for _, s in landed]
         if not held:
             return

@@ -9,6 +9,8 @@ last MoE layer guessing the first), each reference run is made once per module, 
 many tokens as its check needs."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -463,24 +465,25 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
 @cpu_only
 @pytest.mark.parametrize("asks", [True, False])
 def test_the_tier_fills_whole_layers_from_disk(store, monkeypatch, asks):
-    """A tier with room for every expert and a cold cache: the experts no token has used are asked for as prefetch
-    reads and copied in as they land, so every layer is whole within a few tokens (then routed on the device). Twin
+    """A tier with room for every expert and a cold cache: the experts no token has used are read (demand reads that
+    count no use) and copied in as they land, so every layer is whole within a few tokens (then routed on the device). Twin
     (asks=False): a prefetcher that never hears the fill's requests leaves the layers incomplete."""
     from cache_shm.client import CacheClient
     if not asks:
-        real = CacheClient.request
-        monkeypatch.setattr(CacheClient, "request", lambda self, layer, actual, guess=(), guess_layer=None:
-                            None if not actual and guess_layer == layer else real(self, layer, actual, guess,
-                                                                                   guess_layer))
+        monkeypatch.setattr(CacheClient, "demand", lambda self, layer, experts: None)
     n, stride = store[2], store[3]
     with engine(store, n + 8, addressed=False) as eng:
         vt = eng.experts.vram = eng._vram_tier(eng.model.dense_nbytes() + n * stride, 0, "cpu", 2)
-        st = eng.new_state()
+        st, shm = eng.new_state(), eng.sup.client().shm
         eng.forward([1, 2, 3], st)
+        deadline = time.monotonic() + 5.0       # for the reads to land (a loaded CI machine): the twin waits it out
         for t in range(12):
             eng.step(7 + t, st)
             if all(vt.complete(j) for j in range(eng.experts.n_moe)):
                 break
+            j, missing = vt.fillable()
+            while time.monotonic() < deadline and (shm.ready_of_expert[j, missing] < 0).any():
+                time.sleep(0.01)
         whole = [vt.complete(j) for j in range(eng.experts.n_moe)]
         reads = eng.cache_stats()["io_reads"]
     assert all(whole) == asks, (whole, t)
