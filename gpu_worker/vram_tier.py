@@ -22,8 +22,8 @@ its row by the router's top-k. Two rules keep that safe:
   later in the token would read the slot's new block). An admission that would is refused and its victim's layer
   *yields*: the next `hold()` leaves it out, so it runs host-routed for one token, during which the eviction goes
   ahead (the tier's policy is delayed one token, not changed).
-- `fill()`: while the free slots can take every missing expert of a layer, its missing experts are copied in from
-  the slab (a bounded number per token), so a tier that can hold a layer whole gets it whole: frequency admission
+- filling: while the free slots can take every missing expert of a layer (`fillable`), the compute process copies
+  them in from the slab (a bounded number per token, gpu_worker/streaming.py), so a tier that can hold a layer whole gets it whole: frequency admission
   alone would leave the experts the router rarely picks outside it for ever. A tier smaller than a layer (an 8 GB
   card) never fills, and its policy is the one above.
 """
