@@ -127,12 +127,12 @@ def decode_run(eng, prompts, n_tokens, device):
             greedy.append(tok)
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
+        acct.per_token()                     # folds the device counters, books the last token's device-routed layers
         s1 = eng.cache_stats()
         disk_bytes += s1["io_bytes_read"] - s0["io_bytes_read"]
         hits += acct.hits_at_lookup + acct.vram_hits - h0
         looked += acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits - l0
         waits += acct.ms_waiting_for_disk - w0
-        acct.per_token()
         pcie += acct.bytes_over_pcie - b0
         wasted += acct.ups_staged - acct.ups_staged_used - u0
     n = n_tokens * len(prompts)
@@ -252,7 +252,9 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill,vram")
     ap.add_argument("--eager-too", action="store_true", help="also the RAM regime without CUDA graphs")
     ap.add_argument("--vram-gb", type=float, default=0.0,
-                    help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first use)")
+                    help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first "
+                    "use, layers filled whole), with the layers routed on the device, and 'vram_host' beside it: the "
+                    "same with every layer host-routed (the A/B of the device routing)")
     ap.add_argument("--down-group-neurons", default="",
                     help="comma list of sub-group sizes (16,8,4,2,1): the sub-group table instead of the one store")
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
@@ -329,17 +331,24 @@ def main(argv=None):
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             into["dense_bytes_per_token"] = dense_bytes
-            if name in ("ram", "ram_nostage", "ram_eager", "vram"):   # warm: one pass over every expert (demand reads of all)
+            if name in ("ram", "ram_nostage", "ram_eager", "vram", "vram_host"):   # warm: one pass over every expert (demand reads of all)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
                     eng.sup.client().request(j, ex)
                     for e, s in eng.sup.client().wait_any(j, ex, timeout=600):
                         eng.sup.client().release(s)
             decode_run(eng, prompts(seed + 100), 8, a.device)     # warm-up (graph captures, first GPU touch of slots)
-            if name == "vram":     # fill the tier: every expert used once lands on the device
+            if name in ("vram", "vram_host"):     # fill the tier: whole layers, 64 blocks a token (gpu_worker/vram_tier.py)
                 decode_run(eng, prompts(seed + 200), a.tokens, a.device)
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
+            vt = eng.experts.vram
+            if vt is not None:    # whether the device routing was on for the layers, as the timed tokens ended
+                r["tier_complete_layers"] = [j for j in range(len(store.moe_layers)) if vt.complete(j)]
+                r["tier_admissions_refused"] = vt.refused
+                if eng.graphs is not None:
+                    r["device_routed_layers"] = sorted(eng.graphs.moe[i].mixer.moe_index
+                                                       for i in eng.graphs.device_layers)
             if name == "disk" and "prefill" not in skip and into is res:
                 from bench.prefill import resident
                 from gpu_worker.prefill import prefill
@@ -387,6 +396,9 @@ def main(argv=None):
         res["odirect_gbps"] = max(res["odirect_gbps"], again["gbps"])
     if a.vram_gb and "vram" not in skip:
         regime("vram", int(all_bytes * 1.02) + (8 << 20), 1, vram_bytes=int(a.vram_gb * 2**30), vram_admit_after=1)
+    if a.vram_gb and "vram" not in skip and "vram_host" not in skip:
+        regime("vram_host", int(all_bytes * 1.02) + (8 << 20), 1, vram_bytes=int(a.vram_gb * 2**30), vram_admit_after=1,
+               device_routing=False)
 
     # floors
     up_b = store.geometry.sections()[0].nbytes + store.geometry.sections()[1].nbytes
@@ -427,11 +439,13 @@ def main(argv=None):
                      r["disk_bytes_per_token"] / 1e6, uses * up_b / 1e6, floor,
                      r["ms_per_token"] / floor if floor else float("nan")))
         res["disk_floor_ms"] = floor
-    if "vram" in res:
-        r = res["vram"]
+    for name, label in (("vram", "vram, device-routed"), ("vram_host", "vram, host-routed")):
+        if name not in res:
+            continue
+        r = res[name]
         vb = uses * (up_b + down_b)      # read from HBM at most
         floor = max(vb / (d2d / 2 * 1e9) * 1e3, 0) + dense_ms
-        rows.append(("vram", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0, 0.0, floor,
+        rows.append((label, r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0, 0.0, floor,
                      r["ms_per_token"] / floor if floor else float("nan")))
     if "prefill_s" in res:     # the bytes that must move once (routed, not in the cache at the start)
         floor = res["prefill_missing_bytes"] / (res["odirect_gbps"] * 1e9)
@@ -465,7 +479,7 @@ def main(argv=None):
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    for name in ("ram", "ram_nostage", "ram_eager", "disk", "vram"):
+    for name in ("ram", "ram_nostage", "ram_eager", "disk", "vram", "vram_host"):
         if name in res:
             acc = res[name]["accounting"]
             if res[name].get("staged_up_use_rate") is not None:
@@ -480,6 +494,11 @@ def main(argv=None):
                   f"after the launch), waiting for disk "
                   f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}, "
                   f"staging {acc.get('ms_staging_per_token', 0.0):.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
+            if "tier_complete_layers" in res[name]:
+                r = res[name]
+                print(f"  VRAM tier: layers whole {r['tier_complete_layers']}, routed on the device "
+                      f"{r.get('device_routed_layers', [])} at the last token, admissions put off "
+                      f"{r['tier_admissions_refused']}")
             if "vram_added_by_decode" in res[name]:
                 r = res[name]
                 print(f"  device memory: {r['vram_after_load'] / 2**30:.2f} GiB after load; decoding added "

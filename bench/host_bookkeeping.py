@@ -145,7 +145,8 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                 client.request(j, list(range(E)), guess=())
                 client.release([s for _, s in client.wait_any(j, list(range(E)))])
         outs = [RouterOutputs.like(torch.zeros(1, 8), torch.zeros(1, k, dtype=torch.long), torch.zeros(1, k),
-                                   torch.zeros(k, dtype=torch.long), pinned=False) for _ in range(n_moe)]
+                                   torch.zeros(2 * k, dtype=torch.long), torch.zeros(2 * k, dtype=torch.long))
+                for _ in range(n_moe)]
         inps = [ExpertInputs.like(torch.zeros(1, 8), None, None, torch.zeros(1, k), pinned=False)
                 for _ in range(n_moe)]
         ch_np = [o.choice_host.numpy() for o in outs]

@@ -28,6 +28,32 @@ When a sequence outgrows the buffers they are reallocated at twice the size and 
 are captured again. (Before, each attention layer ran eagerly between two graphs: ~0.65 ms of host time per token
 on the H200 host, which bound the VRAM regime.) `graph_attention=False` keeps the eager layer.
 
+Device routing (the VRAM regime: every expert of a layer in the VRAM tier). Such a layer leaves the host nothing to
+decide: its experts sit at fixed device addresses, so the graph gathers them from the tier's table (`VramTier.table`,
+int64 [n_moe, n_experts], 0 where absent) by the router's top-k, and R_j, S_j and K_j of the layer join the stretch
+they are in (`DeviceExperts`). A token whose MoE layers are all device-routed is one graph replay, with no host wait
+until the logits. Per token:
+  which layers  the source's `decode_device_layers()` at the token's start: the tier's complete layers, held against
+                eviction until `decode_token_end` (an admission whose victim is in a held layer is put off, and that
+                layer is host-routed for the next token so that the eviction can go ahead: a layer falls back to the
+                host path whenever the tier changes it, and comes back when it is whole again). The tier fills a layer
+                whole while its free slots can take every missing expert (gpu_worker/vram_tier.py).
+  the plan      one list of segments per set of device-routed layers (`plans`, built on first use; the empty set is
+                the host-routed step, `segments`); each is captured like any other, per variant.
+  the choices   every layer's choice (+ guess) is a row of one device buffer (`routed`); a host-routed layer's Route
+                copies to pinned memory its own row and those of the device-routed layers since the last host
+                decision (one copy), and the host books those layers right after its event, before its own route (the
+                order of the host path). The device-routed layers after the last host decision are copied by the
+                final stretch (`Report`) and booked after the token: read at the next step's start (the caller has
+                read the logits by then: the event costs nothing), before this token's graphs rewrite the rows, and
+                booked once the next token's first graph is queued, or earlier where the source needs its counts
+                (a prefill, an eager step, `Accounting.totals`).
+  booking       the source does for a device-routed layer what `decode_route` + `decode_launched` do for a layer
+                whose every expert is in the tier: the tier's use counts, the one message (the prefetcher hears it a
+                token late; it asks for nothing, the tier serves the layer), the counts, the routing record. Only the
+                router wait and staging differ: a device-routed layer waits for nothing and stages no ups for the next
+                layer (its guess reaches the host after that layer's kernels are queued).
+
 The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`), each with
 `run(state)`. Graph inputs and outputs live in static buffers owned by this object (`RouterOutputs`,
 `ExpertInputs` per MoE layer, the residual stream, the logits), so each graph (segment, variant) can be
@@ -66,6 +92,7 @@ KV_GROW = 2         # a buffer that must grow is reallocated at this times the r
 # inside it from the slab alone (the kernels count the down groups they read over the bus) or partly from the
 # VRAM tier.
 EAGER, SLAB, MIXED = "eager", "slab", "mixed"
+DEVICE = "device"       # routed on the device: its experts' addresses gathered from the VRAM tier's table in the graph
 
 
 # ------------------------------------------------------------------ static buffers
@@ -76,26 +103,23 @@ class RouterOutputs:
     h: torch.Tensor            # [1, hidden]: the layer's normed input
     experts: torch.Tensor      # int64 [1, k]
     weights: torch.Tensor      # fp32 [1, k]
-    choice: torch.Tensor       # int64 [k + guess] on the device
-    choice_host: torch.Tensor  # its pinned copy: the host reads it after the event
+    choice: torch.Tensor       # int64 [k + guess] on the device: this layer's row of `DecodeGraphs.routed`
+    choice_host: torch.Tensor  # its pinned copy (a row of `routed_host`): the host reads it after the event
     k: int
 
     @classmethod
-    def like(cls, h, experts, weights, guess, pinned: bool) -> "RouterOutputs":
-        k = experts.shape[-1]
-        n = k + (0 if guess is None else guess.numel())
-        return cls(torch.empty_like(h), torch.empty_like(experts), torch.empty_like(weights),
-                   torch.empty(n, dtype=torch.long, device=h.device),
-                   torch.empty(n, dtype=torch.long, pin_memory=pinned), k)
+    def like(cls, h, experts, weights, choice, choice_host) -> "RouterOutputs":
+        return cls(torch.empty_like(h), torch.empty_like(experts), torch.empty_like(weights), choice, choice_host,
+                   experts.shape[-1])
 
     def write(self, h, experts, weights, guess) -> None:
+        """The device side; the copy to the host is the `Route` op's (one copy for several layers' rows)."""
         self.h.copy_(h)
         self.experts.copy_(experts)
         self.weights.copy_(weights)
         self.choice[:self.k].copy_(experts[0])
         if guess is not None:
             self.choice[self.k:].copy_(guess)
-        self.choice_host.copy_(self.choice, non_blocking=True)
 
     def on_host(self) -> tuple[list[int], list[int]]:
         """(chosen experts, guess for the next MoE layer); only after the event recorded behind `write`."""
@@ -193,11 +217,12 @@ class MoEStep:
     """One MoE layer's share of the step: its router (the end of R_j), S_j, the host decision, its experts and
     combine (the start of R_{j+1})."""
 
-    def __init__(self, dec: "DecodeGraphs", i: int):
-        self.dec, self.i = dec, i
+    def __init__(self, dec: "DecodeGraphs", i: int, row: int):
+        self.dec, self.i, self.row = dec, i, row      # row: this layer's in the choice buffers (MoE layer order)
         self.out: RouterOutputs | None = None
         self.inp: ExpertInputs | None = None
         self.variant = EAGER
+        self.before: tuple = ()
         self.prepare = _Prepare(self)
 
     @property
@@ -208,11 +233,18 @@ class MoEStep:
         h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
         experts, weights, guess = self.mixer.route(h)
         if self.out is None:
-            self.out = RouterOutputs.like(h, experts, weights, guess, pinned=self.dec.cuda)
+            n = experts.shape[-1] + (0 if guess is None else guess.numel())
+            self.out = RouterOutputs.like(h, experts, weights, *self.dec.choice_rows(self.row, n))
         self.out.write(h, experts, weights, guess)
 
+    def record(self) -> tuple[int, list[int], list[int]]:
+        """(moe_index, chosen, guess) from the host copy of the choice: what a device-routed layer's source books."""
+        return (self.mixer.moe_index, *self.out.on_host())
+
     def decide(self) -> None:
-        """The host side, between R_j and R_{j+1}: S_j queued, wait for the choice, let the source route it."""
+        """The host side, between R_j and R_{j+1}: S_j queued, wait for the choice, let the source route it.
+        `before` (set by the plan's HostDecision): the device-routed layers since the last host decision; their
+        choices came with this one's, and their host work goes first (the order of the host path)."""
         ev = None
         if self.dec.cuda:
             ev = torch.cuda.Event()
@@ -223,6 +255,8 @@ class MoEStep:
         t0 = time.perf_counter()
         if ev is not None:
             ev.synchronize()
+        for moe in self.before:
+            moe.mixer.experts.decode_routed([moe.record()])
         chosen, guess = out.on_host()
         r = src.decode_route(mixer.moe_index, self.i, chosen, guess, time.perf_counter() - t0)
         if r.addresses is None:
@@ -284,13 +318,45 @@ class Layer:
 
 
 class Route:
-    """R_j's end: MoE layer j's router and guess, the choice copied to pinned memory."""
+    """R_j's end: MoE layer j's router and guess. report (rows a, b): the choice buffer's rows [a, b) copied to
+    pinned memory here (this layer's, and those of the device-routed layers since the last host decision); None
+    for a device-routed layer."""
+
+    def __init__(self, moe: MoEStep, report: tuple[int, int] | None = None):
+        self.moe, self.report = moe, report
+
+    def __call__(self, x, variant):
+        self.moe.route(x)
+        if self.report is not None:
+            self.moe.dec.report_rows(*self.report)
+        return x
+
+
+class DeviceExperts:
+    """S_j and K_j of a device-routed layer, inside the stretch: the latent projection, the shared expert and the
+    scales as S_j has them, the block addresses gathered from the VRAM tier's table by the router's top-k, the expert
+    kernels and the combine."""
 
     def __init__(self, moe: MoEStep):
         self.moe = moe
 
     def __call__(self, x, variant):
-        self.moe.route(x)
+        moe = self.moe
+        moe.prepare.body(EAGER)
+        mixer = moe.mixer
+        torch.index_select(mixer.experts.decode_table(mixer.moe_index), 0, moe.out.experts[0],
+                           out=moe.inp.addresses[0])
+        return moe.combine(x, DEVICE)
+
+
+class Report:
+    """The end of a token whose last MoE layers were device-routed: their choice rows [start:] to pinned memory."""
+
+    def __init__(self, dec, start: int):
+        self.dec, self.start = dec, start
+
+    def __call__(self, x, variant):
+        self.dec.report_rows(self.start, len(self.dec.moe))
         return x
 
 
@@ -357,10 +423,11 @@ class Stretch(Graphed):
 class HostDecision:
     kind = "route"
 
-    def __init__(self, moe: MoEStep):
-        self.moe = moe
+    def __init__(self, moe: MoEStep, before=()):
+        self.moe, self.before = moe, tuple(before)
 
     def run(self, state) -> None:
+        self.moe.before = self.before
         self.moe.decide()
 
 
@@ -409,24 +476,67 @@ class DecodeGraphs:
         self.kv_pos = torch.zeros(max(len(self.kv_layers), 1), 2, dtype=torch.long, device=dev)
         self._kv_row = {i: r for r, i in enumerate(self.kv_layers)}
         self.kv_grown = 0          # times the static KV buffers were reallocated (each recaptures attention's stretches)
-        ops = [Embed(self)]
+        self.graph_attention = graph_attention
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
-                moe = self.moe[i] = MoEStep(self, i)
+                self.moe[i] = MoEStep(self, i, len(self.moe))
+        # every MoE layer's choice (+ guess), one row each, and its pinned copy: allocated at the first route
+        self.routed: torch.Tensor | None = None
+        self.routed_host: torch.Tensor | None = None
+        self.sources = list({id(moe.mixer.experts): moe.mixer.experts for moe in self.moe.values()}.values())
+        # plans: device-routed layers -> (segments, the device-routed layers after the last host decision)
+        self.plans: dict[frozenset, tuple[list, list]] = {}
+        self.segments = self._plan(frozenset())[0]        # the host-routed step (every layer decided on the host)
+        self.device_layers: frozenset = frozenset()       # the layers routed on the device at the last step
+
+    def _plan(self, device: frozenset) -> tuple[list, list]:
+        got = self.plans.get(device)
+        if got is None:
+            got = self.plans[device] = self._build(device)
+        return got
+
+    def _build(self, device: frozenset) -> tuple[list, list]:
+        """The segments of a step whose MoE layers in `device` (layer indices) are routed on the device: each
+        joins the stretch it is in (router, S_j, addresses from the table, K_j); every other one ends its stretch
+        at a host decision."""
+        m, segments = self.m, []
+        ops, pending = [Embed(self)], []
+        for i, mixer in enumerate(m.mixers):
+            if isinstance(mixer, MoEMixer):
+                moe = self.moe[i]
+                if i in device:
+                    ops += [Route(moe), DeviceExperts(moe)]
+                    pending.append(moe)
+                    continue
+                first = pending[0].row if pending else moe.row       # MoE rows are consecutive in layer order
                 # K_j apart from R_{j+1}: the source's early copies are queued between the two (decode_stage)
-                self.segments += [Stretch(self, ops + [Route(moe)], None), HostDecision(moe),
-                                  Stretch(self, [Combine(moe)], moe)]
-                ops = []
-            elif isinstance(mixer, Attention) and graph_attention:
+                segments += [Stretch(self, ops + [Route(moe, (first, moe.row + 1))], None), HostDecision(moe, pending),
+                             Stretch(self, [Combine(moe)], moe)]
+                ops, pending = [], []
+            elif isinstance(mixer, Attention) and self.graph_attention:
                 ops.append(Attn(self, i, self._kv_row[i]))
             elif isinstance(mixer, Attention):
                 if ops:
-                    self.segments.append(Stretch(self, ops, None))
-                self.segments.append(AttentionLayer(self, i))
+                    segments.append(Stretch(self, ops, None))
+                segments.append(AttentionLayer(self, i))
                 ops = []
             else:
                 ops.append(Layer(self, i))
-        self.segments.append(Stretch(self, ops + [Head(self)], None))
+        tail = [Head(self)] + ([Report(self, pending[0].row)] if pending else [])
+        segments.append(Stretch(self, ops + tail, None))
+        return segments, pending
+
+    def choice_rows(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE row `row` of the choice buffers (device, pinned host), allocated on the first route."""
+        if self.routed is None:
+            self.routed = torch.zeros(len(self.moe), n, dtype=torch.long, device=self.m.device)
+            self.routed_host = torch.zeros(len(self.moe), n, dtype=torch.long, pin_memory=self.cuda)
+        if self.routed.shape[1] != n:
+            raise ValueError(f"MoE layer row {row}: {n} choices + guesses, where the others have {self.routed.shape[1]}")
+        return self.routed[row], self.routed_host[row]
+
+    def report_rows(self, a: int, b: int) -> None:
+        self.routed_host[a:b].copy_(self.routed[a:b], non_blocking=True)
 
     @staticmethod
     def unsupported(model) -> str | None:
@@ -439,7 +549,8 @@ class DecodeGraphs:
 
     @property
     def captures(self) -> int:
-        graphed = [s for s in self.segments if isinstance(s, Graphed)] + [moe.prepare for moe in self.moe.values()]
+        graphed = [s for segs, _ in self.plans.values() for s in segs if isinstance(s, Graphed)]
+        graphed += [moe.prepare for moe in self.moe.values()]
         return sum(len(g.graphs) for g in graphed)
 
     @property
@@ -494,7 +605,7 @@ class DecodeGraphs:
             self.kv[i] = buf
         self.kv_grown += grown
         if grown:       # the graphs baked the old buffers' addresses in
-            for seg in self.segments:
+            for seg in (seg for segs, _ in self.plans.values() for seg in segs):
                 if isinstance(seg, Stretch) and any(isinstance(op, Attn) for op in seg.ops):
                     seg.graphs.clear()
                     seg.runs.clear()
@@ -502,6 +613,28 @@ class DecodeGraphs:
             rows = [(state.layers[i].length, state.layers[i].length + 1) for i in self.kv_layers]
             host = torch.tensor(rows, dtype=torch.long, pin_memory=self.cuda)   # fresh: kept until the copy ran
             self.kv_pos.copy_(host, non_blocking=True)
+
+    # ------------------------------------------------------------------ device routing
+    def _device_layers(self) -> frozenset:
+        """Layer indices this token routes on the device: each source names its MoE layers (and holds them)."""
+        device = set()
+        for src in self.sources:
+            got = src.decode_device_layers()
+            if got:
+                device |= {i for i, moe in self.moe.items() if moe.mixer.experts is src and moe.mixer.moe_index in got}
+        return frozenset(device)
+
+    def _reader(self, moes: list, ev):
+        """What the source calls once the token has run: the trailing device-routed layers' records."""
+        lo, hi = moes[0].row, moes[-1].row + 1
+
+        def read():
+            if ev is not None:
+                ev.synchronize()
+            rows = self.routed_host[lo:hi].tolist()
+            return [(moe.mixer.moe_index, rows[moe.row - lo][:moe.out.k], rows[moe.row - lo][moe.out.k:])
+                    for moe in moes]
+        return read
 
     # ------------------------------------------------------------------ one token
     @torch.inference_mode()
@@ -512,8 +645,25 @@ class DecodeGraphs:
         if not torch.is_tensor(token):      # a fresh pinned tensor: the allocator keeps it until the copy ran
             token = torch.tensor([int(token)], dtype=torch.long, pin_memory=self.cuda)
         self.tok.copy_(token.reshape(1), non_blocking=True)
-        for seg in self.segments:
+        for src in self.sources:            # the last token's trailing choices, before this token's graphs rewrite them
+            src.decode_settle(book=False)
+        device = self._device_layers()
+        segments, trailing = self._plan(device)
+        for i in device:
+            self.moe[i].variant = DEVICE
+        for n, seg in enumerate(segments):
             seg.run(state)
+            if n == 0:                      # their host work while the device runs this token's first graph
+                for src in self.sources:
+                    src.decode_settle()
+        ev = None
+        if trailing and self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        for src in self.sources:
+            mine = [moe for moe in trailing if moe.mixer.experts is src]
+            src.decode_token_end(self._reader(mine, ev) if mine else None)
+        self.device_layers = device
         for i in self.kv_layers:
             state.layers[i].length += 1
         state.position += 1

@@ -26,13 +26,16 @@ class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
-                 vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True):
+                 vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True,
+                 device_routing: bool = True):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
         for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier.
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
         (gpu_worker/decode_graphs.py).
         stage_ups: while the dense layers run, the copy engine moves the guessed experts' up sections of the next
-        MoE layer into VRAM (gpu_worker/up_staging.py; top-k × ~1.5 MB on Super, taken from the reserve)."""
+        MoE layer into VRAM (gpu_worker/up_staging.py; top-k × ~1.5 MB on Super, taken from the reserve).
+        device_routing: in the decode graphs, a MoE layer whose every expert is in the VRAM tier is routed on the
+        device, with no host decision (gpu_worker/decode_graphs.py); False keeps every layer host-routed (an A/B)."""
         store_dir = Path(store_dir)
         # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py):
         # the reserve, and whatever a tier that holds every expert leaves of the budget (set by _vram_tier)
@@ -53,6 +56,7 @@ class StreamingEngine:
             self.reg = register_slab(client.shm, device="cuda" if str(device).startswith("cuda") else "cpu")
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
             self.experts.stage_ups = self.experts.stage_ups and stage_ups
+            self.experts.device_routing = device_routing
             self.model = NemotronH(dense, device=device, dtype=dtype, experts=self.experts)
             if cuda_graphs and str(device).startswith("cuda"):
                 from gpu_worker.decode_graphs import DecodeGraphs
@@ -76,7 +80,8 @@ class StreamingEngine:
         every = len(self.store.moe_layers) * self.store.n_experts
         n = min(vram_tier_slots(budget, used, self.store.block_stride, reserve), every)
         self.prefill_budget_bytes = max(reserve, budget - used - n * self.store.block_stride)
-        return VramTier(n, self.store.block_stride, self.store.block_bytes, device, admit_after)
+        return VramTier(n, self.store.block_stride, self.store.block_bytes, device, admit_after,
+                        n_layers=len(self.store.moe_layers), n_experts=self.store.n_experts)
 
     def new_state(self):
         return self.model.new_state()

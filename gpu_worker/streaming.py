@@ -28,6 +28,8 @@ PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers 
                                     # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
 PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
+VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
+                                    # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int) -> tuple[int, int]:
@@ -155,7 +157,7 @@ class StreamingExperts(ExpertSource):
         # down groups read over the bus, counted by the sparse-down kernel itself (no launch, no sync)
         self._down_groups = torch.zeros(1, dtype=torch.int32, device=self.device) if self._addressed else None
         self._down_groups_seen = 0
-        self.acct.refresh = self._fold_counters
+        self.acct.refresh = self._refresh
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._launched = None            # an addressed route's work that waits until its kernels are launched
         self.prefill_acct = PrefillAccounting(disk=self._disk_counters, resident=self._ready_keys,
@@ -172,6 +174,16 @@ class StreamingExperts(ExpertSource):
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
+        # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
+        # and booked here after their token: `decode_routed`, `decode_token_end`, `decode_settle`
+        self.device_routing = True
+        self._unread = None              # callable -> [(moe_index, chosen, guess)] once the last token has run
+        self._unbooked: list = []        # ... read, not yet booked
+        self._fill_held: list = []       # (event or None, slab slots) pinned for a whole-layer fill's copies
+
+    def _refresh(self):
+        self.decode_settle()
+        self._fold_counters()
 
     def _fold_counters(self):
         if self._down_groups is not None:
@@ -201,6 +213,7 @@ class StreamingExperts(ExpertSource):
 
     # ------------------------------------------------------------------ ExpertSource
     def apply(self, moe_index, layer, x, experts, weights, guess=None):
+        self.decode_settle()             # device-routed layers of the last decoded token come first
         if x.shape[0] == 1:
             t0 = time.perf_counter()
             k = experts.shape[1]
@@ -222,6 +235,7 @@ class StreamingExperts(ExpertSource):
         the counts and the VRAM-tier admissions wait for `decode_launched`, while the device runs the graph."""
         if not self._addressed:
             return self._route(moe_index, layer, chosen, guess, waited_s)
+        self.decode_settle()             # the last token's device-routed layers, booked in layer order
         self.decode_launched()           # a route whose launch was never reported: its work first
         tr = time.perf_counter()
         j, vt = moe_index, self.vram
@@ -296,6 +310,92 @@ class StreamingExperts(ExpertSource):
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_staging += (time.perf_counter() - t0) * 1e3
 
+    # ------------------------------------------------------------------ device routing (gpu_worker/decode_graphs.py)
+    def decode_device_layers(self) -> frozenset[int]:
+        """The MoE layers this token may route on the device (every expert in the VRAM tier, none yielding to an
+        admission), held in the tier until `decode_token_end`."""
+        vt = self.vram
+        if not (self.device_routing and self._addressed) or vt is None or vt.table is None:
+            return frozenset()
+        return vt.hold(vt.routable())
+
+    def decode_table(self, moe_index: int) -> torch.Tensor:
+        return self.vram.table[moe_index]
+
+    def decode_routed(self, records) -> None:
+        """Book device-routed layers now: [(moe_index, chosen, guess)], in layer order, read from the host copy of
+        their choice after an event that follows them (the host decision of a later layer in the same token)."""
+        self.decode_settle()
+        for j, chosen, guess in records:
+            self._book_device(j, chosen, guess)
+
+    def decode_token_end(self, read=None) -> None:
+        """The token's last graph is queued: the tier's hold ends (an eviction from now on is ordered after every
+        kernel that read the slot). `read()` -> [(moe_index, chosen, guess)]: the device-routed layers after the
+        token's last host decision, readable once the token has run; they are booked at the next `decode_settle`."""
+        if self.vram is not None:
+            self.vram.hold()
+        if self._unread is not None:     # its pinned rows are rewritten by this token's graphs
+            raise RuntimeError("the last token's device-routed choices were not read before this token's graphs "
+                               "were queued (decode_settle(book=False) first)")
+        self._unread = read
+
+    def decode_settle(self, book: bool = True) -> None:
+        """Read the last token's pending device-routed choices (waits for its event: free once its logits were
+        read), and (book) do their host work. Called before anything that looks the cache up or reads the counts,
+        and by the decode graphs once the next token's first graph is queued, so it runs while the device works."""
+        if self._unread is not None:
+            read, self._unread = self._unread, None
+            self._unbooked.extend(read())
+        if book and self._unbooked:
+            records, self._unbooked = self._unbooked, []
+            for j, chosen, guess in records:
+                self._book_device(j, chosen, guess)
+
+    def _book_device(self, j, chosen, guess) -> None:
+        """A device-routed layer's host work, the same as `decode_route` + `decode_launched` do for a layer whose
+        every expert is in the VRAM tier: the tier's use counts, the one message, the counts, the record."""
+        t0 = time.perf_counter()
+        self.decode_launched()
+        on_dev = self.vram.lookup(j, chosen)
+        if len(on_dev) != len(chosen):
+            raise RuntimeError(f"MoE layer {j} was routed on the device but experts "
+                               f"{[e for e in chosen if e not in on_dev]} are not in the VRAM tier")
+        self.client.lookup_slots(j, [])                 # the lookup the host route makes (counted, nothing pinned)
+        self._flush(sync=False)          # the host has waited for an event behind the kernels of the pins held
+        next_guess = self._next_guess    # a device-routed layer's guess stages nothing: its ups are not read
+        self._request(j, None, chosen, guess, on_dev, [], [], 0.0, None)
+        self._next_guess = next_guess
+        self.acct.bytes_from_vram += len(on_dev) * self.block_bytes
+        self.acct.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
+
+    def _fill_vram(self) -> None:
+        """Once per token: a layer whose missing experts all fit in the tier's free slots gets up to
+        VRAM_FILL_PER_TOKEN of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are read
+        (demand reads that count no use). Copies are ordered after the kernels queued so far; their pins are held until done."""
+        vt = self.vram
+        got = vt.fillable() if vt is not None and vt.table is not None else None
+        if got is None:
+            return
+        j, missing = got
+        missing = missing[:VRAM_FILL_PER_TOKEN]
+        slots = self.client.lookup_slots(j, missing, count=False)
+        landed = [(e, s) for e, s in zip(missing, slots) if s >= 0]
+        for e, s in landed:
+            vt.admit(j, e, self.slab[s, :self.block_bytes])
+        absent = [e for e, s in zip(missing, slots) if s < 0]
+        if absent:     # reads without a use: a prefetch would be dropped by the layer's next request if not yet read
+            self.client.demand(j, absent)
+        held = [s for _, s in landed]
+        if not held:
+            return
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._fill_held.append((ev, held))
+        else:
+            self.client.release(held)
+
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels
     # that read it have run; otherwise the prefetcher could hand it to an IO worker mid-read. Pins are
@@ -318,11 +418,22 @@ class StreamingExperts(ExpertSource):
             done = self.ups.releasable(wait=sync)     # the staged ups' slab slots, once their copies ran
             if done:
                 self.client.release(done)
+        if self._fill_held:
+            keep = []
+            for ev, slots in self._fill_held:
+                if sync:
+                    ev.synchronize()
+                if ev.query():
+                    self.client.release(slots)
+                else:
+                    keep.append((ev, slots))
+            self._fill_held = keep
 
     def _route(self, j, layer, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
         """Host side of one token's MoE layer, after the choice is on the host (so the device has finished
         everything before it): release the pins the previous layer's kernels held, look up the VRAM tier and the
         cache (pinning hits), send the one request (misses + the guess for the next layer), count."""
+        self.decode_settle()
         self._flush(sync=False)
         tr = time.perf_counter()
         vt = self.vram
@@ -335,6 +446,8 @@ class StreamingExperts(ExpertSource):
         """The one request of a looked-up layer and its counts; `tr`: when the bookkeeping the device waits for
         began (None: after the launch, timed by the caller)."""
         vt = self.vram
+        if j == 0:               # once per token, before the guess is filtered: what it admits needs no prefetch
+            self._fill_vram()
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
             guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]

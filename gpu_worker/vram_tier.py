@@ -12,6 +12,20 @@ recent, and a recency rule (the former second-use admission with LRU eviction) c
 uses while serving ~0 % of them (bench/NOTES.md). Here the residents converge to the most used experts and the
 copies stop. A copy is made only on admission: device-side from the pinned slab slot the block was just
 computed from; the slot's pin is held until that copy has completed.
+
+Device routing (gpu_worker/decode_graphs.py). The tier keeps `table` [n_layers, n_experts] int64 on the device: each
+resident's block address, 0 where absent, written in stream order at every admission and eviction. A layer whose
+every expert is resident ("complete") needs no host decision: the decode graphs gather its blocks' addresses from
+its row by the router's top-k. Two rules keep that safe:
+- `hold()` at the start of a token names the complete layers the token routes on the device; until `hold()` is
+  called again (with nothing at the token's end), no eviction may take a resident of a held layer (a graph queued
+  later in the token would read the slot's new block). An admission that would is refused and its victim's layer
+  *yields*: the next `hold()` leaves it out, so it runs host-routed for one token, during which the eviction goes
+  ahead (the tier's policy is delayed one token, not changed).
+- filling: while the free slots can take every missing expert of a layer (`fillable`), the compute process copies
+  them in from the slab (a bounded number per token, gpu_worker/streaming.py), so a tier that can hold a layer whole gets it whole: frequency admission
+  alone would leave the experts the router rarely picks outside it for ever. A tier smaller than a layer (an 8 GB
+  card) never fills, and its policy is the one above.
 """
 from __future__ import annotations
 
@@ -25,7 +39,8 @@ _RESCALE_AT = 1e150
 
 class VramTier:
     def __init__(self, n_slots: int, block_stride: int, block_bytes: int, device, admit_after: int = 2,
-                 half_life_tokens: float = 256.0):
+                 half_life_tokens: float = 256.0, n_layers: int = 0, n_experts: int = 0):
+        """n_layers, n_experts: the MoE layers' shape, for the device table and whole-layer filling (0: neither)."""
         if admit_after < 1:
             raise ValueError(f"admit_after must be >= 1, got {admit_after}")
         if not half_life_tokens > 0:
@@ -46,6 +61,13 @@ class VramTier:
         # (too low) but never too high: the top is fixed up lazily in `_coldest`
         self._heap: list[tuple[float, tuple[int, int]]] = []
         self.hits = self.admissions = self.evictions = 0
+        self.n_experts = n_experts
+        self.table = (torch.zeros((n_layers, n_experts), dtype=torch.int64, device=self.device)
+                      if n_layers and n_experts else None)
+        self.resident = [0] * n_layers                     # residents per layer: complete at n_experts
+        self.held: frozenset[int] = frozenset()            # layers the current token routes on the device
+        self._yielding: set[int] = set()                   # held layers an admission wanted to evict from
+        self.refused = 0                                   # admissions put off a token by a held victim
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +104,16 @@ class VramTier:
         self.score[k] = before + self._w
         if n < self.admit_after or k in self.slot_of:
             return False
-        return bool(self.free) or before > self.score[self._coldest()]
+        if self.free:
+            return True
+        victim = self._coldest()
+        if not before > self.score[victim]:
+            return False
+        if victim[0] in self.held:        # a graph queued later in this token may read that slot
+            self._yielding.add(victim[0])
+            self.refused += 1
+            return False
+        return True
 
     def admit(self, j: int, e: int, src: torch.Tensor) -> None:
         """Copy a block (a U8 view of a pinned slab slot) into the tier, evicting the coldest resident."""
@@ -90,13 +121,78 @@ class VramTier:
         if self.free:
             s = self.free.pop()
         else:
-            s = self.slot_of.pop(self._coldest())
+            victim = self._coldest()
+            if victim[0] in self.held:
+                raise RuntimeError(f"VRAM tier: evicting expert {victim[1]} of MoE layer {victim[0]}, which this "
+                                   "token routes on the device")
             heapq.heappop(self._heap)
-            self.evictions += 1
+            s = self._evict(victim)
         self.buf[s, :self.block_bytes].copy_(src, non_blocking=True)
         self.slot_of[k] = s
         heapq.heappush(self._heap, (self.score.setdefault(k, self._w), k))
         self.admissions += 1
+        self._placed(k, self.address(s))
+
+    def evict(self, j: int, e: int) -> int:
+        """Drop a resident now, its slot back to the free list (a block found bad; the tests' stale-table check);
+        returns the slot. Refused while its layer is held."""
+        if j in self.held:
+            raise ValueError(f"VRAM tier: MoE layer {j} is routed on the device this token, its experts stay")
+        s = self._evict((j, e))
+        self._heap = [(v, k) for v, k in self._heap if k != (j, e)]
+        heapq.heapify(self._heap)
+        self.free.append(s)
+        return s
+
+    def _evict(self, k: tuple[int, int]) -> int:
+        """Drop a resident (its heap entry is the caller's); returns its slot."""
+        s = self.slot_of.pop(k)
+        self.evictions += 1
+        self._placed(k, 0)
+        return s
+
+    def _placed(self, k: tuple[int, int], address: int) -> None:
+        """The device table and the per-layer count follow every admission (address) and eviction (0)."""
+        if self.table is None:
+            return
+        self.resident[k[0]] += 1 if address else -1
+        self.table[k[0], k[1]] = address      # on CUDA a one-element fill, ordered after the kernels before it
+
+    # ------------------------------------------------------------------ device routing
+    def complete(self, j: int) -> bool:
+        return self.table is not None and self.resident[j] == self.n_experts
+
+    def hold(self, layers=frozenset()) -> frozenset[int]:
+        """Hold `layers` (complete ones) against eviction until the next call; `hold()`: none. Returns the held."""
+        held = frozenset(layers)
+        bad = [j for j in held if not self.complete(j)]
+        if bad:
+            raise ValueError(f"VRAM tier: MoE layers {sorted(bad)} are not complete, they cannot be device-routed")
+        self.held = held
+        return held
+
+    def routable(self) -> frozenset[int]:
+        """The complete layers, less those that yielded to an admission since the last call (they run one token
+        host-routed, so that the eviction can go ahead)."""
+        if self.table is None:
+            return frozenset()
+        out = frozenset(j for j, n in enumerate(self.resident) if n == self.n_experts and j not in self._yielding)
+        self._yielding = set()
+        return out
+
+    def fillable(self) -> tuple[int, list[int]] | None:
+        """(layer, its missing experts) of the incomplete layer with the fewest missing, if the free slots can take
+        all of them; else None."""
+        if self.table is None or not self.free:
+            return None
+        best = None
+        for j, n in enumerate(self.resident):
+            missing = self.n_experts - n
+            if 0 < missing <= len(self.free) and (best is None or missing < self.n_experts - self.resident[best]):
+                best = j
+        if best is None:
+            return None
+        return best, [e for e in range(self.n_experts) if (best, e) not in self.slot_of]
 
     def _coldest(self) -> tuple[int, int]:
         """The resident with the lowest decayed count (at the top of the heap once the stale tops are fixed)."""

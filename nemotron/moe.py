@@ -83,6 +83,27 @@ class ExpertSource(ABC):
         """Called once a MoE layer's expert kernels are on the stream, before the dense layers that follow: a
         source may start moving what the next MoE layer will probably read (default: nothing)."""
 
+    # Device routing: a layer whose experts all sit at fixed device addresses needs no host decision; the graphs
+    # gather the addresses by the router's top-k and the source does the host work after the token.
+    def decode_device_layers(self) -> frozenset:
+        """The MoE layers (moe_index) whose experts this token may gather on the device, held fixed until
+        `decode_token_end` (default: none)."""
+        return frozenset()
+
+    def decode_table(self, moe_index: int) -> torch.Tensor:
+        """int64 [n_experts] on the device: each expert's block address (valid for the layers held)."""
+        raise NotImplementedError(f"{type(self).__name__} routes no layer on the device")
+
+    def decode_routed(self, records) -> None:
+        """Host work of device-routed layers, now: [(moe_index, chosen, guess)] in layer order."""
+        raise NotImplementedError(f"{type(self).__name__} routes no layer on the device")
+
+    def decode_token_end(self, read=None) -> None:
+        """The token's last graph is queued; `read()` gives its trailing device-routed layers' records once it ran."""
+
+    def decode_settle(self, book: bool = True) -> None:
+        """Read (and, book, do the host work of) device-routed layers still pending from the last token."""
+
 
 def apply_experts_torch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                         get: Callable[[int], tuple[QuantizedWeight, QuantizedWeight]],

@@ -9,6 +9,8 @@ last MoE layer guessing the first), each reference run is made once per module, 
 many tokens as its check needs."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -291,3 +293,199 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
             else:
                 assert a.ups_staged == 0
     assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()
+
+
+# Device routing: every expert of a MoE layer in the VRAM tier, its block addresses gathered on the device from the
+# tier's table by the router's top-k, no host decision; the host does the layer's bookkeeping after the token.
+def vram_engine(store, device_routing: bool, record=None):
+    """As on CUDA (blocks by address), a VRAM tier of every expert, the slab warmed with every expert."""
+    n, stride = store[2], store[3]
+    eng = engine(store, n + 8, addressed=True)
+    ex = eng.experts
+    ex.vram = eng._vram_tier(eng.model.dense_nbytes() + n * stride, 0, "cpu", 1)
+    ex.device_routing, ex.record = device_routing, record
+    client = eng.sup.client()
+    for j in range(ex.n_moe):
+        every = list(range(eng.store.n_experts))
+        client.request(j, every)
+        for _, s in client.wait_any(j, every, timeout=60):
+            client.release(s)
+    return eng
+
+
+def device_plans(g: DecodeGraphs) -> list[frozenset]:
+    """The MoE layers each step from now on routed on the device."""
+    seen = []
+    real = g.step
+
+    def step(token, state):
+        out = real(token, state)
+        seen.append(g.device_layers)
+        return out
+    g.step = step
+    return seen
+
+
+def warm_tier(eng) -> None:
+    """Two tokens on a throwaway sequence: the tier fills one layer whole per token."""
+    st = eng.new_state()
+    eng.forward([1, 2, 3], st)
+    for t in range(2):
+        eng.step(7 + t, st)
+    assert all(eng.experts.vram.complete(j) for j in range(eng.experts.n_moe))
+
+
+def routed_run(store, device_routing: bool):
+    """(logits of `run`, the device-routed layers of each step, the bookkeeping to compare, the graphs)."""
+    records = []
+    with vram_engine(store, device_routing, record=lambda *r: records.append(r)) as eng:
+        g = eng.graphs
+        plans = device_plans(g)
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        t = eng.accounting.totals()              # books the last token's device-routed layers
+        vt, cs = eng.experts.vram, eng.cache_stats()
+        assert all(vt.table[j, e] == vt.address(s) for (j, e), s in vt.slot_of.items())
+        books = dict(counts={k: v for k, v in t.items() if not k.startswith("ms_")},
+                     tier=(vt.hits, vt.admissions, vt.evictions, sorted(vt.slot_of.items()), sorted(vt.score.items())),
+                     cache={k: cs[k] for k in ("lookups", "lookup_hits", "lookup_misses", "requests")},
+                     records=records)
+    return out, plans, books, g
+
+
+@pytest.fixture(scope="module")
+def host_routed(store):
+    out, plans, books, _ = routed_run(store, device_routing=False)
+    assert set(plans) == {frozenset()}, plans
+    return out, books
+
+
+@cpu_only
+@pytest.mark.parametrize("booked", [True, False])
+def test_device_routed_decode_equals_host_routed(store, plain_addressed, host_routed, monkeypatch, booked):
+    """The tier fills a layer per token, so the run has host-routed steps, a step with one layer routed on the device
+    before a host decision (booked there) and steps routed on the device alone (one graph, booked after the token).
+    Same logits as the host-routed run and the plain forward; the same counts, tier state, cache lookups and
+    recorded routing as the host-routed run. Twin (booked=False): device-routed layers whose host work is dropped."""
+    from gpu_worker.streaming import StreamingExperts
+    if not booked:
+        monkeypatch.setattr(StreamingExperts, "_book_device", lambda self, j, chosen, guess: None)
+    out, plans, books, g = routed_run(store, device_routing=True)
+    same = [k for k in ("counts", "tier", "cache", "records") if books[k] == host_routed[1][k]]
+    if not booked:
+        assert same == [], same
+        return
+    assert same == ["counts", "tier", "cache", "records"], same
+    assert books["counts"]["vram_hits"] > 0 and books["counts"]["hits_at_lookup"] > 0
+    moe_layers = frozenset(g.moe)
+    assert plans[:3] == [frozenset(), frozenset({min(g.moe)}), moe_layers], plans
+    assert all(p == moe_layers for p in plans[2:]), plans
+    assert len(g.plans[moe_layers][0]) == 1      # a token routed on the device alone: one graph
+    assert torch.equal(out, host_routed[0]), (out - host_routed[0]).abs().max()
+    assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
+@cpu_only
+def test_twin_table_with_swapped_addresses_is_caught(store, plain_addressed):
+    """Must-fail twin: layer 0's table row rolled by one, so each expert gathers its neighbour's block."""
+    with vram_engine(store, True) as eng:
+        warm_tier(eng)
+        t = eng.experts.vram.table
+        t[0] = t[0].roll(1)
+        plans = device_plans(eng.graphs)
+        broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        assert plans and all(p == frozenset(eng.graphs.moe) for p in plans), plans
+    assert (plain_addressed - broken).abs().max() > 3e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("honest", [True, False])
+def test_an_evicted_layer_goes_back_to_the_host_route(store, plain_addressed, monkeypatch, honest):
+    """Layer 0's experts evicted from the tier and their slots overwritten: that token routes layer 0 on the host
+    (from the slab) with the plain forward's logits, the tier fills the layer again, and the next token routes it on
+    the device. Twin (honest=False): a tier whose table and counts miss the evictions (a stale table) routes the
+    layer on the device from the overwritten slots: other logits, and the host's booking finds the experts gone."""
+    with vram_engine(store, True) as eng:
+        vt, g = eng.experts.vram, eng.graphs
+        warm_tier(eng)
+        layer0 = next(i for i, moe in g.moe.items() if moe.mixer.moe_index == 0)
+        if not honest:
+            monkeypatch.setattr(vt, "_placed", lambda k, address: None)
+        for e in range(eng.store.n_experts):
+            vt.buf[vt.evict(0, e)].zero_()
+        st = eng.new_state()
+        eng.forward(list(range(30, 36)), st, last_only=True)
+        logits = eng.step(5, st)                      # the first step of `run`, whose logits lead plain_addressed
+        close = torch.allclose(plain_addressed[:1], logits, atol=3e-3, rtol=1e-3)
+        if honest:
+            assert close, (plain_addressed[:1] - logits).abs().max()
+            assert layer0 not in g.device_layers and g.moe[layer0].variant == "slab"
+            eng.step(12, st)
+            assert layer0 in g.device_layers and vt.complete(0)
+        else:
+            assert not close and layer0 in g.device_layers
+            with pytest.raises(RuntimeError, match="not in the VRAM tier"):
+                eng.experts.decode_settle()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured graphs and the device table: CUDA")
+def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
+    """On CUDA, every expert in the VRAM tier: the step routed on the device (one captured graph, the addresses
+    gathered from the table inside it) gives the logits of the host-routed step, with the same counts."""
+    from gpu_worker.engine import StreamingEngine
+    _, path, n, stride = store
+    out, counts = {}, {}
+    for device_routing in (True, False):
+        with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda", dtype=torch.float32,
+                             device_routing=device_routing) as eng:
+            eng.experts.vram = eng._vram_tier(torch.cuda.memory_allocated() + (n + 8) * stride, 0, "cuda", 1)
+            client = eng.sup.client()
+            for j in range(eng.experts.n_moe):
+                every = list(range(eng.store.n_experts))
+                client.request(j, every)
+                for _, s in client.wait_any(j, every, timeout=60):
+                    client.release(s)
+            g = eng.graphs
+            plans = device_plans(g)
+            out[device_routing] = run(eng.model, eng.step, steps=PIPELINE_STEPS + 1, fixed=True)
+            t = eng.accounting.totals()
+            # (the staged ups' count follows how fast the copies ran: not compared here)
+            counts[device_routing] = {k: t[k] for k in ("tokens", "vram_hits", "hits_at_lookup", "misses_at_lookup",
+                                                         "bytes_from_vram_total")}
+            every_layer = frozenset(g.moe)
+            if device_routing:
+                assert plans.count(every_layer) >= 3, plans
+                (one,) = g.plans[every_layer][0]
+                assert one.graphs, "the step routed on the device alone was not captured"
+            else:
+                assert set(plans) == {frozenset()}, plans
+    assert counts[True] == counts[False]
+    assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4), (out[True] - out[False]).abs().max()
+
+
+@cpu_only
+@pytest.mark.parametrize("asks", [True, False])
+def test_the_tier_fills_whole_layers_from_disk(store, monkeypatch, asks):
+    """A tier with room for every expert and a cold cache: the experts no token has used are read (demand reads that
+    count no use) and copied in as they land, so every layer is whole within a few tokens (then routed on the device). Twin
+    (asks=False): a prefetcher that never hears the fill's requests leaves the layers incomplete."""
+    from cache_shm.client import CacheClient
+    if not asks:
+        monkeypatch.setattr(CacheClient, "demand", lambda self, layer, experts: None)
+    n, stride = store[2], store[3]
+    with engine(store, n + 8, addressed=False) as eng:
+        vt = eng.experts.vram = eng._vram_tier(eng.model.dense_nbytes() + n * stride, 0, "cpu", 2)
+        st, shm = eng.new_state(), eng.sup.client().shm
+        eng.forward([1, 2, 3], st)
+        deadline = time.monotonic() + 5.0       # for the reads to land (a loaded CI machine): the twin waits it out
+        for t in range(12):
+            eng.step(7 + t, st)
+            if all(vt.complete(j) for j in range(eng.experts.n_moe)):
+                break
+            j, missing = vt.fillable()
+            while time.monotonic() < deadline and (shm.ready_of_expert[j, missing] < 0).any():
+                time.sleep(0.01)
+        whole = [vt.complete(j) for j in range(eng.experts.n_moe)]
+        reads = eng.cache_stats()["io_reads"]
+    assert all(whole) == asks, (whole, t)
+    if asks:
+        assert reads <= n       # each block read once: the fill copies from the slab, it does not read again
