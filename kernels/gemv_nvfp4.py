@@ -82,9 +82,37 @@ def _b_operand(p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr):
 
 
 @triton.jit
+def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, keep, M_PAD: tl.constexpr, Q: tl.constexpr):
+    """B_J of one tile built from x itself (X_BUILD): only the M_PAD x Q values x[m, k0 + 4i + J] are loaded (a few
+    per thread, from lines the tile's other J share), then spread over row m's 16 / M_PAD columns by a broadcast and
+    the block-diagonal's zeros set by `keep`. The gather it replaces (X_INLINE) issued one masked load per element
+    of [Q, 16], 16x the values at M = 1, each with its own address."""
+    GC: tl.constexpr = 16 // M_PAD
+    o_i = tl.arange(0, Q)
+    o_m = tl.arange(0, M_PAD)
+    o_k = k0 + 4 * o_i + J
+    v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
+                mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
+    v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16))
+    return tl.where(keep, v, tl.zeros_like(v))
+
+
+@triton.jit
+def _b_tile(xb_ptr, p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr, X_BUILD: tl.constexpr, k0, M,
+            stride_xm, K, M_PAD: tl.constexpr, Q: tl.constexpr):
+    if X_BUILD:
+        v = _b_built(xb_ptr, k0, J, M, stride_xm, K, keep, M_PAD, Q)
+    else:
+        v = _b_operand(p_b, keep, J, row_q, X_INLINE)
+    return v
+
+
+@triton.jit
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
-                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0):
+                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
+                    INDEP_DOTS: tl.constexpr = False):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -93,6 +121,10 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
     X_INLINE: xb_ptr is x itself [M, K] and each tile's B_J is gathered here with `_x_operands_kernel`'s masks
     (no second launch: for short weights the launch costs more than the gather).
+    X_BUILD: xb_ptr is x itself and B_J is built from x's values only (`_b_built`): no second launch, and each
+    program reads 2 bytes per k of x instead of 16 x 2 bytes of prepared operand.
+    INDEP_DOTS (SCALE_AFTER): the four J products in four accumulators summed after, not one chain, so the tensor
+    cores need not finish dot J before dot J + 1 starts.
     row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
     divisibility-by-16 specialisation reaches them: 16-byte weight and 2-byte scale loads instead of 8 and 1.
     Returns fp32 [BLOCK_N, M_PAD] times 2^-22 (SCALE_AFTER) or 2^-15."""
@@ -108,7 +140,13 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
-        if X_INLINE:
+        if X_BUILD:
+            if SCALE_AFTER:
+                keep = ((o_i[:, None] // 4) % GC) == (o_c % GC)[None, :]
+            else:
+                keep = ((o_c % GC) == 0)[None, :] & (o_i >= 0)[:, None]
+            p_b = xb_ptr
+        elif X_INLINE:
             if SCALE_AFTER:
                 keep = (c_row[None, :] < M) & (((o_q[:, None] // 4) % GC) == (o_c % GC)[None, :]) & m_q[:, None]
             else:
@@ -118,9 +156,23 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             keep = m_q[:, None]
             p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
         if SCALE_AFTER:
-            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_operand(p_b, keep, 0, row_q, X_INLINE))
-            for J in tl.static_range(1, 4):
-                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_operand(p_b, keep, J, row_q, X_INLINE), b_r)
+            if INDEP_DOTS:
+                b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
+                             _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
+                b_r1 = tl.dot(_e2m1_quad(b_h, 1, USE_ASM),
+                              _b_tile(xb_ptr, p_b, keep, 1, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
+                b_r2 = tl.dot(_e2m1_quad(b_h, 2, USE_ASM),
+                              _b_tile(xb_ptr, p_b, keep, 2, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
+                b_r3 = tl.dot(_e2m1_quad(b_h, 3, USE_ASM),
+                              _b_tile(xb_ptr, p_b, keep, 3, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
+                b_r = (b_r + b_r1) + (b_r2 + b_r3)
+            else:
+                b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
+                             _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
+                for J in tl.static_range(1, 4):
+                    b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM),
+                                 _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
+                                 b_r)
             o_gs = k0 // 16 + (o_c % G)
             b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
                           mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
@@ -132,7 +184,9 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, _b_operand(p_b, keep, J, row_q, X_INLINE), b_acc)
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                               _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
+                               b_acc)
     return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
@@ -193,6 +247,10 @@ def _nvfp4_gemv_kernel(
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
+    X_BUILD: tl.constexpr = False, INDEP_DOTS: tl.constexpr = False,
+    # SPLIT_REDUCE 1: the split-K partials [SPLIT_K, M, N] fp32 and one arrival counter per row block (int32, zero
+    # on entry, left zero on exit)
+    part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -201,17 +259,37 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    # x_ptr: the prepared B operands (x itself with X_INLINE)
+    # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, INDEP_DOTS)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_m[None, :] < M)
     if SPLIT_K == 1:
         tl.store(p_y, b_y, mask=m_y)
-    else:
+    elif SPLIT_REDUCE == 0:
         tl.atomic_add(p_y, b_y, mask=m_y)
+    else:
+        _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k, M, N, SPLIT_K)
+
+
+@triton.jit
+def _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k, M, N, SPLIT_K: tl.constexpr):
+    """Split-K without a zero-filled output and a cast launch: each split stores its partial, the last of a row
+    block's splits to arrive (an acq_rel counter) sums all partials in split order (the same sum whichever arrives
+    last) and stores y in its own dtype, then puts the counter back to zero for the next call on this stream."""
+    p_part = part_ptr + o_m[None, :] * N + o_n[:, None]
+    tl.store(p_part + pid_k * M * N, b_y, mask=m_y)
+    tl.debug_barrier()          # every thread's partial is issued before the program's arrival is counted
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        b_sum = tl.zeros_like(b_y)
+        for k in tl.static_range(SPLIT_K):
+            # .cg: from L2, where the other SMs' partials are (this SM's L1 is not coherent with them)
+            b_sum += tl.load(p_part + k * M * N, mask=m_y, other=0.0, cache_modifier=".cg")
+        tl.store(p_y, b_sum, mask=m_y)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -362,11 +440,36 @@ def gemv_config(M: int, N: int, K: int, device) -> dict:
         cfg = dict(LOAD_MODE=9, BLOCK_N=128, X_INLINE=True)
     block_k = 256 // m_pad if cfg["LOAD_MODE"] == 8 else 256
     # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
-    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    split_k = 1
-    if n_blocks < 2 * n_sm:
-        split_k = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * 256)))
-    return dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
+    split_k = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
+    cfg = dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
+    choice = GEMV_CHOICES.get((m_pad, N, K))
+    if choice:
+        cfg.update(choice)
+        if "SPLIT_K" not in choice and "BLOCK_N" in choice:
+            cfg["SPLIT_K"] = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
+    return cfg
+
+
+# Per-shape choices over the rule above, (M_PAD, N, K) -> config keys, e.g. {(1, 4096, 8192): dict(X_BUILD=True,
+# SPLIT_REDUCE=1, SPLIT_K=8)}: filled from bench.kernels.gemv_nvfp4_sweep's measured winners (it prints the dict).
+# Empty: every shape runs experiment 4's rule.
+GEMV_CHOICES: dict[tuple[int, int, int], dict] = {}
+
+
+def split_k_for(N: int, K: int, block_n: int, block_k: int, n_sm: int, programs_per_sm: int = 2,
+                min_tiles: int = 4, even: bool = False) -> int:
+    """Splits of K so that about programs_per_sm x n_sm programs run, each over >= min_tiles K-tiles. The defaults
+    are experiment 4's rule (zero-fill and atomics made a split of fewer than 4 tiles not worth it); with
+    SPLIT_REDUCE 1 a split costs no launch, and min_tiles 1 lets the 1,024-row latent projection fill the SMs.
+    even: the fewest splits with the same tiles per split, so that no split is left without a tile."""
+    n_blocks = triton.cdiv(N, block_n)
+    if n_blocks >= programs_per_sm * n_sm:
+        return 1
+    split = max(1, min(triton.cdiv(programs_per_sm * n_sm, n_blocks), K // (min_tiles * block_k)))
+    if even:
+        tiles = triton.cdiv(K, block_k)
+        split = triton.cdiv(tiles, triton.cdiv(tiles, split))
+    return split
 
 
 def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
@@ -408,6 +511,23 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     return y
 
 
+_arrival_by_stream: dict = {}
+_arrival_retired: list = []   # outgrown counter sets: a captured graph may still hold their address
+
+
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """int32 counters, zero between calls (each call's last arrivals put them back), one set per stream so that
+    GEMVs on concurrent streams never share one."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    c = _arrival_by_stream.get(key)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _arrival_retired.append(c)
+        c = _arrival_by_stream[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
@@ -417,10 +537,17 @@ def _global(g, device) -> torch.Tensor:
 
 
 def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: torch.Tensor, global_scale,
-                 out_dtype=None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 out_dtype=None, config: dict | None = None, out: torch.Tensor | None = None,
+                 xb: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T, W an NVFP4 weight (U8 [N, K/2], e4m3 [N, K/16], global fp32). x [..., K]; y [..., N].
 
-    `out`: optional fp32 [M, N] buffer the kernel writes (tests poison it); ignored when K is split.
+    `out`: optional fp32 [M, N] buffer the kernel writes (tests poison it); ignored when K is split by atomics.
+    `xb`: x's prepared B operands, `x_operands(x2, M_PAD, LOAD_MODE == 8)` for this call's configuration, made
+    once for every GEMV that reads the same x (q/k/v; the shared expert's up and the latent fc1): no x launch here.
+    Decode config keys beside experiment 4's: X_BUILD (B built in the kernel from x: one launch), SPLIT_REDUCE 1
+    (split-K partials reduced by the last split to arrive: no zero-fill, no cast launch). The arrival counters
+    are one set per CUDA stream: GEMVs that may run at the same time must be issued (or captured) on different
+    streams.
     """
     N, K = weight_u8.shape[0], weight_u8.shape[1] * 2
     assert x.shape[-1] == K and weight_scale_e4m3.shape == (N, K // 16), (x.shape, weight_scale_e4m3.shape)
@@ -446,14 +573,30 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                 raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
             cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
         split = cfg["SPLIT_K"]
-        if split > 1:
+        reduce_last = split > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
+        if split > 1 and not reduce_last:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
+        n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+        grid = (n_blocks, split)
+        x_in_kernel = cfg.get("X_INLINE", False) or cfg.get("X_BUILD", False)
+        if x_in_kernel and xb is not None:
+            raise ValueError("xb (prepared x operands) given to a configuration that reads x itself (X_INLINE/X_BUILD)")
         xa = x2
-        if cfg["LOAD_MODE"] in (8, 9) and not cfg.get("X_INLINE", False):
-            xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+        if not x_in_kernel:
+            if xb is None:
+                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+            elif xb.shape != (4, K // 4, 16) or xb.dtype != torch.float16:
+                raise ValueError(f"xb: prepared x operands must be fp16 (4, {K // 4}, 16), got {xb.dtype} "
+                                 f"{tuple(xb.shape)}")
+            else:
+                xa = xb
+        if reduce_last:   # no zero-fill: partials are written before they are read, counters left at zero
+            cfg["part_ptr"] = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+            cfg["cnt_ptr"] = _arrival_counters(x.device, n_blocks)
+        else:
+            cfg.pop("SPLIT_REDUCE", None)
         _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
                                  **cfg)
     else:
