@@ -82,20 +82,26 @@ def _b_operand(p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr):
 
 
 @triton.jit
-def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, keep, M_PAD: tl.constexpr, Q: tl.constexpr):
-    """B_J of one tile built from x itself (X_BUILD): only the M_PAD x Q values x[m, k0 + 4i + J] are loaded (a few
-    per thread, from lines the tile's other J share), then spread over row m's 16 / M_PAD columns by a broadcast and
-    the block-diagonal's zeros set by `keep`. The gather it replaces (X_INLINE) issued one masked load per element
-    of [Q, 16], 16x the values at M = 1, each with its own address."""
+def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, d_pattern, M_PAD: tl.constexpr, Q: tl.constexpr):
+    """B_J of one tile built from x itself (X_BUILD): only the M_PAD x Q values x[m, k0 + 4i + J] are loaded, spread
+    over row m's 16 / M_PAD columns by a broadcast and multiplied by B's 0/1 pattern (exact in fp16). The pattern
+    comes from a load (`x_pattern`) rather than from index arithmetic: its contiguous 2-D layout, 8 columns of one
+    row per thread, is then the layout of the product too (one x value per thread at M = 1, one 16-byte shared
+    store), where the computed pattern got a 1-column layout: 5.7 instructions per weight against 3.5 (SASS)."""
     GC: tl.constexpr = 16 // M_PAD
     o_i = tl.arange(0, Q)
-    o_m = tl.arange(0, M_PAD)
     o_k = k0 + 4 * o_i + J
-    v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
-                mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
-    v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-    v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16))
-    return tl.where(keep, v, tl.zeros_like(v))
+    if M_PAD == 1:
+        v = tl.load(x_ptr + o_k, mask=o_k < K, other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        v = v[:, None] * d_pattern
+    else:
+        o_m = tl.arange(0, M_PAD)
+        v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
+                    mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16)) * d_pattern
+    return v
 
 
 @triton.jit
@@ -112,7 +118,7 @@ def _b_tile(xb_ptr, p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr, X
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
                     X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
-                    INDEP_DOTS: tl.constexpr = False):
+                    INDEP_DOTS: tl.constexpr = False, d_ptr=None):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -121,8 +127,8 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
     X_INLINE: xb_ptr is x itself [M, K] and each tile's B_J is gathered here with `_x_operands_kernel`'s masks
     (no second launch: for short weights the launch costs more than the gather).
-    X_BUILD: xb_ptr is x itself and B_J is built from x's values only (`_b_built`): no second launch, and each
-    program reads 2 bytes per k of x instead of 16 x 2 bytes of prepared operand.
+    X_BUILD: xb_ptr is x itself and B_J is built from x's values and the 0/1 pattern at d_ptr (`_b_built`): no
+    second launch, and each program reads 2 bytes per k of x instead of 16 x 2 bytes of prepared operand.
     INDEP_DOTS (SCALE_AFTER): the four J products in four accumulators summed after, not one chain, so the tensor
     cores need not finish dot J before dot J + 1 starts.
     row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
@@ -136,15 +142,14 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     c_row = o_c // GC
     w16 = w_ptr.to(tl.pointer_type(tl.int16))
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if X_BUILD:     # B's 0/1 pattern [Q, 16], the same for every tile (see `_b_built` for why it is loaded)
+        d_keep = tl.load(d_ptr + o_i[:, None] * 16 + o_c[None, :])
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
         if X_BUILD:
-            if SCALE_AFTER:
-                keep = ((o_i[:, None] // 4) % GC) == (o_c % GC)[None, :]
-            else:
-                keep = ((o_c % GC) == 0)[None, :] & (o_i >= 0)[:, None]
+            keep = d_keep
             p_b = xb_ptr
         elif X_INLINE:
             if SCALE_AFTER:
@@ -247,7 +252,7 @@ def _nvfp4_gemv_kernel(
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
-    X_BUILD: tl.constexpr = False, INDEP_DOTS: tl.constexpr = False,
+    X_BUILD: tl.constexpr = False, INDEP_DOTS: tl.constexpr = False, d_ptr=None,
     # SPLIT_REDUCE 1: the split-K partials [SPLIT_K, M, N] fp32 and one arrival counter per row block (int32, zero
     # on entry, left zero on exit)
     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
@@ -261,7 +266,7 @@ def _nvfp4_gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, INDEP_DOTS)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, INDEP_DOTS, d_ptr)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
@@ -420,10 +425,11 @@ def _n_sm(device) -> int:
     return _n_sm_cache[i]
 
 
-def gemv_config(M: int, N: int, K: int, device) -> dict:
-    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2)."""
+def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict:
+    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2).
+    n_sm: the SM count to plan for (default: the device's; the benchmark's counts name the H200's 132)."""
     m_pad = triton.next_power_of_2(max(M, 1))
-    n_sm = _n_sm(device)
+    n_sm = n_sm or _n_sm(device)
     # M = 1: mode 8 at BLOCK_N 64 won every shape (in_proj 24.8 us vs 28.8 at BLOCK_N 128, 58.4 for mode 3);
     # M = 2: mode 8 BLOCK_N 128 (28.7 vs 30.5 for mode 9); M = 3-4: mode 9 BLOCK_N 128 (mode 8's K-tile of 64 at
     # M = 4: 43 us); M = 5-8: mode 9, BLOCK_N 64 with prepared x for the large in_proj (25.4 vs 32.6), BLOCK_N 128
@@ -511,6 +517,24 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     return y
 
 
+_patterns: dict = {}
+
+
+def x_pattern(device, m_pad: int, scale_after: bool, block_k: int) -> torch.Tensor:
+    """B's 0/1 pattern for X_BUILD, fp16 [BLOCK_K / 4, 16]: 1 where `_x_operands_kernel` would place an x
+    value (column c of row i holds x row c // G, G = 16 / M_PAD; with SCALE_AFTER only if c % G = (i / 4) mod G,
+    else only if c % G = 0). Made once per device and layout; read-only, so any number of streams may share it."""
+    key = (device.type, device.index, m_pad, scale_after, block_k)
+    if key not in _patterns:
+        q = block_k // 4
+        g = 16 // m_pad
+        i = torch.arange(q)[:, None]
+        c = torch.arange(16)[None, :]
+        on = (c % g == (i // 4) % g) if scale_after else (c % g == 0).expand(q, 16)
+        _patterns[key] = on.to(torch.float16).to(device)
+    return _patterns[key]
+
+
 _arrival_by_stream: dict = {}
 _arrival_retired: list = []   # outgrown counter sets: a captured graph may still hold their address
 
@@ -592,6 +616,8 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                                  f"{tuple(xb.shape)}")
             else:
                 xa = xb
+        if cfg.get("X_BUILD", False):
+            cfg["d_ptr"] = x_pattern(x.device, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, cfg["BLOCK_K"])
         if reduce_last:   # no zero-fill: partials are written before they are read, counters left at zero
             cfg["part_ptr"] = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cfg["cnt_ptr"] = _arrival_counters(x.device, n_blocks)

@@ -1,0 +1,289 @@
+"""The dense NVFP4 GEMV's fixed cost per call (issue 19, part 1): every Super decode shape at M = 1 and 8, the
+default (kernels.gemv_nvfp4.gemv_config) beside the variants that remove launches, in one run with its own D2D
+ceiling.
+
+    python -m bench.kernels.gemv_nvfp4_sweep [--out gemv.json] [--budget-s 140] [--only SHAPE,SHAPE] [--counts]
+
+Launches per call today (M = 1): the x-operand kernel, then for a split K a zero-fill, the GEMV with fp32 atomics
+and a cast to bf16 — 2 to 4 launches for one GEMV. The variants (flags of kernels.gemv_nvfp4, defaults unchanged):
+  build   X_BUILD: B built in the GEMV from x and a 0/1 pattern, no x launch;
+  last    SPLIT_REDUCE 1: split-K partials, the last split to arrive sums them and stores bf16 (no zero-fill, no cast);
+  sPxT    split_k_for(programs_per_sm=P, min_tiles=T, even=True): more splits once a split costs no launch;
+  st4 / indep / BN..: a deeper cp.async pipeline, the four J products in separate accumulators, other row blocks;
+  x given: the x operands made outside the timed call, i.e. the GEMV alone (what sharing one x across q/k/v or
+           shared-up/fc1 saves per extra GEMV).
+Method as bench/kernels/gemv_nvfp4.py: each call graph-captured many times over weight copies rotated through
+~4x the L2, median of CUDA events; % of the D2D copy rate measured in this run. Every variant is checked against
+the PyTorch twin at the full shape (fresh random inputs) before it is timed; a variant that fails or raises is
+reported, not timed. Prints a table and the per-shape winners as a `GEMV_CHOICES` dict for kernels/gemv_nvfp4.py.
+--counts prints the bytes, programs, K-tiles per program and launches per call of every shape (no GPU needed).
+On a CPU the whole script runs as a smoke test under Triton's interpreter on tiny shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module defines its kernels
+
+import triton  # noqa: E402
+
+from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
+from kernels.gemv_nvfp4 import gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands  # noqa: E402
+from kernels.nvfp4 import swap_nibbles  # noqa: E402
+from kernels.testing import rel_err  # noqa: E402
+
+CUDA = DEV == "cuda"
+TOL = 1e-5          # the GPU checks of experiment 4: worst 4.8e-6
+# (name, N, K, calls per decode token of the 88-layer Super: 40 Mamba, 40 MoE, 8 attention layers, one lm_head)
+SHAPES = [("mamba.in_proj", 18560, 4096, 40), ("mamba.out_proj", 4096, 8192, 40), ("attn.q/o", 4096, 4096, 16),
+          ("attn.k/v", 256, 4096, 16), ("shared.up", 5376, 4096, 40), ("shared.down", 4096, 5376, 40),
+          ("fc1_latent", 1024, 4096, 40), ("fc2_latent", 4096, 1024, 40), ("lm_head", 131072, 4096, 1)]
+SMOKE_SHAPES = [("in_proj-like", 160, 512, 40), ("latent-like", 24, 1024, 40), ("odd", 37, 272, 1)]
+# GEMVs of one decode token that could reuse another's x operands: k and v take q's (8 attention layers), the
+# latent fc1 takes the shared expert's up (40 MoE layers); every other GEMV's x is its own
+SHARED_X = {"attn.k/v": 16, "fc1_latent": 40}
+FLAG_DEFAULTS = dict(X_INLINE=False, X_BUILD=False, SPLIT_REDUCE=0, INDEP_DOTS=False)
+MARGIN = 0.97       # a variant replaces the default in GEMV_CHOICES only if at least 3 % faster (run-to-run ~2 %)
+
+
+def _split(N, K, block_n, n_sm, per_sm, min_tiles):
+    return split_k_for(N, K, block_n, 256, n_sm, programs_per_sm=per_sm, min_tiles=min_tiles, even=True)
+
+
+def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
+    """label -> config for nvfp4_linear ({} = gemv_config's default); 'XB' = the x operands prepared outside."""
+    base = gemv_config(M, N, K, torch.device(DEV), n_sm)
+    bn = base["BLOCK_N"]
+    v: dict[str, dict] = {"default": {}}
+    if not base.get("X_INLINE"):
+        v["x given (GEMV alone)"] = dict(XB=True)
+    bl = dict(X_BUILD=True, X_INLINE=False, SPLIT_REDUCE=1)
+    v["build"] = dict(X_BUILD=True, X_INLINE=False)
+    v["last"] = dict(SPLIT_REDUCE=1)
+    v["build+last"] = dict(bl)
+    v["build+last s2x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 2, 1))
+    v["build+last s4x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))
+    if M == 1:
+        v["build+last s4x1 st4"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_stages=4)
+        v["build+last s4x1 indep"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), INDEP_DOTS=True)
+        v["build+last BN128 s4x1"] = dict(bl, BLOCK_N=128, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
+        v["build+last BN32 s4x1"] = dict(bl, BLOCK_N=32, SPLIT_K=_split(N, K, 32, n_sm, 4, 1))
+    else:
+        other = 64 if bn == 128 else 128
+        v[f"build+last BN{other} s4x1"] = dict(bl, BLOCK_N=other, SPLIT_K=_split(N, K, other, n_sm, 4, 1))
+        v["build+last s4x1 w8"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_warps=8)
+    return v
+
+
+def resolved(cfg: dict, M: int, N: int, K: int, n_sm: int | None = None) -> dict:
+    """The configuration a variant runs (gemv_config's keys under the variant's), for the table and GEMV_CHOICES."""
+    base = gemv_config(M, N, K, torch.device(DEV), n_sm)
+    n_sm = base.pop("n_sm")
+    c = {**base, **{k: v for k, v in cfg.items() if k != "XB"}}
+    if "BLOCK_N" in cfg and "SPLIT_K" not in cfg:
+        c["SPLIT_K"] = split_k_for(N, K, c["BLOCK_N"], 256, n_sm)
+    return c
+
+
+def launches(c: dict) -> int:
+    """Kernel launches of one call with this configuration (bf16 out)."""
+    n = 1
+    if not (c.get("X_INLINE") or c.get("X_BUILD")):
+        n += 1                                        # _x_operands_kernel
+    if c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE", 0) != 1:
+        n += 2                                        # torch.zeros, and the fp32 -> bf16 cast after the atomics
+    return n
+
+
+def counts(shapes, n_sm: int) -> list[dict]:
+    """Bytes, programs, K-tiles per program and launches per call, M = 1 and 8, for the default configuration."""
+    rows = []
+    for name, N, K, per_token in shapes:
+        for M in (1, 8):
+            c = resolved({}, M, N, K, n_sm)
+            n_blocks = triton.cdiv(N, c["BLOCK_N"])
+            tiles = triton.cdiv(K, c["BLOCK_K"])
+            per_split = triton.cdiv(tiles, c["SPLIT_K"])
+            nb = _bytes(N, K, M)
+            # every row block reads the prepared B of all K: 4 J x [BLOCK_K / 4, 16] fp16 per K-tile
+            xb = n_blocks * tiles * 32 * c["BLOCK_K"] if not (c.get("X_INLINE") or c.get("X_BUILD")) else 0
+            rows.append(dict(shape=name, N=N, K=K, M=M, per_token=per_token, bytes=nb,
+                             floor_us=nb / (4.17e12) * 1e6, mode=c["LOAD_MODE"], BLOCK_N=c["BLOCK_N"],
+                             programs=n_blocks * c["SPLIT_K"], split=c["SPLIT_K"], tiles_per_program=per_split,
+                             programs_per_sm=n_blocks * c["SPLIT_K"] / n_sm, launches=launches(c),
+                             x_operand_reads_MB=xb / 1e6))
+    return rows
+
+
+def _bytes(N, K, M):
+    return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
+
+
+def _weights(N, K, copies, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEV, generator=g)
+        s = torch.randint(0x28, 0x48, (N, K // 16), dtype=torch.uint8, device=DEV, generator=g).view(torch.float8_e4m3fn)
+        out.append((q, s, torch.tensor(1e-3, device=DEV)))
+    return out
+
+
+def _copies(nb):
+    return 1 if not CUDA else min(64, max(2, (256 << 20) // nb + 1))
+
+
+def _fn(cfg, M, N, K, x, out_dtype=None):
+    """fn(q, s, gs) -> y for a variant; 'XB': the operands made here once, outside what is timed."""
+    c = {k: v for k, v in cfg.items() if k != "XB"} or None
+    xb = None
+    if cfg.get("XB"):
+        r = resolved(cfg, M, N, K)
+        xb = x_operands(x, r["M_PAD"], r["LOAD_MODE"] == 8)
+    return lambda q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c, xb=xb)
+
+
+def run(shapes, ms, budget_s, hbm, out_rows, checks, t0):
+    n_sm = gemv_config(1, 1, 256, torch.device(DEV))["n_sm"]
+    must_fail_done = False
+    for name, N, K, per_token in shapes:
+        copies = _copies(_bytes(N, K, 1))
+        ws = _weights(N, K, copies, seed=N + K)
+        for M in ms:
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            ref = nvfp4_linear_torch(x, *ws[0], out_dtype=torch.float32)
+            for label, cfg in variants(M, N, K, n_sm).items():
+                if time.time() - t0 > budget_s:
+                    print(f"  budget of {budget_s:.0f} s spent: {name} M={M} {label} and after not timed", flush=True)
+                    return False
+                c = resolved(cfg, M, N, K)
+                fn = _fn(cfg, M, N, K, x)
+                try:   # checked in fp32 (the kernel's own error; the timed call stores bf16 through the same code)
+                    e = rel_err(_fn(cfg, M, N, K, x, torch.float32)(*ws[0]), ref)
+                    if not must_fail_done and cfg.get("X_BUILD") and c["SPLIT_K"] > 1:
+                        bad = rel_err(_fn(cfg, M, N, K, x, torch.float32)(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
+                        checks.append(dict(check=f"must-fail: {name} M={M} {label}, nibbles swapped", rel_err=bad,
+                                           ok=bad > 0.1))
+                        must_fail_done = True
+                except Exception as ex:  # noqa: BLE001 - one failing variant must not hide the others
+                    print(f"  {name} M={M} {label} FAILED: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                    checks.append(dict(check=f"{name} M={M} {label}", rel_err=float("inf"), ok=False,
+                                       error=f"{type(ex).__name__}: {str(ex)[:200]}"))
+                    continue
+                ok = e < TOL
+                checks.append(dict(check=f"{name} M={M} {label}", rel_err=e, ok=ok))
+                if not ok:
+                    print(f"  {name} M={M} {label} WRONG: rel err {e:.2e}", flush=True)
+                    continue
+                sec = time_graph(lambda i: fn(*ws[i % copies]), 2 * copies)
+                nb = _bytes(N, K, M)
+                row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / hbm,
+                           bytes=nb, rel_err=e, launches=launches(c), per_token=per_token,
+                           config={k: v for k, v in c.items() if k in ("LOAD_MODE", "BLOCK_N", "SPLIT_K", "X_BUILD",
+                                                                         "X_INLINE", "SPLIT_REDUCE", "INDEP_DOTS",
+                                                                         "num_warps", "num_stages")})
+                out_rows.append(row)
+                print(f"  {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
+                      f"split {c['SPLIT_K']:2d}  launches {row['launches']}  err {e:.1e}", flush=True)
+        del ws
+    return True
+
+
+def winners(rows) -> dict:
+    best = {}
+    for r in rows:
+        if r["variant"].startswith("x given"):
+            continue                        # not a configuration: the x operands come from elsewhere
+        k = (r["shape"], r["M"])
+        if k not in best or r["us"] < best[k]["us"]:
+            best[k] = r
+    return best
+
+
+def summary(rows, hbm):
+    best = winners(rows)
+    default = {(r["shape"], r["M"]): r for r in rows if r["variant"] == "default"}
+    print("\n== NVFP4 GEMV, default vs best variant (us, % of D2D) ==")
+    print(f"  {'shape':15s} M  {'default':>14s}  {'best':>14s}  variant")
+    per_token = {"default": 0.0, "best": 0.0}
+    for (shape, M), b in best.items():
+        d = default.get((shape, M))
+        dt = f"{d['us']:6.1f} {d['pct']:3.0f}%" if d else "      -     "
+        print(f"  {shape:15s} {M}  {dt:>14s}  {b['us']:6.1f} {b['pct']:3.0f}%  {b['variant']}")
+        if M == 1 and d:
+            per_token["default"] += d["us"] * d["per_token"]
+            per_token["best"] += b["us"] * b["per_token"]
+    print(f"  M = 1, the 88-layer Super's NVFP4 GEMVs per decode token (if all were NVFP4): "
+          f"default {per_token['default'] / 1e3:.2f} ms, best {per_token['best'] / 1e3:.2f} ms")
+    given = {(r["shape"], r["M"]): r for r in rows if r["variant"].startswith("x given")}
+    saved = sum(n * (default[(sh, 1)]["us"] - given[(sh, 1)]["us"]) for sh, n in SHARED_X.items()
+                if (sh, 1) in default and (sh, 1) in given)
+    print(f"  sharing x operands instead (k/v take q's, fc1 the shared up's), default kernels: {saved:.0f} us/token")
+    choices = {}
+    for (shape, M), b in best.items():
+        d = default.get((shape, M))
+        if b["variant"] == "default" or (d and b["us"] > MARGIN * d["us"]):
+            continue
+        m_pad = triton.next_power_of_2(M)
+        base = resolved({}, M, b["N"], b["K"])
+        diff = {k: v for k, v in b["config"].items() if base.get(k, FLAG_DEFAULTS.get(k)) != v}
+        choices[(m_pad, b["N"], b["K"])] = diff
+    print("\n== GEMV_CHOICES (paste into kernels/gemv_nvfp4.py once the table is read) ==")
+    print("GEMV_CHOICES = {")
+    for k, v in choices.items():
+        print(f"    {k}: {v!r},")
+    print("}")
+    return per_token, choices
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemv_sweep.json"))
+    ap.add_argument("--budget-s", type=float, default=140.0)
+    ap.add_argument("--only", default="", help="comma-separated shape names")
+    ap.add_argument("--m", default="1,8")
+    ap.add_argument("--counts", action="store_true", help="print the per-call counts and exit")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    shapes = SHAPES if CUDA else SMOKE_SHAPES
+    if a.only:
+        shapes = [s for s in shapes if s[0] in a.only.split(",")]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+    if a.counts:
+        for r in counts(SHAPES, n_sm):
+            print(f"  {r['shape']:15s} M={r['M']} {r['bytes'] / 1e6:6.2f} MB floor {r['floor_us']:5.1f} us  mode "
+                  f"{r['mode']} BN{r['BLOCK_N']:<3d} programs {r['programs']:5d} ({r['programs_per_sm']:4.1f}/SM) "
+                  f"split {r['split']:2d} tiles/program {r['tiles_per_program']:2d} launches {r['launches']} "
+                  f"x-operand reads {r['x_operand_reads_MB']:5.1f} MB  x{r['per_token']}/token")
+        return 0
+    env = dict(gpu=torch.cuda.get_device_name(0) if CUDA else "none (CPU smoke run, TRITON_INTERPRET=1)",
+               sms=n_sm if CUDA else 0, torch=torch.__version__, triton=triton.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    print("env", env, flush=True)
+    d2d = ceiling_d2d()
+    print(f"D2D {d2d / 1e9:.0f} GB/s", flush=True)
+    rows, checks = [], []
+    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0)
+    per_token, choices = summary(rows, d2d)
+    bad = [c for c in checks if not c["ok"]]
+    print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
+    for c in bad:
+        print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done,
+                       per_token_ms={k: v / 1e3 for k, v in per_token.items()},
+                       choices={str(k): v for k, v in choices.items()}), f, indent=1, default=str)
+    print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
