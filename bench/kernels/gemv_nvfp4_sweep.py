@@ -9,7 +9,7 @@ and a cast to bf16 — 2 to 4 launches for one GEMV. The variants (flags of kern
   build   X_BUILD: B built in the GEMV from x and a 0/1 pattern, no x launch;
   last    SPLIT_REDUCE 1: split-K partials, the last split to arrive sums them and stores bf16 (no zero-fill, no cast);
   sPxT    split_k_for(programs_per_sm=P, min_tiles=T, even=True): more splits once a split costs no launch;
-  st4 / indep / BN..: a deeper cp.async pipeline, the four J products in separate accumulators, other row blocks;
+  st4 / one-dot / BN..: a deeper cp.async pipeline, one dot per K-tile (ONE_DOT), other row blocks and warps;
   x given: the x operands made outside the timed call, i.e. the GEMV alone (what sharing one x across q/k/v or
            shared-up/fc1 saves per extra GEMV).
 Method as bench/kernels/gemv_nvfp4.py: each call graph-captured many times over weight copies rotated through
@@ -49,7 +49,7 @@ SMOKE_SHAPES = [("in_proj-like", 160, 512, 40), ("latent-like", 24, 1024, 40), (
 # GEMVs of one decode token that could reuse another's x operands: k and v take q's (8 attention layers), the
 # latent fc1 takes the shared expert's up (40 MoE layers); every other GEMV's x is its own
 SHARED_X = {"attn.k/v": 16, "fc1_latent": 40}
-FLAG_DEFAULTS = dict(X_INLINE=False, X_BUILD=False, SPLIT_REDUCE=0, INDEP_DOTS=False)
+FLAG_DEFAULTS = dict(X_INLINE=False, X_BUILD=False, SPLIT_REDUCE=0, ONE_DOT=False)
 MARGIN = 0.97       # a variant replaces the default in GEMV_CHOICES only if at least 3 % faster (run-to-run ~2 %)
 
 
@@ -72,9 +72,9 @@ def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
     v["build+last s4x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))
     if M == 1:
         v["build+last s4x1 st4"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_stages=4)
-        v["build+last s4x1 indep"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), INDEP_DOTS=True)
-        v["build+last BN128 s4x1"] = dict(bl, BLOCK_N=128, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
-        v["build+last BN32 s4x1"] = dict(bl, BLOCK_N=32, SPLIT_K=_split(N, K, 32, n_sm, 4, 1))
+        v["build+last s4x1 one-dot"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), ONE_DOT=True)
+        v["build+last BN128 w8 s4x1"] = dict(bl, BLOCK_N=128, num_warps=8, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
+        v["build+last BN32 w2 s4x1"] = dict(bl, BLOCK_N=32, num_warps=2, SPLIT_K=_split(N, K, 32, n_sm, 4, 1))
     else:
         other = 64 if bn == 128 else 128
         v[f"build+last BN{other} s4x1"] = dict(bl, BLOCK_N=other, SPLIT_K=_split(N, K, other, n_sm, 4, 1))
@@ -122,6 +122,22 @@ def counts(shapes, n_sm: int) -> list[dict]:
     return rows
 
 
+def plan(shapes, ms, n_sm: int) -> tuple[int, int]:
+    """(timed calls, distinct GEMV compilations) of a full run: Triton compiles once per constexpr set (SPLIT_K is
+    one), and the compiles, not the timings, are most of the run's seconds."""
+    keys, n = set(), 0
+    for name, N, K, _ in shapes:
+        for M in ms:
+            for label, cfg in variants(M, N, K, n_sm).items():
+                c = resolved(cfg, M, N, K, n_sm)
+                n += 1
+                last = c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE") == 1
+                keys.add((M == 1, c["M_PAD"], c["BLOCK_N"], c["BLOCK_K"], 2 if last else c["SPLIT_K"], c["LOAD_MODE"],
+                          bool(c.get("X_INLINE")), bool(c.get("X_BUILD")), last, bool(c.get("ONE_DOT")),
+                          c["num_warps"], c["num_stages"]))
+    return n, len(keys)
+
+
 def _bytes(N, K, M):
     return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
 
@@ -150,7 +166,7 @@ def _fn(cfg, M, N, K, x, out_dtype=None):
     return lambda q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c, xb=xb)
 
 
-def run(shapes, ms, budget_s, hbm, out_rows, checks, t0):
+def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None):
     n_sm = gemv_config(1, 1, 256, torch.device(DEV))["n_sm"]
     must_fail_done = False
     for name, N, K, per_token in shapes:
@@ -187,12 +203,13 @@ def run(shapes, ms, budget_s, hbm, out_rows, checks, t0):
                 row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / hbm,
                            bytes=nb, rel_err=e, launches=launches(c), per_token=per_token,
                            config={k: v for k, v in c.items() if k in ("LOAD_MODE", "BLOCK_N", "SPLIT_K", "X_BUILD",
-                                                                         "X_INLINE", "SPLIT_REDUCE", "INDEP_DOTS",
+                                                                         "X_INLINE", "SPLIT_REDUCE", "ONE_DOT",
                                                                          "num_warps", "num_stages")})
                 out_rows.append(row)
                 print(f"  {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
                       f"split {c['SPLIT_K']:2d}  launches {row['launches']}  err {e:.1e}", flush=True)
         del ws
+        dump()
     return True
 
 
@@ -257,6 +274,8 @@ def main(argv=None):
         shapes = [s for s in shapes if s[0] in a.only.split(",")]
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
     if a.counts:
+        calls, compiles = plan(SHAPES, (1, 8), n_sm)
+        print(f"  a full run: {calls} timed configurations, {compiles} distinct GEMV compilations")
         for r in counts(SHAPES, n_sm):
             print(f"  {r['shape']:15s} M={r['M']} {r['bytes'] / 1e6:6.2f} MB floor {r['floor_us']:5.1f} us  mode "
                   f"{r['mode']} BN{r['BLOCK_N']:<3d} programs {r['programs']:5d} ({r['programs_per_sm']:4.1f}/SM) "
@@ -270,17 +289,21 @@ def main(argv=None):
     d2d = ceiling_d2d()
     print(f"D2D {d2d / 1e9:.0f} GB/s", flush=True)
     rows, checks = [], []
-    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0)
+
+    def dump(done=False, **extra):   # after every shape too: a run cut short keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done, **extra), f,
+                      indent=1, default=str)
+
+    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0, dump)
     per_token, choices = summary(rows, d2d)
     bad = [c for c in checks if not c["ok"]]
     print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
     for c in bad:
         print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done,
-                       per_token_ms={k: v / 1e3 for k, v in per_token.items()},
-                       choices={str(k): v for k, v in choices.items()}), f, indent=1, default=str)
+    dump(done, per_token_ms={k: v / 1e3 for k, v in per_token.items()},
+         choices={str(k): v for k, v in choices.items()})
     print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
     return 0 if not bad else 1
 

@@ -44,14 +44,19 @@ def test_b_built_in_the_kernel_matches_twin(M, N, K, mode, device):
     assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, f"X_BUILD mode {mode}")
 
 
-@pytest.mark.parametrize("M,N,K,mode", [(1, 37, 272, 8), (3, 50, 96, 8)])
-def test_independent_j_products_match_twin(M, N, K, mode, device):
-    q, s, gs = _weight(N, K, device, seed=7)
-    x = _x(M, K, device, seed=8)
+@pytest.mark.parametrize("M,N,K,split", [(1, 1023, 272, 1), (2, 50, 96, 1), (3, 37, 512, 3), (4, 21, 1024, 2)])
+def test_one_dot_per_tile_matches_twin(M, N, K, split, device):
+    """Mode 8 with the four J tiles joined into k order, B prepared (k-order gather) or built from x."""
+    q, s, gs = _weight(N, K, device, seed=7 + M)
+    x = _x(M, K, device, seed=8 + M)
+    ref = g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32)
     for build in (False, True):
-        y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32,
-                           config=dict(LOAD_MODE=mode, SPLIT_K=1, INDEP_DOTS=True, X_BUILD=build))
-        assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, f"INDEP_DOTS build={build}")
+        cfg = dict(LOAD_MODE=8, SPLIT_K=split, SPLIT_REDUCE=1, ONE_DOT=True, X_BUILD=build)
+        y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device), config=cfg)
+        assert_close(y, ref, TOL, f"ONE_DOT build={build}")
+    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs, out_dtype=torch.float32, config=cfg), ref) > 0.1
+    with pytest.raises(ValueError, match="ONE_DOT"):
+        g.nvfp4_linear(x, q, s, gs, config=dict(LOAD_MODE=9, ONE_DOT=True))
 
 
 @pytest.mark.parametrize("mode,m_pad", [(8, 1), (8, 2), (8, 4), (9, 1), (9, 4), (9, 8)])
