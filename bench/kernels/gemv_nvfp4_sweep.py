@@ -9,13 +9,15 @@ and a cast to bf16 — 2 to 4 launches for one GEMV. The variants (flags of kern
   build   X_BUILD: B built in the GEMV from x and a 0/1 pattern, no x launch;
   last    SPLIT_REDUCE 1: split-K partials, the last split to arrive sums them and stores bf16 (no zero-fill, no cast);
   sPxT    split_k_for(programs_per_sm=P, min_tiles=T, even=True): more splits once a split costs no launch;
-  st4 / one-dot / BN..: a deeper cp.async pipeline, one dot per K-tile (ONE_DOT), other row blocks and warps;
+  st4 / rNN / one-dot / BN..: a deeper cp.async pipeline, a register cap (maxnreg: more programs per SM), one
+          dot per K-tile (ONE_DOT), other row blocks and warps;
   x given: the x operands made outside the timed call, i.e. the GEMV alone (what sharing one x across q/k/v or
            shared-up/fc1 saves per extra GEMV).
 Method as bench/kernels/gemv_nvfp4.py: each call graph-captured many times over weight copies rotated through
 ~4x the L2, median of CUDA events; % of the D2D copy rate measured in this run. Every variant is checked against
-the PyTorch twin at the full shape (fresh random inputs) before it is timed; a variant that fails or raises is
-reported, not timed. Prints a table and the per-shape winners as a `GEMV_CHOICES` dict for kernels/gemv_nvfp4.py.
+the PyTorch twin at the full shape (fresh random inputs, bf16 as timed) before it is timed; a variant that fails
+or raises is reported, not timed; one must-fail twin (swapped nibbles) shows the check catches a broken decode.
+Prints a table and the per-shape winners as a `GEMV_CHOICES` dict for kernels/gemv_nvfp4.py.
 --counts prints the bytes, programs, K-tiles per program and launches per call of every shape (no GPU needed).
 On a CPU the whole script runs as a smoke test under Triton's interpreter on tiny shapes.
 """
@@ -40,7 +42,10 @@ from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
 CUDA = DEV == "cuda"
-TOL = 1e-5          # the GPU checks of experiment 4: worst 4.8e-6
+# bf16 y against the fp32 twin: bf16's rounding alone is ~1.1e-3 (round to nearest, the GPU; 2.2e-3 where the
+# interpreter truncates); one wrong 16-group of a 4,096 row is ~6e-2, a lost split ~0.3. The fp32 bound (2e-5) is
+# the CPU tests' job: checking fp32 here would compile every variant twice (the output dtype is in the signature).
+TOL = 5e-3
 # (name, N, K, calls per decode token of the 88-layer Super: 40 Mamba, 40 MoE, 8 attention layers, one lm_head)
 SHAPES = [("mamba.in_proj", 18560, 4096, 40), ("mamba.out_proj", 4096, 8192, 40), ("attn.q/o", 4096, 4096, 16),
           ("attn.k/v", 256, 4096, 16), ("shared.up", 5376, 4096, 40), ("shared.down", 4096, 5376, 40),
@@ -72,7 +77,10 @@ def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
     v["build+last s4x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))
     if M == 1:
         v["build+last s4x1 st4"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_stages=4)
+        v["build+last s4x1 r80"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), maxnreg=80)
         v["build+last s4x1 one-dot"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), ONE_DOT=True)
+        v["build+last BN128 s4x1"] = dict(bl, BLOCK_N=128, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
+        v["build+last BN128 s4x1 r128"] = dict(bl, BLOCK_N=128, SPLIT_K=_split(N, K, 128, n_sm, 4, 1), maxnreg=128)
         v["build+last BN128 w8 s4x1"] = dict(bl, BLOCK_N=128, num_warps=8, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
         v["build+last BN32 w2 s4x1"] = dict(bl, BLOCK_N=32, num_warps=2, SPLIT_K=_split(N, K, 32, n_sm, 4, 1))
     else:
@@ -134,7 +142,7 @@ def plan(shapes, ms, n_sm: int) -> tuple[int, int]:
                 last = c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE") == 1
                 keys.add((M == 1, c["M_PAD"], c["BLOCK_N"], c["BLOCK_K"], 2 if last else c["SPLIT_K"], c["LOAD_MODE"],
                           bool(c.get("X_INLINE")), bool(c.get("X_BUILD")), last, bool(c.get("ONE_DOT")),
-                          c["num_warps"], c["num_stages"]))
+                          c["num_warps"], c["num_stages"], c.get("maxnreg")))
     return n, len(keys)
 
 
@@ -181,10 +189,10 @@ def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None):
                     return False
                 c = resolved(cfg, M, N, K)
                 fn = _fn(cfg, M, N, K, x)
-                try:   # checked in fp32 (the kernel's own error; the timed call stores bf16 through the same code)
-                    e = rel_err(_fn(cfg, M, N, K, x, torch.float32)(*ws[0]), ref)
+                try:   # the timed call itself (bf16 out: an fp32 check would compile every variant twice)
+                    e = rel_err(fn(*ws[0]), ref)
                     if not must_fail_done and cfg.get("X_BUILD") and c["SPLIT_K"] > 1:
-                        bad = rel_err(_fn(cfg, M, N, K, x, torch.float32)(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
+                        bad = rel_err(fn(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
                         checks.append(dict(check=f"must-fail: {name} M={M} {label}, nibbles swapped", rel_err=bad,
                                            ok=bad > 0.1))
                         must_fail_done = True
@@ -204,7 +212,7 @@ def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None):
                            bytes=nb, rel_err=e, launches=launches(c), per_token=per_token,
                            config={k: v for k, v in c.items() if k in ("LOAD_MODE", "BLOCK_N", "SPLIT_K", "X_BUILD",
                                                                          "X_INLINE", "SPLIT_REDUCE", "ONE_DOT",
-                                                                         "num_warps", "num_stages")})
+                                                                         "num_warps", "num_stages", "maxnreg")})
                 out_rows.append(row)
                 print(f"  {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
                       f"split {c['SPLIT_K']:2d}  launches {row['launches']}  err {e:.1e}", flush=True)
