@@ -12,6 +12,11 @@ k = 4i + J, x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24), prepa
   9  scales on the decoded tile (e2m1 * scale is exact in fp16), B_J plain: any M <= 8; default at M = 3-8.
 The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 operand) are in
 bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
+The fixed cost per call (issue 19: 2-4 launches per GEMV), flags off by default until bench.kernels.gemv_nvfp4_sweep
+has timed them (then GEMV_CHOICES picks per shape): X_BUILD (B built in the GEMV from x and a 0/1 pattern, no x
+launch, 3.5 instructions per weight as before), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
+y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb` (one x preparation for every GEMV
+of the same x).
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
 and `_fp8_gemm_kernel`.
