@@ -547,15 +547,16 @@ _patterns: dict = {}
 def x_pattern(device, m_pad: int, scale_after: bool, block_k: int) -> torch.Tensor:
     """B's 0/1 pattern for X_BUILD, fp16 [BLOCK_K / 4, 16]: 1 where `_x_operands_kernel` would place an x
     value (column c of row i holds x row c // G, G = 16 / M_PAD; with SCALE_AFTER only if c % G = (i / 4) mod G,
-    else only if c % G = 0). Made once per device and layout; read-only, so any number of streams may share it."""
+    else only if c % G = 0). Made once per device and layout, on the device (no host copy: a first call inside a
+    CUDA-graph capture stays legal); read-only, so any number of streams may share it."""
     key = (device.type, device.index, m_pad, scale_after, block_k)
     if key not in _patterns:
         q = block_k // 4
         g = 16 // m_pad
-        i = torch.arange(q)[:, None]
-        c = torch.arange(16)[None, :]
+        i = torch.arange(q, device=device)[:, None]
+        c = torch.arange(16, device=device)[None, :]
         on = (c % g == (i // 4) % g) if scale_after else (c % g == 0).expand(q, 16)
-        _patterns[key] = on.to(torch.float16).to(device)
+        _patterns[key] = on.to(torch.float16).contiguous()
     return _patterns[key]
 
 
