@@ -472,7 +472,7 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
     # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
     split_k = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
     cfg = dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
-    choice = GEMV_CHOICES.get((m_pad, N, K))
+    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K))
     if choice:
         cfg.update(choice)
         if "SPLIT_K" not in choice and "BLOCK_N" in choice:
@@ -480,10 +480,24 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
     return cfg
 
 
-# Per-shape choices over the rule above, (M_PAD, N, K) -> config keys, e.g. {(1, 4096, 8192): dict(X_BUILD=True,
-# SPLIT_REDUCE=1, SPLIT_K=8)}: filled from bench.kernels.gemv_nvfp4_sweep's measured winners (it prints the dict).
-# Empty: every shape runs experiment 4's rule.
-GEMV_CHOICES: dict[tuple[int, int, int], dict] = {}
+# Per-shape choices over the rule above, (compute capability as 10 x major + minor, M_PAD, N, K) -> config keys, e.g.
+# {(90, 1, 4096, 8192): dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=8)}: bench.kernels.gemv_nvfp4_sweep's measured
+# winners (it prints the dict). Keyed by the GPU because they differ: X_BUILD costs nothing per weight on sm_90
+# (wgmma reads B from shared memory) and ~1 instruction per weight on sm_120 (mma.sync, B in every warp's
+# registers; SASS counts in bench/NOTES.md). Empty: every shape runs experiment 4's rule.
+GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {}
+_arch_cache: dict = {}
+
+
+def _arch(device) -> int:
+    """10 x major + minor of the device's compute capability (0 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _arch_cache:
+        major, minor = torch.cuda.get_device_capability(i)
+        _arch_cache[i] = 10 * major + minor
+    return _arch_cache[i]
 
 
 def split_k_for(N: int, K: int, block_n: int, block_k: int, n_sm: int, programs_per_sm: int = 2,

@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
-from kernels.gemv_nvfp4 import gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands  # noqa: E402
+from kernels.gemv_nvfp4 import _arch, gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands  # noqa: E402
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
@@ -275,7 +275,7 @@ def summary(rows, hbm):
         m_pad = triton.next_power_of_2(M)
         base = resolved({}, M, b["N"], b["K"])
         diff = {k: v for k, v in b["config"].items() if base.get(k, FLAG_DEFAULTS.get(k)) != v}
-        choices[(m_pad, b["N"], b["K"])] = diff
+        choices[(_arch(torch.device(DEV)), m_pad, b["N"], b["K"])] = diff
     print("\n== GEMV_CHOICES (paste into kernels/gemv_nvfp4.py once the table is read) ==")
     print("GEMV_CHOICES = {")
     for k, v in choices.items():

@@ -200,8 +200,25 @@ def test_gemv_choices_override_the_rule(monkeypatch):
     dev = torch.device("cpu")
     base = g.gemv_config(1, 4096, 8192, dev, n_sm=132)
     assert base["SPLIT_K"] == 5 and "X_BUILD" not in base
-    monkeypatch.setitem(g.GEMV_CHOICES, (1, 4096, 8192), dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=8))
+    monkeypatch.setitem(g.GEMV_CHOICES, (0, 1, 4096, 8192), dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=8))
+    monkeypatch.setitem(g.GEMV_CHOICES, (90, 2, 4096, 8192), dict(X_BUILD=True))   # another GPU's winner
     c = g.gemv_config(1, 4096, 8192, dev, n_sm=132)
     assert c["X_BUILD"] and c["SPLIT_REDUCE"] == 1 and c["SPLIT_K"] == 8
-    assert g.gemv_config(2, 4096, 8192, dev, n_sm=132) == g.gemv_config(2, 4096, 8192, dev, n_sm=132)
-    assert "X_BUILD" not in g.gemv_config(2, 4096, 8192, dev, n_sm=132)     # other M_PAD untouched
+    assert "X_BUILD" not in g.gemv_config(2, 4096, 8192, dev, n_sm=132)     # not this device's, not applied
+
+
+def test_gemv_choice_runs_through_nvfp4_linear(monkeypatch, device):
+    """A pasted choice reaches the kernel: the call then matches the twin and leaves the counters at zero."""
+    M, N, K = 1, 37, 1024
+    q, s, gs = _weight(N, K, device, seed=19)
+    x = _x(M, K, device, seed=20)
+    monkeypatch.setitem(g.GEMV_CHOICES, (g._arch(torch.device(device)), 1, N, K),
+                        dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=4, BLOCK_N=16))
+    used = []
+    real_pattern, real_counters = g.x_pattern, g._arrival_counters
+    monkeypatch.setattr(g, "x_pattern", lambda *a: used.append("X_BUILD") or real_pattern(*a))
+    monkeypatch.setattr(g, "_arrival_counters", lambda *a: used.append("SPLIT_REDUCE") or real_counters(*a))
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device))
+    assert used == ["X_BUILD", "SPLIT_REDUCE"], used
+    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "GEMV_CHOICES")
+    assert _counters_zero(device)
