@@ -609,9 +609,8 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     once for every GEMV that reads the same x (q/k/v; the shared expert's up and the latent fc1): no x launch here.
     Decode config keys beside experiment 4's: X_BUILD (B built in the kernel from x: one launch), SPLIT_REDUCE 1
     (split-K partials reduced by the last split to arrive: no zero-fill, no cast launch), ONE_DOT (mode 8: one dot
-    per K-tile). The arrival counters
-    are one set per CUDA stream: GEMVs that may run at the same time must be issued (or captured) on different
-    streams.
+    per K-tile). SPLIT_REDUCE's arrival counters are one set per CUDA stream: GEMVs that may run at the same time
+    must be issued (or captured) on different streams.
     """
     N, K = weight_u8.shape[0], weight_u8.shape[1] * 2
     assert x.shape[-1] == K and weight_scale_e4m3.shape == (N, K // 16), (x.shape, weight_scale_e4m3.shape)

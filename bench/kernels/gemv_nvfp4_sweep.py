@@ -37,7 +37,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
-from kernels.gemv_nvfp4 import _arch, gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands  # noqa: E402
+from kernels.gemv_nvfp4 import (_arch, gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for,  # noqa: E402
+                                 x_operands)
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
@@ -159,7 +160,8 @@ def _weights(N, K, copies, seed):
     out = []
     for _ in range(copies):
         q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEV, generator=g)
-        s = torch.randint(0x28, 0x48, (N, K // 16), dtype=torch.uint8, device=DEV, generator=g).view(torch.float8_e4m3fn)
+        s = torch.randint(0x28, 0x48, (N, K // 16), dtype=torch.uint8, device=DEV, generator=g)
+        s = s.view(torch.float8_e4m3fn)       # e4m3 2^-2 .. 2^2, as bench/kernels/gemv_nvfp4.py draws them
         out.append((q, s, torch.tensor(1e-3, device=DEV)))
     return out
 
