@@ -400,18 +400,26 @@ def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
     """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
-    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32)."""
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
+    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
+    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
+    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = tl.arange(0, 16)
     m_n = o_n < N
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
+    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if X_BUILD and ONE_ROW:
+        d_col = tl.load(d_ptr + tl.arange(0, BLOCK_K)[:, None] * 16 + o_c[None, :])
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
@@ -421,15 +429,25 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
             b_w = b_w.to(tl.float16)
         else:
             b_w = b_w.to(tl.float32).to(tl.float16)
-        b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
+        if X_BUILD and ONE_ROW:
+            b_x = tl.load(xc_ptr + o_k, mask=m_k, other=0.0)
+            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)[:, None] * d_col
+        elif X_BUILD:
+            b_x = tl.load(xc_ptr + o_c[None, :] * stride_xm + o_k[:, None], mask=(o_c[None, :] < M) & m_k[:, None],
+                          other=0.0)
+            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        else:
+            b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
         b_acc = tl.dot(b_w, b_x, b_acc)
     b_y = b_acc * (tl.load(scale_ptr) * 256.0)
     p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_c[None, :] < M)
     if SPLIT_K == 1:
         tl.store(p_y, b_y, mask=m_y)
-    else:
+    elif SPLIT_REDUCE == 0:
         tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
+    else:
+        _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_c, pid_n, pid_k, M, N, n_split)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -535,22 +553,44 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
     return xc
 
 
-def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`."""
-    N, K = weight_e4m3.shape
-    M = x2.shape[0]
-    n_sm = _n_sm(x2.device)
+def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None) -> dict:
+    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4) under `config`, split-K by the
+    NVFP4 rule unless config fixes it."""
     cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+    n_sm = n_sm or _n_sm(device)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
         cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
-    if cfg["SPLIT_K"] > 1:
+    return cfg
+
+
+def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`. Config keys beside the
+    tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
+    N, K = weight_e4m3.shape
+    M = x2.shape[0]
+    cfg = fp8_gemv_config(N, K, x2.device, config)
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    reduce_last = cfg["SPLIT_K"] > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
+    if cfg["SPLIT_K"] > 1 and not reduce_last:
         y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
     else:
         y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x2.device)
     grid = (n_blocks, cfg["SPLIT_K"])
-    _fp8_gemv_kernel[grid](x_columns(x2), _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
+    if cfg.get("X_BUILD", False):    # B from x in the kernel: no x launch (see _fp8_gemv_kernel)
+        xa = x2
+        cfg.update(stride_xm=x2.stride(0), ONE_ROW=M == 1)
+        if M == 1:                   # column 0 of every row: the NVFP4 pattern at M_PAD 1, plain B
+            cfg["d_ptr"] = x_pattern(x2.device, 1, False, 4 * cfg["BLOCK_K"])
+    else:
+        xa = x_columns(x2)
+    if reduce_last:
+        cfg.update(part_ptr=torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x2.device),
+                   cnt_ptr=_arrival_counters(x2.device, n_blocks))
+    else:
+        cfg.pop("SPLIT_REDUCE", None)
+    _fp8_gemv_kernel[grid](xa, _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
                            DIRECT=not backend.interpreted(), **cfg)
     return y
 

@@ -3,6 +3,7 @@ default (kernels.gemv_nvfp4.gemv_config) beside the variants that remove launche
 ceiling.
 
     python -m bench.kernels.gemv_nvfp4_sweep [--out gemv.json] [--budget-s 140] [--only SHAPE,SHAPE] [--counts]
+        [--fp8]      # the FP8 GEMV instead: its Super shapes, default / build / last / build+last / last s4x1
 
 Launches per call today (M = 1): the x-operand kernel, then for a split K a zero-fill, the GEMV with fp32 atomics
 and a cast to bf16 — 2 to 4 launches for one GEMV. The variants (flags of kernels.gemv_nvfp4, defaults unchanged):
@@ -37,8 +38,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
-from kernels.gemv_nvfp4 import (_arch, gemv_config, nvfp4_linear, nvfp4_linear_torch, split_k_for,  # noqa: E402
-                                 x_operands)
+from kernels.gemv_nvfp4 import (_arch, fp8_gemv_config, fp8_linear, fp8_linear_torch, gemv_config,  # noqa: E402
+                                 nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands)
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
@@ -135,19 +136,21 @@ def counts(shapes, n_sm: int) -> list[dict]:
     return rows
 
 
-def plan(shapes, ms, n_sm: int) -> tuple[int, int]:
+def plan(shapes, ms, n_sm: int, family=None) -> tuple[int, int]:
     """(timed calls, distinct GEMV compilations) of a full run: Triton compiles once per constexpr set (SPLIT_K is
-    one), and the compiles, not the timings, are most of the run's seconds."""
+    one, except under NVFP4's SPLIT_REDUCE), and the compiles, not the timings, are most of the run's seconds."""
+    family = family or Nvfp4
     keys, n = set(), 0
     for name, N, K, _ in shapes:
         for M in ms:
-            for label, cfg in variants(M, N, K, n_sm).items():
-                c = resolved(cfg, M, N, K, n_sm)
+            for label, cfg in family.variants(M, N, K, n_sm).items():
+                c = dict(family.resolved(cfg, M, N, K, n_sm))
                 n += 1
-                last = c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE") == 1
-                keys.add((M == 1, c["M_PAD"], c["BLOCK_N"], c["BLOCK_K"], 2 if last else c["SPLIT_K"], c["LOAD_MODE"],
-                          bool(c.get("X_INLINE")), bool(c.get("X_BUILD")), last, bool(c.get("ONE_DOT")),
-                          c["num_warps"], c["num_stages"], c.get("maxnreg")))
+                if family is Nvfp4 and c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE") == 1:
+                    c["SPLIT_K"] = 2
+                if c["SPLIT_K"] == 1:
+                    c.pop("SPLIT_REDUCE", None)
+                keys.add((M == 1, min(M, 2) if family is Fp8 else 0, tuple(sorted(c.items()))))
     return n, len(keys)
 
 
@@ -180,25 +183,94 @@ def _fn(cfg, M, N, K, x, out_dtype=None):
     return lambda q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c, xb=xb)
 
 
-def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None):
+class Nvfp4:
+    """The NVFP4 GEMV's hooks for `run`."""
+    op = "nvfp4 gemv"
+    variants = staticmethod(variants)
+    resolved = staticmethod(resolved)
+    launches = staticmethod(launches)
+    bytes = staticmethod(_bytes)
+    weights = staticmethod(_weights)
+    fn = staticmethod(_fn)
+
+    @staticmethod
+    def twin(x, w):
+        return nvfp4_linear_torch(x, *w, out_dtype=torch.float32)
+
+    @staticmethod
+    def broken(w):                          # the must-fail twin: nibbles swapped
+        return (swap_nibbles(w[0]), *w[1:])
+
+
+# FP8 per-tensor (the real Super checkpoint keeps some in_proj / out_proj, most shared-expert and a few latent
+# projections in FP8): the same launches per call (x.T columns, zero-fill, cast), the same two flags
+FP8_SHAPES = [("mamba.in_proj", 18560, 4096, 28), ("mamba.out_proj", 4096, 8192, 29), ("shared.up", 5376, 4096, 39),
+              ("shared.down", 4096, 5376, 39), ("fc1_latent", 1024, 4096, 3)]
+
+
+class Fp8:
+    """The FP8 GEMV's hooks for `run` (calls per token: the FP8 modules of the Super checkpoint, reference notes)."""
+    op = "fp8 gemv"
+
+    @staticmethod
+    def variants(M, N, K, n_sm):
+        v = {"default": {}, "build": dict(X_BUILD=True), "last": dict(SPLIT_REDUCE=1),
+             "build+last": dict(X_BUILD=True, SPLIT_REDUCE=1)}
+        v["last s4x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=split_k_for(N, K, 64, 128, n_sm, 4, 1, even=True))
+        return v
+
+    @staticmethod
+    def resolved(cfg, M, N, K, n_sm=None):
+        return fp8_gemv_config(N, K, torch.device(DEV), cfg, n_sm)
+
+    @staticmethod
+    def launches(c):
+        n = 1 + (0 if c.get("X_BUILD") else 1)              # _x_columns_kernel
+        return n + (2 if c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE", 0) != 1 else 0)
+
+    @staticmethod
+    def bytes(N, K, M):
+        return N * K + M * K * 2 + M * N * 2
+
+    @staticmethod
+    def weights(N, K, copies, seed):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        # e4m3 bytes with bit 3 of the exponent clear (no NaN, |w| <= 1.75 * 2^-1 .. ), as bench/kernels/gemv_nvfp4.py
+        return [(torch.randint(0, 256, (N, K), dtype=torch.uint8, device=DEV, generator=g).bitwise_and(0x77)
+                 .view(torch.float8_e4m3fn), torch.tensor(1e-3, device=DEV)) for _ in range(copies)]
+
+    @staticmethod
+    def fn(cfg, M, N, K, x):
+        return lambda w, sc: fp8_linear(x, w, sc, config=cfg or None)
+
+    @staticmethod
+    def twin(x, w):
+        return fp8_linear_torch(x, *w, out_dtype=torch.float32)
+
+    @staticmethod
+    def broken(w):                          # the must-fail twin: every weight's sign flipped
+        return ((w[0].view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn), w[1])
+
+
+def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None, family=Nvfp4):
     n_sm = gemv_config(1, 1, 256, torch.device(DEV))["n_sm"]
     must_fail_done = False
     for name, N, K, per_token in shapes:
-        copies = _copies(_bytes(N, K, 1))
-        ws = _weights(N, K, copies, seed=N + K)
+        copies = _copies(family.bytes(N, K, 1))
+        ws = family.weights(N, K, copies, seed=N + K)
         for M in ms:
             x = torch.randn(M, K, device=DEV).bfloat16()
-            ref = nvfp4_linear_torch(x, *ws[0], out_dtype=torch.float32)
-            for label, cfg in variants(M, N, K, n_sm).items():
+            ref = family.twin(x, ws[0])
+            for label, cfg in family.variants(M, N, K, n_sm).items():
                 if time.time() - t0 > budget_s:
                     print(f"  budget of {budget_s:.0f} s spent: {name} M={M} {label} and after not timed", flush=True)
                     return False
-                c = resolved(cfg, M, N, K)
-                fn = _fn(cfg, M, N, K, x)
+                c = family.resolved(cfg, M, N, K)
+                fn = family.fn(cfg, M, N, K, x)
                 try:   # the timed call itself (bf16 out: an fp32 check would compile every variant twice)
                     e = rel_err(fn(*ws[0]), ref)
-                    if not must_fail_done and cfg.get("X_BUILD") and c["SPLIT_K"] > 1:
-                        bad = rel_err(fn(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
+                    if not must_fail_done and c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE") == 1:
+                        bad = rel_err(fn(*family.broken(ws[0])), ref)
                         checks.append(dict(check=f"must-fail: {name} M={M} {label}, nibbles swapped", rel_err=bad,
                                            ok=bad > 0.1))
                         must_fail_done = True
@@ -225,14 +297,15 @@ def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None):
                     print(f"  {name} M={M} {label} WRONG after timing: rel err {e_after:.2e}", flush=True)
                     continue
                 e = max(e, e_after)
-                nb = _bytes(N, K, M)
-                row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / hbm,
-                           bytes=nb, rel_err=e, launches=launches(c), per_token=per_token,
+                nb = family.bytes(N, K, M)
+                row = dict(op=family.op, shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6,
+                           pct=100 * nb / sec / hbm, bytes=nb, rel_err=e, launches=family.launches(c),
+                           per_token=per_token,
                            config={k: v for k, v in c.items() if k in ("LOAD_MODE", "BLOCK_N", "SPLIT_K", "X_BUILD",
                                                                          "X_INLINE", "SPLIT_REDUCE", "ONE_DOT",
                                                                          "num_warps", "num_stages", "maxnreg")})
                 out_rows.append(row)
-                print(f"  {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
+                print(f"  {family.op[:5]} {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
                       f"split {c['SPLIT_K']:2d}  launches {row['launches']}  err {e:.1e}", flush=True)
         del ws
         dump()
@@ -244,45 +317,58 @@ def winners(rows) -> dict:
     for r in rows:
         if r["variant"].startswith("x given"):
             continue                        # not a configuration: the x operands come from elsewhere
-        k = (r["shape"], r["M"])
+        k = (r["op"], r["shape"], r["M"])
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
     return best
 
 
-def summary(rows, hbm):
+def summary(rows):
+    """The table (default vs best per op, shape and M), the per-token sums and GEMV_CHOICES."""
     best = winners(rows)
-    default = {(r["shape"], r["M"]): r for r in rows if r["variant"] == "default"}
-    print("\n== NVFP4 GEMV, default vs best variant (us, % of D2D) ==")
-    print(f"  {'shape':15s} M  {'default':>14s}  {'best':>14s}  variant")
-    per_token = {"default": 0.0, "best": 0.0}
-    for (shape, M), b in best.items():
-        d = default.get((shape, M))
-        dt = f"{d['us']:6.1f} {d['pct']:3.0f}%" if d else "      -     "
-        print(f"  {shape:15s} {M}  {dt:>14s}  {b['us']:6.1f} {b['pct']:3.0f}%  {b['variant']}")
-        if M == 1 and d:
-            per_token["default"] += d["us"] * d["per_token"]
-            per_token["best"] += b["us"] * b["per_token"]
-    print(f"  M = 1, the 88-layer Super's NVFP4 GEMVs per decode token (if all were NVFP4): "
-          f"default {per_token['default'] / 1e3:.2f} ms, best {per_token['best'] / 1e3:.2f} ms")
+    default = {(r["op"], r["shape"], r["M"]): r for r in rows if r["variant"] == "default"}
+    per_token = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        print(f"\n== {op}, default vs best variant (us, % of D2D) ==")
+        print(f"  {'shape':15s} M  {'default':>14s}  {'best':>14s}  variant")
+        sums = {"default": 0.0, "best": 0.0}
+        for (o, shape, M), b in best.items():
+            if o != op:
+                continue
+            d = default.get((op, shape, M))
+            dt = f"{d['us']:6.1f} {d['pct']:3.0f}%" if d else "      -     "
+            print(f"  {shape:15s} {M}  {dt:>14s}  {b['us']:6.1f} {b['pct']:3.0f}%  {b['variant']}")
+            if M == 1 and d:
+                sums["default"] += d["us"] * d["per_token"]
+                sums["best"] += b["us"] * b["per_token"]
+        what = "if all were NVFP4" if op == Nvfp4.op else "its FP8 modules"
+        print(f"  M = 1, per decode token of the 88-layer Super ({what}): default {sums['default'] / 1e3:.2f} ms, "
+              f"best {sums['best'] / 1e3:.2f} ms")
+        per_token[op] = sums
     given = {(r["shape"], r["M"]): r for r in rows if r["variant"].startswith("x given")}
-    saved = sum(n * (default[(sh, 1)]["us"] - given[(sh, 1)]["us"]) for sh, n in SHARED_X.items()
-                if (sh, 1) in default and (sh, 1) in given)
-    print(f"  sharing x operands instead (k/v take q's, fc1 the shared up's), default kernels: {saved:.0f} us/token")
+    saved = sum(n * (default[(Nvfp4.op, sh, 1)]["us"] - given[(sh, 1)]["us"]) for sh, n in SHARED_X.items()
+                if (Nvfp4.op, sh, 1) in default and (sh, 1) in given)
+    if given:
+        print(f"  NVFP4, sharing x operands instead (k/v take q's, fc1 the shared up's): {saved:.0f} us/token")
     choices = {}
-    for (shape, M), b in best.items():
-        d = default.get((shape, M))
-        if b["variant"] == "default" or (d and b["us"] > MARGIN * d["us"]):
+    for (op, shape, M), b in best.items():
+        d = default.get((op, shape, M))
+        if op != Nvfp4.op or b["variant"] == "default" or (d and b["us"] > MARGIN * d["us"]):
             continue
         m_pad = triton.next_power_of_2(M)
         base = resolved({}, M, b["N"], b["K"])
         diff = {k: v for k, v in b["config"].items() if base.get(k, FLAG_DEFAULTS.get(k)) != v}
         choices[(_arch(torch.device(DEV)), m_pad, b["N"], b["K"])] = diff
-    print("\n== GEMV_CHOICES (paste into kernels/gemv_nvfp4.py once the table is read) ==")
+    print("\n== GEMV_CHOICES (NVFP4; paste into kernels/gemv_nvfp4.py once the table is read) ==")
     print("GEMV_CHOICES = {")
     for k, v in choices.items():
         print(f"    {k}: {v!r},")
     print("}")
+    fp8 = [(b["shape"], b["M"], b["variant"], b["config"]) for (op, _, _), b in best.items()
+           if op == Fp8.op and b["variant"] != "default"
+           and b["us"] <= MARGIN * default.get((op, b["shape"], b["M"]), b)["us"]]
+    if fp8:
+        print("FP8 winners (fp8_gemv config keys; no FP8 choice table yet):", fp8)
     return per_token, choices
 
 
@@ -293,15 +379,19 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="comma-separated shape names")
     ap.add_argument("--m", default="1,8")
     ap.add_argument("--counts", action="store_true", help="print the per-call counts and exit")
+    ap.add_argument("--fp8", action="store_true", help="time the FP8 GEMV's variants (its own shapes) instead")
     a = ap.parse_args(argv)
     t0 = time.time()
-    shapes = SHAPES if CUDA else SMOKE_SHAPES
+    family = Fp8 if a.fp8 else Nvfp4
+    shapes = (FP8_SHAPES if a.fp8 else SHAPES) if CUDA else SMOKE_SHAPES
     if a.only:
         shapes = [s for s in shapes if s[0] in a.only.split(",")]
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
     if a.counts:
         calls, compiles = plan(SHAPES, (1, 8), n_sm)
         print(f"  a full run: {calls} timed configurations, {compiles} distinct GEMV compilations")
+        calls, compiles = plan(FP8_SHAPES, (1, 8), n_sm, Fp8)
+        print(f"  --fp8: {calls} timed configurations, {compiles} distinct GEMV compilations")
         for r in counts(SHAPES, n_sm):
             print(f"  {r['shape']:15s} M={r['M']} {r['bytes'] / 1e6:6.2f} MB floor {r['floor_us']:5.1f} us  mode "
                   f"{r['mode']} BN{r['BLOCK_N']:<3d} programs {r['programs']:5d} ({r['programs_per_sm']:4.1f}/SM) "
@@ -322,13 +412,13 @@ def main(argv=None):
             json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done, **extra), f,
                       indent=1, default=str)
 
-    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0, dump)
-    per_token, choices = summary(rows, d2d)
+    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0, dump, family)
+    per_token, choices = summary(rows)
     bad = [c for c in checks if not c["ok"]]
     print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
     for c in bad:
         print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
-    dump(done, per_token_ms={k: v / 1e3 for k, v in per_token.items()},
+    dump(done, per_token_ms={op: {k: v / 1e3 for k, v in d.items()} for op, d in per_token.items()},
          choices={str(k): v for k, v in choices.items()})
     print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
     return 0 if not bad else 1

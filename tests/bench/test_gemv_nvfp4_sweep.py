@@ -26,3 +26,11 @@ def test_counts_name_the_launches_of_each_call():
     assert (fc2["programs"], fc2["split"], fc2["launches"]) == (64, 1, 2)
     assert sweep.launches(dict(SPLIT_K=4, X_BUILD=True, SPLIT_REDUCE=1)) == 1
     assert sweep.launches(dict(SPLIT_K=4)) == 4
+
+
+def test_sweep_fp8_smoke(tmp_path):
+    out = tmp_path / "fp8.json"
+    assert sweep.main(["--fp8", "--only", "latent-like", "--m", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {row["variant"] for row in r["rows"]} == set(sweep.Fp8.variants(1, 24, 1024, 4))
+    assert all(c["ok"] for c in r["checks"]) and all(row["op"] == "fp8 gemv" for row in r["rows"])

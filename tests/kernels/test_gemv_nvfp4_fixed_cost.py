@@ -222,3 +222,23 @@ def test_gemv_choice_runs_through_nvfp4_linear(monkeypatch, device):
     assert used == ["X_BUILD", "SPLIT_REDUCE"], used
     assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "GEMV_CHOICES")
     assert _counters_zero(device)
+
+
+# ---- the FP8 decode kernel's two flags -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("M,N,K,cfg", [(1, 1023, 272, dict(X_BUILD=True)), (6, 20, 272, dict(X_BUILD=True)),
+                                       (1, 45, 1024, dict(SPLIT_K=3, SPLIT_REDUCE=1, BLOCK_K=64)),
+                                       (3, 45, 1000, dict(SPLIT_K=3, SPLIT_REDUCE=1, BLOCK_K=64, X_BUILD=True)),
+                                       (1, 37, 1024, dict(SPLIT_K=5, SPLIT_REDUCE=1, BLOCK_N=16, X_BUILD=True))])
+def test_fp8_gemv_flags_match_twin(M, N, K, cfg, device):
+    from kernels.nvfp4 import encode_fp8
+    gen = torch.Generator().manual_seed(N + K)
+    f, sc = encode_fp8(torch.randn(N, K, generator=gen))
+    f, sc = f.to(device), sc.to(device)
+    x = _x(M, K, device, seed=M + 30)
+    ref = g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32)
+    y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, config=cfg, out=_poisoned(M, N, device))
+    assert_close(y, ref, TOL, f"fp8 {cfg}")
+    assert _counters_zero(device)
+    flipped = (f.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)        # must-fail twin: every sign flipped
+    assert rel_err(g.fp8_linear(x, flipped, sc, out_dtype=torch.float32, config=cfg), ref) > 0.1
