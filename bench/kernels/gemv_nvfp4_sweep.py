@@ -80,6 +80,10 @@ def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
     # 8 per SM: more programs than fit at once, so the SMs' shares even out (in_proj: 290 programs leave 3 on some
     # SMs, 2.2 on average); free to try: SPLIT_REDUCE compiles once for every split count
     v["build+last s8x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 8, 1))
+    # x as today with more splits: under the device's Triton 3.6 the built B costs 0.2 (BN64) to 1.2 (BN128)
+    # instructions per weight, the prepared one nothing (SASS in bench/NOTES.md); the same kernel as "last"
+    v["last s4x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))
+    v["last s8x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=_split(N, K, bn, n_sm, 8, 1))
     if M == 1:
         v["build+last s4x1 st4"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_stages=4)
         v["build+last s4x1 r80"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), maxnreg=80)
@@ -89,7 +93,6 @@ def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
         v["build+last BN128 w8 s4x1"] = dict(bl, BLOCK_N=128, num_warps=8, SPLIT_K=_split(N, K, 128, n_sm, 4, 1))
         v["build+last BN32 w2 s4x1"] = dict(bl, BLOCK_N=32, num_warps=2, SPLIT_K=_split(N, K, 32, n_sm, 4, 1))
     else:
-        v["last s4x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))   # x as today (build: +0.8/weight)
         other = 64 if bn == 128 else 128
         v[f"build+last BN{other} s4x1"] = dict(bl, BLOCK_N=other, SPLIT_K=_split(N, K, other, n_sm, 4, 1))
         v["build+last s4x1 w8"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 4, 1), num_warps=8)
