@@ -14,7 +14,7 @@ The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 o
 bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
 The fixed cost per call (issue 19: 2-4 launches per GEMV), flags off by default until bench.kernels.gemv_nvfp4_sweep
 has timed them (then GEMV_CHOICES picks per shape): X_BUILD (B built in the GEMV from x and a 0/1 pattern, no x
-launch, 3.5 instructions per weight as before), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
+launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
 y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb` (one x preparation for every GEMV
 of the same x).
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
@@ -92,7 +92,8 @@ def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, d_pattern, M_PAD: tl.c
     over row m's 16 / M_PAD columns by a broadcast and multiplied by B's 0/1 pattern (exact in fp16). The pattern
     comes from a load (`x_pattern`) rather than from index arithmetic: its contiguous 2-D layout, 8 columns of one
     row per thread, is then the layout of the product too (one x value per thread at M = 1, one 16-byte shared
-    store), where the computed pattern got a 1-column layout: 5.7 instructions per weight against 3.5 (SASS)."""
+    store), where the computed pattern got a 1-column layout (~5.7 instructions per weight against 3.5; the counts
+    per variant and Triton version: bench/kernels/gemv_nvfp4_sass.py, bench/NOTES.md)."""
     GC: tl.constexpr = 16 // M_PAD
     o_i = tl.arange(0, Q)
     o_k = k0 + 4 * o_i + J

@@ -80,8 +80,8 @@ def variants(M: int, N: int, K: int, n_sm: int) -> dict[str, dict]:
     # 8 per SM: more programs than fit at once, so the SMs' shares even out (in_proj: 290 programs leave 3 on some
     # SMs, 2.2 on average); free to try: SPLIT_REDUCE compiles once for every split count
     v["build+last s8x1"] = dict(bl, SPLIT_K=_split(N, K, bn, n_sm, 8, 1))
-    # x as today with more splits: under the device's Triton 3.6 the built B costs 0.2 (BN64) to 1.2 (BN128)
-    # instructions per weight, the prepared one nothing (SASS in bench/NOTES.md); the same kernel as "last"
+    # x as today with more splits: under the device's Triton 3.6 the built B costs 0.3 (BN64) to 1.3 (BN128)
+    # instructions per weight, SPLIT_REDUCE nothing (bench.kernels.gemv_nvfp4_sass); the same kernel as "last"
     v["last s4x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=_split(N, K, bn, n_sm, 4, 1))
     v["last s8x1"] = dict(SPLIT_REDUCE=1, SPLIT_K=_split(N, K, bn, n_sm, 8, 1))
     if M == 1:
