@@ -12,6 +12,11 @@ k = 4i + J, x entering as fp16 prescaled by 2^-8 (headroom to |x| < 2^24), prepa
   9  scales on the decoded tile (e2m1 * scale is exact in fp16), B_J plain: any M <= 8; default at M = 3-8.
 The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 operand) are in
 bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
+The fixed cost per call (issue 19: 2-4 launches per GEMV), flags off by default until bench.kernels.gemv_nvfp4_sweep
+has timed them (then GEMV_CHOICES picks per shape): X_BUILD (B built in the GEMV from x and a 0/1 pattern, no x
+launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
+y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb` (one x preparation for every GEMV
+of the same x).
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
 and `_fp8_gemm_kernel`.
@@ -82,9 +87,44 @@ def _b_operand(p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr):
 
 
 @triton.jit
+def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, d_pattern, M_PAD: tl.constexpr, Q: tl.constexpr):
+    """B_J of one tile built from x itself (X_BUILD): only the M_PAD x Q values x[m, k0 + 4i + J] are loaded, spread
+    over row m's 16 / M_PAD columns by a broadcast and multiplied by B's 0/1 pattern (exact in fp16). The pattern
+    comes from a load (`x_pattern`) rather than from index arithmetic: its contiguous 2-D layout, 8 columns of one
+    row per thread, is then the layout of the product too (one x value per thread at M = 1, one 16-byte shared
+    store), where the computed pattern got a 1-column layout (~5.7 instructions per weight against 3.5; the counts
+    per variant and Triton version: bench/kernels/gemv_nvfp4_sass.py, bench/NOTES.md)."""
+    GC: tl.constexpr = 16 // M_PAD
+    o_i = tl.arange(0, Q)
+    o_k = k0 + 4 * o_i + J
+    if M_PAD == 1:
+        v = tl.load(x_ptr + o_k, mask=o_k < K, other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        v = v[:, None] * d_pattern
+    else:
+        o_m = tl.arange(0, M_PAD)
+        v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
+                    mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
+        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16)) * d_pattern
+    return v
+
+
+@triton.jit
+def _b_tile(xb_ptr, p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr, X_BUILD: tl.constexpr, k0, M,
+            stride_xm, K, M_PAD: tl.constexpr, Q: tl.constexpr):
+    if X_BUILD:
+        v = _b_built(xb_ptr, k0, J, M, stride_xm, K, keep, M_PAD, Q)
+    else:
+        v = _b_operand(p_b, keep, J, row_q, X_INLINE)
+    return v
+
+
+@triton.jit
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
-                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0):
+                    X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
+                    d_ptr=None, ONE_DOT: tl.constexpr = False):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -93,6 +133,11 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     Otherwise B_J's column m is x row m and the scales multiply the decoded tile (exact in fp16).
     X_INLINE: xb_ptr is x itself [M, K] and each tile's B_J is gathered here with `_x_operands_kernel`'s masks
     (no second launch: for short weights the launch costs more than the gather).
+    X_BUILD: xb_ptr is x itself and B_J is built from x's values and the 0/1 pattern at d_ptr (`_b_built`): no
+    second launch, and each program reads 2 bytes per k of x instead of 16 x 2 bytes of prepared operand.
+    ONE_DOT (SCALE_AFTER): the four decoded J tiles joined back into k order and one dot over the K-tile with B in
+    k order too (x itself with X_BUILD): 16 HGMMA and one wait per tile instead of four waits, for ~0.7 more
+    instructions per weight (the join's byte permutes).
     row_q = K / 4 and row_s = K / 16 are passed as arguments (not derived from K in here) so that the launcher's
     divisibility-by-16 specialisation reaches them: 16-byte weight and 2-byte scale loads instead of 8 and 1.
     Returns fp32 [BLOCK_N, M_PAD] times 2^-22 (SCALE_AFTER) or 2^-15."""
@@ -104,11 +149,18 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
     c_row = o_c // GC
     w16 = w_ptr.to(tl.pointer_type(tl.int16))
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if X_BUILD:     # B's 0/1 pattern [Q, 16], the same for every tile (see `_b_built` for why it is loaded)
+        d_keep = tl.load(d_ptr + o_i[:, None] * 16 + o_c[None, :])
+        if ONE_DOT:  # in k order: row r of the tile is row r // 4 of the pattern
+            d_nat = tl.load(d_ptr + (tl.arange(0, BLOCK_K) // 4)[:, None] * 16 + o_c[None, :])
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
-        if X_INLINE:
+        if X_BUILD:
+            keep = d_keep
+            p_b = xb_ptr
+        elif X_INLINE:
             if SCALE_AFTER:
                 keep = (c_row[None, :] < M) & (((o_q[:, None] // 4) % GC) == (o_c % GC)[None, :]) & m_q[:, None]
             else:
@@ -117,10 +169,36 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
         else:
             keep = m_q[:, None]
             p_b = xb_ptr + o_q[:, None] * 16 + o_c[None, :]
-        if SCALE_AFTER:
-            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_operand(p_b, keep, 0, row_q, X_INLINE))
+        if SCALE_AFTER and ONE_DOT:
+            # the four J tiles joined back into k order (k = 4i + J) and one dot over the whole K-tile
+            a_nat = tl.reshape(tl.join(tl.join(_e2m1_quad(b_h, 0, USE_ASM), _e2m1_quad(b_h, 2, USE_ASM)),
+                                       tl.join(_e2m1_quad(b_h, 1, USE_ASM), _e2m1_quad(b_h, 3, USE_ASM))),
+                               (BLOCK_N, BLOCK_K))
+            o_r = k0 + tl.arange(0, BLOCK_K)
+            if X_BUILD and M_PAD == 1:
+                b_nat = tl.load(xb_ptr + o_r, mask=o_r < K, other=0.0)
+                b_nat = (b_nat.to(tl.float32) * _X_PRESCALE).to(tl.float16)[:, None] * d_nat
+            elif X_BUILD:
+                o_m = tl.arange(0, M_PAD)
+                b_nat = tl.load(xb_ptr + o_m[None, :, None] * stride_xm + o_r[:, None, None],
+                                mask=(o_m[None, :, None] < M) & (o_r[:, None, None] < K), other=0.0)
+                b_nat = (b_nat.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+                b_nat = tl.reshape(tl.broadcast_to(b_nat, (BLOCK_K, M_PAD, GC)), (BLOCK_K, 16)) * d_nat
+            else:
+                b_nat = tl.load(xb_ptr + ((o_r % 4) * row_q + o_r // 4)[:, None] * 16 + o_c[None, :],
+                                mask=(o_r < K)[:, None], other=0.0)
+            b_r = tl.dot(a_nat, b_nat)
+            o_gs = k0 // 16 + (o_c % G)
+            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
+                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
+            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif SCALE_AFTER:
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
+                         _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
             for J in tl.static_range(1, 4):
-                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_operand(p_b, keep, J, row_q, X_INLINE), b_r)
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM),
+                             _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
+                             b_r)
             o_gs = k0 // 16 + (o_c % G)
             b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
                           mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
@@ -132,7 +210,9 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, _b_operand(p_b, keep, J, row_q, X_INLINE), b_acc)
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                               _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
+                               b_acc)
     return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
@@ -193,25 +273,53 @@ def _nvfp4_gemv_kernel(
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
+    X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False,
+    # SPLIT_REDUCE 1: the split-K partials [splits, M, N] fp32 and one arrival counter per row block (int32, zero
+    # on entry, left zero on exit); the splits are the grid's second dimension, SPLIT_K only says "> 1"
+    part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    if SPLIT_REDUCE == 1:   # the split count is the grid's: one compilation serves every count (SPLIT_K > 1)
+        n_split = tl.num_programs(1)
+    else:
+        n_split = SPLIT_K
+    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    # x_ptr: the prepared B operands (x itself with X_INLINE)
+    # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_m[None, :] < M)
     if SPLIT_K == 1:
         tl.store(p_y, b_y, mask=m_y)
-    else:
+    elif SPLIT_REDUCE == 0:
         tl.atomic_add(p_y, b_y, mask=m_y)
+    else:
+        _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k, M, N, n_split)
+
+
+@triton.jit
+def _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k, M, N, n_split):
+    """Split-K without a zero-filled output and a cast launch: each split stores its partial, the last of a row
+    block's splits to arrive (an acq_rel counter) sums all partials in split order (the same sum whichever arrives
+    last) and stores y in its own dtype, then puts the counter back to zero for the next call on this stream."""
+    p_part = part_ptr + o_m[None, :] * N + o_n[:, None]
+    tl.store(p_part + pid_k * M * N, b_y, mask=m_y)
+    tl.debug_barrier()          # every thread's partial is issued before the program's arrival is counted
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_split - 1:
+        b_sum = tl.zeros_like(b_y)
+        for k in range(n_split):
+            # .cg: from L2, where the other SMs' partials are (this SM's L1 is not coherent with them)
+            b_sum += tl.load(p_part + k * M * N, mask=m_y, other=0.0, cache_modifier=".cg")
+        tl.store(p_y, b_sum, mask=m_y)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -293,18 +401,26 @@ def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
     """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
-    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32)."""
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
+    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
+    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
+    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = tl.arange(0, 16)
     m_n = o_n < N
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
+    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if X_BUILD and ONE_ROW:
+        d_col = tl.load(d_ptr + tl.arange(0, BLOCK_K)[:, None] * 16 + o_c[None, :])
     for k0 in range(k_lo, k_hi, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < K
@@ -314,15 +430,25 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
             b_w = b_w.to(tl.float16)
         else:
             b_w = b_w.to(tl.float32).to(tl.float16)
-        b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
+        if X_BUILD and ONE_ROW:
+            b_x = tl.load(xc_ptr + o_k, mask=m_k, other=0.0)
+            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)[:, None] * d_col
+        elif X_BUILD:
+            b_x = tl.load(xc_ptr + o_c[None, :] * stride_xm + o_k[:, None], mask=(o_c[None, :] < M) & m_k[:, None],
+                          other=0.0)
+            b_x = (b_x.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+        else:
+            b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
         b_acc = tl.dot(b_w, b_x, b_acc)
     b_y = b_acc * (tl.load(scale_ptr) * 256.0)
     p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_c[None, :] < M)
     if SPLIT_K == 1:
         tl.store(p_y, b_y, mask=m_y)
-    else:
+    elif SPLIT_REDUCE == 0:
         tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
+    else:
+        _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_c, pid_n, pid_k, M, N, n_split)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -342,10 +468,11 @@ def _n_sm(device) -> int:
     return _n_sm_cache[i]
 
 
-def gemv_config(M: int, N: int, K: int, device) -> dict:
-    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2)."""
+def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict:
+    """Decode-kernel configuration for M rows of x: the winners of bench/NOTES.md experiment 4 (H200, run 2).
+    n_sm: the SM count to plan for (default: the device's; the benchmark's counts name the H200's 132)."""
     m_pad = triton.next_power_of_2(max(M, 1))
-    n_sm = _n_sm(device)
+    n_sm = n_sm or _n_sm(device)
     # M = 1: mode 8 at BLOCK_N 64 won every shape (in_proj 24.8 us vs 28.8 at BLOCK_N 128, 58.4 for mode 3);
     # M = 2: mode 8 BLOCK_N 128 (28.7 vs 30.5 for mode 9); M = 3-4: mode 9 BLOCK_N 128 (mode 8's K-tile of 64 at
     # M = 4: 43 us); M = 5-8: mode 9, BLOCK_N 64 with prepared x for the large in_proj (25.4 vs 32.6), BLOCK_N 128
@@ -362,11 +489,50 @@ def gemv_config(M: int, N: int, K: int, device) -> dict:
         cfg = dict(LOAD_MODE=9, BLOCK_N=128, X_INLINE=True)
     block_k = 256 // m_pad if cfg["LOAD_MODE"] == 8 else 256
     # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
-    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    split_k = 1
-    if n_blocks < 2 * n_sm:
-        split_k = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * 256)))
-    return dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
+    split_k = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
+    cfg = dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
+    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K))
+    if choice:
+        cfg.update(choice)
+        if "SPLIT_K" not in choice and "BLOCK_N" in choice:
+            cfg["SPLIT_K"] = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
+    return cfg
+
+
+# Per-shape choices over the rule above, (compute capability as 10 x major + minor, M_PAD, N, K) -> config keys, e.g.
+# {(90, 1, 4096, 8192): dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=8)}: bench.kernels.gemv_nvfp4_sweep's measured
+# winners (it prints the dict). Keyed by the GPU because they differ: X_BUILD costs nothing per weight on sm_90
+# (wgmma reads B from shared memory) and ~1 instruction per weight on sm_120 (mma.sync, B in every warp's
+# registers; SASS counts in bench/NOTES.md). Empty: every shape runs experiment 4's rule.
+GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {}
+_arch_cache: dict = {}
+
+
+def _arch(device) -> int:
+    """10 x major + minor of the device's compute capability (0 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _arch_cache:
+        major, minor = torch.cuda.get_device_capability(i)
+        _arch_cache[i] = 10 * major + minor
+    return _arch_cache[i]
+
+
+def split_k_for(N: int, K: int, block_n: int, block_k: int, n_sm: int, programs_per_sm: int = 2,
+                min_tiles: int = 4, even: bool = False) -> int:
+    """Splits of K so that about programs_per_sm x n_sm programs run, each over >= min_tiles K-tiles. The defaults
+    are experiment 4's rule (zero-fill and atomics made a split of fewer than 4 tiles not worth it); with
+    SPLIT_REDUCE 1 a split costs no launch, and min_tiles 1 lets the 1,024-row latent projection fill the SMs.
+    even: the fewest splits with the same tiles per split, so that no split is left without a tile."""
+    n_blocks = triton.cdiv(N, block_n)
+    if n_blocks >= programs_per_sm * n_sm:
+        return 1
+    split = max(1, min(triton.cdiv(programs_per_sm * n_sm, n_blocks), K // (min_tiles * block_k)))
+    if even:
+        tiles = triton.cdiv(K, block_k)
+        split = triton.cdiv(tiles, triton.cdiv(tiles, split))
+    return split
 
 
 def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
@@ -388,24 +554,82 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
     return xc
 
 
-def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`."""
-    N, K = weight_e4m3.shape
-    M = x2.shape[0]
-    n_sm = _n_sm(x2.device)
+def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None) -> dict:
+    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4) under `config`, split-K by the
+    NVFP4 rule unless config fixes it."""
     cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+    n_sm = n_sm or _n_sm(device)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
         cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
-    if cfg["SPLIT_K"] > 1:
+    return cfg
+
+
+def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`. Config keys beside the
+    tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
+    N, K = weight_e4m3.shape
+    M = x2.shape[0]
+    cfg = fp8_gemv_config(N, K, x2.device, config)
+    n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    reduce_last = cfg["SPLIT_K"] > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
+    if cfg["SPLIT_K"] > 1 and not reduce_last:
         y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
     else:
         y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x2.device)
     grid = (n_blocks, cfg["SPLIT_K"])
-    _fp8_gemv_kernel[grid](x_columns(x2), _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
+    if cfg.get("X_BUILD", False):    # B from x in the kernel: no x launch (see _fp8_gemv_kernel)
+        xa = x2
+        cfg.update(stride_xm=x2.stride(0), ONE_ROW=M == 1)
+        if M == 1:                   # column 0 of every row: the NVFP4 pattern at M_PAD 1, plain B
+            cfg["d_ptr"] = x_pattern(x2.device, 1, False, 4 * cfg["BLOCK_K"])
+    else:
+        xa = x_columns(x2)
+    if reduce_last:
+        cfg.update(part_ptr=torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x2.device),
+                   cnt_ptr=_arrival_counters(x2.device, n_blocks))
+    else:
+        cfg.pop("SPLIT_REDUCE", None)
+    _fp8_gemv_kernel[grid](xa, _as_u8(weight_e4m3), _global(scale, x2.device), y, M, N, K, y.stride(0),
                            DIRECT=not backend.interpreted(), **cfg)
     return y
+
+
+_patterns: dict = {}
+
+
+def x_pattern(device, m_pad: int, scale_after: bool, block_k: int) -> torch.Tensor:
+    """B's 0/1 pattern for X_BUILD, fp16 [BLOCK_K / 4, 16]: 1 where `_x_operands_kernel` would place an x
+    value (column c of row i holds x row c // G, G = 16 / M_PAD; with SCALE_AFTER only if c % G = (i / 4) mod G,
+    else only if c % G = 0). Made once per device and layout, on the device (no host copy: a first call inside a
+    CUDA-graph capture stays legal); read-only, so any number of streams may share it."""
+    key = (device.type, device.index, m_pad, scale_after, block_k)
+    if key not in _patterns:
+        q = block_k // 4
+        g = 16 // m_pad
+        i = torch.arange(q, device=device)[:, None]
+        c = torch.arange(16, device=device)[None, :]
+        on = (c % g == (i // 4) % g) if scale_after else (c % g == 0).expand(q, 16)
+        _patterns[key] = on.to(torch.float16).contiguous()
+    return _patterns[key]
+
+
+_arrival_by_stream: dict = {}
+_arrival_retired: list = []   # outgrown counter sets: a captured graph may still hold their address
+
+
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """int32 counters, zero between calls (each call's last arrivals put them back), one set per stream so that
+    GEMVs on concurrent streams never share one."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    c = _arrival_by_stream.get(key)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _arrival_retired.append(c)
+        c = _arrival_by_stream[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -417,10 +641,17 @@ def _global(g, device) -> torch.Tensor:
 
 
 def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: torch.Tensor, global_scale,
-                 out_dtype=None, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 out_dtype=None, config: dict | None = None, out: torch.Tensor | None = None,
+                 xb: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T, W an NVFP4 weight (U8 [N, K/2], e4m3 [N, K/16], global fp32). x [..., K]; y [..., N].
 
-    `out`: optional fp32 [M, N] buffer the kernel writes (tests poison it); ignored when K is split.
+    `out`: optional fp32 [M, N] buffer the kernel writes (tests poison it); ignored when K is split by atomics.
+    `xb`: x's prepared B operands, `x_operands(x2, M_PAD, LOAD_MODE == 8)` for this call's configuration, made
+    once for every GEMV that reads the same x (q/k/v; the shared expert's up and the latent fc1): no x launch here.
+    Decode config keys beside experiment 4's: X_BUILD (B built in the kernel from x: one launch), SPLIT_REDUCE 1
+    (split-K partials reduced by the last split to arrive: no zero-fill, no cast launch), ONE_DOT (mode 8: one dot
+    per K-tile). SPLIT_REDUCE's arrival counters are one set per CUDA stream: GEMVs that may run at the same time
+    must be issued (or captured) on different streams.
     """
     N, K = weight_u8.shape[0], weight_u8.shape[1] * 2
     assert x.shape[-1] == K and weight_scale_e4m3.shape == (N, K // 16), (x.shape, weight_scale_e4m3.shape)
@@ -446,14 +677,35 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                 raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
             cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
         split = cfg["SPLIT_K"]
-        if split > 1:
+        reduce_last = split > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
+        if split > 1 and not reduce_last:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split)
+        n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+        grid = (n_blocks, split)
+        x_in_kernel = cfg.get("X_INLINE", False) or cfg.get("X_BUILD", False)
+        if x_in_kernel and xb is not None:
+            raise ValueError("xb (prepared x operands) given to a configuration that reads x itself (X_INLINE/X_BUILD)")
         xa = x2
-        if cfg["LOAD_MODE"] in (8, 9) and not cfg.get("X_INLINE", False):
-            xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+        if not x_in_kernel:
+            if xb is None:
+                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+            elif xb.shape != (4, K // 4, 16) or xb.dtype != torch.float16:
+                raise ValueError(f"xb: prepared x operands must be fp16 (4, {K // 4}, 16), got {xb.dtype} "
+                                 f"{tuple(xb.shape)}")
+            else:
+                xa = xb
+        if cfg.get("ONE_DOT", False) and cfg["LOAD_MODE"] != 8:
+            raise ValueError("ONE_DOT joins LOAD_MODE 8's four J tiles; mode 9 has no such path")
+        if cfg.get("X_BUILD", False):
+            cfg["d_ptr"] = x_pattern(x.device, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, cfg["BLOCK_K"])
+        if reduce_last:   # no zero-fill: partials are written before they are read, counters left at zero
+            cfg["part_ptr"] = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+            cfg["cnt_ptr"] = _arrival_counters(x.device, n_blocks)
+            cfg["SPLIT_K"] = 2      # the kernel counts the splits from the grid: one compilation for all counts
+        else:
+            cfg.pop("SPLIT_REDUCE", None)
         _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
                                  **cfg)
     else:
