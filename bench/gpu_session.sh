@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft host subgroups" (default: vision check e2e profile omni),
+#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft host subgroups gemv subcheck" (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
@@ -47,6 +47,9 @@ PY
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
     host) timeout 150 python3 -m bench.host_bookkeeping --tag h200 --out-dir "$OUT" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log";;
+    gemv) timeout ${GEMV_TIMEOUT:-150} python3 -m bench.kernels.gemv_nvfp4_sweep --budget-s $(( ${GEMV_TIMEOUT:-150} - 25 )) \
+           --out "$OUT/gemv_sweep.json" > "$OUT/gemv_sweep.log" 2>&1; tail -40 "$OUT/gemv_sweep.log";;
+    subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
