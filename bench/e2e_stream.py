@@ -320,6 +320,17 @@ def main(argv=None):
 
     def regime(name, cache_bytes, seed, store_path=store_dir, into=res, **kw):
         t = time.time()
+        if str(a.device).startswith("cuda"):
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+            # device memory an earlier regime's engine left allocated in this process (H200, session 5: ~2.9 GB, the
+            # dense part, per closed engine; a 12 GB budget then gave the 5th regime's tier 39 slots): a stated VRAM
+            # budget is the engine's own, on top of it
+            held = torch.cuda.memory_allocated()
+            into[f"vram_held_before_{name}"] = held
+            if kw.get("vram_bytes"):
+                kw["vram_bytes"] += held
         with StreamingEngine(store_path, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
                              dtype=dtype, **kw) as eng:
             into[f"s_load_{name}"] = time.time() - t
@@ -503,7 +514,8 @@ def main(argv=None):
                 r = res[name]
                 print(f"  device memory: {r['vram_after_load'] / 2**30:.2f} GiB after load; decoding added "
                       f"{r['vram_added_by_decode'] / 2**20:.0f} MiB (peak {r['vram_peak_added'] / 2**20:.0f} MiB), "
-                      f"{r['graphs_captured']} graphs")
+                      f"{r['graphs_captured']} graphs; {res.get(f'vram_held_before_{name}', 0) / 2**30:.2f} GiB held "
+                      "by the engines before it (a --vram-gb budget comes on top)")
     for n in notes:
         print(f"  ! {n}")
     if "projection_inputs" in res:
