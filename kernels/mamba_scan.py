@@ -65,10 +65,7 @@ def _whole_chunks(x, dt, A, B, C, S0, Q: int, y):
     c, r = T // Q, nh // ng
     acs = torch.cumsum((dt * A).view(c, Q, nh), dim=1)               # [c, Q, nh]: s_i per chunk
     acs_h = acs.transpose(1, 2)                                      # [c, nh, Q] (a view)
-    # L[c, h, i, j] = exp(s_i - s_j) for j <= i, else 0. Above the diagonal s_i - s_j >= 0 and exp may overflow
-    # to inf; tril_ overwrites it (a select, not a product, so no inf * 0).
-    L = torch.empty(c, nh, Q, Q, device=x.device)
-    torch.sub(acs_h[..., :, None], acs_h[..., None, :], out=L).exp_().tril_()
+    L = _decay_matrix(acs_h, torch.empty(c, nh, Q, Q, device=x.device))
     # B and C per (chunk, group), fp32: one copy each that also casts (they may come in the activation dtype)
     Bg = torch.empty(c * ng, Q, N, device=x.device)
     Bg.view(c, ng, Q, N).copy_(B.reshape(c, Q, ng, N).transpose(1, 2))
@@ -90,10 +87,7 @@ def _whole_chunks(x, dt, A, B, C, S0, Q: int, y):
     # the recurrence between chunks: c small steps on the [nh, hd, N] state
     chunk_decay = torch.exp(acs[:, -1, :])                          # [c, nh]
     S_in = torch.empty(c, nh, hd, N, device=x.device)               # the state each chunk starts from
-    S_in[0].copy_(S0)
-    for k in range(c - 1):
-        torch.addcmul(states[k], S_in[k], chunk_decay[k, :, None, None], out=S_in[k + 1])
-    S = torch.addcmul(states[c - 1], S_in[c - 1], chunk_decay[c - 1, :, None, None])
+    S = _carry(states, S0, chunk_decay, S_in)
     del states
     # what the start state gives each token: exp(s_i) C_i · S_in, per (chunk, group) one GEMM
     y_off = torch.bmm(Cg, S_in.view(c * ng, r * hd, N).transpose(1, 2))   # [c·ng, Q, r·hd]
@@ -103,22 +97,49 @@ def _whole_chunks(x, dt, A, B, C, S0, Q: int, y):
     return S
 
 
-def scan_bytes(tokens: int, nh: int, hd: int, ng: int, N: int, chunk_size: int) -> int:
-    """Peak bytes `chunk_scan` allocates beyond its inputs for `tokens` tokens (fp32 throughout).
+def _decay_matrix(acs_h, L):
+    """L[c, h, i, j] = exp(s_i - s_j) for j <= i, else 0, written into L [c, nh, Q, Q]; acs_h [c, nh, Q].
 
-    The largest of its two phases: the decay matrices with what the intra-chunk product needs, then the states
-    with the outputs."""
+    Above the diagonal s_i - s_j >= 0 and exp may overflow to inf: tril_ overwrites it (a select, not a product,
+    so no inf · 0 = NaN)."""
+    return torch.sub(acs_h[..., :, None], acs_h[..., None, :], out=L).exp_().tril_()
+
+
+def _carry(states, S0, chunk_decay, S_in):
+    """S_in[k] = the state chunk k starts from (S_in[0] = S0, S_in[k+1] = S_in[k]·decay_k + states[k]); returns the
+    state after the last chunk. c small launches: c is a piece's chunk count (4 on Super)."""
+    c = states.shape[0]
+    S_in[0].copy_(S0)
+    for k in range(c - 1):
+        torch.addcmul(states[k], S_in[k], chunk_decay[k, :, None, None], out=S_in[k + 1])
+    return torch.addcmul(states[c - 1], S_in[c - 1], chunk_decay[c - 1, :, None, None])
+
+
+def scan_bytes(tokens: int, nh: int, hd: int, ng: int, N: int, chunk_size: int) -> int:
+    """Peak bytes that `chunk_scan` allocates for `tokens` tokens, its output y [tokens, nh, hd] and new state
+    included (fp32 throughout): y, then the largest of `_whole_chunks`'s phases (the decay matrices with the
+    intra-chunk product; x-shaped products; the chunk states with the states the chunks start from). A ragged last
+    chunk runs after the whole ones, beside their state. tests/kernels/test_mamba_scan.py holds it to the
+    allocations counted op by op."""
     Q = min(chunk_size, tokens)
-    c = -(-tokens // Q)
-    T = c * Q                                     # a ragged tail is smaller than a whole chunk: counted as one
-    per_tok = T * nh * 4                          # one [T, nh] fp32 tensor
-    x_like = T * nh * hd * 4
-    st = c * nh * hd * N * 4
-    groups = 2 * T * ng * N * 4 + c * ng * Q * Q * 4      # Bg, Cg, CB
-    decay = c * nh * Q * Q * 4
-    phase1 = 3 * per_tok + groups + decay + 3 * x_like   # acs, dt·A, the difference; L, xdt, y_diag (+ its input)
-    phase2 = 3 * per_tok + groups + 3 * x_like + 3 * st  # y_diag, y_off, y; states, S_in, the new state
-    return max(phase1, phase2)
+    c, tail = divmod(tokens, Q)
+    state = 4 * nh * hd * N
+
+    def phases(c: int, Q: int) -> int:
+        T = c * Q
+        per_tok, x_like, states = 4 * T * nh, 4 * T * nh * hd, c * state
+        groups = 4 * (2 * T * ng * N + c * ng * Q * Q)                  # B and C per group, C·B
+        decay = 4 * c * nh * Q * Q
+        chunk_decay = 4 * c * nh
+        return groups + max(per_tok + decay + 2 * x_like,                 # L, dt·x, y_diag
+                            2 * per_tok + 3 * x_like,                     # dt·x, its decayed copy, y_diag
+                            2 * per_tok + chunk_decay + x_like + 2 * states + state,   # states, S_in, new state
+                            3 * per_tok + chunk_decay + 2 * x_like + states + state)  # y_diag, y_off, S_in
+
+    peak = phases(c, Q)
+    if tail:
+        peak = max(peak, state + phases(1, tail))
+    return 4 * tokens * nh * hd + peak
 
 
 def chunk_scan_loop(x, dt, A, B, C, state, chunk_size: int):
