@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import backend, mamba_step
+from kernels.mamba_conv import causal_conv1d, causal_conv1d_torch
 from kernels.mamba_scan import chunk_scan
 from kernels.linear import linear
 from nemotron.norms import gated_group_rms_norm
@@ -119,14 +120,9 @@ class Mamba2Mixer:
         return linear(y.to(self.dtype), self.out_proj)
 
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
-        seq = torch.cat([st.conv.to(xBC.dtype), xBC], dim=0)            # [K-1+T, conv_dim]
-        st.conv = seq[-(self.K - 1):].clone()
-        seqf = seq.float()
-        T = xBC.shape[0]
-        out = self.conv_b + seqf[:T] * self.conv_w[:, 0]                 # tap by tap: no [T, conv_dim, K] windows
-        for k in range(1, self.K):
-            out = out + seqf[k:k + T] * self.conv_w[:, k]
-        return F.silu(out).to(xBC.dtype)
+        conv = causal_conv1d if backend.use_triton(xBC, "mamba_conv") else causal_conv1d_torch
+        out, st.conv = conv(st.conv, xBC, self.conv_w, self.conv_b)
+        return out
 
     def _step(self, x, dt, B, C, st: MambaState):
         """One token: x [nh, hd], dt [nh], B/C [nh, N]."""
