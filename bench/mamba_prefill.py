@@ -5,12 +5,15 @@
 A mixer built from random weights (no checkpoint: the shapes are all that time depends on), run on random hidden
 states of T tokens, timed on the host's clock around a device synchronization (the prefill is host-bound where
 launches dominate, so wall time is what counts). Per T:
-  mixer    the whole mixer (in_proj, conv, scan, gated norm, out_proj, in pieces of PIECE_TOKENS) with the new scan
-           and with the loop, and with the new scan at larger pieces (--pieces)
+  mixer    the whole mixer (in_proj, conv, scan, gated norm, out_proj, in pieces of PIECE_TOKENS) as it is ("new":
+           batched scan, conv kernel) and as it was ("loop": the loop scan, the tap-by-tap conv), and the new one at
+           larger pieces (--pieces)
   gemms    in_proj and out_proj alone, over the same pieces: the part the scan cannot change
   scan     the scan alone over the same pieces, new and loop
-Once: launches per piece (aten ops that are not views, counted as they dispatch), the scan's peak device memory on
-one piece against kernels.mamba_scan.scan_bytes, and the new scan against the loop at this shape (fp32 rel. error).
+  conv     the conv alone, kernel and twin
+Once: launches per piece (aten ops that are not views, counted as they dispatch; a Triton kernel counts none, so
+the mixer's counts leave out its 2-4 Triton launches), peak device memory on one piece (the scan against
+kernels.mamba_scan.scan_bytes, and the whole mixer), and the new scan and conv against their twins at this shape.
 On the CPU (`--shape small`) it is a smoke run of the same code.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import mamba_scan
+from kernels import backend, mamba_conv, mamba_scan
 from kernels.linear import QuantizedWeight, linear
 from kernels.testing import rel_err
 from nemotron import mamba
@@ -120,6 +123,12 @@ def scan_inputs(mx, T: int, device, seed: int = 1):
             torch.randn(mx.nh, mx.hd, mx.N, generator=g).to(device) * 0.1)
 
 
+def convs(device) -> dict:
+    """The conv kernel on CUDA and its twin (only the twin on the CPU: the kernel would need the interpreter)."""
+    out = {"new": mamba_conv.causal_conv1d} if device.type == "cuda" else {}
+    return {**out, "loop": mamba_conv.causal_conv1d_torch}
+
+
 def over_pieces(fn, T: int, piece: int):
     def run():
         for s in range(0, T, piece):
@@ -139,14 +148,25 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
             fn(x, dt, mx.A, B, C, S, mx.chunk_size)
         counts[f"scan_{name}"] = n.total
     h = torch.randn(mx.piece, mx.in_proj.in_features, device=device, dtype=mx.dtype)
-    for name, fn in scans.items():
+    for name in scans:
         with Launches() as n:
-            _with_scan(mx, fn, lambda: mx(h, mx.new_state(device)))
+            _variant(name, lambda: mx(h, mx.new_state(device)))
         counts[f"mixer_{name}"] = n.total
+    st = mx.new_state(device)
+    xBC = linear(h, mx.in_proj)[:, mx.I:mx.I + mx.conv_dim]
+    for name, fn in convs(device).items():
+        with Launches() as n:
+            fn(st.conv, xBC, mx.conv_w, mx.conv_b)
+        counts[f"conv_{name}"] = n.total
     res["launches_per_piece"] = counts
     y_new, s_new = mamba_scan.chunk_scan(x, dt, mx.A, B, C, S, mx.chunk_size)
     y_old, s_old = mamba_scan.chunk_scan_loop(x, dt, mx.A, B, C, S, mx.chunk_size)
     res["agreement"] = dict(y_rel_err=rel_err(y_new, y_old), state_rel_err=rel_err(s_new, s_old))
+    if device.type == "cuda":
+        c_new, st_new = mamba_conv.causal_conv1d(st.conv, xBC, mx.conv_w, mx.conv_b)
+        c_old, st_old = mamba_conv.causal_conv1d_torch(st.conv, xBC, mx.conv_w, mx.conv_b)
+        res["agreement"].update(conv_rel_err=rel_err(c_new.float(), c_old.float()),
+                                conv_state_equal=bool(torch.equal(st_new, st_old)))
     del y_new, s_new, y_old, s_old
     if device.type == "cuda":
         model = mamba_scan.scan_bytes(mx.piece, mx.nh, mx.hd, mx.ng, mx.N, mx.chunk_size)
@@ -159,18 +179,27 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
             torch.cuda.synchronize(device)
             peaks[name] = torch.cuda.max_memory_allocated(device) - base
         res["scan_peak_bytes"] = dict(new=peaks["new"], loop=peaks["loop"], scan_bytes_model=model)
+        mixer_peaks = {}
+        for name in scans:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            _variant(name, lambda: mx(h, mx.new_state(device)))
+            torch.cuda.synchronize(device)
+            mixer_peaks[name] = torch.cuda.max_memory_allocated(device) - base
+        res["mixer_peak_bytes_per_piece"] = mixer_peaks
     del x, dt, B, C, S, h
     # ---- per size: whole mixer, its GEMMs, the scan alone
     for T in sizes:
         h = torch.randn(T, mx.in_proj.in_features, device=device, dtype=mx.dtype) * 0.5
         row = dict(tokens=T)
-        for name, fn in scans.items():
-            row[f"mixer_{name}_ms"] = 1e3 * wall_s(lambda: _with_scan(mx, fn, lambda: mx(h, mx.new_state(device))),
+        for name in scans:
+            row[f"mixer_{name}_ms"] = 1e3 * wall_s(lambda: _variant(name, lambda: mx(h, mx.new_state(device))),
                                                    device, reps)
         for p in pieces:
             if p != mx.piece:
-                row[f"mixer_new_piece{p}_ms"] = 1e3 * wall_s(lambda: _with_piece(mx, p, lambda: mx(h, mx.new_state(device))),
-                                                             device, reps)
+                row[f"mixer_new_piece{p}_ms"] = 1e3 * wall_s(
+                    lambda: _with_piece(mx, p, lambda: mx(h, mx.new_state(device))), device, reps)
         y_in = torch.randn(T, mx.I, device=device, dtype=mx.dtype)
         row["gemms_ms"] = 1e3 * wall_s(over_pieces(lambda s, e: (linear(h[s:e], mx.in_proj),
                                                                   linear(y_in[s:e], mx.out_proj)), T, mx.piece),
@@ -180,21 +209,30 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
         for name, fn in scans.items():
             row[f"scan_{name}_ms"] = 1e3 * wall_s(over_pieces(
                 lambda s, e: fn(x[s:e], dt[s:e], mx.A, B[s:e], C[s:e], S, mx.chunk_size), T, mx.piece), device, reps)
-        del x, dt, B, C, S, h
+        del x, dt, B, C, S
+        xBC = linear(h, mx.in_proj)[:, mx.I:mx.I + mx.conv_dim]
+        st = mx.new_state(device)
+        for name, fn in convs(device).items():
+            row[f"conv_{name}_ms"] = 1e3 * wall_s(over_pieces(
+                lambda s, e: fn(st.conv, xBC[s:e], mx.conv_w, mx.conv_b), T, mx.piece), device, reps)
+        del xBC, h
         res["rows"].append(row)
         print("  " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
     return res
 
 
-def _with_scan(mx, fn, run):
-    """run() with the mixer's scan replaced by fn (the loop twin, or the scan itself)."""
-    real = mamba.chunk_scan
-    mamba.chunk_scan = fn
+def _variant(name: str, run):
+    """run() with the mixer as it was before the batched scan ("loop": the loop scan, the tap-by-tap conv) or as it
+    is ("new")."""
+    real_scan, real_forced = mamba.chunk_scan, backend.FORCED
+    if name == "loop":
+        mamba.chunk_scan = mamba_scan.chunk_scan_loop
+        backend.FORCED = {**real_forced, "mamba_conv": "twin"}
     try:
         return run()
     finally:
-        mamba.chunk_scan = real
+        mamba.chunk_scan, backend.FORCED = real_scan, real_forced
 
 
 def _with_piece(mx, piece: int, run):
@@ -207,13 +245,14 @@ def _with_piece(mx, piece: int, run):
 
 
 def table(res: dict) -> str:
-    lines = ["| tokens | mixer, loop | mixer, batched scan | speed-up | in/out GEMMs | scan, loop | scan, batched |"
-             + "".join(f" mixer, pieces of {p} |" for p in _pieces(res)),
-             "| --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(_pieces(res))]
+    lines = ["| tokens | mixer, before | mixer, now | speed-up | in/out GEMMs | scan, loop | scan, batched | conv, twin "
+             "| conv, kernel |" + "".join(f" mixer, pieces of {p} |" for p in _pieces(res)),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(_pieces(res))]
     for r in res["rows"]:
         lines.append(f"| {r['tokens']:,} | {r['mixer_loop_ms']:.1f} ms | {r['mixer_new_ms']:.1f} ms | "
                      f"{r['mixer_loop_ms'] / r['mixer_new_ms']:.1f}x | {r['gemms_ms']:.1f} ms | "
-                     f"{r['scan_loop_ms']:.1f} ms | {r['scan_new_ms']:.1f} ms |"
+                     f"{r['scan_loop_ms']:.1f} ms | {r['scan_new_ms']:.1f} ms | {r['conv_loop_ms']:.1f} ms | "
+                     + (f"{r['conv_new_ms']:.1f} ms |" if "conv_new_ms" in r else "– |")
                      + "".join(f" {r[f'mixer_new_piece{p}_ms']:.1f} ms |" for p in _pieces(res)))
     return "\n".join(lines)
 
@@ -244,6 +283,7 @@ def main(argv=None) -> dict:
     print("new scan vs loop:", res["agreement"])
     if "scan_peak_bytes" in res:
         print("scan peak bytes on one piece:", res["scan_peak_bytes"])
+        print("mixer peak bytes on one piece:", res["mixer_peak_bytes_per_piece"])
     print(table(res))
     if a.out:
         with open(a.out, "w") as f:

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.backend import varying
 
-@triton.jit
+
+@triton.jit(**varying("T", "x_ptr"))      # a prompt's last piece has any length: compile once, not per length class
 def _conv_prefill_kernel(
     state_ptr, x_ptr, w_ptr, b_ptr, out_ptr,
     T, C, stride_x,

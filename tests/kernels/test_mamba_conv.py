@@ -1,5 +1,10 @@
 """The prefill conv1d kernel (kernels/mamba_conv.py) against its tap-by-tap twin on odd shapes, strided rows and
 fewer tokens than the kernel is wide; must-fail twins: taps reversed, the state ignored."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +62,15 @@ def test_bad_input_is_named(args, message, device):
     for fn in (causal_conv1d, causal_conv1d_torch):
         with pytest.raises(ValueError, match=message):
             fn(*args(state, x, w, b))
+
+
+def test_token_count_does_not_specialize():
+    """The kernel compiles once per model, not once per prompt length (a compiled JIT object, built in a child
+    process without the interpreter: no GPU needed)."""
+    probe = ("import json; from kernels.mamba_conv import _conv_prefill_kernel as k; "
+             "print(json.dumps(sorted(p.name for p in k.params if p.do_not_specialize)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert set(json.loads(r.stdout.strip().splitlines()[-1])) >= {"T", "x_ptr"}
