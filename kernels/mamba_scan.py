@@ -33,16 +33,17 @@ def _check(x, dt, A, B, C, state, chunk_size):
         raise ValueError(f"state must be [{nh}, {hd}, {N}], got {tuple(state.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    for name, t in (("x", x), ("dt", dt), ("A", A), ("state", state)):
+    for name, t in (("dt", dt), ("A", A), ("state", state)):
         if t.dtype != torch.float32:
             raise ValueError(f"the scan runs in fp32: {name} is {t.dtype}")
-    for name, t in (("B", B), ("C", C)):
+    for name, t in (("x", x), ("B", B), ("C", C)):
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
 
 
 def chunk_scan(x, dt, A, B, C, state, chunk_size: int):
-    """x [T, nh, hd], dt [T, nh], A [nh], state [nh, hd, N] fp32; B/C [T, ng, N] any float dtype, any strides
+    """dt [T, nh], A [nh], state [nh, hd, N] fp32; x [T, nh, hd] and B/C [T, ng, N] in any float dtype (the mixer
+    passes its activation dtype: the scan's first products read them into fp32), rows may be strided
     -> (y [T, nh, hd], new state) fp32.
 
     Chunks start at token 0 and every chunk_size tokens after, as in the loop; `state` is not modified."""
@@ -50,7 +51,7 @@ def chunk_scan(x, dt, A, B, C, state, chunk_size: int):
     T = x.shape[0]
     Q = min(chunk_size, T)
     whole = T - T % Q
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, device=x.device)
     S = _whole_chunks(x[:whole], dt[:whole], A, B[:whole], C[:whole], state, Q, y[:whole])
     if whole < T:
         # the ragged last chunk (only a prompt's last piece has one) as a batch of one shorter chunk
@@ -148,7 +149,7 @@ def chunk_scan_loop(x, dt, A, B, C, state, chunk_size: int):
     _check(x, dt, A, B, C, state, chunk_size)
     T, nh = x.shape[:2]
     rep = nh // B.shape[1]
-    B, C = B.float(), C.float()
+    x, B, C = x.float(), B.float(), C.float()
     ys = torch.empty_like(x)
     S = state
     for s in range(0, T, chunk_size):

@@ -91,21 +91,22 @@ class Mamba2Mixer:
             return self._step_fused(z, xBC, dt, st)
         xBC = self._conv(xBC, st)
         x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias)
+        dt = F.softplus(dt + self.dt_bias)                                # fp32: dt_bias is fp32
         if self.dt_min > 0 or math.isfinite(self.dt_max):
             dt = dt.clamp(self.dt_min, self.dt_max)
-        x = x.float().view(T, self.nh, self.hd)
-        # B and C stay per group [T, ng, N], in the activation dtype: the scan casts them as it lays them out per
-        # group, never widened to heads (at 16k tokens [T, nh, N] copies would be 1 GiB each on Super)
+        # x, B and C stay views of the conv output in the activation dtype (the scan reads them into fp32 in its
+        # first products); B and C stay per group [T, ng, N], never widened to heads (at 16k tokens [T, nh, N]
+        # copies would be 1 GiB each on Super)
+        x = x.view(T, self.nh, self.hd)
         B = B.view(T, self.ng, self.N)
         C = C.view(T, self.ng, self.N)
         if T == 1:
             rep = self.nh // self.ng
-            y = self._step(x[0], dt[0], B[0].float().repeat_interleave(rep, dim=0),
+            y = self._step(x[0].float(), dt[0], B[0].float().repeat_interleave(rep, dim=0),
                            C[0].float().repeat_interleave(rep, dim=0), st)[None]
         else:
             y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size)
-        y = y + self.D[:, None] * x
+        y = y.addcmul_(x, self.D[:, None])                                 # + D x
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
 

@@ -79,14 +79,17 @@ def test_decay_beyond_exp_range_stays_finite(device):
     assert_close(S, S64, TOL, "state")
 
 
-def test_b_and_c_in_the_activation_dtype(device):
-    """bf16 B and C (as the mixer passes them, strided slices of the conv output) are cast exactly once."""
+def test_x_b_and_c_in_the_activation_dtype(device):
+    """bf16 x, B and C (as the mixer passes them: strided slices of the conv output) read exactly as their fp32
+    copies would be."""
     T, nh, hd, N, ng = 45, 8, 4, 8, 2
-    x, dt, A, _, _, S0 = inputs(T, nh, hd, N, ng, device)
-    xBC = torch.randn(T, 3 + 2 * ng * N, device=device).bfloat16()
-    B, C = (t.view(T, ng, N) for t in xBC[:, 3:].split(ng * N, dim=-1))      # non-contiguous views
+    _, dt, A, _, _, S0 = inputs(T, nh, hd, N, ng, device)
+    xBC = torch.randn(T, nh * hd + 2 * ng * N, device=device).bfloat16()
+    x, B, C = xBC.split([nh * hd, ng * N, ng * N], dim=-1)
+    x, B, C = x.view(T, nh, hd), B.view(T, ng, N), C.view(T, ng, N)         # non-contiguous views
     y, S = chunk_scan(x, dt, A, B, C, S0, 16)
-    y_ref, S_ref = chunk_scan_loop(x, dt, A, B.float(), C.float(), S0, 16)
+    assert y.dtype == torch.float32
+    y_ref, S_ref = chunk_scan_loop(x.float(), dt, A, B.float(), C.float(), S0, 16)
     assert_close(y, y_ref, TOL, "y")
     assert_close(S, S_ref, TOL, "state")
 
@@ -123,7 +126,8 @@ def test_broken_scans_are_caught(broken, device, monkeypatch):
     (lambda a: a.update(B=a["B"][:-1]), "B and C must"),
     (lambda a: a.update(A=a["A"][:-1]), "dt must be"),
     (lambda a: a.update(state=a["state"][:, :-1]), "state must be"),
-    (lambda a: a.update(x=a["x"].bfloat16()), "fp32: x"),
+    (lambda a: a.update(dt=a["dt"].bfloat16()), "fp32: dt"),
+    (lambda a: a.update(x=a["x"].long()), "x must be a float"),
     (lambda a: a.update(chunk_size=0), "chunk_size"),
 ])
 def test_bad_input_is_named(change, message, device):
