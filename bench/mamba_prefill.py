@@ -9,7 +9,8 @@ launches dominate, so wall time is what counts). Per T:
            batched scan, conv kernel) and as it was ("loop": the loop scan, the tap-by-tap conv), and the new one at
            larger pieces (--pieces)
   gemms    in_proj and out_proj alone, over the same pieces: the part the scan cannot change
-  scan     the scan alone over the same pieces, new and loop
+  scan     the scan alone over the same pieces, new and loop, and on CUDA the fused-output experiment
+           (bench/kernels/mamba_scan_fused.py)
   conv     the conv alone, kernel and twin
 Once: launches per piece (aten ops that are not views, counted as they dispatch; a Triton kernel counts none, so
 the mixer's counts leave out its 2-4 Triton launches), peak device memory on one piece (the scan against
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.kernels.mamba_scan_fused import chunk_scan_fused
 from kernels import backend, mamba_conv, mamba_scan
 from kernels.linear import QuantizedWeight, linear
 from kernels.testing import rel_err
@@ -140,6 +142,7 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
     res = dict(shape=dict(nh=mx.nh, hd=mx.hd, N=mx.N, ng=mx.ng, chunk=mx.chunk_size, hidden=mx.in_proj.in_features,
                           fmt=mx.in_proj.fmt), piece=mx.piece, rows=[])
     scans = {"new": mamba_scan.chunk_scan, "loop": mamba_scan.chunk_scan_loop}
+    experiments = {"fused": chunk_scan_fused} if device.type == "cuda" else {}    # the interpreter would be slow
     # ---- once, on one piece: launches, memory, agreement
     x, dt, B, C, S = scan_inputs(mx, mx.piece, device)
     counts = {}
@@ -162,6 +165,12 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
     y_new, s_new = mamba_scan.chunk_scan(x, dt, mx.A, B, C, S, mx.chunk_size)
     y_old, s_old = mamba_scan.chunk_scan_loop(x, dt, mx.A, B, C, S, mx.chunk_size)
     res["agreement"] = dict(y_rel_err=rel_err(y_new, y_old), state_rel_err=rel_err(s_new, s_old))
+    for name, fn in experiments.items():
+        y_x, s_x = fn(x, dt, mx.A, B, C, S, mx.chunk_size)
+        res["agreement"].update({f"{name}_y_rel_err": rel_err(y_x, y_old), f"{name}_state_rel_err": rel_err(s_x, s_old)})
+        with Launches() as n:
+            fn(x, dt, mx.A, B, C, S, mx.chunk_size)
+        counts[f"scan_{name}"] = n.total + 1        # + its Triton launch
     if device.type == "cuda":
         c_new, st_new = mamba_conv.causal_conv1d(st.conv, xBC, mx.conv_w, mx.conv_b)
         c_old, st_old = mamba_conv.causal_conv1d_torch(st.conv, xBC, mx.conv_w, mx.conv_b)
@@ -171,14 +180,14 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
     if device.type == "cuda":
         model = mamba_scan.scan_bytes(mx.piece, mx.nh, mx.hd, mx.ng, mx.N, mx.chunk_size)
         peaks = {}
-        for name, fn in scans.items():
+        for name, fn in {**scans, **experiments}.items():
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             fn(x, dt, mx.A, B, C, S, mx.chunk_size)
             torch.cuda.synchronize(device)
             peaks[name] = torch.cuda.max_memory_allocated(device) - base
-        res["scan_peak_bytes"] = dict(new=peaks["new"], loop=peaks["loop"], scan_bytes_model=model)
+        res["scan_peak_bytes"] = dict(peaks, scan_bytes_model=model)
         mixer_peaks = {}
         for name in scans:
             torch.cuda.synchronize(device)
@@ -206,7 +215,7 @@ def measure(mx, sizes, pieces, device, reps: int) -> dict:
                                        device, reps)
         del y_in
         x, dt, B, C, S = scan_inputs(mx, T, device)
-        for name, fn in scans.items():
+        for name, fn in {**scans, **experiments}.items():
             row[f"scan_{name}_ms"] = 1e3 * wall_s(over_pieces(
                 lambda s, e: fn(x[s:e], dt[s:e], mx.A, B[s:e], C[s:e], S, mx.chunk_size), T, mx.piece), device, reps)
         del x, dt, B, C, S
@@ -245,13 +254,15 @@ def _with_piece(mx, piece: int, run):
 
 
 def table(res: dict) -> str:
-    lines = ["| tokens | mixer, before | mixer, now | speed-up | in/out GEMMs | scan, loop | scan, batched | conv, twin "
-             "| conv, kernel |" + "".join(f" mixer, pieces of {p} |" for p in _pieces(res)),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(_pieces(res))]
+    lines = ["| tokens | mixer, before | mixer, now | speed-up | in/out GEMMs | scan, loop | scan, batched | scan, fused "
+             "output | conv, twin | conv, kernel |" + "".join(f" mixer, pieces of {p} |" for p in _pieces(res)),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(_pieces(res))]
     for r in res["rows"]:
         lines.append(f"| {r['tokens']:,} | {r['mixer_loop_ms']:.1f} ms | {r['mixer_new_ms']:.1f} ms | "
                      f"{r['mixer_loop_ms'] / r['mixer_new_ms']:.1f}x | {r['gemms_ms']:.1f} ms | "
-                     f"{r['scan_loop_ms']:.1f} ms | {r['scan_new_ms']:.1f} ms | {r['conv_loop_ms']:.1f} ms | "
+                     f"{r['scan_loop_ms']:.1f} ms | {r['scan_new_ms']:.1f} ms | "
+                     + (f"{r['scan_fused_ms']:.1f} ms | " if "scan_fused_ms" in r else "– | ")
+                     + f"{r['conv_loop_ms']:.1f} ms | "
                      + (f"{r['conv_new_ms']:.1f} ms |" if "conv_new_ms" in r else "– |")
                      + "".join(f" {r[f'mixer_new_piece{p}_ms']:.1f} ms |" for p in _pieces(res)))
     return "\n".join(lines)
