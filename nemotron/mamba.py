@@ -1,4 +1,5 @@
-"""Mamba2 mixer: chunked SSD scan for prefill (kernels/mamba_scan.py), recurrent step for decode, no dt floor.
+"""Mamba2 mixer: for prefill the conv (kernels/mamba_conv.py) and the chunked SSD scan (kernels/mamba_scan.py), for
+decode the recurrent step; no dt floor.
 
 Per head h (group g = h // (heads / groups)):  state_h <- state_h * exp(dt_h A_h) + dt_h x_h (x) B_g ;
 y_h = state_h . C_g + D_h x_h. The scan runs in fp32; the conv and SSM states live in `MambaState`.
@@ -11,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import backend, mamba_step
+from kernels.linear import linear
 from kernels.mamba_conv import causal_conv1d, causal_conv1d_torch
 from kernels.mamba_scan import chunk_scan
-from kernels.linear import linear
 from nemotron.norms import gated_group_rms_norm
 
 
