@@ -107,7 +107,7 @@ class Mamba2Mixer:
                            C[0].float().repeat_interleave(rep, dim=0), st)[None]
         else:
             y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size)
-        y = y.addcmul_(x, self.D[:, None])                                 # + D x
+        y = y + self.D[:, None] * x                                         # (x in the activation dtype)
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
 
