@@ -19,9 +19,9 @@ is per token of the span:
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
 from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
-expert, and one piece of a Mamba2 mixer (in_proj output, the conv in fp32, x/B/C, the scan output, the gated norm's
-fp32 temporaries, plus one scan chunk's [Q, Q, heads] matrices; the recurrence carries the state between pieces, so
-the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
+expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
+chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; the recurrence
+carries the state between pieces, so the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
 else it runs as many queries per piece as keep one piece's scores within the plan's score bytes (a 16k tail never
 holds T x T scores for all heads at once). An MoE layer's grouped expert
 launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
@@ -80,8 +80,20 @@ class SpanPlan:
 
 
 def _mamba_piece_per_token(cfg, e: int) -> int:
+    """A Mamba2 mixer's per-token temporaries of a piece outside the scan (in_proj's output, the conv, the gated
+    norm's fp32 copies)."""
     I, conv = cfg.mamba_intermediate, cfg.conv_dim
-    return e * (I + conv + cfg.mamba_num_heads + 2 * conv) + 16 * conv + 28 * I + 8 * cfg.n_groups * cfg.ssm_state_size
+    return e * (I + conv + cfg.mamba_num_heads + 2 * conv) + 16 * conv + 24 * I
+
+
+def _mamba_piece_bytes(cfg, e: int, tokens: int) -> int:
+    """A Mamba layer's peak for a piece of `tokens`: the residual's piece, the mixer's temporaries and the chunked
+    scan, which holds the piece's chunks at once (`kernels.mamba_scan.scan_bytes`, exact)."""
+    from kernels.mamba_scan import scan_bytes
+    H = cfg.hidden_size
+    return (tokens * (2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e))
+            + scan_bytes(tokens, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
+                         cfg.chunk_size))
 
 
 def _moe_piece_per_token(cfg, e: int) -> int:
@@ -114,14 +126,14 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
-    def halved(per: int) -> int:
+    def halved(piece_bytes) -> int:
         tokens = PIECE_TOKENS
-        while tokens > cfg.chunk_size and tokens * per > budget_bytes // 8:
+        while tokens > cfg.chunk_size and piece_bytes(tokens) > budget_bytes // 8:
             tokens //= 2
         return tokens
-    H = cfg.hidden_size
-    mamba = halved(2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) if MAMBA in cfg.layer_types else 0
-    return SpanPlan(Pieces(tokens=halved(_piece_per_token(cfg, e)), mamba_tokens=mamba,
+    mamba = halved(lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
+    per = _piece_per_token(cfg, e)
+    return SpanPlan(Pieces(tokens=halved(lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda")
@@ -143,9 +155,7 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
         conv, nh = cfg.conv_dim, cfg.mamba_num_heads
         t["states"] = n_mamba * ((cfg.conv_kernel - 1) * conv * e + nh * cfg.mamba_head_dim * cfg.ssm_state_size * 4)
         Pm = min(T, plan.pieces.tokens_for(cfg, mamba=True))
-        Q = min(cfg.chunk_size, Pm)
-        scan = 6 * Q * Q * nh * 4 + 4 * Q * nh * (2 * cfg.ssm_state_size + cfg.mamba_head_dim) * 4
-        t["mamba"] = Pm * (2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e)) + scan
+        t["mamba"] = _mamba_piece_bytes(cfg, e, Pm)
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         caps = [max(past, 256)] * n_attn if kv_rows is None else list(kv_rows)

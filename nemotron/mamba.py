@@ -1,4 +1,5 @@
-"""Mamba2 mixer: chunked SSD scan for prefill, recurrent step for decode, no dt floor.
+"""Mamba2 mixer: for prefill the conv (kernels/mamba_conv.py) and the chunked SSD scan (kernels/mamba_scan.py), for
+decode the recurrent step; no dt floor.
 
 Per head h (group g = h // (heads / groups)):  state_h <- state_h * exp(dt_h A_h) + dt_h x_h (x) B_g ;
 y_h = state_h . C_g + D_h x_h. The scan runs in fp32; the conv and SSM states live in `MambaState`.
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 
 from kernels import backend, mamba_step
 from kernels.linear import linear
+from kernels.mamba_conv import causal_conv1d, causal_conv1d_torch
+from kernels.mamba_scan import chunk_scan
 from nemotron.norms import gated_group_rms_norm
 
 
@@ -89,20 +92,22 @@ class Mamba2Mixer:
             return self._step_fused(z, xBC, dt, st)
         xBC = self._conv(xBC, st)
         x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias)
+        dt = F.softplus(dt + self.dt_bias)                                # fp32: dt_bias is fp32
         if self.dt_min > 0 or math.isfinite(self.dt_max):
             dt = dt.clamp(self.dt_min, self.dt_max)
-        x = x.float().view(T, self.nh, self.hd)
-        rep = self.nh // self.ng
-        # B and C stay per group [T, ng, N]; the scan widens them to heads one chunk at a time (at 16k tokens the
-        # full [T, nh, N] copies alone would be 1 GiB each on Super)
-        B = B.float().view(T, self.ng, self.N)
-        C = C.float().view(T, self.ng, self.N)
+        # x, B and C stay views of the conv output in the activation dtype (the scan reads them into fp32 in its
+        # first products); B and C stay per group [T, ng, N], never widened to heads (at 16k tokens [T, nh, N]
+        # copies would be 1 GiB each on Super)
+        x = x.view(T, self.nh, self.hd)
+        B = B.view(T, self.ng, self.N)
+        C = C.view(T, self.ng, self.N)
         if T == 1:
-            y = self._step(x[0], dt[0], B[0].repeat_interleave(rep, dim=0), C[0].repeat_interleave(rep, dim=0), st)[None]
+            rep = self.nh // self.ng
+            y = self._step(x[0].float(), dt[0], B[0].float().repeat_interleave(rep, dim=0),
+                           C[0].float().repeat_interleave(rep, dim=0), st)[None]
         else:
-            y = self._chunk_scan(x, dt, B, C, st)
-        y = y + self.D[:, None] * x
+            y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size)
+        y = y + self.D[:, None] * x                                         # (x in the activation dtype)
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
 
@@ -117,45 +122,12 @@ class Mamba2Mixer:
         return linear(y.to(self.dtype), self.out_proj)
 
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
-        seq = torch.cat([st.conv.to(xBC.dtype), xBC], dim=0)            # [K-1+T, conv_dim]
-        st.conv = seq[-(self.K - 1):].clone()
-        seqf = seq.float()
-        T = xBC.shape[0]
-        out = self.conv_b + seqf[:T] * self.conv_w[:, 0]                 # tap by tap: no [T, conv_dim, K] windows
-        for k in range(1, self.K):
-            out = out + seqf[k:k + T] * self.conv_w[:, k]
-        return F.silu(out).to(xBC.dtype)
+        conv = causal_conv1d if backend.use_triton(xBC, "mamba_conv") else causal_conv1d_torch
+        out, st.conv = conv(st.conv, xBC, self.conv_w, self.conv_b)
+        return out
 
     def _step(self, x, dt, B, C, st: MambaState):
         """One token: x [nh, hd], dt [nh], B/C [nh, N]."""
         dA = torch.exp(dt * self.A)                                      # [nh]
         st.ssm = st.ssm * dA[:, None, None] + (dt[:, None] * x)[:, :, None] * B[:, None, :]
         return torch.einsum("hdn,hn->hd", st.ssm, C)
-
-    def _chunk_scan(self, x, dt, B, C, st: MambaState):
-        """SSD over chunks of `chunk_size`: quadratic form inside a chunk, the state carried between chunks.
-        B, C per group [T, ng, N]."""
-        T = x.shape[0]
-        rep = self.nh // self.ng
-        ys = torch.empty_like(x)                                          # written chunk by chunk: no list + cat copy
-        S = st.ssm
-        for s in range(0, T, self.chunk_size):
-            e = min(T, s + self.chunk_size)
-            xc, dtc = x[s:e], dt[s:e]                                     # [Q, nh, hd], [Q, nh]
-            Bc, Cc = B[s:e].repeat_interleave(rep, dim=1), C[s:e].repeat_interleave(rep, dim=1)   # [Q, nh, N]
-            a = dtc * self.A                                              # [Q, nh]
-            acs = torch.cumsum(a, dim=0)                                  # [Q, nh]
-            Q = e - s
-            diff = acs[:, None, :] - acs[None, :, :]                      # [i, j, nh]
-            causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-            Lmat = torch.exp(diff.masked_fill(~causal[:, :, None], -math.inf))      # [i, j, nh]
-            CB = torch.einsum("ihn,jhn->ijh", Cc, Bc)                     # [i, j, nh]
-            W = CB * Lmat * dtc[None, :, :]                               # [i, j, nh]
-            y = torch.einsum("ijh,jhd->ihd", W, xc)
-            y = y + torch.exp(acs)[:, :, None] * torch.einsum("ihn,hdn->ihd", Cc, S)
-            decay_to_end = torch.exp(acs[-1][None, :] - acs)              # [Q, nh]
-            S = S * torch.exp(acs[-1])[:, None, None] + torch.einsum(
-                "jh,jhd,jhn->hdn", decay_to_end * dtc, xc, Bc)
-            ys[s:e] = y
-        st.ssm = S
-        return ys

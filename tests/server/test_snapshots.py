@@ -16,6 +16,10 @@ def model(synth):
 
 
 KEY = model_key("cfg", "fp", torch.float32, "cpu")
+# A split prefill and a one-go prefill round differently in fp32 (their chunk boundaries differ): on this model their
+# logits (|x| up to ~19) differ by up to 1.1e-5 (main before the batched Mamba scan) / 1.3e-5 (after) over random
+# prompts and cuts, so the bound is partly relative. A state restored wrongly differs by O(1).
+CONTINUES = dict(rtol=1e-6, atol=1e-5)
 
 
 def ids(n, seed=0):
@@ -45,10 +49,10 @@ def test_longest_proper_prefix_and_exact_continuation(model):
     r = s.lookup(a[:40])            # a snapshot equal to the prompt leaves nothing to compute logits from
     assert r.n_tokens == 25
     full = continue_logits(model, model.new_state(), a[:40])[-15:]
-    np.testing.assert_allclose(continue_logits(model, r.state, a[25:40]).numpy(), full.numpy(), atol=1e-5)
+    np.testing.assert_allclose(continue_logits(model, r.state, a[25:40]).numpy(), full.numpy(), **CONTINUES)
     # the kept snapshot was not advanced by the continuation: a second restore gives the same
     r2 = s.lookup(a[:40])
-    np.testing.assert_allclose(continue_logits(model, r2.state, a[25:40]).numpy(), full.numpy(), atol=1e-5)
+    np.testing.assert_allclose(continue_logits(model, r2.state, a[25:40]).numpy(), full.numpy(), **CONTINUES)
     assert s.lookup([999] + a) is None                           # the twin: not a prefix -> miss
     assert s.lookup(a[:10]) is None                              # a prefix of the snapshot is not enough
 
@@ -84,7 +88,7 @@ def test_disk_round_trip(model, tmp_path):
     r = s.lookup(a)
     assert r is not None and r.source == "disk" and r.n_tokens == 20
     want = continue_logits(model, model.new_state(), a)[-10:]
-    np.testing.assert_allclose(continue_logits(model, r.state, a[20:]).numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(continue_logits(model, r.state, a[20:]).numpy(), want.numpy(), **CONTINUES)
     assert f.name != "".join(map(str, a[:20]))      # names are hashes, never request text
 
 
