@@ -503,8 +503,27 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
 # {(90, 1, 4096, 8192): dict(X_BUILD=True, SPLIT_REDUCE=1, SPLIT_K=8)}: bench.kernels.gemv_nvfp4_sweep's measured
 # winners (it prints the dict). Keyed by the GPU because they differ: X_BUILD costs nothing per weight on sm_90
 # (wgmma reads B from shared memory) and ~1 instruction per weight on sm_120 (mma.sync, B in every warp's
-# registers; SASS counts in bench/NOTES.md). Empty: every shape runs experiment 4's rule.
-GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {}
+# registers; SASS counts in bench/NOTES.md). A shape not listed runs experiment 4's rule. The sm_90 entries are the
+# H200 sweep of session 5 (bench/results/gemv_sweep_h200_session5.*: every variant checked against the twin at full
+# size before and after timing; per 88-layer token at M = 1, 3.77 -> 3.10 ms of GEMV).
+GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
+    (90, 1, 18560, 4096): {'SPLIT_K': 2, 'SPLIT_REDUCE': 1},
+    (90, 1, 4096, 8192): {'SPLIT_K': 8, 'SPLIT_REDUCE': 1},
+    (90, 8, 4096, 8192): {'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 4096, 4096): {'SPLIT_K': 8, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 4096, 4096): {'SPLIT_K': 8, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 256, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 256, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 5376, 4096): {'SPLIT_K': 8, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 5376, 4096): {'SPLIT_K': 6, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 4096, 5376): {'SPLIT_K': 11, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 4096, 5376): {'SPLIT_K': 7, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 1024, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 1024, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 4096, 1024): {'SPLIT_K': 4, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 8, 4096, 1024): {'SPLIT_K': 4, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1},
+}
 _arch_cache: dict = {}
 
 

@@ -212,3 +212,23 @@ def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(streaming._SortedRows, "gather", gapless)
     bad, _, _ = _streamed_logits(tiny_model, store, ids, streaming.PREFILL_BATCH_BYTES, monkeypatch)
     assert (bad - ref).abs().max() > 1e-3, "rows gathered across a gap went unnoticed"
+
+
+def test_a_short_span_takes_the_budgets_slack_for_its_launches():
+    """Under the server's 512 MiB a short prompt's launches grow into what its span leaves (a quarter of the budget
+    gave 3 Super experts a launch), a long one's keep the plan's quarter, and the span still fits the budget."""
+    import torch
+    from gpu_worker.prefill import launch_bytes_for, span_bytes, span_plan
+    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    cfg, budget = _super(), 512 << 20
+    plan = span_plan(cfg, torch.bfloat16, budget, "cuda")
+    short = launch_bytes_for(cfg, torch.bfloat16, budget, 126, plan)
+    assert short > 2 * plan.launch() and short <= PREFILL_BATCH_BYTES
+    grown = type(plan)(pieces=plan.pieces, launch_bytes=short, fused_attention=plan.fused_attention)
+    assert span_bytes(cfg, torch.bfloat16, 126, plan=grown) <= budget
+    # the twin: a launch grown past the slack would overrun the budget, so the rule is what keeps it inside
+    over = type(plan)(pieces=plan.pieces, launch_bytes=short + (64 << 20), fused_attention=plan.fused_attention)
+    assert span_bytes(cfg, torch.bfloat16, 126, plan=over) > budget or short == PREFILL_BATCH_BYTES
+    from gpu_worker.prefill import prefill_span
+    longest = prefill_span(cfg, torch.bfloat16, budget, device="cuda")
+    assert launch_bytes_for(cfg, torch.bfloat16, budget, longest, plan) < plan.launch() + (16 << 20)
