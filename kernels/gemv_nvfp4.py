@@ -25,6 +25,8 @@ Twins: `nvfp4_linear_torch`, `fp8_linear_torch` (decode via kernels.nvfp4, then 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -491,8 +493,8 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
     # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
     split_k = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
     cfg = dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
-    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K))
-    if choice:
+    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K)) if os.environ.get("MOESTREAM_GEMV_CHOICES") != "0" else None
+    if choice:   # MOESTREAM_GEMV_CHOICES=0: experiment 4's rule everywhere (the A/B of bench/NOTES.md, session 5)
         cfg.update(choice)
         if "SPLIT_K" not in choice and "BLOCK_N" in choice:
             cfg["SPLIT_K"] = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
