@@ -22,20 +22,34 @@ from nemotron.model import NemotronH
 from nemotron.moe import MoEMixer
 
 
+class _Recorder:
+    """Stands in for one MoE mixer's own router: keeps every normed input it routes (a prefill calls it once per
+    piece), delegates the rest. The previous layer's guess goes through `next_router`, the original object, so it
+    is not recorded."""
+
+    def __init__(self, router):
+        self.router, self.seen = router, []
+
+    def __call__(self, h):
+        self.seen.append(h.detach().float().clone())
+        return self.router(h)
+
+    def __getattr__(self, name):
+        return getattr(self.router, name)
+
+
 def record_inputs(model, ids) -> list[torch.Tensor]:
     """Each MoE layer's normed input [T, H] for one forward over ids (in MoE order)."""
-    seen: dict[int, torch.Tensor] = {}
-    orig = MoEMixer.route
-
-    def route(self, h):
-        seen[self.moe_index] = h.detach().float().clone()
-        return orig(self, h)
-    MoEMixer.route = route
+    moes = [m for m in model.mixers if isinstance(m, MoEMixer)]
+    recs = [_Recorder(m.router) for m in moes]
+    for m, r in zip(moes, recs):
+        m.router = r
     try:
         model.forward(ids, model.new_state())
     finally:
-        MoEMixer.route = orig
-    return [seen[j] for j in sorted(seen)]
+        for m, r in zip(moes, recs):
+            m.router = r.router
+    return [torch.cat(r.seen) for r in recs]
 
 
 def hit_by_rank(guess: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
