@@ -493,8 +493,8 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
     # short N is better split along K than cut into thinner row blocks (experiment 1); the rule as measured
     split_k = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
     cfg = dict(M_PAD=m_pad, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3, n_sm=n_sm, **cfg)
-    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K)) if os.environ.get("MOESTREAM_GEMV_CHOICES") != "0" else None
-    if choice:   # MOESTREAM_GEMV_CHOICES=0: experiment 4's rule everywhere (the A/B of bench/NOTES.md, session 5)
+    choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K)) if _CHOICES_ON else None
+    if choice:
         cfg.update(choice)
         if "SPLIT_K" not in choice and "BLOCK_N" in choice:
             cfg["SPLIT_K"] = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
@@ -526,6 +526,9 @@ GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     (90, 8, 4096, 1024): {'SPLIT_K': 4, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1},
 }
+# MOESTREAM_GEMV_CHOICES=0 in the environment at start: experiment 4's rule everywhere (the A/B of bench/NOTES.md,
+# session 5); read once, not per call
+_CHOICES_ON = os.environ.get("MOESTREAM_GEMV_CHOICES") != "0"
 _arch_cache: dict = {}
 
 
