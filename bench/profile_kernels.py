@@ -25,8 +25,9 @@ import torch
 
 # kernel-name patterns -> family (first match wins); what is left is "other"
 FAMILIES = (
-    ("expert_up", r"_expert_up|expert_layer|_fused_expert"),
-    ("sparse_down", r"_sparse_down"),
+    ("expert_up", r"_expert_up|expert_layer|_fused_expert|_vram_up"),
+    ("sparse_down", r"_sparse_down|_vram_down"),
+    ("router", r"_router_"),
     ("expert_prefill", r"expert_prefill|_grouped|dequant"),
     ("gemv_nvfp4", r"_nvfp4_gemv|_x_operands|_split_reduce"),
     ("gemv_fp8", r"fp8_gemv|_fp8"),
