@@ -100,8 +100,9 @@ DEVICE = "device"       # routed on the device: its experts' addresses gathered 
 @dataclass
 class RouterOutputs:
     """What R_j leaves for S_j and for the host: the router's input and choice, the choice (+ guess) pinned. The
-    router writes straight into these (`route_out`): the experts are this layer's row of the choice buffer, the guess
-    the rest of it, so no copy sits between the router and the host's read or the table gather."""
+    norm and the router write straight into these (`route_out`): the experts are this layer's row of the choice
+    buffer, the guess the rest of it, so no copy sits between the router and the host's read or the table gather
+    (the copy to the host is the `Route` op's: one for several layers' rows)."""
     h: torch.Tensor            # [1, hidden]: the layer's normed input
     experts: torch.Tensor      # int64 [1, k]: a view of choice[:k]
     weights: torch.Tensor      # fp32 [1, k]: a view of route_weights[0]
@@ -119,12 +120,8 @@ class RouterOutputs:
         """(experts int64 [R, 1, k], weights fp32 [R, 1, k]): where `MoEMixer.route` writes."""
         return self.choice.view(-1, 1, self.k), self.route_weights
 
-    def write(self, h) -> None:
-        """The device side; the copy to the host is the `Route` op's (one copy for several layers' rows)."""
-        self.h.copy_(h)
-
     def on_host(self) -> tuple[list[int], list[int]]:
-        """(chosen experts, guess for the next MoE layer); only after the event recorded behind `write`."""
+        """(chosen experts, guess for the next MoE layer); only after the event behind the `Route` op's copy."""
         ids = self.choice_host.tolist()
         return ids[:self.k], ids[self.k:]
 
@@ -233,12 +230,12 @@ class MoEStep:
         return self.dec.m.mixers[self.i]
 
     def route(self, x) -> None:
-        h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
         mixer = self.mixer
         if self.out is None:
+            h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
             k, n = mixer.router.k, mixer.routers_run
             self.out = RouterOutputs.alloc(h, k, n, *self.dec.choice_rows(self.row, n * k))
-        self.out.write(h)
+        rms_norm(x, self.dec.m.norms[self.i], self.dec.eps, out=self.out.h)
         mixer.route(self.out.h, out=self.out.route_out())
 
     def record(self) -> tuple[int, list[int], list[int]]:
