@@ -144,8 +144,8 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
             for j in range(n_moe):
                 client.request(j, list(range(E)), guess=())
                 client.release([s for _, s in client.wait_any(j, list(range(E)))])
-        outs = [RouterOutputs.like(torch.zeros(1, 8), torch.zeros(1, k, dtype=torch.long), torch.zeros(1, k),
-                                   torch.zeros(2 * k, dtype=torch.long), torch.zeros(2 * k, dtype=torch.long))
+        outs = [RouterOutputs.alloc(torch.zeros(1, 8), k, 2, torch.zeros(2 * k, dtype=torch.long),
+                                    torch.zeros(2 * k, dtype=torch.long))
                 for _ in range(n_moe)]
         inps = [ExpertInputs.like(torch.zeros(1, 8), None, None, torch.zeros(1, k), pinned=False)
                 for _ in range(n_moe)]

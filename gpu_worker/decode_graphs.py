@@ -99,30 +99,29 @@ DEVICE = "device"       # routed on the device: its experts' addresses gathered 
 # Allocated on a body's first (eager) run, outside any capture, from the shapes that run produces.
 @dataclass
 class RouterOutputs:
-    """What R_j leaves for S_j and for the host: the router's input and choice, the choice (+ guess) pinned."""
+    """What R_j leaves for S_j and for the host: the router's input and choice, the choice (+ guess) pinned. The
+    norm and the router write straight into these (`route_out`): the experts are this layer's row of the choice
+    buffer, the guess the rest of it, so no copy sits between the router and the host's read or the table gather
+    (the copy to the host is the `Route` op's: one for several layers' rows)."""
     h: torch.Tensor            # [1, hidden]: the layer's normed input
-    experts: torch.Tensor      # int64 [1, k]
-    weights: torch.Tensor      # fp32 [1, k]
+    experts: torch.Tensor      # int64 [1, k]: a view of choice[:k]
+    weights: torch.Tensor      # fp32 [1, k]: a view of route_weights[0]
     choice: torch.Tensor       # int64 [k + guess] on the device: this layer's row of `DecodeGraphs.routed`
     choice_host: torch.Tensor  # its pinned copy (a row of `routed_host`): the host reads it after the event
     k: int
+    route_weights: torch.Tensor  # fp32 [R, 1, k]: the weights of this layer's router and (unused) of the guess
 
     @classmethod
-    def like(cls, h, experts, weights, choice, choice_host) -> "RouterOutputs":
-        return cls(torch.empty_like(h), torch.empty_like(experts), torch.empty_like(weights), choice, choice_host,
-                   experts.shape[-1])
+    def alloc(cls, h, k: int, routers: int, choice, choice_host) -> "RouterOutputs":
+        w = torch.empty(routers, 1, k, dtype=torch.float32, device=h.device)
+        return cls(torch.empty_like(h), choice[:k].view(1, k), w[0], choice, choice_host, k, w)
 
-    def write(self, h, experts, weights, guess) -> None:
-        """The device side; the copy to the host is the `Route` op's (one copy for several layers' rows)."""
-        self.h.copy_(h)
-        self.experts.copy_(experts)
-        self.weights.copy_(weights)
-        self.choice[:self.k].copy_(experts[0])
-        if guess is not None:
-            self.choice[self.k:].copy_(guess)
+    def route_out(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts int64 [R, 1, k], weights fp32 [R, 1, k]): where `MoEMixer.route` writes."""
+        return self.choice.view(-1, 1, self.k), self.route_weights
 
     def on_host(self) -> tuple[list[int], list[int]]:
-        """(chosen experts, guess for the next MoE layer); only after the event recorded behind `write`."""
+        """(chosen experts, guess for the next MoE layer); only after the event behind the `Route` op's copy."""
         ids = self.choice_host.tolist()
         return ids[:self.k], ids[self.k:]
 
@@ -151,7 +150,7 @@ class ExpertInputs:
         return cls(torch.empty_like(lat), None if shared is None else torch.empty_like(shared),
                    torch.zeros(lat.shape[-1], dtype=torch.float32, device=lat.device),
                    None if scales is None else tuple(torch.empty_like(t) for t in scales),
-                   None if scales is None else torch.empty(k, dtype=torch.float32, device=lat.device),
+                   None if scales is None else weights,    # the router's static buffer itself: no copy
                    torch.zeros(2, k, dtype=torch.long, device=lat.device),
                    torch.zeros(2, k, dtype=torch.long, pin_memory=pinned))
 
@@ -162,7 +161,8 @@ class ExpertInputs:
         if scales is not None:
             for dst, src in zip(self.scales, scales):
                 dst.copy_(src)
-            self.weights.copy_(weights)
+            if self.weights.data_ptr() != weights.data_ptr():
+                self.weights.copy_(weights)
         self.acc.zero_()
 
     def set_addresses(self, addresses: list[int], up_addresses: list[int] | None = None) -> None:
@@ -230,12 +230,13 @@ class MoEStep:
         return self.dec.m.mixers[self.i]
 
     def route(self, x) -> None:
-        h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
-        experts, weights, guess = self.mixer.route(h)
+        mixer = self.mixer
         if self.out is None:
-            n = experts.shape[-1] + (0 if guess is None else guess.numel())
-            self.out = RouterOutputs.like(h, experts, weights, *self.dec.choice_rows(self.row, n))
-        self.out.write(h, experts, weights, guess)
+            h = rms_norm(x, self.dec.m.norms[self.i], self.dec.eps)
+            k, n = mixer.router.k, mixer.routers_run
+            self.out = RouterOutputs.alloc(h, k, n, *self.dec.choice_rows(self.row, n * k))
+        rms_norm(x, self.dec.m.norms[self.i], self.dec.eps, out=self.out.h)
+        mixer.route(self.out.h, out=self.out.route_out())
 
     def record(self) -> tuple[int, list[int], list[int]]:
         """(moe_index, chosen, guess) from the host copy of the choice: what a device-routed layer's source books."""

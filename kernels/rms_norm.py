@@ -38,13 +38,17 @@ def _gated_group_rms_norm_kernel(y_ptr, g_ptr, w_ptr, out_ptr, N, G, eps, BLOCK:
     tl.store(out_ptr + r * N + o, w * (v * inv), mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """nemotron.norms.rms_norm in one launch: x [..., N] -> same shape and dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """nemotron.norms.rms_norm in one launch: x [..., N] -> same shape and dtype, into `out` when given (a decode
+    graph's static buffer: no copy after the norm)."""
     N = x.shape[-1]
     if weight.numel() != N:
         raise ValueError(f"rms_norm: weight has {weight.numel()} elements for rows of {N}")
     xc = x.contiguous()
-    y = torch.empty_like(xc)
+    if out is not None and (out.shape != xc.shape or out.dtype != xc.dtype or not out.is_contiguous()):
+        raise ValueError(f"rms_norm: out is {out.dtype} {tuple(out.shape)}, expected contiguous {xc.dtype} "
+                         f"{tuple(xc.shape)}")
+    y = torch.empty_like(xc) if out is None else out
     rows = xc.numel() // N
     if rows:
         _rms_norm_kernel[(rows,)](xc, weight.contiguous(), y, N, float(eps), BLOCK=triton.next_power_of_2(N),

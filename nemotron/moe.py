@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from kernels.linear import QuantizedWeight, linear
+from kernels.router import MAX_ROWS, route_rows, select_torch
 from nemotron.norms import rms_norm
 
 
@@ -152,34 +153,57 @@ class CheckpointExperts(ExpertSource):
 
 
 class Router:
+    """The sigmoid router with score-correction bias and group-limited top-k (reference §1.7). Prefill: one GEMM for
+    the span's rows (`__call__`); decode: `kernels.router.route_rows` for a few rows (`route_small`), the layer's
+    own router and the next one's guess in the same two launches. The gate stays bf16 on CUDA where the checkpoint
+    stores it so (Super): bf16 × bf16 products are exact in fp32, so a tensor-core GEMM accumulating and writing
+    fp32 is the fp32 GEMM's math up to the summation order. A gate stored in fp32 (Nano) stays fp32."""
+
     def __init__(self, ckpt, layer: int, device):
         c = ckpt.config
         p = f"backbone.layers.{layer}.mixer.gate."
         E, H = c.n_routed_experts, c.hidden_size
-        self.weight = ckpt.get_float(p + "weight", (E, H)).to(device, torch.float32)
+        w = ckpt.get_float(p + "weight", (E, H))
+        keep_bf16 = w.dtype == torch.bfloat16 and torch.device(device).type == "cuda"
+        self.weight = w.to(device, torch.bfloat16 if keep_bf16 else torch.float32)
         bias_name = p + "e_score_correction_bias"
         self.bias = (ckpt.get_float(bias_name, (E,)).to(device, torch.float32) if ckpt.has(bias_name)
                      else torch.zeros(E, device=device))
         self.E, self.k = E, c.num_experts_per_tok
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.norm_topk_prob, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
+        self._weight32: torch.Tensor | None = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> fp32 [T, E]: the bf16 tensor-core GEMM with fp32 output where both are bf16, else fp32."""
+        if self.weight.dtype == torch.bfloat16:
+            if h.dtype == torch.bfloat16 and h.is_cuda:
+                return torch.mm(h, self.weight.T, out_dtype=torch.float32)
+            if self._weight32 is None:                # an fp32 model on a bf16 gate: the exact widening, once
+                self._weight32 = self.weight.float()
+            return h.float() @ self._weight32.T
+        return h.float() @ self.weight.T
 
     def __call__(self, h: torch.Tensor):
         """h [T, H] -> (experts int64 [T, k], weights fp32 [T, k]). Bias chooses; unbiased scores weigh."""
-        scores = torch.sigmoid(h.float() @ self.weight.T)
-        choice = scores + self.bias
-        if self.n_group > 1:
-            T = h.shape[0]
-            grouped = choice.view(T, self.n_group, self.E // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.n_group, dim=1), float("-inf"))
-        idx = choice.topk(self.k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling
+        return select_torch(self.logits(h), self.bias, self.k, self.n_group, self.topk_group, self.norm_topk_prob,
+                            self.scaling)
+
+    def same_config(self, other: "Router") -> bool:
+        return ((self.E, self.k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling) ==
+                (other.E, other.k, other.n_group, other.topk_group, other.norm_topk_prob, other.scaling))
+
+
+def route_small(routers: list[Router], h: torch.Tensor, experts: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, H] (M <= kernels.router.MAX_ROWS) through 1 or 2 routers of one model in one fused pass: (experts int64
+    [R, M, k], weights fp32 [R, M, k]), into `experts` / `weights` when given."""
+    r0 = routers[0]
+    for r in routers[1:]:
+        if not r0.same_config(r):
+            raise ValueError("route_small: routers of different configs cannot share one launch")
+    return route_rows(h, [r.weight for r in routers], [r.bias for r in routers], r0.k, r0.n_group, r0.topk_group,
+                      r0.norm_topk_prob, r0.scaling, experts=experts, weights=weights)
 
 
 class MoEMixer:
@@ -201,26 +225,44 @@ class MoEMixer:
         self.trace = None
         self.next_router: Router | None = None   # set by the model: the next MoE layer's router (prefetch guess)
 
-    def route(self, h: torch.Tensor):
+    def route(self, h: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """(chosen experts, their weights, the guess for the next MoE layer or None), on the device. The guess is
         the next router's top-k [k] for one token; for several (prefill) int64 [E]: how many tokens it sends to each
-        expert."""
+        expert. A few rows (decode) take the fused router, this layer's and the guess in one pass; `out`
+        (experts int64 [R, M, k], weights fp32 [R, M, k], R = `self.routers_run`): where it writes them (the
+        decode graphs' static buffers)."""
+        if h.shape[0] <= MAX_ROWS:
+            routers = [self.router] + ([self.next_router] if self._wants_guess() else [])
+            ex, wt = route_small(routers, h, *(out if out is not None else ()))
+            guess = None
+            if len(routers) == 2:
+                guess = (ex[1, 0] if h.shape[0] == 1 else
+                         self._add_counts(ex[1], torch.zeros(self.router.E, dtype=torch.int64, device=h.device)))
+            return ex[0], wt[0], guess
+        if out is not None:
+            raise ValueError(f"MoEMixer.route: {h.shape[0]} rows into static buffers; at most {MAX_ROWS}")
         experts, weights = self.router(h)
         guess = None
         if self._wants_guess():
-            if h.shape[0] == 1:
-                guess = self.next_router(h)[0][0]
-            else:
-                guess = self._count_guess(h, torch.zeros(self.router.E, dtype=torch.int64, device=h.device))
+            guess = self._count_guess(h, torch.zeros(self.router.E, dtype=torch.int64, device=h.device))
         return experts, weights, guess
+
+    @property
+    def routers_run(self) -> int:
+        """How many routers `route` runs on a decode row: this layer's, and the next one's when it wants a guess."""
+        return 1 + self._wants_guess()
 
     def _wants_guess(self) -> bool:
         return self.next_router is not None and self.experts.wants_guess
 
     def _count_guess(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """counts[e] += how many of h's tokens the next MoE layer's router sends to e (without torch.bincount,
-        which waits for the device on CUDA)."""
-        flat = self.next_router(h)[0].reshape(-1)
+        """counts[e] += how many of h's tokens the next MoE layer's router sends to e."""
+        return self._add_counts(self.next_router(h)[0], counts)
+
+    @staticmethod
+    def _add_counts(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # without torch.bincount, which waits for the device on CUDA
+        flat = experts.reshape(-1)
         return counts.index_add_(0, flat, torch.ones_like(flat))
 
     def prepare(self, h: torch.Tensor):

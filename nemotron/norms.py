@@ -10,11 +10,13 @@ from kernels import backend
 from kernels import rms_norm as _k
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in fp32, multiply by the weight in fp32, then cast (unlike Llama's order)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalize in fp32, multiply by the weight in fp32, then cast (unlike Llama's order). `out`: where the
+    result goes (the kernel writes it there; the twin copies)."""
     if backend.use_triton(x, "rms_norm"):
-        return _k.rms_norm(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+        return _k.rms_norm(x, weight, eps) if out is None else _k.rms_norm(x, weight, eps, out=out)
+    y = rms_norm_torch(x, weight, eps)
+    return y if out is None else out.copy_(y)
 
 
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,

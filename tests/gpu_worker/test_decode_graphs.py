@@ -26,9 +26,9 @@ PATTERN = ("--pattern", "ME*-E")
 
 @pytest.fixture(scope="module", autouse=True)
 def fused_decode():
-    """The fused decode kernels (in-place Mamba step, split-K attention) on every device, as on CUDA."""
+    """The fused decode kernels (in-place Mamba step, split-K attention, router) on every device, as on CUDA."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backend, "FORCED", {"mamba_step": "triton", "attention_decode": "triton"})
+        mp.setattr(backend, "FORCED", {"mamba_step": "triton", "attention_decode": "triton", "router": "triton"})
         yield
 
 

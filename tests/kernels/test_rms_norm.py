@@ -55,3 +55,17 @@ def test_norms_dispatch_to_the_kernel(device, monkeypatch):
     monkeypatch.setattr(backend, "FORCED", {"rms_norm": "twin"})
     norms.rms_norm(x, w, 1e-5)
     assert calls == [1]
+
+
+def test_rms_norm_into_a_given_buffer(device, monkeypatch):
+    """`out=` (the decode graphs' static buffer): the kernel writes there, the twin copies there, same values; a
+    buffer of the wrong shape is named."""
+    x, w = torch.randn(1, 1023, device=device).bfloat16(), torch.randn(1023, device=device).bfloat16()
+    ref = norms.rms_norm_torch(x, w, 1e-5)
+    for path in ("triton", "twin"):
+        monkeypatch.setattr(backend, "FORCED", {"rms_norm": path})
+        out = torch.zeros_like(x)
+        assert norms.rms_norm(x, w, 1e-5, out=out) is out
+        assert_close(out.float(), ref.float(), 1e-2, f"rms_norm into out ({path})")
+    with pytest.raises(ValueError, match="out is"):
+        k.rms_norm(x, w, 1e-5, out=torch.zeros(1, 1022, device=device).bfloat16())

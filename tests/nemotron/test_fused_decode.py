@@ -1,4 +1,4 @@
-"""The model's decode step with the fused Triton kernels (Mamba conv + state update, attention decode) wired
+"""The model's decode step with the fused Triton kernels (Mamba conv + state update, attention decode, router) wired
 in, as CUDA runs it, against the plain-PyTorch path: same logits, same states. Forced on the CPU here (Triton's
 interpreter); the kernels themselves are tested against their twins in tests/kernels."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def model(synth):
 
 def decode(model, ids, steps, fused, monkeypatch):
     path = "triton" if fused else "twin"
-    monkeypatch.setattr(backend, "FORCED", {"mamba_step": path, "attention_decode": path})
+    monkeypatch.setattr(backend, "FORCED", {"mamba_step": path, "attention_decode": path, "router": path})
     st = model.new_state()
     out = [model.forward(ids, st, last_only=True)]
     for t in range(steps):
@@ -51,5 +51,21 @@ def test_twin_wrong_state_layout_is_caught(model, monkeypatch):
     real = mamba.mamba_step.selective_state_update
     monkeypatch.setattr(mamba.mamba_step, "selective_state_update",
                         lambda state, x, dt, dtb, A, B, C, D: real(state, x, dt, dtb, A, C, B, D))
+    fused, _ = decode(model, ids, 2, True, monkeypatch)
+    assert (plain - fused).abs().max() > 1e-2
+
+
+def test_twin_router_weights_misaligned_is_caught(model, monkeypatch):
+    """Must-fail twin: the fused router's weights paired with the wrong experts (reversed along the top-k), a
+    plausible slip of its output order, changes the output."""
+    from nemotron import moe
+    ids = list(range(20, 45))
+    plain, _ = decode(model, ids, 2, False, monkeypatch)
+    real = moe.route_rows
+
+    def misaligned(*a, **kw):
+        ex, wt = real(*a, **kw)
+        return ex, wt.flip(-1)
+    monkeypatch.setattr(moe, "route_rows", misaligned)
     fused, _ = decode(model, ids, 2, True, monkeypatch)
     assert (plain - fused).abs().max() > 1e-2
