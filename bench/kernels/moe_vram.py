@@ -27,7 +27,8 @@ from bench.kernels.expert_up import addr_sets  # noqa: E402
 from kernels.expert_block import SUPER, ExpertGeometry  # noqa: E402
 from kernels.expert_layer import expert_layer  # noqa: E402
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch  # noqa: E402
-from kernels.expert_vram import DOWN_CONFIG, UP_CONFIG, vram_down, vram_up  # noqa: E402
+from kernels.expert_vram import (DOWN_CONFIG, FUSED, UP_CONFIG, vram_down, vram_expert_decode,  # noqa: E402
+                                 vram_layer, vram_up)
 from kernels.moe_ops import expert_decode_torch  # noqa: E402
 from kernels.sparse_down import sparse_down, sparse_down_torch  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
@@ -37,10 +38,9 @@ K = 22
 UP_VARIANTS = [
     ("today: expert_up mode 4 BN64", lambda x, a, g, u: expert_up(x, a, g, u)),
     ("expert_up mode 8 BN64 (B by select)", lambda x, a, g, u: expert_up(x, a, g, u, config=dict(LOAD_MODE=8))),
-    ("expert_up mode 8 BN32", lambda x, a, g, u: expert_up(x, a, g, u, config=dict(LOAD_MODE=8, BLOCK_N=32))),
 ]
-for _build in (False, True):
-    for _bn, _w, _st in ((64, 4, 3), (32, 2, 3), (128, 4, 3), (128, 8, 3), (64, 4, 2), (32, 4, 3)):
+for _build, _bn, _w, _st in ((False, 64, 4, 3), (False, 32, 2, 3), (False, 128, 4, 3), (False, 128, 8, 3),
+                             (False, 64, 4, 2), (True, 64, 4, 3), (True, 32, 2, 3), (True, 128, 4, 3)):
         _cfg = dict(BLOCK_N=_bn, X_BUILD=_build, num_warps=_w, num_stages=_st)
         UP_VARIANTS.append((f"vram_up {'build' if _build else 'prepared'} BN{_bn} w{_w} st{_st}",
                             lambda x, a, g, u, c=_cfg: vram_up(x, a, g, u, config=c)))
@@ -49,10 +49,14 @@ DOWN_VARIANTS = [
     ("today: sparse_down gpp4 BL1024", lambda *a: sparse_down(*a)),
     ("sparse_down gpp1 BL1024", lambda *a: sparse_down(*a, config=dict(GROUPS_PER_PROG=1))),
 ]
-for _gpp, _bl, _w in ((2, 1024, 4), (4, 512, 4), (4, 256, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4),
-                      (16, 256, 8), (32, 128, 4)):
+for _gpp, _bl, _w in ((2, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 256, 4), (8, 256, 4), (8, 128, 4),
+                      (8, 512, 8), (16, 128, 4), (16, 256, 8), (32, 128, 4)):
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}", lambda *a, c=_cfg: vram_down(*a, config=c)))
+
+# the one-launch VRAM layer (kernels/expert_vram.vram_layer)
+FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256), dict(BLOCK_N=32, BLOCK_L=512), dict(BLOCK_N=128, BLOCK_L=128),
+                  dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=True)]
 
 
 def main(argv=None):
@@ -133,15 +137,17 @@ def main(argv=None):
                  ("expert_up + sparse_down gpp1",
                   lambda s, acc: sparse_down(*expert_up(x, s, geom, ug), s, geom, dg, w, acc,
                                              config=dict(GROUPS_PER_PROG=1))),
-                 ("fused expert_layer (pinned default)", lambda s, acc: expert_layer(x, s, geom, ug, dg, w, acc)),
-                 (f"expert_vram defaults {UP_CONFIG} {DOWN_CONFIG}",
-                  lambda s, acc: vram_down(*vram_up(x, s, geom, ug), s, geom, dg, w, acc))]
+                 ("fused expert_layer (pinned default)", lambda s, acc: expert_layer(x, s, geom, ug, dg, w, acc))]
+        pairs += [(f"fused vram_layer {c}", lambda s, acc, c=c: vram_layer(x, s, geom, ug, dg, w, acc, config=c))
+                  for c in FUSED_VARIANTS]
+        pairs.append((f"wired: vram_expert_decode ({'one launch' if FUSED else 'two'}; {UP_CONFIG} {DOWN_CONFIG})",
+                      lambda s, acc: vram_expert_decode(x, s, geom, ug, dg, w, acc)))
         if best_up and best_down:
             bu, bd = best_up[1], best_down[1]
             pairs.append((f"best: {best_up[0]} + {best_down[0]}",
                           lambda s, acc: bd(*bu(x, s, geom, ug), s, geom, dg, w, acc)))
         for label, fn in pairs:
-            if over and not label.startswith(("today", "expert_vram", "best")):
+            if over and not label.startswith(("today", "wired", "best")):
                 continue
             if not check(f"layer {case} {label}", fn(sets[0], torch.zeros(geom.L, device=DEV)), ref_acc):
                 print(f"  BAD layer {label}", flush=True)
