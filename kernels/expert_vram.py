@@ -12,6 +12,12 @@ inactive group's lanes are predicated off and fetch nothing), so every group's b
 of one group per loop trip behind a branch, and sums them in registers before one fp32 atomic add per row: the
 atomics per layer fall by GROUPS_PER_PROG against `sparse_down` at one group per program.
 
+Block addresses are taken as 16-byte aligned (blocks are page aligned, expert_block.BLOCK_ALIGN; the up section
+and every down group start at multiples of 16 inside them) and the kernels say so (`tl.multiple_of`): a pointer
+loaded from memory has no known alignment, and without the hint Triton reads the weights 2 bytes at a time with a
+64-bit address per element (the up compiled to 160 registers and 3 programs per SM instead of 94 and 5, Triton 3.9
+sm_90, bench/kernels/moe_vram_sass.py).
+
 Same inputs, outputs and accounting as `expert_up` + `sparse_down` (the down-group counter included); capturable in
 a CUDA graph (no host reads; addresses from a device tensor). Twins: `expert_up_torch` / `relu2_group_mask_torch` /
 `sparse_down_torch` (kernels/moe_ops.expert_decode_torch).
@@ -24,21 +30,22 @@ import triton.language as tl
 
 from kernels import backend
 from kernels.expert_block import GROUP, ExpertGeometry
-from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
 from kernels.sparse_down import sparse_down
 
 # the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py's sweep, bench/NOTES.md
 # "Session 6, h24"); a store of down sub-groups keeps sparse_down's sub-group kernel
 UP_CONFIG = dict(BLOCK_N=64, X_BUILD=False, num_warps=4, num_stages=3)
-DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, num_warps=4, num_stages=1)
+DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, QUAD=True, num_warps=4, num_stages=1)
 FUSED = False                  # True: `vram_layer`'s one launch (FUSED_CONFIG) instead of the two
-FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, num_warps=4, num_stages=3)
+FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, QUAD=True, num_warps=4, num_stages=3)
 
 
 @triton.jit
 def _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd):
     """Σ over the groups at p_g [NG] (mask `on` [NG]) of Σ_n act[g, n] · e2m1[g, l, n] · scale[g, l], fp32
-    [BLOCK_L] times 2^-14: one [NG, BLOCK_L, 8] load of the values and one [NG, BLOCK_L] of the scales."""
+    [BLOCK_L] times 2^-14: one [NG, BLOCK_L, 8] load of the values and one [NG, BLOCK_L] of the scales.
+    a_even / a_odd [NG, 8]: act at neurons 2t and 2t+1 (the low and high nibble of byte t)."""
     o_t = tl.arange(0, 8)
     m_gl = on[:, None] & m_l[None, :]
     b_v = tl.load(p_g[:, None, None] + o_l[None, :, None] * 8 + o_t[None, None, :], mask=m_gl[:, :, None], other=0)
@@ -50,6 +57,23 @@ def _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd):
 
 
 @triton.jit
+def _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM: tl.constexpr):
+    """`_down_rows` with the values read as int16 (4 codes: neurons 4i..4i+3 of a row, low nibble first) and
+    decoded by the GEMV's quad PTX (2 instructions a weight where the nibble path takes ~5). aJ [NG, 4]: act at
+    neurons 4i + J."""
+    o_i = tl.arange(0, 4)
+    m_gl = on[:, None] & m_l[None, :]
+    p16 = p_g.to(tl.pointer_type(tl.int16))
+    b_h = tl.load(p16[:, None, None] + o_l[None, :, None] * 4 + o_i[None, None, :], mask=m_gl[:, :, None], other=0)
+    b_s = tl.load(p_g[:, None] + 8 * L + o_l[None, :], mask=m_gl, other=0)
+    v = _e2m1_quad(b_h, 0, USE_ASM).to(tl.float32) * a0[:, None, :]
+    v += _e2m1_quad(b_h, 1, USE_ASM).to(tl.float32) * a1[:, None, :]
+    v += _e2m1_quad(b_h, 2, USE_ASM).to(tl.float32) * a2[:, None, :]
+    v += _e2m1_quad(b_h, 3, USE_ASM).to(tl.float32) * a3[:, None, :]
+    return tl.sum(tl.sum(v, axis=2) * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=0)
+
+
+@triton.jit
 def _vram_up_kernel(
     xb_ptr, addr_ptr, gup_ptr, out_ptr, mask_ptr, d_ptr,
     L, I, up_scales_off, row_q, row_s, n_blocks,
@@ -58,7 +82,7 @@ def _vram_up_kernel(
     pid = tl.program_id(0)
     j = pid // n_blocks                      # expert-major: one expert's row blocks are neighbours in the grid
     pid_n = pid % n_blocks
-    base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16)   # aligned: see the docstring
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
@@ -78,13 +102,14 @@ def _vram_up_kernel(
 def _vram_down_kernel(
     act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
     L, I, down_off,
-    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, QUAD: tl.constexpr = False,
+    USE_ASM: tl.constexpr = False,
 ):
     j = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_l = tl.program_id(2)
     G = I // 16
-    base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)) + down_off
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off   # aligned: see the docstring
     o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0            # [GPP]
     n_active = tl.sum(on.to(tl.int32), axis=0)
@@ -92,11 +117,17 @@ def _vram_down_kernel(
         o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
         m_l = o_l < L
         p_g = base + o_g.to(tl.int64) * (9 * L)                                 # [GPP]
-        p_a = act_ptr + j * I + o_g[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]   # [GPP, 8]
-        a_even = tl.load(p_a, mask=on[:, None], other=0.0)
-        a_odd = tl.load(p_a + 1, mask=on[:, None], other=0.0)
         # every group's values in one load: the predicated-off lanes of inactive groups fetch nothing
-        b_out = _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd)
+        if QUAD:
+            p_a = act_ptr + j * I + o_g[:, None] * 16 + 4 * tl.arange(0, 4)[None, :]   # [GPP, 4]
+            b_out = _down_rows_quad(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 1, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 2, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 3, mask=on[:, None], other=0.0), USE_ASM)
+        else:
+            p_a = act_ptr + j * I + o_g[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]   # [GPP, 8]
+            b_out = _down_rows(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
+                               tl.load(p_a + 1, mask=on[:, None], other=0.0))
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
         tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
@@ -109,7 +140,7 @@ def _vram_layer_kernel(
     xb_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, d_ptr,
     L, I, up_scales_off, down_off, row_q, row_s, n_blocks,
     BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, X_BUILD: tl.constexpr, USE_ASM: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, QUAD: tl.constexpr = False,
 ):
     """One launch: a program's BLOCK_N neurons of one expert through the mode-8 up, ReLU², then their active down
     groups (BLOCK_N / 16 of them) read BLOCK_L rows at a time, all groups of a row tile in one load."""
@@ -117,7 +148,7 @@ def _vram_layer_kernel(
     j = pid // n_blocks
     pid_n = pid % n_blocks
     NG: tl.constexpr = BLOCK_N // 16
-    base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16)   # aligned: see the docstring
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
@@ -129,14 +160,22 @@ def _vram_layer_kernel(
     on = tl.max((act != 0.0).to(tl.int32), axis=1) != 0                    # [NG]
     n_active = tl.sum(on.to(tl.int32), axis=0)
     if n_active > 0:
-        a_even, a_odd = tl.split(tl.reshape(act, (NG, 8, 2)))
+        if QUAD:     # act[g, 4i + J] for J = 2b + c: split off c, then b
+            a_c0, a_c1 = tl.split(tl.reshape(act, (NG, 4, 2, 2)))
+            a0, a2 = tl.split(a_c0)
+            a1, a3 = tl.split(a_c1)
+        else:
+            a_even, a_odd = tl.split(tl.reshape(act, (NG, 8, 2)))
         o_g = pid_n * NG + tl.arange(0, NG)
         p_g = base + down_off + o_g.to(tl.int64) * (9 * L)
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0     # 2^14 undoes the fp16 decode
         for l0 in range(0, L, BLOCK_L):
             o_l = l0 + tl.arange(0, BLOCK_L)
             m_l = o_l < L
-            b_out = _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd)
+            if QUAD:
+                b_out = _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM)
+            else:
+                b_out = _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd)
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
@@ -198,6 +237,7 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
     if gpp & (gpp - 1):
         raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
     cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
+    cfg.setdefault("USE_ASM", not backend.interpreted())
     grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
     _vram_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
                             L, I, geom.down_off, COUNT=counter is not None, **cfg)

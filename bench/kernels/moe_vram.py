@@ -40,23 +40,24 @@ UP_VARIANTS = [
     ("expert_up mode 8 BN64 (B by select)", lambda x, a, g, u: expert_up(x, a, g, u, config=dict(LOAD_MODE=8))),
 ]
 for _build, _bn, _w, _st in ((False, 64, 4, 3), (False, 32, 2, 3), (False, 128, 4, 3), (False, 128, 8, 3),
-                             (False, 64, 4, 2), (True, 64, 4, 3), (True, 32, 2, 3), (True, 128, 4, 3)):
-        _cfg = dict(BLOCK_N=_bn, X_BUILD=_build, num_warps=_w, num_stages=_st)
-        UP_VARIANTS.append((f"vram_up {'build' if _build else 'prepared'} BN{_bn} w{_w} st{_st}",
-                            lambda x, a, g, u, c=_cfg: vram_up(x, a, g, u, config=c)))
+                             (True, 64, 4, 3), (True, 128, 4, 3)):
+    _cfg = dict(BLOCK_N=_bn, X_BUILD=_build, num_warps=_w, num_stages=_st)
+    UP_VARIANTS.append((f"vram_up {'build' if _build else 'prepared'} BN{_bn} w{_w} st{_st}",
+                        lambda x, a, g, u, c=_cfg: vram_up(x, a, g, u, config=c)))
 # (label, fn(act, mask, addrs, geom, dg, w, acc))
 DOWN_VARIANTS = [
     ("today: sparse_down gpp4 BL1024", lambda *a: sparse_down(*a)),
     ("sparse_down gpp1 BL1024", lambda *a: sparse_down(*a, config=dict(GROUPS_PER_PROG=1))),
 ]
-for _gpp, _bl, _w in ((2, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 256, 4), (8, 256, 4), (8, 128, 4),
-                      (8, 512, 8), (16, 128, 4), (16, 256, 8), (32, 128, 4)):
-    _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w)
-    DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}", lambda *a, c=_cfg: vram_down(*a, config=c)))
+for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 256, 4, 0), (8, 128, 4, 0),
+                          (16, 128, 4, 0), (4, 256, 4, 1), (8, 256, 4, 1), (8, 128, 4, 1), (16, 128, 4, 1)):
+    _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=bool(_q))
+    DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{' quad' if _q else ''}",
+                          lambda *a, c=_cfg: vram_down(*a, config=c)))
 
 # the one-launch VRAM layer (kernels/expert_vram.vram_layer)
-FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256), dict(BLOCK_N=32, BLOCK_L=512), dict(BLOCK_N=128, BLOCK_L=128),
-                  dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=True)]
+FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256), dict(BLOCK_N=128, BLOCK_L=128), dict(BLOCK_N=64, BLOCK_L=256, QUAD=True),
+                  dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
 
 
 def main(argv=None):
@@ -109,12 +110,16 @@ def main(argv=None):
         for label, fn in UP_VARIANTS:
             if over:
                 break
-            act, mask = fn(x, sets[0], geom, ug)
-            ok = check(f"up {case} {label}", act, ref_act) and torch.equal(mask.cpu(), ref_mask.cpu())
-            if not ok:
-                print(f"  BAD up {label}", flush=True)
+            try:
+                act, mask = fn(x, sets[0], geom, ug)
+                ok = check(f"up {case} {label}", act, ref_act) and torch.equal(mask.cpu(), ref_mask.cpu())
+                if not ok:
+                    print(f"  BAD up {label}", flush=True)
+                    continue
+                r = row("up", case, label, time_graph(lambda i, fn=fn: fn(x, sets[i % 8], geom, ug), 8), nb_up)
+            except Exception as e:  # noqa: BLE001 - one variant that does not compile must not end the sweep
+                print(f"  FAILED up {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            r = row("up", case, label, time_graph(lambda i, fn=fn: fn(x, sets[i % 8], geom, ug), 8), nb_up)
             if best_up is None or r["us"] < best_up[2]:
                 best_up = (label, fn, r["us"])
             over = time.time() - t0 > a.budget_s
@@ -122,13 +127,17 @@ def main(argv=None):
         for label, fn in DOWN_VARIANTS:
             if over:
                 break
-            out = fn(ams[0][0], ams[0][1], sets[0], geom, dg, w, torch.zeros(geom.L, device=DEV))
-            ref = sparse_down_torch(ams[0][0], ams[0][1], blocks0, geom, dg, w, torch.zeros(geom.L, device=DEV))
-            if not check(f"down {case} {label}", out, ref):
-                print(f"  BAD down {label}", flush=True)
+            try:
+                out = fn(ams[0][0], ams[0][1], sets[0], geom, dg, w, torch.zeros(geom.L, device=DEV))
+                ref = sparse_down_torch(ams[0][0], ams[0][1], blocks0, geom, dg, w, torch.zeros(geom.L, device=DEV))
+                if not check(f"down {case} {label}", out, ref):
+                    print(f"  BAD down {label}", flush=True)
+                    continue
+                r = row("down", case, label,
+                        time_graph(lambda i, fn=fn: fn(*ams[i % 8], sets[i % 8], geom, dg, w, acc), 8), nb_down)
+            except Exception as e:  # noqa: BLE001
+                print(f"  FAILED down {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            r = row("down", case, label,
-                    time_graph(lambda i, fn=fn: fn(*ams[i % 8], sets[i % 8], geom, dg, w, acc), 8), nb_down)
             if best_down is None or r["us"] < best_down[2]:
                 best_down = (label, fn, r["us"])
             over = time.time() - t0 > a.budget_s
@@ -149,10 +158,13 @@ def main(argv=None):
         for label, fn in pairs:
             if over and not label.startswith(("today", "wired", "best")):
                 continue
-            if not check(f"layer {case} {label}", fn(sets[0], torch.zeros(geom.L, device=DEV)), ref_acc):
-                print(f"  BAD layer {label}", flush=True)
-                continue
-            row("layer", case, label, time_graph(lambda i, fn=fn: fn(sets[i % 8], acc), 8), nb_up + nb_down)
+            try:
+                if not check(f"layer {case} {label}", fn(sets[0], torch.zeros(geom.L, device=DEV)), ref_acc):
+                    print(f"  BAD layer {label}", flush=True)
+                    continue
+                row("layer", case, label, time_graph(lambda i, fn=fn: fn(sets[i % 8], acc), 8), nb_up + nb_down)
+            except Exception as e:  # noqa: BLE001
+                print(f"  FAILED layer {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         _dump(a.out, env, rows, checks)
     bad = [c for c in checks if not c["ok"]]
     print(f"checks: {len(checks) - len(bad)} ok, {len(bad)} BAD {[c['check'] for c in bad]}")

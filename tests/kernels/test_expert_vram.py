@@ -96,15 +96,16 @@ def test_must_fail_wrong_expert_address(device):
     assert rel_err(vram_expert_decode(x, addrs, geom, ug, dg, w, up_config=dict(BLOCK_N=32)), ref) < TOL
 
 
+@pytest.mark.parametrize("quad", [False, True])
 @pytest.mark.parametrize("frac", [0.0, 1 / 15, 0.5, 1.0])
 @pytest.mark.parametrize("gpp,block_l", [(1, 16), (2, 32), (4, 64), (8, 32)])   # gpp 8 > the 5 groups
-def test_vram_down_matches_twin(frac, gpp, block_l, device):
+def test_vram_down_matches_twin(frac, gpp, block_l, quad, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(frac, device=device)
     w = torch.rand(K, device=device) + 0.1
     acc0 = torch.randn(L, device=device)         # accumulates into whatever is there
     out = vram_down(act, mask, block_addresses(blocks, device), geom, dg, w, acc0.clone(),
-                    config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l))
+                    config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l, QUAD=quad))
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, acc0.clone())
     assert_close(out, ref, TOL, f"vram down {frac:.0%}")
     if frac == 0.0:
@@ -136,13 +137,14 @@ def test_vram_down_skips_inactive_groups(device):
     assert_close(out, sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device)), TOL, "skip")
 
 
+@pytest.mark.parametrize("quad", [False, True])
 @pytest.mark.parametrize("how", ["down nibbles", "down scales"])
-def test_must_fail_vram_down(how, device):
+def test_must_fail_vram_down(how, quad, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(1.0, device=device)
     w = torch.rand(K, device=device) + 0.1
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device))
-    cfg = dict(GROUPS_PER_PROG=2, BLOCK_L=32)
+    cfg = dict(GROUPS_PER_PROG=2, BLOCK_L=32, QUAD=quad)
     bad = vram_down(act, mask, block_addresses(_broken(geom, blocks, how), device), geom, dg, w,
                     torch.zeros(L, device=device), config=cfg)
     assert rel_err(bad, ref) > 0.05
@@ -152,7 +154,7 @@ def test_must_fail_vram_down(how, device):
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=16, BLOCK_L=16), dict(BLOCK_N=32, BLOCK_L=64),
-                                 dict(BLOCK_N=64, BLOCK_L=32, X_BUILD=True)])
+                                 dict(BLOCK_N=64, BLOCK_L=32, X_BUILD=True), dict(BLOCK_N=32, BLOCK_L=32, QUAD=True)])
 def test_vram_layer_equals_twin_and_counts(cfg, device):
     geom, blocks, ug, dg, w, addrs = _setup(device)
     x = torch.randn(L, device=device).bfloat16()
@@ -166,13 +168,16 @@ def test_vram_layer_equals_twin_and_counts(cfg, device):
     assert torch.equal(zero, acc0)      # no active group: nothing read, nothing added
 
 
-def test_must_fail_vram_layer_swapped_down(device):
+@pytest.mark.parametrize("quad", [False, True])
+def test_must_fail_vram_layer_swapped_down(quad, device):
     geom, blocks, ug, dg, w, _ = _setup(device)
     x = torch.randn(L, device=device).bfloat16()
     ref = expert_decode_torch(x, blocks, geom, ug, dg, w)
-    bad = vram_layer(x, block_addresses(_broken(geom, blocks, "down nibbles"), device), geom, ug, dg, w,
-                     config=dict(BLOCK_N=32, BLOCK_L=32))
+    cfg = dict(BLOCK_N=32, BLOCK_L=32, QUAD=quad)
+    bad = vram_layer(x, block_addresses(_broken(geom, blocks, "down nibbles"), device), geom, ug, dg, w, config=cfg)
     assert rel_err(bad, ref) > 0.05
+    good = vram_layer(x, block_addresses(blocks, device), geom, ug, dg, w, config=cfg)
+    assert rel_err(good, ref) < TOL
 
 
 def test_engine_call_without_a_counter_runs_the_vram_kernels(device, monkeypatch):

@@ -1,0 +1,95 @@
+"""The VRAM MoE layer's kernels (kernels/expert_vram.py) compiled for sm_90 without a GPU: registers, spills,
+shared memory, programs per SM and SASS instructions per weight of each bench.kernels.moe_vram variant (no device
+time; the device's Triton with PYTHONPATH=/tmp/triton36, as bench/kernels/gemv_nvfp4_sass.py).
+
+    python -m bench.kernels.moe_vram_sass
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bench.kernels.sass_probe import sass
+from kernels import expert_vram as v
+
+_DIV16 = ("L", "I", "up_scales_off", "down_off", "row_q", "row_s")
+
+UP = [dict(BLOCK_N=bn, X_BUILD=b, num_warps=w) for b, bn, w in
+      ((False, 64, 4), (False, 32, 2), (False, 128, 4), (False, 128, 8), (True, 64, 4), (True, 128, 4))]
+DOWN = [dict(GROUPS_PER_PROG=g, BLOCK_L=bl, QUAD=q) for g, bl, q in
+        ((2, 512, False), (4, 512, False), (4, 256, False), (8, 256, False), (8, 128, False), (16, 128, False),
+         (4, 256, True), (8, 256, True), (8, 128, True), (16, 128, True))]
+FUSED = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
+         dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
+
+
+def _compile(fn, sig, cx, nw, stages):
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in _DIV16}
+    return triton.compile(ASTSource(fn, signature=sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=nw, num_stages=stages))
+
+
+def up(cfg):
+    sig = dict(xb_ptr="*bf16" if cfg["X_BUILD"] else "*fp16", addr_ptr="*i64", gup_ptr="*fp32", out_ptr="*fp32",
+               mask_ptr="*i8", d_ptr="*fp16", L="i32", I="i32", up_scales_off="i32", row_q="i32", row_s="i32",
+               n_blocks="i32")
+    return _compile(v._vram_up_kernel, sig, dict(BLOCK_N=cfg["BLOCK_N"], X_BUILD=cfg["X_BUILD"], USE_ASM=True),
+                    cfg["num_warps"], 3), cfg["BLOCK_N"] * 1024, cfg["num_warps"]
+
+
+def down(cfg):
+    sig = dict(act_ptr="*fp32", mask_ptr="*i8", addr_ptr="*i64", gdown_ptr="*fp32", w_ptr="*fp32", acc_ptr="*fp32",
+               count_ptr="*i8", L="i32", I="i32", down_off="i32")
+    cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, QUAD=cfg["QUAD"],
+              USE_ASM=True)
+    return _compile(v._vram_down_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
+
+
+def fused(cfg):
+    sig = dict(xb_ptr="*fp16", addr_ptr="*i64", gup_ptr="*fp32", gdown_ptr="*fp32", w_ptr="*fp32", acc_ptr="*fp32",
+               count_ptr="*fp32", d_ptr="*fp16", L="i32", I="i32", up_scales_off="i32", down_off="i32", row_q="i32",
+               row_s="i32", n_blocks="i32")
+    cx = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"], X_BUILD=False, USE_ASM=True, COUNT=False,
+              QUAD=cfg["QUAD"])
+    return _compile(v._vram_layer_kernel, sig, cx, 4, 3), cfg["BLOCK_N"] * 1024 * 2, 4
+
+
+def resources(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    try:
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(m.group(1)) if (m := re.search(r"STACK:(\d+)", out)) else 0
+    return regs, stack
+
+
+def main():
+    print(f"Triton {triton.__version__}, sm_90")
+    for name, make, cfgs in (("up", up, UP), ("down", down, DOWN), ("fused", fused, FUSED)):
+        for cfg in cfgs:
+            try:
+                k, weights, nw = make(cfg)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"  {name:5s} {cfg}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            regs, stack = resources(k)
+            n = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+", sass(k)))
+            per_sm = min(65536 // (regs * 32 * nw), 228 * 1024 // (k.metadata.shared + 1024), 32)
+            print(f"  {name:5s} {str(cfg):60s} {regs:3d} regs  stack {stack:4d}  smem {k.metadata.shared // 1024:3d} KB"
+                  f"  {per_sm:2d}/SM  {n:5d} SASS ({n / (weights / (32 * nw)):.2f} per weight)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
