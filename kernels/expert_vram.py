@@ -109,7 +109,8 @@ def _vram_down_kernel(
     pid_g = tl.program_id(1)
     pid_l = tl.program_id(2)
     G = I // 16
-    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off   # aligned: see the docstring
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
     o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0            # [GPP]
     n_active = tl.sum(on.to(tl.int32), axis=0)

@@ -56,8 +56,8 @@ for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 25
                           lambda *a, c=_cfg: vram_down(*a, config=c)))
 
 # the one-launch VRAM layer (kernels/expert_vram.vram_layer)
-FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256), dict(BLOCK_N=128, BLOCK_L=128), dict(BLOCK_N=64, BLOCK_L=256, QUAD=True),
-                  dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
+FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
+                  dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
 
 
 def main(argv=None):
