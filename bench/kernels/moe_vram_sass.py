@@ -16,8 +16,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.kernels.sass_probe import sass
+from bench.kernels.sass_probe import loop_body, sass
+from kernels import expert_up as eu
 from kernels import expert_vram as v
+from kernels import sparse_down as sd
 
 _DIV16 = ("L", "I", "up_scales_off", "down_off", "row_q", "row_s")
 
@@ -42,7 +44,7 @@ def up(cfg):
                mask_ptr="*i8", d_ptr="*fp16", L="i32", I="i32", up_scales_off="i32", row_q="i32", row_s="i32",
                n_blocks="i32")
     return _compile(v._vram_up_kernel, sig, dict(BLOCK_N=cfg["BLOCK_N"], X_BUILD=cfg["X_BUILD"], USE_ASM=True),
-                    cfg["num_warps"], 3), cfg["BLOCK_N"] * 1024, cfg["num_warps"]
+                    cfg["num_warps"], 3), cfg["BLOCK_N"] * 256, cfg["num_warps"]     # per K-tile (the loop body)
 
 
 def down(cfg):
@@ -62,6 +64,22 @@ def fused(cfg):
     return _compile(v._vram_layer_kernel, sig, cx, 4, 3), cfg["BLOCK_N"] * 1024 * 2, 4
 
 
+def today_up(cfg):
+    """kernels/expert_up.py's kernel as the VRAM layers ran it before (its defaults: LOAD_MODE 4, BLOCK_N 64)."""
+    sig = dict(x_ptr="*bf16", addr_ptr="*i64", gup_ptr="*fp32", out_ptr="*fp32", mask_ptr="*i8", L="i32", I="i32",
+               up_scales_off="i32")
+    cx = dict(FUSE_RELU2=True, BLOCK_N=64, BLOCK_K=256, LOAD_MODE=cfg["LOAD_MODE"], USE_ASM=True)
+    return _compile(eu._expert_up_kernel, sig, cx, 4, 3), 64 * 256, 4     # per K-tile (the loop body)
+
+
+def today_down(cfg):
+    """kernels/sparse_down.py's kernel at its default (4 groups a program, BLOCK_L 1024)."""
+    sig = dict(act_ptr="*fp32", mask_ptr="*i8", addr_ptr="*i64", gdown_ptr="*fp32", w_ptr="*fp32", acc_ptr="*fp32",
+               count_ptr="*i8", L="i32", I="i32", down_off="i32")
+    cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=1024, COUNT=False)
+    return _compile(sd._sparse_down_kernel, sig, cx, 4, 1), 1024 * 16, 4     # per group (the loop body)
+
+
 def resources(k):
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
@@ -77,17 +95,24 @@ def resources(k):
 
 def main():
     print(f"Triton {triton.__version__}, sm_90")
-    for name, make, cfgs in (("up", up, UP), ("down", down, DOWN), ("fused", fused, FUSED)):
+    # instructions per weight: the up's per K-tile (its loop body), today's down per group (its loop body; at 1 group
+    # a program the whole kernel), the grouped down's and the fused kernel's over the whole kernel (no loop / two)
+    for name, make, cfgs in (("today up", today_up, [dict(LOAD_MODE=4), dict(LOAD_MODE=8)]),
+                             ("today down", today_down, [dict(GROUPS_PER_PROG=4), dict(GROUPS_PER_PROG=1)]),
+                             ("up", up, UP), ("down", down, DOWN), ("fused", fused, FUSED)):
         for cfg in cfgs:
             try:
                 k, weights, nw = make(cfg)
             except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"  {name:5s} {cfg}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                print(f"  {name:10s} {cfg}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
             regs, stack = resources(k)
-            n = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+", sass(k)))
+            text = sass(k)
+            body = sum(loop_body(text).values()) if name in ("today up", "up") or (
+                name == "today down" and cfg["GROUPS_PER_PROG"] > 1) else 0
+            n = body or len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+", text))
             per_sm = min(65536 // (regs * 32 * nw), 228 * 1024 // (k.metadata.shared + 1024), 32)
-            print(f"  {name:5s} {str(cfg):60s} {regs:3d} regs  stack {stack:4d}  smem {k.metadata.shared // 1024:3d} KB"
+            print(f"  {name:10s} {str(cfg):60s} {regs:3d} regs  stack {stack:4d}  smem {k.metadata.shared // 1024:3d} KB"
                   f"  {per_sm:2d}/SM  {n:5d} SASS ({n / (weights / (32 * nw)):.2f} per weight)", flush=True)
 
 
