@@ -137,6 +137,71 @@ def _vram_down_kernel(
 
 
 @triton.jit
+def _vram_down_dot_kernel(
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    L, I, down_off,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """`_vram_down_kernel` on the tensor cores, mode 8 of the GEMV turned round: per code position J, A_J [BLOCK_L,
+    4·GPP] = the codes of neurons 4i + J of the program's groups (int16 quad decode), B_J [4·GPP, 16] block-diagonal
+    (column g holds group g's act at 4i + J), so the product's column g is group g's sum for each row and its e4m3
+    scale multiplies it once. act enters fp16 as hi + lo of act / max(act) (two dots): ~22 bits, no overflow."""
+    j = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    G = I // 16
+    C: tl.constexpr = 4 * GROUPS_PER_PROG
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
+    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0
+    n_active = tl.sum(on.to(tl.int32), axis=0)
+    if n_active > 0:
+        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        o_c = tl.arange(0, C)                       # column of A / row of B: group o_c // 4, int16 o_c % 4
+        g_c = pid_g * GROUPS_PER_PROG + o_c // 4
+        on_c = tl.load(mask_ptr + j * G + g_c, mask=g_c < G, other=0) != 0
+        p16 = (base + g_c.to(tl.int64) * (9 * L)).to(tl.pointer_type(tl.int16)) + o_c % 4
+        b_h = tl.load(p16[None, :] + o_l[:, None] * 4, mask=m_l[:, None] & on_c[None, :], other=0)
+        p_a = act_ptr + j * I + g_c * 16 + 4 * (o_c % 4)
+        a0 = tl.load(p_a, mask=on_c, other=0.0)
+        a1 = tl.load(p_a + 1, mask=on_c, other=0.0)
+        a2 = tl.load(p_a + 2, mask=on_c, other=0.0)
+        a3 = tl.load(p_a + 3, mask=on_c, other=0.0)
+        amax = tl.maximum(tl.maximum(tl.max(a0, axis=0), tl.max(a1, axis=0)),
+                          tl.maximum(tl.max(a2, axis=0), tl.max(a3, axis=0)))
+        inv = 1.0 / tl.maximum(amax, 1e-30)
+        o_16 = tl.arange(0, 16)
+        diag = (o_c // 4)[:, None] == o_16[None, :]
+        b_r = tl.zeros([BLOCK_L, 16], dtype=tl.float32)
+        for J in tl.static_range(4):
+            if J == 0:
+                a_j = a0
+            elif J == 1:
+                a_j = a1
+            elif J == 2:
+                a_j = a2
+            else:
+                a_j = a3
+            b_x = tl.where(diag, (a_j * inv)[:, None], 0.0)
+            b_hi = b_x.to(tl.float16)
+            b_lo = (b_x - b_hi.to(tl.float32)).to(tl.float16)
+            a_q = _e2m1_quad(b_h, J, USE_ASM)
+            b_r = tl.dot(a_q, b_hi, b_r)
+            b_r = tl.dot(a_q, b_lo, b_r)
+        o_gs = pid_g * GROUPS_PER_PROG + o_16
+        m_s = (o_16 < GROUPS_PER_PROG)[None, :] & (o_gs < G)[None, :] & m_l[:, None]
+        b_s = tl.load(base + o_gs.to(tl.int64)[None, :] * (9 * L) + 8 * L + o_l[:, None], mask=m_s, other=0)
+        b_out = tl.sum(b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1)
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * (16384.0 * amax)   # 2^14 undoes the fp16 decode
+        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            if pid_l == 0:
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+@triton.jit
 def _vram_layer_kernel(
     xb_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, d_ptr,
     L, I, up_scales_off, down_off, row_q, row_s, n_blocks,
@@ -237,9 +302,18 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
     gpp = cfg["GROUPS_PER_PROG"]
     if gpp & (gpp - 1):
         raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
+    dot = cfg.pop("DOT", False)
+    if dot and (gpp < 4 or gpp > 16 or cfg.pop("QUAD", True) is False):
+        raise ValueError(f"DOT: 4 to 16 groups a program (B has 16 columns, K = 4 x groups >= 16), got {gpp}")
     cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
     cfg.setdefault("USE_ASM", not backend.interpreted())
     grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
+    if dot:
+        cfg.pop("QUAD", None)
+        _vram_down_dot_kernel[grid](act, mask, addrs, down_global, weights, acc,
+                                    counter if counter is not None else mask, L, I, geom.down_off,
+                                    COUNT=counter is not None, **cfg)
+        return acc
     _vram_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
                             L, I, geom.down_off, COUNT=counter is not None, **cfg)
     return acc

@@ -50,9 +50,10 @@ DOWN_VARIANTS = [
     ("sparse_down gpp1 BL1024", lambda *a: sparse_down(*a, config=dict(GROUPS_PER_PROG=1))),
 ]
 for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 256, 4, 0), (8, 128, 4, 0),
-                          (16, 128, 4, 0), (4, 256, 4, 1), (8, 256, 4, 1), (8, 128, 4, 1), (16, 128, 4, 1)):
-    _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=bool(_q))
-    DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{' quad' if _q else ''}",
+                          (16, 128, 4, 0), (4, 256, 4, 1), (8, 256, 4, 1), (8, 128, 4, 1), (16, 128, 4, 1),
+                          (16, 256, 4, 2), (8, 256, 4, 2)):
+    _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=_q > 0, DOT=_q == 2)
+    DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{['', ' quad', ' dot'][_q]}",
                           lambda *a, c=_cfg: vram_down(*a, config=c)))
 
 # the one-launch VRAM layer (kernels/expert_vram.vram_layer)

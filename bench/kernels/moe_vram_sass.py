@@ -27,7 +27,8 @@ UP = [dict(BLOCK_N=bn, X_BUILD=b, num_warps=w) for b, bn, w in
       ((False, 64, 4), (False, 32, 2), (False, 128, 4), (False, 128, 8), (True, 64, 4), (True, 128, 4))]
 DOWN = [dict(GROUPS_PER_PROG=g, BLOCK_L=bl, QUAD=q) for g, bl, q in
         ((2, 512, False), (4, 512, False), (4, 256, False), (8, 256, False), (8, 128, False), (16, 128, False),
-         (4, 256, True), (8, 256, True), (8, 128, True), (16, 128, True))]
+         (4, 256, True), (8, 256, True), (8, 128, True), (16, 128, True))] + [
+    dict(GROUPS_PER_PROG=g, BLOCK_L=bl, DOT=True) for g, bl in ((16, 256), (16, 128), (8, 256), (4, 256))]
 FUSED = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
          dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
 
@@ -50,6 +51,9 @@ def up(cfg):
 def down(cfg):
     sig = dict(act_ptr="*fp32", mask_ptr="*i8", addr_ptr="*i64", gdown_ptr="*fp32", w_ptr="*fp32", acc_ptr="*fp32",
                count_ptr="*i8", L="i32", I="i32", down_off="i32")
+    if cfg.get("DOT"):
+        cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, USE_ASM=True)
+        return _compile(v._vram_down_dot_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
     cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, QUAD=cfg["QUAD"],
               USE_ASM=True)
     return _compile(v._vram_down_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4

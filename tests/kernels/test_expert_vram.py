@@ -96,29 +96,33 @@ def test_must_fail_wrong_expert_address(device):
     assert rel_err(vram_expert_decode(x, addrs, geom, ug, dg, w, up_config=dict(BLOCK_N=32)), ref) < TOL
 
 
-@pytest.mark.parametrize("quad", [False, True])
+# gpp 8 > the 5 groups; the tensor-core down (dot) takes 4 to 16 groups a program
+DOWN_CASES = [(g, bl, d) for g, bl in ((1, 16), (2, 32), (4, 64), (8, 32)) for d in ("nibbles", "quad", "dot")
+              if d != "dot" or g >= 4]
+
+
 @pytest.mark.parametrize("frac", [0.0, 1 / 15, 0.5, 1.0])
-@pytest.mark.parametrize("gpp,block_l", [(1, 16), (2, 32), (4, 64), (8, 32)])   # gpp 8 > the 5 groups
-def test_vram_down_matches_twin(frac, gpp, block_l, quad, device):
+@pytest.mark.parametrize("gpp,block_l,decode", DOWN_CASES)
+def test_vram_down_matches_twin(frac, gpp, block_l, decode, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(frac, device=device)
     w = torch.rand(K, device=device) + 0.1
     acc0 = torch.randn(L, device=device)         # accumulates into whatever is there
     out = vram_down(act, mask, block_addresses(blocks, device), geom, dg, w, acc0.clone(),
-                    config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l, QUAD=quad))
+                    config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l, QUAD=decode != "nibbles", DOT=decode == "dot"))
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, acc0.clone())
     assert_close(out, ref, TOL, f"vram down {frac:.0%}")
     if frac == 0.0:
         assert torch.equal(out, acc0)
 
 
-@pytest.mark.parametrize("gpp", [1, 4])
-def test_vram_down_counts_the_groups_it_reads(gpp, device):
+@pytest.mark.parametrize("gpp,dot", [(1, False), (4, False), (4, True)])
+def test_vram_down_counts_the_groups_it_reads(gpp, dot, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(0.5, device=device)
     counter = torch.full((1,), 5, dtype=torch.int32, device=device)
     vram_down(act, mask, block_addresses(blocks, device), geom, dg, torch.rand(K, device=device) + 0.1,
-              torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=16), counter=counter)
+              torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=16, DOT=dot), counter=counter)
     n = int(mask.sum())
     assert 0 < n < mask.numel()
     assert int(counter) == 5 + n          # counting each of the 3 row tiles would give 5 + 3n
@@ -137,14 +141,14 @@ def test_vram_down_skips_inactive_groups(device):
     assert_close(out, sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device)), TOL, "skip")
 
 
-@pytest.mark.parametrize("quad", [False, True])
+@pytest.mark.parametrize("decode", ["nibbles", "quad", "dot"])
 @pytest.mark.parametrize("how", ["down nibbles", "down scales"])
-def test_must_fail_vram_down(how, quad, device):
+def test_must_fail_vram_down(how, decode, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(1.0, device=device)
     w = torch.rand(K, device=device) + 0.1
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device))
-    cfg = dict(GROUPS_PER_PROG=2, BLOCK_L=32, QUAD=quad)
+    cfg = dict(GROUPS_PER_PROG=4, BLOCK_L=32, QUAD=decode != "nibbles", DOT=decode == "dot")
     bad = vram_down(act, mask, block_addresses(_broken(geom, blocks, how), device), geom, dg, w,
                     torch.zeros(L, device=device), config=cfg)
     assert rel_err(bad, ref) > 0.05
@@ -213,3 +217,6 @@ def test_bad_configs_are_refused(device):
     act, mask = act_with_active_fraction(0.5, k=1, device=device)
     with pytest.raises(ValueError, match="power of two"):
         vram_down(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=3))
+    with pytest.raises(ValueError, match="4 to 16 groups"):
+        vram_down(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=2,
+                                                                                                DOT=True))
