@@ -33,8 +33,11 @@ from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
 from kernels.sparse_down import sparse_down
 
-# the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py's sweep, bench/NOTES.md
-# "Session 6, h24"); a store of down sub-groups keeps sparse_down's sub-group kernel
+# the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py, H200 run 1, bench/NOTES.md
+# "Session 6, h24"): the up prepared at BLOCK_N 64 won every case (19.0-19.3 us, 42 % of HBM; today's mode-4 up 55-58);
+# the down at 8 groups x 256 rows QUAD 32.0 / 30.1 us at 99 / 72 % of groups active (today's 73 / 58), within 0.1 us
+# of the best there, but 2 groups x 512 rows (nibbles) wins at 7 % (9.4 against 16.8); two launches beat one
+# (vram_layer) everywhere (51 vs 68 us natural). A store of down sub-groups keeps sparse_down's sub-group kernel.
 UP_CONFIG = dict(BLOCK_N=64, X_BUILD=False, num_warps=4, num_stages=3)
 DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, QUAD=True, num_warps=4, num_stages=1)
 FUSED = False                  # True: `vram_layer`'s one launch (FUSED_CONFIG) instead of the two

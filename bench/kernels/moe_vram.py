@@ -34,6 +34,13 @@ from kernels.sparse_down import sparse_down, sparse_down_torch  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
 K = 22
+# H200 run 1 (bench/results/moe_vram_h200_session6_run1.log), µs natural / 72 % / 7 % groups active:
+# up: today's mode 4 58 (255 registers + spills, 2 programs/SM: the unaligned base), expert_up mode 8 43 (same loads),
+#   vram_up prepared BN64 19.3 (the winner), BN32 w2 20.6, BN128 24.5 (3/SM), BN128 w8 20.9, build BN64 20.9 (its B per
+#   tile costs more than the x launch it saves), build BN128 21.6
+# down: today's gpp4 73 / 58 / 16, sparse_down gpp1 51 / 37 / 10; vram_down QUAD 8 x 256 32 / 30 / 17 (wired), the
+#   nibbles 1.1-1.2x slower where most groups are active (more instructions a weight); small chunks (2 x 512) win only
+#   at 7 % (9.4): every lane of a chunk with one active group is decoded (issue-bound, not memory-bound)
 # (label, fn(x, addrs, geom, ug) -> (act, mask))
 UP_VARIANTS = [
     ("today: expert_up mode 4 BN64", lambda x, a, g, u: expert_up(x, a, g, u)),
@@ -51,12 +58,14 @@ DOWN_VARIANTS = [
 ]
 for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 256, 4, 0), (8, 128, 4, 0),
                           (16, 128, 4, 0), (4, 256, 4, 1), (8, 256, 4, 1), (8, 128, 4, 1), (16, 128, 4, 1),
-                          (16, 256, 4, 2), (8, 256, 4, 2)):
+                          (16, 256, 4, 2), (8, 256, 4, 2), (16, 128, 4, 2), (4, 256, 4, 2), (1, 1024, 4, 0),
+                          (2, 256, 4, 0), (2, 512, 4, 1), (4, 512, 4, 1)):
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=_q > 0, DOT=_q == 2)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{['', ' quad', ' dot'][_q]}",
                           lambda *a, c=_cfg: vram_down(*a, config=c)))
 
-# the one-launch VRAM layer (kernels/expert_vram.vram_layer)
+# the one-launch VRAM layer (kernels/expert_vram.vram_layer): lost everywhere in run 1 (68 / 68 / 42.5 µs against the
+# two launches' 51 / 48.5 / 35): a program's down waits for its own up, holding the up's registers
 FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
                   dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
 
@@ -70,9 +79,11 @@ def main(argv=None):
     smoke = DEV == "cpu"
     geom = ExpertGeometry(64, 96) if smoke else SUPER
     n = 24 if smoke else 64
-    vram = torch.empty(2 * n * geom.block_stride, dtype=torch.uint8, device=DEV)
+    vram = torch.empty(3 * n * geom.block_stride, dtype=torch.uint8, device=DEV)
     fill_expert_set(vram, geom, n, 0.075, False, seed=1)
     fill_expert_set(vram[n * geom.block_stride:], geom, n, 0.075, True, seed=2)
+    # 3.1 % of neurons, independent: ~40 % of the groups active, as in the profile's synthetic checkpoint
+    fill_expert_set(vram[2 * n * geom.block_stride:], geom, n, 0.031, False, seed=3)
     d2d = ceiling_d2d() / 1e9
     env = dict(device=torch.cuda.get_device_name(0) if not smoke else "cpu (interpreter)", d2d_GBps=d2d)
     print(f"env {env}, filled in {time.time() - t0:.1f}s", flush=True)
@@ -82,7 +93,7 @@ def main(argv=None):
     x_pos = (torch.rand(geom.L, device=DEV) + 0.05).bfloat16()
     x_mixed = torch.randn(geom.L, device=DEV).bfloat16()
     cases = [("natural ~50% neurons", 0, x_mixed), ("92.5% zero, independent", 0, x_pos),
-             ("92.5% zero by groups", n, x_pos)]
+             ("92.5% zero by groups", n, x_pos), ("96.9% zero, independent", 2 * n, x_pos)]
     # the budget bounds compilation: once over it, no variant is tried that an earlier case has not compiled (the
     # later cases re-time the compiled ones: milliseconds each)
     rows, checks, tried = [], [], set()
