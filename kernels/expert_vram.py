@@ -140,6 +140,51 @@ def _vram_down_kernel(
 
 
 @triton.jit
+def _vram_down_compact_kernel(
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    L, I, down_off,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """`_vram_down_kernel` (QUAD) decoding only active groups: the program's active groups are ranked (a prefix sum of
+    the mask) and taken SUB at a time in rank order, so a chunk with one active group of 16 decodes SUB groups' lanes,
+    not 16 (run 1: the grouped down was issue-bound on the lanes of inactive groups)."""
+    j = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    G = I // 16
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
+    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0
+    on_i = on.to(tl.int32)
+    n_active = tl.sum(on_i, axis=0)
+    if n_active > 0:
+        rank = tl.cumsum(on_i, axis=0) - 1                                     # [GPP]: rank among the active
+        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        o_s = tl.arange(0, SUB)
+        o_4 = tl.arange(0, 4)
+        b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for s0 in range(0, n_active, SUB):
+            slot = s0 + o_s
+            hit = on[None, :] & (rank[None, :] == slot[:, None])               # [SUB, GPP]: one-hot
+            g_s = tl.sum(tl.where(hit, o_g[None, :], 0), axis=1)               # the slot's group
+            v_s = slot < n_active
+            p_a = act_ptr + j * I + g_s[:, None] * 16 + 4 * o_4[None, :]       # [SUB, 4]
+            b_out += _down_rows_quad(base + g_s.to(tl.int64) * (9 * L), v_s, L, o_l, m_l,
+                                     tl.load(p_a, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 1, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 2, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 3, mask=v_s[:, None], other=0.0), USE_ASM)
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
+        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            if pid_l == 0:
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+@triton.jit
 def _vram_down_dot_kernel(
     act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
     L, I, down_off,
@@ -194,7 +239,9 @@ def _vram_down_dot_kernel(
             b_r = tl.dot(a_q, b_hi, b_r)
             b_r = tl.dot(a_q, b_lo, b_r)
         o_gs = pid_g * GROUPS_PER_PROG + o_16
-        m_s = (o_16 < GROUPS_PER_PROG)[None, :] & (o_gs < G)[None, :] & m_l[:, None]
+        m_gs = (o_16 < GROUPS_PER_PROG) & (o_gs < G)
+        on_s = tl.load(mask_ptr + j * G + o_gs, mask=m_gs, other=0) != 0     # an inactive group's scales unread
+        m_s = (m_gs & on_s)[None, :] & m_l[:, None]
         b_s = tl.load(base + o_gs.to(tl.int64)[None, :] * (9 * L) + 8 * L + o_l[:, None], mask=m_s, other=0)
         b_out = tl.sum(b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1)
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * (16384.0 * amax)   # 2^14 undoes the fp16 decode
@@ -306,11 +353,20 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
     if gpp & (gpp - 1):
         raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
     dot = cfg.pop("DOT", False)
+    sub = cfg.pop("COMPACT", 0)
+    if sub and (sub & (sub - 1) or sub > gpp or dot):
+        raise ValueError(f"COMPACT={sub}: a power of two up to GROUPS_PER_PROG={gpp}, without DOT")
     if dot and (gpp < 4 or gpp > 16 or cfg.pop("QUAD", True) is False):
         raise ValueError(f"DOT: 4 to 16 groups a program (B has 16 columns, K = 4 x groups >= 16), got {gpp}")
     cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
     cfg.setdefault("USE_ASM", not backend.interpreted())
     grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
+    if sub:
+        cfg.pop("QUAD", None)
+        _vram_down_compact_kernel[grid](act, mask, addrs, down_global, weights, acc,
+                                        counter if counter is not None else mask, L, I, geom.down_off,
+                                        COUNT=counter is not None, SUB=sub, **cfg)
+        return acc
     if dot:
         cfg.pop("QUAD", None)
         _vram_down_dot_kernel[grid](act, mask, addrs, down_global, weights, acc,

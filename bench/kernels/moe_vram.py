@@ -63,6 +63,9 @@ for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 25
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=_q > 0, DOT=_q == 2)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{['', ' quad', ' dot'][_q]}",
                           lambda *a, c=_cfg: vram_down(*a, config=c)))
+for _gpp, _bl, _sub in ((16, 256, 4), (8, 256, 2), (16, 256, 2), (32, 256, 4), (16, 128, 4)):
+    _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, COMPACT=_sub)
+    DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} compact{_sub}", lambda *a, c=_cfg: vram_down(*a, config=c)))
 
 # the one-launch VRAM layer (kernels/expert_vram.vram_layer): lost everywhere in run 1 (68 / 68 / 42.5 µs against the
 # two launches' 51 / 48.5 / 35): a program's down waits for its own up, holding the up's registers

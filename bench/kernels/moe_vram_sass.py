@@ -28,7 +28,9 @@ UP = [dict(BLOCK_N=bn, X_BUILD=b, num_warps=w) for b, bn, w in
 DOWN = [dict(GROUPS_PER_PROG=g, BLOCK_L=bl, QUAD=q) for g, bl, q in
         ((2, 512, False), (4, 512, False), (4, 256, False), (8, 256, False), (8, 128, False), (16, 128, False),
          (4, 256, True), (8, 256, True), (8, 128, True), (16, 128, True))] + [
-    dict(GROUPS_PER_PROG=g, BLOCK_L=bl, DOT=True) for g, bl in ((16, 256), (16, 128), (8, 256), (4, 256))]
+    dict(GROUPS_PER_PROG=g, BLOCK_L=bl, DOT=True) for g, bl in ((16, 256), (16, 128), (8, 256), (4, 256))] + [
+    dict(GROUPS_PER_PROG=g, BLOCK_L=bl, COMPACT=c) for g, bl, c in ((16, 256, 2), (16, 256, 4), (32, 256, 4),
+                                                                     (8, 256, 2), (16, 128, 1), (32, 512, 2))]
 FUSED = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
          dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
 
@@ -51,6 +53,10 @@ def up(cfg):
 def down(cfg):
     sig = dict(act_ptr="*fp32", mask_ptr="*i8", addr_ptr="*i64", gdown_ptr="*fp32", w_ptr="*fp32", acc_ptr="*fp32",
                count_ptr="*i8", L="i32", I="i32", down_off="i32")
+    if cfg.get("COMPACT"):
+        cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, USE_ASM=True,
+                  SUB=cfg["COMPACT"])       # per weight: one trip of the loop over SUB groups
+        return _compile(v._vram_down_compact_kernel, sig, cx, 4, 1), cfg["COMPACT"] * cfg["BLOCK_L"] * 16, 4
     if cfg.get("DOT"):
         cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, USE_ASM=True)
         return _compile(v._vram_down_dot_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
@@ -100,7 +106,8 @@ def resources(k):
 def main():
     print(f"Triton {triton.__version__}, sm_90")
     # instructions per weight: the up's per K-tile (its loop body), today's down per group (its loop body; at 1 group
-    # a program the whole kernel), the grouped down's and the fused kernel's over the whole kernel (no loop / two)
+    # a program the whole kernel), the compact down's per trip over SUB groups (its loop body), the grouped down's and
+    # the fused kernel's over the whole kernel (no loop / two)
     for name, make, cfgs in (("today up", today_up, [dict(LOAD_MODE=4), dict(LOAD_MODE=8)]),
                              ("today down", today_down, [dict(GROUPS_PER_PROG=4), dict(GROUPS_PER_PROG=1)]),
                              ("up", up, UP), ("down", down, DOWN), ("fused", fused, FUSED)):
@@ -112,7 +119,7 @@ def main():
                 continue
             regs, stack = resources(k)
             text = sass(k)
-            body = sum(loop_body(text).values()) if name in ("today up", "up") or (
+            body = sum(loop_body(text).values()) if name in ("today up", "up") or cfg.get("COMPACT") or (
                 name == "today down" and cfg["GROUPS_PER_PROG"] > 1) else 0
             n = body or len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+", text))
             per_sm = min(65536 // (regs * 32 * nw), 228 * 1024 // (k.metadata.shared + 1024), 32)
