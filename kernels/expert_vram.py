@@ -33,13 +33,14 @@ from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
 from kernels.sparse_down import sparse_down
 
-# the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py, H200 run 1, bench/NOTES.md
-# "Session 6, h24"): the up prepared at BLOCK_N 64 won every case (19.0-19.3 us, 42 % of HBM; today's mode-4 up 55-58);
-# the down at 8 groups x 256 rows QUAD 32.0 / 30.1 us at 99 / 72 % of groups active (today's 73 / 58), within 0.1 us
-# of the best there, but 2 groups x 512 rows (nibbles) wins at 7 % (9.4 against 16.8); two launches beat one
-# (vram_layer) everywhere (51 vs 68 us natural). A store of down sub-groups keeps sparse_down's sub-group kernel.
+# the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py, H200 runs 1-2, bench/NOTES.md
+# "Session 6, h24"): the up prepared at BLOCK_N 64 won every case (19.0-19.6 us, 42 % of HBM; today's mode-4 up 55-58);
+# the down COMPACT 2 at 8 groups x 256 rows won every case of run 2: 28.8 / 24.7 / 16.7 / 7.9 us at 99 / 72 / 39 / 7 %
+# of groups active (today's 74 / 59 / 40 / 16; QUAD at 8 x 256 without compaction 32.6 / 30.9 / 28.5 / 17.1); two
+# launches beat one (vram_layer) everywhere (51 vs 68 us natural). A store of down sub-groups keeps sparse_down's
+# sub-group kernel.
 UP_CONFIG = dict(BLOCK_N=64, X_BUILD=False, num_warps=4, num_stages=3)
-DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, QUAD=True, num_warps=4, num_stages=1)
+DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, COMPACT=2, num_warps=4, num_stages=1)
 FUSED = False                  # True: `vram_layer`'s one launch (FUSED_CONFIG) instead of the two
 FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, QUAD=True, num_warps=4, num_stages=3)
 
@@ -335,8 +336,10 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
               down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor, config: dict | None = None,
               counter: torch.Tensor | None = None) -> torch.Tensor:
     """`sparse_down`'s contract (acc fp32 [L] += the active groups' sum; counter int32 [1] += groups read) with
-    GROUPS_PER_PROG (a power of two) groups of one expert per program in one load. A store of down sub-groups
-    (geom.down_group_neurons < 16) runs sparse_down's sub-group kernel."""
+    GROUPS_PER_PROG (a power of two) groups of one expert per program. The decode: COMPACT=SUB (the default: the
+    active groups ranked, SUB at a time), QUAD (all groups of the program in one load, int16 quad decode), DOT (the
+    tensor cores), or none of them (one load, nibbles). A store of down sub-groups (geom.down_group_neurons < 16)
+    runs sparse_down's sub-group kernel."""
     if geom.down_group_neurons != GROUP:
         return sparse_down(act, mask, addrs, geom, down_global, weights, acc, counter=counter,
                            config=dict(GROUPS_PER_PROG=1))
@@ -348,31 +351,34 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
         raise ValueError("act and mask must be contiguous")
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
         raise ValueError("counter must be int32 [1]")
-    cfg = {**DOWN_CONFIG, **(config or {})}
+    given = config or {}
+    cfg = {**DOWN_CONFIG, **given}
+    if {"QUAD", "DOT"} & given.keys() and "COMPACT" not in given:
+        cfg["COMPACT"] = 0              # a decode asked for by name replaces the default (compact) one
     gpp = cfg["GROUPS_PER_PROG"]
     if gpp & (gpp - 1):
         raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
-    dot = cfg.pop("DOT", False)
-    sub = cfg.pop("COMPACT", 0)
+    dot, quad, sub = cfg.pop("DOT", False), cfg.pop("QUAD", False), cfg.pop("COMPACT", 0)
+    if "COMPACT" not in given:
+        sub = min(sub, gpp)
     if sub and (sub & (sub - 1) or sub > gpp or dot):
         raise ValueError(f"COMPACT={sub}: a power of two up to GROUPS_PER_PROG={gpp}, without DOT")
-    if dot and (gpp < 4 or gpp > 16 or cfg.pop("QUAD", True) is False):
+    if dot and not 4 <= gpp <= 16:
         raise ValueError(f"DOT: 4 to 16 groups a program (B has 16 columns, K = 4 x groups >= 16), got {gpp}")
     cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
     cfg.setdefault("USE_ASM", not backend.interpreted())
     grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
     if sub:
-        cfg.pop("QUAD", None)
         _vram_down_compact_kernel[grid](act, mask, addrs, down_global, weights, acc,
                                         counter if counter is not None else mask, L, I, geom.down_off,
                                         COUNT=counter is not None, SUB=sub, **cfg)
         return acc
     if dot:
-        cfg.pop("QUAD", None)
         _vram_down_dot_kernel[grid](act, mask, addrs, down_global, weights, acc,
                                     counter if counter is not None else mask, L, I, geom.down_off,
                                     COUNT=counter is not None, **cfg)
         return acc
+    cfg["QUAD"] = quad
     _vram_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
                             L, I, geom.down_off, COUNT=counter is not None, **cfg)
     return acc
