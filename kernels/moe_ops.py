@@ -14,6 +14,7 @@ from kernels.expert_layer import expert_layer
 from kernels.expert_prefill import expert_prefill as _expert_prefill_triton
 from kernels.expert_prefill import expert_prefill_torch
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch
+from kernels.expert_vram import vram_expert_decode
 from kernels.sparse_down import sparse_down, sparse_down_torch
 
 __all__ = ["expert_decode", "expert_decode_torch", "expert_prefill", "block_addresses", "expert_layer"]
@@ -37,13 +38,17 @@ def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global,
 
 
 def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
-                  up_config=None, down_config=None, down_counter=None, fused: bool = False, up_blocks=None):
+                  up_config=None, down_config=None, down_counter=None, fused: bool = False, up_blocks=None,
+                  resident: bool | None = None):
     """Routed experts of one token at one MoE layer. x [L]; up/down_global, weights fp32 [k].
 
     NVFP4 blocks by address (int64 [k]): one grouped-up launch (ReLU² and group mask fused), one sparse-down
     launch (on CPU tensors only under Triton's interpreter). Blocks as tensors, or FP8/BF16 experts: the twin.
-    The kernel defaults are tuned for blocks in the pinned slab; for VRAM-resident blocks pass
-    down_config=dict(GROUPS_PER_PROG=1) (bench/NOTES.md).
+    resident: the blocks are in VRAM (the VRAM tier's layers, device-routed or not): kernels/expert_vram.py's two
+    launches tuned for HBM (up_config / down_config then configure those; bench/NOTES.md "Session 6, h24"); False:
+    expert_up + sparse_down at their pinned-slab defaults. None: resident unless the call counts its down groups
+    (a fused call returns before), because the engine counts down groups exactly for the blocks it reads over the bus
+    (gpu_worker/streaming.py), so an uncounted, unfused call is one whose experts are in the VRAM tier.
     down_counter: int32 [1] on the device, += the down groups the kernel read (kernel path only).
     fused: one launch for the whole layer (kernels/expert_layer.py; up_config/down_config do not apply), same
     result as the two launches; a store of down sub-groups (down_group_neurons < 16) keeps the two launches.
@@ -54,6 +59,11 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
                             up_addrs=up_blocks)
     if up_blocks is not None:
         raise ValueError("up sections apart from their blocks are read by the fused launch only")
+    if resident is None:
+        resident = down_counter is None
+    if _addressed(blocks) and geom.fmt == "nvfp4" and resident:
+        return vram_expert_decode(x, blocks, geom, up_global, down_global, weights, acc, up_config=up_config,
+                                  down_config=down_config, counter=down_counter)
     if _addressed(blocks) and geom.fmt == "nvfp4":
         acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
         act, mask = expert_up(x.reshape(-1).contiguous(), blocks, geom, up_global, config=up_config)

@@ -40,7 +40,7 @@ def run(ctx) -> list[dict]:
                 nb_all += 22 * geom.up_bytes + int(mask.sum()) * geom.group_bytes
                 if s == 0:
                     ref = expert_decode_torch(x, blocks, geom, ug, dg, w)
-                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w), ref)
+                    e = rel_err(expert_decode(x, sets[0], geom, ug, dg, w, resident=False), ref)
                     ctx["checks"].append(dict(check=f"moe layer {where} {label}", rel_err=e, ok=e < 1e-5))
                     cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
                     e = rel_err(expert_layer(x, sets[0], geom, ug, dg, w, counter=cnt), ref)
@@ -50,7 +50,8 @@ def run(ctx) -> list[dict]:
                                               rel_err=abs(int(cnt) - n_ref) / max(n_ref, 1), ok=int(cnt) == n_ref))
             nb = nb_all / 8
             acc = torch.zeros(geom.L, device=DEV)
-            variants = [("two launches (up, sparse down)", lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc))]
+            variants = [("two launches (up, sparse down)", lambda i: expert_decode(x, sets[i % 8], geom, ug, dg, w, acc,
+                                                                                        resident=False))]
             for cfg in FUSED_SWEEP:
                 variants.append((f"fused {cfg or 'default'}",
                                  lambda i, cfg=cfg: expert_layer(x, sets[i % 8], geom, ug, dg, w, acc, config=cfg)))

@@ -10,6 +10,8 @@ from kernels.nvfp4 import swap_nibbles
 from kernels.testing import assert_close, rel_err
 
 SMALL = dict(up_config=dict(BLOCK_N=32, BLOCK_K=32), down_config=dict(BLOCK_L=32))
+# the VRAM-resident pair (kernels/expert_vram.py): 2 programs of 32 neurons, 2 groups a program, 2 row tiles
+SMALL_RESIDENT = dict(up_config=dict(BLOCK_N=32), down_config=dict(BLOCK_L=32, GROUPS_PER_PROG=2))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "bf16"])
@@ -21,17 +23,19 @@ def test_decode_twin_matches_dense_checkpoint_reference(fmt):
     assert_close(acc, dense_ref(x.float(), ups, downs, w), 1e-5, f"twin vs dense ({fmt})")
 
 
-def _decode(x, blocks, geom, ug, dg, w, device):
-    """The kernels: blocks by address."""
-    return expert_decode(x, block_addresses(blocks, device), geom, ug, dg, w, **SMALL)
+def _decode(x, blocks, geom, ug, dg, w, device, resident=False):
+    """The kernels: blocks by address (the pinned-slab pair, or the VRAM-resident one)."""
+    return expert_decode(x, block_addresses(blocks, device), geom, ug, dg, w, resident=resident,
+                         **(SMALL_RESIDENT if resident else SMALL))
 
 
-def test_decode_step_kernels_match_dense_reference(device):
+@pytest.mark.parametrize("resident", [False, True])
+def test_decode_step_kernels_match_dense_reference(resident, device):
     geom, blocks, ug, dg, ups, downs, _ = experts(device=device)
     x = torch.randn(L, device=device).bfloat16()
     w = torch.rand(K, device=device) + 0.1
-    assert_close(_decode(x, blocks, geom, ug, dg, w, device), dense_ref(x.float(), ups, downs, w.cpu()), 1e-5,
-                 "decode step vs dense")
+    assert_close(_decode(x, blocks, geom, ug, dg, w, device, resident), dense_ref(x.float(), ups, downs, w.cpu()),
+                 1e-5, "decode step vs dense")
 
 
 def test_fused_entry_equals_the_two_launches(device):

@@ -1,0 +1,431 @@
+"""The routed experts of one token at one MoE layer when their blocks sit in VRAM: two launches tuned for HBM.
+
+The pinned-slab kernels (kernels/expert_up.py's defaults, kernels/sparse_down.py's, the fused kernels/expert_layer.py)
+are bus-bound at 86 % of H2D and tuned for it; read from VRAM the same kernels ran at ~12 % of HBM (H200,
+bench/results/profile_kernels_h200_4moe_session6_run1.log: 55 µs up + 57 µs down per Super layer against ~8 + ~3.5 µs
+of bytes). At M = 1 the up of a layer's k experts is one GEMV of k · I rows over gathered block addresses with one x,
+so it runs the dense GEMV's own inner loop (kernels/gemv_nvfp4.py `_gemv_rows_quad`, mode 8: int16 quad decode,
+block-diagonal B, scales after the dot), with B prepared once (`x_operands`) or built per tile (X_BUILD), on a flat
+grid of k · I / BLOCK_N programs; its epilogue is the ReLU² and 16-group mask of `expert_up`.
+The down reads GROUPS_PER_PROG groups of one expert per program as one [groups, BLOCK_L, 8] masked load (an
+inactive group's lanes are predicated off and fetch nothing), so every group's bytes are in flight at once instead
+of one group per loop trip behind a branch, and sums them in registers before one fp32 atomic add per row: the
+atomics per layer fall by GROUPS_PER_PROG against `sparse_down` at one group per program.
+
+Block addresses are taken as 16-byte aligned (blocks are page aligned, expert_block.BLOCK_ALIGN; the up section
+and every down group start at multiples of 16 inside them) and the kernels say so (`tl.multiple_of`): a pointer
+loaded from memory has no known alignment, and without the hint Triton reads the weights 2 bytes at a time with a
+64-bit address per element (the up compiled to 160 registers and 3 programs per SM instead of 94 and 5, Triton 3.9
+sm_90, bench/kernels/moe_vram_sass.py).
+
+Same inputs, outputs and accounting as `expert_up` + `sparse_down` (the down-group counter included); capturable in
+a CUDA graph (no host reads; addresses from a device tensor). Twins: `expert_up_torch` / `relu2_group_mask_torch` /
+`sparse_down_torch` (kernels/moe_ops.expert_decode_torch).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import backend
+from kernels.expert_block import GROUP, ExpertGeometry
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
+from kernels.sparse_down import sparse_down
+
+# the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py, H200 runs 1-2, bench/NOTES.md
+# "Session 6, h24"): the up prepared at BLOCK_N 64 won every case (19.0-19.6 us, 42 % of HBM; today's mode-4 up 55-58);
+# the down COMPACT 2 at 8 groups x 256 rows won every case of run 2: 28.8 / 24.7 / 16.7 / 7.9 us at 99 / 72 / 39 / 7 %
+# of groups active (today's 74 / 59 / 40 / 16; QUAD at 8 x 256 without compaction 32.6 / 30.9 / 28.5 / 17.1); two
+# launches beat one (vram_layer) everywhere (51 vs 68 us natural). A store of down sub-groups keeps sparse_down's
+# sub-group kernel.
+UP_CONFIG = dict(BLOCK_N=64, X_BUILD=False, num_warps=4, num_stages=3)
+DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, COMPACT=2, num_warps=4, num_stages=1)
+FUSED = False                  # True: `vram_layer`'s one launch (FUSED_CONFIG) instead of the two
+FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, QUAD=True, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd):
+    """Σ over the groups at p_g [NG] (mask `on` [NG]) of Σ_n act[g, n] · e2m1[g, l, n] · scale[g, l], fp32
+    [BLOCK_L] times 2^-14: one [NG, BLOCK_L, 8] load of the values and one [NG, BLOCK_L] of the scales.
+    a_even / a_odd [NG, 8]: act at neurons 2t and 2t+1 (the low and high nibble of byte t)."""
+    o_t = tl.arange(0, 8)
+    m_gl = on[:, None] & m_l[None, :]
+    b_v = tl.load(p_g[:, None, None] + o_l[None, :, None] * 8 + o_t[None, None, :], mask=m_gl[:, :, None], other=0)
+    b_s = tl.load(p_g[:, None] + 8 * L + o_l[None, :], mask=m_gl, other=0)
+    lo = _e2m1_to_fp16(b_v & 15).to(tl.float32)
+    hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
+    part = tl.sum(lo * a_even[:, None, :] + hi * a_odd[:, None, :], axis=2)
+    return tl.sum(part * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=0)
+
+
+@triton.jit
+def _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM: tl.constexpr):
+    """`_down_rows` with the values read as int16 (4 codes: neurons 4i..4i+3 of a row, low nibble first) and
+    decoded by the GEMV's quad PTX (2 instructions a weight where the nibble path takes ~5). aJ [NG, 4]: act at
+    neurons 4i + J."""
+    o_i = tl.arange(0, 4)
+    m_gl = on[:, None] & m_l[None, :]
+    p16 = p_g.to(tl.pointer_type(tl.int16))
+    b_h = tl.load(p16[:, None, None] + o_l[None, :, None] * 4 + o_i[None, None, :], mask=m_gl[:, :, None], other=0)
+    b_s = tl.load(p_g[:, None] + 8 * L + o_l[None, :], mask=m_gl, other=0)
+    v = _e2m1_quad(b_h, 0, USE_ASM).to(tl.float32) * a0[:, None, :]
+    v += _e2m1_quad(b_h, 1, USE_ASM).to(tl.float32) * a1[:, None, :]
+    v += _e2m1_quad(b_h, 2, USE_ASM).to(tl.float32) * a2[:, None, :]
+    v += _e2m1_quad(b_h, 3, USE_ASM).to(tl.float32) * a3[:, None, :]
+    return tl.sum(tl.sum(v, axis=2) * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=0)
+
+
+@triton.jit
+def _vram_up_kernel(
+    xb_ptr, addr_ptr, gup_ptr, out_ptr, mask_ptr, d_ptr,
+    L, I, up_scales_off, row_q, row_s, n_blocks,
+    BLOCK_N: tl.constexpr, X_BUILD: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid // n_blocks                      # expert-major: one expert's row blocks are neighbours in the grid
+    pid_n = pid % n_blocks
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16)   # aligned: see the docstring
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
+                          True, USE_ASM, False, 1, 0, X_BUILD, d_ptr)
+    b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
+    b_h = tl.maximum(b_h, 0.0)
+    b_h = tl.where(m_n, b_h * b_h, 0.0)
+    G = I // 16
+    NG: tl.constexpr = BLOCK_N // 16
+    active = tl.max((b_h.reshape(NG, 16) != 0.0).to(tl.int8), axis=1)
+    o_g = pid_n * NG + tl.arange(0, NG)
+    tl.store(mask_ptr + j * G + o_g, active, mask=o_g < G)
+    tl.store(out_ptr + j * I + o_n, b_h, mask=m_n)
+
+
+@triton.jit
+def _vram_down_kernel(
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    L, I, down_off,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, QUAD: tl.constexpr = False,
+    USE_ASM: tl.constexpr = False,
+):
+    j = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    G = I // 16
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
+    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0            # [GPP]
+    n_active = tl.sum(on.to(tl.int32), axis=0)
+    if n_active > 0:
+        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        p_g = base + o_g.to(tl.int64) * (9 * L)                                 # [GPP]
+        # every group's values in one load: the predicated-off lanes of inactive groups fetch nothing
+        if QUAD:
+            p_a = act_ptr + j * I + o_g[:, None] * 16 + 4 * tl.arange(0, 4)[None, :]   # [GPP, 4]
+            b_out = _down_rows_quad(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 1, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 2, mask=on[:, None], other=0.0),
+                                    tl.load(p_a + 3, mask=on[:, None], other=0.0), USE_ASM)
+        else:
+            p_a = act_ptr + j * I + o_g[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]   # [GPP, 8]
+            b_out = _down_rows(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
+                               tl.load(p_a + 1, mask=on[:, None], other=0.0))
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
+        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            if pid_l == 0:          # groups read: once per group, not per row tile
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+@triton.jit
+def _vram_down_compact_kernel(
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    L, I, down_off,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """`_vram_down_kernel` (QUAD) decoding only active groups: the program's active groups are ranked (a prefix sum of
+    the mask) and taken SUB at a time in rank order, so a chunk with one active group of 16 decodes SUB groups' lanes,
+    not 16 (run 1: the grouped down was issue-bound on the lanes of inactive groups)."""
+    j = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    G = I // 16
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
+    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0
+    on_i = on.to(tl.int32)
+    n_active = tl.sum(on_i, axis=0)
+    if n_active > 0:
+        rank = tl.cumsum(on_i, axis=0) - 1                                     # [GPP]: rank among the active
+        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        o_s = tl.arange(0, SUB)
+        o_4 = tl.arange(0, 4)
+        b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for s0 in range(0, n_active, SUB):
+            slot = s0 + o_s
+            hit = on[None, :] & (rank[None, :] == slot[:, None])               # [SUB, GPP]: one-hot
+            g_s = tl.sum(tl.where(hit, o_g[None, :], 0), axis=1)               # the slot's group
+            v_s = slot < n_active
+            p_a = act_ptr + j * I + g_s[:, None] * 16 + 4 * o_4[None, :]       # [SUB, 4]
+            b_out += _down_rows_quad(base + g_s.to(tl.int64) * (9 * L), v_s, L, o_l, m_l,
+                                     tl.load(p_a, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 1, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 2, mask=v_s[:, None], other=0.0),
+                                     tl.load(p_a + 3, mask=v_s[:, None], other=0.0), USE_ASM)
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
+        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            if pid_l == 0:
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+@triton.jit
+def _vram_down_dot_kernel(
+    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    L, I, down_off,
+    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """`_vram_down_kernel` on the tensor cores, mode 8 of the GEMV turned round: per code position J, A_J [BLOCK_L,
+    4·GPP] = the codes of neurons 4i + J of the program's groups (int16 quad decode), B_J [4·GPP, 16] block-diagonal
+    (column g holds group g's act at 4i + J), so the product's column g is group g's sum for each row and its e4m3
+    scale multiplies it once. act enters fp16 as hi + lo of act / max(act) (two dots): ~22 bits, no overflow."""
+    j = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_l = tl.program_id(2)
+    G = I // 16
+    C: tl.constexpr = 4 * GROUPS_PER_PROG
+    # aligned: see the docstring
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
+    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0
+    n_active = tl.sum(on.to(tl.int32), axis=0)
+    if n_active > 0:
+        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        o_c = tl.arange(0, C)                       # column of A / row of B: group o_c // 4, int16 o_c % 4
+        g_c = pid_g * GROUPS_PER_PROG + o_c // 4
+        on_c = tl.load(mask_ptr + j * G + g_c, mask=g_c < G, other=0) != 0
+        p16 = (base + g_c.to(tl.int64) * (9 * L)).to(tl.pointer_type(tl.int16)) + o_c % 4
+        b_h = tl.load(p16[None, :] + o_l[:, None] * 4, mask=m_l[:, None] & on_c[None, :], other=0)
+        p_a = act_ptr + j * I + g_c * 16 + 4 * (o_c % 4)
+        a0 = tl.load(p_a, mask=on_c, other=0.0)
+        a1 = tl.load(p_a + 1, mask=on_c, other=0.0)
+        a2 = tl.load(p_a + 2, mask=on_c, other=0.0)
+        a3 = tl.load(p_a + 3, mask=on_c, other=0.0)
+        amax = tl.maximum(tl.maximum(tl.max(a0, axis=0), tl.max(a1, axis=0)),
+                          tl.maximum(tl.max(a2, axis=0), tl.max(a3, axis=0)))
+        inv = 1.0 / tl.maximum(amax, 1e-30)
+        o_16 = tl.arange(0, 16)
+        diag = (o_c // 4)[:, None] == o_16[None, :]
+        b_r = tl.zeros([BLOCK_L, 16], dtype=tl.float32)
+        for J in tl.static_range(4):
+            if J == 0:
+                a_j = a0
+            elif J == 1:
+                a_j = a1
+            elif J == 2:
+                a_j = a2
+            else:
+                a_j = a3
+            b_x = tl.where(diag, (a_j * inv)[:, None], 0.0)
+            b_hi = b_x.to(tl.float16)
+            b_lo = (b_x - b_hi.to(tl.float32)).to(tl.float16)
+            a_q = _e2m1_quad(b_h, J, USE_ASM)
+            b_r = tl.dot(a_q, b_hi, b_r)
+            b_r = tl.dot(a_q, b_lo, b_r)
+        o_gs = pid_g * GROUPS_PER_PROG + o_16
+        m_gs = (o_16 < GROUPS_PER_PROG) & (o_gs < G)
+        on_s = tl.load(mask_ptr + j * G + o_gs, mask=m_gs, other=0) != 0     # an inactive group's scales unread
+        m_s = (m_gs & on_s)[None, :] & m_l[:, None]
+        b_s = tl.load(base + o_gs.to(tl.int64)[None, :] * (9 * L) + 8 * L + o_l[:, None], mask=m_s, other=0)
+        b_out = tl.sum(b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1)
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * (16384.0 * amax)   # 2^14 undoes the fp16 decode
+        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            if pid_l == 0:
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+@triton.jit
+def _vram_layer_kernel(
+    xb_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, d_ptr,
+    L, I, up_scales_off, down_off, row_q, row_s, n_blocks,
+    BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, X_BUILD: tl.constexpr, USE_ASM: tl.constexpr,
+    COUNT: tl.constexpr, QUAD: tl.constexpr = False,
+):
+    """One launch: a program's BLOCK_N neurons of one expert through the mode-8 up, ReLU², then their active down
+    groups (BLOCK_N / 16 of them) read BLOCK_L rows at a time, all groups of a row tile in one load."""
+    pid = tl.program_id(0)
+    j = pid // n_blocks
+    pid_n = pid % n_blocks
+    NG: tl.constexpr = BLOCK_N // 16
+    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16)   # aligned: see the docstring
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
+                          True, USE_ASM, False, 1, 0, X_BUILD, d_ptr)
+    b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
+    b_a = tl.maximum(b_h, 0.0)
+    b_a = tl.where(m_n, b_a * b_a, 0.0)
+    act = tl.reshape(b_a, (NG, 16))
+    on = tl.max((act != 0.0).to(tl.int32), axis=1) != 0                    # [NG]
+    n_active = tl.sum(on.to(tl.int32), axis=0)
+    if n_active > 0:
+        if QUAD:     # act[g, 4i + J] for J = 2b + c: split off c, then b
+            a_c0, a_c1 = tl.split(tl.reshape(act, (NG, 4, 2, 2)))
+            a0, a2 = tl.split(a_c0)
+            a1, a3 = tl.split(a_c1)
+        else:
+            a_even, a_odd = tl.split(tl.reshape(act, (NG, 8, 2)))
+        o_g = pid_n * NG + tl.arange(0, NG)
+        p_g = base + down_off + o_g.to(tl.int64) * (9 * L)
+        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0     # 2^14 undoes the fp16 decode
+        for l0 in range(0, L, BLOCK_L):
+            o_l = l0 + tl.arange(0, BLOCK_L)
+            m_l = o_l < L
+            if QUAD:
+                b_out = _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM)
+            else:
+                b_out = _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd)
+            tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
+        if COUNT:
+            tl.atomic_add(count_ptr, n_active, sem="relaxed")
+
+
+def vram_up(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
+            out: torch.Tensor | None = None, mask: torch.Tensor | None = None, config: dict | None = None):
+    """x [L] (bf16/fp32, on the device), addrs int64 [k], up_global fp32 [k] -> (act fp32 [k, I], mask int8
+    [k, I/16]): `expert_up`'s fused ReLU² result through the dense GEMV's mode-8 loop. config: BLOCK_N (a multiple
+    of 16), X_BUILD (B built per tile from x: one launch; else B prepared by `x_operands`, two), num_warps,
+    num_stages."""
+    if geom.fmt != "nvfp4":
+        raise ValueError(f"the VRAM expert kernels read NVFP4 blocks, not {geom.fmt!r} (use the twin)")
+    L, I = geom.L, geom.I
+    k = addrs.numel()
+    if x.numel() != L or addrs.dtype != torch.int64:
+        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
+    if up_global.numel() != k or up_global.dtype != torch.float32:
+        raise ValueError(f"up_global must be fp32 [{k}], got {up_global.dtype} {tuple(up_global.shape)}")
+    cfg = {**UP_CONFIG, **(config or {})}
+    if cfg.pop("BLOCK_K", 256) != 256:
+        raise ValueError("the VRAM up runs mode 8's K-tile of 256 (4 codes per int16 x 64 per row)")
+    if cfg["BLOCK_N"] % GROUP:
+        raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
+    x2 = x.reshape(1, L).contiguous()
+    build = cfg.pop("X_BUILD")
+    xb = x2 if build else x_operands(x2, 1, True)
+    d = x_pattern(x.device, 1, True, 256) if build else xb
+    out = torch.empty((k, I), dtype=torch.float32, device=x.device) if out is None else out
+    mask = torch.empty((k, I // GROUP), dtype=torch.int8, device=x.device) if mask is None else mask
+    if out.shape != (k, I) or mask.shape != (k, I // GROUP):
+        raise ValueError(f"out must be [{k}, {I}] and mask [{k}, {I // GROUP}]")
+    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
+    cfg.setdefault("USE_ASM", not backend.interpreted())
+    _vram_up_kernel[(k * n_blocks,)](xb, addrs, up_global, out, mask, d, L, I, geom.up_scales_off, L // 4, L // 16,
+                                     n_blocks, X_BUILD=build, **cfg)
+    return out, mask
+
+
+def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry,
+              down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor, config: dict | None = None,
+              counter: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_down`'s contract (acc fp32 [L] += the active groups' sum; counter int32 [1] += groups read) with
+    GROUPS_PER_PROG (a power of two) groups of one expert per program. The decode: COMPACT=SUB (the default: the
+    active groups ranked, SUB at a time), QUAD (all groups of the program in one load, int16 quad decode), DOT (the
+    tensor cores), or none of them (one load, nibbles). A store of down sub-groups (geom.down_group_neurons < 16)
+    runs sparse_down's sub-group kernel."""
+    if geom.down_group_neurons != GROUP:
+        return sparse_down(act, mask, addrs, geom, down_global, weights, acc, counter=counter,
+                           config=dict(GROUPS_PER_PROG=1))
+    L, I = geom.L, geom.I
+    k = addrs.numel()
+    if act.shape != (k, I) or mask.shape != (k, I // GROUP) or acc.shape != (L,) or acc.dtype != torch.float32:
+        raise ValueError(f"act must be [{k}, {I}], mask [{k}, {I // GROUP}], acc fp32 [{L}]")
+    if not (act.is_contiguous() and mask.is_contiguous()):
+        raise ValueError("act and mask must be contiguous")
+    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
+        raise ValueError("counter must be int32 [1]")
+    given = config or {}
+    cfg = {**DOWN_CONFIG, **given}
+    if {"QUAD", "DOT"} & given.keys() and "COMPACT" not in given:
+        cfg["COMPACT"] = 0              # a decode asked for by name replaces the default (compact) one
+    gpp = cfg["GROUPS_PER_PROG"]
+    if gpp & (gpp - 1):
+        raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
+    dot, quad, sub = cfg.pop("DOT", False), cfg.pop("QUAD", False), cfg.pop("COMPACT", 0)
+    if "COMPACT" not in given:
+        sub = min(sub, gpp)
+    if sub and (sub & (sub - 1) or sub > gpp or dot):
+        raise ValueError(f"COMPACT={sub}: a power of two up to GROUPS_PER_PROG={gpp}, without DOT")
+    if dot and not 4 <= gpp <= 16:
+        raise ValueError(f"DOT: 4 to 16 groups a program (B has 16 columns, K = 4 x groups >= 16), got {gpp}")
+    cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
+    cfg.setdefault("USE_ASM", not backend.interpreted())
+    grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
+    if sub:
+        _vram_down_compact_kernel[grid](act, mask, addrs, down_global, weights, acc,
+                                        counter if counter is not None else mask, L, I, geom.down_off,
+                                        COUNT=counter is not None, SUB=sub, **cfg)
+        return acc
+    if dot:
+        _vram_down_dot_kernel[grid](act, mask, addrs, down_global, weights, acc,
+                                    counter if counter is not None else mask, L, I, geom.down_off,
+                                    COUNT=counter is not None, **cfg)
+        return acc
+    cfg["QUAD"] = quad
+    _vram_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
+                            L, I, geom.down_off, COUNT=counter is not None, **cfg)
+    return acc
+
+
+def vram_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
+               down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
+               config: dict | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
+    """`vram_up` and `vram_down` in one launch (`_vram_layer_kernel`): same inputs and result. config: BLOCK_N,
+    BLOCK_L, X_BUILD (else B prepared by one more launch), num_warps, num_stages."""
+    if geom.fmt != "nvfp4" or geom.down_group_neurons != GROUP:
+        raise ValueError("the fused VRAM kernel reads NVFP4 blocks of 16-neuron down groups")
+    L, I = geom.L, geom.I
+    k = addrs.numel()
+    if x.numel() != L or addrs.dtype != torch.int64:
+        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
+    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
+        if t.numel() != k or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
+    acc = torch.zeros(L, dtype=torch.float32, device=x.device) if acc is None else acc
+    if acc.shape != (L,) or acc.dtype != torch.float32:
+        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
+    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
+        raise ValueError("counter must be int32 [1]")
+    cfg = {**FUSED_CONFIG, **(config or {})}
+    if cfg["BLOCK_N"] % GROUP:
+        raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
+    cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
+    x2 = x.reshape(1, L).contiguous()
+    build = cfg.pop("X_BUILD")
+    xb = x2 if build else x_operands(x2, 1, True)
+    d = x_pattern(x.device, 1, True, 256) if build else xb
+    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
+    cfg.setdefault("USE_ASM", not backend.interpreted())
+    _vram_layer_kernel[(k * n_blocks,)](xb, addrs, up_global, down_global, weights, acc,
+                                        counter if counter is not None else acc, d, L, I, geom.up_scales_off,
+                                        geom.down_off, L // 4, L // 16, n_blocks, X_BUILD=build,
+                                        COUNT=counter is not None, **cfg)
+    return acc
+
+
+def vram_expert_decode(x, addrs, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
+                       up_config=None, down_config=None, counter=None) -> torch.Tensor:
+    """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²) for blocks in VRAM (int64 addresses [k]): `vram_up` then
+    `vram_down`, or `vram_layer` where FUSED (and no configs are given)."""
+    acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
+    if FUSED and up_config is None and down_config is None and geom.down_group_neurons == GROUP:
+        return vram_layer(x, addrs, geom, up_global, down_global, weights, acc, config=FUSED_CONFIG, counter=counter)
+    act, mask = vram_up(x, addrs, geom, up_global, config=up_config)
+    return vram_down(act, mask, addrs, geom, down_global, weights, acc, config=down_config, counter=counter)
