@@ -198,3 +198,22 @@ def test_bad_bound_and_rows_are_refused():
         dense_prefill.dequantize_unscaled(qw, torch.bfloat16, (5, 300))
     with pytest.raises(ValueError, match="dequantize to torch.int8"):
         dense_prefill.dequantize_unscaled(qw, torch.int8)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_tile_kernels_store_bf16_directly(fmt, device, monkeypatch):
+    """Outside a layer (or under DEQUANT_MIN_ROWS rows) the tile-decoding GEMMs run; they now store y in x's dtype
+    themselves (no fp32 buffer and cast): bf16 y within the bf16 rounding of the fp32 twin."""
+    from kernels import gemv_nvfp4
+    monkeypatch.setattr(backend, "FORCED", {"gemv_nvfp4": "triton"})
+    qw = _weight(fmt, 72, 96, device)
+    x = torch.randn(37, 96, device=device).bfloat16()
+    y = linear(x, qw)
+    assert y.dtype == torch.bfloat16 and y.shape == (37, 72)
+    assert_close(y, _twin(x, qw), 4e-3, f"{fmt} tile kernel, bf16 out")
+    # the fp32 output a caller asks for is still fp32 (not rounded through bf16)
+    if fmt == "nvfp4":
+        y32 = gemv_nvfp4.nvfp4_linear(x, qw.weight, qw.weight_scale, qw.weight_scale_2, out_dtype=torch.float32)
+    else:
+        y32 = gemv_nvfp4.fp8_linear(x, qw.weight, qw.weight_scale, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and not torch.equal(y32, y32.bfloat16().float())
