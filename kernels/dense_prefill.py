@@ -25,6 +25,7 @@ weight); FP8 is one dtype conversion. Twin: `decode_nvfp4` / a dtype conversion 
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -37,6 +38,9 @@ from kernels.nvfp4 import decode_nvfp4
 # rows of a span from which a layer's NVFP4/FP8 weights are decoded for cuBLAS (below: the tile-decoding kernel)
 DEQUANT_MIN_ROWS = 128
 FORMATS = ("nvfp4", "fp8")
+# MOESTREAM_DENSE_DEQUANT=0 in the environment: nothing decoded, the tile-decoding kernels everywhere (an A/B;
+# bench/dense_prefill_ab.py flips it between runs of one process)
+ENABLED = os.environ.get("MOESTREAM_DENSE_DEQUANT") != "0"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -181,7 +185,7 @@ def held(weights, max_bytes: int, rows: int, transient=()):
     span of `rows` rows; on exit they are freed. `transient` weights are decoded per call and never held (an MoE
     layer's fc1, used before its routed experts: nothing of it stays beside their launches)."""
     prev = active()
-    cache = _local.cache = DequantCache(weights, max_bytes, rows, transient)
+    cache = _local.cache = DequantCache(weights, max_bytes if ENABLED else 0, rows, transient)
     try:
         yield cache
     finally:

@@ -1,0 +1,94 @@
+"""The dense prefill path's A/B in one process: prompts prefilled with the layers' NVFP4/FP8 projections decoded once
+per span (kernels.dense_prefill, on) and with the tile-decoding kernels (off), alternating, on the streaming engine
+with every expert in RAM (bench.profile_kernels' setting), so that machine drift between two runs cannot pass for a
+difference. Also each mode's device peak beside the span model's estimate.
+
+    python -m bench.dense_prefill_ab --work DIR [--moe-layers 4] [--sizes 1000,4000,16000] [--reps 3]
+        [--budgets-mib 0,512] [--out F.json]
+
+Budgets: 0 is the default (half the free device memory), 512 the server's reserve (`--vram-gb`): there the decoded
+weights get only what the heaviest layer leaves (gpu_worker/prefill.py `dequant_bound`), in_proj runs in slices.
+
+DIR/model and DIR/store as bench.profile_kernels makes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--sizes", default="1000,4000,16000")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budgets-mib", default="0,512")
+    ap.add_argument("--out", default="dense_prefill_ab.json")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.dense_prefill_ab times the engine's prefill on CUDA: no device here")
+    from bench.e2e_stream import sh
+    from bench.profile_kernels import warm_all
+    from expert_store.reader import ExpertStore
+    from gpu_worker.engine import StreamingEngine
+    from gpu_worker.prefill import default_budget, prefill, span_bytes, span_plan
+    from kernels import dense_prefill
+    work = Path(a.work)
+    model_dir, store_dir = work / "model", work / "store"
+    if not (model_dir / "config.json").exists():
+        sh([sys.executable, "-m", "tools.synth", "--preset", "super", "--quant", "nvfp4", "--moe-layers",
+            str(a.moe_layers), "--out", str(model_dir)])
+    if not (store_dir / "manifest.json").exists():
+        sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(store_dir), "--no-progress"])
+    store = ExpertStore.open(store_dir)
+    cache = int(len(store.moe_layers) * store.n_experts * store.block_stride * 1.02) + (8 << 20)
+    g = torch.Generator().manual_seed(5)
+    res = dict(device=torch.cuda.get_device_name(), sizes={})
+    with StreamingEngine(store_dir, cache_bytes=cache, io_workers=8, device="cuda", dtype=torch.bfloat16) as eng:
+        warm_all(eng, store)
+        m = eng.model
+        for k, mib in [(int(s), int(b)) for b in a.budgets_mib.split(",") for s in a.sizes.split(",") if s]:
+            ids = torch.randint(14, 1000, (k,), generator=g).tolist()
+            budget = (mib << 20) or default_budget(m.device)
+            plan = span_plan(m.config, m.dtype, budget, m.device)
+            walls, peaks = {True: [], False: []}, {}
+            for on in (True, False):                     # warm both (compiles, cuBLAS heuristics)
+                dense_prefill.ENABLED = on
+                prefill(m, ids, m.new_state(), budget_bytes=budget)
+            for _ in range(a.reps):
+                for on in (True, False):
+                    dense_prefill.ENABLED = on
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    t = time.perf_counter()
+                    prefill(m, ids, m.new_state(), budget_bytes=budget)
+                    torch.cuda.synchronize()
+                    walls[on].append((time.perf_counter() - t) * 1e3)
+                    peaks[on] = max(peaks.get(on, 0), torch.cuda.max_memory_allocated() - base)
+            dense_prefill.ENABLED = True
+            est = span_bytes(m.config, m.dtype, k, plan=plan)
+            row = dict(on_ms=walls[True], off_ms=walls[False], on_median=statistics.median(walls[True]),
+                       off_median=statistics.median(walls[False]), peak_on=peaks[True], peak_off=peaks[False],
+                       estimate=est, dequant_bytes=plan.pieces.dequant_bytes, budget=budget)
+            res["sizes"][f"{k}@{mib}"] = row
+            print(f"{k} tokens, budget {budget / 2**20:.0f} MiB: on {row['on_median']:.1f} ms {['%.1f' % w for w in walls[True]]}, off "
+                  f"{row['off_median']:.1f} ms {['%.1f' % w for w in walls[False]]}; device peak beyond the weights "
+                  f"on {peaks[True] / 2**20:.0f} MiB, off {peaks[False] / 2**20:.0f} MiB, span estimate "
+                  f"{est / 2**20:.0f} MiB (dequant bound {plan.pieces.dequant_bytes / 2**20:.0f} MiB)", flush=True)
+    text = json.dumps(res, indent=1)
+    Path(a.out).write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], Path(a.out).name).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
