@@ -1,5 +1,6 @@
 """The dense prefill path's A/B in one process: prompts prefilled with the layers' NVFP4/FP8 projections decoded once
-per span (kernels.dense_prefill, on) and with the tile-decoding kernels (off), alternating, on the streaming engine
+per span (kernels.dense_prefill, on), the same with weights beyond the bound decoded per piece in up to 4 slices
+(slices4; on the default only whole), and with the tile-decoding kernels (off), alternating, on the streaming engine
 with every expert in RAM (bench.profile_kernels' setting), so that machine drift between two runs cannot pass for a
 difference. Also each mode's device peak beside the span model's estimate.
 
@@ -39,7 +40,7 @@ def main(argv=None):
     from bench.profile_kernels import warm_all
     from expert_store.reader import ExpertStore
     from gpu_worker.engine import StreamingEngine
-    from gpu_worker.prefill import default_budget, prefill, span_bytes, span_plan
+    from gpu_worker.prefill import default_budget, dequant_terms, prefill, span_bytes, span_plan
     from kernels import dense_prefill
     work = Path(a.work)
     model_dir, store_dir = work / "model", work / "store"
@@ -59,31 +60,33 @@ def main(argv=None):
             ids = torch.randint(14, 1000, (k,), generator=g).tolist()
             budget = (mib << 20) or default_budget(m.device)
             plan = span_plan(m.config, m.dtype, budget, m.device)
-            walls, peaks = {True: [], False: []}, {}
-            for on in (True, False):                     # warm both (compiles, cuBLAS heuristics)
-                dense_prefill.ENABLED = on
+            modes = {"on": (True, 1), "off": (False, 1)}
+            if plan.pieces.dequant_bytes < max(dequant_terms(m.config, 2).values()):
+                modes["slices4"] = (True, 4)
+            walls, peaks = {k: [] for k in modes}, {}
+            for on, slices in modes.values():            # warm each (compiles, cuBLAS heuristics)
+                dense_prefill.ENABLED, dense_prefill.MAX_SLICES = on, slices
                 prefill(m, ids, m.new_state(), budget_bytes=budget)
             for _ in range(a.reps):
-                for on in (True, False):
-                    dense_prefill.ENABLED = on
+                for mode, (on, slices) in modes.items():
+                    dense_prefill.ENABLED, dense_prefill.MAX_SLICES = on, slices
                     torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
                     t = time.perf_counter()
                     prefill(m, ids, m.new_state(), budget_bytes=budget)
                     torch.cuda.synchronize()
-                    walls[on].append((time.perf_counter() - t) * 1e3)
-                    peaks[on] = max(peaks.get(on, 0), torch.cuda.max_memory_allocated() - base)
-            dense_prefill.ENABLED = True
+                    walls[mode].append((time.perf_counter() - t) * 1e3)
+                    peaks[mode] = max(peaks.get(mode, 0), torch.cuda.max_memory_allocated() - base)
+            dense_prefill.ENABLED, dense_prefill.MAX_SLICES = True, 1
             est = span_bytes(m.config, m.dtype, k, plan=plan)
-            row = dict(on_ms=walls[True], off_ms=walls[False], on_median=statistics.median(walls[True]),
-                       off_median=statistics.median(walls[False]), peak_on=peaks[True], peak_off=peaks[False],
+            row = dict(ms=walls, median={k_: statistics.median(v) for k_, v in walls.items()}, peak=peaks,
                        estimate=est, dequant_bytes=plan.pieces.dequant_bytes, budget=budget)
             res["sizes"][f"{k}@{mib}"] = row
-            print(f"{k} tokens, budget {budget / 2**20:.0f} MiB: on {row['on_median']:.1f} ms {['%.1f' % w for w in walls[True]]}, off "
-                  f"{row['off_median']:.1f} ms {['%.1f' % w for w in walls[False]]}; device peak beyond the weights "
-                  f"on {peaks[True] / 2**20:.0f} MiB, off {peaks[False] / 2**20:.0f} MiB, span estimate "
-                  f"{est / 2**20:.0f} MiB (dequant bound {plan.pieces.dequant_bytes / 2**20:.0f} MiB)", flush=True)
+            print(f"{k} tokens, budget {budget / 2**20:.0f} MiB (dequant bound {plan.pieces.dequant_bytes / 2**20:.0f} "
+                  f"MiB, span estimate {est / 2**20:.0f} MiB): " + "; ".join(
+                      f"{mode} {row['median'][mode]:.1f} ms {['%.1f' % w for w in walls[mode]]} peak "
+                      f"{peaks[mode] / 2**20:.0f} MiB" for mode in modes), flush=True)
     text = json.dumps(res, indent=1)
     Path(a.out).write_text(text)
     if os.environ.get("OUT"):

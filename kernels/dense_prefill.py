@@ -15,7 +15,8 @@ to fp16 besides).
 Memory: the cache holds at most `max_bytes` (the span plan's `Pieces.dequant_bytes`, counted by
 gpu_worker/prefill.py's span model); a weight that does not fit beside the others evicts the least recently used
 (a Mamba layer whose in_proj and out_proj do not fit together is then decoded once per piece), and one larger than
-the whole bound is decoded per call in row slices within it (y's column slices written in place by cuBLAS). Only the weights named when the scope opens are cached —
+the whole bound is decoded per call in row slices within it (y's column slices written in place by cuBLAS) where
+MAX_SLICES allows (1 by measurement: else today's kernel). Only the weights named when the scope opens are cached —
 a layer's own projections, which every piece reuses — never e.g. routed experts that pass through `linear`.
 Spans of fewer than DEQUANT_MIN_ROWS rows keep the tile-decoding kernel: there the decode costs more than it saves
 (bench/kernels/dense_prefill.py).
@@ -93,6 +94,10 @@ def linear_dequantized(x2: torch.Tensor, wd: torch.Tensor, scale: float, out: to
 
 
 SLICE_ALIGN = 64    # rows of a weight slice: a multiple of the decode's BLOCK_N and of cuBLAS' tiles
+# the most slices a call decodes a weight in; beyond, the tile-decoding kernel. 1: a weight is decoded per call only
+# whole. On the H200 4 slices of a 512-row piece ran no faster than the tile kernel (in_proj 129 vs 128 TFLOP/s) and
+# slower on the smaller shapes, one launch pair per slice costing host time (bench/NOTES.md, h22)
+MAX_SLICES = 1
 
 
 class DequantCache:
@@ -141,8 +146,8 @@ class DequantCache:
             self.bytes -= old.numel() * old.element_size()
 
     def linear(self, x2: torch.Tensor, w) -> torch.Tensor | None:
-        """y = x2 @ W.T through W's decoded copy (held, or decoded per call in row slices), or None: not this
-        cache's weight, too few rows, or not even SLICE_ALIGN rows fit the bound."""
+        """y = x2 @ W.T through W's decoded copy (held, or decoded per call in at most MAX_SLICES row slices), or
+        None: not this cache's weight, too few rows, or the weight takes more slices than that within the bound."""
         if id(w) not in self._eligible or self.rows < DEQUANT_MIN_ROWS:
             return None
         wd = self.weight(w, x2.dtype)
@@ -154,7 +159,7 @@ class DequantCache:
         if (self.max_bytes - self.bytes) // row_bytes < max(SLICE_ALIGN, w.out_features // 4):
             self._make_room(self.max_bytes)     # too little beside the held weights: drop them for the slices
         step = (self.max_bytes - self.bytes) // row_bytes // SLICE_ALIGN * SLICE_ALIGN
-        if step < SLICE_ALIGN:
+        if step < w.out_features and (step < SLICE_ALIGN or -(-w.out_features // step) > MAX_SLICES):
             return None
         y = torch.empty((x2.shape[0], w.out_features), dtype=x2.dtype, device=x2.device)
         g = w.global_host()

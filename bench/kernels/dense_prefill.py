@@ -10,7 +10,7 @@ rows ("one"). Candidates (each timed for the whole span, decodes included):
   kernel      today's path: `_nvfp4_gemm_kernel` / `_fp8_gemm_kernel` (fp32 y, then a cast to bf16)
   once        kernels.dense_prefill: decoded once per span (`held`), each piece `addmm_` with the global scale as alpha
   per_piece   the same decode, once per piece (a transient weight: what a cache that cannot hold it would do)
-  sliced      decoded per piece in 4 row slices (the bound of a small budget: a quarter of the weight)
+  sliced      decoded per piece in 4 row slices (the bound of a small budget: a quarter of the weight; MAX_SLICES 4)
   f32_cast    decoded once, `torch.mm(out_dtype=float32)`, then y · g cast to bf16 (the fp32 buffer the brief avoids)
   cublas_bf16 a bf16 weight of the same shape, plain `x @ w.T` per piece: the ceiling, no decode at all
 Every candidate is checked at full size against the fp32 twin (`nvfp4_linear_torch` / `fp8_linear_torch`) at 512
@@ -101,8 +101,9 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor):
                 y[a:b] = fp8_linear(x[a:b], qw.weight, qw.weight_scale)
         return y
 
-    def through_linear(max_bytes, transient, broken=False):
+    def through_linear(max_bytes, transient, broken=False, slices=1):
         def run(x, parts):
+            dense_prefill.MAX_SLICES = slices
             y = torch.empty(x.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
             held = ([], max_bytes, x.shape[0], [qw]) if transient else ([qw], max_bytes, x.shape[0])
             with dense_prefill.held(*held) as cache:
@@ -129,7 +130,7 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor):
         return y
 
     return {"kernel": kernel, "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
-            "sliced": through_linear(nb // 4 + 1, False), "f32_cast": f32_cast, "cublas_bf16": cublas,
+            "sliced": through_linear(nb // 4 + 1, False, slices=4), "f32_cast": f32_cast, "cublas_bf16": cublas,
             "broken_once": through_linear(BIG, False, broken=True)}
 
 
@@ -144,7 +145,8 @@ def main(argv=None):
     rows = [int(r) for r in a.rows.split(",")] if CUDA else [16, 130, 600]
     shapes = SHAPES if CUDA else SMOKE_SHAPES
     ceiling = gemm_ceiling()
-    res = dict(device=torch.cuda.get_device_name() if CUDA else "cpu (smoke)", torch=torch.__version__, gemm_tflops=ceiling, piece=PIECE,
+    res = dict(device=torch.cuda.get_device_name() if CUDA else "cpu (smoke)", torch=torch.__version__,
+               gemm_tflops=ceiling, piece=PIECE,
                checks=[], times=[])
     print(f"bf16 GEMM 8192^3: {ceiling:.1f} TFLOP/s", flush=True)
     want = set(a.shapes.split(","))

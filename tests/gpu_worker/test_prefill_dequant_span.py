@@ -85,7 +85,8 @@ def test_measured_cache_peak_within_each_layers_term(synth, monkeypatch):
     ids = [int(t) for t in np.random.default_rng(2).integers(14, 1000, size=600)]
     model.forward(ids, model.new_state(), pieces=plan.pieces)
     T = len(ids)
-    on, off = span_terms(cfg, torch.float32, T, plan=plan), span_terms(cfg, torch.float32, T, plan=_with_dequant(plan, 0))
+    on = span_terms(cfg, torch.float32, T, plan=plan)
+    off = span_terms(cfg, torch.float32, T, plan=_with_dequant(plan, 0))
     kinds = cfg.layer_types
     assert len(caches) == len(kinds)
     for kind, c in zip(kinds, caches):

@@ -74,6 +74,7 @@ def test_must_fail_scale_left_out_is_caught(device):
 def test_sliced_equals_twin_within_its_bound(fmt, device, monkeypatch):
     """A bound below the weight: decoded per call in row slices (y's column slices written in place), each slice
     within the bound; the twin shifts each slice's rows by one and is caught."""
+    monkeypatch.setattr(dense_prefill, "MAX_SLICES", 4)
     qw = _weight(fmt, device=device)
     x = torch.randn(M, K, device=device).bfloat16()
     bound = dequant_nbytes(qw) // 3
@@ -217,3 +218,19 @@ def test_tile_kernels_store_bf16_directly(fmt, device, monkeypatch):
     else:
         y32 = gemv_nvfp4.fp8_linear(x, qw.weight, qw.weight_scale, out_dtype=torch.float32)
     assert y32.dtype == torch.float32 and not torch.equal(y32, y32.bfloat16().float())
+
+
+def test_more_slices_than_allowed_keep_the_tile_kernel(device, monkeypatch):
+    """With MAX_SLICES 1 (the default) a weight larger than the bound is not decoded at all; the twin, 4 slices
+    allowed, decodes it."""
+    qw = _weight("nvfp4", device=device)
+    x = torch.randn(M, K, device=device).bfloat16()
+    count = _Counting(monkeypatch)
+    with held([qw], dequant_nbytes(qw) // 3, M) as cache:
+        y = linear(x, qw)
+        assert cache.sliced == 0 and not count.slices and not count.whole
+    assert_close(y, _twin(x, qw), _tol(torch.bfloat16), "tile kernel")
+    monkeypatch.setattr(dense_prefill, "MAX_SLICES", 4)
+    with held([qw], dequant_nbytes(qw) // 3, M):
+        linear(x, qw)
+    assert len(count.slices) == 4
