@@ -63,7 +63,7 @@ def main(argv=None):
             modes = {"on": (True, 1), "off": (False, 1)}
             if plan.pieces.dequant_bytes < max(dequant_terms(m.config, 2).values()):
                 modes["slices4"] = (True, 4)
-            walls, peaks = {k: [] for k in modes}, {}
+            walls, peaks = {mode: [] for mode in modes}, {}
             for on, slices in modes.values():            # warm each (compiles, cuBLAS heuristics)
                 dense_prefill.ENABLED, dense_prefill.MAX_SLICES = on, slices
                 prefill(m, ids, m.new_state(), budget_bytes=budget)
@@ -87,10 +87,10 @@ def main(argv=None):
                   f"MiB, span estimate {est / 2**20:.0f} MiB): " + "; ".join(
                       f"{mode} {row['median'][mode]:.1f} ms {['%.1f' % w for w in walls[mode]]} peak "
                       f"{peaks[mode] / 2**20:.0f} MiB" for mode in modes), flush=True)
-    text = json.dumps(res, indent=1)
-    Path(a.out).write_text(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], Path(a.out).name).write_text(text)
+            text = json.dumps(res, indent=1)        # after every row: a run stopped by its time limit keeps them
+            Path(a.out).write_text(text)
+            if os.environ.get("OUT"):
+                Path(os.environ["OUT"], Path(a.out).name).write_text(text)
 
 
 if __name__ == "__main__":
