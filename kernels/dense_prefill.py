@@ -50,9 +50,17 @@ def dequant_nbytes(w, dtype=torch.bfloat16) -> int:
     return w.out_features * w.in_features * torch.empty((), dtype=dtype).element_size()
 
 
+_address_tables: dict = {}
+
+
 def _addresses(t: torch.Tensor) -> torch.Tensor:
-    # made on the device by a fill (no host copy, so no wait on the stream), one per call: 8 bytes
-    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+    """[t's address] as the decode kernel's table, int64 on t's device: made once per address by a fill (no host
+    copy, so no wait on the stream). Keyed by the address itself, so a table can never point anywhere else."""
+    key = (t.device.type, t.device.index, t.data_ptr())
+    a = _address_tables.get(key)
+    if a is None:
+        a = _address_tables[key] = torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+    return a
 
 
 def dequantize_unscaled(w, dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
