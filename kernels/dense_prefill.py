@@ -164,11 +164,16 @@ class DequantCache:
         if x2.shape[0] < DEQUANT_MIN_ROWS:      # each call pays the decode here: only where it pays off
             return None
         row_bytes = dequant_nbytes(w, x2.dtype) // w.out_features
-        if (self.max_bytes - self.bytes) // row_bytes < max(SLICE_ALIGN, w.out_features // 4):
+
+        def fits(room: int) -> bool:
+            step = room // row_bytes // SLICE_ALIGN * SLICE_ALIGN
+            return step >= w.out_features or (step >= SLICE_ALIGN and -(-w.out_features // step) <= MAX_SLICES)
+        if not fits(self.max_bytes):            # not even the whole bound would do: the held weights stay
+            return None
+        if (self.max_bytes - self.bytes) // row_bytes < max(SLICE_ALIGN, w.out_features // 4) or \
+                not fits(self.max_bytes - self.bytes):
             self._make_room(self.max_bytes)     # too little beside the held weights: drop them for the slices
         step = (self.max_bytes - self.bytes) // row_bytes // SLICE_ALIGN * SLICE_ALIGN
-        if step < w.out_features and (step < SLICE_ALIGN or -(-w.out_features // step) > MAX_SLICES):
-            return None
         y = torch.empty((x2.shape[0], w.out_features), dtype=x2.dtype, device=x2.device)
         g = w.global_host()
         for n0 in range(0, w.out_features, step):

@@ -234,3 +234,20 @@ def test_more_slices_than_allowed_keep_the_tile_kernel(device, monkeypatch):
     with held([qw], dequant_nbytes(qw) // 3, M):
         linear(x, qw)
     assert len(count.slices) == 4
+
+
+def test_a_weight_that_cannot_be_decoded_evicts_nothing(device, monkeypatch):
+    """A weight beyond the bound that keeps the tile kernel (MAX_SLICES 1) leaves the held ones held: a Mamba layer
+    whose in_proj does not fit keeps its out_proj decoded across the pieces. The twin, slices allowed, drops it."""
+    big, small = _weight("nvfp4", 256, 64, device), _weight("nvfp4", 64, 128, device)
+    x = torch.randn(300, 64, device=device).bfloat16()
+    count = _Counting(monkeypatch)
+    bound = dequant_nbytes(big) * 2 // 3
+    with held([big, small], bound, 300):
+        _pieces_of_a_layer(x, big, small, 128)
+    assert count.whole == [id(small)] and not count.slices, "out_proj decoded once, in_proj never"
+    count.whole.clear()
+    monkeypatch.setattr(dense_prefill, "MAX_SLICES", 4)
+    with held([big, small], bound, 300):
+        _pieces_of_a_layer(x, big, small, 128)
+    assert len(count.whole) == 2 and count.slices, "with slices, in_proj evicts out_proj in each full piece"
