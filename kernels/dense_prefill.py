@@ -3,10 +3,12 @@
 At a prefill's row counts the tile-decoding GEMM (`kernels.gemv_nvfp4._nvfp4_gemm_kernel`) ran at ~22 % of the bf16
 GEMM (H200, session 6 profile: 127.5 ms of a 16,000-token prompt's ~395 ms of device time). A layer's pieces
 (`nemotron.model.Pieces`) each multiply the same weights, so the layer's weights are decoded once into a cache
-that lives for the layer (`held`), and every piece runs `torch.Tensor.addmm_` on them.
+that lives for the layer (`held`), and every piece runs `torch.Tensor.addmm_` on them. H200 (bench/NOTES.md, h22):
+in_proj over a 16,000-token span 627 TFLOP/s (83 % of the bf16 GEMM) against the old kernel's 148; the engine's
+16k prefill −105 ms of device time, −86 ms of wall (20 %) in an A/B in one process.
 
 What the cache holds is exact: e2m1 · e4m3 (NVFP4) or e4m3 (FP8) in x's dtype — both fit bf16 and fp16 exactly
-(≤ 4 significant bits, 2^-10 ≤ |v| ≤ 2,688 for NVFP4; e4m3 ≤ 448 with subnormals down to 2^-9). The fp32 global
+(NVFP4: ≤ 6 significant bits, 2^-10 ≤ |v| ≤ 2,688; e4m3: 4 bits, ≤ 448, subnormals down to 2^-9). The fp32 global
 scale is not folded into the weight (that would round every weight to bf16): it is the GEMM's alpha, applied by
 cuBLAS to the fp32 accumulator before the one rounding to x's dtype. So y = round(g · Σ x·w) is written straight in
 bf16: no fp32 buffer and no cast launch, and no rounding the tile-decoding kernel did not also make (it rounded x
@@ -18,8 +20,8 @@ gpu_worker/prefill.py's span model); a weight that does not fit beside the other
 the whole bound is decoded per call in row slices within it (y's column slices written in place by cuBLAS) where
 MAX_SLICES allows (1 by measurement: else today's kernel). Only the weights named when the scope opens are cached —
 a layer's own projections, which every piece reuses — never e.g. routed experts that pass through `linear`.
-Spans of fewer than DEQUANT_MIN_ROWS rows keep the tile-decoding kernel: there the decode costs more than it saves
-(bench/kernels/dense_prefill.py).
+Spans of fewer than DEQUANT_MIN_ROWS rows keep the tile-decoding kernel: at 128 rows in one piece the two tie
+(bench/kernels/dense_prefill.py), below the decode costs more than it saves.
 
 The NVFP4 decode is the expert prefill's `_dequant_kernel` (one launch, LAYOUT 0 = the checkpoint's row-major
 weight); FP8 is one dtype conversion. Twin: `decode_nvfp4` / a dtype conversion in torch (CPU).
