@@ -44,6 +44,10 @@ from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.model import PIECE_TOKENS, Cancelled, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
+# a decoded-weight bound below the largest layer's decoded weights (some weights evicted and decoded per piece, or
+# left to the tile kernel): off, by measurement — at the server's 512 MiB (bound 74 MiB on Super) the A/B found no
+# gain (H200, session 6, bench/NOTES.md h22 run 2); True gives such budgets what the heaviest layer leaves
+PARTIAL_DEQUANT = False
 
 
 @dataclass
@@ -170,8 +174,8 @@ def _with_dequant(plan: SpanPlan, nbytes: int) -> SpanPlan:
 def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
     """`plan` with the most decoded-weight bytes (up to the largest layer's, `dequant_terms`) that leave its longest
     span within the budget: the decoded weights take only what a layer's peak leaves below the heaviest layer's
-    (on Super at 512 MiB, the MoE layer's launches), so no span gets shorter for them. A weight larger than the bound
-    is decoded per piece in slices (kernels.dense_prefill)."""
+    (on Super at 512 MiB, the MoE layer's launches), so no span gets shorter for them. Less than the largest layer's
+    is given only with PARTIAL_DEQUANT (else 0: the tile kernels)."""
     e = _act_bytes(dtype)
     longest = _longest_span(cfg, dtype, budget_bytes, plan)
     lo, hi = 0, max(dequant_terms(cfg, e).values(), default=0)
@@ -181,7 +185,8 @@ def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
             lo = mid
         else:
             hi = mid - 1
-    return _with_dequant(plan, lo)
+    full = max(dequant_terms(cfg, e).values(), default=0)
+    return _with_dequant(plan, lo if lo >= full or PARTIAL_DEQUANT else 0)
 
 
 def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,

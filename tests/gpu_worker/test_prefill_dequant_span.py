@@ -30,17 +30,31 @@ def _longest(cfg, budget, plan):
 
 
 @pytest.mark.parametrize("device", [None, "cuda"])
-def test_decoded_weights_take_no_span_at_512_mib(device):
+def test_decoded_weights_take_no_span_at_512_mib(device, monkeypatch):
+    """At the server's 512 MiB the largest layer's decoded weights do not fit beside the MoE layer's launches: the
+    plan decodes nothing (by measurement, a partial bound did not pay), or with PARTIAL_DEQUANT only the headroom;
+    either way the span is what it was without decoded weights. The twin: holding the largest layer's would shorten
+    it."""
     cfg, budget = _super(), 512 << 20
     plan = span_plan(cfg, torch.bfloat16, budget, device)
-    d = plan.pieces.dequant_bytes
     largest = max(dequant_terms(cfg, 2).values())
-    assert 32 << 20 < d < largest, f"{d / 2**20:.1f} MiB: some room, not the largest layer's {largest / 2**20:.0f}"
+    assert plan.pieces.dequant_bytes == 0
     n = prefill_span(cfg, torch.bfloat16, budget, device=device)
     assert n == _longest(cfg, budget, _with_dequant(plan, 0)), "the span is what it was without decoded weights"
-    assert span_bytes(cfg, torch.bfloat16, n, plan=plan) <= budget
-    # the twin: holding the largest layer's decoded weights at this budget would shorten the span
+    monkeypatch.setattr("gpu_worker.prefill.PARTIAL_DEQUANT", True)
+    partial = span_plan(cfg, torch.bfloat16, budget, device)
+    d = partial.pieces.dequant_bytes
+    assert 32 << 20 < d < largest, f"{d / 2**20:.1f} MiB: some room, not the largest layer's {largest / 2**20:.0f}"
+    assert prefill_span(cfg, torch.bfloat16, budget, device=device) == n
+    assert span_bytes(cfg, torch.bfloat16, n, plan=partial) <= budget
     assert _longest(cfg, budget, _with_dequant(plan, largest)) < n
+
+
+def test_a_budget_that_holds_the_largest_layer_keeps_its_span():
+    cfg, budget = _super(), 2 << 30
+    plan = span_plan(cfg, torch.bfloat16, budget, "cuda")
+    assert plan.pieces.dequant_bytes == max(dequant_terms(cfg, 2).values())
+    assert prefill_span(cfg, torch.bfloat16, budget, device="cuda") == _longest(cfg, budget, _with_dequant(plan, 0))
 
 
 def test_a_large_budget_holds_the_largest_layer():
