@@ -9,8 +9,8 @@ in_proj over a 16,000-token span 627 TFLOP/s (83 % of the bf16 GEMM) against the
 
 What the cache holds is exact: e2m1 · e4m3 (NVFP4) or e4m3 (FP8) in x's dtype — both fit bf16 and fp16 exactly
 (NVFP4: ≤ 6 significant bits, 2^-10 ≤ |v| ≤ 2,688; e4m3: 4 bits, ≤ 448, subnormals down to 2^-9). The fp32 global
-scale is not folded into the weight (that would round every weight to bf16): it is the GEMM's alpha, applied by
-cuBLAS to the fp32 accumulator before the one rounding to x's dtype. So y = round(g · Σ x·w) is written straight in
+scale is not folded into the weight (that would round every weight to bf16): it is the GEMM's alpha, applied
+by cuBLAS to the fp32 accumulator before the one rounding to x's dtype. So y = round(g · Σ x·w) is written straight in
 bf16: no fp32 buffer and no cast launch, and no rounding the tile-decoding kernel did not also make (it rounded x
 to fp16 besides).
 
