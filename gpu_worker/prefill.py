@@ -26,7 +26,10 @@ else it runs as many queries per piece as keep one piece's scores within the pla
 holds T x T scores for all heads at once). An MoE layer's grouped expert
 launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
 in expert order, for that launch's experts only) within the plan's launch bytes
-(`gpu_worker.streaming.launch_limits`). The largest layer decides, since layers run one after the other.
+(`gpu_worker.streaming.launch_limits`). A layer's own NVFP4/FP8 projections decoded for its pieces
+(`kernels.dense_prefill`) add at most the plan's `dequant_bytes` (or the layer's decoded weights, if fewer) to that
+layer while it runs, from DEQUANT_MIN_ROWS rows of span on. The largest layer decides, since layers run one after the
+other.
 bench/prefill.py checks the estimate against the device's measured peak, with a budget as the server gives it.
 """
 from __future__ import annotations
@@ -41,6 +44,10 @@ from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.model import PIECE_TOKENS, Cancelled, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
+# a decoded-weight bound below the largest layer's decoded weights (some weights evicted and decoded per piece, or
+# left to the tile kernel): off, by measurement — at the server's 512 MiB (bound 74 MiB on Super) the A/B found no
+# gain (H200, session 6, bench/NOTES.md h22 run 2); True gives such budgets what the heaviest layer leaves
+PARTIAL_DEQUANT = False
 
 
 @dataclass
@@ -118,11 +125,30 @@ def _piece_per_token(cfg, e: int) -> int:
     return 2 * e * H + 8 * H + max(per)
 
 
+def dequant_terms(cfg, e: int) -> dict:
+    """Bytes of each layer kind's NVFP4/FP8 projections decoded to the activation dtype (e bytes), as if every one
+    were quantized (a bf16 one is never decoded: an upper bound). MoE: all four (the latent fc1 is decoded per piece
+    and freed before the routed experts run, so it is counted beside the pieces, never beside the launches)."""
+    H, kinds, t = cfg.hidden_size, set(cfg.layer_types), {}
+    if MAMBA in kinds:
+        t["mamba"] = e * H * (cfg.mamba_intermediate + cfg.conv_dim + cfg.mamba_num_heads + cfg.mamba_intermediate)
+    if ATTENTION in kinds:
+        t["attention"] = e * H * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+    if MOE in kinds:
+        Lat = cfg.moe_latent_size or 0
+        S = cfg.moe_shared_expert_intermediate_size if cfg.n_shared_experts else 0
+        t["moe"] = e * H * 2 * (Lat + S)
+    if MLP in kinds:
+        t["mlp"] = e * H * 2 * cfg.intermediate_size
+    return t
+
+
 def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
     """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
     attention scores within a quarter (SCORE_BYTES at most), pieces of PIECE_TOKENS halved while one piece's
-    temporaries take more than an eighth (not below one Mamba scan chunk). `device`: where the forward runs (on
-    CUDA attention holds no scores)."""
+    temporaries take more than an eighth (not below one Mamba scan chunk), and a layer's decoded weights within what
+    the other terms leave at the longest span (`dequant_bound`). `device`: where the forward runs (on CUDA attention
+    holds no scores)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
@@ -133,10 +159,34 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
         return tokens
     mamba = halved(lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
     per = _piece_per_token(cfg, e)
-    return SpanPlan(Pieces(tokens=halved(lambda n: n * per), mamba_tokens=mamba,
-                           score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4))),
+    plan = SpanPlan(Pieces(tokens=halved(lambda n: n * per), mamba_tokens=mamba,
+                           score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda")
+    return dequant_bound(cfg, dtype, budget_bytes, plan)
+
+
+def _with_dequant(plan: SpanPlan, nbytes: int) -> SpanPlan:
+    p = plan.pieces
+    return SpanPlan(Pieces(p.tokens, p.score_bytes, p.mamba_tokens, nbytes), plan.launch_bytes, plan.fused_attention)
+
+
+def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
+    """`plan` with the most decoded-weight bytes (up to the largest layer's, `dequant_terms`) that leave its longest
+    span within the budget: the decoded weights take only what a layer's peak leaves below the heaviest layer's
+    (on Super at 512 MiB, the MoE layer's launches), so no span gets shorter for them. Less than the largest layer's
+    is given only with PARTIAL_DEQUANT (else 0: the tile kernels)."""
+    e = _act_bytes(dtype)
+    longest = _longest_span(cfg, dtype, budget_bytes, plan)
+    lo, hi = 0, max(dequant_terms(cfg, e).values(), default=0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if span_bytes(cfg, dtype, longest, plan=_with_dequant(plan, mid)) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    full = max(dequant_terms(cfg, e).values(), default=0)
+    return _with_dequant(plan, lo if lo >= full or PARTIAL_DEQUANT else 0)
 
 
 def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
@@ -151,11 +201,14 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
     kinds = set(cfg.layer_types)
     t = dict(x=T * e * H, states=0, kv=0)
     around = P * (2 * e * H + 8 * H)     # a piece's normed input, rms_norm's fp32 copies, the mixer's output
+    from kernels.dense_prefill import DEQUANT_MIN_ROWS
+    bound = plan.pieces.dequant_bytes if T >= DEQUANT_MIN_ROWS else 0
+    held = {k: min(bound, v) for k, v in dequant_terms(cfg, e).items()}     # each layer kind's decoded weights
     if n_mamba:
         conv, nh = cfg.conv_dim, cfg.mamba_num_heads
         t["states"] = n_mamba * ((cfg.conv_kernel - 1) * conv * e + nh * cfg.mamba_head_dim * cfg.ssm_state_size * 4)
         Pm = min(T, plan.pieces.tokens_for(cfg, mamba=True))
-        t["mamba"] = _mamba_piece_bytes(cfg, e, Pm)
+        t["mamba"] = _mamba_piece_bytes(cfg, e, Pm) + held["mamba"]
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         caps = [max(past, 256)] * n_attn if kv_rows is None else list(kv_rows)
@@ -167,15 +220,15 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
         else:
             q = plan.pieces.queries_for(cfg, S, e, P)
             scores = nq * q * S * (2 * e + 8)
-        t["attention"] = around + q * e * (2 * nq + 2 * nkv) * hd + scores
+        t["attention"] = around + q * e * (2 * nq + 2 * nkv) * hd + scores + held["attention"]
     if MOE in kinds:
         Lat = cfg.moe_latent_size or H
         k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
         span = T * (e * Lat + 4 * Lat + 44 * k)  # latent in, fp32 sum; choice 8 + 4, sort 32 (+ scratch), token, weight
         launch = min(plan.launch(), T * k * (2 * I + e * Lat + 20) + min(32, cfg.n_routed_experts) * 8 * Lat * I)
-        t["moe"] = span + max(launch, around + P * _moe_piece_per_token(cfg, e))
+        t["moe"] = span + max(launch, around + P * _moe_piece_per_token(cfg, e) + held["moe"])
     if MLP in kinds:
-        t["mlp"] = around + P * 2 * e * cfg.intermediate_size
+        t["mlp"] = around + P * 2 * e * cfg.intermediate_size + held["mlp"]
     rows = T if all_logits else 1
     t["logits"] = rows * cfg.vocab_size * 4 + min(rows, P) * (cfg.vocab_size * e + 8 * H)
     return t
@@ -194,7 +247,12 @@ def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool 
                  kv_rows: list[int] | None = None, device=None) -> int:
     """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces on
     `device`; kv_rows as `span_terms` takes them."""
-    plan = span_plan(cfg, dtype, budget_bytes, device)
+    return _longest_span(cfg, dtype, budget_bytes, span_plan(cfg, dtype, budget_bytes, device), past, all_logits, cap,
+                         kv_rows)
+
+
+def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, all_logits: bool = False,
+                  cap: int = 1 << 20, kv_rows: list[int] | None = None) -> int:
     lo, hi = 1, cap
     while lo < hi:                      # span_bytes grows with tokens: the largest span that fits
         mid = (lo + hi + 1) // 2

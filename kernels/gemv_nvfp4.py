@@ -19,7 +19,9 @@ y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb
 of the same x).
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
-and `_fp8_gemm_kernel`.
+and `_fp8_gemm_kernel`, y stored in its dtype. Inside a forward's layer (spans of kernels.dense_prefill's
+DEQUANT_MIN_ROWS rows on) the layer's weights are decoded once instead and multiplied by cuBLAS
+(kernels/dense_prefill.py); these kernels remain for shorter spans and for callers outside a layer.
 
 Twins: `nvfp4_linear_torch`, `fp8_linear_torch` (decode via kernels.nvfp4, then a matmul in fp32).
 """
@@ -669,7 +671,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                  xb: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T, W an NVFP4 weight (U8 [N, K/2], e4m3 [N, K/16], global fp32). x [..., K]; y [..., N].
 
-    `out`: optional fp32 [M, N] buffer the kernel writes (tests poison it); ignored when K is split by atomics.
+    `out`: optional [M, N] buffer the kernel writes (tests poison it); ignored when K is split by atomics.
     `xb`: x's prepared B operands, `x_operands(x2, M_PAD, LOAD_MODE == 8)` for this call's configuration, made
     once for every GEMV that reads the same x (q/k/v; the shared expert's up and the latent fc1): no x launch here.
     Decode config keys beside experiment 4's: X_BUILD (B built in the kernel from x: one launch), SPLIT_REDUCE 1
@@ -734,7 +736,8 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                                  **cfg)
     else:
         cfg = {**dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **(config or {})}
-        y = out if out is not None else torch.empty((M, N), dtype=torch.float32, device=x.device)
+        # stored in the output dtype by the kernel (the fp32 accumulator rounded once, as a cast would): no cast launch
+        y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
         _nvfp4_gemm_kernel[grid](x2, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), **cfg)
     return (y if y.dtype == out_dtype else y.to(out_dtype)).reshape(*lead, N)
@@ -759,7 +762,7 @@ def fp8_linear(x: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype=None
     while block_n > 16 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < 2 * n_sm:
         block_n //= 2
     cfg = {**dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3), **(config or {})}
-    y = out if out is not None else torch.empty((M, N), dtype=torch.float32, device=x.device)
+    y = out if out is not None else torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)   # no cast launch
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _fp8_gemm_kernel[grid](x2, _as_u8(weight_e4m3), _global(scale, x.device), y, M, N, K,
                            x2.stride(0), y.stride(0), **cfg)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.linear import linear
+from kernels import dense_prefill
+from kernels.linear import QuantizedWeight, linear
 import nemotron.attention as attention
 from nemotron.attention import Attention, KVCache
 from nemotron.checkpoint import Checkpoint
@@ -30,6 +31,7 @@ class Cancelled(Exception):
 
 
 PIECE_TOKENS = 512    # forward's default piece: a multiple of every preset's Mamba scan chunk
+DEQUANT_BYTES = 512 << 20   # forward's default bound on a layer's decoded weights (Super's largest layer: 219 MB)
 
 
 @dataclass(frozen=True)
@@ -38,16 +40,20 @@ class Pieces:
     residual add, an MoE layer's router, latent projections and shared expert; rounded down to a whole number of
     Mamba scan chunks, so that the pieces cut the scan where it cuts itself), and, where attention computes its
     scores explicitly (not CUDA's fused launch), an attention layer's queries per piece so that one piece's scores
-    stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of its own query blocks). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
+    stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of its own query blocks), and the bytes of
+    a layer's NVFP4/FP8 weights decoded for its pieces (`dequant_bytes`, kernels.dense_prefill; 0: none decoded, the
+    tile-decoding kernel). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
     a small budget."""
     tokens: int = PIECE_TOKENS
     score_bytes: int = 0
     mamba_tokens: int = 0      # a Mamba layer's pieces (0: `tokens`): its temporaries per token are ~5x the others'
+    dequant_bytes: int = DEQUANT_BYTES
 
     def __post_init__(self):
-        if self.tokens < 1 or self.score_bytes < 0 or self.mamba_tokens < 0:
-            raise ValueError(f"pieces of {self.tokens} tokens ({self.mamba_tokens} in Mamba layers) and "
-                             f"{self.score_bytes} score bytes: tokens must be >= 1, the others >= 0")
+        if self.tokens < 1 or self.score_bytes < 0 or self.mamba_tokens < 0 or self.dequant_bytes < 0:
+            raise ValueError(f"pieces of {self.tokens} tokens ({self.mamba_tokens} in Mamba layers), "
+                             f"{self.score_bytes} score bytes and {self.dequant_bytes} decoded-weight bytes: tokens "
+                             "must be >= 1, the others >= 0")
 
     def tokens_for(self, config, mamba: bool = False) -> int:
         n = (self.mamba_tokens or self.tokens) if mamba else self.tokens
@@ -213,7 +219,8 @@ class NemotronH:
         once to their new length) and an MoE layer's routed inputs and sum live across a layer: the norm, the
         mixer and the residual add run a piece of `pieces.tokens` tokens at a time (`Pieces`), so a long span's
         per-layer temporaries are bounded by the piece, not by the span. Each routed expert still runs once per
-        layer on all of the call's tokens (`MoEMixer.add_to`)."""
+        layer on all of the call's tokens (`MoEMixer.add_to`), and the layer's own NVFP4/FP8 projections are decoded
+        once for all of its pieces (`kernels.dense_prefill.held`, within `pieces.dequant_bytes`), freed after it."""
         ids = self.token_ids(ids)
         T = ids.numel()
         if (image_embeds is None) != (image_positions is None):
@@ -235,27 +242,12 @@ class NemotronH:
                                 or pos.unique().numel() != pos.numel()):
                 raise ValueError(f"image_positions must be distinct indices into the {ids.numel()} ids")
             x[pos] = image_embeds.to(device=self.device, dtype=self.dtype)
-        kinds = self.config.layer_types
         for i, mixer in enumerate(self.mixers):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"cancelled before layer {i}")
-            s, norm = state.layers[i], self.norms[i]
-            if isinstance(mixer, MoEMixer):
-                mixer.add_to(x, norm, eps, step)
-                continue
-            if kinds[i] == MOE:
-                # a wrapped MoE mixer (a profile's timer, a test's spy) is called as a whole: per piece it would run
-                # every routed expert once per piece
-                x += mixer(rms_norm(x, norm, eps))
-                continue
-            layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
-            if isinstance(s, KVCache):
-                _grow_kv(s, s.length + T)
-                if not x.is_cuda:   # CUDA attends in one fused SDPA launch a piece, which holds no scores
-                    layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
-            for a, b in moe_pieces(T, layer_step):
-                h = rms_norm(x[a:b], norm, eps)
-                x[a:b] += mixer(h) if s is None else mixer(h, s)
+            own, transient = _own_weights(mixer)
+            with dense_prefill.held(own, plan.dequant_bytes, T, transient):
+                self._layer(i, mixer, x, state, plan, step, T)
         state.position += T
         if last_only:
             x = x[-1:]
@@ -265,6 +257,27 @@ class NemotronH:
         for a, b in moe_pieces(x.shape[0], step):
             out[a:b] = linear(rms_norm(x[a:b], self.norm_f, eps), self.lm_head)
         return out
+
+    def _layer(self, i: int, mixer, x: torch.Tensor, state: InferenceState, plan: Pieces, step: int, T: int):
+        """Layer i of forward on the span x [T, hidden], in place, a piece at a time."""
+        s, norm = state.layers[i], self.norms[i]
+        eps, kinds = self.config.layer_norm_epsilon, self.config.layer_types
+        if isinstance(mixer, MoEMixer):
+            mixer.add_to(x, norm, eps, step)
+            return
+        if kinds[i] == MOE:
+            # a wrapped MoE mixer (a profile's timer, a test's spy) is called as a whole: per piece it would run
+            # every routed expert once per piece
+            x += mixer(rms_norm(x, norm, eps))
+            return
+        layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
+        if isinstance(s, KVCache):
+            _grow_kv(s, s.length + T)
+            if not x.is_cuda:   # CUDA attends in one fused SDPA launch a piece, which holds no scores
+                layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
+        for a, b in moe_pieces(T, layer_step):
+            h = rms_norm(x[a:b], norm, eps)
+            x[a:b] += mixer(h) if s is None else mixer(h, s)
 
     def _one_token(self, ids, state: InferenceState, cancel) -> torch.Tensor:
         """forward() of one token (decode): nothing to cut into pieces."""
@@ -279,6 +292,16 @@ class NemotronH:
         state.position += 1
         x = rms_norm(x, self.norm_f, eps)
         return linear(x, self.lm_head).float()
+
+
+def _own_weights(mixer) -> tuple[list, list]:
+    """The quantized projections a layer's mixer holds itself (what its pieces reuse; not routed experts), and those
+    to decode per piece rather than hold: an MoE layer's fc1, whose pieces all run before the routed experts, so
+    that none of it is held beside their launches (gpu_worker/prefill.py's span model counts it so). A wrapped mixer
+    (a profile's timer, a test's spy) offers none: it runs as it did."""
+    own = [v for v in vars(mixer).values() if isinstance(v, QuantizedWeight) and v.fmt != "dense"]
+    fc1 = getattr(mixer, "fc1", None) if isinstance(mixer, MoEMixer) else None
+    return [w for w in own if w is not fc1], [w for w in own if w is fc1]
 
 
 def _grow_kv(cache: KVCache, need: int) -> None:
