@@ -9,7 +9,9 @@ One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
             pipeline itself (the same IO worker processes, queue depth and block size as a prompt's misses)
   kernel    the grouped launch at T tokens per expert: weights in VRAM, zero-copy from pinned memory, and staged
             by the copy engine into a device ring (both paths, the faster is the engine's)
-  RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host)
+  RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host); weights
+            staged (with the next MoE layer's guessed experts copied ahead while the dense layers run), staged
+            without the copies ahead (`staged_no_ahead`, the A/B), and zero-copy
   disk      cache holds a third of the experts; each prompt size in turn (the cache keeps what earlier ones left),
             once per rule of --disk-reads (prefetcher/core.py: a prefill's reads wait for slots the prompt is done with,
             or, the rule before, every read gets a slot when queued)
@@ -28,6 +30,7 @@ first prompt of a size compiles the kernel configurations it needs (`TTFT cold`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -261,7 +264,7 @@ def resident(eng) -> set:
 
 # ------------------------------------------------------------------ one prompt
 def ttft(eng, ids, device) -> dict:
-    from gpu_worker.prefill import prefill, span_bytes
+    from gpu_worker.prefill import SpanPlan, prefill, span_bytes
     m = eng.model
     before = resident(eng)
     forced0 = eng.cache_stats()["prefill_forced"]
@@ -277,13 +280,24 @@ def ttft(eng, ids, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     last = eng.experts.prefill_acct.last
     routed = eng.experts.prefill_acct.routed_keys()
-    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
+    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), **ahead_figures(last),
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
                 ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
-                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids)))
+                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids),
+                                                            plan=SpanPlan(ahead_bytes=eng.experts.ahead_bytes)))
+
+
+def ahead_figures(last) -> dict:
+    """The copies ahead of one prompt (gpu_worker/streaming.py `_copy_ahead`) and how right the guess was: precision,
+    the guess's experts the layer routed to; recall, the layer's routed experts the guess named."""
+    return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
+                ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
+                bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
+                guess_precision=last.guess_right / max(last.guess_named, 1),
+                guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
 
 
 def budgeted(eng, ids, device, budget: int) -> dict:
@@ -298,7 +312,9 @@ def budgeted(eng, ids, device, budget: int) -> dict:
 
     def spy(part, state, *a, **kw):
         nonlocal est
-        est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=plan, kv_rows=kv_rows(state)))
+        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_bytes)    # set for this span
+        est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=with_ahead,
+                                  kv_rows=kv_rows(state)))
         spans.append(len(part))
         return fwd(part, state, *a, **kw)
     cuda = str(device).startswith("cuda")
@@ -316,6 +332,7 @@ def budgeted(eng, ids, device, budget: int) -> dict:
     finally:
         del m.forward
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
+                **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
                 estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, score_bytes=plan.pieces.score_bytes,
                                                launch_bytes=plan.launch()),
@@ -442,7 +459,8 @@ def main(argv=None):
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             for path in paths:
                 if cuda:
-                    eng.experts.prefill_weights = path
+                    eng.experts.prefill_weights = "staged" if path == "staged_no_ahead" else path
+                    eng.experts.copy_ahead = path != "staged_no_ahead"
                 rows = []
                 for n in sizes:
                     cold = None
@@ -458,6 +476,7 @@ def main(argv=None):
                 out[path] = rows
             if budget and a.budget_mb:
                 eng.experts.prefill_weights = paths[0] if cuda else eng.experts.prefill_weights
+                eng.experts.copy_ahead = cuda
                 res["budget"] = []
                 for n in [n for n in sizes if n >= 1000]:
                     r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
@@ -468,7 +487,8 @@ def main(argv=None):
 
     if "ram" not in skip:
         res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
-                            paths=("staged", "zero_copy") if cuda else ("cpu",), profile=a.profile, budget=True)
+                            paths=("staged", "staged_no_ahead", "zero_copy") if cuda else ("cpu",), profile=a.profile,
+                            budget=True)
         save()
     if "disk" not in skip:
         import os
@@ -506,11 +526,21 @@ def main(argv=None):
                       f"({r['forced_reads']}) | "
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f} | "
                       + (f"{r['ttft_cold_s']:.3f}" if r.get("ttft_cold_s") is not None else "-"))
+    print("copies ahead | regime | weights | tokens | copied | used | wrong (MB wasted) | guess precision / recall")
+    for name in names:
+        for path, rows in res.get(name, {}).items():
+            for r in rows:
+                if "ahead_copied" in r:
+                    print(f"ahead | {name} | {path} | {r['tokens']} | {r['ahead_copied']} | {r['ahead_used']} | "
+                          f"{r['ahead_wrong']} ({r['bytes_wasted_ahead'] / 1e6:.0f}) | "
+                          f"{r['guess_precision']:.3f} / {r['guess_recall']:.3f}")
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB | {r['tokens']} tokens | spans {r['spans']} | "
               f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
               f"{r['estimated_bytes'] / 2**20:.0f}"
-              f" | peak within the estimate: {r['peak_within_estimate']}")
+              f" | peak within the estimate: {r['peak_within_estimate']} | ahead slots "
+              f"{r['ahead_slot_bytes'] >> 20} MiB, copied {r['ahead_copied']}, used {r['ahead_used']}, "
+              f"wrong {r['ahead_wrong']}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]
     if profiles:
