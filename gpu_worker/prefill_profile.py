@@ -4,18 +4,18 @@
         prefill(model, ids, state)
     prof.result()        # ms per stage
 
-While it is on, every mixer is timed between two synchronizations of the compute stream (so the device work of each
-layer is charged to its kind), and so is the routed-expert part of each MoE layer (`ExpertSource.apply`); the rest of an MoE
-layer (router, latent projections, shared expert, the sum back to the hidden width) is `moe_dense`. Within the
-routed part, the streaming source reports, without further syncs, how long the host was blocked on the disk and
-what the device spent in the grouped launches and in the staging copies (CUDA events on their streams; on the CPU
-the launches are timed on the host and nothing is copied). The device times overlap each other and the host's, so
-they are shares of `experts`, not parts that add up. The next MoE layer's experts copied ahead run on a stream of
-their own that the compute stream waits for only where a launch reads them, so, as in a plain run, they overlap this
-layer's last kernels and the dense layers after it: they are in `experts_copies` (all copies) and, alone, in
-`experts_copies_ahead`, which is therefore not a part of `experts` either. `other` is what no layer holds: embeddings, norms and residual
-adds, the final norm and the lm_head row, the prefill loop itself. The syncs cost a little of what they measure: the
-profiled TTFT is reported beside the plain one.
+While it is on, every mixer is timed between two synchronizations of the compute stream (so the device work of
+each layer is charged to its kind), and so is the routed-expert part of each MoE layer (`ExpertSource.apply`); the
+rest of an MoE layer (router, latent projections, shared expert, the sum back to the hidden width) is `moe_dense`.
+Within the routed part, the streaming source reports, without further syncs, how long the host was blocked on the
+disk and what the device spent in the grouped launches and in the staging copies (CUDA events on their streams; on
+the CPU the launches are timed on the host and nothing is copied). The device times overlap each other and the
+host's, so they are shares of `experts`, not parts that add up. The next MoE layer's experts copied ahead run on a
+stream of their own that the compute stream waits for only where a launch reads them, so, as in a plain run, they
+overlap this layer's last kernels and the dense layers after it: they are in `experts_copies` (all copies) and,
+alone, in `experts_copies_ahead`, which is therefore not a part of `experts` either. `other` is what no layer holds:
+embeddings, norms and residual adds, the final norm and the lm_head row, the prefill loop itself. The syncs cost a
+little of what they measure: the profiled TTFT is reported beside the plain one.
 """
 from __future__ import annotations
 

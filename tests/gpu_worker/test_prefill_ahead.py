@@ -200,3 +200,32 @@ def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
         src.prefill_weights = "zero_copy"
         assert src.ahead_wish() == 0
         src._cuda = False
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
+def test_gpu_copies_ahead_read_by_the_next_layer(tiny):
+    """On the GPU (bf16, staged weights, RAM): the blocks copied ahead on their own stream are read by the next
+    layer's launches, copied before its router synced, and the logits are the CPU engine's; the A/B without them too."""
+    from tests.nemotron.test_model_vs_transformers import mean_kl
+    model_dir, store = tiny
+    ids = prompt(700, seed=8)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
+    got = {}
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        src, m = eng.experts, eng.model
+        for ahead in (True, False):
+            src.copy_ahead = ahead
+            prefill(m, ids, m.new_state())                  # every block in RAM for the timed-like second run
+            out = prefill(m, ids, m.new_state(), all_logits=True)
+            last = src.prefill_acct.last
+            got[ahead] = (out.float().cpu().numpy(), last.ahead_read, last.ahead_used, last.ahead_copied,
+                          last.ahead_wrong, staged_before_sync(src))
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    lm, read, used, copied, wrong, before = got[True]
+    print(f"GPU: {copied} copied ahead, {used} used, {wrong} wrong; KL {mean_kl(ref, lm):.2e}")
+    assert read == used > 0 and copied == used + wrong and before
+    assert mean_kl(ref, lm) < 3e-3 and mean_kl(ref, got[False][0]) < 3e-3
+    assert got[False][1] == 0 and not got[False][5]
