@@ -295,6 +295,7 @@ def ahead_figures(last) -> dict:
     the guess's experts the layer routed to; recall, the layer's routed experts the guess named."""
     return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
                 ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
+                ms_issuing_ahead=last.ms_issuing_ahead,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
@@ -312,7 +313,8 @@ def budgeted(eng, ids, device, budget: int) -> dict:
 
     def spy(part, state, *a, **kw):
         nonlocal est
-        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_bytes)    # set for this span
+        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_bytes,    # as set for this span
+                                         launch_bytes=eng.experts.launch_bytes)
         est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=with_ahead,
                                   kv_rows=kv_rows(state)))
         spans.append(len(part))
@@ -350,6 +352,28 @@ def profiled(eng, ids, device) -> dict:
     return prof.result()
 
 
+def brief(res) -> None:
+    """--brief: one short line per prompt (a device call's console keeps only its tail)."""
+    c = res["ceilings"]
+    print(f"ceil h2d {c['h2d_gbps'] or 0:.1f} disk {c['disk_gbps']:.2f} gemm {c['gemm_tflops']:.3f}")
+    for name in [k for k in res if k == "ram" or k.startswith("disk")]:
+        for path, rows in res[name].items():
+            for r in rows:
+                p = r.get("profile")
+                prof = "" if p is None else (f" | prof {p['total_ms']:.0f}: mamba {p['mamba']:.1f} moe_d "
+                                             f"{p['moe_dense']:.1f} exp {p['experts']:.1f} kern {p['experts_kernels']:.1f}"
+                                             f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
+                print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
+                      f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
+                      f"{r['ahead_used']}/{r['ahead_wrong']} host {r['ms_issuing_ahead']:.1f} p/r "
+                      f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} peak/est {r['peak_bytes'] >> 20}/"
+                      f"{r['estimated_bytes'] >> 20}" + prof)
+    for r in res.get("budget", []):
+        print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
+              f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
+              f"{r['estimated_bytes'] >> 20}")
+
+
 def with_floor(r, cfg, block_bytes, c) -> dict:
     need = r["distinct_experts"] * block_bytes
     miss = r["missing_at_start"] * block_bytes
@@ -380,6 +404,9 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--paths", default="staged,staged_no_ahead,zero_copy",
+                    help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), zero_copy")
+    ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
@@ -487,8 +514,7 @@ def main(argv=None):
 
     if "ram" not in skip:
         res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
-                            paths=("staged", "staged_no_ahead", "zero_copy") if cuda else ("cpu",), profile=a.profile,
-                            budget=True)
+                            paths=tuple(a.paths.split(",")) if cuda else ("cpu",), profile=a.profile, budget=True)
         save()
     if "disk" not in skip:
         import os
@@ -501,6 +527,9 @@ def main(argv=None):
     if "sweep" not in skip and cuda:
         res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
         save()
+    if a.brief:
+        brief(res)
+        return
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s")
     for r in res.get("kernel", []):

@@ -29,6 +29,7 @@ class PromptCost:
     ahead_read: int = 0                 # ... that its launches read from the ahead slots
     ahead_wrong: int = 0                # ... that the layer did not route to (wasted copies)
     ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)
+    ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)
     # how right the next layer's guess (its router on this layer's input) was, over the layers guessed for
     guess_named: int = 0                # experts the guess named (any token)
     guess_right: int = 0                # ... that the layer routed to

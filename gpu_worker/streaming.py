@@ -14,6 +14,7 @@ the dense layers run: the next layer's launches then find them on the device.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,7 +32,9 @@ PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers 
                                     # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
 PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
-PREFILL_AHEAD_SLOTS_MAX = 512      # device slots for the next MoE layer's experts copied ahead, at most (one layer's)
+# device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
+# measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
+PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -676,6 +679,7 @@ class StreamingExperts(ExpertSource):
         """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
         many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
         ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them)."""
+        t0 = time.perf_counter()
         self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
         if not self._copies_ahead():
             return
@@ -706,6 +710,7 @@ class StreamingExperts(ExpertSource):
         pa.bytes_copied_ahead += len(pairs) * self.block_bytes
         if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
             pa.bytes_over_pcie += len(pairs) * self.block_bytes
+        pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
 
     def _ahead_settle(self, j: int | None, uniq=()) -> dict:
         """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
