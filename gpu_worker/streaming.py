@@ -622,21 +622,20 @@ class StreamingExperts(ExpertSource):
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         n_cap, rows_cap = self._launch_limits(x.element_size())
-        # the blocks copied ahead first (on the device already, in the order they were copied), then the rest staged
-        first = [(e, hits[e]) for e in ahead if e in hits]
-        rest = [(e, s) for e, s in hits.items() if e not in ahead]
-        for group, from_ahead in ((first, True), (rest, False)):
-            batch: list[tuple[int, int]] = []
-            n_rows = 0
-            for e, s in group:
-                if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
-                    self._prefill_batch(j, batch, seg, rows, acc, ahead if from_ahead else None)
-                    batch, n_rows = [], 0
-                batch.append((e, s))
-                n_rows += seg[e][1]
-            if batch:
-                self._prefill_batch(j, batch, seg, rows, acc, ahead if from_ahead else None)
-        pa.last.ahead_used += len(first)
+        # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
+        # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
+        # launch reading its blocks copied ahead from their slots and staging the others through the ring
+        batch: list[tuple[int, int]] = []
+        n_rows = 0
+        for e, s in hits.items():
+            if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
+                self._prefill_batch(j, batch, seg, rows, acc, ahead)
+                batch, n_rows = [], 0
+            batch.append((e, s))
+            n_rows += seg[e][1]
+        if batch:
+            self._prefill_batch(j, batch, seg, rows, acc, ahead)
+        pa.last.ahead_used += sum(1 for e in hits if e in ahead)
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
         # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
@@ -686,7 +685,8 @@ class StreamingExperts(ExpertSource):
         n = min(self.ahead_bytes // self.store.block_stride, self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
         if n <= 0:
             return
-        ranked = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0][:n]
+        # the most used n, copied in expert order: the order the next layer launches them in
+        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:n] if g[e] > 0)
         slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
         pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
         if not pairs:
@@ -748,22 +748,25 @@ class StreamingExperts(ExpertSource):
     def _prefill_batch(self, j, batch, seg, rows: "_SortedRows", acc, ahead: dict | None = None) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)], on their rows gathered from x (an
         expert with more rows than a launch may hold: several launches over the one staged block); their pins are
-        deferred. ahead: {expert: ahead slot} where every block of the batch was copied ahead (crossed the bus then,
-        counted there)."""
+        deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then, counted
+        there): the launch waits for their copies and reads them from their slots, the others are staged."""
         ex, slots = [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
         rows_cap = self._launch_limits(rows.x.element_size())[1]
-        if ahead is not None:
-            self._prefill_ahead(j, ex, [ahead[e] for e in ex], segments, rows, acc, rows_cap)
-            self._defer(slots)
-            return
+        at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
+        from_ahead = [r for r in at if r is not None]
+        to_stage = [s for s, r in zip(slots, at) if r is None]
+        pa = self.prefill_acct.last
         try:
+            if from_ahead:
+                self._ahead.wait(from_ahead)
             if self._addressed:
                 idx = self._dev(ex)
                 ug, dg = self.up_global[j, idx], self.down_global[j, idx]
                 staged = self.prefill_weights == "staged" and self._cuda   # (tests run addresses on the CPU too)
                 if staged:
-                    addrs = self._stage(slots)
+                    got = iter(self._stage(to_stage) if to_stage else ())
+                    addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
@@ -771,47 +774,28 @@ class StreamingExperts(ExpertSource):
                     xs, ws, tok, local = rows.gather(part)
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
-                    self.prefill_acct.last.launches += 1
+                    pa.launches += 1
                     if not staged:      # zero-copy: each read of a block crosses the bus
-                        self.prefill_acct.last.bytes_over_pcie += n_reads * self.geom.block_bytes
-                if staged:
+                        pa.bytes_over_pcie += n_reads * self.geom.block_bytes
+                if staged and to_stage:
                     self._ring_used()
-                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
             else:
-                blocks = self._blocks(slots)
+                got = iter(self._blocks(to_stage) if to_stage else ())
+                blocks = [self._ahead.view(r) if r is not None else next(got) for r in at]
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
                 for part in _windows(segments, rows_cap):
                     xs, ws, tok, local = rows.gather(part)
                     self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok,
                                                                       acc))
-                    self.prefill_acct.last.launches += 1
+                    pa.launches += 1
                 if self._cuda:
-                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
+            if from_ahead:
+                self._ahead.read_by_current_stream(from_ahead)
+                pa.ahead_read += len(from_ahead)
         finally:
             self._defer(slots)
-
-    def _prefill_ahead(self, j, ex, slots, segments, rows, acc, rows_cap) -> None:
-        """`_prefill_batch` over blocks copied ahead: the launch waits for their copies, the slots are free to be
-        refilled after it."""
-        a = self._ahead
-        a.wait(slots)
-        if self._addressed:
-            idx = self._dev(ex)
-            ug, dg = self.up_global[j, idx], self.down_global[j, idx]
-            addrs = [a.address(r) for r in slots]
-            for part in _windows(segments, rows_cap):
-                xs, ws, tok, local = rows.gather(part)
-                self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
-                self.prefill_acct.last.launches += 1
-        else:
-            blocks = [a.view(r) for r in slots]
-            ug, dg = self.up_global[j, ex], self.down_global[j, ex]
-            for part in _windows(segments, rows_cap):
-                xs, ws, tok, local = rows.gather(part)
-                self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok, acc))
-                self.prefill_acct.last.launches += 1
-        a.read_by_current_stream(slots)
-        self.prefill_acct.last.ahead_read += len(ex)
 
     def _launch(self, fn) -> None:
         if self.prefill_profile is None:
