@@ -405,7 +405,8 @@ def main(argv=None):
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
     ap.add_argument("--paths", default="staged,staged_no_ahead,zero_copy",
-                    help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), zero_copy")
+                    help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
+                         "zero_copy; a path again as PATH#2")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -485,9 +486,10 @@ def main(argv=None):
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             for path in paths:
+                base = path.split("#")[0]          # "staged#2": the same path again (how much a TTFT moves)
                 if cuda:
-                    eng.experts.prefill_weights = "staged" if path == "staged_no_ahead" else path
-                    eng.experts.copy_ahead = path != "staged_no_ahead"
+                    eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
+                    eng.experts.copy_ahead = base != "staged_no_ahead"
                 rows = []
                 for n in sizes:
                     cold = None
