@@ -10,8 +10,9 @@ One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
   kernel    the grouped launch at T tokens per expert: weights in VRAM, zero-copy from pinned memory, and staged
             by the copy engine into a device ring (both paths, the faster is the engine's)
   RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host); weights
-            staged (with the next MoE layer's guessed experts copied ahead while the dense layers run), staged
-            without the copies ahead (`staged_no_ahead`, the A/B), and zero-copy
+            staged (with the next MoE layer's guessed experts copied ahead while the dense layers run, whatever the
+            engine's default), staged without the copies ahead (`staged_no_ahead`, the A/B), and zero-copy; the
+            budget rows run with the engine's default
   disk      cache holds a third of the experts; each prompt size in turn (the cache keeps what earlier ones left),
             once per rule of --disk-reads (prefetcher/core.py: a prefill's reads wait for slots the prompt is done with,
             or, the rule before, every read gets a slot when queued)
@@ -485,6 +486,7 @@ def main(argv=None):
                         cl.release(s)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
+            default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
                 base = path.split("#")[0]          # "staged#2": the same path again (how much a TTFT moves)
                 if cuda:
@@ -505,7 +507,7 @@ def main(argv=None):
                 out[path] = rows
             if budget and a.budget_mb:
                 eng.experts.prefill_weights = paths[0] if cuda else eng.experts.prefill_weights
-                eng.experts.copy_ahead = cuda
+                eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
                 for n in [n for n in sizes if n >= 1000]:
                     r = budgeted(eng, prompt(n), device, a.budget_mb << 20)

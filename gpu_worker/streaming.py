@@ -10,7 +10,7 @@ request for every expert the span routes to (plus the guess as prefetch), the hi
 misses in grouped launches as they land (kernels/expert_prefill.py). With staged weights, the next MoE layer's likely
 experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
 device slots (`_AheadSlots`) on their own stream, after this layer's own copies, while this layer's last kernels and
-the dense layers run: the next layer's launches then find them on the device.
+the dense layers run: the next layer's launches then find them on the device (off by default, PREFILL_COPY_AHEAD).
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its ne
 # device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
 # measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
 PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
+# off by default: the build measured on the H200 won nothing (bench/NOTES.md, session 6, h23 run 2) and the build
+# here is not measured yet; bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the A/B)
+PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "0") == "1"
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -183,7 +186,7 @@ class StreamingExperts(ExpertSource):
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
-        self.copy_ahead = self._cuda
+        self.copy_ahead = self._cuda and PREFILL_COPY_AHEAD
         self.ahead_bytes = 0
         self._ahead: _AheadSlots | None = None
         self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
