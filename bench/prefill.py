@@ -9,7 +9,10 @@ One run (GPU; `super` shape, a few MoE layers, written to DIR/model once):
             pipeline itself (the same IO worker processes, queue depth and block size as a prompt's misses)
   kernel    the grouped launch at T tokens per expert: weights in VRAM, zero-copy from pinned memory, and staged
             by the copy engine into a device ring (both paths, the faster is the engine's)
-  RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host)
+  RAM       cache holds every expert (warmed); each prompt size, TTFT (prefill + first token on the host); weights
+            staged (with the next MoE layer's guessed experts copied ahead while the dense layers run, whatever the
+            engine's default), staged without the copies ahead (`staged_no_ahead`, the A/B), and zero-copy; the
+            budget rows run with the engine's default
   disk      cache holds a third of the experts; each prompt size in turn (the cache keeps what earlier ones left),
             once per rule of --disk-reads (prefetcher/core.py: a prefill's reads wait for slots the prompt is done with,
             or, the rule before, every read gets a slot when queued)
@@ -28,6 +31,7 @@ first prompt of a size compiles the kernel configurations it needs (`TTFT cold`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -261,7 +265,7 @@ def resident(eng) -> set:
 
 # ------------------------------------------------------------------ one prompt
 def ttft(eng, ids, device) -> dict:
-    from gpu_worker.prefill import prefill, span_bytes
+    from gpu_worker.prefill import SpanPlan, prefill, span_bytes
     m = eng.model
     before = resident(eng)
     forced0 = eng.cache_stats()["prefill_forced"]
@@ -277,13 +281,25 @@ def ttft(eng, ids, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     last = eng.experts.prefill_acct.last
     routed = eng.experts.prefill_acct.routed_keys()
-    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
+    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), **ahead_figures(last),
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
                 ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
-                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids)))
+                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids),
+                                                            plan=SpanPlan(ahead_bytes=eng.experts.ahead_bytes)))
+
+
+def ahead_figures(last) -> dict:
+    """The copies ahead of one prompt (gpu_worker/streaming.py `_copy_ahead`) and how right the guess was: precision,
+    the guess's experts the layer routed to; recall, the layer's routed experts the guess named."""
+    return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
+                ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
+                ms_issuing_ahead=last.ms_issuing_ahead,
+                bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
+                guess_precision=last.guess_right / max(last.guess_named, 1),
+                guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
 
 
 def budgeted(eng, ids, device, budget: int) -> dict:
@@ -298,7 +314,10 @@ def budgeted(eng, ids, device, budget: int) -> dict:
 
     def spy(part, state, *a, **kw):
         nonlocal est
-        est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=plan, kv_rows=kv_rows(state)))
+        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_bytes,    # as set for this span
+                                         launch_bytes=eng.experts.launch_bytes)
+        est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=with_ahead,
+                                  kv_rows=kv_rows(state)))
         spans.append(len(part))
         return fwd(part, state, *a, **kw)
     cuda = str(device).startswith("cuda")
@@ -316,6 +335,7 @@ def budgeted(eng, ids, device, budget: int) -> dict:
     finally:
         del m.forward
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
+                **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
                 estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, score_bytes=plan.pieces.score_bytes,
                                                launch_bytes=plan.launch()),
@@ -331,6 +351,28 @@ def profiled(eng, ids, device) -> dict:
         logits = prefill(m, ids, m.new_state())
         int(logits[-1].argmax())
     return prof.result()
+
+
+def brief(res) -> None:
+    """--brief: one short line per prompt (a device call's console keeps only its tail)."""
+    c = res["ceilings"]
+    print(f"ceil h2d {c['h2d_gbps'] or 0:.1f} disk {c['disk_gbps']:.2f} gemm {c['gemm_tflops']:.3f}")
+    for name in [k for k in res if k == "ram" or k.startswith("disk")]:
+        for path, rows in res[name].items():
+            for r in rows:
+                p = r.get("profile")
+                prof = "" if p is None else (f" | prof {p['total_ms']:.0f}: mamba {p['mamba']:.1f} moe_d "
+                                             f"{p['moe_dense']:.1f} exp {p['experts']:.1f} kern {p['experts_kernels']:.1f}"
+                                             f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
+                print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
+                      f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
+                      f"{r['ahead_used']}/{r['ahead_wrong']} host {r['ms_issuing_ahead']:.1f} p/r "
+                      f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} peak/est {r['peak_bytes'] >> 20}/"
+                      f"{r['estimated_bytes'] >> 20}" + prof)
+    for r in res.get("budget", []):
+        print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
+              f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
+              f"{r['estimated_bytes'] >> 20}")
 
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
@@ -363,6 +405,10 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--paths", default="staged,staged_no_ahead,zero_copy",
+                    help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
+                         "zero_copy; a path again as PATH#2")
+    ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
@@ -440,9 +486,12 @@ def main(argv=None):
                         cl.release(s)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
+            default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
+                base = path.split("#")[0]          # "staged#2": the same path again (how much a TTFT moves)
                 if cuda:
-                    eng.experts.prefill_weights = path
+                    eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
+                    eng.experts.copy_ahead = base != "staged_no_ahead"
                 rows = []
                 for n in sizes:
                     cold = None
@@ -458,6 +507,7 @@ def main(argv=None):
                 out[path] = rows
             if budget and a.budget_mb:
                 eng.experts.prefill_weights = paths[0] if cuda else eng.experts.prefill_weights
+                eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
                 for n in [n for n in sizes if n >= 1000]:
                     r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
@@ -468,7 +518,7 @@ def main(argv=None):
 
     if "ram" not in skip:
         res["ram"] = regime("ram", int(all_bytes * 1.02) + (8 << 20), True,
-                            paths=("staged", "zero_copy") if cuda else ("cpu",), profile=a.profile, budget=True)
+                            paths=tuple(a.paths.split(",")) if cuda else ("cpu",), profile=a.profile, budget=True)
         save()
     if "disk" not in skip:
         import os
@@ -481,6 +531,9 @@ def main(argv=None):
     if "sweep" not in skip and cuda:
         res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
         save()
+    if a.brief:
+        brief(res)
+        return
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s")
     for r in res.get("kernel", []):
@@ -506,11 +559,21 @@ def main(argv=None):
                       f"({r['forced_reads']}) | "
                       f"{r['peak_bytes'] / 2**20:.0f}/{r['estimated_bytes'] / 2**20:.0f} | "
                       + (f"{r['ttft_cold_s']:.3f}" if r.get("ttft_cold_s") is not None else "-"))
+    print("copies ahead | regime | weights | tokens | copied | used | wrong (MB wasted) | guess precision / recall")
+    for name in names:
+        for path, rows in res.get(name, {}).items():
+            for r in rows:
+                if "ahead_copied" in r:
+                    print(f"ahead | {name} | {path} | {r['tokens']} | {r['ahead_copied']} | {r['ahead_used']} | "
+                          f"{r['ahead_wrong']} ({r['bytes_wasted_ahead'] / 1e6:.0f}) | "
+                          f"{r['guess_precision']:.3f} / {r['guess_recall']:.3f}")
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB | {r['tokens']} tokens | spans {r['spans']} | "
               f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
               f"{r['estimated_bytes'] / 2**20:.0f}"
-              f" | peak within the estimate: {r['peak_within_estimate']}")
+              f" | peak within the estimate: {r['peak_within_estimate']} | ahead slots "
+              f"{r['ahead_slot_bytes'] >> 20} MiB, copied {r['ahead_copied']}, used {r['ahead_used']}, "
+              f"wrong {r['ahead_wrong']}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]
     if profiles:

@@ -16,6 +16,9 @@ is per token of the span:
   MoE layer         the routed experts' latent input, their choice and weights, the sort by expert (its indices and
                     the token and weight of each sorted row), the fp32 sum of the routed experts
   logits            one row, or every row with all_logits (fp32), after the last layer
+  ahead             the streaming source's device slots for the next MoE layer's experts copied ahead
+                    (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
+                    span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
 from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
@@ -34,6 +37,7 @@ bench/prefill.py checks the estimate against the device's measured peak, with a 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -80,6 +84,7 @@ class SpanPlan:
     pieces: Pieces = Pieces()
     launch_bytes: int = 0
     fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
+    ahead_bytes: int = 0            # the streaming source's slots for experts copied ahead (`ahead_bytes_for`)
 
     def launch(self) -> int:
         from gpu_worker.streaming import PREFILL_BATCH_BYTES
@@ -199,7 +204,7 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
     P = min(T, plan.pieces.tokens_for(cfg))
     n_mamba, n_attn = cfg.layer_types.count(MAMBA), cfg.layer_types.count(ATTENTION)
     kinds = set(cfg.layer_types)
-    t = dict(x=T * e * H, states=0, kv=0)
+    t = dict(x=T * e * H, states=0, kv=0, ahead=plan.ahead_bytes)
     around = P * (2 * e * H + 8 * H)     # a piece's normed input, rms_norm's fp32 copies, the mixer's output
     from kernels.dense_prefill import DEQUANT_MIN_ROWS
     bound = plan.pieces.dequant_bytes if T >= DEQUANT_MIN_ROWS else 0
@@ -239,7 +244,7 @@ def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
     """Peak device bytes beyond the weights of one forward over `tokens` new tokens after `past`, run with `plan`'s
     pieces and launches (default: a large budget's; see the module docstring for what is counted)."""
     t = span_terms(cfg, dtype, tokens, past, all_logits, plan, kv_rows)
-    lasting = t["x"] + t["states"] + t["kv"]
+    lasting = t["x"] + t["states"] + t["kv"] + t["ahead"]
     return lasting + max(t.get(k, 0) for k in ("mamba", "attention", "moe", "mlp", "logits"))
 
 
@@ -273,6 +278,15 @@ def launch_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, p
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     slack = budget_bytes - span_bytes(cfg, dtype, span, past, all_logits, plan, kv_rows)
     return max(plan.launch(), min(PREFILL_BATCH_BYTES, plan.launch() + max(slack, 0)))
+
+
+def ahead_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, wish: int, past: int = 0,
+                    all_logits: bool = False, kv_rows: list[int] | None = None) -> int:
+    """The bytes of the streaming source's slots for experts copied ahead over a span: what it wishes
+    (`StreamingExperts.ahead_wish`), at most half of what the span leaves of the budget (the other half grows the
+    launches, `launch_bytes_for`, given the plan with these bytes in it)."""
+    slack = budget_bytes - span_bytes(cfg, dtype, span, past, all_logits, plan, kv_rows)
+    return max(0, min(int(wish), slack // 2))
 
 
 def default_budget(device) -> int:
@@ -309,6 +323,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
     plan = span_plan(cfg, model.dtype, budget, model.device)
     source = _streaming_source(model)       # accounts per prompt
+    wish = source.ahead_wish() if source is not None else 0
     if source is not None:
         source.begin_prompt(launch_bytes=plan.launch())
     t0 = time.perf_counter()
@@ -322,7 +337,11 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if max_span:
                 span = min(span, max_span)
             if source is not None:
-                source.launch_bytes = launch_bytes_for(cfg, model.dtype, budget, span, plan, state.position,
+                ahead = ahead_bytes_for(cfg, model.dtype, budget, span, plan, wish, state.position, all_logits,
+                                        kv_rows(state))
+                source.ahead_bytes = ahead
+                source.launch_bytes = launch_bytes_for(cfg, model.dtype, budget, span,
+                                                       dataclasses.replace(plan, ahead_bytes=ahead), state.position,
                                                        all_logits, kv_rows(state))
             e = min(end, pos + span)
             kw = images.within(pos, e) if images is not None else {}

@@ -22,6 +22,18 @@ class PromptCost:
     expert_uses: int = 0                # (token, expert) pairs
     prefetch_wasted: int = 0            # guessed blocks requested while absent that the prompt never routed to
     launches: int = 0                   # grouped expert launches (each two kernels)
+    # the next MoE layer's experts copied ahead into device slots (gpu_worker/streaming.py, `_copy_ahead`)
+    ahead_copied: int = 0               # blocks copied ahead
+    bytes_copied_ahead: int = 0         # ... their bytes (in bytes_over_pcie too on CUDA, used or not)
+    ahead_used: int = 0                 # ... that the layer routed to and found on the device
+    ahead_read: int = 0                 # ... that its launches read from the ahead slots
+    ahead_wrong: int = 0                # ... that the layer did not route to (wasted copies)
+    ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)
+    ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)
+    # how right the next layer's guess (its router on this layer's input) was, over the layers guessed for
+    guess_named: int = 0                # experts the guess named (any token)
+    guess_right: int = 0                # ... that the layer routed to
+    guess_layer_routed: int = 0         # experts those layers routed to
     ms_waiting_for_disk: float = 0.0
 
     @property

@@ -4,15 +4,18 @@
         prefill(model, ids, state)
     prof.result()        # ms per stage
 
-While it is on, every mixer is timed between two device synchronizations (so the device work of each layer is
-charged to its kind), and so is the routed-expert part of each MoE layer (`ExpertSource.apply`); the rest of an MoE
-layer (router, latent projections, shared expert, the sum back to the hidden width) is `moe_dense`. Within the
-routed part, the streaming source reports, without further syncs, how long the host was blocked on the disk and
-what the device spent in the grouped launches and in the staging copies (CUDA events on their streams; on the CPU
-the launches are timed on the host and nothing is copied). The device times overlap each other and the host's, so
-they are shares of `experts`, not parts that add up. `other` is what no layer holds: embeddings, norms and residual
-adds, the final norm and the lm_head row, the prefill loop itself. The syncs cost a little of what they measure: the
-profiled TTFT is reported beside the plain one.
+While it is on, every mixer is timed between two synchronizations of the compute stream (so the device work of
+each layer is charged to its kind), and so is the routed-expert part of each MoE layer (`ExpertSource.apply`); the
+rest of an MoE layer (router, latent projections, shared expert, the sum back to the hidden width) is `moe_dense`.
+Within the routed part, the streaming source reports, without further syncs, how long the host was blocked on the
+disk and what the device spent in the grouped launches and in the staging copies (CUDA events on their streams; on
+the CPU the launches are timed on the host and nothing is copied). The device times overlap each other and the
+host's, so they are shares of `experts`, not parts that add up. The next MoE layer's experts copied ahead run on a
+stream of their own that the compute stream waits for only where a launch reads them, so, as in a plain run, they
+overlap this layer's last kernels and the dense layers after it: they are in `experts_copies` (all copies) and,
+alone, in `experts_copies_ahead`, which is therefore not a part of `experts` either. `other` is what no layer holds:
+embeddings, norms and residual adds, the final norm and the lm_head row, the prefill loop itself. The syncs cost a
+little of what they measure: the profiled TTFT is reported beside the plain one.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 
 LAYER_STAGES = {MAMBA: "mamba", ATTENTION: "attention", MLP: "mlp", MOE: "moe_dense"}
 STAGES = ("mamba", "attention", "mlp", "moe_dense", "experts", "other")
-EXPERT_SHARES = ("experts_waiting_for_disk", "experts_kernels", "experts_copies")
+EXPERT_SHARES = ("experts_waiting_for_disk", "experts_kernels", "experts_copies", "experts_copies_ahead")
 
 
 class PrefillProfile:
@@ -34,7 +37,8 @@ class PrefillProfile:
         self.ms = dict.fromkeys(STAGES, 0.0)
         self.ms.update(dict.fromkeys(EXPERT_SHARES, 0.0))
         self._kernel_events: list = []      # (start, end) on the compute stream
-        self._copy_events: list = []        # (start, end) on the copy stream
+        self._copy_events: list = []        # (start, end) on the copy streams
+        self._ahead_events: list = []       # ... of the copies ahead (also in _copy_events)
         self._host_kernel_s = 0.0
         self.launches = 0
         self._t0 = None
@@ -55,16 +59,24 @@ class PrefillProfile:
         e.record()
         self._kernel_events.append((s, e))
 
-    def copy_events(self):
-        """(start, end) events for one launch's staging copies, to be recorded on the copy stream."""
+    def copy_events(self, ahead: bool = False):
+        """(start, end) events for one launch's staging copies (ahead: one layer's copies ahead), to be recorded on
+        the copy stream."""
         pair = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._copy_events.append(pair)
+        if ahead:
+            self._ahead_events.append(pair)
         return pair
 
     # ---- on / off ----------------------------------------------------------------------------------
     def _sync(self):
         if self.cuda:
             torch.cuda.synchronize(self.model.device)
+
+    def _sync_compute(self):
+        """The compute stream alone: copies ahead on their own stream go on across the layer boundary, as unprofiled."""
+        if self.cuda:
+            torch.cuda.current_stream(self.model.device).synchronize()
 
     def _timed(self, stage: str, fn):
         return _Timed(self, stage, fn)
@@ -102,6 +114,7 @@ class PrefillProfile:
         if self.cuda:
             self.ms["experts_kernels"] = sum(s.elapsed_time(e) for s, e in self._kernel_events)
             self.ms["experts_copies"] = sum(s.elapsed_time(e) for s, e in self._copy_events)
+            self.ms["experts_copies_ahead"] = sum(s.elapsed_time(e) for s, e in self._ahead_events)
         else:
             self.ms["experts_kernels"] = self._host_kernel_s * 1e3
 
@@ -123,10 +136,10 @@ class _Timed:
 
     def __call__(self, *a, **kw):
         p = self._prof
-        p._sync()
+        p._sync_compute()
         t = time.perf_counter()
         out = self._fn(*a, **kw)
-        p._sync()
+        p._sync_compute()
         p.ms[self._stage] += (time.perf_counter() - t) * 1e3
         return out
 

@@ -7,10 +7,14 @@ No cache bookkeeping happens here beyond that: the prefetcher owns the index.
 Per MoE layer at prefill (the whole span of tokens at once, gpu_worker/prefill.py): the tokens sorted by expert
 on the device, one host sync for the experts' token counts and the next layer's guess, one lookup and one
 request for every expert the span routes to (plus the guess as prefetch), the hits in grouped launches, the
-misses in grouped launches as they land (kernels/expert_prefill.py).
+misses in grouped launches as they land (kernels/expert_prefill.py). With staged weights, the next MoE layer's likely
+experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
+device slots (`_AheadSlots`) on their own stream, after this layer's own copies, while this layer's last kernels and
+the dense layers run: the next layer's launches then find them on the device (off by default, PREFILL_COPY_AHEAD).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +32,12 @@ PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers 
                                     # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
 PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
+# device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
+# measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
+PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
+# off by default: the build measured on the H200 won nothing (bench/NOTES.md, session 6, h23 run 2) and the build
+# here is not measured yet; bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the A/B)
+PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "0") == "1"
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -174,6 +184,13 @@ class StreamingExperts(ExpertSource):
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
+        # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
+        # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
+        self.copy_ahead = self._cuda and PREFILL_COPY_AHEAD
+        self.ahead_bytes = 0
+        self._ahead: _AheadSlots | None = None
+        self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
+        self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
         # and booked here after their token: `decode_routed`, `decode_token_end`, `decode_settle`
         self.device_routing = True
@@ -418,6 +435,10 @@ class StreamingExperts(ExpertSource):
             done = self.ups.releasable(wait=sync)     # the staged ups' slab slots, once their copies ran
             if done:
                 self.client.release(done)
+        if self._ahead is not None:
+            done = self._ahead.releasable(wait=sync)  # the slab slots of blocks copied ahead, once copied
+            if done:
+                self.client.release(done)
         if self._fill_held:
             keep = []
             for ev, slots in self._fill_held:
@@ -541,11 +562,23 @@ class StreamingExperts(ExpertSource):
         shm = self.client.shm
         return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
 
-    def begin_prompt(self, launch_bytes: int | None = None) -> None:
+    def begin_prompt(self, launch_bytes: int | None = None, ahead_bytes: int = 0) -> None:
         """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
-        PREFILL_BATCH_BYTES)."""
+        PREFILL_BATCH_BYTES), its slots for experts copied ahead within `ahead_bytes`."""
         self.launch_bytes = PREFILL_BATCH_BYTES if launch_bytes is None else int(launch_bytes)
+        self.ahead_bytes = int(ahead_bytes)
+        self.ahead_at_sync, self._guessed = [], None
         self.prefill_acct.begin()
+
+    def ahead_wish(self) -> int:
+        """Bytes of device slots this source would copy the next MoE layer's experts ahead into (gpu_worker/prefill.py
+        grants them from what a span leaves of the budget): one layer's experts, or 0 where it copies none."""
+        if not self._copies_ahead():
+            return 0
+        return min(self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX) * self.store.block_stride
+
+    def _copies_ahead(self) -> bool:
+        return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
 
     def _launch_limits(self, act_bytes: int) -> tuple[int, int]:
         return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes)
@@ -553,6 +586,8 @@ class StreamingExperts(ExpertSource):
     def end_prompt(self, tokens: int, seconds: float) -> None:
         """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
         self._flush(sync=self._cuda)
+        self._ahead_settle(None)
+        self._ahead = None           # its copies are done (the flush waited): decode gets the memory back
         self.prefill_acct.end(tokens, seconds)
 
     def _prefill(self, j, x, experts, weights, guess=None):
@@ -566,11 +601,14 @@ class StreamingExperts(ExpertSource):
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-        host = (torch.cat([counts, guess]) if guess is not None else counts).cpu()  # the one sync of the layer
+        a = self._ahead                  # blocks copied ahead for this layer by the time its router syncs
+        self.ahead_at_sync.append((j, len(a.table) if a is not None and a.layer == j else 0))
+        host = self._router_sync(counts, guess)   # the one sync of the layer
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
         counts = host[:E].tolist()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         uniq = [e for e in range(E) if counts[e]]
+        ahead = self._ahead_settle(j, uniq)         # {expert: device slot} of this layer's blocks copied ahead
         seg = {e: (starts[e], counts[e]) for e in uniq}
         tok = order // k
         ws = weights.reshape(-1)[order].float().contiguous()
@@ -587,16 +625,20 @@ class StreamingExperts(ExpertSource):
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         n_cap, rows_cap = self._launch_limits(x.element_size())
+        # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
+        # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
+        # launch reading its blocks copied ahead from their slots and staging the others through the ring
         batch: list[tuple[int, int]] = []
         n_rows = 0
         for e, s in hits.items():
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
-                self._prefill_batch(j, batch, seg, rows, acc)
+                self._prefill_batch(j, batch, seg, rows, acc, ahead)
                 batch, n_rows = [], 0
             batch.append((e, s))
             n_rows += seg[e][1]
         if batch:
-            self._prefill_batch(j, batch, seg, rows, acc)
+            self._prefill_batch(j, batch, seg, rows, acc, ahead)
+        pa.last.ahead_used += sum(1 for e in hits if e in ahead)
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
         # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
@@ -627,7 +669,72 @@ class StreamingExperts(ExpertSource):
             pa.last.ms_waiting_for_disk += waited * 1e3
         if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
             self.client.done_prefill(j, used)
+        if guess is not None and j + 1 < self.n_moe:
+            self._copy_ahead(nj, host[E:].numpy())
         return acc
+
+    def _router_sync(self, counts, guess):
+        """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer."""
+        return (torch.cat([counts, guess]) if guess is not None else counts).cpu()
+
+    def _copy_ahead(self, nj: int, g) -> None:
+        """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
+        many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
+        ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them)."""
+        t0 = time.perf_counter()
+        self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
+        if not self._copies_ahead():
+            return
+        n = min(self.ahead_bytes // self.store.block_stride, self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
+        if n <= 0:
+            return
+        # the most used n, copied in expert order: the order the next layer launches them in
+        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:n] if g[e] > 0)
+        slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
+        pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
+        if not pairs:
+            return
+        if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
+            pins = self._ahead.pins if self._ahead is not None else []   # settled at this layer's sync)
+            self._ahead = None           # the old slots go before the new ones are allocated
+            self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda)
+            self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
+        after = None
+        if self._cuda and self._ring is not None:    # this layer's own copies first: the needed blocks are never
+            after = torch.cuda.Event()               # queued behind guessed ones
+            after.record(self._ring.stream)
+        events = self.prefill_profile.copy_events(ahead=True) if self.prefill_profile is not None else None
+        ss = [s for _, s in pairs]
+        self._ahead.copy(nj, [e for e, _ in pairs], [self.slab[s] for s in ss], ss, after, events)
+        if not self._cuda:
+            self.client.release(self._ahead.releasable(wait=True))
+        pa = self.prefill_acct.last
+        pa.ahead_copied += len(pairs)
+        pa.bytes_copied_ahead += len(pairs) * self.block_bytes
+        if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
+            pa.bytes_over_pcie += len(pairs) * self.block_bytes
+        pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
+
+    def _ahead_settle(self, j: int | None, uniq=()) -> dict:
+        """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
+        not route to, counted; their slots are free to be refilled), and how right the guess for it was. j None: the
+        prompt ends, nothing copied ahead is used any more."""
+        pa, routed = self.prefill_acct.last, set(uniq)
+        if j is not None and self._guessed is not None and self._guessed[0] == j:
+            named = self._guessed[1]
+            pa.guess_named += len(named)
+            pa.guess_right += len(named & routed)
+            pa.guess_layer_routed += len(routed)
+        self._guessed = None
+        a = self._ahead
+        if a is None or a.layer < 0 or a.layer != j:
+            if a is not None and a.layer >= 0:       # copied for a layer that never ran (a cancel): all unused
+                pa.ahead_unused += len(a.table)
+                a.layer, a.table = -1, {}
+            return {}
+        table, a.layer, a.table = a.table, -1, {}
+        pa.ahead_wrong += sum(1 for e in table if e not in routed)
+        return {e: r for e, r in table.items() if e in routed}
 
     def _prefetch_room(self, j: int, hits: int) -> int:
         """Slots the next layer's prefetch may fill, once this layer's reads have theirs, without evicting a block this
@@ -641,20 +748,28 @@ class StreamingExperts(ExpertSource):
         done &= (held // self.store.n_experts) < j
         return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
-    def _prefill_batch(self, j, batch, seg, rows: "_SortedRows", acc) -> None:
+    def _prefill_batch(self, j, batch, seg, rows: "_SortedRows", acc, ahead: dict | None = None) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)], on their rows gathered from x (an
         expert with more rows than a launch may hold: several launches over the one staged block); their pins are
-        deferred."""
+        deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then, counted
+        there): the launch waits for their copies and reads them from their slots, the others are staged."""
         ex, slots = [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
         rows_cap = self._launch_limits(rows.x.element_size())[1]
+        at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
+        from_ahead = [r for r in at if r is not None]
+        to_stage = [s for s, r in zip(slots, at) if r is None]
+        pa = self.prefill_acct.last
         try:
+            if from_ahead:
+                self._ahead.wait(from_ahead)
             if self._addressed:
                 idx = self._dev(ex)
                 ug, dg = self.up_global[j, idx], self.down_global[j, idx]
                 staged = self.prefill_weights == "staged" and self._cuda   # (tests run addresses on the CPU too)
                 if staged:
-                    addrs = self._stage(slots)
+                    got = iter(self._stage(to_stage) if to_stage else ())
+                    addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
@@ -662,22 +777,26 @@ class StreamingExperts(ExpertSource):
                     xs, ws, tok, local = rows.gather(part)
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
-                    self.prefill_acct.last.launches += 1
+                    pa.launches += 1
                     if not staged:      # zero-copy: each read of a block crosses the bus
-                        self.prefill_acct.last.bytes_over_pcie += n_reads * self.geom.block_bytes
-                if staged:
+                        pa.bytes_over_pcie += n_reads * self.geom.block_bytes
+                if staged and to_stage:
                     self._ring_used()
-                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
             else:
-                blocks = self._blocks(slots)
+                got = iter(self._blocks(to_stage) if to_stage else ())
+                blocks = [self._ahead.view(r) if r is not None else next(got) for r in at]
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
                 for part in _windows(segments, rows_cap):
                     xs, ws, tok, local = rows.gather(part)
                     self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok,
                                                                       acc))
-                    self.prefill_acct.last.launches += 1
+                    pa.launches += 1
                 if self._cuda:
-                    self.prefill_acct.last.bytes_over_pcie += len(ex) * self.geom.block_bytes
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
+            if from_ahead:
+                self._ahead.read_by_current_stream(from_ahead)
+                pa.ahead_read += len(from_ahead)
         finally:
             self._defer(slots)
 
@@ -774,3 +893,87 @@ class _StagingRing:
         cur = torch.cuda.current_stream(self.device)
         for r in self.used:
             self.free[r].record(cur)
+
+
+class _AheadSlots:
+    """Device slots for the next MoE layer's experts, copied from the pinned slab on their own stream while this
+    layer's last kernels and the dense layers run. A copy waits for an event that follows this layer's own staging
+    copies (so that no block this layer needs waits behind a guessed one) and for the kernels that read its slot
+    last (an event per slot); a launch waits for its blocks' copies (an event per slot). The slab slots stay pinned
+    until their copies are done. On the CPU (tests) the copies are plain and done at once."""
+
+    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool):
+        self.n, self.cuda, self.block_bytes, self.device = n, cuda, block_bytes, device
+        self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
+        self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
+        self.next = 0
+        self.pins: list = []                       # (event or None, slab slots)
+        if cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.buf.record_stream(self.stream)     # freed only after the copies queued on it
+            self.free = [None] * n                  # after the kernels that read the slot last
+            self.ready = [None] * n                 # after the slot's copy
+
+    def copy(self, layer: int, experts, sources, slab_slots, after=None, events=None) -> None:
+        """Copy `sources` (slab rows, pinned) into the next slots for `layer`'s `experts` (at most n). after: an event
+        the copies wait for; events: (start, end) recorded around the copies alone (a profile)."""
+        if len(experts) > self.n:
+            raise ValueError(f"{len(experts)} blocks copied ahead into {self.n} slots")
+        rs = [(self.next + i) % self.n for i in range(len(experts))]
+        self.next = (self.next + len(experts)) % self.n
+        self.layer, self.table = layer, dict(zip(experts, rs))
+        bb = self.block_bytes
+        if not self.cuda:
+            for r, src in zip(rs, sources):
+                self.buf[r, :bb].copy_(src[:bb])
+            self.pins.append((None, list(slab_slots)))
+            return
+        cs = self.stream
+        if after is not None:
+            cs.wait_event(after)
+        for r in rs:
+            if self.free[r] is not None:
+                cs.wait_event(self.free[r])
+        if events is not None:
+            events[0].record(cs)
+        with torch.cuda.stream(cs):
+            for r, src in zip(rs, sources):
+                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                self.ready[r] = ev
+        if events is not None:
+            events[1].record(cs)
+        self.pins.append((self.ready[rs[-1]], list(slab_slots)))
+
+    def address(self, r: int) -> int:
+        return self.buf[r].data_ptr()
+
+    def view(self, r: int) -> torch.Tensor:
+        return self.buf[r, :self.block_bytes]
+
+    def wait(self, slots) -> None:
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for r in slots:
+                cur.wait_event(self.ready[r])
+
+    def read_by_current_stream(self, slots) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            for r in slots:
+                self.free[r] = ev
+
+    def releasable(self, wait: bool) -> list[int]:
+        """The slab slots whose copies are done (wait: all of them, once done)."""
+        out, keep = [], []
+        for ev, slots in self.pins:
+            if ev is not None and wait:
+                ev.synchronize()
+            if ev is None or ev.query():
+                out.extend(slots)
+            else:
+                keep.append((ev, slots))
+        self.pins = keep
+        return out

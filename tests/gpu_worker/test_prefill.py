@@ -227,9 +227,15 @@ def test_gpu_layer_major_both_weight_paths(tiny, path):
         eng.experts.prefill_weights = path
         lm, greedy, _ = logits_tool.logits_and_greedy(eng.model, ids, 2)
         launches = eng.experts.prefill_acct.last.launches
+        ahead = eng.experts.prefill_acct.last
+        ahead_read, ahead_used, ahead_at_sync = ahead.ahead_read, ahead.ahead_used, list(eng.experts.ahead_at_sync)
         ch, _, _ = logits_tool.logits_and_greedy(eng.model, ids, 2, prefill_chunk=OLD_CHUNK)
     kl, kl_ch = mean_kl(ref, lm), mean_kl(ref, ch)
     print(f"{path}: mean KL vs the CPU engine {kl:.2e} (chunked {kl_ch:.2e}), {launches} grouped launches")
     assert kl < 3e-3 and kl_ch < 3e-3
     assert greedy[0] == ref_greedy[0]
     assert launches < 4 * 32, "one launch per expert: the grouping did not happen"
+    print(f"{path}: {ahead_read} blocks read from the copies ahead; at each router's sync {ahead_at_sync}")
+    # staged: what was copied ahead and routed to was read from the slots (how much of it, a cache of 10 % decides:
+    # test_prefill_ahead.py's GPU test has the RAM regime); zero-copy copies nothing ahead
+    assert ahead_read == ahead_used and (path == "staged" or ahead_read == 0)

@@ -1,0 +1,231 @@
+"""The next MoE layer's experts copied ahead during a prefill (gpu_worker/streaming.py `_copy_ahead`), on the CPU,
+where the ahead slots are plain tensors and the copies are done at once: the blocks copied ahead are the ones the
+next layer's launches read (a twin that puts a wrong block in a slot changes the logits), they were copied before
+that layer's router synced (a twin that copies them after the sync is caught by the count), the wrong guesses are
+counted, the logits are unchanged (RAM and a cache of 10 %), each routed block is still read at most once per
+prompt, and the span model counts the slots without shortening a span."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import gpu_worker.streaming as streaming
+from gpu_worker.engine import StreamingEngine
+from gpu_worker.prefill import (SpanPlan, ahead_bytes_for, launch_bytes_for, prefill, prefill_span, span_bytes,
+                                span_plan)
+from nemotron.model import NemotronH
+from tests.gpu_worker.test_prefill import prompt
+from tests.gpu_worker.test_streaming_pipeline import make_store, tenth_of_experts
+
+
+@pytest.fixture(scope="module")
+def tiny(synth, tmp_path_factory):
+    model_dir = synth("tiny", "nvfp4")
+    return model_dir, make_store(model_dir, tmp_path_factory.mktemp("ahead-store") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    """The in-memory engine's last-token logits of the prompts the tests feed."""
+    model_dir, _ = tiny
+    m = NemotronH(model_dir)
+    return {n: prefill(m, prompt(n, seed=n), m.new_state()) for n in (6, 300)}
+
+
+def _all_experts(store) -> int:
+    from expert_store.reader import ExpertStore
+    st = ExpertStore.open(store)
+    return len(st.moe_layers) * st.n_experts * st.block_stride + (1 << 20)
+
+
+class CopySpy:
+    """Records every layer's blocks copied ahead: [(MoE layer, experts)]."""
+
+    def __init__(self, monkeypatch):
+        self.copied, real = [], streaming._AheadSlots.copy
+
+        def copy(slots, layer, experts, *a, **kw):
+            self.copied.append((layer, list(experts)))
+            return real(slots, layer, experts, *a, **kw)
+        monkeypatch.setattr(streaming._AheadSlots, "copy", copy)
+
+
+def staged_before_sync(src) -> bool:
+    """Every MoE layer after the first of each span had blocks copied ahead when its router synced."""
+    n_moe = src.n_moe
+    later = [n for j, n in src.ahead_at_sync if j % n_moe != 0]
+    return bool(later) and all(n > 0 for n in later)
+
+
+def run(eng, n):
+    m = eng.model
+    return prefill(m, prompt(n, seed=n), m.new_state())
+
+
+@pytest.mark.parametrize("n", [6, 300])
+def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monkeypatch):
+    model_dir, store = tiny
+    spy = CopySpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead = True
+        run(eng, n)                      # reads every routed block once: the next run finds them all in RAM
+        spy.copied.clear()
+        out = run(eng, n)
+        last = src.prefill_acct.last
+        routed = src.prefill_acct.routed_keys()
+        assert int(eng.sup.shm.slot_pins.sum()) == 0, "pins of the copies ahead were left behind"
+    torch.testing.assert_close(out, refs[n], rtol=1e-5, atol=1e-4)
+    copied = {(j, e) for j, ex in spy.copied for e in ex}
+    print(f"{n} tokens: {last.ahead_copied} copied ahead, {last.ahead_used} used, {last.ahead_wrong} wrong; guess "
+          f"precision {last.guess_right / max(last.guess_named, 1):.2f}, "
+          f"recall {last.guess_right / max(last.guess_layer_routed, 1):.2f}")
+    assert last.ahead_copied == len(copied) > 0 and last.bytes_copied_ahead == len(copied) * src.block_bytes
+    assert last.ahead_used == len(copied & routed) > 0
+    assert last.ahead_read == last.ahead_used, "a block copied ahead and routed to was not read from its slot"
+    assert last.ahead_wrong == len(copied - routed)
+    assert last.ahead_copied == last.ahead_used + last.ahead_wrong      # RAM: nothing evicted in between
+    assert staged_before_sync(src)
+    assert last.guess_right <= min(last.guess_named, last.guess_layer_routed) and last.guess_named > 0
+    if n == 6:     # a few tokens: the next router on this layer's input names experts the layer does not route to
+        assert last.ahead_wrong > 0
+
+
+def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
+    """Must-fail twin: layer j+1's blocks copied once its router has synced (the copy engine idle until then). The
+    logits are right and the blocks are used, but the count at the sync is zero."""
+    model_dir, store = tiny
+    pending, real_copy, real_sync = [], streaming.StreamingExperts._copy_ahead, streaming.StreamingExperts._router_sync
+
+    def late_copy(self, nj, g):
+        pending.append((nj, g.copy()))
+
+    def late_sync(self, counts, guess):
+        host = real_sync(self, counts, guess)
+        while pending:
+            real_copy(self, *pending.pop())
+        return host
+    monkeypatch.setattr(streaming.StreamingExperts, "_copy_ahead", late_copy)
+    monkeypatch.setattr(streaming.StreamingExperts, "_router_sync", late_sync)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead = True
+        run(eng, 300)
+        out = run(eng, 300)
+        last = src.prefill_acct.last
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    assert last.ahead_read > 0
+    assert not staged_before_sync(src)
+
+
+def test_twin_wrong_block_in_a_slot_is_caught(tiny, refs, monkeypatch):
+    """Must-fail twin: each block copied ahead lands in its neighbour's slot; the launches read the slots, so the
+    logits move."""
+    model_dir, store = tiny
+    real = streaming._AheadSlots.copy
+
+    def rotated(slots, layer, experts, sources, *a, **kw):
+        return real(slots, layer, experts, sources[1:] + sources[:1], *a, **kw)
+    monkeypatch.setattr(streaming._AheadSlots, "copy", rotated)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        eng.experts.copy_ahead = True
+        run(eng, 300)
+        out = run(eng, 300)
+    assert (out - refs[300]).abs().max() > 1e-2
+
+
+def test_cache_at_a_tenth_with_copies_ahead(tiny, refs):
+    """The disk regime: only blocks in the slab are copied ahead (pinned while copied); the logits are unchanged."""
+    model_dir, store = tiny
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead = True
+        out = run(eng, 300)
+        stats = eng.cache_stats()
+        last = src.prefill_acct.last
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    assert stats["evictions"] > 0
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    assert last.ahead_read == last.ahead_used <= last.ahead_copied
+
+
+def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
+    """A cache of one layer's experts and a 1,500-token prompt, copies ahead on: the blocks read from disk stay within
+    the distinct experts routed plus the wasted prefetches (the pins of the copies ahead do not force re-reads)."""
+    from expert_store.reader import ExpertStore
+    model_dir, store = tiny
+    st = ExpertStore.open(store)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
+        eng.experts.copy_ahead = True
+        m = eng.model
+        prefill(m, prompt(1500, seed=4), m.new_state())
+        last = eng.experts.prefill_acct.last
+    print(f"{last.blocks_read} blocks read, {last.distinct_experts} distinct, {last.prefetch_wasted} wasted, "
+          f"{last.ahead_copied} copied ahead")
+    assert last.ahead_copied > 0
+    assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
+
+
+# ------------------------------------------------------------------------------------------------ the span model
+def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
+    model_dir, _ = tiny
+    cfg = NemotronH(model_dir).config
+    dt, wish = torch.float32, 1 << 40
+    for budget in (8 << 20, 64 << 20, 512 << 20):
+        plan = span_plan(cfg, dt, budget)
+        for cap in (100, 5000):
+            span = prefill_span(cfg, dt, budget, cap=cap)
+            ahead = ahead_bytes_for(cfg, dt, budget, span, plan, wish)
+            with_ahead = dataclasses.replace(plan, ahead_bytes=ahead)
+            grown = launch_bytes_for(cfg, dt, budget, span, with_ahead)
+            full = dataclasses.replace(with_ahead, launch_bytes=grown)
+            assert ahead > 0 and span_bytes(cfg, dt, span, plan=full) <= budget
+            assert span_bytes(cfg, dt, span, plan=with_ahead) - span_bytes(cfg, dt, span, plan=plan) == ahead
+            assert ahead_bytes_for(cfg, dt, budget, span, plan, 12345) == min(12345, ahead)
+    # must-fail twin: the slots granted as wished, beside the span, break the budget
+    span = prefill_span(cfg, dt, 64 << 20, cap=5000)
+    assert span_bytes(cfg, dt, span, plan=SpanPlan(ahead_bytes=64 << 20)) > 64 << 20
+
+
+def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
+    model_dir, store = tiny
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=1) as eng:
+        src = eng.experts
+        assert src.ahead_wish() == 0, "on the CPU copies ahead are a test's choice"
+        src.copy_ahead = True
+        assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
+        src._cuda = True                 # (the wish alone: nothing runs)
+        src.prefill_weights = "zero_copy"
+        assert src.ahead_wish() == 0
+        src._cuda = False
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
+def test_gpu_copies_ahead_read_by_the_next_layer(tiny):
+    """On the GPU (bf16, staged weights, RAM): the blocks copied ahead on their own stream are read by the next
+    layer's launches, copied before its router synced, and the logits are the CPU engine's; the A/B without them too."""
+    from tests.nemotron.test_model_vs_transformers import mean_kl
+    model_dir, store = tiny
+    ids = prompt(700, seed=8)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
+    got = {}
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        src, m = eng.experts, eng.model
+        for ahead in (True, False):
+            src.copy_ahead = ahead
+            prefill(m, ids, m.new_state())                  # every block in RAM for the timed-like second run
+            out = prefill(m, ids, m.new_state(), all_logits=True)
+            last = src.prefill_acct.last
+            got[ahead] = (out.float().cpu().numpy(), last.ahead_read, last.ahead_used, last.ahead_copied,
+                          last.ahead_wrong, staged_before_sync(src))
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    lm, read, used, copied, wrong, before = got[True]
+    print(f"GPU: {copied} copied ahead, {used} used, {wrong} wrong; KL {mean_kl(ref, lm):.2e}")
+    assert read == used > 0 and copied == used + wrong and before
+    assert mean_kl(ref, lm) < 3e-3 and mean_kl(ref, got[False][0]) < 3e-3
+    assert got[False][1] == 0 and not got[False][5]
