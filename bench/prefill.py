@@ -405,6 +405,9 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--disk-paths", default="staged_no_ahead",
+                    help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
+                         "staged: with the copies ahead)")
     ap.add_argument("--paths", default="staged,staged_no_ahead,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2")
@@ -506,7 +509,9 @@ def main(argv=None):
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
             if budget and a.budget_mb:
-                eng.experts.prefill_weights = paths[0] if cuda else eng.experts.prefill_weights
+                first = paths[0].split("#")[0]
+                eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
+                                               else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
                 for n in [n for n in sizes if n >= 1000]:
@@ -525,8 +530,11 @@ def main(argv=None):
         for rule in a.disk_reads.split(","):
             os.environ["MOESTREAM_PREFILL_READS"] = rule     # read by the prefetcher process the engine starts
             key = "disk" if rule == "as_slots_free" else f"disk_{rule}"
-            res[key] = regime(key, all_bytes // 3, False, paths=("staged",) if cuda else ("cpu",))
-            save()
+            # each weight path in an engine of its own: the cache starts empty in every one (a second path in the same
+            # engine would find the first one's reads)
+            for i, path in enumerate(a.disk_paths.split(",") if cuda else ["cpu"]):
+                res[key if i == 0 else f"{key}_{path}"] = regime(key, all_bytes // 3, False, paths=(path,))
+                save()
         os.environ.pop("MOESTREAM_PREFILL_READS", None)
     if "sweep" not in skip and cuda:
         res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
