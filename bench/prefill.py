@@ -408,7 +408,7 @@ def main(argv=None):
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
                          "staged: with the copies ahead)")
-    ap.add_argument("--paths", default="staged,staged_no_ahead,zero_copy",
+    ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +36,10 @@ PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its ne
 # device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
 # measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
 PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
-# off by default: the build measured on the H200 won nothing (bench/NOTES.md, session 6, h23 run 2) and the build
-# here is not measured yet; bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the A/B)
+# off by default, and for measuring only: the first build won nothing on the H200 (bench/NOTES.md, session 6, h23 run
+# 2), and this build, measured in the integrator's call 6, gave a WRONG first token (0, NaN logits) for a 16,000-token
+# prompt in the RAM regime with 512 ahead slots, while 128-4,000 tokens and the disk regime were right; not found yet.
+# bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the engine's default)
 PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "0") == "1"
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
@@ -187,6 +190,9 @@ class StreamingExperts(ExpertSource):
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
         self.copy_ahead = self._cuda and PREFILL_COPY_AHEAD
+        if self.copy_ahead:
+            warnings.warn("MOESTREAM_PREFILL_COPY_AHEAD=1: an experimental path with a known wrong result on a "
+                        "16,000-token prompt (bench/NOTES.md, session 6); for measurements only")
         self.ahead_bytes = 0
         self._ahead: _AheadSlots | None = None
         self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
