@@ -871,6 +871,9 @@ class _StagingRing:
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
         self.free = [torch.cuda.Event() for _ in range(n)]
         self.stream = torch.cuda.Stream(device)
+        # the buffer comes from the compute stream's pool: its memory may be a tensor freed a moment ago that queued
+        # kernels still read; the copy stream writes it only after them (a fresh slot's `free` event is unrecorded)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.device, self.block_bytes = device, block_bytes
         self.next, self.used = 0, []
 
@@ -917,6 +920,10 @@ class _AheadSlots:
         if cuda:
             self.stream = torch.cuda.Stream(device)
             self.buf.record_stream(self.stream)     # freed only after the copies queued on it
+            # allocated from the compute stream's pool, maybe in memory that its queued kernels still read (a layer's
+            # decoded weights or activations just freed): the first copies, whose slots have no `free` event, would
+            # overwrite it under them. A suspect for the wrong 16k prompt of session 6 (bench/NOTES.md).
+            self.stream.wait_stream(torch.cuda.current_stream(device))
             self.free = [None] * n                  # after the kernels that read the slot last
             self.ready = [None] * n                 # after the slot's copy
 
