@@ -38,7 +38,8 @@ PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its ne
 PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
 # off by default, and for measuring only: the first build won nothing on the H200 (bench/NOTES.md, session 6, h23 run
 # 2), and this build, measured in the integrator's call 6, gave a WRONG first token (0, NaN logits) for a 16,000-token
-# prompt in the RAM regime with 512 ahead slots, while 128-4,000 tokens and the disk regime were right; not found yet.
+# prompt in the RAM regime with 512 ahead slots, while 128-4,000 tokens and the disk regime were right. A suspect (a new
+# slots buffer written before the compute stream's queued readers of its recycled memory) is fixed below, unmeasured.
 # bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the engine's default)
 PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "0") == "1"
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
