@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,22 +37,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.dense_prefill_ab times the engine's prefill on CUDA: no device here")
-    from bench.e2e_stream import sh
-    from bench.profile_kernels import warm_all
-    from expert_store.reader import ExpertStore
+    from bench.workdir import all_experts_bytes, super_store, warm_all
     from gpu_worker.engine import StreamingEngine
     from gpu_worker.prefill import default_budget, dequant_terms, prefill, span_bytes, span_plan
     import gpu_worker.prefill as span_model
     from kernels import dense_prefill
-    work = Path(a.work)
-    model_dir, store_dir = work / "model", work / "store"
-    if not (model_dir / "config.json").exists():
-        sh([sys.executable, "-m", "tools.synth", "--preset", "super", "--quant", "nvfp4", "--moe-layers",
-            str(a.moe_layers), "--out", str(model_dir)])
-    if not (store_dir / "manifest.json").exists():
-        sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(store_dir), "--no-progress"])
-    store = ExpertStore.open(store_dir)
-    cache = int(len(store.moe_layers) * store.n_experts * store.block_stride * 1.02) + (8 << 20)
+    _, store_dir, store = super_store(a.work, a.moe_layers)
+    cache = all_experts_bytes(store)
     g = torch.Generator().manual_seed(5)
     res = dict(device=torch.cuda.get_device_name(), sizes={})
     with StreamingEngine(store_dir, cache_bytes=cache, io_workers=8, device="cuda", dtype=torch.bfloat16) as eng:

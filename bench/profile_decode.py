@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from bench.e2e_stream import sh
 
 
 class _Timed:
@@ -75,32 +74,18 @@ def m_state(m):
 
 
 def main(argv=None):
-    import sys
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--out", default="profile_decode.json")
     a = ap.parse_args(argv)
+    from bench.workdir import all_experts_bytes, super_store, warm_all
     from gpu_worker.engine import StreamingEngine
-    from expert_store.reader import ExpertStore
-    work = Path(a.work)
-    model_dir, store_dir = work / "model", work / "store"
-    if not (model_dir / "config.json").exists():
-        sh([sys.executable, "-m", "tools.synth", "--preset", "super", "--quant", "nvfp4", "--moe-layers",
-            str(a.moe_layers), "--out", str(model_dir)])
-    if not (store_dir / "manifest.json").exists():
-        sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(store_dir), "--no-progress"])
-    store = ExpertStore.open(store_dir)
-    n = len(store.moe_layers) * store.n_experts
-    with StreamingEngine(store_dir, cache_bytes=int(n * store.block_stride * 1.02) + (8 << 20), io_workers=8,
+    _, store_dir, store = super_store(a.work, a.moe_layers)
+    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8,
                          device="cuda", dtype=torch.bfloat16) as eng:
-        c = eng.sup.client()
-        for j in range(len(store.moe_layers)):
-            ex = list(range(store.n_experts))
-            c.request(j, ex)
-            for e, s in c.wait_any(j, ex, timeout=600):
-                c.release(s)
+        warm_all(eng, store)
         m = eng.model
         st = m.new_state()
         tok = int(m.forward(list(range(100, 124)), st, last_only=True)[-1].argmax())

@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -79,15 +78,6 @@ def show(title: str, wall_ms: float, wall_noprof_ms: float, t: dict, top: int, u
         print(f"{k[:90]} | {us:.1f} | {n:.1f} | {us / max(n, 1e-9):.2f}")
 
 
-def warm_all(eng, store) -> None:
-    cl = eng.sup.client()
-    for j in range(len(store.moe_layers)):
-        ex = list(range(store.n_experts))
-        cl.request(j, ex)
-        for e, s in cl.wait_any(j, ex, timeout=600):
-            cl.release(s)
-
-
 def profiled(fn, reps: int):
     """(profile, wall ms per rep profiled, wall ms per rep without the profiler)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -119,20 +109,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.profile_kernels profiles device kernels: no CUDA device here")
-    from bench.e2e_stream import sh
-    from expert_store.reader import ExpertStore
+    from bench.workdir import all_experts_bytes, super_store, warm_all
     from gpu_worker.engine import StreamingEngine
     from gpu_worker.prefill import prefill
-    work = Path(a.work)
-    model_dir, store_dir = work / "model", work / "store"
-    if not (model_dir / "config.json").exists():
-        sh([sys.executable, "-m", "tools.synth", "--preset", "super", "--quant", "nvfp4", "--moe-layers",
-            str(a.moe_layers), "--out", str(model_dir)])
-    if not (store_dir / "manifest.json").exists():
-        sh([sys.executable, "-m", "tools.repack", "--model", str(model_dir), "--out", str(store_dir), "--no-progress"])
-    store = ExpertStore.open(store_dir)
-    n = len(store.moe_layers) * store.n_experts
-    cache = int(n * store.block_stride * 1.02) + (8 << 20)
+    _, store_dir, store = super_store(a.work, a.moe_layers)
+    cache = all_experts_bytes(store)
     res: dict = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name())
     out = Path(a.out)
     g = torch.Generator().manual_seed(5)
