@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from cache_shm.shm import READY
+from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
@@ -203,7 +204,7 @@ class StreamingExperts(ExpertSource):
         self.device_routing = True
         self._unread = None              # callable -> [(moe_index, chosen, guess)] once the last token has run
         self._unbooked: list = []        # ... read, not yet booked
-        self._fill_held: list = []       # (event or None, slab slots) pinned for a whole-layer fill's copies
+        self._fill_held = CopyPins()     # slab slots pinned for a whole-layer fill's copies
 
     def _refresh(self):
         self.decode_settle()
@@ -416,7 +417,7 @@ class StreamingExperts(ExpertSource):
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            self._fill_held.append((ev, held))
+            self._fill_held.add(ev, held)
         else:
             self.client.release(held)
 
@@ -447,15 +448,9 @@ class StreamingExperts(ExpertSource):
             if done:
                 self.client.release(done)
         if self._fill_held:
-            keep = []
-            for ev, slots in self._fill_held:
-                if sync:
-                    ev.synchronize()
-                if ev.query():
-                    self.client.release(slots)
-                else:
-                    keep.append((ev, slots))
-            self._fill_held = keep
+            done = self._fill_held.releasable(wait=sync)   # a whole-layer fill's slab slots, once copied
+            if done:
+                self.client.release(done)
 
     def _route(self, j, layer, ex: list[int], guess_list: list[int], waited_s: float = 0.0) -> "_Ticket":
         """Host side of one token's MoE layer, after the choice is on the host (so the device has finished
@@ -702,7 +697,7 @@ class StreamingExperts(ExpertSource):
         if not pairs:
             return
         if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
-            pins = self._ahead.pins if self._ahead is not None else []   # settled at this layer's sync)
+            pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
             self._ahead = None           # the old slots go before the new ones are allocated
             self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda)
             self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
@@ -917,7 +912,7 @@ class _AheadSlots:
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
         self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
         self.next = 0
-        self.pins: list = []                       # (event or None, slab slots)
+        self.pins = CopyPins()                     # slab slots pinned for the copies
         if cuda:
             self.stream = torch.cuda.Stream(device)
             self.buf.record_stream(self.stream)     # freed only after the copies queued on it
@@ -940,7 +935,7 @@ class _AheadSlots:
         if not self.cuda:
             for r, src in zip(rs, sources):
                 self.buf[r, :bb].copy_(src[:bb])
-            self.pins.append((None, list(slab_slots)))
+            self.pins.add(None, slab_slots)
             return
         cs = self.stream
         if after is not None:
@@ -958,7 +953,7 @@ class _AheadSlots:
                 self.ready[r] = ev
         if events is not None:
             events[1].record(cs)
-        self.pins.append((self.ready[rs[-1]], list(slab_slots)))
+        self.pins.add(self.ready[rs[-1]], slab_slots)
 
     def address(self, r: int) -> int:
         return self.buf[r].data_ptr()
@@ -981,13 +976,4 @@ class _AheadSlots:
 
     def releasable(self, wait: bool) -> list[int]:
         """The slab slots whose copies are done (wait: all of them, once done)."""
-        out, keep = [], []
-        for ev, slots in self.pins:
-            if ev is not None and wait:
-                ev.synchronize()
-            if ev is None or ev.query():
-                out.extend(slots)
-            else:
-                keep.append((ev, slots))
-        self.pins = keep
-        return out
+        return self.pins.releasable(wait)

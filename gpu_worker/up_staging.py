@@ -33,6 +33,8 @@ import ctypes
 
 import torch
 
+from gpu_worker.copy_pins import CopyPins
+
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
 
@@ -72,7 +74,7 @@ class UpStaging:
         self.slot_of: dict[int, int] = {}    # expert -> buffer slot
         self.done = None                     # event after the copies (CUDA)
         self._waited = True                  # the compute stream already waits for `done`
-        self._held: list[tuple[object, list[int]]] = []   # (copies' event, slab slots pinned for them)
+        self._held = CopyPins()              # slab slots pinned for the copies
 
     @property
     def by_address(self) -> bool:
@@ -118,7 +120,7 @@ class UpStaging:
         self._waited = False
         self.layer = layer
         self.slot_of = {e: i for i, e in enumerate(experts)}
-        self._held.append((self.done, list(slots)))
+        self._held.add(self.done, slots)
 
     def take(self, layer: int, experts: list[int]) -> dict[int, int]:
         """{expert: address of its staged up section} for those of `experts` staged for `layer` (consumed: a
@@ -142,13 +144,4 @@ class UpStaging:
 
     def releasable(self, wait: bool = False) -> list[int]:
         """Slab slots whose copies are done (wait: all of them, waiting for the copies where they still run)."""
-        out, keep = [], []
-        for ev, slots in self._held:
-            if ev is not None and wait:
-                ev.synchronize()
-            if ev is None or ev.query():
-                out.extend(slots)
-            else:
-                keep.append((ev, slots))
-        self._held = keep
-        return out
+        return self._held.releasable(wait)
