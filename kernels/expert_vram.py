@@ -37,12 +37,10 @@ from kernels.sparse_down import sparse_down
 # "Session 6, h24"): the up prepared at BLOCK_N 64 won every case (19.0-19.6 us, 42 % of HBM; today's mode-4 up 55-58);
 # the down COMPACT 2 at 8 groups x 256 rows won every case of run 2: 28.8 / 24.7 / 16.7 / 7.9 us at 99 / 72 / 39 / 7 %
 # of groups active (today's 74 / 59 / 40 / 16; QUAD at 8 x 256 without compaction 32.6 / 30.9 / 28.5 / 17.1); two
-# launches beat one (vram_layer) everywhere (51 vs 68 us natural). A store of down sub-groups keeps sparse_down's
+# launches beat one everywhere (51 vs 68 us natural; the one launch is bench/kernels/moe_vram_layer.py). A store of down sub-groups keeps sparse_down's
 # sub-group kernel.
 UP_CONFIG = dict(BLOCK_N=64, X_BUILD=False, num_warps=4, num_stages=3)
 DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, COMPACT=2, num_warps=4, num_stages=1)
-FUSED = False                  # True: `vram_layer`'s one launch (FUSED_CONFIG) instead of the two
-FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, QUAD=True, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -252,52 +250,6 @@ def _vram_down_dot_kernel(
                 tl.atomic_add(count_ptr, n_active, sem="relaxed")
 
 
-@triton.jit
-def _vram_layer_kernel(
-    xb_ptr, addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, d_ptr,
-    L, I, up_scales_off, down_off, row_q, row_s, n_blocks,
-    BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, X_BUILD: tl.constexpr, USE_ASM: tl.constexpr,
-    COUNT: tl.constexpr, QUAD: tl.constexpr = False,
-):
-    """One launch: a program's BLOCK_N neurons of one expert through the mode-8 up, ReLU², then their active down
-    groups (BLOCK_N / 16 of them) read BLOCK_L rows at a time, all groups of a row tile in one load."""
-    pid = tl.program_id(0)
-    j = pid // n_blocks
-    pid_n = pid % n_blocks
-    NG: tl.constexpr = BLOCK_N // 16
-    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16)   # aligned: see the docstring
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < I
-    b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
-                          True, USE_ASM, False, 1, 0, X_BUILD, d_ptr)
-    b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
-    b_a = tl.maximum(b_h, 0.0)
-    b_a = tl.where(m_n, b_a * b_a, 0.0)
-    act = tl.reshape(b_a, (NG, 16))
-    on = tl.max((act != 0.0).to(tl.int32), axis=1) != 0                    # [NG]
-    n_active = tl.sum(on.to(tl.int32), axis=0)
-    if n_active > 0:
-        if QUAD:     # act[g, 4i + J] for J = 2b + c: split off c, then b
-            a_c0, a_c1 = tl.split(tl.reshape(act, (NG, 4, 2, 2)))
-            a0, a2 = tl.split(a_c0)
-            a1, a3 = tl.split(a_c1)
-        else:
-            a_even, a_odd = tl.split(tl.reshape(act, (NG, 8, 2)))
-        o_g = pid_n * NG + tl.arange(0, NG)
-        p_g = base + down_off + o_g.to(tl.int64) * (9 * L)
-        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0     # 2^14 undoes the fp16 decode
-        for l0 in range(0, L, BLOCK_L):
-            o_l = l0 + tl.arange(0, BLOCK_L)
-            m_l = o_l < L
-            if QUAD:
-                b_out = _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM)
-            else:
-                b_out = _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd)
-            tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
-        if COUNT:
-            tl.atomic_add(count_ptr, n_active, sem="relaxed")
-
-
 def vram_up(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
             out: torch.Tensor | None = None, mask: torch.Tensor | None = None, config: dict | None = None):
     """x [L] (bf16/fp32, on the device), addrs int64 [k], up_global fp32 [k] -> (act fp32 [k, I], mask int8
@@ -384,48 +336,10 @@ def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: 
     return acc
 
 
-def vram_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
-               down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
-               config: dict | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
-    """`vram_up` and `vram_down` in one launch (`_vram_layer_kernel`): same inputs and result. config: BLOCK_N,
-    BLOCK_L, X_BUILD (else B prepared by one more launch), num_warps, num_stages."""
-    if geom.fmt != "nvfp4" or geom.down_group_neurons != GROUP:
-        raise ValueError("the fused VRAM kernel reads NVFP4 blocks of 16-neuron down groups")
-    L, I = geom.L, geom.I
-    k = addrs.numel()
-    if x.numel() != L or addrs.dtype != torch.int64:
-        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
-    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
-        if t.numel() != k or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
-    acc = torch.zeros(L, dtype=torch.float32, device=x.device) if acc is None else acc
-    if acc.shape != (L,) or acc.dtype != torch.float32:
-        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
-    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
-        raise ValueError("counter must be int32 [1]")
-    cfg = {**FUSED_CONFIG, **(config or {})}
-    if cfg["BLOCK_N"] % GROUP:
-        raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
-    cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
-    x2 = x.reshape(1, L).contiguous()
-    build = cfg.pop("X_BUILD")
-    xb = x2 if build else x_operands(x2, 1, True)
-    d = x_pattern(x.device, 1, True, 256) if build else xb
-    n_blocks = triton.cdiv(I, cfg["BLOCK_N"])
-    cfg.setdefault("USE_ASM", not backend.interpreted())
-    _vram_layer_kernel[(k * n_blocks,)](xb, addrs, up_global, down_global, weights, acc,
-                                        counter if counter is not None else acc, d, L, I, geom.up_scales_off,
-                                        geom.down_off, L // 4, L // 16, n_blocks, X_BUILD=build,
-                                        COUNT=counter is not None, **cfg)
-    return acc
-
-
 def vram_expert_decode(x, addrs, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
                        up_config=None, down_config=None, counter=None) -> torch.Tensor:
     """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²) for blocks in VRAM (int64 addresses [k]): `vram_up` then
-    `vram_down`, or `vram_layer` where FUSED (and no configs are given)."""
+    `vram_down`."""
     acc = torch.zeros(geom.L, dtype=torch.float32, device=x.device) if acc is None else acc
-    if FUSED and up_config is None and down_config is None and geom.down_group_neurons == GROUP:
-        return vram_layer(x, addrs, geom, up_global, down_global, weights, acc, config=FUSED_CONFIG, counter=counter)
     act, mask = vram_up(x, addrs, geom, up_global, config=up_config)
     return vram_down(act, mask, addrs, geom, down_global, weights, acc, config=down_config, counter=counter)

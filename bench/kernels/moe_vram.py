@@ -27,8 +27,8 @@ from bench.kernels.expert_up import addr_sets  # noqa: E402
 from kernels.expert_block import SUPER, ExpertGeometry  # noqa: E402
 from kernels.expert_layer import expert_layer  # noqa: E402
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch  # noqa: E402
-from kernels.expert_vram import (DOWN_CONFIG, FUSED, UP_CONFIG, vram_down, vram_expert_decode,  # noqa: E402
-                                 vram_layer, vram_up)
+from bench.kernels.moe_vram_layer import vram_layer  # noqa: E402
+from kernels.expert_vram import DOWN_CONFIG, UP_CONFIG, vram_down, vram_expert_decode, vram_up  # noqa: E402
 from kernels.moe_ops import expert_decode_torch  # noqa: E402
 from kernels.sparse_down import sparse_down, sparse_down_torch  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
@@ -67,7 +67,7 @@ for _gpp, _bl, _sub in ((16, 256, 4), (8, 256, 2), (16, 256, 2), (32, 256, 4), (
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, COMPACT=_sub)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} compact{_sub}", lambda *a, c=_cfg: vram_down(*a, config=c)))
 
-# the one-launch VRAM layer (kernels/expert_vram.vram_layer): lost everywhere in run 1 (68 / 68 / 42.5 µs against the
+# the one-launch VRAM layer (bench/kernels/moe_vram_layer.py): lost everywhere in run 1 (68 / 68 / 42.5 µs against the
 # two launches' 51 / 48.5 / 35): a program's down waits for its own up, holding the up's registers
 FUSED_VARIANTS = [dict(BLOCK_N=64, BLOCK_L=256, QUAD=False), dict(BLOCK_N=128, BLOCK_L=128, QUAD=False),
                   dict(BLOCK_N=64, BLOCK_L=256, QUAD=True), dict(BLOCK_N=128, BLOCK_L=128, QUAD=True)]
@@ -172,7 +172,7 @@ def main(argv=None):
                  ("fused expert_layer (pinned default)", lambda s, acc: expert_layer(x, s, geom, ug, dg, w, acc))]
         pairs += [(f"fused vram_layer {c}", lambda s, acc, c=c: vram_layer(x, s, geom, ug, dg, w, acc, config=c))
                   for c in FUSED_VARIANTS]
-        pairs.append((f"wired: vram_expert_decode ({'one launch' if FUSED else 'two'}; {UP_CONFIG} {DOWN_CONFIG})",
+        pairs.append((f"wired: vram_expert_decode (two; {UP_CONFIG} {DOWN_CONFIG})",
                       lambda s, acc: vram_expert_decode(x, s, geom, ug, dg, w, acc)))
         if best_up and best_down:
             bu, bd = best_up[1], best_down[1]

@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 
 from bench.kernels.sass_probe import loop_body, sass
 from kernels import expert_up as eu
+from bench.kernels import moe_vram_layer
 from kernels import expert_vram as v
 from kernels import sparse_down as sd
 
@@ -71,7 +72,7 @@ def fused(cfg):
                row_s="i32", n_blocks="i32")
     cx = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"], X_BUILD=False, USE_ASM=True, COUNT=False,
               QUAD=cfg["QUAD"])
-    return _compile(v._vram_layer_kernel, sig, cx, 4, 3), cfg["BLOCK_N"] * 1024 * 2, 4
+    return _compile(moe_vram_layer._vram_layer_kernel, sig, cx, 4, 3), cfg["BLOCK_N"] * 1024 * 2, 4
 
 
 def today_up(cfg):

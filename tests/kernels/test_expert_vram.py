@@ -6,7 +6,8 @@ import torch
 import kernels.moe_ops as moe_ops
 from expert_cases import I, K, L, TOL, act_with_active_fraction, experts
 from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
-from kernels.expert_vram import vram_down, vram_expert_decode, vram_layer, vram_up
+from bench.kernels.moe_vram_layer import vram_layer
+from kernels.expert_vram import vram_down, vram_expert_decode, vram_up
 from kernels.moe_ops import block_addresses, expert_decode_torch
 from kernels.nvfp4 import swap_nibbles
 from kernels.sparse_down import sparse_down_torch
