@@ -33,6 +33,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module defines its kernels
 
+from bench.kernels.common import time_eager  # noqa: E402
 from kernels import dense_prefill  # noqa: E402
 from kernels.gemv_nvfp4 import fp8_linear, fp8_linear_torch, nvfp4_linear, nvfp4_linear_torch  # noqa: E402
 from kernels.linear import QuantizedWeight, linear  # noqa: E402
@@ -50,31 +51,11 @@ BIG = 1 << 40
 SMOKE_SHAPES = [("in_proj", 200, 64), ("fc2", 48, 96)]    # no GPU: the interpreter's sizes
 
 
-def median_seconds(fn, reps=5) -> float:
-    if not CUDA:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def gemm_ceiling(n=8192) -> float:
     n = n if CUDA else 128
     a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    return 2 * n ** 3 / median_seconds(lambda: a @ b, 10) / 1e12
+    return 2 * n ** 3 / time_eager(lambda: a @ b, 10) / 1e12
 
 
 def make_weight(fmt, N, K) -> QuantizedWeight:
@@ -159,7 +140,7 @@ def main(argv=None):
             twin = (lambda x: nvfp4_linear_torch(x, qw.weight, qw.weight_scale, qw.weight_scale_2, torch.float32)) \
                 if fmt == "nvfp4" else (lambda x: fp8_linear_torch(x, qw.weight, qw.weight_scale, torch.float32))
             # decode alone: bytes moved (packed in + bf16 out) per second
-            td = median_seconds(lambda: dense_prefill.dequantize_unscaled(qw, torch.bfloat16))
+            td = time_eager(lambda: dense_prefill.dequantize_unscaled(qw, torch.bfloat16), 5)
             moved = qw.nbytes + dense_prefill.dequant_nbytes(qw)
             res["times"].append(dict(fmt=fmt, shape=name, N=N, K=K, cand="decode_only", us=td * 1e6,
                                      gbs=moved / td / 1e9))
@@ -189,7 +170,7 @@ def main(argv=None):
                         if c.startswith("broken") or any(k.get("error") for k in res["checks"]
                                                          if k["cand"] == c and k["shape"] == name and k["fmt"] == fmt):
                             continue
-                        t = median_seconds(lambda: fn(x, parts))
+                        t = time_eager(lambda: fn(x, parts), 5)
                         tf = 2 * M * N * K / t / 1e12
                         res["times"].append(dict(fmt=fmt, shape=name, N=N, K=K, M=M, mode="one" if one else "pieces",
                                                  cand=c, us=t * 1e6, tflops=tf, frac=tf / ceiling))
