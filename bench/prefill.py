@@ -43,6 +43,7 @@ import torch
 from bench.ceilings import MIN_RATIO, pipeline_disk_gbps, ratio_or_note
 
 from bench.e2e_stream import copy_gbps, sh
+from bench.workdir import warm_all
 
 
 
@@ -481,12 +482,7 @@ def main(argv=None):
         with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=device,
                              dtype=torch.bfloat16 if cuda else torch.float32) as eng:
             if warm:
-                cl = eng.sup.client()
-                for j in range(len(store.moe_layers)):
-                    ex = list(range(store.n_experts))
-                    cl.request(j, ex)
-                    for e, s in cl.wait_any(j, ex, timeout=600):
-                        cl.release(s)
+                warm_all(eng, store)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
