@@ -72,6 +72,20 @@ def _up_rows_quad(x_ptr, w_ptr, s_ptr, L, o_n, m_n, BLOCK_N: tl.constexpr, USE_A
 
 
 @triton.jit
+def _relu2_group_mask(b_h, m_n, mask_ptr, j, I, pid_n, BLOCK_N: tl.constexpr):
+    """relu(h)² of a program's BLOCK_N neurons of expert j (0 past I), its 16-neuron groups' active flags stored in
+    mask [k, I / 16] (also the VRAM layers' up, kernels/expert_vram.py)."""
+    b_h = tl.maximum(b_h, 0.0)
+    b_h = tl.where(m_n, b_h * b_h, 0.0)
+    G = I // 16
+    NG: tl.constexpr = BLOCK_N // 16
+    active = tl.max((b_h.reshape(NG, 16) != 0.0).to(tl.int8), axis=1)
+    o_g = pid_n * NG + tl.arange(0, NG)
+    tl.store(mask_ptr + j * G + o_g, active, mask=o_g < G)
+    return b_h
+
+
+@triton.jit
 def _expert_up_kernel(
     # tensors
     x_ptr, addr_ptr, gup_ptr, out_ptr, mask_ptr,
@@ -93,13 +107,7 @@ def _expert_up_kernel(
                                        BLOCK_K), axis=1)
     b_h = b_h * (tl.load(gup_ptr + j) * _UNDO_DECODE)
     if FUSE_RELU2:
-        b_h = tl.maximum(b_h, 0.0)
-        b_h = b_h * b_h
-        G = I // 16
-        NG: tl.constexpr = BLOCK_N // 16
-        active = tl.max((b_h.reshape(NG, 16) != 0.0).to(tl.int8), axis=1)
-        o_g = pid_n * NG + tl.arange(0, NG)
-        tl.store(mask_ptr + j * G + o_g, active, mask=o_g < G)
+        b_h = _relu2_group_mask(b_h, m_n, mask_ptr, j, I, pid_n, BLOCK_N)
     tl.store(out_ptr + j * I + o_n, b_h, mask=m_n)
 
 

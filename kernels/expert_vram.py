@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels import backend
 from kernels.expert_block import GROUP, ExpertGeometry
+from kernels.expert_up import _relu2_group_mask
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
 from kernels.sparse_down import sparse_down
 
@@ -90,13 +91,7 @@ def _vram_up_kernel(
     b_h = _gemv_rows_quad(xb_ptr, base, base + up_scales_off, L, row_q, row_s, o_n, m_n, 0, L, 1, BLOCK_N, 256,
                           True, USE_ASM, False, 1, 0, X_BUILD, d_ptr)
     b_h = tl.sum(b_h, axis=1) * (tl.load(gup_ptr + j) * _UNDO_DECODE)
-    b_h = tl.maximum(b_h, 0.0)
-    b_h = tl.where(m_n, b_h * b_h, 0.0)
-    G = I // 16
-    NG: tl.constexpr = BLOCK_N // 16
-    active = tl.max((b_h.reshape(NG, 16) != 0.0).to(tl.int8), axis=1)
-    o_g = pid_n * NG + tl.arange(0, NG)
-    tl.store(mask_ptr + j * G + o_g, active, mask=o_g < G)
+    b_h = _relu2_group_mask(b_h, m_n, mask_ptr, j, I, pid_n, BLOCK_N)
     tl.store(out_ptr + j * I + o_n, b_h, mask=m_n)
 
 
