@@ -7,10 +7,11 @@ of bytes). At M = 1 the up of a layer's k experts is one GEMV of k · I rows ove
 so it runs the dense GEMV's own inner loop (kernels/gemv_nvfp4.py `_gemv_rows_quad`, mode 8: int16 quad decode,
 block-diagonal B, scales after the dot), with B prepared once (`x_operands`) or built per tile (X_BUILD), on a flat
 grid of k · I / BLOCK_N programs; its epilogue is the ReLU² and 16-group mask of `expert_up`.
-The down reads GROUPS_PER_PROG groups of one expert per program as one [groups, BLOCK_L, 8] masked load (an
-inactive group's lanes are predicated off and fetch nothing), so every group's bytes are in flight at once instead
-of one group per loop trip behind a branch, and sums them in registers before one fp32 atomic add per row: the
-atomics per layer fall by GROUPS_PER_PROG against `sparse_down` at one group per program.
+The down takes GROUPS_PER_PROG groups of one expert per program, ranks the active ones and decodes them COMPACT
+at a time (int16 quad decode; an inactive group is never read), and sums them in registers before one fp32 atomic
+add per row: the atomics per layer fall by GROUPS_PER_PROG against `sparse_down` at one group per program. The
+decodes it beat (every group of a program in one masked load, as quads or nibbles; the tensor cores) are kept with
+their timings in bench/kernels/vram_down_variants.py.
 
 Block addresses are taken as 16-byte aligned (blocks are page aligned, expert_block.BLOCK_ALIGN; the up section
 and every down group start at multiples of 16 inside them) and the kernels say so (`tl.multiple_of`): a pointer
@@ -31,7 +32,7 @@ import triton.language as tl
 from kernels import backend
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import _relu2_group_mask
-from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _e2m1_to_fp16, _gemv_rows_quad, x_operands, x_pattern
+from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_quad, _gemv_rows_quad, x_operands, x_pattern
 from kernels.sparse_down import sparse_down
 
 # the configurations the engine runs for VRAM-resident layers (bench/kernels/moe_vram.py, H200 runs 1-2, bench/NOTES.md
@@ -45,25 +46,11 @@ DOWN_CONFIG = dict(GROUPS_PER_PROG=8, BLOCK_L=256, COMPACT=2, num_warps=4, num_s
 
 
 @triton.jit
-def _down_rows(p_g, on, L, o_l, m_l, a_even, a_odd):
-    """Σ over the groups at p_g [NG] (mask `on` [NG]) of Σ_n act[g, n] · e2m1[g, l, n] · scale[g, l], fp32
-    [BLOCK_L] times 2^-14: one [NG, BLOCK_L, 8] load of the values and one [NG, BLOCK_L] of the scales.
-    a_even / a_odd [NG, 8]: act at neurons 2t and 2t+1 (the low and high nibble of byte t)."""
-    o_t = tl.arange(0, 8)
-    m_gl = on[:, None] & m_l[None, :]
-    b_v = tl.load(p_g[:, None, None] + o_l[None, :, None] * 8 + o_t[None, None, :], mask=m_gl[:, :, None], other=0)
-    b_s = tl.load(p_g[:, None] + 8 * L + o_l[None, :], mask=m_gl, other=0)
-    lo = _e2m1_to_fp16(b_v & 15).to(tl.float32)
-    hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
-    part = tl.sum(lo * a_even[:, None, :] + hi * a_odd[:, None, :], axis=2)
-    return tl.sum(part * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=0)
-
-
-@triton.jit
 def _down_rows_quad(p_g, on, L, o_l, m_l, a0, a1, a2, a3, USE_ASM: tl.constexpr):
-    """`_down_rows` with the values read as int16 (4 codes: neurons 4i..4i+3 of a row, low nibble first) and
-    decoded by the GEMV's quad PTX (2 instructions a weight where the nibble path takes ~5). aJ [NG, 4]: act at
-    neurons 4i + J."""
+    """Σ over the groups at p_g [NG] (mask `on` [NG]) of Σ_n act[g, n] · e2m1[g, l, n] · scale[g, l], fp32
+    [BLOCK_L] times 2^-14: one [NG, BLOCK_L, 4] load of the values as int16 (4 codes: neurons 4i..4i+3 of a row, low
+    nibble first), decoded by the GEMV's quad PTX (2 instructions a weight where the nibble path takes ~5), and one
+    [NG, BLOCK_L] of the scales. aJ [NG, 4]: act at neurons 4i + J."""
     o_i = tl.arange(0, 4)
     m_gl = on[:, None] & m_l[None, :]
     p16 = p_g.to(tl.pointer_type(tl.int16))
@@ -96,53 +83,16 @@ def _vram_up_kernel(
 
 
 @triton.jit
-def _vram_down_kernel(
-    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
-    L, I, down_off,
-    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, QUAD: tl.constexpr = False,
-    USE_ASM: tl.constexpr = False,
-):
-    j = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    pid_l = tl.program_id(2)
-    G = I // 16
-    # aligned: see the docstring
-    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
-    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0            # [GPP]
-    n_active = tl.sum(on.to(tl.int32), axis=0)
-    if n_active > 0:
-        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
-        m_l = o_l < L
-        p_g = base + o_g.to(tl.int64) * (9 * L)                                 # [GPP]
-        # every group's values in one load: the predicated-off lanes of inactive groups fetch nothing
-        if QUAD:
-            p_a = act_ptr + j * I + o_g[:, None] * 16 + 4 * tl.arange(0, 4)[None, :]   # [GPP, 4]
-            b_out = _down_rows_quad(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
-                                    tl.load(p_a + 1, mask=on[:, None], other=0.0),
-                                    tl.load(p_a + 2, mask=on[:, None], other=0.0),
-                                    tl.load(p_a + 3, mask=on[:, None], other=0.0), USE_ASM)
-        else:
-            p_a = act_ptr + j * I + o_g[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]   # [GPP, 8]
-            b_out = _down_rows(p_g, on, L, o_l, m_l, tl.load(p_a, mask=on[:, None], other=0.0),
-                               tl.load(p_a + 1, mask=on[:, None], other=0.0))
-        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
-        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
-        if COUNT:
-            if pid_l == 0:          # groups read: once per group, not per row tile
-                tl.atomic_add(count_ptr, n_active, sem="relaxed")
-
-
-@triton.jit
 def _vram_down_compact_kernel(
     act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
     L, I, down_off,
     GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
     SUB: tl.constexpr,
 ):
-    """`_vram_down_kernel` (QUAD) decoding only active groups: the program's active groups are ranked (a prefix sum of
+    """GROUPS_PER_PROG groups of expert j per program, decoding only the active ones: they are ranked (a prefix sum of
     the mask) and taken SUB at a time in rank order, so a chunk with one active group of 16 decodes SUB groups' lanes,
-    not 16 (run 1: the grouped down was issue-bound on the lanes of inactive groups)."""
+    not 16 (run 1: the all-groups load, bench/kernels/vram_down_variants.py, was issue-bound on the lanes of inactive
+    groups)."""
     j = tl.program_id(0)
     pid_g = tl.program_id(1)
     pid_l = tl.program_id(2)
@@ -172,73 +122,6 @@ def _vram_down_compact_kernel(
                                      tl.load(p_a + 2, mask=v_s[:, None], other=0.0),
                                      tl.load(p_a + 3, mask=v_s[:, None], other=0.0), USE_ASM)
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0         # 2^14 undoes the fp16 decode
-        tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
-        if COUNT:
-            if pid_l == 0:
-                tl.atomic_add(count_ptr, n_active, sem="relaxed")
-
-
-@triton.jit
-def _vram_down_dot_kernel(
-    act_ptr, mask_ptr, addr_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
-    L, I, down_off,
-    GROUPS_PER_PROG: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr, USE_ASM: tl.constexpr,
-):
-    """`_vram_down_kernel` on the tensor cores, mode 8 of the GEMV turned round: per code position J, A_J [BLOCK_L,
-    4·GPP] = the codes of neurons 4i + J of the program's groups (int16 quad decode), B_J [4·GPP, 16] block-diagonal
-    (column g holds group g's act at 4i + J), so the product's column g is group g's sum for each row and its e4m3
-    scale multiplies it once. act enters fp16 as hi + lo of act / max(act) (two dots): ~22 bits, no overflow."""
-    j = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    pid_l = tl.program_id(2)
-    G = I // 16
-    C: tl.constexpr = 4 * GROUPS_PER_PROG
-    # aligned: see the docstring
-    base = tl.multiple_of(tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8)), 16) + down_off
-    o_g = pid_g * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-    on = tl.load(mask_ptr + j * G + o_g, mask=o_g < G, other=0) != 0
-    n_active = tl.sum(on.to(tl.int32), axis=0)
-    if n_active > 0:
-        o_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
-        m_l = o_l < L
-        o_c = tl.arange(0, C)                       # column of A / row of B: group o_c // 4, int16 o_c % 4
-        g_c = pid_g * GROUPS_PER_PROG + o_c // 4
-        on_c = tl.load(mask_ptr + j * G + g_c, mask=g_c < G, other=0) != 0
-        p16 = (base + g_c.to(tl.int64) * (9 * L)).to(tl.pointer_type(tl.int16)) + o_c % 4
-        b_h = tl.load(p16[None, :] + o_l[:, None] * 4, mask=m_l[:, None] & on_c[None, :], other=0)
-        p_a = act_ptr + j * I + g_c * 16 + 4 * (o_c % 4)
-        a0 = tl.load(p_a, mask=on_c, other=0.0)
-        a1 = tl.load(p_a + 1, mask=on_c, other=0.0)
-        a2 = tl.load(p_a + 2, mask=on_c, other=0.0)
-        a3 = tl.load(p_a + 3, mask=on_c, other=0.0)
-        amax = tl.maximum(tl.maximum(tl.max(a0, axis=0), tl.max(a1, axis=0)),
-                          tl.maximum(tl.max(a2, axis=0), tl.max(a3, axis=0)))
-        inv = 1.0 / tl.maximum(amax, 1e-30)
-        o_16 = tl.arange(0, 16)
-        diag = (o_c // 4)[:, None] == o_16[None, :]
-        b_r = tl.zeros([BLOCK_L, 16], dtype=tl.float32)
-        for J in tl.static_range(4):
-            if J == 0:
-                a_j = a0
-            elif J == 1:
-                a_j = a1
-            elif J == 2:
-                a_j = a2
-            else:
-                a_j = a3
-            b_x = tl.where(diag, (a_j * inv)[:, None], 0.0)
-            b_hi = b_x.to(tl.float16)
-            b_lo = (b_x - b_hi.to(tl.float32)).to(tl.float16)
-            a_q = _e2m1_quad(b_h, J, USE_ASM)
-            b_r = tl.dot(a_q, b_hi, b_r)
-            b_r = tl.dot(a_q, b_lo, b_r)
-        o_gs = pid_g * GROUPS_PER_PROG + o_16
-        m_gs = (o_16 < GROUPS_PER_PROG) & (o_gs < G)
-        on_s = tl.load(mask_ptr + j * G + o_gs, mask=m_gs, other=0) != 0     # an inactive group's scales unread
-        m_s = (m_gs & on_s)[None, :] & m_l[:, None]
-        b_s = tl.load(base + o_gs.to(tl.int64)[None, :] * (9 * L) + 8 * L + o_l[:, None], mask=m_s, other=0)
-        b_out = tl.sum(b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1)
-        coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * (16384.0 * amax)   # 2^14 undoes the fp16 decode
         tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             if pid_l == 0:
@@ -279,55 +162,49 @@ def vram_up(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_globa
     return out, mask
 
 
-def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry,
-              down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor, config: dict | None = None,
-              counter: torch.Tensor | None = None) -> torch.Tensor:
-    """`sparse_down`'s contract (acc fp32 [L] += the active groups' sum; counter int32 [1] += groups read) with
-    GROUPS_PER_PROG (a power of two) groups of one expert per program. The decode: COMPACT=SUB (the default: the
-    active groups ranked, SUB at a time), QUAD (all groups of the program in one load, int16 quad decode), DOT (the
-    tensor cores), or none of them (one load, nibbles). A store of down sub-groups (geom.down_group_neurons < 16)
-    runs sparse_down's sub-group kernel."""
-    if geom.down_group_neurons != GROUP:
-        return sparse_down(act, mask, addrs, geom, down_global, weights, acc, counter=counter,
-                           config=dict(GROUPS_PER_PROG=1))
-    L, I = geom.L, geom.I
-    k = addrs.numel()
+def check_down_args(act, mask, addrs, geom: ExpertGeometry, acc, counter) -> None:
+    """The down's argument checks, shared with the losing variants (bench/kernels/vram_down_variants.py)."""
+    L, I, k = geom.L, geom.I, addrs.numel()
     if act.shape != (k, I) or mask.shape != (k, I // GROUP) or acc.shape != (L,) or acc.dtype != torch.float32:
         raise ValueError(f"act must be [{k}, {I}], mask [{k}, {I // GROUP}], acc fp32 [{L}]")
     if not (act.is_contiguous() and mask.is_contiguous()):
         raise ValueError("act and mask must be contiguous")
     if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
         raise ValueError("counter must be int32 [1]")
+
+
+def vram_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry,
+              down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor, config: dict | None = None,
+              counter: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_down`'s contract (acc fp32 [L] += the active groups' sum; counter int32 [1] += groups read) with
+    GROUPS_PER_PROG (a power of two) groups of one expert per program, the active ones ranked and decoded COMPACT
+    (a power of two up to GROUPS_PER_PROG) at a time. The decodes that lost to it (all groups of a program in one
+    load, as int16 quads or nibbles; the tensor cores) are bench/kernels/vram_down_variants.py. A store of down
+    sub-groups (geom.down_group_neurons < 16) runs sparse_down's sub-group kernel."""
+    if geom.down_group_neurons != GROUP:
+        return sparse_down(act, mask, addrs, geom, down_global, weights, acc, counter=counter,
+                           config=dict(GROUPS_PER_PROG=1))
+    check_down_args(act, mask, addrs, geom, acc, counter)
     given = config or {}
+    if {"QUAD", "DOT"} & given.keys():
+        raise ValueError("vram_down decodes COMPACT; the QUAD / DOT / nibble decodes lost and live in "
+                         "bench/kernels/vram_down_variants.py")
     cfg = {**DOWN_CONFIG, **given}
-    if {"QUAD", "DOT"} & given.keys() and "COMPACT" not in given:
-        cfg["COMPACT"] = 0              # a decode asked for by name replaces the default (compact) one
     gpp = cfg["GROUPS_PER_PROG"]
     if gpp & (gpp - 1):
         raise ValueError(f"GROUPS_PER_PROG={gpp} must be a power of two (one load of [groups, rows, 8])")
-    dot, quad, sub = cfg.pop("DOT", False), cfg.pop("QUAD", False), cfg.pop("COMPACT", 0)
+    sub = cfg.pop("COMPACT")
     if "COMPACT" not in given:
         sub = min(sub, gpp)
-    if sub and (sub & (sub - 1) or sub > gpp or dot):
-        raise ValueError(f"COMPACT={sub}: a power of two up to GROUPS_PER_PROG={gpp}, without DOT")
-    if dot and not 4 <= gpp <= 16:
-        raise ValueError(f"DOT: 4 to 16 groups a program (B has 16 columns, K = 4 x groups >= 16), got {gpp}")
+    if sub < 1 or sub & (sub - 1) or sub > gpp:
+        raise ValueError(f"COMPACT={sub}: a power of two up to GROUPS_PER_PROG={gpp}")
+    L = geom.L
     cfg["BLOCK_L"] = min(cfg["BLOCK_L"], triton.next_power_of_2(L))
     cfg.setdefault("USE_ASM", not backend.interpreted())
-    grid = (k, triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
-    if sub:
-        _vram_down_compact_kernel[grid](act, mask, addrs, down_global, weights, acc,
-                                        counter if counter is not None else mask, L, I, geom.down_off,
-                                        COUNT=counter is not None, SUB=sub, **cfg)
-        return acc
-    if dot:
-        _vram_down_dot_kernel[grid](act, mask, addrs, down_global, weights, acc,
-                                    counter if counter is not None else mask, L, I, geom.down_off,
-                                    COUNT=counter is not None, **cfg)
-        return acc
-    cfg["QUAD"] = quad
-    _vram_down_kernel[grid](act, mask, addrs, down_global, weights, acc, counter if counter is not None else mask,
-                            L, I, geom.down_off, COUNT=counter is not None, **cfg)
+    grid = (addrs.numel(), triton.cdiv(geom.n_groups, gpp), triton.cdiv(L, cfg["BLOCK_L"]))
+    _vram_down_compact_kernel[grid](act, mask, addrs, down_global, weights, acc,
+                                    counter if counter is not None else mask, L, geom.I, geom.down_off,
+                                    COUNT=counter is not None, SUB=sub, **cfg)
     return acc
 
 

@@ -32,6 +32,7 @@ from kernels.expert_vram import DOWN_CONFIG, UP_CONFIG, vram_down, vram_expert_d
 from kernels.moe_ops import expert_decode_torch  # noqa: E402
 from kernels.sparse_down import sparse_down, sparse_down_torch  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
+from bench.kernels.vram_down_variants import vram_down_variant  # noqa: E402
 
 K = 22
 # H200 run 1 (bench/results/moe_vram_h200_session6_run1.log), µs natural / 72 % / 7 % groups active:
@@ -62,7 +63,7 @@ for _gpp, _bl, _w, _q in ((2, 512, 4, 0), (4, 512, 4, 0), (4, 256, 4, 0), (8, 25
                           (2, 256, 4, 0), (2, 512, 4, 1), (4, 512, 4, 1)):
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, num_warps=_w, QUAD=_q > 0, DOT=_q == 2)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} w{_w}{['', ' quad', ' dot'][_q]}",
-                          lambda *a, c=_cfg: vram_down(*a, config=c)))
+                          lambda *a, c=_cfg: vram_down_variant(*a, config=c)))
 for _gpp, _bl, _sub in ((16, 256, 4), (8, 256, 2), (16, 256, 2), (32, 256, 4), (16, 128, 4)):
     _cfg = dict(GROUPS_PER_PROG=_gpp, BLOCK_L=_bl, COMPACT=_sub)
     DOWN_VARIANTS.append((f"vram_down gpp{_gpp} BL{_bl} compact{_sub}", lambda *a, c=_cfg: vram_down(*a, config=c)))

@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.kernels.vram_down_variants import _down_rows
 from kernels import backend
 from kernels.expert_block import GROUP, ExpertGeometry
-from kernels.expert_vram import _down_rows, _down_rows_quad
+from kernels.expert_vram import _down_rows_quad
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _gemv_rows_quad, x_operands, x_pattern
 
 FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_L=256, X_BUILD=False, QUAD=True, num_warps=4, num_stages=3)

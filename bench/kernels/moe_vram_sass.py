@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 from bench.kernels.sass_probe import loop_body, sass
 from kernels import expert_up as eu
 from bench.kernels import moe_vram_layer
+from bench.kernels import vram_down_variants as losers
 from kernels import expert_vram as v
 from kernels import sparse_down as sd
 
@@ -60,10 +61,10 @@ def down(cfg):
         return _compile(v._vram_down_compact_kernel, sig, cx, 4, 1), cfg["COMPACT"] * cfg["BLOCK_L"] * 16, 4
     if cfg.get("DOT"):
         cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, USE_ASM=True)
-        return _compile(v._vram_down_dot_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
+        return _compile(losers._vram_down_dot_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
     cx = dict(GROUPS_PER_PROG=cfg["GROUPS_PER_PROG"], BLOCK_L=cfg["BLOCK_L"], COUNT=False, QUAD=cfg["QUAD"],
               USE_ASM=True)
-    return _compile(v._vram_down_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
+    return _compile(losers._vram_down_kernel, sig, cx, 4, 1), cfg["GROUPS_PER_PROG"] * cfg["BLOCK_L"] * 16, 4
 
 
 def fused(cfg):

@@ -7,6 +7,7 @@ import kernels.moe_ops as moe_ops
 from expert_cases import I, K, L, TOL, act_with_active_fraction, experts
 from kernels.expert_up import expert_up_torch, relu2_group_mask_torch
 from bench.kernels.moe_vram_layer import vram_layer
+from bench.kernels.vram_down_variants import vram_down_variant
 from kernels.expert_vram import vram_down, vram_expert_decode, vram_up
 from kernels.moe_ops import block_addresses, expert_decode_torch
 from kernels.nvfp4 import swap_nibbles
@@ -108,6 +109,12 @@ def _decode_cfg(decode):
     return dict(QUAD=decode != "nibbles", DOT=decode == "dot")
 
 
+def _down(decode, *args, config, **kw):
+    """The engine's compact down, or a losing decode from bench/kernels/vram_down_variants.py."""
+    fn = vram_down if decode.startswith("compact") else vram_down_variant
+    return fn(*args, config={**config, **_decode_cfg(decode)}, **kw)
+
+
 @pytest.mark.parametrize("frac", [0.0, 1 / 15, 0.5, 1.0])
 @pytest.mark.parametrize("gpp,block_l,decode", DOWN_CASES)
 def test_vram_down_matches_twin(frac, gpp, block_l, decode, device):
@@ -115,8 +122,8 @@ def test_vram_down_matches_twin(frac, gpp, block_l, decode, device):
     act, mask = act_with_active_fraction(frac, device=device)
     w = torch.rand(K, device=device) + 0.1
     acc0 = torch.randn(L, device=device)         # accumulates into whatever is there
-    out = vram_down(act, mask, block_addresses(blocks, device), geom, dg, w, acc0.clone(),
-                    config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l, **_decode_cfg(decode)))
+    out = _down(decode, act, mask, block_addresses(blocks, device), geom, dg, w, acc0.clone(),
+                config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=block_l))
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, acc0.clone())
     assert_close(out, ref, TOL, f"vram down {frac:.0%}")
     if frac == 0.0:
@@ -128,8 +135,8 @@ def test_vram_down_counts_the_groups_it_reads(gpp, decode, device):
     geom, blocks, _, dg, *_ = experts(device=device)
     act, mask = act_with_active_fraction(0.5, device=device)
     counter = torch.full((1,), 5, dtype=torch.int32, device=device)
-    vram_down(act, mask, block_addresses(blocks, device), geom, dg, torch.rand(K, device=device) + 0.1,
-              torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=16, **_decode_cfg(decode)), counter=counter)
+    _down(decode, act, mask, block_addresses(blocks, device), geom, dg, torch.rand(K, device=device) + 0.1,
+          torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=gpp, BLOCK_L=16), counter=counter)
     n = int(mask.sum())
     assert 0 < n < mask.numel()
     assert int(counter) == 5 + n          # counting each of the 3 row tiles would give 5 + 3n
@@ -147,10 +154,10 @@ def test_vram_down_skips_inactive_groups(device):
     o = geom.down_off + g * geom.group_bytes
     blocks[j][o: o + geom.group_bytes] = 0x7F                      # e4m3 NaN in values and scales
     w = torch.rand(K, device=device) + 0.1
-    for cfg in (dict(), dict(COMPACT=2), dict(DOT=True)):
-        out = vram_down(act, mask, block_addresses(blocks, device), geom, dg, w, torch.zeros(L, device=device),
-                        config=dict(GROUPS_PER_PROG=4, BLOCK_L=32, **cfg))
-        assert torch.isfinite(out).all(), cfg
+    for decode in ("compact4", "compact2", "dot", "quad"):
+        out = _down(decode, act, mask, block_addresses(blocks, device), geom, dg, w, torch.zeros(L, device=device),
+                    config=dict(GROUPS_PER_PROG=4, BLOCK_L=32))
+        assert torch.isfinite(out).all(), decode
     assert_close(out, sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device)), TOL, "skip")
 
 
@@ -161,12 +168,12 @@ def test_must_fail_vram_down(how, decode, device):
     act, mask = act_with_active_fraction(1.0, device=device)
     w = torch.rand(K, device=device) + 0.1
     ref = sparse_down_torch(act, mask, blocks, geom, dg, w, torch.zeros(L, device=device))
-    cfg = dict(GROUPS_PER_PROG=4, BLOCK_L=32, **_decode_cfg(decode))
-    bad = vram_down(act, mask, block_addresses(_broken(geom, blocks, how), device), geom, dg, w,
-                    torch.zeros(L, device=device), config=cfg)
+    cfg = dict(GROUPS_PER_PROG=4, BLOCK_L=32)
+    bad = _down(decode, act, mask, block_addresses(_broken(geom, blocks, how), device), geom, dg, w,
+                torch.zeros(L, device=device), config=cfg)
     assert rel_err(bad, ref) > 0.05
-    good = vram_down(act, mask, block_addresses(blocks, device), geom, dg, w, torch.zeros(L, device=device),
-                     config=cfg)
+    good = _down(decode, act, mask, block_addresses(blocks, device), geom, dg, w, torch.zeros(L, device=device),
+                 config=cfg)
     assert rel_err(good, ref) < TOL
 
 
@@ -234,5 +241,7 @@ def test_bad_configs_are_refused(device):
         vram_down(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=4,
                                                                                                 COMPACT=3))
     with pytest.raises(ValueError, match="4 to 16 groups"):
-        vram_down(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device), config=dict(GROUPS_PER_PROG=2,
-                                                                                                DOT=True))
+        vram_down_variant(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device),
+                          config=dict(GROUPS_PER_PROG=2, DOT=True))
+    with pytest.raises(ValueError, match="vram_down_variants"):
+        vram_down(act, mask, addrs, geom, dg, w, torch.zeros(L, device=device), config=dict(QUAD=True))
