@@ -318,6 +318,7 @@ def run(a) -> dict:
     res["train"] = {k: summary.get(k) for k in ("steps", "tokens", "train_seconds", "final_heldout_loss",
                                                  "final_heldout_ppl", "tok_per_s", "params", "active_params",
                                                  "expert_path", "batch")}
+    model.zero_grad(set_to_none=True)
     model.eval().float()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -354,7 +355,8 @@ def run(a) -> dict:
 
     # 3. orders, every expert of a layer at once
     t = time.time()
-    perms: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("frequency", *ORDERS)}
+    small = f"coact4-cal{a.calib_cap // 4}"     # the same order fitted on a quarter of the calibration
+    perms: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("frequency", *ORDERS, small)}
     insample = {name: dict.fromkeys(NS, 0) for name in ("identity", *perms)}
     order_info = {name: [] for name in ORDERS}
     from tools.coactivation import batched_order, batched_unions
@@ -369,6 +371,8 @@ def run(a) -> dict:
             p, info = batched_order(fired, levels, max_iters=iters)
             perms[name][j] = p
             order_info[name].append(info)
+        perms[small][j], _ = batched_order(fired[:, : max(fired.shape[1] // 4, 1)].contiguous(), ORDERS["coact4"],
+                                           max_iters=a.refine_iters if time.time() - t < a.order_seconds else 3)
         for name in insample:
             p = ident if name == "identity" else perms[name][j]
             for n in NS:
