@@ -2,7 +2,8 @@
 co-activation, quantize to NVFP4 after the order, and measure the down bytes per token and the exactness.
 
     python -m tools.instrument_downbytes --data CORPUS --out OUT [--preset main] [--seconds 230]
-        [--calib-tokens 49152] [--heldout-tokens 24576] [--trace-tokens 16384] [--deadline 440] [TRAIN ARGS]
+        [--calib-tokens 49152] [--heldout-tokens 24576] [--trace-tokens 16384] [--deadline 420] [TRAIN ARGS]
+    python -m tools.instrument_downbytes --report OUT/downbytes.json [--plot OUT.png]
 
 The main instrument's checkpoint (hundreds of MB) cannot leave the device, so nothing here writes one: the
 trained model stays in memory (tools.train_instrument.train(keep_model=True)) and every variant is made from
@@ -462,6 +463,43 @@ def run(a) -> dict:
     return res
 
 
+def plot(res: dict, path: Path) -> None:
+    """Down bytes per token vs N (NVFP4 store) for every order, the block bytes beside them."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    nv = res["bytes"]["nvfp4"]["vs_unordered_16"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, d in nv.items():
+        ns = [int(n) for n in d]
+        ax.plot(ns, list(d.values()), marker="o", ls="--" if "ordered model" in name else "-", label=name)
+    bb = res["block_vs_16"]
+    ax.plot([int(n) for n in bb], list(bb.values()), color="grey", marker="s", lw=1, label="block bytes on disk")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.invert_xaxis()
+    ax.axhline(0.5, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("neurons per down sub-group (N)")
+    ax.set_ylabel("down bytes / token vs unordered 16-groups")
+    sp = res.get("sparsity", {})
+    ax.set_title(f"main instrument, NVFP4 store, held-out {res.get('heldout_tokens')} tokens "
+                 f"({sp.get('zero_fraction', 0):.1%} zeros)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _int_keys(x):
+    """JSON's string keys "16", "8", ... back to the ints the tables index by."""
+    if isinstance(x, dict):
+        return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_int_keys(v) for v in x]
+    return x
+
+
 def _digest(p: dict[int, torch.Tensor]) -> str:
     import hashlib
     h = hashlib.sha256()
@@ -471,6 +509,14 @@ def _digest(p: dict[int, torch.Tensor]) -> str:
 
 
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--report":      # --report downbytes.json [--plot OUT.png]: table (and plot) again
+        res = _int_keys(json.loads(Path(argv[1]).read_text()))
+        print(table(res))
+        if "--plot" in argv:
+            plot(res, Path(argv[argv.index("--plot") + 1]))
+        return 0
     ap = argparse.ArgumentParser(prog="python -m tools.instrument_downbytes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, type=Path, help="corpus (train.u16[.xz], heldout.u16/.txt, tokenizer/)")
     ap.add_argument("--out", required=True, type=Path)
