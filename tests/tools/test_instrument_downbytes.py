@@ -157,3 +157,19 @@ def test_the_one_call_measurement_end_to_end_on_cpu(tmp_path):
     n_moe = cfg.pattern.count("E")
     assert len(recs) == res["trace"]["tokens"] * n_moe > 0
     assert all(len(r[2]) == len(r[3]) == cfg.num_experts_per_tok and r[4] == [] for r in recs)
+
+
+def test_in_memory_nvfp4_is_the_hub_nvfp4_checkpoint(tmp_path):
+    import copy
+
+    from tools.instrument_downbytes import quantize_nvfp4_
+    from tools.instrument_hub import load_checkpoint, write_checkpoint
+    m = _model()
+    write_checkpoint(m, tmp_path / "nvfp4", "nvfp4", TINY)
+    hub = load_checkpoint(tmp_path / "nvfp4").state_dict()
+    q = copy.deepcopy(m)
+    assert quantize_nvfp4_(q) > 0
+    for k, v in q.state_dict().items():
+        assert torch.equal(v.float(), hub[k].float()), k
+    # must-fail twin: the BF16 values are not the NVFP4 checkpoint's
+    assert not all(torch.equal(v.float(), hub[k].float()) for k, v in m.state_dict().items())
