@@ -267,8 +267,8 @@ def table(res: dict) -> str:
     out = []
     s = res.get("train", {})
     if s:
-        out.append(f"trained {s.get('steps')} steps, {s.get('tokens', 0) / 1e6:.1f} M tokens in {s.get('train_seconds')} s; "
-                   f"held-out loss {s.get('final_heldout_loss', float('nan')):.3f}")
+        out.append(f"trained {s.get('steps')} steps, {s.get('tokens', 0) / 1e6:.1f} M tokens in "
+                   f"{s.get('train_seconds')} s; held-out loss {s.get('final_heldout_loss', float('nan')):.3f}")
     sp = res.get("sparsity")
     if sp:
         out.append(f"held-out {res['heldout_tokens']} tokens: ReLU² zeros {sp['zero_fraction']:.1%}, "
@@ -283,7 +283,8 @@ def table(res: dict) -> str:
         for name, d in b["vs_unordered_16"].items():
             out.append(f"{name:>22} " + " ".join(f"{d[n]:>7.3f}" for n in NS))
     if res.get("block_bytes"):
-        out.append("block bytes (NVFP4) vs N=16: " + ", ".join(f"N={n}: {v:.3f}" for n, v in res["block_vs_16"].items()))
+        out.append("block bytes (NVFP4) vs N=16: "
+                   + ", ".join(f"N={n}: {v:.3f}" for n, v in res["block_vs_16"].items()))
     ex = res.get("exactness", {})
     if ex:
         out.append("exactness on the held-out windows (against the BF16 unordered model):")
@@ -313,8 +314,8 @@ def run(a) -> dict:
     # 1. train
     t = time.time()
     targs = ti.parser().parse_args(["--data", str(a.data), "--preset", a.preset, "--seconds", str(a.seconds),
-                                    "--device", a.device, "--seq-len", str(a.seq_len), "--log", str(out / "main_loss.jsonl"),
-                                    *a.train_args])
+                                    "--device", a.device, "--seq-len", str(a.seq_len),
+                                    "--log", str(out / "main_loss.jsonl"), *a.train_args])
     summary, model = ti.train(targs, keep_model=True)
     res["train"] = {k: summary.get(k) for k in ("steps", "tokens", "train_seconds", "final_heldout_loss",
                                                  "final_heldout_ppl", "tok_per_s", "params", "active_params",
