@@ -145,23 +145,23 @@ class Masks:
 
 @torch.no_grad()
 def forward_windows(model, windows: torch.Tensor, chunk: int, masks: Masks | None = None,
-                    keep_logits: bool = False, ref: list | None = None) -> dict:
+                    keep_logits: bool = False, ref: torch.Tensor | None = None) -> dict:
     """Windows [n, S+1] through the model in fp32: the next-token NLL, and against the reference logits `ref`
-    (one tensor per chunk) the mean KL(ref ‖ model) and the max relative logit difference."""
+    ([n, S, V]) the mean KL(ref ‖ model) and the max relative logit difference."""
     nll = kl = 0.0
     n = 0
     diff = ref_max = 0.0
     logits_out = []
     ctx = masks if masks is not None else _Null()
     with ctx:
-        for c, s in enumerate(range(0, windows.shape[0], chunk)):
+        for s in range(0, windows.shape[0], chunk):
             x = windows[s:s + chunk]
             lg = model(x[:, :-1]).float()
             lp = torch.log_softmax(lg.double(), -1)
             nll += float(-lp.gather(-1, x[:, 1:, None]).sum())
             n += x[:, 1:].numel()
             if ref is not None:
-                r = ref[c]
+                r = ref[s:s + chunk]
                 lr = torch.log_softmax(r.double(), -1)
                 kl += float((lr.exp() * (lr - lp)).sum())
                 diff = max(diff, float((lg - r).abs().max()))
@@ -216,6 +216,40 @@ def bytes_table(counts: dict, tokens: int, L: int, I: int, fmt: str) -> dict:
     base = per.get("identity", next(iter(per.values())))[16]
     return {"bytes_per_token": per, "vs_unordered_16": {name: {n: v / base for n, v in d.items()}
                                                         for name, d in per.items()}}
+
+
+class RouteReplay:
+    """Records every router choice of one run (in call order) and replays it in a later run of the same
+    windows: the experts are the recorded ones, the weights this run's own scores at them. An fp32 difference
+    as small as a reordered sum can flip a near-tie in a router's top-k, and one flipped expert moves that
+    token's logits by far more than rounding; replaying the choice separates the two."""
+
+    def __init__(self):
+        self.log: list[torch.Tensor] = []
+        self.mode, self.i = None, 0
+
+    def __enter__(self):
+        import tools.instrument_model as im
+        self._orig = im.route
+        im.route = self._route
+        self.i = 0
+        return self
+
+    def __exit__(self, *exc):
+        import tools.instrument_model as im
+        im.route = self._orig
+
+    def _route(self, logits, bias, k, n_group, topk_group, norm_topk_prob, scaling):
+        if self.mode == "record":
+            idx, w = self._orig(logits, bias, k, n_group, topk_group, norm_topk_prob, scaling)
+            self.log.append(idx)
+            return idx, w
+        idx = self.log[self.i]
+        self.i += 1
+        w = torch.sigmoid(logits).gather(1, idx)
+        if norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * scaling
 
 
 # ---------------------------------------------------------------- routing traces
@@ -358,23 +392,28 @@ def run(a) -> dict:
     # 3. orders, every expert of a layer at once
     t = time.time()
     small = f"coact4-cal{a.calib_cap // 4}"     # the same order fitted on a quarter of the calibration
-    perms: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("frequency", *ORDERS, small)}
+    orders = {name: ORDERS[name] for name in a.orders}
+    perms: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ("frequency", *orders)
+                                                 if name in orders or name == "frequency"}
+    if "coact4" in orders:
+        perms[small] = {}
     insample = {name: dict.fromkeys(NS, 0) for name in ("identity", *perms)}
-    order_info = {name: [] for name in ORDERS}
+    order_info = {name: [] for name in orders}
     from tools.coactivation import batched_order, batched_unions
     torch.backends.cuda.matmul.allow_tf32 = True     # 0/1 operands: TF32 is exact here, and 8x faster
     for j in range(n_moe):
         fired = cm.padded(j, E)
         ident = torch.arange(I, device=fired.device).expand(E, I).contiguous()
         perms["frequency"][j] = torch.sort(fired.float().sum(1), dim=1, descending=True, stable=True).indices
-        for name, levels in ORDERS.items():
+        for name, levels in orders.items():
             # past the stage's budget the swaps get a few passes only (the greedy start is kept whole)
             iters = a.refine_iters if time.time() - t < a.order_seconds else 3
             p, info = batched_order(fired, levels, max_iters=iters)
             perms[name][j] = p
             order_info[name].append(info)
-        perms[small][j], _ = batched_order(fired[:, : max(fired.shape[1] // 4, 1)].contiguous(), ORDERS["coact4"],
-                                           max_iters=a.refine_iters if time.time() - t < a.order_seconds else 3)
+        if small in perms:
+            perms[small][j], _ = batched_order(fired[:, : max(fired.shape[1] // 4, 1)].contiguous(), ORDERS["coact4"],
+                                               max_iters=a.refine_iters if time.time() - t < a.order_seconds else 3)
         for name in insample:
             p = ident if name == "identity" else perms[name][j]
             for n in NS:
@@ -396,7 +435,7 @@ def run(a) -> dict:
     fresh()
     m0 = Masks(model)
     base = forward_windows(model, held, a.chunk, masks=m0, keep_logits=True)
-    ref = base.pop("logits")
+    ref = torch.cat(base.pop("logits"))
     c_bf16 = group_counts(m0, n_moe, all_perms())
     del m0
     T = res["heldout_tokens"]
@@ -423,6 +462,27 @@ def run(a) -> dict:
     fresh(perms["coact"], permute_down=False)
     res["exactness"]["twin: up permuted, down not"] = forward_windows(model, held, a.chunk, ref=ref)
     save("bf16_ordered", t)
+    if a.floor:
+        t = time.time()
+        fresh()     # the noise floor: the same model, another batch shape (other GEMM tilings and sums)
+        res["exactness"]["bf16 unordered, 1 window per forward"] = forward_windows(model, held, 1, ref=ref)
+        replay = RouteReplay()
+        with replay:
+            replay.mode = "record"
+            forward_windows(model, held, a.chunk)
+            fresh(perms["coact"])
+            replay.mode, replay.i = "replay", 0
+            res["exactness"]["bf16 coact-ordered, routing replayed"] = forward_windows(model, held, a.chunk, ref=ref)
+            fresh()
+            replay.i = 0
+            res["exactness"]["bf16 unordered, routing replayed"] = forward_windows(model, held, a.chunk, ref=ref)
+        del replay
+        fresh()
+        with torch.no_grad():
+            for m in model.moes():
+                m.down.zero_()
+        res["exactness"]["routed experts zeroed"] = forward_windows(model, held, a.chunk, ref=ref)
+        save("floor", t)
 
     # 6. NVFP4 from the unordered master, then the routing trace on the same weights
     t = time.time()
@@ -533,6 +593,10 @@ def main(argv=None) -> int:
     ap.add_argument("--order-seconds", type=float, default=70, help="after this long, 3 swap iterations per level")
     ap.add_argument("--realize", default="coact,coact4,coact2",
                     help="orders whose ordered master is quantized to NVFP4 and run (comma-separated)")
+    ap.add_argument("--orders", default=",".join(ORDERS), help="co-activation orders to fit (comma-separated; "
+                    "coact is always fitted: the exactness runs use it)")
+    ap.add_argument("--floor", action="store_true", help="also: the fp32 noise floor (another batch shape), the "
+                    "ordered model with the unordered run's routing replayed, and the routed experts zeroed")
     ap.add_argument("--trace-tokens", type=int, default=16384)
     ap.add_argument("--trace-seconds", type=float, default=40)
     ap.add_argument("--deadline", type=float, default=440, help="seconds from the start: later stages are skipped")
@@ -541,9 +605,10 @@ def main(argv=None) -> int:
     a, rest = ap.parse_known_args(argv)
     a.train_args = rest
     a.realize = [r for r in a.realize.split(",") if r]
-    bad = [r for r in a.realize if r not in ORDERS]
+    a.orders = list(dict.fromkeys(["coact", *(o for o in a.orders.split(",") if o)]))
+    bad = [r for r in a.realize + a.orders if r not in ORDERS or (r in a.realize and r not in a.orders)]
     if bad:
-        ap.error(f"--realize: unknown order(s) {bad} (one of {', '.join(ORDERS)})")
+        ap.error(f"--orders / --realize: unknown or not fitted order(s) {bad} (one of {', '.join(ORDERS)})")
     res = run(a)
     print(table(res))
     return 0
