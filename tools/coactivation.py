@@ -19,7 +19,9 @@ Exactness by format: BF16 / FP16 / FP32 and per-tensor FP8 experts are permuted 
 move, values and scales untouched). NVFP4 up is exact too (a row keeps its own scales). NVFP4 down is not:
 its e4m3 scales cover 16 consecutive neurons of a row, so regrouping the neurons changes the groups and down
 must be requantized (decode, permute, ModelOpt-exact encode with the same global scale). That is lossy and
-opt-in: without `--requantize` an NVFP4 checkpoint is refused. `bench.coactivation` measures the cost (KL,
+opt-in: without `--requantize` an NVFP4 checkpoint is refused. The exact path for an NVFP4 store: order the BF16
+master here, then quantize the ordered checkpoint (`python -m tools.instrument_hub --model ORDERED --out DIR`), as
+tools.instrument_downbytes does in memory on the device for the main instrument. `bench.coactivation` measures the cost (KL,
 perplexity) beside the down bytes it saves. The permutations and the calibration counts are written to
 `coactivation.json` in the output directory.
 """

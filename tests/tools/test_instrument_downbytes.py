@@ -173,3 +173,37 @@ def test_in_memory_nvfp4_is_the_hub_nvfp4_checkpoint(tmp_path):
         assert torch.equal(v.float(), hub[k].float()), k
     # must-fail twin: the BF16 values are not the NVFP4 checkpoint's
     assert not all(torch.equal(v.float(), hub[k].float()) for k, v in m.state_dict().items())
+
+
+def test_order_the_bf16_master_then_quantize_on_disk(tmp_path):
+    """The offline exact path: tools.coactivation on the BF16 checkpoint, then tools.instrument_hub quantizes it;
+    equal to the in-memory path of tools.instrument_downbytes (order, then quantize_nvfp4_)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from tools.coactivation import order_checkpoint
+    from tools.instrument_downbytes import quantize_nvfp4_
+    from tools.instrument_hub import load_checkpoint, main, write_checkpoint
+    from tools.ppl import text_ids
+    m = _model()
+    write_checkpoint(m, tmp_path / "bf16", "bf16", TINY)
+    ids = text_ids(TINY, HELDOUT)[:200]
+    s = order_checkpoint(tmp_path / "bf16", ids, tmp_path / "ordered", "coactivation")
+    assert s["requantized_down"] == 0
+    assert main(["--model", str(tmp_path / "ordered"), "--out", str(tmp_path / "nvfp4")]) == 0
+    perms = {j: torch.stack([torch.tensor(s["perms"][f"{layer}.{e}"]) for e in range(moe.E)])
+             for j, (layer, moe) in enumerate(zip([i for i, c in enumerate(m.cfg.pattern) if c == "E"], m.moes()))}
+    q = copy.deepcopy(m)
+    permute_experts_(q, perms)
+    quantize_nvfp4_(q)
+    disk = load_checkpoint(tmp_path / "nvfp4").state_dict()
+    for k, v in q.state_dict().items():
+        assert torch.equal(v.float(), disk[k].float()), k
+    # must-fail twin: quantizing the unordered master is another checkpoint
+    assert main(["--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "nvfp4-unordered")]) == 0
+    a = load_file(str(next((tmp_path / "nvfp4").glob("model-00002-*.safetensors"))))
+    b = load_file(str(next((tmp_path / "nvfp4-unordered").glob("model-00002-*.safetensors"))))
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".experts." in k)
+    # and an NVFP4 checkpoint is refused (re-encoding it would be the lossy path)
+    assert main(["--model", str(tmp_path / "nvfp4"), "--out", str(tmp_path / "again")]) == 1
