@@ -252,6 +252,13 @@ class RouteReplay:
         return idx, w * scaling
 
 
+def routing_flips(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    """Two runs' router choices (RouteReplay logs of the same windows): (token, MoE layer) rows whose expert set
+    differs, and how many rows there are."""
+    diff = sum(int((torch.sort(x, -1).values != torch.sort(y, -1).values).any(-1).sum()) for x, y in zip(a, b))
+    return {"rows_differing": diff, "rows": sum(x.shape[0] for x in a)}
+
+
 # ---------------------------------------------------------------- routing traces
 
 @torch.no_grad()
@@ -325,6 +332,10 @@ def table(res: dict) -> str:
         for name, d in ex.items():
             out.append(f"{name:>28}: ppl {d['ppl']:.4f}  KL {d.get('kl_mean', 0):.3e} nats  "
                        f"max rel logit diff {d.get('max_rel_logit_diff', 0):.2e}")
+    if res.get("routing_flips"):
+        f = res["routing_flips"]
+        out.append(f"routing, ordered vs unordered BF16: {f['rows_differing']} of {f['rows']} (token, MoE layer) "
+                   f"rows choose other experts")
     if res.get("trace"):
         out.append(f"routing trace: {res['trace']['tokens']} tokens, {res['trace']['conversations']} conversations")
     out.append(f"stages: {', '.join(f'{k} {v:.0f} s' for k, v in res.get('stage_seconds', {}).items())}")
@@ -345,15 +356,20 @@ def run(a) -> dict:
         (out / "downbytes.txt").write_text(table(res) + "\n")
         log(f"{stage} done in {time.time() - t:.1f} s")
 
-    # 1. train
+    # 1. train (or read a checkpoint: --model, e.g. the committed instrument-tiny on a CPU)
     t = time.time()
-    targs = ti.parser().parse_args(["--data", str(a.data), "--preset", a.preset, "--seconds", str(a.seconds),
-                                    "--device", a.device, "--seq-len", str(a.seq_len),
-                                    "--log", str(out / "main_loss.jsonl"), *a.train_args])
-    summary, model = ti.train(targs, keep_model=True)
-    res["train"] = {k: summary.get(k) for k in ("steps", "tokens", "train_seconds", "final_heldout_loss",
-                                                 "final_heldout_ppl", "tok_per_s", "params", "active_params",
-                                                 "expert_path", "batch")}
+    if a.model:
+        from tools.instrument_hub import load_checkpoint
+        model = load_checkpoint(a.model, dev)
+        res["model"] = str(a.model)
+    else:
+        targs = ti.parser().parse_args(["--data", str(a.data), "--preset", a.preset, "--seconds", str(a.seconds),
+                                        "--device", a.device, "--seq-len", str(a.seq_len),
+                                        "--log", str(out / "main_loss.jsonl"), *a.train_args])
+        summary, model = ti.train(targs, keep_model=True)
+        res["train"] = {k: summary.get(k) for k in ("steps", "tokens", "train_seconds", "final_heldout_loss",
+                                                     "final_heldout_ppl", "tok_per_s", "params", "active_params",
+                                                     "expert_path", "batch")}
     model.zero_grad(set_to_none=True)
     model.eval().float()
     if dev.type == "cuda":
@@ -466,10 +482,16 @@ def run(a) -> dict:
         t = time.time()
         fresh()     # the noise floor: the same model, another batch shape (other GEMM tilings and sums)
         res["exactness"]["bf16 unordered, 1 window per forward"] = forward_windows(model, held, 1, ref=ref)
-        replay = RouteReplay()
+        replay, ordered = RouteReplay(), RouteReplay()
+        with ordered:          # the ordered model's own choices, to count where they differ
+            ordered.mode = "record"
+            fresh(perms["coact"])
+            forward_windows(model, held, a.chunk)
         with replay:
             replay.mode = "record"
+            fresh()
             forward_windows(model, held, a.chunk)
+            res["routing_flips"] = routing_flips(replay.log, ordered.log)
             fresh(perms["coact"])
             replay.mode, replay.i = "replay", 0
             res["exactness"]["bf16 coact-ordered, routing replayed"] = forward_windows(model, held, a.chunk, ref=ref)
@@ -582,6 +604,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, type=Path, help="corpus (train.u16[.xz], heldout.u16/.txt, tokenizer/)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--preset", default="main")
+    ap.add_argument("--model", type=Path, help="measure this hub checkpoint instead of training one")
     ap.add_argument("--seconds", type=float, default=230, help="training budget")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq-len", type=int, default=1024, help="calibration / held-out window length")
