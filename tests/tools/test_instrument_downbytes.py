@@ -207,3 +207,33 @@ def test_order_the_bf16_master_then_quantize_on_disk(tmp_path):
     assert any(not torch.equal(a[k], b[k]) for k in a if ".experts." in k)
     # and an NVFP4 checkpoint is refused (re-encoding it would be the lossy path)
     assert main(["--model", str(tmp_path / "nvfp4"), "--out", str(tmp_path / "again")]) == 1
+
+
+def test_route_replay_keeps_the_recorded_experts_and_flips_are_counted():
+    from tools.instrument_downbytes import RouteReplay, routing_flips
+    m = _model()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    rec = RouteReplay()
+    with rec, torch.no_grad():
+        rec.mode = "record"
+        m(ids)
+    with torch.no_grad():
+        m.moes()[0].gate.add_(torch.randn_like(m.moes()[0].gate))     # another router: other choices
+    changed = RouteReplay()
+    with changed, torch.no_grad():
+        changed.mode = "record"
+        m(ids)
+    assert routing_flips(rec.log, changed.log)["rows_differing"] > 0      # the counter sees a changed router
+    seen, replayed = [], rec._route
+
+    def spy(*a):
+        idx, w = replayed(*a)
+        seen.append(idx)
+        return idx, w
+    rec._route = spy
+    with rec, torch.no_grad():
+        rec.mode, rec.i = "replay", 0
+        m(ids)
+    assert len(seen) == len(rec.log)
+    assert routing_flips(rec.log, seen)["rows_differing"] == 0           # replayed: the recorded experts
+    assert routing_flips(rec.log, rec.log)["rows"] == 2 * 40 * len(m.moes())
