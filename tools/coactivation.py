@@ -19,7 +19,9 @@ Exactness by format: BF16 / FP16 / FP32 and per-tensor FP8 experts are permuted 
 move, values and scales untouched). NVFP4 up is exact too (a row keeps its own scales). NVFP4 down is not:
 its e4m3 scales cover 16 consecutive neurons of a row, so regrouping the neurons changes the groups and down
 must be requantized (decode, permute, ModelOpt-exact encode with the same global scale). That is lossy and
-opt-in: without `--requantize` an NVFP4 checkpoint is refused. `bench.coactivation` measures the cost (KL,
+opt-in: without `--requantize` an NVFP4 checkpoint is refused. The exact path for an NVFP4 store: order the BF16
+master here, then quantize the ordered checkpoint (`python -m tools.instrument_hub --model ORDERED --out DIR`), as
+tools.instrument_downbytes does in memory on the device for the main instrument. `bench.coactivation` measures the cost (KL,
 perplexity) beside the down bytes it saves. The permutations and the calibration counts are written to
 `coactivation.json` in the output directory.
 """
@@ -341,3 +343,137 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------- batched, on the device (the main instrument)
+# The functions above order one expert at a time on the CPU: at I = 672 (42 groups) x 128 experts x 9 layers
+# the pairwise swaps alone are ~10^3 small tensor ops per expert and pass. These order every expert of a
+# layer at once: `fired` is bool [E, T, n], each expert's routed tokens padded with all-zero rows (a row that
+# fires nothing adds to no union, so padding changes no count), and the swap gains come from one batched
+# matmul instead of a loop over group pairs.
+
+def _exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b of 0/1 float32 tensors. TF32 keeps 0/1 inputs exact and accumulates in fp32, so counts are
+    exact up to 2^24 tokens either way."""
+    return torch.bmm(a, b)
+
+
+def batched_unions(fired: torch.Tensor, perm: torch.Tensor, size: int) -> torch.Tensor:
+    """Per expert, (tokens x groups of `size`) with a firing neuron under perm: int64 [E]."""
+    E, T, n = fired.shape
+    f = torch.gather(fired, 2, perm[:, None, :].expand(E, T, n))
+    return f.view(E, T, n // size, size).any(-1).sum((1, 2))
+
+
+def batched_greedy(F: torch.Tensor, size: int) -> torch.Tensor:
+    """_greedy_groups for every expert at once: F float 0/1 [B, T, n], n % size == 0 -> order int64 [B, n]
+    (groups of `size` consecutive positions, each in the order its columns joined)."""
+    B, T, n = F.shape
+    if n % size:
+        raise ValueError(f"batched_greedy: {n} neurons do not split into groups of {size}")
+    dev = F.device
+    freq = F.sum(1)
+    tie = freq / (T + 1)
+    free = torch.ones(B, n, dtype=torch.bool, device=dev)
+    out = torch.empty(B, n, dtype=torch.long, device=dev)
+    ar = torch.arange(B, device=dev)
+    neg, inf = torch.tensor(-1.0, device=dev), torch.tensor(float("inf"), device=dev)
+    pos = 0
+    for _ in range(n // size):
+        seed = torch.where(free, freq, neg).argmax(1)
+        out[:, pos], pos = seed, pos + 1
+        free[ar, seed] = False
+        union = F[ar, :, seed]                                         # [B, T]
+        for _ in range(size - 1):
+            added = freq - _exact_mm(union[:, None, :], F)[:, 0]
+            j = torch.where(free, added - tie, inf).argmin(1)
+            out[:, pos], pos = j, pos + 1
+            free[ar, j] = False
+            union = torch.maximum(union, F[ar, :, j])
+    return out
+
+
+def swap_gains(F: torch.Tensor, size: int) -> torch.Tensor:
+    """delta [B, n, n]: the change of the summed unions (groups of `size` consecutive columns of F) when column
+    i and column j trade groups. With rest_i[t] = the other columns of i's group firing at token t, i's group
+    after the trade fires at t iff rest_i[t] > 0 or F[t, j]; so its union is R_i + M[i, j] with R_i = #(rest_i
+    > 0) and M = [rest == 0]^T F, one matmul for every pair at once. Same-group entries are meaningless
+    (callers mask them)."""
+    B, T, n = F.shape
+    G = n // size
+    c = F.view(B, T, G, size).sum(-1)                                 # [B, T, G]
+    U = (c > 0).sum(1).float()                                        # [B, G]
+    rest = c.repeat_interleave(size, -1) - F                          # [B, T, n]
+    R = (rest > 0).sum(1).float()                                     # [B, n]
+    M = _exact_mm((rest == 0).float().transpose(1, 2), F)            # [B, n, n]
+    Ug = U.repeat_interleave(size, -1)                                # [B, n]: the union of i's group
+    new = R[:, :, None] + M                                           # i's group with j in place of i
+    return new + new.transpose(1, 2) - Ug[:, :, None] - Ug[:, None, :]
+
+
+def batched_refine(fired: torch.Tensor, perm: torch.Tensor, size: int, parent: int | None = None,
+                   max_iters: int = 200, rounds: int = 4) -> tuple[torch.Tensor, int]:
+    """Pairwise swaps between groups of `size` (only between groups inside one block of `parent` positions,
+    so a finer level keeps the coarser level's groups), every expert at once: per iteration the best trade
+    of each pair of groups, then up to `rounds` rounds of mutually-best pairs (disjoint, so their gains add),
+    until no trade gains or max_iters. -> (perm, iterations run)."""
+    E, T, n = fired.shape
+    parent = n if parent is None else parent
+    G, s = n // size, size
+    dev = fired.device
+    grp = torch.arange(n, device=dev) // size
+    allowed = (grp[:, None] != grp[None, :]) & ((torch.arange(n, device=dev)[:, None] // parent)
+                                                == (torch.arange(n, device=dev)[None, :] // parent))
+    perm = perm.clone()
+    it = 0
+    for it in range(1, max_iters + 1):
+        F = torch.gather(fired, 2, perm[:, None, :].expand(E, T, n)).float()
+        d = swap_gains(F, size).masked_fill(~allowed, float("inf"))
+        d = d.view(E, G, s, G, s).permute(0, 1, 3, 2, 4).reshape(E, G, G, s * s)
+        D, where = d.min(-1)                                          # [E, G, G] best trade per pair of groups
+        D = torch.where(D < -0.5, D, torch.full_like(D, float("inf")))
+        if not bool(torch.isfinite(D).any()):
+            break
+        for _ in range(rounds):
+            val, best = D.min(-1)                                     # [E, G]
+            gi = torch.arange(G, device=dev).expand(E, G)
+            mutual = (torch.gather(best, 1, best) == gi) & torch.isfinite(val) & (gi < best)
+            if not bool(mutual.any()):
+                break
+            e_i, a = torch.where(mutual)
+            b = best[e_i, a]
+            k = where[e_i, a, b]
+            pa, pb = a * s + k // s, b * s + k % s
+            va, vb = perm[e_i, pa].clone(), perm[e_i, pb].clone()
+            perm[e_i, pa], perm[e_i, pb] = vb, va
+            used = torch.zeros(E, G, dtype=torch.bool, device=dev)
+            used[e_i, a] = True
+            used[e_i, b] = True
+            D = D.masked_fill(used[:, :, None] | used[:, None, :], float("inf"))
+    return perm, it
+
+
+def batched_order(fired: torch.Tensor, levels=SUB_GROUPS, max_iters: int = 200) -> tuple[torch.Tensor, dict]:
+    """coactivation_order for every expert of a layer at once: bool [E, T, n] -> (perm int64 [E, n], info).
+
+    Level levels[0]: per expert the better (fewer calibration unions) of the greedy and the frequency sort,
+    then batched_refine; each finer level: the greedy inside each coarser group, then swaps between the groups
+    of one coarser group. levels=(4, 2) orders for a store of 4-neuron sub-groups, whose bytes do not depend
+    on which 16 neurons share a scale block."""
+    E, T, n = fired.shape
+    F = fired.float()
+    size = levels[0]
+    greedy = batched_greedy(F, size)
+    freq = torch.sort(F.sum(1), dim=1, descending=True, stable=True).indices
+    ug, uf = batched_unions(fired, greedy, size), batched_unions(fired, freq, size)
+    perm = torch.where((ug <= uf)[:, None], greedy, freq)
+    info = {"greedy_chosen": int((ug <= uf).sum()), "experts": E}
+    perm, info[f"iters_{size}"] = batched_refine(fired, perm, size, None, max_iters)
+    for parent, sub in zip(levels, levels[1:]):
+        G = n // parent
+        f = torch.gather(fired, 2, perm[:, None, :].expand(E, T, n)).float()
+        f = f.view(E, T, G, parent).permute(0, 2, 1, 3).reshape(E * G, T, parent)
+        local = batched_greedy(f, sub).view(E, G, parent) + (torch.arange(G, device=fired.device) * parent)[:, None]
+        perm = torch.gather(perm, 1, local.reshape(E, n))
+        perm, info[f"iters_{sub}"] = batched_refine(fired, perm, sub, parent, max_iters)
+    return perm, info

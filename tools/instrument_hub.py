@@ -253,3 +253,46 @@ def load_checkpoint(model_dir, device="cpu") -> InstrumentLM:
     if left:
         raise ValueError(f"{model_dir}: tensors the model has no place for: {left[:5]}")
     return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- the command: quantize a BF16 checkpoint
+
+def main(argv=None) -> int:
+    """python -m tools.instrument_hub --model BF16_DIR --out DIR [--quant nvfp4] [--calib-text F]
+
+    The exact path of the co-activation order for NVFP4: order the BF16 checkpoint (`python -m tools.coactivation`,
+    exact on BF16), then quantize the ordered checkpoint here — the same encoder and layout as the trainer's own
+    NVFP4 output, so the ordered model is quantized exactly as the unordered one would have been."""
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m tools.instrument_hub", description=main.__doc__.split("\n\n")[1])
+    ap.add_argument("--model", required=True, type=Path, help="BF16 (or FP32) hub checkpoint of a NemotronH")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quant", choices=["bf16", "nvfp4"], default="nvfp4")
+    ap.add_argument("--calib-text", type=Path, help="text for the activation scales (input_scale); default 1.0")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    a = ap.parse_args(argv)
+    try:
+        cfg = json.loads((a.model / "config.json").read_text())
+        if cfg.get("quantization_config") or (a.model / "hf_quant_config.json").exists():
+            raise ValueError(f"{a.model}: already quantized; re-encoding a quantized checkpoint is lossy (use "
+                             f"tools.coactivation --requantize for that) — quantize the BF16 master instead")
+        if a.out.exists() and any(a.out.iterdir()):
+            raise ValueError(f"{a.out}: output directory exists and is not empty")
+        model = load_checkpoint(a.model)
+        amax = None
+        if a.calib_text:
+            from tokenizers import Tokenizer
+            ids = Tokenizer.from_file(str(a.model / "tokenizer.json")).encode(a.calib_text.read_text()).ids
+            if not ids:
+                raise ValueError(f"{a.calib_text}: no tokens")
+            amax = calibrate(model, [torch.tensor([ids[:a.calib_tokens]])])
+        write_checkpoint(model, a.out, a.quant, a.model, amax)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{a.out}: {a.quant} checkpoint of {a.model}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -139,7 +139,9 @@ def choose_expert_path(model: InstrumentLM, device, wanted: str) -> tuple[str, d
     return "loop", tried
 
 
-def train(args) -> dict:
+def train(args, keep_model: bool = False):
+    """-> the summary; with keep_model, (summary, the trained model) for a caller that measures it in the
+    same process (tools.instrument_downbytes: the main model cannot leave the device)."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -245,10 +247,10 @@ def train(args) -> dict:
             write_checkpoint(model, out / q, q, tok_dir, amax)
         summary["write_seconds"] = round(time.time() - t1, 1)
         (out / "summary.json").write_text(json.dumps({**summary, "curve": curve}, indent=1) + "\n")
-    return summary
+    return (summary, model) if keep_model else summary
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="corpus directory (tools.instrument_corpus --out)")
     ap.add_argument("--tokenizer", help="tokenizer directory (default DATA/tokenizer)")
@@ -276,6 +278,11 @@ def main(argv=None):
     ap.add_argument("--out", help="write bf16/ and nvfp4/ hub checkpoints and summary.json here")
     ap.add_argument("--quant", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
     ap.add_argument("--log", help="loss curve as JSON lines")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     if a.eval_every % a.log_every:
         ap.error("--eval-every must be a multiple of --log-every")
