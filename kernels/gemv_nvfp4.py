@@ -327,6 +327,65 @@ def _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k,
 
 
 @triton.jit
+def _stream_k_store(b_y, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid, J_MAX,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's share [lo, hi) of row block rb's n_tiles K-tiles, summed into b_y [BLOCK_N, M_PAD]: stored as y
+    when the share is the whole row, else as partial j of the row block (j = this program's rank among the programs
+    whose tile ranges meet the row: programs own `per` consecutive tiles of the flattened (row block, K-tile) order,
+    so they are pids p_lo .. p_hi); the last of them to arrive sums the partials in rank order (deterministic) and
+    stores y in its dtype, then puts the row's counter back to zero for the next call on this stream."""
+    o_m = tl.arange(0, M_PAD)
+    p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
+    m_y = m_n[:, None] & (o_m[None, :] < M)
+    if (lo == 0) & (hi == n_tiles):
+        tl.store(p_y, b_y, mask=m_y)
+    else:
+        p_lo = (rb * n_tiles) // per
+        n_parts = ((rb + 1) * n_tiles - 1) // per - p_lo + 1
+        # partials [row blocks, J_MAX, M_PAD, BLOCK_N] fp32, written in full (no mask: the buffer has every lane)
+        p_part = part_ptr + (rb * J_MAX * M_PAD + o_m[None, :]) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        tl.store(p_part + (pid - p_lo) * (M_PAD * BLOCK_N), b_y)
+        tl.debug_barrier()      # every thread's partial is issued before the program's arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_parts - 1:
+            b_sum = tl.zeros_like(b_y)
+            for j in range(n_parts):
+                # .cg: from L2, where the other SMs' partials are (this SM's L1 is not coherent with them)
+                b_sum += tl.load(p_part + j * (M_PAD * BLOCK_N), cache_modifier=".cg")
+            tl.store(p_y, b_sum, mask=m_y)
+            tl.atomic_xchg(cnt_ptr + rb, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["n_tiles", "per", "J_MAX"])
+def _nvfp4_gemv_sk_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_ym, row_q, row_s, n_tiles, per, J_MAX,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr,
+    USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False, X_BUILD: tl.constexpr = False, d_ptr=None,
+    ONE_DOT: tl.constexpr = False,
+):
+    """STREAM_K: `_nvfp4_gemv_kernel`'s loop over a balanced share of the work. The row blocks' K-tiles in one flat
+    order (row block major), program p owns tiles [p · per, (p + 1) · per): every program the same number of tiles
+    whatever N (in_proj's 290 row blocks on 132 SMs left 3 on some SMs and 2 on most; split-K fixed the count per
+    row block, not the share per SM), and one launch: shares that cut a row block meet in `_stream_k_store`."""
+    pid = tl.program_id(0)
+    total = tl.cdiv(N, BLOCK_N) * n_tiles
+    t0 = pid * per
+    t1 = tl.minimum(t0 + per, total)
+    gs = tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0)
+    for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
+        lo = tl.maximum(t0 - rb * n_tiles, 0)
+        hi = tl.minimum(t1 - rb * n_tiles, n_tiles)
+        o_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, lo * BLOCK_K,
+                              tl.minimum(hi * BLOCK_K, K), M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE == 8, USE_ASM,
+                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT)
+        _stream_k_store(b_y * gs, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
+                        J_MAX, M_PAD, BLOCK_N)
+
+
+@triton.jit
 def _nvfp4_gemm_body(x_ptr, w_ptr, s_ptr, gs, y_ptr, row_scale_ptr, M, N, K, stride_xm, stride_ym,
                      LAYOUT: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, RELU2: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -404,24 +463,11 @@ def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
-                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
-    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
-    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
-    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
-    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
-    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DIRECT: tl.constexpr, X_BUILD: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Σ over k in [k_lo, k_hi) of W[o_n, k] · B[k, :] for `_fp8_gemv_kernel` / `_fp8_gemv_sk_kernel`: fp32
+    [BLOCK_N, 16] times 2^-8 (x's prescale)."""
     o_c = tl.arange(0, 16)
-    m_n = o_n < N
-    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
-    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     if X_BUILD and ONE_ROW:
         d_col = tl.load(d_ptr + tl.arange(0, BLOCK_K)[:, None] * 16 + o_c[None, :])
@@ -444,6 +490,30 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
         else:
             b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
         b_acc = tl.dot(b_w, b_x, b_acc)
+    return b_acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
+    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
+    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
+    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
+    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, 16)
+    m_n = o_n < N
+    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
+    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    b_acc = _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK_N, BLOCK_K, DIRECT, X_BUILD,
+                      ONE_ROW)
     b_y = b_acc * (tl.load(scale_ptr) * 256.0)
     p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_c[None, :] < M)
@@ -453,6 +523,27 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
         tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
     else:
         _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_c, pid_n, pid_k, M, N, n_split)
+
+
+@triton.jit(do_not_specialize=["n_tiles", "per", "J_MAX"])
+def _fp8_gemv_sk_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_ym, n_tiles, per, J_MAX,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                        X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None):
+    """STREAM_K for the FP8 GEMV: `_nvfp4_gemv_sk_kernel`'s balanced shares over `_fp8_rows`."""
+    pid = tl.program_id(0)
+    total = tl.cdiv(N, BLOCK_N) * n_tiles
+    t0 = pid * per
+    t1 = tl.minimum(t0 + per, total)
+    sc = tl.load(scale_ptr) * 256.0
+    for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
+        lo = tl.maximum(t0 - rb * n_tiles, 0)
+        hi = tl.minimum(t1 - rb * n_tiles, n_tiles)
+        o_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_acc = _fp8_rows(xc_ptr, w_ptr, o_n, m_n, lo * BLOCK_K, tl.minimum(hi * BLOCK_K, K), M, K, stride_xm, d_ptr,
+                          BLOCK_N, BLOCK_K, DIRECT, X_BUILD, ONE_ROW)
+        _stream_k_store(b_acc * sc, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
+                        J_MAX, 16, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -561,6 +652,12 @@ def split_k_for(N: int, K: int, block_n: int, block_k: int, n_sm: int, programs_
     return split
 
 
+def stream_k_shares(total_tiles: int, programs: int) -> tuple[int, int]:
+    """(programs, tiles per program) for STREAM_K: about `programs` equal shares of the flat tile order, none empty."""
+    per = max(1, triton.cdiv(total_tiles, max(1, programs)))
+    return triton.cdiv(total_tiles, per), per
+
+
 def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
     """The B operands of LOAD_MODE 8/9 for x2 [M, K]: fp16 [4, K/4, 16] (see `_x_operands_kernel`)."""
     M, K = x2.shape
@@ -599,6 +696,10 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     M = x2.shape[0]
     cfg = fp8_gemv_config(N, K, x2.device, config)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    stream_k = cfg.pop("STREAM_K", 0)
+    if stream_k:
+        cfg.pop("SPLIT_REDUCE", None)
+        cfg["SPLIT_K"] = 1
     reduce_last = cfg["SPLIT_K"] > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
     if cfg["SPLIT_K"] > 1 and not reduce_last:
         y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
@@ -612,6 +713,16 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
             cfg["d_ptr"] = x_pattern(x2.device, 1, False, 4 * cfg["BLOCK_K"])
     else:
         xa = x_columns(x2)
+    if stream_k:      # one launch over balanced shares (see _nvfp4_gemv_sk_kernel)
+        cfg.pop("SPLIT_K")
+        n_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+        programs, per = stream_k_shares(n_blocks * n_tiles, stream_k * _n_sm(x2.device))
+        j_max = (n_tiles - 1) // per + 2
+        part = torch.empty(n_blocks * j_max * 16 * cfg["BLOCK_N"], dtype=torch.float32, device=x2.device)
+        _fp8_gemv_sk_kernel[(programs,)](xa, _as_u8(weight_e4m3), _global(scale, x2.device), y, part,
+                                         _arrival_counters(x2.device, n_blocks), M, N, K, y.stride(0), n_tiles, per,
+                                         j_max, DIRECT=not backend.interpreted(), **cfg)
+        return y
     if reduce_last:
         cfg.update(part_ptr=torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x2.device),
                    cnt_ptr=_arrival_counters(x2.device, n_blocks))
@@ -703,8 +814,9 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                 raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
             cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
         split = cfg["SPLIT_K"]
+        stream_k = cfg.pop("STREAM_K", 0)
         reduce_last = split > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
-        if split > 1 and not reduce_last:
+        if split > 1 and not reduce_last and not stream_k:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
@@ -726,6 +838,17 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
             raise ValueError("ONE_DOT joins LOAD_MODE 8's four J tiles; mode 9 has no such path")
         if cfg.get("X_BUILD", False):
             cfg["d_ptr"] = x_pattern(x.device, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, cfg["BLOCK_K"])
+        if stream_k:      # one launch over balanced shares (see _nvfp4_gemv_sk_kernel); no split-K keys
+            for key in ("SPLIT_K", "SPLIT_REDUCE"):
+                cfg.pop(key, None)
+            n_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+            programs, per = stream_k_shares(n_blocks * n_tiles, stream_k * _n_sm(x.device))
+            j_max = (n_tiles - 1) // per + 2
+            part = torch.empty(n_blocks * j_max * cfg["M_PAD"] * cfg["BLOCK_N"], dtype=torch.float32, device=x.device)
+            _nvfp4_gemv_sk_kernel[(programs,)](xa, weight_u8, s_u8, gs, y, part, _arrival_counters(x.device, n_blocks),
+                                               M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16, n_tiles, per,
+                                               j_max, **cfg)
+            return (y if y.dtype == out_dtype else y.to(out_dtype)).reshape(*lead, N)
         if reduce_last:   # no zero-fill: partials are written before they are read, counters left at zero
             cfg["part_ptr"] = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cfg["cnt_ptr"] = _arrival_counters(x.device, n_blocks)
