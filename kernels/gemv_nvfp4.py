@@ -125,10 +125,17 @@ def _b_tile(xb_ptr, p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr, X
 
 
 @triton.jit
+def _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL: tl.constexpr, G: tl.constexpr):
+    """The raw e4m3 scales [BLOCK_N, NCOL] of the K-tile at k0: column c holds 16-group k0 / 16 + c mod G."""
+    o_gs = k0 // 16 + (tl.arange(0, NCOL) % G)
+    return tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :], mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
+
+
+@triton.jit
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
                     X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
-                    d_ptr=None, ONE_DOT: tl.constexpr = False):
+                    d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -157,7 +164,24 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
         d_keep = tl.load(d_ptr + o_i[:, None] * 16 + o_c[None, :])
         if ONE_DOT:  # in k order: row r of the tile is row r // 4 of the pattern
             d_nat = tl.load(d_ptr + (tl.arange(0, BLOCK_K) // 4)[:, None] * 16 + o_c[None, :])
+    # the e4m3 scales are a plain load that Triton does not put in the cp.async pipeline (they feed no dot): as loaded
+    # in the iteration that uses them, every K-tile waits one DRAM round trip (SASS: LDG.E.64 ~100 instructions
+    # before its use). SCALE_AHEAD 1 / 2 loads them one / two K-tiles ahead in registers (2 per thread per tile).
+    NCOL: tl.constexpr = 16 if SCALE_AFTER else BLOCK_K // 16
+    if SCALE_AHEAD >= 1:
+        s_next = _scale_tile(s_ptr, o_n, m_n, k_lo, row_s, NCOL, G)
+    if SCALE_AHEAD >= 2:
+        s_next2 = _scale_tile(s_ptr, o_n, m_n, k_lo + BLOCK_K, row_s, NCOL, G)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if SCALE_AHEAD == 0:
+            b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
+        elif SCALE_AHEAD == 1:
+            b_s_raw = s_next
+            s_next = _scale_tile(s_ptr, o_n, m_n, k0 + BLOCK_K, row_s, NCOL, G)
+        else:
+            b_s_raw = s_next
+            s_next = s_next2
+            s_next2 = _scale_tile(s_ptr, o_n, m_n, k0 + 2 * BLOCK_K, row_s, NCOL, G)
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
@@ -192,10 +216,7 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_nat = tl.load(xb_ptr + ((o_r % 4) * row_q + o_r // 4)[:, None] * 16 + o_c[None, :],
                                 mask=(o_r < K)[:, None], other=0.0)
             b_r = tl.dot(a_nat, b_nat)
-            o_gs = k0 // 16 + (o_c % G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
-                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
-            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif SCALE_AFTER:
             b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
                          _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
@@ -203,15 +224,9 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM),
                              _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
                              b_r)
-            o_gs = k0 // 16 + (o_c % G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
-                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
-            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            o_g = k0 // 16 + tl.arange(0, G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < row_s),
-                          other=0)
-            b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
+            b_s = (b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
                 b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
@@ -277,7 +292,7 @@ def _nvfp4_gemv_kernel(
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
-    X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False,
+    X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
     # SPLIT_REDUCE 1: the split-K partials [splits, M, N] fp32 and one arrival counter per row block (int32, zero
     # on entry, left zero on exit); the splits are the grid's second dimension, SPLIT_K only says "> 1"
     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
@@ -295,7 +310,7 @@ def _nvfp4_gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
@@ -362,7 +377,7 @@ def _nvfp4_gemv_sk_kernel(
     M, N, K, stride_xm, stride_ym, row_q, row_s, n_tiles, per, J_MAX,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr,
     USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False, X_BUILD: tl.constexpr = False, d_ptr=None,
-    ONE_DOT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
 ):
     """STREAM_K: `_nvfp4_gemv_kernel`'s loop over a balanced share of the work. The row blocks' K-tiles in one flat
     order (row block major), program p owns tiles [p · per, (p + 1) · per): every program the same number of tiles
@@ -380,7 +395,7 @@ def _nvfp4_gemv_sk_kernel(
         m_n = o_n < N
         b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, lo * BLOCK_K,
                               tl.minimum(hi * BLOCK_K, K), M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE == 8, USE_ASM,
-                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT)
+                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD)
         _stream_k_store(b_y * gs, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
                         J_MAX, M_PAD, BLOCK_N)
 

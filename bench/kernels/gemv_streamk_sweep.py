@@ -55,38 +55,50 @@ def nvfp4_variants(M: int, N: int, K: int) -> dict[str, dict]:
     m_pad = triton.next_power_of_2(M)
     # experiment 4's row blocks (not GEMV_CHOICES', which may name BN32 or BN128 with their warps for the shape)
     bn = {1: 64, 2: 128, 4: 128}.get(m_pad, 64 if N >= 16384 else 128)
-    v: dict[str, dict] = {"today": {}}
+    v: dict[str, dict] = {"today": {}, "today sa1": dict(SCALE_AHEAD=1)}
     plain = dict(BLOCK_N=bn, X_INLINE=False, X_BUILD=False, SPLIT_REDUCE=0, ONE_DOT=False, num_stages=3,
                  num_warps=4)
     for p in (1, 2, 3, 4, 6, 8):
         v[f"sk{p}"] = dict(plain, STREAM_K=p)
+    for p in (2, 3, 4, 6):
         v[f"sk{p} build"] = dict(plain, STREAM_K=p, X_BUILD=True)
+        v[f"sk{p} sa1"] = dict(plain, STREAM_K=p, SCALE_AHEAD=1)
+    for p in (3, 4):
+        v[f"sk{p} build sa1"] = dict(plain, STREAM_K=p, X_BUILD=True, SCALE_AHEAD=1)
+    # two tiles ahead: Triton 3.6 then drops the weights' cp.async pipeline (loads straight into registers)
+    v["sk4 sa2"] = dict(plain, STREAM_K=4, SCALE_AHEAD=2)
     for p in (2, 4):
         v[f"sk{p} st4"] = dict(plain, STREAM_K=p, num_stages=4)
-        v[f"sk{p} build st4"] = dict(plain, STREAM_K=p, X_BUILD=True, num_stages=4)
+    v["sk4 st4 sa1"] = dict(plain, STREAM_K=4, num_stages=4, SCALE_AHEAD=1)
     if m_pad <= 2:   # mode 9 (scales on the decoded tile, a plain B) where mode 8 is today's
         v["sk4 mode9"] = dict(plain, STREAM_K=4, LOAD_MODE=9, BLOCK_K=256)
         v["sk4 mode9 build"] = dict(plain, STREAM_K=4, LOAD_MODE=9, BLOCK_K=256, X_BUILD=True)
-    if m_pad <= 2:   # 113-120 registers hold 4 programs of 4 warps on an SM; 96 would hold 5
+        # 95-120 registers hold 4 programs of 4 warps on an SM; 96 would hold 5
         v["sk5 r96"] = dict(plain, STREAM_K=5, maxnreg=96)
         v["sk5 build r96"] = dict(plain, STREAM_K=5, X_BUILD=True, maxnreg=96)
+        v["sk5 sa1 r96"] = dict(plain, STREAM_K=5, SCALE_AHEAD=1, maxnreg=96)
     if m_pad == 1:
         for p in (2, 3):
             v[f"sk{p} BN128"] = dict(plain, STREAM_K=p, BLOCK_N=128)
+        v["sk3 BN128 sa1"] = dict(plain, STREAM_K=3, BLOCK_N=128, SCALE_AHEAD=1)
         for p in (4, 8):
             v[f"sk{p} BN32 w2 build"] = dict(plain, STREAM_K=p, BLOCK_N=32, num_warps=2, X_BUILD=True)
             v[f"sk{p} BN32 w2"] = dict(plain, STREAM_K=p, BLOCK_N=32, num_warps=2)
+        v["sk8 BN32 w2 build sa1"] = dict(plain, STREAM_K=8, BLOCK_N=32, num_warps=2, X_BUILD=True, SCALE_AHEAD=1)
     elif m_pad == 2:
         for p in (2, 4):
             v[f"sk{p} BN64"] = dict(plain, STREAM_K=p, BLOCK_N=64)
             v[f"sk{p} BN64 build"] = dict(plain, STREAM_K=p, BLOCK_N=64, X_BUILD=True)
-    else:            # mode 9: BN128 has 242-252 registers (2 programs per SM), BN64 121 (4)
+        v["sk4 BN64 sa1"] = dict(plain, STREAM_K=4, BLOCK_N=64, SCALE_AHEAD=1)
+    else:            # mode 9: BN128 has 184-252 registers (2 programs per SM), BN64 121-128 (4)
         other = 64 if bn == 128 else 128
         for p in (2, 4):
             v[f"sk{p} BN{other}"] = dict(plain, STREAM_K=p, BLOCK_N=other)
             v[f"sk{p} BN{other} build"] = dict(plain, STREAM_K=p, BLOCK_N=other, X_BUILD=True)
+        v[f"sk4 BN{other} sa1"] = dict(plain, STREAM_K=4, BLOCK_N=other, SCALE_AHEAD=1)
         if m_pad == 8:
             v["sk2 inline"] = dict(plain, STREAM_K=2, X_INLINE=True)
+            v["sk2 inline sa1"] = dict(plain, STREAM_K=2, X_INLINE=True, SCALE_AHEAD=1)
     return v
 
 
@@ -181,6 +193,63 @@ class Family:
         if self.name == "bf16":
             return 1
         return (nvfp4_launches if self.name == "nvfp4" else fp8_launches)(M, N, K, cfg)
+
+
+def _compile_key(fam: str, name: str, M: int, label: str, cfg: dict):
+    """Configurations that compile to the same kernel: every Super shape specialises alike (N, K, strides multiples
+    of 16), STREAM_K's share ints are not specialised; today's configuration follows the shape (GEMV_CHOICES)."""
+    if not cfg.get("STREAM_K"):
+        return (fam, name, M, label)
+    return (fam, M, json.dumps({k: v for k, v in cfg.items() if k != "STREAM_K"}, sort_keys=True))
+
+
+_worker_weights: dict = {}
+
+
+def _compile_job(job) -> str:
+    """One call of one configuration in a worker process: Triton compiles it into the shared on-disk cache."""
+    fam_name, name, N, K, M, label = job
+    try:
+        fam = Family(fam_name)
+        if _worker_weights.get("key") != (fam_name, N, K):
+            _worker_weights.clear()
+            _worker_weights.update(key=(fam_name, N, K), ws=fam.weights(N, K, 1, seed=N + K))
+        x = torch.randn(M, K, device=DEV).bfloat16()
+        fam.fn(fam.variants(M, N, K)[label], x)(*_worker_weights["ws"][0])
+        if CUDA:
+            torch.cuda.synchronize()
+        return ""
+    except Exception as ex:  # noqa: BLE001 - the timed pass reports it
+        return f"{fam_name} {name} M={M} {label}: {type(ex).__name__}"
+
+
+def precompile(passes, only, workers: int) -> None:
+    """Every distinct compilation of the run, made by `workers` processes before anything is timed (Triton's cache is
+    on disk, so the timing process then loads instead of compiling: ~0.5 s a kernel sequentially, ~150 kernels)."""
+    jobs, seen = [], set()
+    for fam_name, ms in passes:
+        if fam_name == "bf16":
+            continue
+        fam = Family(fam_name)
+        for name, N, K, _ in fam.shapes():
+            if only and name not in only:
+                continue
+            for M in ms:
+                for label, cfg in fam.variants(M, N, K).items():
+                    key = _compile_key(fam_name, name, M, label, cfg)
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((fam_name, name, N, K, M, label))
+    t = time.time()
+    import multiprocessing as mp
+    try:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            errs = [e for e in pool.map(_compile_job, sorted(jobs, key=lambda j: (j[2], j[3])), chunksize=1) if e]
+    except Exception as ex:  # noqa: BLE001 - the timed pass then compiles as it goes
+        print(f"  precompile failed ({type(ex).__name__}: {str(ex)[:120]}); compiling as the run goes", flush=True)
+        return
+    print(f"  precompiled {len(jobs)} distinct configurations in {time.time() - t:.0f} s with {workers} processes"
+          + (f"; {len(errs)} raised (reported below when timed)" if errs else ""), flush=True)
 
 
 def _copies(nb):
@@ -281,6 +350,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemv_streamk.json"))
     ap.add_argument("--budget-s", type=float, default=180.0)
     ap.add_argument("--only", default="", help="comma-separated shape names")
+    ap.add_argument("--precompile", type=int, default=12 if CUDA else 0,
+                    help="processes that compile every configuration before the timing (0: compile as it goes)")
     ap.add_argument("--passes", default=",".join(p.replace(",", "+") for p in PASSES),
                     help="family:M+M,... in order (default: %(default)s)")
     a = ap.parse_args(argv)
@@ -300,6 +371,9 @@ def main(argv=None):
             json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done, **extra), f,
                       indent=1, default=str)
 
+    passes = [(p.split(":")[0], [int(m) for m in p.split(":")[1].split("+")]) for p in a.passes.split(",")]
+    if a.precompile > 0:
+        precompile(passes, only, a.precompile)
     done = True
     for p in a.passes.split(","):
         fam, ms = p.split(":")
