@@ -692,13 +692,22 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
     return xc
 
 
-def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None) -> dict:
-    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4) under `config`, split-K by the
-    NVFP4 rule unless config fixes it."""
-    cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+# FP8's per-shape choices, keyed as GEMV_CHOICES (M = the x rows padded to a power of two); a shape not listed runs
+# experiment 4's configuration
+FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {}
+
+
+def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None,
+                    M: int | None = None) -> dict:
+    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4), FP8_GEMV_CHOICES' entry for
+    (M, N, K) when M is given, then `config`; split-K by the NVFP4 rule unless one of them fixes it."""
+    base = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
+    choice = (FP8_GEMV_CHOICES.get((_arch(device), triton.next_power_of_2(max(M, 1)), N, K))
+              if M is not None and _CHOICES_ON else None) or {}
+    cfg = {**base, **choice, **(config or {})}
     n_sm = n_sm or _n_sm(device)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
+    if "SPLIT_K" not in {**choice, **(config or {})} and n_blocks < 2 * n_sm:
         cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
     return cfg
 
@@ -709,7 +718,7 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
     N, K = weight_e4m3.shape
     M = x2.shape[0]
-    cfg = fp8_gemv_config(N, K, x2.device, config)
+    cfg = fp8_gemv_config(N, K, x2.device, config, M=M)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     stream_k = cfg.pop("STREAM_K", 0)
     if stream_k:

@@ -123,7 +123,7 @@ def nvfp4_launches(M, N, K, cfg) -> int:
 
 
 def fp8_launches(M, N, K, cfg) -> int:
-    c = g.fp8_gemv_config(N, K, torch.device(DEV), cfg)
+    c = g.fp8_gemv_config(N, K, torch.device(DEV), cfg, M=M)
     n = 1 + (0 if c.get("X_BUILD") else 1)
     if not c.get("STREAM_K") and c["SPLIT_K"] > 1 and c.get("SPLIT_REDUCE", 0) != 1:
         n += 2
@@ -135,7 +135,7 @@ def cuts_rows(M, N, K, cfg, fp8=False) -> bool:
     if not cfg.get("STREAM_K"):
         return False
     if fp8:
-        c = g.fp8_gemv_config(N, K, torch.device(DEV), cfg)
+        c = g.fp8_gemv_config(N, K, torch.device(DEV), cfg, M=M)
     else:
         c = {**g.gemv_config(M, N, K, torch.device(DEV)), **cfg}
         if c["LOAD_MODE"] == 8:
