@@ -32,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import backend
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
@@ -98,19 +99,43 @@ def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, d_pattern, M_PAD: tl.c
     row per thread, is then the layout of the product too (one x value per thread at M = 1, one 16-byte shared
     store), where the computed pattern got a 1-column layout (~5.7 instructions per weight against 3.5; the counts
     per variant and Triton version: bench/kernels/gemv_nvfp4_sass.py, bench/NOTES.md)."""
-    GC: tl.constexpr = 16 // M_PAD
-    o_i = tl.arange(0, Q)
-    o_k = k0 + 4 * o_i + J
+    return _b_from_vals(_x_built_vals(x_ptr, k0, J, M, stride_xm, K, M_PAD, Q), d_pattern, M_PAD, Q)
+
+
+@triton.jit
+def _x_built_vals(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, M_PAD: tl.constexpr, Q: tl.constexpr):
+    """The x values `_b_built` spreads: x[m, k0 + 4i + J], [Q] at M_PAD 1, else [Q, M_PAD, 1] (as loaded)."""
+    o_k = k0 + 4 * tl.arange(0, Q) + J
     if M_PAD == 1:
         v = tl.load(x_ptr + o_k, mask=o_k < K, other=0.0)
-        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        v = v[:, None] * d_pattern
     else:
         o_m = tl.arange(0, M_PAD)
         v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
                     mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
-        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    return v
+
+
+@triton.jit
+def _b_from_vals(v, d_pattern, M_PAD: tl.constexpr, Q: tl.constexpr):
+    GC: tl.constexpr = 16 // M_PAD
+    v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    if M_PAD == 1:
+        v = v[:, None] * d_pattern
+    else:
         v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16)) * d_pattern
+    return v
+
+
+@triton.jit
+def _pick4(J: tl.constexpr, a, b, c, d):
+    if J == 0:
+        v = a
+    elif J == 1:
+        v = b
+    elif J == 2:
+        v = c
+    else:
+        v = d
     return v
 
 
@@ -135,7 +160,8 @@ def _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL: tl.constexpr, G: tl.constexpr)
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
                     X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
-                    d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0):
+                    d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
+                    X_AHEAD: tl.constexpr = False):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -172,7 +198,22 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
         s_next = _scale_tile(s_ptr, o_n, m_n, k_lo, row_s, NCOL, G)
     if SCALE_AHEAD >= 2:
         s_next2 = _scale_tile(s_ptr, o_n, m_n, k_lo + BLOCK_K, row_s, NCOL, G)
+    # X_AHEAD (X_BUILD, not ONE_DOT): the x values of the next tile loaded one iteration ahead, for the same reason
+    if X_AHEAD:
+        xn0 = _x_built_vals(xb_ptr, k_lo, 0, M, stride_xm, K, M_PAD, Q)
+        xn1 = _x_built_vals(xb_ptr, k_lo, 1, M, stride_xm, K, M_PAD, Q)
+        xn2 = _x_built_vals(xb_ptr, k_lo, 2, M, stride_xm, K, M_PAD, Q)
+        xn3 = _x_built_vals(xb_ptr, k_lo, 3, M, stride_xm, K, M_PAD, Q)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if X_AHEAD:
+            xv0 = xn0
+            xv1 = xn1
+            xv2 = xn2
+            xv3 = xn3
+            xn0 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 0, M, stride_xm, K, M_PAD, Q)
+            xn1 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 1, M, stride_xm, K, M_PAD, Q)
+            xn2 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 2, M, stride_xm, K, M_PAD, Q)
+            xn3 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 3, M, stride_xm, K, M_PAD, Q)
         if SCALE_AHEAD == 0:
             b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
         elif SCALE_AHEAD == 1:
@@ -217,6 +258,12 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                                 mask=(o_r < K)[:, None], other=0.0)
             b_r = tl.dot(a_nat, b_nat)
             b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif SCALE_AFTER and X_AHEAD:
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_from_vals(xv0, keep, M_PAD, Q))
+            for J in tl.static_range(1, 4):
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q),
+                             b_r)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif SCALE_AFTER:
             b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
                          _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
@@ -229,18 +276,42 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             b_s = (b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
-                               _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
-                               b_acc)
+                if X_AHEAD:
+                    b_j = _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q)
+                else:
+                    b_j = _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q)
+                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, b_j, b_acc)
     return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
 @triton.jit
+def _l2_prefetch(p):
+    """prefetch.global.L2 of each address of p (a tensor of pointers); returns a dummy."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr, w_rows=None, PREFETCH: tl.constexpr = False):
+    """PDL (programmatic dependent launch; the kernel launched with launch_pdl): this kernel's programs may start
+    while the previous kernel on the stream drains; they wait for its writes (gdc_wait) before anything here reads or
+    writes memory the previous kernel may touch, then let the next kernel launch (after the wait, so that at most one
+    kernel's programs sit waiting). Only the weights (read-only) are touched before the wait: PREFETCH asks L2 for
+    the first tile's rows (w_rows: one pointer per 128-byte line) meanwhile."""
+    if PDL:
+        if PREFETCH:
+            _l2_prefetch(w_rows)
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _x_operands_kernel(x_ptr, xb_ptr, M, K, stride_xm, M_PAD: tl.constexpr, SCALE_AFTER: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """x [M, K] -> B_J [4, K/4, 16] fp16 (x · 2^-8) for `_gemv_rows_quad`: B_J[i, c] = x[m, 4i + J] where column c
     belongs to x row m (c // G = m, G = 16 / M_PAD) and, with SCALE_AFTER, to 16-group c % G = (i / 4) mod G of
     its tile (block-diagonal), without it only c % G = 0; else 0."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     G: tl.constexpr = 16 // M_PAD
     o_i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -293,6 +364,7 @@ def _nvfp4_gemv_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
     X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
+    X_AHEAD: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     # SPLIT_REDUCE 1: the split-K partials [splits, M, N] fp32 and one arrival counter per row block (int32, zero
     # on entry, left zero on exit); the splits are the grid's second dimension, SPLIT_K only says "> 1"
     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
@@ -308,9 +380,11 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_n, N - 1).to(tl.int64) * (2 * row_q) + k_lo // 2, PREFETCH)
     # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD,
+                          X_AHEAD)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
@@ -377,7 +451,8 @@ def _nvfp4_gemv_sk_kernel(
     M, N, K, stride_xm, stride_ym, row_q, row_s, n_tiles, per, J_MAX,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr,
     USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False, X_BUILD: tl.constexpr = False, d_ptr=None,
-    ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
+    ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0, X_AHEAD: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """STREAM_K: `_nvfp4_gemv_kernel`'s loop over a balanced share of the work. The row blocks' K-tiles in one flat
     order (row block major), program p owns tiles [p · per, (p + 1) · per): every program the same number of tiles
@@ -387,6 +462,9 @@ def _nvfp4_gemv_sk_kernel(
     total = tl.cdiv(N, BLOCK_N) * n_tiles
     t0 = pid * per
     t1 = tl.minimum(t0 + per, total)
+    o_first = (t0 // n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_first, N - 1).to(tl.int64) * (2 * row_q) + (t0 % n_tiles) * (BLOCK_K // 2),
+               PREFETCH)
     gs = tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0)
     for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
         lo = tl.maximum(t0 - rb * n_tiles, 0)
@@ -395,7 +473,7 @@ def _nvfp4_gemv_sk_kernel(
         m_n = o_n < N
         b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, lo * BLOCK_K,
                               tl.minimum(hi * BLOCK_K, K), M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE == 8, USE_ASM,
-                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD)
+                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD, X_AHEAD)
         _stream_k_store(b_y * gs, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
                         J_MAX, M_PAD, BLOCK_N)
 
@@ -512,7 +590,8 @@ def _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK
 def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
                      X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
-                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
+                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
     """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
     (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
     X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
@@ -527,6 +606,7 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
     k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_n, N - 1).to(tl.int64) * K + k_lo, PREFETCH)
     b_acc = _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK_N, BLOCK_K, DIRECT, X_BUILD,
                       ONE_ROW)
     b_y = b_acc * (tl.load(scale_ptr) * 256.0)
@@ -543,12 +623,15 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
 @triton.jit(do_not_specialize=["n_tiles", "per", "J_MAX"])
 def _fp8_gemv_sk_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_ym, n_tiles, per, J_MAX,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                        X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None):
+                        X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """STREAM_K for the FP8 GEMV: `_nvfp4_gemv_sk_kernel`'s balanced shares over `_fp8_rows`."""
     pid = tl.program_id(0)
     total = tl.cdiv(N, BLOCK_N) * n_tiles
     t0 = pid * per
     t1 = tl.minimum(t0 + per, total)
+    o_first = (t0 // n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_first, N - 1).to(tl.int64) * K + (t0 % n_tiles) * BLOCK_K, PREFETCH)
     sc = tl.load(scale_ptr) * 256.0
     for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
         lo = tl.maximum(t0 - rb * n_tiles, 0)
@@ -673,13 +756,26 @@ def stream_k_shares(total_tiles: int, programs: int) -> tuple[int, int]:
     return triton.cdiv(total_tiles, per), per
 
 
-def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
+def _pdl_options(cfg: dict) -> dict:
+    """PDL / PREFETCH as launch options: launch_pdl on CUDA; off under the interpreter (no inline PTX there)."""
+    if not cfg.get("PDL"):
+        cfg.pop("PREFETCH", None)
+        cfg.pop("PDL", None)
+        return cfg
+    if backend.interpreted():
+        cfg.update(PDL=False, PREFETCH=False)
+    else:
+        cfg["launch_pdl"] = True
+    return cfg
+
+
+def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool, pdl: bool = False) -> torch.Tensor:
     """The B operands of LOAD_MODE 8/9 for x2 [M, K]: fp16 [4, K/4, 16] (see `_x_operands_kernel`)."""
     M, K = x2.shape
     xb = torch.empty((4, K // 4, 16), dtype=torch.float16, device=x2.device)
     block = 128
     _x_operands_kernel[(triton.cdiv(K // 4, block),)](x2, xb, M, K, x2.stride(0), M_PAD=m_pad, SCALE_AFTER=scale_after,
-                                                      BLOCK=block, num_warps=4)
+                                                      BLOCK=block, num_warps=4, **_pdl_options(dict(PDL=pdl)))
     return xb
 
 
@@ -718,7 +814,7 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
     N, K = weight_e4m3.shape
     M = x2.shape[0]
-    cfg = fp8_gemv_config(N, K, x2.device, config, M=M)
+    cfg = _pdl_options(fp8_gemv_config(N, K, x2.device, config, M=M))
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     stream_k = cfg.pop("STREAM_K", 0)
     if stream_k:
@@ -831,6 +927,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         if cfg["LOAD_MODE"] not in DECODE_MODES:
             raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
         cfg.setdefault("USE_ASM", not backend.interpreted())
+        _pdl_options(cfg)
         if cfg["LOAD_MODE"] == 8:   # block-diagonal B_J: 16 columns = M_PAD rows x the tile's 16-groups
             if "BLOCK_K" in (config or {}) and config["BLOCK_K"] != 256 // cfg["M_PAD"]:
                 raise ValueError(f"LOAD_MODE 8 at M_PAD {cfg['M_PAD']} needs BLOCK_K {256 // cfg['M_PAD']}")
@@ -852,12 +949,14 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         xa = x2
         if not x_in_kernel:
             if xb is None:
-                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, pdl=cfg.get("PDL", False))
             elif xb.shape != (4, K // 4, 16) or xb.dtype != torch.float16:
                 raise ValueError(f"xb: prepared x operands must be fp16 (4, {K // 4}, 16), got {xb.dtype} "
                                  f"{tuple(xb.shape)}")
             else:
                 xa = xb
+        if cfg.get("X_AHEAD", False) and (not cfg.get("X_BUILD", False) or cfg.get("ONE_DOT", False)):
+            raise ValueError("X_AHEAD loads X_BUILD's x values ahead; it needs X_BUILD and no ONE_DOT")
         if cfg.get("ONE_DOT", False) and cfg["LOAD_MODE"] != 8:
             raise ValueError("ONE_DOT joins LOAD_MODE 8's four J tiles; mode 9 has no such path")
         if cfg.get("X_BUILD", False):

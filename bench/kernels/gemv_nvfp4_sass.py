@@ -63,6 +63,11 @@ VARIANTS = {
     "sk m9 M4 BN128": ("nvfp4_sk", 9, 4, 128, 4, 3, 1, None, {}),
     "sk m9 M8 BN64": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, {}),
     "sk m9 M8 BN64 sa1": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk m8 M1 BN64 build xa": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True)),
+    "sk m8 M1 BN64 build xa sa1": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True, SCALE_AHEAD=1)),
+    "sk m8 M1 BN32 w2 build xa sa1": ("nvfp4_sk", 8, 1, 32, 2, 3, 1, None,
+                                      dict(X_BUILD=True, X_AHEAD=True, SCALE_AHEAD=1)),
+    "sk m9 M8 BN64 build xa": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True)),
     "m8 M1 BN64 default sa1": ("nvfp4", 8, 1, 64, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
     "sk fp8 M1": ("fp8_sk", None, 1, 64, 4, 4, 1, None, {}),
     "sk fp8 M1 build": ("fp8_sk", None, 1, 64, 4, 4, 1, None, dict(X_BUILD=True)),
@@ -95,20 +100,20 @@ def compile_variant(kernel, mode, m_pad, bn, nw, stages, split, maxnreg, flags, 
                    K="i32", stride_xm="i32", stride_ym="i32", row_q="i32", row_s="i32", n_tiles="i32", per="i32",
                    J_MAX="i32")
         cx = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=256 // m_pad if mode == 8 else 256, LOAD_MODE=mode,
-                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SCALE_AHEAD=0)
+                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SCALE_AHEAD=0, X_AHEAD=False, PDL=False, PREFETCH=False)
     elif kernel == "fp8_sk":
         fn = g._fp8_gemv_sk_kernel
         sig = dict(xc_ptr="*bf16" if flags.get("X_BUILD") else "*fp16", w_ptr="*u8", scale_ptr="*fp32",
                    y_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_ym="i32",
                    n_tiles="i32", per="i32", J_MAX="i32", stride_xm="i32")
-        cx = dict(BLOCK_N=bn, BLOCK_K=128, DIRECT=True, X_BUILD=False, ONE_ROW=m_pad == 1)
+        cx = dict(BLOCK_N=bn, BLOCK_K=128, DIRECT=True, X_BUILD=False, ONE_ROW=m_pad == 1, PDL=False, PREFETCH=False)
     elif kernel == "nvfp4":
         fn = g._nvfp4_gemv_kernel
         sig = dict(x_ptr="*bf16" if flags.get("X_BUILD") or flags.get("X_INLINE") else "*fp16", w_ptr="*u8",
                    s_ptr="*u8", gs_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
                    stride_ym="i32", row_q="i32", row_s="i32")
         cx = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=256 // m_pad if mode == 8 else 256, SPLIT_K=split, LOAD_MODE=mode,
-                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SPLIT_REDUCE=0, SCALE_AHEAD=0)
+                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SPLIT_REDUCE=0, SCALE_AHEAD=0, X_AHEAD=False, PDL=False, PREFETCH=False)
     else:
         fn = g._fp8_gemv_kernel
         sig = dict(xc_ptr="*bf16" if flags.get("X_BUILD") else "*fp16", w_ptr="*u8", scale_ptr="*fp32",

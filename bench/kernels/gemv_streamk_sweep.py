@@ -56,6 +56,8 @@ def nvfp4_variants(M: int, N: int, K: int) -> dict[str, dict]:
     # experiment 4's row blocks (not GEMV_CHOICES', which may name BN32 or BN128 with their warps for the shape)
     bn = {1: 64, 2: 128, 4: 128}.get(m_pad, 64 if N >= 16384 else 128)
     v: dict[str, dict] = {"today": {}, "today sa1": dict(SCALE_AHEAD=1)}
+    if g.gemv_config(M, N, K, torch.device(DEV)).get("X_BUILD"):     # today's short shapes build B from x
+        v["today sa1 xa"] = dict(SCALE_AHEAD=1, X_AHEAD=True)
     plain = dict(BLOCK_N=bn, X_INLINE=False, X_BUILD=False, SPLIT_REDUCE=0, ONE_DOT=False, num_stages=3,
                  num_warps=4)
     for p in (1, 2, 3, 4, 6, 8):
@@ -65,6 +67,9 @@ def nvfp4_variants(M: int, N: int, K: int) -> dict[str, dict]:
         v[f"sk{p} sa1"] = dict(plain, STREAM_K=p, SCALE_AHEAD=1)
     for p in (3, 4):
         v[f"sk{p} build sa1"] = dict(plain, STREAM_K=p, X_BUILD=True, SCALE_AHEAD=1)
+    # and x's values one tile ahead too (X_AHEAD)
+    v["sk4 build xa"] = dict(plain, STREAM_K=4, X_BUILD=True, X_AHEAD=True)
+    v["sk3 build xa sa1"] = dict(plain, STREAM_K=3, X_BUILD=True, X_AHEAD=True, SCALE_AHEAD=1)
     # two tiles ahead: Triton 3.6 then drops the weights' cp.async pipeline (loads straight into registers)
     v["sk4 sa2"] = dict(plain, STREAM_K=4, SCALE_AHEAD=2)
     for p in (2, 4):
@@ -85,6 +90,8 @@ def nvfp4_variants(M: int, N: int, K: int) -> dict[str, dict]:
             v[f"sk{p} BN32 w2 build"] = dict(plain, STREAM_K=p, BLOCK_N=32, num_warps=2, X_BUILD=True)
             v[f"sk{p} BN32 w2"] = dict(plain, STREAM_K=p, BLOCK_N=32, num_warps=2)
         v["sk8 BN32 w2 build sa1"] = dict(plain, STREAM_K=8, BLOCK_N=32, num_warps=2, X_BUILD=True, SCALE_AHEAD=1)
+        v["sk6 BN32 w2 build xa sa1"] = dict(plain, STREAM_K=6, BLOCK_N=32, num_warps=2, X_BUILD=True, X_AHEAD=True,
+                                             SCALE_AHEAD=1)
     elif m_pad == 2:
         for p in (2, 4):
             v[f"sk{p} BN64"] = dict(plain, STREAM_K=p, BLOCK_N=64)
@@ -208,14 +215,14 @@ _worker_weights: dict = {}
 
 def _compile_job(job) -> str:
     """One call of one configuration in a worker process: Triton compiles it into the shared on-disk cache."""
-    fam_name, name, N, K, M, label = job
+    fam_name, name, N, K, M, label, cfg = job
     try:
         fam = Family(fam_name)
         if _worker_weights.get("key") != (fam_name, N, K):
             _worker_weights.clear()
             _worker_weights.update(key=(fam_name, N, K), ws=fam.weights(N, K, 1, seed=N + K))
         x = torch.randn(M, K, device=DEV).bfloat16()
-        fam.fn(fam.variants(M, N, K)[label], x)(*_worker_weights["ws"][0])
+        fam.fn(cfg, x)(*_worker_weights["ws"][0])
         if CUDA:
             torch.cuda.synchronize()
         return ""
@@ -223,7 +230,7 @@ def _compile_job(job) -> str:
         return f"{fam_name} {name} M={M} {label}: {type(ex).__name__}"
 
 
-def precompile(passes, only, workers: int) -> None:
+def precompile(passes, only, workers: int, variants_of=None) -> None:
     """Every distinct compilation of the run, made by `workers` processes before anything is timed (Triton's cache is
     on disk, so the timing process then loads instead of compiling: ~0.5 s a kernel sequentially, ~150 kernels)."""
     jobs, seen = [], set()
@@ -235,11 +242,12 @@ def precompile(passes, only, workers: int) -> None:
             if only and name not in only:
                 continue
             for M in ms:
-                for label, cfg in fam.variants(M, N, K).items():
+                vs = variants_of(fam_name, name, M, N, K) if variants_of else fam.variants(M, N, K)
+                for label, cfg in vs.items():
                     key = _compile_key(fam_name, name, M, label, cfg)
                     if key not in seen:
                         seen.add(key)
-                        jobs.append((fam_name, name, N, K, M, label))
+                        jobs.append((fam_name, name, N, K, M, label, cfg))
     t = time.time()
     import multiprocessing as mp
     try:
