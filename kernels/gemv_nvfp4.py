@@ -702,7 +702,6 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
 GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     (90, 1, 18560, 4096): {'SPLIT_K': 2, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 8192): {'SPLIT_K': 8, 'SPLIT_REDUCE': 1},
-    (90, 8, 4096, 8192): {'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 4096): {'SPLIT_K': 8, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 4096, 4096): {'SPLIT_K': 8, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 256, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
@@ -710,12 +709,46 @@ GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     (90, 1, 5376, 4096): {'SPLIT_K': 8, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 5376, 4096): {'SPLIT_K': 6, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 5376): {'SPLIT_K': 11, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
-    (90, 8, 4096, 5376): {'SPLIT_K': 7, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 1024, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 1024, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 1024): {'SPLIT_K': 4, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 4096, 1024): {'SPLIT_K': 4, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1},
+    # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): STREAM_K where it beat the entry above by
+    # >= 3 %, µs today -> STREAM_K at the measured M (2, 4, 8); M = 1 had no such win
+    # lm_head: 146.0 -> 113.7 us
+    (90, 2, 131072, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4, 'LOAD_MODE': 9,
+                            'BLOCK_K': 256},
+    # mamba.in_proj: 29.5 -> 25.1 us
+    (90, 2, 18560, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    # mamba.out_proj: 15.9 -> 14.6 us
+    (90, 2, 4096, 8192): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    (90, 2, 5376, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 3},  # shared.up 15.4 -> 11.9
+    # shared.down: 15.2 -> 12.1 us
+    (90, 2, 4096, 5376): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},
+    (90, 2, 4096, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 6},  # attn.q/o 13.6 -> 10.3
+    # fc1_latent: 12.8 -> 6.6 us
+    (90, 2, 1024, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4, 'LOAD_MODE': 9,
+                          'BLOCK_K': 256},
+    (90, 2, 4096, 1024): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 3},  # fc2_latent 9.4 -> 5.8
+    (90, 2, 256, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # attn.k/v 11.8 -> 5.6
+    # lm_head: 133.5 -> 115.9 us
+    (90, 4, 131072, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 8},
+    # mamba.in_proj: 32.3 -> 24.8 us
+    (90, 4, 18560, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    # mamba.out_proj: 18.4 -> 14.2 us
+    (90, 4, 4096, 8192): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},
+    (90, 4, 5376, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},  # shared.up 17.9 -> 13.6
+    # shared.down: 19.0 -> 12.5 us
+    (90, 4, 4096, 5376): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    (90, 4, 4096, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 2},  # attn.q/o 16.4 -> 10.1
+    (90, 4, 1024, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 2},  # fc1_latent 15.4 -> 6.6
+    (90, 4, 4096, 1024): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # fc2_latent 12.1 -> 5.8
+    (90, 4, 256, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # attn.k/v 14.5 -> 5.2
+    # mamba.out_proj: 16.3 -> 14.3 us
+    (90, 8, 4096, 8192): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},
+    # shared.down: 13.3 -> 12.8 us
+    (90, 8, 4096, 5376): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
 }
 # MOESTREAM_GEMV_CHOICES=0 in the environment at start: experiment 4's rule everywhere (the A/B of bench/NOTES.md,
 # session 5); read once, not per call
@@ -790,7 +823,19 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
 
 # FP8's per-shape choices, keyed as GEMV_CHOICES (M = the x rows padded to a power of two); a shape not listed runs
 # experiment 4's configuration
-FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {}
+FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
+    # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): µs experiment 4's config -> STREAM_K
+    (90, 1, 18560, 4096): {'STREAM_K': 4, 'num_stages': 3},  # mamba.in_proj 31.3 -> 28.7
+    (90, 1, 4096, 8192): {'STREAM_K': 2},  # mamba.out_proj 18.0 -> 15.3
+    (90, 1, 5376, 4096): {'STREAM_K': 3},  # shared.up 13.9 -> 13.4
+    (90, 1, 4096, 5376): {'STREAM_K': 3},  # shared.down 14.2 -> 12.2
+    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True},  # fc1_latent 8.5 -> 7.0
+    (90, 8, 18560, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # mamba.in_proj 31.6 -> 27.7
+    (90, 8, 4096, 8192): {'STREAM_K': 2, 'X_BUILD': True},  # mamba.out_proj 18.3 -> 14.9
+    (90, 8, 5376, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # shared.up 14.2 -> 12.9
+    (90, 8, 4096, 5376): {'STREAM_K': 3, 'X_BUILD': True},  # shared.down 14.7 -> 11.7
+    (90, 8, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True},  # fc1_latent 8.9 -> 6.4
+}
 
 
 def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None,

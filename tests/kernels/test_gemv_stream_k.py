@@ -194,3 +194,35 @@ def test_pdl_changes_no_bit(cfg, M, device):
     ref = g.fp8_linear(x, f, sc, out_dtype=torch.float32, config=fcfg or None)
     assert torch.equal(g.fp8_linear(x, f, sc, out_dtype=torch.float32, config={**fcfg, "PDL": True, "PREFETCH": True}),
                        ref)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, c in g.GEMV_CHOICES.items() if c.get("STREAM_K")))
+def test_stream_k_choices_run_and_match_twin(key, device):
+    """Every STREAM_K entry of GEMV_CHOICES, as pasted, on a small odd shape at its M (one row fewer where M > 1)."""
+    _, m_pad, _, _ = key
+    M, N, K = max(1, m_pad - 1) if m_pad > 2 else m_pad, 1023, 1040
+    q, s, gs = _weight(N, K, device, seed=m_pad)
+    x = _x(M, K, device, seed=m_pad + 1)
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device), config=g.GEMV_CHOICES[key])
+    assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, f"{key}")
+
+
+@pytest.mark.parametrize("key", sorted(g.FP8_GEMV_CHOICES))
+def test_fp8_choices_run_and_match_twin(key, device):
+    _, m_pad, _, _ = key
+    M, N, K = max(1, m_pad - 1) if m_pad > 2 else m_pad, 1023, 1040
+    f, sc = encode_fp8(torch.randn(N, K, generator=torch.Generator().manual_seed(m_pad)))
+    f, sc = f.to(device), sc.to(device)
+    x = _x(M, K, device, seed=m_pad)
+    y = g.fp8_linear(x, f, sc, out_dtype=torch.float32, out=_poisoned(M, N, device), config=g.FP8_GEMV_CHOICES[key])
+    assert_close(y, g.fp8_linear_torch(x, f, sc, out_dtype=torch.float32), TOL, f"{key}")
+
+
+def test_fp8_choices_apply_by_shape_and_device(monkeypatch):
+    dev = torch.device("cpu")                      # arch 0: the H200's entries do not apply here
+    assert "STREAM_K" not in g.fp8_gemv_config(18560, 4096, dev, M=1)
+    monkeypatch.setitem(g.FP8_GEMV_CHOICES, (0, 1, 18560, 4096), dict(STREAM_K=4, num_stages=3))
+    c = g.fp8_gemv_config(18560, 4096, dev, M=1)
+    assert c["STREAM_K"] == 4 and c["num_stages"] == 3
+    assert "STREAM_K" not in g.fp8_gemv_config(18560, 4096, dev, M=5)     # M_PAD 8: another entry
+    assert g.fp8_gemv_config(18560, 4096, dev, dict(STREAM_K=0), M=1)["STREAM_K"] == 0     # the caller's config wins
