@@ -14,10 +14,17 @@ The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 o
 bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
 The fixed cost per call (issue 19: 2-4 launches per GEMV), flags off by default until bench.kernels.gemv_nvfp4_sweep
 has timed them (then GEMV_CHOICES picks per shape): X_BUILD (B built in the GEMV from x and a 0/1 pattern, no x
-launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
-y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb` (one x preparation for every GEMV
-of the same x).
-Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
+launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials
+summed by the last split to arrive, y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile),
+`xb` (one x preparation for every GEMV of the same x).
+Session 7 (bench.kernels.gemv_streamk_sweep / gemv_pdl_sweep, bench/NOTES.md "Session 7, h27"): STREAM_K=P
+(`_nvfp4_gemv_sk_kernel`: one launch, P x SMs programs with equal shares of the flat (row block, K-tile) order,
+shares that cut a row block joined by the last to arrive; GEMV_CHOICES' winner at M = 2-8: 1.1-2.8x over the
+split-K launches there, no gain at M = 1), SCALE_AHEAD 1/2 and X_AHEAD (the scales / x values one or two K-tiles
+ahead in registers: measured to lose, kept as flags for the record), PDL / PREFETCH (programmatic dependent launch:
+the GEMV's programs start while the previous kernel drains; an L2 prefetch of the first weight tile before the wait).
+Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16) and its STREAM_K twin `_fp8_gemv_sk_kernel`
+(FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
 and `_fp8_gemm_kernel`, y stored in its dtype. Inside a forward's layer (spans of kernels.dense_prefill's
 DEQUANT_MIN_ROWS rows on) the layer's weights are decoded once instead and multiplied by cuBLAS
