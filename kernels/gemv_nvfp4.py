@@ -168,7 +168,7 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
                     X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
                     d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
-                    X_AHEAD: tl.constexpr = False):
+                    X_AHEAD: tl.constexpr = False, SCALE_AT_TOP: tl.constexpr = False):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -221,12 +221,14 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
             xn1 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 1, M, stride_xm, K, M_PAD, Q)
             xn2 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 2, M, stride_xm, K, M_PAD, Q)
             xn3 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 3, M, stride_xm, K, M_PAD, Q)
-        if SCALE_AHEAD == 0:
+        # SCALE_AT_TOP: the tile's scales loaded first in the iteration, as STREAM_K was measured (session 7, run 1);
+        # the split kernel keeps its load after the dot, as sessions 5-6 measured it (the SASS of each is unchanged)
+        if SCALE_AHEAD == 0 and SCALE_AT_TOP:
             b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
         elif SCALE_AHEAD == 1:
             b_s_raw = s_next
             s_next = _scale_tile(s_ptr, o_n, m_n, k0 + BLOCK_K, row_s, NCOL, G)
-        else:
+        elif SCALE_AHEAD == 2:
             b_s_raw = s_next
             s_next = s_next2
             s_next2 = _scale_tile(s_ptr, o_n, m_n, k0 + 2 * BLOCK_K, row_s, NCOL, G)
@@ -264,12 +266,16 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_nat = tl.load(xb_ptr + ((o_r % 4) * row_q + o_r // 4)[:, None] * 16 + o_c[None, :],
                                 mask=(o_r < K)[:, None], other=0.0)
             b_r = tl.dot(a_nat, b_nat)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
             b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif SCALE_AFTER and X_AHEAD:
             b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_from_vals(xv0, keep, M_PAD, Q))
             for J in tl.static_range(1, 4):
                 b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q),
                              b_r)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
             b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif SCALE_AFTER:
             b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
@@ -278,16 +284,25 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM),
                              _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
                              b_r)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
             b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # as before the flag (`_scale_tile`'s modulo moves the SASS)
+                o_g = k0 // 16 + tl.arange(0, G)
+                b_s_raw = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :],
+                                  mask=m_n[:, None] & (o_g[None, :] < row_s), other=0)
             b_s = (b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
+                # the decode before B's operand, as before X_AHEAD existed: the order shapes the SASS schedule
                 if X_AHEAD:
-                    b_j = _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q)
+                    b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                                   _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q), b_acc)
                 else:
-                    b_j = _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q)
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s, b_j, b_acc)
+                    b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                                   _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD,
+                                           Q), b_acc)
     return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
@@ -452,7 +467,7 @@ def _stream_k_store(b_y, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, l
             tl.atomic_xchg(cnt_ptr + rb, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["n_tiles", "per", "J_MAX"])
+@triton.jit(**backend.varying("n_tiles", "per", "J_MAX"))
 def _nvfp4_gemv_sk_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_ym, row_q, row_s, n_tiles, per, J_MAX,
@@ -480,7 +495,7 @@ def _nvfp4_gemv_sk_kernel(
         m_n = o_n < N
         b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, lo * BLOCK_K,
                               tl.minimum(hi * BLOCK_K, K), M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE == 8, USE_ASM,
-                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD, X_AHEAD)
+                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD, X_AHEAD, True)
         _stream_k_store(b_y * gs, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
                         J_MAX, M_PAD, BLOCK_N)
 
@@ -627,7 +642,7 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
         _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_c, pid_n, pid_k, M, N, n_split)
 
 
-@triton.jit(do_not_specialize=["n_tiles", "per", "J_MAX"])
+@triton.jit(**backend.varying("n_tiles", "per", "J_MAX"))
 def _fp8_gemv_sk_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_ym, n_tiles, per, J_MAX,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
                         X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
