@@ -14,10 +14,17 @@ The modes that lost (0-7: per-element decodes, a prmt lookup on bytes, an e4m3 o
 bench/kernels/gemv_nvfp4_modes.py with their timings; why each lost is in bench/NOTES.md.
 The fixed cost per call (issue 19: 2-4 launches per GEMV), flags off by default until bench.kernels.gemv_nvfp4_sweep
 has timed them (then GEMV_CHOICES picks per shape): X_BUILD (B built in the GEMV from x and a 0/1 pattern, no x
-launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials summed by the last split to arrive,
-y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile), `xb` (one x preparation for every GEMV
-of the same x).
-Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16).
+launch; 3.6-3.7 instructions per weight at BLOCK_N 64 against 3.4-3.5 prepared), SPLIT_REDUCE 1 (split-K partials
+summed by the last split to arrive, y stored in its dtype: no zero-fill, no cast), ONE_DOT (one dot per K-tile),
+`xb` (one x preparation for every GEMV of the same x).
+Session 7 (bench.kernels.gemv_streamk_sweep / gemv_pdl_sweep, bench/NOTES.md "Session 7, h27"): STREAM_K=P
+(`_nvfp4_gemv_sk_kernel`: one launch, P x SMs programs with equal shares of the flat (row block, K-tile) order,
+shares that cut a row block joined by the last to arrive; GEMV_CHOICES' winner at M = 2-8: 1.1-2.8x over the
+split-K launches there, no gain at M = 1), SCALE_AHEAD 1/2 and X_AHEAD (the scales / x values one or two K-tiles
+ahead in registers: measured to lose, kept as flags for the record), PDL / PREFETCH (programmatic dependent launch:
+the GEMV's programs start while the previous kernel drains; an L2 prefetch of the first weight tile before the wait).
+Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16) and its STREAM_K twin `_fp8_gemv_sk_kernel`
+(FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
 and `_fp8_gemm_kernel`, y stored in its dtype. Inside a forward's layer (spans of kernels.dense_prefill's
 DEQUANT_MIN_ROWS rows on) the layer's weights are decoded once instead and multiplied by cuBLAS
@@ -32,6 +39,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import backend
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
@@ -98,19 +106,43 @@ def _b_built(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, d_pattern, M_PAD: tl.c
     row per thread, is then the layout of the product too (one x value per thread at M = 1, one 16-byte shared
     store), where the computed pattern got a 1-column layout (~5.7 instructions per weight against 3.5; the counts
     per variant and Triton version: bench/kernels/gemv_nvfp4_sass.py, bench/NOTES.md)."""
-    GC: tl.constexpr = 16 // M_PAD
-    o_i = tl.arange(0, Q)
-    o_k = k0 + 4 * o_i + J
+    return _b_from_vals(_x_built_vals(x_ptr, k0, J, M, stride_xm, K, M_PAD, Q), d_pattern, M_PAD, Q)
+
+
+@triton.jit
+def _x_built_vals(x_ptr, k0, J: tl.constexpr, M, stride_xm, K, M_PAD: tl.constexpr, Q: tl.constexpr):
+    """The x values `_b_built` spreads: x[m, k0 + 4i + J], [Q] at M_PAD 1, else [Q, M_PAD, 1] (as loaded)."""
+    o_k = k0 + 4 * tl.arange(0, Q) + J
     if M_PAD == 1:
         v = tl.load(x_ptr + o_k, mask=o_k < K, other=0.0)
-        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
-        v = v[:, None] * d_pattern
     else:
         o_m = tl.arange(0, M_PAD)
         v = tl.load(x_ptr + o_m[None, :, None] * stride_xm + o_k[:, None, None],
                     mask=(o_m[None, :, None] < M) & (o_k[:, None, None] < K), other=0.0)
-        v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    return v
+
+
+@triton.jit
+def _b_from_vals(v, d_pattern, M_PAD: tl.constexpr, Q: tl.constexpr):
+    GC: tl.constexpr = 16 // M_PAD
+    v = (v.to(tl.float32) * _X_PRESCALE).to(tl.float16)
+    if M_PAD == 1:
+        v = v[:, None] * d_pattern
+    else:
         v = tl.reshape(tl.broadcast_to(v, (Q, M_PAD, GC)), (Q, 16)) * d_pattern
+    return v
+
+
+@triton.jit
+def _pick4(J: tl.constexpr, a, b, c, d):
+    if J == 0:
+        v = a
+    elif J == 1:
+        v = b
+    elif J == 2:
+        v = c
+    else:
+        v = d
     return v
 
 
@@ -125,10 +157,18 @@ def _b_tile(xb_ptr, p_b, keep, J: tl.constexpr, row_q, X_INLINE: tl.constexpr, X
 
 
 @triton.jit
+def _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL: tl.constexpr, G: tl.constexpr):
+    """The raw e4m3 scales [BLOCK_N, NCOL] of the K-tile at k0: column c holds 16-group k0 / 16 + c mod G."""
+    o_gs = k0 // 16 + (tl.arange(0, NCOL) % G)
+    return tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :], mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
+
+
+@triton.jit
 def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_AFTER: tl.constexpr, USE_ASM: tl.constexpr,
                     X_INLINE: tl.constexpr = False, M=1, stride_xm=0, X_BUILD: tl.constexpr = False,
-                    d_ptr=None, ONE_DOT: tl.constexpr = False):
+                    d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
+                    X_AHEAD: tl.constexpr = False, SCALE_AT_TOP: tl.constexpr = False):
     """LOAD_MODE 8 (SCALE_AFTER) / 9: the weight tile read as int16 (4 codes each), decoded by code position J
     into four fp16 tiles [BLOCK_N, BLOCK_K/4], each against its own B_J [BLOCK_K/4, 16] = x at k = 4i + J,
     prepared once per call by `_x_operands_kernel` (fp16, times 2^-8; loaded whole, no gather or select here).
@@ -157,7 +197,41 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
         d_keep = tl.load(d_ptr + o_i[:, None] * 16 + o_c[None, :])
         if ONE_DOT:  # in k order: row r of the tile is row r // 4 of the pattern
             d_nat = tl.load(d_ptr + (tl.arange(0, BLOCK_K) // 4)[:, None] * 16 + o_c[None, :])
+    # the e4m3 scales are a plain load that Triton does not put in the cp.async pipeline (they feed no dot): as loaded
+    # in the iteration that uses them, every K-tile waits one DRAM round trip (SASS: LDG.E.64 ~100 instructions
+    # before its use). SCALE_AHEAD 1 / 2 loads them one / two K-tiles ahead in registers (2 per thread per tile).
+    NCOL: tl.constexpr = 16 if SCALE_AFTER else BLOCK_K // 16
+    if SCALE_AHEAD >= 1:
+        s_next = _scale_tile(s_ptr, o_n, m_n, k_lo, row_s, NCOL, G)
+    if SCALE_AHEAD >= 2:
+        s_next2 = _scale_tile(s_ptr, o_n, m_n, k_lo + BLOCK_K, row_s, NCOL, G)
+    # X_AHEAD (X_BUILD, not ONE_DOT): the x values of the next tile loaded one iteration ahead, for the same reason
+    if X_AHEAD:
+        xn0 = _x_built_vals(xb_ptr, k_lo, 0, M, stride_xm, K, M_PAD, Q)
+        xn1 = _x_built_vals(xb_ptr, k_lo, 1, M, stride_xm, K, M_PAD, Q)
+        xn2 = _x_built_vals(xb_ptr, k_lo, 2, M, stride_xm, K, M_PAD, Q)
+        xn3 = _x_built_vals(xb_ptr, k_lo, 3, M, stride_xm, K, M_PAD, Q)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if X_AHEAD:
+            xv0 = xn0
+            xv1 = xn1
+            xv2 = xn2
+            xv3 = xn3
+            xn0 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 0, M, stride_xm, K, M_PAD, Q)
+            xn1 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 1, M, stride_xm, K, M_PAD, Q)
+            xn2 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 2, M, stride_xm, K, M_PAD, Q)
+            xn3 = _x_built_vals(xb_ptr, k0 + BLOCK_K, 3, M, stride_xm, K, M_PAD, Q)
+        # SCALE_AT_TOP: the tile's scales loaded first in the iteration, as STREAM_K was measured (session 7, run 1);
+        # the split kernel keeps its load after the dot, as sessions 5-6 measured it (the SASS of each is unchanged)
+        if SCALE_AHEAD == 0 and SCALE_AT_TOP:
+            b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
+        elif SCALE_AHEAD == 1:
+            b_s_raw = s_next
+            s_next = _scale_tile(s_ptr, o_n, m_n, k0 + BLOCK_K, row_s, NCOL, G)
+        elif SCALE_AHEAD == 2:
+            b_s_raw = s_next
+            s_next = s_next2
+            s_next2 = _scale_tile(s_ptr, o_n, m_n, k0 + 2 * BLOCK_K, row_s, NCOL, G)
         o_q = k0 // 4 + o_i
         m_q = o_q < row_q
         b_h = tl.load(w16 + o_n[:, None] * row_q + o_q[None, :], mask=m_n[:, None] & m_q[None, :], other=0)
@@ -192,10 +266,17 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_nat = tl.load(xb_ptr + ((o_r % 4) * row_q + o_r // 4)[:, None] * 16 + o_c[None, :],
                                 mask=(o_r < K)[:, None], other=0.0)
             b_r = tl.dot(a_nat, b_nat)
-            o_gs = k0 // 16 + (o_c % G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
-                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
-            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif SCALE_AFTER and X_AHEAD:
+            b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM), _b_from_vals(xv0, keep, M_PAD, Q))
+            for J in tl.static_range(1, 4):
+                b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM), _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q),
+                             b_r)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         elif SCALE_AFTER:
             b_r = tl.dot(_e2m1_quad(b_h, 0, USE_ASM),
                          _b_tile(xb_ptr, p_b, keep, 0, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q))
@@ -203,29 +284,56 @@ def _gemv_rows_quad(xb_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi,
                 b_r = tl.dot(_e2m1_quad(b_h, J, USE_ASM),
                              _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
                              b_r)
-            o_gs = k0 // 16 + (o_c % G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_gs[None, :],
-                          mask=m_n[:, None] & (o_gs[None, :] < row_s), other=0)
-            b_acc += b_r * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # where it always was: after the dot
+                b_s_raw = _scale_tile(s_ptr, o_n, m_n, k0, row_s, NCOL, G)
+            b_acc += b_r * b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            o_g = k0 // 16 + tl.arange(0, G)
-            b_s = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :], mask=m_n[:, None] & (o_g[None, :] < row_s),
-                          other=0)
-            b_s = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
+            if SCALE_AHEAD == 0 and not SCALE_AT_TOP:     # as before the flag (`_scale_tile`'s modulo moves the SASS)
+                o_g = k0 // 16 + tl.arange(0, G)
+                b_s_raw = tl.load(s_ptr + o_n[:, None] * row_s + o_g[None, :],
+                                  mask=m_n[:, None] & (o_g[None, :] < row_s), other=0)
+            b_s = (b_s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
             b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, Q))
             for J in tl.static_range(0, 4):
-                b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
-                               _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD, Q),
-                               b_acc)
+                # the decode before B's operand, as before X_AHEAD existed: the order shapes the SASS schedule
+                if X_AHEAD:
+                    b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                                   _b_from_vals(_pick4(J, xv0, xv1, xv2, xv3), keep, M_PAD, Q), b_acc)
+                else:
+                    b_acc = tl.dot(_e2m1_quad(b_h, J, USE_ASM) * b_s,
+                                   _b_tile(xb_ptr, p_b, keep, J, row_q, X_INLINE, X_BUILD, k0, M, stride_xm, K, M_PAD,
+                                           Q), b_acc)
     return tl.sum(b_acc.reshape(BLOCK_N, M_PAD, 16 // M_PAD), axis=2)   # SCALE_AFTER: G == 16 // M_PAD too
 
 
 @triton.jit
+def _l2_prefetch(p):
+    """prefetch.global.L2 of each address of p (a tensor of pointers); returns a dummy."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr, w_rows=None, PREFETCH: tl.constexpr = False):
+    """PDL (programmatic dependent launch; the kernel launched with launch_pdl): this kernel's programs may start
+    while the previous kernel on the stream drains; they wait for its writes (gdc_wait) before anything here reads or
+    writes memory the previous kernel may touch, then let the next kernel launch (after the wait, so that at most one
+    kernel's programs sit waiting). Only the weights (read-only) are touched before the wait: PREFETCH asks L2 for
+    the first tile's rows (w_rows: one pointer per 128-byte line) meanwhile."""
+    if PDL:
+        if PREFETCH:
+            _l2_prefetch(w_rows)
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _x_operands_kernel(x_ptr, xb_ptr, M, K, stride_xm, M_PAD: tl.constexpr, SCALE_AFTER: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """x [M, K] -> B_J [4, K/4, 16] fp16 (x · 2^-8) for `_gemv_rows_quad`: B_J[i, c] = x[m, 4i + J] where column c
     belongs to x row m (c // G = m, G = 16 / M_PAD) and, with SCALE_AFTER, to 16-group c % G = (i / 4) mod G of
     its tile (block-diagonal), without it only c % G = 0; else 0."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     G: tl.constexpr = 16 // M_PAD
     o_i = pid * BLOCK + tl.arange(0, BLOCK)
@@ -277,7 +385,8 @@ def _nvfp4_gemv_kernel(
     # config
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     LOAD_MODE: tl.constexpr, USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False,
-    X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False,
+    X_BUILD: tl.constexpr = False, d_ptr=None, ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0,
+    X_AHEAD: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     # SPLIT_REDUCE 1: the split-K partials [splits, M, N] fp32 and one arrival counter per row block (int32, zero
     # on entry, left zero on exit); the splits are the grid's second dimension, SPLIT_K only says "> 1"
     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0,
@@ -293,9 +402,11 @@ def _nvfp4_gemv_kernel(
     k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_n, N - 1).to(tl.int64) * (2 * row_q) + k_lo // 2, PREFETCH)
     # x_ptr: the prepared B operands (x itself with X_INLINE or X_BUILD)
     b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, k_lo, k_hi, M_PAD, BLOCK_N, BLOCK_K,
-                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT)
+                          LOAD_MODE == 8, USE_ASM, X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD,
+                          X_AHEAD)
     b_y = b_y * (tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0))
     o_m = tl.arange(0, M_PAD)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
@@ -324,6 +435,69 @@ def _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k,
             b_sum += tl.load(p_part + k * M * N, mask=m_y, other=0.0, cache_modifier=".cg")
         tl.store(p_y, b_sum, mask=m_y)
         tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _stream_k_store(b_y, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid, J_MAX,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's share [lo, hi) of row block rb's n_tiles K-tiles, summed into b_y [BLOCK_N, M_PAD]: stored as y
+    when the share is the whole row, else as partial j of the row block (j = this program's rank among the programs
+    whose tile ranges meet the row: programs own `per` consecutive tiles of the flattened (row block, K-tile) order,
+    so they are pids p_lo .. p_hi); the last of them to arrive sums the partials in rank order (deterministic) and
+    stores y in its dtype, then puts the row's counter back to zero for the next call on this stream."""
+    o_m = tl.arange(0, M_PAD)
+    p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
+    m_y = m_n[:, None] & (o_m[None, :] < M)
+    if (lo == 0) & (hi == n_tiles):
+        tl.store(p_y, b_y, mask=m_y)
+    else:
+        p_lo = (rb * n_tiles) // per
+        n_parts = ((rb + 1) * n_tiles - 1) // per - p_lo + 1
+        # partials [row blocks, J_MAX, M_PAD, BLOCK_N] fp32, written in full (no mask: the buffer has every lane)
+        p_part = part_ptr + (rb * J_MAX * M_PAD + o_m[None, :]) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        tl.store(p_part + (pid - p_lo) * (M_PAD * BLOCK_N), b_y)
+        tl.debug_barrier()      # every thread's partial is issued before the program's arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_parts - 1:
+            b_sum = tl.zeros_like(b_y)
+            for j in range(n_parts):
+                # .cg: from L2, where the other SMs' partials are (this SM's L1 is not coherent with them)
+                b_sum += tl.load(p_part + j * (M_PAD * BLOCK_N), cache_modifier=".cg")
+            tl.store(p_y, b_sum, mask=m_y)
+            tl.atomic_xchg(cnt_ptr + rb, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(**backend.varying("n_tiles", "per", "J_MAX"))
+def _nvfp4_gemv_sk_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_ym, row_q, row_s, n_tiles, per, J_MAX,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_MODE: tl.constexpr,
+    USE_ASM: tl.constexpr = False, X_INLINE: tl.constexpr = False, X_BUILD: tl.constexpr = False, d_ptr=None,
+    ONE_DOT: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = 0, X_AHEAD: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+):
+    """STREAM_K: `_nvfp4_gemv_kernel`'s loop over a balanced share of the work. The row blocks' K-tiles in one flat
+    order (row block major), program p owns tiles [p · per, (p + 1) · per): every program the same number of tiles
+    whatever N (in_proj's 290 row blocks on 132 SMs left 3 on some SMs and 2 on most; split-K fixed the count per
+    row block, not the share per SM), and one launch: shares that cut a row block meet in `_stream_k_store`."""
+    pid = tl.program_id(0)
+    total = tl.cdiv(N, BLOCK_N) * n_tiles
+    t0 = pid * per
+    t1 = tl.minimum(t0 + per, total)
+    o_first = (t0 // n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_first, N - 1).to(tl.int64) * (2 * row_q) + (t0 % n_tiles) * (BLOCK_K // 2),
+               PREFETCH)
+    gs = tl.load(gs_ptr) * (_UNDO_DECODE if LOAD_MODE == 8 else 32768.0)
+    for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
+        lo = tl.maximum(t0 - rb * n_tiles, 0)
+        hi = tl.minimum(t1 - rb * n_tiles, n_tiles)
+        o_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_y = _gemv_rows_quad(x_ptr, w_ptr, s_ptr, K, row_q, row_s, o_n, m_n, lo * BLOCK_K,
+                              tl.minimum(hi * BLOCK_K, K), M_PAD, BLOCK_N, BLOCK_K, LOAD_MODE == 8, USE_ASM,
+                              X_INLINE, M, stride_xm, X_BUILD, d_ptr, ONE_DOT, SCALE_AHEAD, X_AHEAD, True)
+        _stream_k_store(b_y * gs, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
+                        J_MAX, M_PAD, BLOCK_N)
 
 
 @triton.jit
@@ -404,24 +578,11 @@ def _x_columns_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
-                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
-                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0):
-    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
-    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
-    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
-    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
-    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DIRECT: tl.constexpr, X_BUILD: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Σ over k in [k_lo, k_hi) of W[o_n, k] · B[k, :] for `_fp8_gemv_kernel` / `_fp8_gemv_sk_kernel`: fp32
+    [BLOCK_N, 16] times 2^-8 (x's prescale)."""
     o_c = tl.arange(0, 16)
-    m_n = o_n < N
-    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
-    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     if X_BUILD and ONE_ROW:
         d_col = tl.load(d_ptr + tl.arange(0, BLOCK_K)[:, None] * 16 + o_c[None, :])
@@ -444,6 +605,32 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
         else:
             b_x = tl.load(xc_ptr + o_k[:, None] * 16 + o_c[None, :], mask=m_k[:, None], other=0.0)
         b_acc = tl.dot(b_w, b_x, b_acc)
+    return b_acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                     X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                     part_ptr=None, cnt_ptr=None, SPLIT_REDUCE: tl.constexpr = 0, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False):
+    """FP8 per-tensor weight [N, K] (e4m3, exact in fp16) as operand A; B = x.T prepared by _x_columns_kernel
+    (loaded whole: no masked gather). DIRECT: e4m3 -> fp16 in one conversion (the interpreter goes via fp32).
+    X_BUILD: xc_ptr is x [M, K] itself and B is built per tile: with ONE_ROW (M = 1) x times the column-0 pattern
+    at d_ptr (the NVFP4 GEMV's `_b_built` layout argument), else a gather of the M columns. SPLIT_REDUCE 1: as
+    `_nvfp4_gemv_kernel`'s (the last split to arrive stores y), with SPLIT_K the true count."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, 16)
+    m_n = o_n < N
+    n_split = SPLIT_K     # a constexpr here: taken from the grid it costs 0.5 instructions per weight (SASS)
+    k_per_split = tl.cdiv(K, n_split * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_n, N - 1).to(tl.int64) * K + k_lo, PREFETCH)
+    b_acc = _fp8_rows(xc_ptr, w_ptr, o_n, m_n, k_lo, k_hi, M, K, stride_xm, d_ptr, BLOCK_N, BLOCK_K, DIRECT, X_BUILD,
+                      ONE_ROW)
     b_y = b_acc * (tl.load(scale_ptr) * 256.0)
     p_y = y_ptr + o_c[None, :] * stride_ym + o_n[:, None]
     m_y = m_n[:, None] & (o_c[None, :] < M)
@@ -453,6 +640,30 @@ def _fp8_gemv_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_ym, SPLIT_
         tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")
     else:
         _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_c, pid_n, pid_k, M, N, n_split)
+
+
+@triton.jit(**backend.varying("n_tiles", "per", "J_MAX"))
+def _fp8_gemv_sk_kernel(xc_ptr, w_ptr, scale_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_ym, n_tiles, per, J_MAX,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+                        X_BUILD: tl.constexpr = False, ONE_ROW: tl.constexpr = False, stride_xm=0, d_ptr=None,
+                        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """STREAM_K for the FP8 GEMV: `_nvfp4_gemv_sk_kernel`'s balanced shares over `_fp8_rows`."""
+    pid = tl.program_id(0)
+    total = tl.cdiv(N, BLOCK_N) * n_tiles
+    t0 = pid * per
+    t1 = tl.minimum(t0 + per, total)
+    o_first = (t0 // n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _pdl_enter(PDL, w_ptr + tl.minimum(o_first, N - 1).to(tl.int64) * K + (t0 % n_tiles) * BLOCK_K, PREFETCH)
+    sc = tl.load(scale_ptr) * 256.0
+    for rb in range(t0 // n_tiles, (t1 - 1) // n_tiles + 1):
+        lo = tl.maximum(t0 - rb * n_tiles, 0)
+        hi = tl.minimum(t1 - rb * n_tiles, n_tiles)
+        o_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_acc = _fp8_rows(xc_ptr, w_ptr, o_n, m_n, lo * BLOCK_K, tl.minimum(hi * BLOCK_K, K), M, K, stride_xm, d_ptr,
+                          BLOCK_N, BLOCK_K, DIRECT, X_BUILD, ONE_ROW)
+        _stream_k_store(b_acc * sc, part_ptr, cnt_ptr, y_ptr, stride_ym, o_n, m_n, M, rb, lo, hi, n_tiles, per, pid,
+                        J_MAX, 16, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -513,7 +724,6 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
 GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     (90, 1, 18560, 4096): {'SPLIT_K': 2, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 8192): {'SPLIT_K': 8, 'SPLIT_REDUCE': 1},
-    (90, 8, 4096, 8192): {'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 4096): {'SPLIT_K': 8, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 4096, 4096): {'SPLIT_K': 8, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 256, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
@@ -521,12 +731,46 @@ GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     (90, 1, 5376, 4096): {'SPLIT_K': 8, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 5376, 4096): {'SPLIT_K': 6, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 5376): {'SPLIT_K': 11, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
-    (90, 8, 4096, 5376): {'SPLIT_K': 7, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 1024, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 1024, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 1024): {'SPLIT_K': 4, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 4096, 1024): {'SPLIT_K': 4, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1},
+    # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): STREAM_K where it beat the entry above by
+    # >= 3 %, µs today -> STREAM_K at the measured M (2, 4, 8); M = 1 had no such win
+    # lm_head: 146.0 -> 113.7 us
+    (90, 2, 131072, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4, 'LOAD_MODE': 9,
+                            'BLOCK_K': 256},
+    # mamba.in_proj: 29.5 -> 25.1 us
+    (90, 2, 18560, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    # mamba.out_proj: 15.9 -> 14.6 us
+    (90, 2, 4096, 8192): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    (90, 2, 5376, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 3},  # shared.up 15.4 -> 11.9
+    # shared.down: 15.2 -> 12.1 us
+    (90, 2, 4096, 5376): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},
+    (90, 2, 4096, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 6},  # attn.q/o 13.6 -> 10.3
+    # fc1_latent: 12.8 -> 6.6 us
+    (90, 2, 1024, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4, 'LOAD_MODE': 9,
+                          'BLOCK_K': 256},
+    (90, 2, 4096, 1024): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 3},  # fc2_latent 9.4 -> 5.8
+    (90, 2, 256, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # attn.k/v 11.8 -> 5.6
+    # lm_head: 133.5 -> 115.9 us
+    (90, 4, 131072, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 8},
+    # mamba.in_proj: 32.3 -> 24.8 us
+    (90, 4, 18560, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    # mamba.out_proj: 18.4 -> 14.2 us
+    (90, 4, 4096, 8192): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},
+    (90, 4, 5376, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},  # shared.up 17.9 -> 13.6
+    # shared.down: 19.0 -> 12.5 us
+    (90, 4, 4096, 5376): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
+    (90, 4, 4096, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 2},  # attn.q/o 16.4 -> 10.1
+    (90, 4, 1024, 4096): {'BLOCK_N': 128, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 2},  # fc1_latent 15.4 -> 6.6
+    (90, 4, 4096, 1024): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # fc2_latent 12.1 -> 5.8
+    (90, 4, 256, 4096): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'STREAM_K': 4},  # attn.k/v 14.5 -> 5.2
+    # mamba.out_proj: 16.3 -> 14.3 us
+    (90, 8, 4096, 8192): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 2},
+    # shared.down: 13.3 -> 12.8 us
+    (90, 8, 4096, 5376): {'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': False, 'STREAM_K': 4},
 }
 # MOESTREAM_GEMV_CHOICES=0 in the environment at start: experiment 4's rule everywhere (the A/B of bench/NOTES.md,
 # session 5); read once, not per call
@@ -561,13 +805,32 @@ def split_k_for(N: int, K: int, block_n: int, block_k: int, n_sm: int, programs_
     return split
 
 
-def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool) -> torch.Tensor:
+def stream_k_shares(total_tiles: int, programs: int) -> tuple[int, int]:
+    """(programs, tiles per program) for STREAM_K: about `programs` equal shares of the flat tile order, none empty."""
+    per = max(1, triton.cdiv(total_tiles, max(1, programs)))
+    return triton.cdiv(total_tiles, per), per
+
+
+def _pdl_options(cfg: dict) -> dict:
+    """PDL / PREFETCH as launch options: launch_pdl on CUDA; off under the interpreter (no inline PTX there)."""
+    if not cfg.get("PDL"):
+        cfg.pop("PREFETCH", None)
+        cfg.pop("PDL", None)
+        return cfg
+    if backend.interpreted():
+        cfg.update(PDL=False, PREFETCH=False)
+    else:
+        cfg["launch_pdl"] = True
+    return cfg
+
+
+def x_operands(x2: torch.Tensor, m_pad: int, scale_after: bool, pdl: bool = False) -> torch.Tensor:
     """The B operands of LOAD_MODE 8/9 for x2 [M, K]: fp16 [4, K/4, 16] (see `_x_operands_kernel`)."""
     M, K = x2.shape
     xb = torch.empty((4, K // 4, 16), dtype=torch.float16, device=x2.device)
     block = 128
     _x_operands_kernel[(triton.cdiv(K // 4, block),)](x2, xb, M, K, x2.stride(0), M_PAD=m_pad, SCALE_AFTER=scale_after,
-                                                      BLOCK=block, num_warps=4)
+                                                      BLOCK=block, num_warps=4, **_pdl_options(dict(PDL=pdl)))
     return xb
 
 
@@ -580,13 +843,34 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
     return xc
 
 
-def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None) -> dict:
-    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4) under `config`, split-K by the
-    NVFP4 rule unless config fixes it."""
-    cfg = {**dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4), **(config or {})}
+# FP8's per-shape choices, keyed as GEMV_CHOICES (M = the x rows padded to a power of two); a shape not listed runs
+# experiment 4's configuration
+FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
+    # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): µs experiment 4's config -> STREAM_K
+    (90, 1, 18560, 4096): {'STREAM_K': 4, 'num_stages': 3},  # mamba.in_proj 31.3 -> 28.7
+    (90, 1, 4096, 8192): {'STREAM_K': 2},  # mamba.out_proj 18.0 -> 15.3
+    (90, 1, 5376, 4096): {'STREAM_K': 3},  # shared.up 13.9 -> 13.4
+    (90, 1, 4096, 5376): {'STREAM_K': 3},  # shared.down 14.2 -> 12.2
+    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True},  # fc1_latent 8.5 -> 7.0
+    (90, 8, 18560, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # mamba.in_proj 31.6 -> 27.7
+    (90, 8, 4096, 8192): {'STREAM_K': 2, 'X_BUILD': True},  # mamba.out_proj 18.3 -> 14.9
+    (90, 8, 5376, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # shared.up 14.2 -> 12.9
+    (90, 8, 4096, 5376): {'STREAM_K': 3, 'X_BUILD': True},  # shared.down 14.7 -> 11.7
+    (90, 8, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True},  # fc1_latent 8.9 -> 6.4
+}
+
+
+def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: int | None = None,
+                    M: int | None = None) -> dict:
+    """`_fp8_gemv_kernel`'s configuration: BLOCK_N 64, BLOCK_K 128 (experiment 4), FP8_GEMV_CHOICES' entry for
+    (M, N, K) when M is given, then `config`; split-K by the NVFP4 rule unless one of them fixes it."""
+    base = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)
+    choice = (FP8_GEMV_CHOICES.get((_arch(device), triton.next_power_of_2(max(M, 1)), N, K))
+              if M is not None and _CHOICES_ON else None) or {}
+    cfg = {**base, **choice, **(config or {})}
     n_sm = n_sm or _n_sm(device)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
-    if "SPLIT_K" not in (config or {}) and n_blocks < 2 * n_sm:
+    if "SPLIT_K" not in {**choice, **(config or {})} and n_blocks < 2 * n_sm:
         cfg["SPLIT_K"] = max(1, min(triton.cdiv(2 * n_sm, n_blocks), K // (4 * cfg["BLOCK_K"])))
     return cfg
 
@@ -597,8 +881,12 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
     N, K = weight_e4m3.shape
     M = x2.shape[0]
-    cfg = fp8_gemv_config(N, K, x2.device, config)
+    cfg = _pdl_options(fp8_gemv_config(N, K, x2.device, config, M=M))
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
+    stream_k = cfg.pop("STREAM_K", 0)
+    if stream_k:
+        cfg.pop("SPLIT_REDUCE", None)
+        cfg["SPLIT_K"] = 1
     reduce_last = cfg["SPLIT_K"] > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
     if cfg["SPLIT_K"] > 1 and not reduce_last:
         y = torch.zeros((M, N), dtype=torch.float32, device=x2.device)
@@ -612,6 +900,16 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
             cfg["d_ptr"] = x_pattern(x2.device, 1, False, 4 * cfg["BLOCK_K"])
     else:
         xa = x_columns(x2)
+    if stream_k:      # one launch over balanced shares (see _nvfp4_gemv_sk_kernel)
+        cfg.pop("SPLIT_K")
+        n_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+        programs, per = stream_k_shares(n_blocks * n_tiles, stream_k * _n_sm(x2.device))
+        j_max = (n_tiles - 1) // per + 2
+        part = torch.empty(n_blocks * j_max * 16 * cfg["BLOCK_N"], dtype=torch.float32, device=x2.device)
+        _fp8_gemv_sk_kernel[(programs,)](xa, _as_u8(weight_e4m3), _global(scale, x2.device), y, part,
+                                         _arrival_counters(x2.device, n_blocks), M, N, K, y.stride(0), n_tiles, per,
+                                         j_max, DIRECT=not backend.interpreted(), **cfg)
+        return y
     if reduce_last:
         cfg.update(part_ptr=torch.empty((cfg["SPLIT_K"], M, N), dtype=torch.float32, device=x2.device),
                    cnt_ptr=_arrival_counters(x2.device, n_blocks))
@@ -696,6 +994,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         if cfg["LOAD_MODE"] not in DECODE_MODES:
             raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
         cfg.setdefault("USE_ASM", not backend.interpreted())
+        _pdl_options(cfg)
         if cfg["LOAD_MODE"] == 8:   # block-diagonal B_J: 16 columns = M_PAD rows x the tile's 16-groups
             if "BLOCK_K" in (config or {}) and config["BLOCK_K"] != 256 // cfg["M_PAD"]:
                 raise ValueError(f"LOAD_MODE 8 at M_PAD {cfg['M_PAD']} needs BLOCK_K {256 // cfg['M_PAD']}")
@@ -703,8 +1002,9 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
                 raise ValueError("LOAD_MODE 8 takes up to 4 rows of x (its B would need K-tiles of 8)")
             cfg["BLOCK_K"] = 256 // cfg["M_PAD"]
         split = cfg["SPLIT_K"]
+        stream_k = cfg.pop("STREAM_K", 0)
         reduce_last = split > 1 and cfg.get("SPLIT_REDUCE", 0) == 1
-        if split > 1 and not reduce_last:
+        if split > 1 and not reduce_last and not stream_k:
             y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
         else:  # the kernel stores in the output dtype: no extra cast launch
             y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
@@ -716,16 +1016,29 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         xa = x2
         if not x_in_kernel:
             if xb is None:
-                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8)
+                xa = x_operands(x2, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, pdl=cfg.get("PDL", False))
             elif xb.shape != (4, K // 4, 16) or xb.dtype != torch.float16:
                 raise ValueError(f"xb: prepared x operands must be fp16 (4, {K // 4}, 16), got {xb.dtype} "
                                  f"{tuple(xb.shape)}")
             else:
                 xa = xb
+        if cfg.get("X_AHEAD", False) and (not cfg.get("X_BUILD", False) or cfg.get("ONE_DOT", False)):
+            raise ValueError("X_AHEAD loads X_BUILD's x values ahead; it needs X_BUILD and no ONE_DOT")
         if cfg.get("ONE_DOT", False) and cfg["LOAD_MODE"] != 8:
             raise ValueError("ONE_DOT joins LOAD_MODE 8's four J tiles; mode 9 has no such path")
         if cfg.get("X_BUILD", False):
             cfg["d_ptr"] = x_pattern(x.device, cfg["M_PAD"], cfg["LOAD_MODE"] == 8, cfg["BLOCK_K"])
+        if stream_k:      # one launch over balanced shares (see _nvfp4_gemv_sk_kernel); no split-K keys
+            for key in ("SPLIT_K", "SPLIT_REDUCE"):
+                cfg.pop(key, None)
+            n_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+            programs, per = stream_k_shares(n_blocks * n_tiles, stream_k * _n_sm(x.device))
+            j_max = (n_tiles - 1) // per + 2
+            part = torch.empty(n_blocks * j_max * cfg["M_PAD"] * cfg["BLOCK_N"], dtype=torch.float32, device=x.device)
+            _nvfp4_gemv_sk_kernel[(programs,)](xa, weight_u8, s_u8, gs, y, part, _arrival_counters(x.device, n_blocks),
+                                               M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16, n_tiles, per,
+                                               j_max, **cfg)
+            return (y if y.dtype == out_dtype else y.to(out_dtype)).reshape(*lead, N)
         if reduce_last:   # no zero-fill: partials are written before they are read, counters left at zero
             cfg["part_ptr"] = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cfg["cnt_ptr"] = _arrival_counters(x.device, n_blocks)

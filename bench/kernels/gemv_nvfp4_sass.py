@@ -49,20 +49,71 @@ VARIANTS = {
     "fp8 M1 build": ("fp8", None, 1, 64, 4, 4, 1, None, dict(X_BUILD=True)),
     "fp8 M1 last": ("fp8", None, 1, 64, 4, 4, 2, None, dict(SPLIT_REDUCE=1)),
     "fp8 M8 build": ("fp8", None, 8, 64, 4, 4, 1, None, dict(X_BUILD=True)),
+    # session 7 (h27): STREAM_K (balanced shares, one launch) and SCALE_AHEAD (the scales one / two K-tiles ahead);
+    # the loop counted is the innermost one with the tensor-core ops (the shares' row-block loop encloses it)
+    "sk m8 M1 BN64": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, {}),
+    "sk m8 M1 BN64 sa1": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk m8 M1 BN64 sa2": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(SCALE_AHEAD=2)),
+    "sk m8 M1 BN64 build": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True)),
+    "sk m8 M1 BN64 build sa1": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True, SCALE_AHEAD=1)),
+    "sk m8 M1 BN64 sa1 r96": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, 96, dict(SCALE_AHEAD=1)),
+    "sk m8 M1 BN128 sa1": ("nvfp4_sk", 8, 1, 128, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk m8 M2 BN128": ("nvfp4_sk", 8, 2, 128, 4, 3, 1, None, {}),
+    "sk m8 M2 BN128 sa1": ("nvfp4_sk", 8, 2, 128, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk m9 M4 BN128": ("nvfp4_sk", 9, 4, 128, 4, 3, 1, None, {}),
+    "sk m9 M8 BN64": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, {}),
+    "sk m9 M8 BN64 sa1": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk m8 M1 BN64 build xa": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True)),
+    "sk m8 M1 BN64 build xa sa1": ("nvfp4_sk", 8, 1, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True, SCALE_AHEAD=1)),
+    "sk m8 M1 BN32 w2 build xa sa1": ("nvfp4_sk", 8, 1, 32, 2, 3, 1, None,
+                                      dict(X_BUILD=True, X_AHEAD=True, SCALE_AHEAD=1)),
+    "sk m9 M8 BN64 build xa": ("nvfp4_sk", 9, 8, 64, 4, 3, 1, None, dict(X_BUILD=True, X_AHEAD=True)),
+    "m8 M1 BN64 default sa1": ("nvfp4", 8, 1, 64, 4, 3, 1, None, dict(SCALE_AHEAD=1)),
+    "sk fp8 M1": ("fp8_sk", None, 1, 64, 4, 4, 1, None, {}),
+    "sk fp8 M1 build": ("fp8_sk", None, 1, 64, 4, 4, 1, None, dict(X_BUILD=True)),
 }
+
+
+def inner_mma_loop(text: str):
+    """Opcode counts of the shortest backward-branch loop that holds a tensor-core op (HGMMA / HMMA)."""
+    from collections import Counter
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", text)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    best = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = ins[at[int(m.group(1), 16)]: i + 1]
+            if any("MMA" in x for _, x in body) and (best is None or len(body) < len(best)):
+                best = body
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in (best or []))
 
 
 def compile_variant(kernel, mode, m_pad, bn, nw, stages, split, maxnreg, flags, arch):
     """The kernel as nvfp4_linear / fp8_gemv would launch it (pointers and sizes specialised as multiples of 16,
     M = 1 as a constant), compiled for sm_<arch>."""
     reduce_ = flags.get("SPLIT_REDUCE", 0) == 1
-    if kernel == "nvfp4":
+    if kernel == "nvfp4_sk":
+        fn = g._nvfp4_gemv_sk_kernel
+        sig = dict(x_ptr="*bf16" if flags.get("X_BUILD") or flags.get("X_INLINE") else "*fp16", w_ptr="*u8",
+                   s_ptr="*u8", gs_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32",
+                   K="i32", stride_xm="i32", stride_ym="i32", row_q="i32", row_s="i32", n_tiles="i32", per="i32",
+                   J_MAX="i32")
+        cx = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=256 // m_pad if mode == 8 else 256, LOAD_MODE=mode,
+                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SCALE_AHEAD=0, X_AHEAD=False, PDL=False, PREFETCH=False)
+    elif kernel == "fp8_sk":
+        fn = g._fp8_gemv_sk_kernel
+        sig = dict(xc_ptr="*bf16" if flags.get("X_BUILD") else "*fp16", w_ptr="*u8", scale_ptr="*fp32",
+                   y_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_ym="i32",
+                   n_tiles="i32", per="i32", J_MAX="i32", stride_xm="i32")
+        cx = dict(BLOCK_N=bn, BLOCK_K=128, DIRECT=True, X_BUILD=False, ONE_ROW=m_pad == 1, PDL=False, PREFETCH=False)
+    elif kernel == "nvfp4":
         fn = g._nvfp4_gemv_kernel
         sig = dict(x_ptr="*bf16" if flags.get("X_BUILD") or flags.get("X_INLINE") else "*fp16", w_ptr="*u8",
                    s_ptr="*u8", gs_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
                    stride_ym="i32", row_q="i32", row_s="i32")
         cx = dict(M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=256 // m_pad if mode == 8 else 256, SPLIT_K=split, LOAD_MODE=mode,
-                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SPLIT_REDUCE=0)
+                  USE_ASM=True, X_INLINE=False, X_BUILD=False, ONE_DOT=False, SPLIT_REDUCE=0, SCALE_AHEAD=0, X_AHEAD=False, PDL=False, PREFETCH=False)
     else:
         fn = g._fp8_gemv_kernel
         sig = dict(xc_ptr="*bf16" if flags.get("X_BUILD") else "*fp16", w_ptr="*u8", scale_ptr="*fp32",
@@ -70,8 +121,9 @@ def compile_variant(kernel, mode, m_pad, bn, nw, stages, split, maxnreg, flags, 
         cx = dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_K=128, DIRECT=True, X_BUILD=False, ONE_ROW=m_pad == 1,
                   SPLIT_REDUCE=0)
     cx.update(flags)
-    sig["d_ptr"] = "*fp16" if flags.get("X_BUILD") and (kernel == "nvfp4" or m_pad == 1) else "constexpr"
-    sig["part_ptr"], sig["cnt_ptr"] = ("*fp32", "*i32") if reduce_ else ("constexpr", "constexpr")
+    sig["d_ptr"] = "*fp16" if flags.get("X_BUILD") and (kernel.startswith("nvfp4") or m_pad == 1) else "constexpr"
+    if not kernel.endswith("_sk"):
+        sig["part_ptr"], sig["cnt_ptr"] = ("*fp32", "*i32") if reduce_ else ("constexpr", "constexpr")
     for k, v in sig.items():
         if v == "constexpr":
             cx[k] = None
@@ -107,9 +159,9 @@ def main(argv=None):
         if a.only and not any(w in label for w in a.only.split(",")):
             continue
         k = compile_variant(kernel, mode, m_pad, bn, nw, stages, split, maxnreg, flags, a.arch)
-        body = loop_body(sass(k))
+        body = inner_mma_loop(sass(k)) if kernel.endswith("_sk") else loop_body(sass(k))
         n = sum(body.values())
-        block_k = 128 if kernel == "fp8" else (256 // m_pad if mode == 8 else 256)
+        block_k = 128 if kernel.startswith("fp8") else (256 // m_pad if mode == 8 else 256)
         per_weight = n / (bn * block_k / (32 * nw))
         regs, smem = registers(k), k.metadata.shared
         per_sm = min(65536 // (regs * 32 * nw), 228 * 1024 // (smem + 1024), 32)
