@@ -20,7 +20,7 @@ is per token of the span:
                     (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
                     span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
+from the budget: up to MAX_PIECE_TOKENS for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
 chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; the recurrence
@@ -38,6 +38,7 @@ bench/prefill.py checks the estimate against the device's measured peak, with a 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ import torch
 
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.model import PIECE_TOKENS, Cancelled, Pieces
+from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
 # a decoded-weight bound below the largest layer's decoded weights (some weights evicted and decoded per piece, or
@@ -148,23 +149,53 @@ def dequant_terms(cfg, e: int) -> dict:
     return t
 
 
-def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
+def piece_tokens_max() -> int:
+    """The largest piece `span_plan` starts from: MOESTREAM_PIECE_TOKENS (an A/B switch; PIECE_TOKENS is the old
+    engine's), else MAX_PIECE_TOKENS; never above MAX_PIECE_TOKENS (a Mamba mixer cuts longer calls itself)."""
+    raw = os.environ.get("MOESTREAM_PIECE_TOKENS", "")
+    try:
+        n = int(raw) if raw else MAX_PIECE_TOKENS
+    except ValueError:
+        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: expected a whole number of tokens") from None
+    if n < 1:
+        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: pieces need at least one token")
+    return min(n, MAX_PIECE_TOKENS)
+
+
+def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:
     """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
-    attention scores within a quarter (SCORE_BYTES at most), pieces of PIECE_TOKENS halved while one piece's
-    temporaries take more than an eighth (not below one Mamba scan chunk), and a layer's decoded weights within what
-    the other terms leave at the longest span (`dequant_bound`). `device`: where the forward runs (on CUDA attention
-    holds no scores)."""
+    attention scores within a quarter (SCORE_BYTES at most), pieces of `max_piece` (piece_tokens_max()) halved
+    while one piece's temporaries take more than an eighth (not below one Mamba scan chunk), Mamba layers and the
+    others each by their own, and a layer's decoded weights within what the other terms leave at the longest span
+    (`dequant_bound`). Pieces above PIECE_TOKENS are taken only where they leave the longest span as long as
+    PIECE_TOKENS' pieces do: a large budget gets fewer, larger pieces (a piece's launches cost the host ~20 µs each
+    whatever its length: ~400 per 512-token piece across a layer group, H200 session 6), a small one keeps the
+    span it had. `device`: where the forward runs (on CUDA attention holds no scores)."""
+    top = piece_tokens_max() if max_piece is None else max_piece
+    base = _plan_from(cfg, dtype, budget_bytes, device, min(top, PIECE_TOKENS), min(top, PIECE_TOKENS))
+    if top <= PIECE_TOKENS:
+        return base
+    longest = _longest_span(cfg, dtype, budget_bytes, base)
+    for mamba_top, other_top in ((top, top), (top, PIECE_TOKENS), (PIECE_TOKENS, top)):
+        plan = _plan_from(cfg, dtype, budget_bytes, device, mamba_top, other_top)
+        if plan.pieces == base.pieces or _longest_span(cfg, dtype, budget_bytes, plan) >= longest:
+            return plan
+    return base
+
+
+def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
+    """span_plan's plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top`."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
-    def halved(piece_bytes) -> int:
-        tokens = PIECE_TOKENS
+    def halved(top, piece_bytes) -> int:
+        tokens = top
         while tokens > cfg.chunk_size and piece_bytes(tokens) > budget_bytes // 8:
             tokens //= 2
         return tokens
-    mamba = halved(lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
+    mamba = halved(mamba_top, lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
     per = _piece_per_token(cfg, e)
-    plan = SpanPlan(Pieces(tokens=halved(lambda n: n * per), mamba_tokens=mamba,
+    plan = SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda")
@@ -249,11 +280,11 @@ def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
 
 
 def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool = False, cap: int = 1 << 20,
-                 kv_rows: list[int] | None = None, device=None) -> int:
+                 kv_rows: list[int] | None = None, device=None, plan: SpanPlan | None = None) -> int:
     """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces on
-    `device`; kv_rows as `span_terms` takes them."""
-    return _longest_span(cfg, dtype, budget_bytes, span_plan(cfg, dtype, budget_bytes, device), past, all_logits, cap,
-                         kv_rows)
+    `device` (`plan`: that plan, when the caller has it already); kv_rows as `span_terms` takes them."""
+    plan = span_plan(cfg, dtype, budget_bytes, device) if plan is None else plan
+    return _longest_span(cfg, dtype, budget_bytes, plan, past, all_logits, cap, kv_rows)
 
 
 def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, all_logits: bool = False,
@@ -333,7 +364,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled between spans")
             span = prefill_span(cfg, model.dtype, budget, state.position, all_logits, cap=end - pos,
-                                kv_rows=kv_rows(state), device=model.device)
+                                kv_rows=kv_rows(state), device=model.device, plan=plan)
             if max_span:
                 span = min(span, max_span)
             if source is not None:
