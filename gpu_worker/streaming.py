@@ -820,6 +820,24 @@ class StreamingExperts(ExpertSource):
         self._ring.read_by_current_stream()
 
 
+def copy_runs(sources, slots: list[int], stride: int) -> list[tuple[int, int]]:
+    """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
+    bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
+    the same storage and holds a whole row, and each slot follows the one before (no wrap)."""
+    runs: list[tuple[int, int]] = []
+    prev_ptr = prev_store = None
+    for i, src in enumerate(sources):
+        ptr, store = src.data_ptr(), src.untyped_storage().data_ptr()
+        whole = src.numel() >= stride and src.dim() == 1
+        if (runs and whole and ptr == prev_ptr + stride and store == prev_store and slots[i] == slots[i - 1] + 1
+                and runs[-1][1] > 0):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1 if whole else -1))      # -1 marks a source that never joins a run
+        prev_ptr, prev_store = ptr, store
+    return [(i, abs(k)) for i, k in runs]
+
+
 def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:
     """The launches of one batch: all of its segments at once, or, where one expert's segment alone holds more than
     rows_cap rows (a batch of one), that segment cut into windows of rows_cap rows."""
@@ -874,19 +892,29 @@ class _StagingRing:
         self.next, self.used = 0, []
 
     def stage(self, sources, events=None) -> list[int]:
-        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None."""
-        bb, cs = self.block_bytes, self.stream
+        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
+        Sources that are adjacent rows of one pinned tensor (the slab's slots s, s+1, ...: a layer read in order) and
+        land in adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size
+        (1,651 of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
+        bb, cs, n = self.block_bytes, self.stream, len(self.free)
         self.used = []
+        for _ in sources:
+            self.used.append(self.next)
+            self.next = (self.next + 1) % n
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
-            for i in range(len(sources)):
-                cs.wait_event(self.free[(self.next + i) % len(self.free)])
+            for r in self.used:
+                cs.wait_event(self.free[r])
             events[0].record(cs)
-        for src in sources:
-            r, self.next = self.next, (self.next + 1) % len(self.free)
-            cs.wait_event(self.free[r])
-            with torch.cuda.stream(cs):
-                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
-            self.used.append(r)
+        with torch.cuda.stream(cs):
+            for i, k in copy_runs(sources, self.used, self.buf.shape[1]):
+                r = self.used[i]
+                for q in range(r, r + k):
+                    cs.wait_event(self.free[q])
+                if k == 1:
+                    self.buf[r, :bb].copy_(sources[i][:bb], non_blocking=True)
+                else:
+                    stride = self.buf.shape[1]
+                    self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
         if events is not None:
             events[1].record(cs)
         done = torch.cuda.Event()
