@@ -357,6 +357,18 @@ def profiled(eng, ids, device) -> dict:
     return prof.result()
 
 
+def old_glue(on: bool) -> None:
+    """The A/B of a path ending in "~": the Mamba scan's carry by its twin (one launch a chunk) and the staging ring's
+    copies one block at a time, as before session 7."""
+    from kernels import backend
+    if on:
+        backend.FORCED["mamba_carry"] = "twin"
+        os.environ["MOESTREAM_COPY_RUNS"] = "0"
+    else:
+        backend.FORCED.pop("mamba_carry", None)
+        os.environ.pop("MOESTREAM_COPY_RUNS", None)
+
+
 def brief(res) -> None:
     """--brief: one short line per prompt (a device call's console keeps only its tail)."""
     c = res["ceilings"]
@@ -415,7 +427,8 @@ def main(argv=None):
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
-                    "(MOESTREAM_PIECE_TOKENS; 512 is the old engine's)")
+                    "(MOESTREAM_PIECE_TOKENS; 512 is the old engine's); PATH~ (or PATH@N~): the old glue "
+                    "(the Mamba carry's twin, one staging copy per block)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -491,7 +504,10 @@ def main(argv=None):
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
-                base, _, piece = path.split("#")[0].partition("@")   # "staged#2": the same path again; "@512": pieces
+                # "staged#2": the same path again; "@512": pieces of at most 512 tokens; "~": the old glue (the Mamba
+                # carry's twin, one staging copy per block)
+                base, _, piece = path.split("#")[0].replace("~", "").partition("@")
+                old_glue(path.split("#")[0].endswith("~"))
                 if piece:
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
@@ -513,8 +529,9 @@ def main(argv=None):
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
+            old_glue(False)
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0].partition("@")[0]
+                first = paths[0].split("#")[0].replace("~", "").partition("@")[0]
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would

@@ -824,6 +824,8 @@ def copy_runs(sources, slots: list[int], stride: int) -> list[tuple[int, int]]:
     """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
     bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
     the same storage and holds a whole row, and each slot follows the one before (no wrap)."""
+    if os.environ.get("MOESTREAM_COPY_RUNS") == "0":      # the A/B switch: one copy per block, as before
+        return [(i, 1) for i in range(len(sources))]
     runs: list[tuple[int, int]] = []
     prev_ptr = prev_store = None
     for i, src in enumerate(sources):

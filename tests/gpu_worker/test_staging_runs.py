@@ -83,3 +83,9 @@ def test_ring_holds_the_sources(order):
 def test_ring_twin_merging_across_gaps_is_caught(monkeypatch):
     monkeypatch.setattr(streaming, "copy_runs", _slots_only)
     assert not all(_staged_right("gaps"))
+
+
+def test_switch_off_copies_block_by_block(monkeypatch):
+    slab = _slab(4)
+    monkeypatch.setenv("MOESTREAM_COPY_RUNS", "0")
+    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
