@@ -91,6 +91,8 @@ def count(model, ids, piece_tokens: int | None, budget_bytes: int = 60 << 30) ->
         return real_use(t, op)
     try:
         plan = span_plan(model.config, model.dtype, budget_bytes, "cuda")     # the pieces the GPU would take
+        # once uncounted: the checkpoint source decodes an expert the first time it is routed to, once per run
+        prefill(model, ids, model.new_state(), budget_bytes=budget_bytes)
         model._layer, model.experts.apply, backend.use_triton = layer, apply, use_triton
         with mode:
             prefill(model, ids, model.new_state(), budget_bytes=budget_bytes)
@@ -126,8 +128,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from nemotron.model import NemotronH
     model = NemotronH(_model_dir(Path(a.work), a.moe_layers), device="cpu", dtype=torch.float32)
-    from gpu_worker.prefill import prefill
-    prefill(model, list(range(14, 14 + 300)), model.new_state())     # first-call work (lazy state) not counted
     rows = []
     for n in [int(s) for s in a.tokens.split(",") if s]:
         ids = [(7 * i) % 1000 + 14 for i in range(n)]

@@ -1,0 +1,114 @@
+"""A large budget takes pieces of up to MAX_PIECE_TOKENS (gpu_worker/prefill.py `span_plan`), a small one keeps the
+old plan and its span; MOESTREAM_PIECE_TOKENS switches back to the old pieces (the A/B); large pieces give the logits
+of small ones, and the launches they save are counted (bench/launch_count.py). Twins: a plan that takes large
+pieces whatever the span they cost, and a Mamba carry dropped between pieces."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker import prefill as P
+from kernels import mamba_scan
+from nemotron import mamba
+from nemotron.config import NemotronHConfig
+from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, NemotronH
+from tools.synth import build_config
+
+BF = torch.bfloat16
+
+
+def _super(moe_layers=None):
+    return NemotronHConfig.from_dict(build_config("super", "nvfp4",
+                                                  argparse.Namespace(pattern=None, moe_layers=moe_layers)))
+
+
+@pytest.mark.parametrize("moe_layers", [None, 4])
+def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers, monkeypatch):
+    monkeypatch.delenv("MOESTREAM_PIECE_TOKENS", raising=False)
+    cfg = _super(moe_layers)
+    big = P.span_plan(cfg, BF, 60 << 30, "cuda")
+    assert big.pieces.tokens == big.pieces.mamba_tokens == MAX_PIECE_TOKENS == 4096
+    for budget in (512 << 20, 1 << 30, 3 << 29):
+        new, old = P.span_plan(cfg, BF, budget, "cuda"), P.span_plan(cfg, BF, budget, "cuda", max_piece=PIECE_TOKENS)
+        assert new.pieces.tokens >= old.pieces.tokens and new.pieces.mamba_tokens >= old.pieces.mamba_tokens
+        assert P._longest_span(cfg, BF, budget, new) >= P._longest_span(cfg, BF, budget, old)
+        assert P.prefill_span(cfg, BF, budget, device="cuda") == P._longest_span(cfg, BF, budget, new)
+    # the server's reserve: the old plan exactly (pieces 512, Mamba 128) and its span (9,880 on Super)
+    at_512 = P.span_plan(cfg, BF, 512 << 20, "cuda")
+    assert (at_512.pieces.tokens, at_512.pieces.mamba_tokens) == (512, 128)
+
+
+def test_twin_taking_large_pieces_at_any_cost_shortens_the_span():
+    """Must-fail twin: the Mamba pieces halved from 4,096 alone (no comparison with the old plan's span) at the
+    server's 512 MiB: the span would be shorter, which the rule refuses."""
+    cfg, budget = _super(), 512 << 20
+    kept = P.span_plan(cfg, BF, budget, "cuda")
+    eager = P._plan_from(cfg, BF, budget, "cuda", MAX_PIECE_TOKENS, MAX_PIECE_TOKENS)
+    greedy = P.SpanPlan(P.Pieces(tokens=MAX_PIECE_TOKENS, mamba_tokens=MAX_PIECE_TOKENS), eager.launch_bytes,
+                        eager.fused_attention)
+    assert P._longest_span(cfg, BF, budget, greedy) < P._longest_span(cfg, BF, budget, kept)
+
+
+def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
+    cfg = _super(4)
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "512")
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda") == P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "99999")
+    assert P.piece_tokens_max() == MAX_PIECE_TOKENS      # a Mamba mixer cuts longer calls itself
+    for bad in ("lots", "0", "-4"):
+        monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_PIECE_TOKENS"):
+            P.piece_tokens_max()
+
+
+def test_span_bytes_grows_with_the_pieces():
+    """The estimate prices the pieces it is given (bench/prefill.py holds it against the device peak): at 16k a
+    Mamba piece of 4,096 tokens holds its 32 chunks' decay matrices."""
+    cfg = _super(4)
+    big, old = P.span_plan(cfg, BF, 60 << 30, "cuda"), P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
+    t_big, t_old = P.span_terms(cfg, BF, 16000, plan=big), P.span_terms(cfg, BF, 16000, plan=old)
+    from kernels.mamba_scan import scan_bytes
+    assert t_big["mamba"] - t_old["mamba"] >= (scan_bytes(4096, 128, 64, 8, 128, 128)
+                                              - scan_bytes(512, 128, 64, 8, 128, 128))
+    assert P.span_bytes(cfg, BF, 16000, plan=big) > P.span_bytes(cfg, BF, 16000, plan=old)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(synth):
+    return synth("tiny", "nvfp4")
+
+
+def _prefill(model, ids, piece, monkeypatch):
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", str(piece))
+    return P.prefill(model, ids, model.new_state(), budget_bytes=1 << 30, all_logits=True)
+
+
+def test_large_pieces_equal_small_and_a_lost_carry_is_caught(tiny_model, monkeypatch):
+    model = NemotronH(tiny_model)
+    ids = [int(t) for t in np.random.default_rng(8).integers(14, 1000, size=1100)]
+    small, large = _prefill(model, ids, 128, monkeypatch), _prefill(model, ids, 4096, monkeypatch)
+    assert P.span_plan(model.config, model.dtype, 1 << 30, model.device).pieces.mamba_tokens == 4096
+    torch.testing.assert_close(large, small, rtol=1e-4, atol=1e-4)
+    # the twin: each Mamba call starting from a zero state, as if the pieces did not carry it
+    real = mamba.chunk_scan
+    monkeypatch.setattr(mamba, "chunk_scan", lambda x, dt, A, B, C, S, q: real(x, dt, A, B, C, torch.zeros_like(S), q))
+    lost = _prefill(model, ids, 128, monkeypatch)
+    assert (lost - small).abs().max() > 1e-2
+
+
+def test_launch_count_falls_with_large_pieces(tmp_path):
+    """bench/launch_count.py on the Super pattern (small widths, 2 MoE layers): 2,000 tokens in pieces of 4,096 make
+    fewer launches in the Mamba and MoE layers than in pieces of 512, whose Mamba pieces each cost tens of ops."""
+    from bench import launch_count
+    model = NemotronH(launch_count._model_dir(tmp_path, 2), device="cpu", dtype=torch.float32)
+    ids = [(7 * i) % 1000 + 14 for i in range(2000)]
+    old, new = launch_count.count(model, ids, 512), launch_count.count(model, ids, 4096)
+    assert (old["piece_tokens"], new["piece_tokens"]) == (512, 4096)
+    for kind in ("mamba", "moe"):
+        assert old["by_kind"][kind]["pieces_per_layer"] == 4 and new["by_kind"][kind]["pieces_per_layer"] == 1
+        assert new["by_kind"][kind]["launches"] * 2 < old["by_kind"][kind]["launches"]
+    assert old["by_kind"]["experts"]["launches"] == new["by_kind"]["experts"]["launches"] > 0
