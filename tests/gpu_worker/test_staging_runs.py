@@ -52,17 +52,18 @@ ROWS = {"in_order": [3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
         "reversed": [15, 14, 13, 12, 11, 10, 9, 8]}
 
 
-def _staged_right(order) -> list[bool]:
+def _staged_right(order, dev="cuda") -> list[bool]:
     """Each staged block's ring bytes equal to its slab row's, for launches of up to 4 blocks wrapping the ring."""
-    dev = torch.device("cuda")
+    dev = torch.device(dev)
     n_slots, bb = 7, S - 100                      # block bytes below the stride, as a store's padding leaves
-    slab = _slab(16).pin_memory()
+    slab = _slab(16).pin_memory() if dev.type == "cuda" else _slab(16)
     ring = streaming._StagingRing(n_slots, S, bb, dev)
     rows, seen = ROWS[order], []
     for a in range(0, len(rows), 4):
         part = rows[a:a + 4]
         ptrs = ring.stage([slab[r] for r in part])
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         for p, r, slot in zip(ptrs, part, ring.used):
             assert p == ring.buf[slot].data_ptr()
             seen.append(torch.equal(ring.buf[slot, :bb].cpu(), slab[r, :bb]))
@@ -89,3 +90,39 @@ def test_switch_off_copies_block_by_block(monkeypatch):
     slab = _slab(4)
     monkeypatch.setenv("MOESTREAM_COPY_RUNS", "0")
     assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+
+class _Stream:
+    def __init__(self, *a):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+@pytest.fixture
+def streams_faked(monkeypatch):
+    """The ring's streams and events as no-ops, so that its indexing and runs run on CPU tensors (copies at once)."""
+    import contextlib
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+
+
+@pytest.mark.parametrize("order", list(ROWS))
+def test_ring_holds_the_sources_on_the_cpu(order, streams_faked):
+    assert all(_staged_right(order, "cpu"))
+
+
+def test_ring_twin_merging_across_gaps_is_caught_on_the_cpu(streams_faked, monkeypatch):
+    monkeypatch.setattr(streaming, "copy_runs", _slots_only)
+    assert not all(_staged_right("gaps", "cpu"))
