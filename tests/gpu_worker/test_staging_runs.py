@@ -1,7 +1,8 @@
 """The staging ring's coalesced copies (gpu_worker/streaming.py `copy_runs`, `_StagingRing.stage`): adjacent slab rows
 bound for adjacent ring slots go as one copy of whole rows, anything else one block at a time. On the CPU the runs
-themselves (odd patterns: gaps, a ring wrap, another tensor, a short source); on CUDA the ring's bytes after staging
-sources in and out of order, against the sources, and a twin that merges across a gap is caught."""
+themselves (odd patterns: gaps, a ring wrap, another tensor, a short source); the ring's bytes after staging sources
+in and out of order, against the sources, on CUDA and on the CPU with the streams and events faked; a twin that
+merges across a gap is caught."""
 from __future__ import annotations
 
 import pytest
