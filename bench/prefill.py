@@ -341,7 +341,8 @@ def budgeted(eng, ids, device, budget: int) -> dict:
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
-                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, score_bytes=plan.pieces.score_bytes,
+                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
+                                               score_bytes=plan.pieces.score_bytes,
                                                launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
 
@@ -388,7 +389,8 @@ def brief(res) -> None:
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
-              f"{r['estimated_bytes'] >> 20}")
+              f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
+              f"{r['plan']['mamba_piece_tokens']}")
 
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
@@ -421,6 +423,9 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--budget-pieces", default="0",
+                    help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
+                         "default, 512: the old plan)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
                          "staged: with the copies ahead)")
@@ -536,11 +541,16 @@ def main(argv=None):
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
-                for n in [n for n in sizes if n >= 1000]:
-                    r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
-                    res["budget"].append(r)
-                    print("budget", json.dumps(r, default=float), flush=True)
-                    save()
+                for top in [int(t) for t in a.budget_pieces.split(",") if t]:
+                    if top:
+                        os.environ["MOESTREAM_PIECE_TOKENS"] = str(top)
+                    for n in [n for n in sizes if n >= 1000]:
+                        r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                        r["piece_top"] = top
+                        res["budget"].append(r)
+                        print("budget", json.dumps(r, default=float), flush=True)
+                        save()
+                    os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
         return out
 
     if "ram" not in skip:

@@ -164,27 +164,60 @@ def piece_tokens_max() -> int:
 
 def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:
     """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
-    attention scores within a quarter (SCORE_BYTES at most), pieces of `max_piece` (piece_tokens_max()) halved
-    while one piece's temporaries take more than an eighth (not below one Mamba scan chunk), Mamba layers and the
-    others each by their own, and a layer's decoded weights within what the other terms leave at the longest span
-    (`dequant_bound`). Pieces above PIECE_TOKENS are taken only where they leave the longest span as long as
-    PIECE_TOKENS' pieces do: a large budget gets fewer, larger pieces (a piece's launches cost the host ~20 µs each
-    whatever its length: ~400 per 512-token piece across a layer group, H200 session 6), a small one keeps the
-    span it had. `device`: where the forward runs (on CUDA attention holds no scores)."""
+    attention scores within a quarter (SCORE_BYTES at most), pieces as large as keep the longest span, and a layer's
+    decoded weights within what the other terms leave at the longest span (`dequant_bound`). `device`: where the
+    forward runs (on CUDA attention holds no scores).
+
+    The pieces: first the old plan's, PIECE_TOKENS halved while one piece's temporaries take more than an eighth of
+    the budget (not below one Mamba scan chunk), with its decoded weights; that plan's longest span and its decoded
+    weights are kept. Then the Mamba pieces, and after
+    them the others, each the largest of `max_piece` (piece_tokens_max()) halved down to the old plan's that leaves
+    the longest span as long: layers run one after the other, so a piece may grow until its layer's peak reaches the
+    heaviest layer's at that span (on Super at the server's 512 MiB, the MoE layer's launches: Mamba pieces 256
+    instead of 128, the others 1,024), and a large budget takes MAX_PIECE_TOKENS. A piece's launches cost the host
+    ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200 session 6)."""
     top = piece_tokens_max() if max_piece is None else max_piece
-    base = _plan_from(cfg, dtype, budget_bytes, device, min(top, PIECE_TOKENS), min(top, PIECE_TOKENS))
-    if top <= PIECE_TOKENS:
-        return base
-    longest = _longest_span(cfg, dtype, budget_bytes, base)
-    for mamba_top, other_top in ((top, top), (top, PIECE_TOKENS), (PIECE_TOKENS, top)):
-        plan = _plan_from(cfg, dtype, budget_bytes, device, mamba_top, other_top)
-        if plan.pieces == base.pieces or _longest_span(cfg, dtype, budget_bytes, plan) >= longest:
-            return plan
-    return base
+    key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
+           _knobs())
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    base = dequant_bound(cfg, dtype, budget_bytes,
+                         _plan_from(cfg, dtype, budget_bytes, device, min(top, PIECE_TOKENS), min(top, PIECE_TOKENS)))
+    plan = base
+    if top > PIECE_TOKENS:
+        longest = _longest_span(cfg, dtype, budget_bytes, base)
+        sb, held = base.pieces.score_bytes, base.pieces.dequant_bytes     # the decoded weights stay as they were
+
+        def largest(fixed, mamba: bool) -> int:
+            floor = base.pieces.mamba_tokens if mamba else base.pieces.tokens
+            n = top
+            while n > floor:
+                p = Pieces(fixed, sb, n, held) if mamba else Pieces(n, sb, fixed, held)
+                if _longest_span(cfg, dtype, budget_bytes, dataclasses.replace(base, pieces=p)) >= longest:
+                    return n
+                n //= 2
+            return floor
+        m = largest(base.pieces.tokens, True) if base.pieces.mamba_tokens else 0
+        plan = dataclasses.replace(base, pieces=Pieces(largest(m, False), sb, m, held))
+    if len(_PLANS) > 64:
+        _PLANS.clear()
+    _PLANS[key] = (cfg, plan)
+    return plan
+
+
+_PLANS: dict = {}    # span_plan's plans: the server plans every prompt with the same budget
+
+
+def _knobs() -> tuple:
+    """What else a plan depends on (module settings the tests change)."""
+    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    return PREFILL_BATCH_BYTES, PARTIAL_DEQUANT, SCORE_BYTES
 
 
 def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
-    """span_plan's plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top`."""
+    """The plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top` while one piece takes
+    more than an eighth of the budget; no decoded weights (`dequant_bound` gives them)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
@@ -195,11 +228,10 @@ def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top:
         return tokens
     mamba = halved(mamba_top, lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
     per = _piece_per_token(cfg, e)
-    plan = SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
+    return SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda")
-    return dequant_bound(cfg, dtype, budget_bytes, plan)
 
 
 def _with_dequant(plan: SpanPlan, nbytes: int) -> SpanPlan:

@@ -36,20 +36,30 @@ def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers, monkey
         assert new.pieces.tokens >= old.pieces.tokens and new.pieces.mamba_tokens >= old.pieces.mamba_tokens
         assert P._longest_span(cfg, BF, budget, new) >= P._longest_span(cfg, BF, budget, old)
         assert P.prefill_span(cfg, BF, budget, device="cuda") == P._longest_span(cfg, BF, budget, new)
-    # the server's reserve: the old plan exactly (pieces 512, Mamba 128) and its span (9,880 on Super)
-    at_512 = P.span_plan(cfg, BF, 512 << 20, "cuda")
-    assert (at_512.pieces.tokens, at_512.pieces.mamba_tokens) == (512, 128)
+    # the server's reserve: the old plan was pieces of 512, Mamba 128; now 1,024 and 256, the same span (9,880 on
+    # Super) and the same decoded weights (none at 512 MiB)
+    at_512, old = P.span_plan(cfg, BF, 512 << 20, "cuda"), P.span_plan(cfg, BF, 512 << 20, "cuda", max_piece=512)
+    assert (old.pieces.tokens, old.pieces.mamba_tokens) == (512, 128)
+    assert (at_512.pieces.tokens, at_512.pieces.mamba_tokens) == (1024, 256)
+    assert at_512.pieces.dequant_bytes == old.pieces.dequant_bytes
+    assert P.prefill_span(cfg, BF, 512 << 20, device="cuda") == P._longest_span(cfg, BF, 512 << 20, old)
+    # at 1 GiB the decoded weights stay held beside the larger pieces
+    g1, g1_old = P.span_plan(cfg, BF, 1 << 30, "cuda"), P.span_plan(cfg, BF, 1 << 30, "cuda", max_piece=512)
+    assert g1.pieces.dequant_bytes == g1_old.pieces.dequant_bytes > 0
 
 
-def test_twin_taking_large_pieces_at_any_cost_shortens_the_span():
-    """Must-fail twin: the Mamba pieces halved from 4,096 alone (no comparison with the old plan's span) at the
-    server's 512 MiB: the span would be shorter, which the rule refuses."""
+def test_twins_one_step_larger_shorten_the_span():
+    """Must-fail twins: at the server's 512 MiB, the pieces one step larger than chosen (Mamba 512, or the others
+    2,048), or 4,096 everywhere, would shorten the span: the search stops where it must."""
     cfg, budget = _super(), 512 << 20
     kept = P.span_plan(cfg, BF, budget, "cuda")
-    eager = P._plan_from(cfg, BF, budget, "cuda", MAX_PIECE_TOKENS, MAX_PIECE_TOKENS)
-    greedy = P.SpanPlan(P.Pieces(tokens=MAX_PIECE_TOKENS, mamba_tokens=MAX_PIECE_TOKENS), eager.launch_bytes,
-                        eager.fused_attention)
-    assert P._longest_span(cfg, BF, budget, greedy) < P._longest_span(cfg, BF, budget, kept)
+    p = kept.pieces
+    longest = P._longest_span(cfg, BF, budget, kept)
+    for tokens, mamba in ((p.tokens, 2 * p.mamba_tokens), (2 * p.tokens, p.mamba_tokens),
+                          (MAX_PIECE_TOKENS, MAX_PIECE_TOKENS)):
+        bigger = P.SpanPlan(P.Pieces(tokens, p.score_bytes, mamba, p.dequant_bytes), kept.launch_bytes,
+                            kept.fused_attention)
+        assert P._longest_span(cfg, BF, budget, bigger) < longest, (tokens, mamba)
 
 
 def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
