@@ -812,7 +812,10 @@ class StreamingExperts(ExpertSource):
         n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
         if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
-            self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device)
+            from cache_shm.cuda_map import chunk_slots
+            base, step = self.slab.data_ptr(), chunk_slots(self.slot_bytes) * self.slot_bytes
+            self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,
+                                      segment=lambda ptr: (ptr - base) // step)
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
         return self._ring.stage([self.slab[s] for s in slots], events)
 
@@ -820,23 +823,26 @@ class StreamingExperts(ExpertSource):
         self._ring.read_by_current_stream()
 
 
-def copy_runs(sources, slots: list[int], stride: int) -> list[tuple[int, int]]:
+def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tuple[int, int]]:
     """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
     bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
-    the same storage and holds a whole row, and each slot follows the one before (no wrap)."""
+    the same storage and in the same `segment(address)` (the slab's CUDA registrations: a copy spanning two fails
+    with cudaErrorInvalidValue, H200 session 7) and holds a whole row, and each slot follows the one before (no
+    wrap)."""
     if os.environ.get("MOESTREAM_COPY_RUNS") == "0":      # the A/B switch: one copy per block, as before
         return [(i, 1) for i in range(len(sources))]
     runs: list[tuple[int, int]] = []
-    prev_ptr = prev_store = None
+    prev_ptr = prev_store = prev_seg = None
     for i, src in enumerate(sources):
         ptr, store = src.data_ptr(), src.untyped_storage().data_ptr()
+        seg = segment(ptr) if segment is not None else 0
         whole = src.numel() >= stride and src.dim() == 1
-        if (runs and whole and ptr == prev_ptr + stride and store == prev_store and slots[i] == slots[i - 1] + 1
-                and runs[-1][1] > 0):
+        if (runs and whole and ptr == prev_ptr + stride and store == prev_store and seg == prev_seg
+                and slots[i] == slots[i - 1] + 1 and runs[-1][1] > 0):
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1 if whole else -1))      # -1 marks a source that never joins a run
-        prev_ptr, prev_store = ptr, store
+        prev_ptr, prev_store, prev_seg = ptr, store, seg
     return [(i, abs(k)) for i, k in runs]
 
 
@@ -883,9 +889,11 @@ class _StagingRing:
     for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
     slot), so the copies of one launch overlap the kernels of the one before (the ring holds two launches)."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, segment=None):
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
         self.free = [torch.cuda.Event() for _ in range(n)]
+        self.segment = segment       # address -> which registered chunk of the slab (copy_runs)
+        self.runs_ok = True          # False after a run's copy failed: one copy per block from then on
         self.stream = torch.cuda.Stream(device)
         # the buffer comes from the compute stream's pool: its memory may be a tensor freed a moment ago that queued
         # kernels still read; the copy stream writes it only after them (a fresh slot's `free` event is unrecorded)
@@ -907,16 +915,24 @@ class _StagingRing:
             for r in self.used:
                 cs.wait_event(self.free[r])
             events[0].record(cs)
+        stride = self.buf.shape[1]
+        runs = (copy_runs(sources, self.used, stride, self.segment) if self.runs_ok
+                else [(i, 1) for i in range(len(sources))])
         with torch.cuda.stream(cs):
-            for i, k in copy_runs(sources, self.used, self.buf.shape[1]):
+            for i, k in runs:
                 r = self.used[i]
                 for q in range(r, r + k):
                     cs.wait_event(self.free[q])
-                if k == 1:
-                    self.buf[r, :bb].copy_(sources[i][:bb], non_blocking=True)
-                else:
-                    stride = self.buf.shape[1]
-                    self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
+                if k > 1:
+                    try:
+                        self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
+                        continue
+                    except RuntimeError as err:     # a host range the driver will not copy in one piece
+                        self.runs_ok = False
+                        warnings.warn(f"staging ring: a copy of {k} adjacent slab rows failed ({err}); one copy "
+                                      "per block from now on", RuntimeWarning, stacklevel=2)
+                for q in range(i, i + k):
+                    self.buf[self.used[q], :bb].copy_(sources[q][:bb], non_blocking=True)
         if events is not None:
             events[1].record(cs)
         done = torch.cuda.Event()

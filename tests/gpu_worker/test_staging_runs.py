@@ -30,7 +30,19 @@ def test_runs_follow_adjacent_rows_and_slots():
     assert copy_runs([], [], S) == []
 
 
-def _slots_only(sources, slots, stride):
+def test_runs_stop_at_a_registered_chunks_end():
+    """The slab is registered with CUDA in chunks (cache_shm.cuda_map); a run never spans two."""
+    slab = _slab(12)
+    base = slab.data_ptr()
+
+    def segment(ptr):
+        return (ptr - base) // (4 * S)            # chunks of 4 rows
+    src = [slab[r] for r in (2, 3, 4, 5, 6, 7, 8)]
+    assert copy_runs(src, list(range(7)), S, segment) == [(0, 2), (2, 4), (6, 1)]
+    assert copy_runs(src, list(range(7)), S) == [(0, 7)]      # without it: one run across both boundaries
+
+
+def _slots_only(sources, slots, stride, segment=None):
     """The must-fail twin: runs that look only at the slots (rows 2 and 5 bound for slots 0 and 1 would merge)."""
     out = []
     for i in range(len(sources)):
@@ -127,3 +139,42 @@ def test_ring_holds_the_sources_on_the_cpu(order, streams_faked):
 def test_ring_twin_merging_across_gaps_is_caught_on_the_cpu(streams_faked, monkeypatch):
     monkeypatch.setattr(streaming, "copy_runs", _slots_only)
     assert not all(_staged_right("gaps", "cpu"))
+
+
+@CUDA
+def test_ring_copies_across_registered_chunks():
+    """A host buffer registered in two chunks, as cache_shm.cuda_map registers the slab. The driver refuses one copy
+    of rows 2-5 (two in each chunk): that is what the first GPU run of the runs hit (cudaErrorInvalidValue). The
+    ring whose runs stop at the chunks' end stages them right in runs; the twin, runs that ignore the chunks, has its
+    copy refused, warns and copies block by block (the bytes still right)."""
+    import mmap
+
+    from cache_shm.cuda_map import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE
+    dev = torch.device("cuda")
+    cudart = torch.cuda.cudart()
+    mm = mmap.mmap(-1, 8 * S)
+    slab = torch.frombuffer(mm, dtype=torch.uint8).view(8, S)
+    slab.copy_(_slab(8))
+    base = slab.data_ptr()
+    flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+    for off in (0, 4 * S):
+        assert int(cudart.cudaHostRegister(base + off, 4 * S, flags)) == 0
+    try:
+        rows = [2, 3, 4, 5]
+        with pytest.raises(RuntimeError):
+            torch.empty(4, S, dtype=torch.uint8, device=dev).copy_(slab[2:6], non_blocking=True)
+            torch.cuda.synchronize()
+        ring = streaming._StagingRing(6, S, S, dev, segment=lambda p: (p - base) // (4 * S))
+        ring.stage([slab[r] for r in rows])
+        torch.cuda.synchronize()
+        assert ring.runs_ok
+        assert all(torch.equal(ring.buf[q].cpu(), slab[r]) for q, r in zip(ring.used, rows))
+        twin = streaming._StagingRing(6, S, S, dev)          # no segments: one run across the chunks
+        with pytest.warns(RuntimeWarning, match="one copy per block"):
+            twin.stage([slab[r] for r in rows])
+        torch.cuda.synchronize()
+        assert not twin.runs_ok
+        assert all(torch.equal(twin.buf[q].cpu(), slab[r]) for q, r in zip(twin.used, rows))
+    finally:
+        for off in (0, 4 * S):
+            cudart.cudaHostUnregister(base + off)
