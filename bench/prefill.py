@@ -358,16 +358,15 @@ def profiled(eng, ids, device) -> dict:
     return prof.result()
 
 
-def old_glue(on: bool) -> None:
-    """The A/B of a path ending in "~": the Mamba scan's carry by its twin (one launch a chunk) and the staging ring's
-    copies one block at a time, as before session 7."""
-    from kernels import backend
-    if on:
-        backend.FORCED["mamba_carry"] = "twin"
-        os.environ["MOESTREAM_COPY_RUNS"] = "0"
-    else:
-        backend.FORCED.pop("mamba_carry", None)
-        os.environ.pop("MOESTREAM_COPY_RUNS", None)
+def new_glue(on: bool) -> None:
+    """The A/B of a path ending in "+": session 7's glue, off by default until measured — the Mamba scan's carry in one
+    launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy (gpu_worker/streaming.py
+    `copy_runs`)."""
+    for name in ("MOESTREAM_MAMBA_CARRY_KERNEL", "MOESTREAM_COPY_RUNS"):
+        if on:
+            os.environ[name] = "1"
+        else:
+            os.environ.pop(name, None)
 
 
 def brief(res) -> None:
@@ -425,15 +424,15 @@ def main(argv=None):
                          "reserve through the server): spans, peak against the estimate; 0: not run")
     ap.add_argument("--budget-pieces", default="0",
                     help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
-                         "default, 512: the old plan)")
+                         "default, the old plan; 4096: the large pieces)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
                          "staged: with the copies ahead)")
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
-                    "(MOESTREAM_PIECE_TOKENS; 512 is the old engine's); PATH~ (or PATH@N~): the old glue "
-                    "(the Mamba carry's twin, one staging copy per block)")
+                    "(MOESTREAM_PIECE_TOKENS; the default is 512, the old plan); PATH+ (or PATH@N+): the new glue "
+                    "(the Mamba carry in one launch, adjacent staging copies merged; off by default)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -509,10 +508,10 @@ def main(argv=None):
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
-                # "staged#2": the same path again; "@512": pieces of at most 512 tokens; "~": the old glue (the Mamba
-                # carry's twin, one staging copy per block)
-                base, _, piece = path.split("#")[0].replace("~", "").partition("@")
-                old_glue(path.split("#")[0].endswith("~"))
+                # "staged#2": the same path again; "@4096": pieces of up to 4,096 tokens; "+": the new glue (the
+                # Mamba carry in one launch, adjacent staging copies merged)
+                base, _, piece = path.split("#")[0].replace("+", "").partition("@")
+                new_glue(path.split("#")[0].endswith("+"))
                 if piece:
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
@@ -534,9 +533,9 @@ def main(argv=None):
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
-            old_glue(False)
+            new_glue(False)
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0].replace("~", "").partition("@")[0]
+                first = paths[0].split("#")[0].replace("+", "").partition("@")[0]
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would

@@ -20,7 +20,8 @@ is per token of the span:
                     (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
                     span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: up to MAX_PIECE_TOKENS for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
+from the budget: 512 tokens for a large one by default, up to MAX_PIECE_TOKENS with MOESTREAM_PIECE_TOKENS, down to
+one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
 chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; the recurrence
@@ -150,11 +151,13 @@ def dequant_terms(cfg, e: int) -> dict:
 
 
 def piece_tokens_max() -> int:
-    """The largest piece `span_plan` starts from: MOESTREAM_PIECE_TOKENS (an A/B switch; PIECE_TOKENS is the old
-    engine's), else MAX_PIECE_TOKENS; never above MAX_PIECE_TOKENS (a Mamba mixer cuts longer calls itself)."""
+    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else PIECE_TOKENS (the old plan exactly:
+    larger pieces are OFF by default until a GPU run measures them — session 7's run stopped on another change before
+    any prompt, bench/NOTES.md h26; `MOESTREAM_PIECE_TOKENS=4096` turns them on); never above MAX_PIECE_TOKENS (a
+    Mamba mixer cuts longer calls itself)."""
     raw = os.environ.get("MOESTREAM_PIECE_TOKENS", "")
     try:
-        n = int(raw) if raw else MAX_PIECE_TOKENS
+        n = int(raw) if raw else PIECE_TOKENS
     except ValueError:
         raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: expected a whole number of tokens") from None
     if n < 1:
@@ -173,9 +176,10 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None 
     weights are kept. Then the Mamba pieces, and after
     them the others, each the largest of `max_piece` (piece_tokens_max()) halved down to the old plan's that leaves
     the longest span as long: layers run one after the other, so a piece may grow until its layer's peak reaches the
-    heaviest layer's at that span (on Super at the server's 512 MiB, the MoE layer's launches: Mamba pieces 256
-    instead of 128, the others 1,024), and a large budget takes MAX_PIECE_TOKENS. A piece's launches cost the host
-    ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200 session 6)."""
+    heaviest layer's at that span (with `max_piece` 4,096, on Super at the server's 512 MiB, the MoE layer's launches
+    decide: Mamba pieces 256 instead of 128, the others 1,024), and a large budget takes `max_piece`. A piece's
+    launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200
+    session 6). By default `max_piece` is PIECE_TOKENS: the old plan (piece_tokens_max)."""
     top = piece_tokens_max() if max_piece is None else max_piece
     key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
            _knobs())

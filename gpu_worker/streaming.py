@@ -829,8 +829,8 @@ def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tupl
     the same storage and in the same `segment(address)` (the slab's CUDA registrations: a copy spanning two fails
     with cudaErrorInvalidValue, H200 session 7) and holds a whole row, and each slot follows the one before (no
     wrap)."""
-    if os.environ.get("MOESTREAM_COPY_RUNS") == "0":      # the A/B switch: one copy per block, as before
-        return [(i, 1) for i in range(len(sources))]
+    if os.environ.get("MOESTREAM_COPY_RUNS") != "1":      # OFF by default: one copy per block, as before (the runs'
+        return [(i, 1) for i in range(len(sources))]       # speed is not measured yet, bench/NOTES.md h26)
     runs: list[tuple[int, int]] = []
     prev_ptr = prev_store = prev_seg = None
     for i, src in enumerate(sources):
@@ -903,9 +903,10 @@ class _StagingRing:
 
     def stage(self, sources, events=None) -> list[int]:
         """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
-        Sources that are adjacent rows of one pinned tensor (the slab's slots s, s+1, ...: a layer read in order) and
-        land in adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size
-        (1,651 of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
+        With MOESTREAM_COPY_RUNS=1 (off by default, unmeasured), sources that are adjacent rows of one pinned tensor
+        (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
+        adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size (1,651
+        of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
         bb, cs, n = self.block_bytes, self.stream, len(self.free)
         self.used = []
         for _ in sources:

@@ -4,17 +4,30 @@
 over the [heads, head_dim, state] elements, h each element's head, in fp32. The twin (`carry_torch`) is one
 addcmul per chunk: c launches a piece, 125 a Super Mamba layer at 16k tokens whatever the pieces (H200 session 6:
 628 addcmul launches a 16k prompt). Here one program walks the c chunks for a block of elements, holding its
-state in registers: the same bytes (each chunk's states read once, each S_in written once), one launch.
+state in registers: the same bytes (each chunk's states read once, each S_in written once), one launch. Off by
+default (`use_kernel`): MOESTREAM_MAMBA_CARRY_KERNEL=1 turns it on.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import backend
 from kernels.backend import varying
 
 BLOCK = 1024
+
+
+def use_kernel(states: torch.Tensor) -> bool:
+    """The kernel where kernels.backend.FORCED names it (the tests), else on CUDA only with
+    MOESTREAM_MAMBA_CARRY_KERNEL=1: OFF by default until a GPU run measures it (correct on the H200, session 7 run 1's
+    tests; its speed not measured: bench/NOTES.md h26)."""
+    if "mamba_carry" in backend.FORCED or "*" in backend.FORCED:
+        return backend.use_triton(states, "mamba_carry")
+    return states.is_cuda and os.environ.get("MOESTREAM_MAMBA_CARRY_KERNEL") == "1"
 
 
 @triton.jit(**varying("c"))       # the chunk count changes with every piece length: compile once

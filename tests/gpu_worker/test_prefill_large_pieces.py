@@ -1,7 +1,8 @@
-"""A large budget takes pieces of up to MAX_PIECE_TOKENS (gpu_worker/prefill.py `span_plan`), a small one keeps the
-old plan and its span; MOESTREAM_PIECE_TOKENS switches back to the old pieces (the A/B); large pieces give the logits
-of small ones, and the launches they save are counted (bench/launch_count.py). Twins: a plan that takes large
-pieces whatever the span they cost, and a Mamba carry dropped between pieces."""
+"""With MOESTREAM_PIECE_TOKENS=4096 (off by default: the old plan until a GPU run measures them) a large budget takes
+pieces of up to MAX_PIECE_TOKENS (gpu_worker/prefill.py `span_plan`), a small one grows its pieces only as far as its
+longest span and decoded weights allow; large pieces give the logits of small ones, and the launches they save are
+counted (bench/launch_count.py). Twins: pieces one step larger than chosen, and a Mamba carry dropped between
+pieces."""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,28 @@ def _super(moe_layers=None):
                                                   argparse.Namespace(pattern=None, moe_layers=moe_layers)))
 
 
+@pytest.fixture(autouse=True)
+def _large_pieces(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", str(MAX_PIECE_TOKENS))
+
+
+def test_off_by_default_the_old_plan(monkeypatch):
+    monkeypatch.delenv("MOESTREAM_PIECE_TOKENS")
+    cfg = _super(4)
+    assert P.piece_tokens_max() == PIECE_TOKENS == 512
+    for budget in (512 << 20, 60 << 30):
+        assert P.span_plan(cfg, BF, budget, "cuda") == P._with_dequant(*_old(cfg, budget))
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512
+
+
+def _old(cfg, budget):
+    """The plan as session 6 made it (pieces of 512 halved by the eighth-of-the-budget rule, then dequant_bound)."""
+    plan = P.dequant_bound(cfg, BF, budget, P._plan_from(cfg, BF, budget, "cuda", 512, 512))
+    return plan, plan.pieces.dequant_bytes
+
+
 @pytest.mark.parametrize("moe_layers", [None, 4])
-def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers, monkeypatch):
-    monkeypatch.delenv("MOESTREAM_PIECE_TOKENS", raising=False)
+def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers):
     cfg = _super(moe_layers)
     big = P.span_plan(cfg, BF, 60 << 30, "cuda")
     assert big.pieces.tokens == big.pieces.mamba_tokens == MAX_PIECE_TOKENS == 4096
@@ -64,6 +84,7 @@ def test_twins_one_step_larger_shorten_the_span():
 
 def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
     cfg = _super(4)
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == MAX_PIECE_TOKENS
     monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "512")
     assert P.span_plan(cfg, BF, 60 << 30, "cuda") == P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
     assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512

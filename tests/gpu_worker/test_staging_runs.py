@@ -14,6 +14,12 @@ from gpu_worker.streaming import copy_runs
 S = 4096
 
 
+@pytest.fixture(autouse=True)
+def _runs_on(monkeypatch):
+    """The runs are off by default (unmeasured): these tests switch them on."""
+    monkeypatch.setenv("MOESTREAM_COPY_RUNS", "1")
+
+
 def _slab(n):
     return torch.randint(0, 255, (n, S), dtype=torch.uint8)
 
@@ -99,8 +105,10 @@ def test_ring_twin_merging_across_gaps_is_caught(monkeypatch):
     assert not all(_staged_right("gaps"))
 
 
-def test_switch_off_copies_block_by_block(monkeypatch):
+def test_off_by_default_copies_block_by_block(monkeypatch):
     slab = _slab(4)
+    monkeypatch.delenv("MOESTREAM_COPY_RUNS")
+    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
     monkeypatch.setenv("MOESTREAM_COPY_RUNS", "0")
     assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
 

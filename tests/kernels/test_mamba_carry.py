@@ -80,3 +80,15 @@ def test_bad_input_is_named(device):
         carry(states.double(), S0.double(), decay.double(), torch.empty_like(states).double())
     with pytest.raises(ValueError, match="S0"):
         carry(states, S0[:1], decay, torch.empty_like(states))
+
+
+def test_off_by_default(device, monkeypatch):
+    """Unmeasured on the GPU: the scan takes the twin unless FORCED or MOESTREAM_MAMBA_CARRY_KERNEL=1 (on CUDA)."""
+    states = torch.zeros(2, 1, 1, 1, device=device)
+    monkeypatch.setattr(backend, "FORCED", {})
+    monkeypatch.delenv("MOESTREAM_MAMBA_CARRY_KERNEL", raising=False)
+    assert not mamba_carry.use_kernel(states)
+    monkeypatch.setenv("MOESTREAM_MAMBA_CARRY_KERNEL", "1")
+    assert mamba_carry.use_kernel(states) == (device == "cuda")
+    monkeypatch.setattr(backend, "FORCED", {"mamba_carry": "twin"})
+    assert not mamba_carry.use_kernel(states)
