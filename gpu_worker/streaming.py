@@ -826,9 +826,9 @@ class StreamingExperts(ExpertSource):
 def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tuple[int, int]]:
     """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
     bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
-    the same storage and in the same `segment(address)` (the slab's CUDA registrations: a copy spanning two fails
-    with cudaErrorInvalidValue, H200 session 7) and holds a whole row, and each slot follows the one before (no
-    wrap)."""
+    the same storage and in the same `segment(address)` (the slab's CUDA registrations: runs that ignored them raised
+    cudaErrorInvalidValue on the H200, session 7 run 1 — a copy spanning two registrations, most likely) and holds a
+    whole row, and each slot follows the one before (no wrap)."""
     if os.environ.get("MOESTREAM_COPY_RUNS") != "1":      # OFF by default: one copy per block, as before (the runs'
         return [(i, 1) for i in range(len(sources))]       # speed is not measured yet, bench/NOTES.md h26)
     runs: list[tuple[int, int]] = []
