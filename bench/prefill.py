@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -266,8 +267,9 @@ def resident(eng) -> set:
 
 # ------------------------------------------------------------------ one prompt
 def ttft(eng, ids, device) -> dict:
-    from gpu_worker.prefill import SpanPlan, prefill, span_bytes
+    from gpu_worker.prefill import default_budget, prefill, span_bytes, span_plan
     m = eng.model
+    plan = span_plan(m.config, m.dtype, default_budget(m.device), m.device)    # the pieces prefill() will take
     before = resident(eng)
     forced0 = eng.cache_stats()["prefill_forced"]
     cuda = str(device).startswith("cuda")
@@ -288,8 +290,9 @@ def ttft(eng, ids, device) -> dict:
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
                 ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
-                peak_bytes=peak, estimated_bytes=span_bytes(m.config, m.dtype, len(ids),
-                                                            plan=SpanPlan(ahead_bytes=eng.experts.ahead_bytes)))
+                peak_bytes=peak, piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
+                estimated_bytes=span_bytes(m.config, m.dtype, len(ids), plan=dataclasses.replace(
+                    plan, ahead_bytes=eng.experts.ahead_bytes, launch_bytes=eng.experts.launch_bytes)))
 
 
 def ahead_figures(last) -> dict:
@@ -338,7 +341,8 @@ def budgeted(eng, ids, device, budget: int) -> dict:
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
-                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, score_bytes=plan.pieces.score_bytes,
+                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
+                                               score_bytes=plan.pieces.score_bytes,
                                                launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
 
@@ -352,6 +356,17 @@ def profiled(eng, ids, device) -> dict:
         logits = prefill(m, ids, m.new_state())
         int(logits[-1].argmax())
     return prof.result()
+
+
+def new_glue(on: bool) -> None:
+    """The A/B of a path ending in "+": session 7's glue, off by default until measured — the Mamba scan's carry in one
+    launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy (gpu_worker/streaming.py
+    `copy_runs`)."""
+    for name in ("MOESTREAM_MAMBA_CARRY_KERNEL", "MOESTREAM_COPY_RUNS"):
+        if on:
+            os.environ[name] = "1"
+        else:
+            os.environ.pop(name, None)
 
 
 def brief(res) -> None:
@@ -369,11 +384,12 @@ def brief(res) -> None:
                       f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
                       f"{r['ahead_used']}/{r['ahead_wrong']} host {r['ms_issuing_ahead']:.1f} p/r "
                       f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} peak/est {r['peak_bytes'] >> 20}/"
-                      f"{r['estimated_bytes'] >> 20}" + prof)
+                      f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
-              f"{r['estimated_bytes'] >> 20}")
+              f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
+              f"{r['plan']['mamba_piece_tokens']}")
 
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
@@ -406,12 +422,17 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--budget-pieces", default="0",
+                    help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
+                         "default, the old plan; 4096: the large pieces)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
                          "staged: with the copies ahead)")
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
-                         "zero_copy; a path again as PATH#2")
+                         "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
+                    "(MOESTREAM_PIECE_TOKENS; the default is 512, the old plan); PATH+ (or PATH@N+): the new glue "
+                    "(the Mamba carry in one launch, adjacent staging copies merged; off by default)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -487,7 +508,14 @@ def main(argv=None):
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
-                base = path.split("#")[0]          # "staged#2": the same path again (how much a TTFT moves)
+                # "staged#2": the same path again; "@4096": pieces of up to 4,096 tokens; "+": the new glue (the
+                # Mamba carry in one launch, adjacent staging copies merged)
+                base, _, piece = path.split("#")[0].replace("+", "").partition("@")
+                new_glue(path.split("#")[0].endswith("+"))
+                if piece:
+                    os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
+                else:
+                    os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
                 if cuda:
                     eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
                     eng.experts.copy_ahead = base != "staged_no_ahead"
@@ -504,17 +532,24 @@ def main(argv=None):
                     print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
+            os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
+            new_glue(False)
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0]
+                first = paths[0].split("#")[0].replace("+", "").partition("@")[0]
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
-                for n in [n for n in sizes if n >= 1000]:
-                    r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
-                    res["budget"].append(r)
-                    print("budget", json.dumps(r, default=float), flush=True)
-                    save()
+                for top in [int(t) for t in a.budget_pieces.split(",") if t]:
+                    if top:
+                        os.environ["MOESTREAM_PIECE_TOKENS"] = str(top)
+                    for n in [n for n in sizes if n >= 1000]:
+                        r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                        r["piece_top"] = top
+                        res["budget"].append(r)
+                        print("budget", json.dumps(r, default=float), flush=True)
+                        save()
+                    os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
         return out
 
     if "ram" not in skip:
@@ -522,7 +557,6 @@ def main(argv=None):
                             paths=tuple(a.paths.split(",")) if cuda else ("cpu",), profile=a.profile, budget=True)
         save()
     if "disk" not in skip:
-        import os
         for rule in a.disk_reads.split(","):
             os.environ["MOESTREAM_PREFILL_READS"] = rule     # read by the prefetcher process the engine starts
             key = "disk" if rule == "as_slots_free" else f"disk_{rule}"

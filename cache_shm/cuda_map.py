@@ -13,6 +13,12 @@ from __future__ import annotations
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
+CHUNK_BYTES = 1 << 30      # register_slab's chunks; a copy should not span two (gpu_worker/streaming.py copy_runs)
+
+
+def chunk_slots(slot_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Slots per registered chunk: chunk k holds slots [k * n, (k + 1) * n)."""
+    return max(chunk_bytes // slot_bytes, 1)
 
 
 class SlabRegistration:
@@ -36,7 +42,7 @@ class SlabRegistration:
         self.unregister()
 
 
-def register_slab(shm, chunk_bytes: int = 1 << 30, device: str = "auto") -> SlabRegistration:
+def register_slab(shm, chunk_bytes: int = CHUNK_BYTES, device: str = "auto") -> SlabRegistration:
     """Register `shm`'s slab (a CacheShm, attached in this process) with CUDA. device="auto":
     only if torch sees a GPU; "cpu": never."""
     if device == "cpu":
@@ -49,7 +55,7 @@ def register_slab(shm, chunk_bytes: int = 1 << 30, device: str = "auto") -> Slab
     cudart = torch.cuda.cudart()
     torch.cuda.init()
     base, total, slot = shm.slab.ctypes.data, shm.slab.nbytes, shm.slot_bytes
-    step = max(chunk_bytes // slot, 1) * slot
+    step = chunk_slots(slot, chunk_bytes) * slot
     reg = SlabRegistration([], cudart)
     flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
     try:

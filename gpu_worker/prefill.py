@@ -20,7 +20,8 @@ is per token of the span:
                     (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
                     span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: 512 tokens for a large one, down to one Mamba scan chunk; Mamba layers their own): the normed
+from the budget: 512 tokens for a large one by default, up to MAX_PIECE_TOKENS with MOESTREAM_PIECE_TOKENS, down to
+one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
 chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; the recurrence
@@ -38,6 +39,7 @@ bench/prefill.py checks the estimate against the device's measured peak, with a 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,7 +47,7 @@ import torch
 
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.model import PIECE_TOKENS, Cancelled, Pieces
+from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
 # a decoded-weight bound below the largest layer's decoded weights (some weights evicted and decoded per piece, or
@@ -148,27 +150,92 @@ def dequant_terms(cfg, e: int) -> dict:
     return t
 
 
-def span_plan(cfg, dtype, budget_bytes: int, device=None) -> SpanPlan:
+def piece_tokens_max() -> int:
+    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else PIECE_TOKENS (the old plan exactly:
+    larger pieces are OFF by default until a GPU run measures them — session 7's run stopped on another change before
+    any prompt, bench/NOTES.md h26; `MOESTREAM_PIECE_TOKENS=4096` turns them on); never above MAX_PIECE_TOKENS (a
+    Mamba mixer cuts longer calls itself)."""
+    raw = os.environ.get("MOESTREAM_PIECE_TOKENS", "")
+    try:
+        n = int(raw) if raw else PIECE_TOKENS
+    except ValueError:
+        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: expected a whole number of tokens") from None
+    if n < 1:
+        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: pieces need at least one token")
+    return min(n, MAX_PIECE_TOKENS)
+
+
+def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:
     """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
-    attention scores within a quarter (SCORE_BYTES at most), pieces of PIECE_TOKENS halved while one piece's
-    temporaries take more than an eighth (not below one Mamba scan chunk), and a layer's decoded weights within what
-    the other terms leave at the longest span (`dequant_bound`). `device`: where the forward runs (on CUDA attention
-    holds no scores)."""
+    attention scores within a quarter (SCORE_BYTES at most), pieces as large as keep the longest span, and a layer's
+    decoded weights within what the other terms leave at the longest span (`dequant_bound`). `device`: where the
+    forward runs (on CUDA attention holds no scores).
+
+    The pieces: first the old plan's, PIECE_TOKENS halved while one piece's temporaries take more than an eighth of
+    the budget (not below one Mamba scan chunk), with its decoded weights; that plan's longest span and its decoded
+    weights are kept. Then the Mamba pieces, and after
+    them the others, each the largest of `max_piece` (piece_tokens_max()) halved down to the old plan's that leaves
+    the longest span as long: layers run one after the other, so a piece may grow until its layer's peak reaches the
+    heaviest layer's at that span (with `max_piece` 4,096, on Super at the server's 512 MiB, the MoE layer's launches
+    decide: Mamba pieces 256 instead of 128, the others 1,024), and a large budget takes `max_piece`. A piece's
+    launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200
+    session 6). By default `max_piece` is PIECE_TOKENS: the old plan (piece_tokens_max)."""
+    top = piece_tokens_max() if max_piece is None else max_piece
+    key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
+           _knobs())
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    base = dequant_bound(cfg, dtype, budget_bytes,
+                         _plan_from(cfg, dtype, budget_bytes, device, min(top, PIECE_TOKENS), min(top, PIECE_TOKENS)))
+    plan = base
+    if top > PIECE_TOKENS:
+        longest = _longest_span(cfg, dtype, budget_bytes, base)
+        sb, held = base.pieces.score_bytes, base.pieces.dequant_bytes     # the decoded weights stay as they were
+
+        def largest(fixed, mamba: bool) -> int:
+            floor = base.pieces.mamba_tokens if mamba else base.pieces.tokens
+            n = top
+            while n > floor:
+                p = Pieces(fixed, sb, n, held) if mamba else Pieces(n, sb, fixed, held)
+                if _longest_span(cfg, dtype, budget_bytes, dataclasses.replace(base, pieces=p)) >= longest:
+                    return n
+                n //= 2
+            return floor
+        m = largest(base.pieces.tokens, True) if base.pieces.mamba_tokens else 0
+        plan = dataclasses.replace(base, pieces=Pieces(largest(m, False), sb, m, held))
+    if len(_PLANS) > 64:
+        _PLANS.clear()
+    _PLANS[key] = (cfg, plan)
+    return plan
+
+
+_PLANS: dict = {}    # span_plan's plans: the server plans every prompt with the same budget
+
+
+def _knobs() -> tuple:
+    """What else a plan depends on (module settings the tests change)."""
+    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    return PREFILL_BATCH_BYTES, PARTIAL_DEQUANT, SCORE_BYTES
+
+
+def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
+    """The plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top` while one piece takes
+    more than an eighth of the budget; no decoded weights (`dequant_bound` gives them)."""
     from gpu_worker.streaming import PREFILL_BATCH_BYTES
     e = _act_bytes(dtype)
 
-    def halved(piece_bytes) -> int:
-        tokens = PIECE_TOKENS
+    def halved(top, piece_bytes) -> int:
+        tokens = top
         while tokens > cfg.chunk_size and piece_bytes(tokens) > budget_bytes // 8:
             tokens //= 2
         return tokens
-    mamba = halved(lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
+    mamba = halved(mamba_top, lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
     per = _piece_per_token(cfg, e)
-    plan = SpanPlan(Pieces(tokens=halved(lambda n: n * per), mamba_tokens=mamba,
+    return SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda")
-    return dequant_bound(cfg, dtype, budget_bytes, plan)
 
 
 def _with_dequant(plan: SpanPlan, nbytes: int) -> SpanPlan:
@@ -249,11 +316,11 @@ def span_bytes(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
 
 
 def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool = False, cap: int = 1 << 20,
-                 kv_rows: list[int] | None = None, device=None) -> int:
+                 kv_rows: list[int] | None = None, device=None, plan: SpanPlan | None = None) -> int:
     """The most tokens one forward may take within `budget_bytes` (at least 1), with `span_plan`'s pieces on
-    `device`; kv_rows as `span_terms` takes them."""
-    return _longest_span(cfg, dtype, budget_bytes, span_plan(cfg, dtype, budget_bytes, device), past, all_logits, cap,
-                         kv_rows)
+    `device` (`plan`: that plan, when the caller has it already); kv_rows as `span_terms` takes them."""
+    plan = span_plan(cfg, dtype, budget_bytes, device) if plan is None else plan
+    return _longest_span(cfg, dtype, budget_bytes, plan, past, all_logits, cap, kv_rows)
 
 
 def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, all_logits: bool = False,
@@ -333,7 +400,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled between spans")
             span = prefill_span(cfg, model.dtype, budget, state.position, all_logits, cap=end - pos,
-                                kv_rows=kv_rows(state), device=model.device)
+                                kv_rows=kv_rows(state), device=model.device, plan=plan)
             if max_span:
                 span = min(span, max_span)
             if source is not None:

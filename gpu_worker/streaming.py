@@ -812,12 +812,38 @@ class StreamingExperts(ExpertSource):
         n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
         if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
-            self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device)
+            from cache_shm.cuda_map import chunk_slots
+            base, step = self.slab.data_ptr(), chunk_slots(self.slot_bytes) * self.slot_bytes
+            self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,
+                                      segment=lambda ptr: (ptr - base) // step)
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
         return self._ring.stage([self.slab[s] for s in slots], events)
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tuple[int, int]]:
+    """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
+    bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
+    the same storage and in the same `segment(address)` (the slab's CUDA registrations: runs that ignored them raised
+    cudaErrorInvalidValue on the H200, session 7 run 1 — a copy spanning two registrations, most likely) and holds a
+    whole row, and each slot follows the one before (no wrap)."""
+    if os.environ.get("MOESTREAM_COPY_RUNS") != "1":      # OFF by default: one copy per block, as before (the runs'
+        return [(i, 1) for i in range(len(sources))]       # speed is not measured yet, bench/NOTES.md h26)
+    runs: list[tuple[int, int]] = []
+    prev_ptr = prev_store = prev_seg = None
+    for i, src in enumerate(sources):
+        ptr, store = src.data_ptr(), src.untyped_storage().data_ptr()
+        seg = segment(ptr) if segment is not None else 0
+        whole = src.numel() >= stride and src.dim() == 1
+        if (runs and whole and ptr == prev_ptr + stride and store == prev_store and seg == prev_seg
+                and slots[i] == slots[i - 1] + 1 and runs[-1][1] > 0):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1 if whole else -1))      # -1 marks a source that never joins a run
+        prev_ptr, prev_store, prev_seg = ptr, store, seg
+    return [(i, abs(k)) for i, k in runs]
 
 
 def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:
@@ -863,9 +889,11 @@ class _StagingRing:
     for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
     slot), so the copies of one launch overlap the kernels of the one before (the ring holds two launches)."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, segment=None):
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
         self.free = [torch.cuda.Event() for _ in range(n)]
+        self.segment = segment       # address -> which registered chunk of the slab (copy_runs)
+        self.runs_ok = True          # False after a run's copy failed: one copy per block from then on
         self.stream = torch.cuda.Stream(device)
         # the buffer comes from the compute stream's pool: its memory may be a tensor freed a moment ago that queued
         # kernels still read; the copy stream writes it only after them (a fresh slot's `free` event is unrecorded)
@@ -874,19 +902,38 @@ class _StagingRing:
         self.next, self.used = 0, []
 
     def stage(self, sources, events=None) -> list[int]:
-        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None."""
-        bb, cs = self.block_bytes, self.stream
+        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
+        With MOESTREAM_COPY_RUNS=1 (off by default, unmeasured), sources that are adjacent rows of one pinned tensor
+        (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
+        adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size (1,651
+        of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
+        bb, cs, n = self.block_bytes, self.stream, len(self.free)
         self.used = []
+        for _ in sources:
+            self.used.append(self.next)
+            self.next = (self.next + 1) % n
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
-            for i in range(len(sources)):
-                cs.wait_event(self.free[(self.next + i) % len(self.free)])
+            for r in self.used:
+                cs.wait_event(self.free[r])
             events[0].record(cs)
-        for src in sources:
-            r, self.next = self.next, (self.next + 1) % len(self.free)
-            cs.wait_event(self.free[r])
-            with torch.cuda.stream(cs):
-                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
-            self.used.append(r)
+        stride = self.buf.shape[1]
+        runs = (copy_runs(sources, self.used, stride, self.segment) if self.runs_ok
+                else [(i, 1) for i in range(len(sources))])
+        with torch.cuda.stream(cs):
+            for i, k in runs:
+                r = self.used[i]
+                for q in range(r, r + k):
+                    cs.wait_event(self.free[q])
+                if k > 1:
+                    try:
+                        self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
+                        continue
+                    except RuntimeError as err:     # a host range the driver will not copy in one piece
+                        self.runs_ok = False
+                        warnings.warn(f"staging ring: a copy of {k} adjacent slab rows failed ({err}); one copy "
+                                      "per block from now on", RuntimeWarning, stacklevel=2)
+                for q in range(i, i + k):
+                    self.buf[self.used[q], :bb].copy_(sources[q][:bb], non_blocking=True)
         if events is not None:
             events[1].record(cs)
         done = torch.cuda.Event()

@@ -8,9 +8,10 @@ Chunked form (Q tokens a chunk, cumulative decay s_i = Σ_{t≤i} dt_t A inside 
 
 `chunk_scan` computes every chunk of its input at once: C·B per group for all chunks, the decay matrices of all
 heads and chunks as one tensor, the chunk-end states as one batched GEMM, then the short recurrence from chunk to
-chunk and the state contributions as one more GEMM — about 20 + c launches for c chunks, where the loop
+chunk (c small launches, or one with kernels/mamba_carry.py switched on) and the state contributions as one more
+GEMM — about 20 + c launches for c chunks (21 with the carry kernel), where the loop
 (`chunk_scan_loop`, the reference twin) takes 27 a chunk. Its memory grows with the input (c chunks' [Q, Q, heads]
-matrices at once, `scan_bytes`): callers bound it by the piece they pass (nemotron/mamba.py's PIECE_TOKENS).
+matrices at once, `scan_bytes`): callers bound it by the piece they pass (nemotron/mamba.py's MAX_PIECE_TOKENS, forward's Pieces).
 B and C stay per group: widened to heads they would be [T, heads, N] each, 16x their size on Super.
 """
 from __future__ import annotations
@@ -108,12 +109,12 @@ def _decay_matrix(acs_h, L):
 
 def _carry(states, S0, chunk_decay, S_in):
     """S_in[k] = the state chunk k starts from (S_in[0] = S0, S_in[k+1] = S_in[k]·decay_k + states[k]); returns the
-    state after the last chunk. c small launches: c is a piece's chunk count (4 on Super)."""
-    c = states.shape[0]
-    S_in[0].copy_(S0)
-    for k in range(c - 1):
-        torch.addcmul(states[k], S_in[k], chunk_decay[k, :, None, None], out=S_in[k + 1])
-    return torch.addcmul(states[c - 1], S_in[c - 1], chunk_decay[c - 1, :, None, None])
+    state after the last chunk: one launch (kernels/mamba_carry.py) where `mamba_carry.use_kernel` says so, else one
+    small step per chunk."""
+    from kernels import mamba_carry
+    if mamba_carry.use_kernel(states):
+        return mamba_carry.carry(states, S0, chunk_decay, S_in)
+    return mamba_carry.carry_torch(states, S0, chunk_decay, S_in)
 
 
 def scan_bytes(tokens: int, nh: int, hd: int, ng: int, N: int, chunk_size: int) -> int:

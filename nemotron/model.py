@@ -19,7 +19,7 @@ import nemotron.attention as attention
 from nemotron.attention import Attention, KVCache
 from nemotron.checkpoint import Checkpoint
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.mamba import Mamba2Mixer, MambaState
+from nemotron.mamba import MAX_PIECE_TOKENS, Mamba2Mixer, MambaState
 from nemotron.moe import CheckpointExperts, MLPMixer, MoEMixer
 from nemotron.moe import pieces as moe_pieces
 from nemotron.norms import rms_norm
@@ -31,6 +31,7 @@ class Cancelled(Exception):
 
 
 PIECE_TOKENS = 512    # forward's default piece: a multiple of every preset's Mamba scan chunk
+# MAX_PIECE_TOKENS (nemotron.mamba): the largest piece gpu_worker/prefill.py's span_plan gives a large budget
 DEQUANT_BYTES = 512 << 20   # forward's default bound on a layer's decoded weights (Super's largest layer: 219 MB)
 
 
@@ -42,8 +43,8 @@ class Pieces:
     scores explicitly (not CUDA's fused launch), an attention layer's queries per piece so that one piece's scores
     stay within `score_bytes` (0: nemotron.attention.SCORE_BYTES, the bound of its own query blocks), and the bytes of
     a layer's NVFP4/FP8 weights decoded for its pieces (`dequant_bytes`, kernels.dense_prefill; 0: none decoded, the
-    tile-decoding kernel). The defaults are what a large budget gets; gpu_worker/prefill.py picks smaller ones for
-    a small budget."""
+    tile-decoding kernel). The defaults are the old engine's large-budget pieces; gpu_worker/prefill.py picks larger ones (up to
+    MAX_PIECE_TOKENS) for a large budget and smaller ones for a small budget."""
     tokens: int = PIECE_TOKENS
     score_bytes: int = 0
     mamba_tokens: int = 0      # a Mamba layer's pieces (0: `tokens`): its temporaries per token are ~5x the others'

@@ -8,7 +8,7 @@ import torch
 
 from kernels import backend, mamba_scan
 from nemotron import mamba
-from nemotron.model import NemotronH
+from nemotron.model import PIECE_TOKENS, NemotronH
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -20,7 +20,7 @@ def model(synth):
     return m
 
 
-def prefill(model, n=mamba.PIECE_TOKENS + 37):
+def prefill(model, n=PIECE_TOKENS + 37):
     ids = [(7 * i) % 1000 + 14 for i in range(n)]      # > one piece; 549 = 68 chunks of 8 and 5 tokens
     st = model.new_state()
     logits = model.forward(ids, st, last_only=False)
