@@ -25,6 +25,7 @@ import torch
 from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_accounting import PrefillAccounting
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
@@ -77,10 +78,12 @@ class Accounting:
     bytes_from_vram: int = 0
     ups_staged: int = 0                  # guessed ups copied into VRAM during the dense layers (gpu_worker/up_staging)
     ups_staged_used: int = 0             # ... that the layer's kernel then read instead of the slab's
+    ups_dma: int = 0                     # chosen ups moved by the copy engine while their kernel ran (gpu_worker/up_dma)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
-               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used")
+               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used",
+               "ups_dma")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -188,6 +191,10 @@ class StreamingExperts(ExpertSource):
         self.ups: UpStaging | None = None
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
+        # decode: the chosen experts' ups that were not staged, by the copy engine while the layer's kernel runs
+        # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy)
+        self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
+        self.up_dma: ChosenUpDMA | None = None
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
@@ -271,7 +278,7 @@ class StreamingExperts(ExpertSource):
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
             return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
-        ups = None
+        ups, staged, waits = None, None, None
         if on_dev:
             at = dict(zip(rest, slots))
             addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
@@ -280,18 +287,41 @@ class StreamingExperts(ExpertSource):
             staged = self.ups.take(j, chosen) if self.ups is not None else None
             if staged:
                 ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
-        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if ups else 0)
+            if self.up_dma_limit:
+                ups, waits = self._dma_ups(chosen, addresses, staged, ups)
+        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
-        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups)
+        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups,
+                           up_waits=waits)
 
-    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None):
+    def _dma_ups(self, chosen, addresses, staged, ups):
+        """The chosen experts' ups not staged (at most `up_dma_limit`, in top-k order) queued on the copy engine
+        (gpu_worker/up_dma.py): (up addresses, (epochs, flags)) for the route; the slab pins are the route's own."""
+        if self.up_dma is None:
+            self.up_dma = ChosenUpDMA(len(chosen), self._up_span, self.device)
+        staged = staged or {}
+        pos = [p for p, e in enumerate(chosen) if e not in staged][:self.up_dma_limit]
+        got, want, flag = self.up_dma.copy(pos, [addresses[p] for p in pos])
+        ups = list(addresses) if ups is None else ups
+        for p in pos:
+            ups[p] = got[p]
+        self.acct.ups_dma += len(pos)
+        return ups, (want, flag)
+
+    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None,
+                       up_waits=None):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
         fused = count_down_groups and self.geom.down_group_neurons == 16
+        ready = None
+        if fused and self.up_dma_limit and up_waits is not None:
+            if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on
+                self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device)
+            ready = (up_waits, self.up_dma.flags)
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
-                              fused=count_down_groups, up_blocks=up_addresses if fused else None)
+                              fused=count_down_groups, up_blocks=up_addresses if fused else None, up_ready=ready)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's

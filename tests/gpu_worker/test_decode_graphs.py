@@ -251,6 +251,36 @@ def test_twin_staged_ups_of_the_wrong_experts_is_caught(store, plain_addressed, 
 
 
 @cpu_only
+@pytest.mark.parametrize("broken", [False, True])
+def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, broken):
+    """The chosen experts' ups that were not staged copied into the DMA ring (gpu_worker/up_dma.py; synchronous
+    here, the kernel under the interpreter waits on their flags): the logits of the plain forward. Must-fail twin:
+    a DMA that hands two positions each other's ring slot."""
+    from gpu_worker.up_dma import ChosenUpDMA
+    if broken:
+        real = ChosenUpDMA.copy
+
+        def swapped(self, positions, sources):
+            ups, want, flag = real(self, positions, sources)
+            if len(positions) > 1:
+                a, b = positions[:2]
+                ups[a], ups[b] = ups[b], ups[a]
+            return ups, want, flag
+        monkeypatch.setattr(ChosenUpDMA, "copy", swapped)
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        eng.experts.up_dma_limit = 64
+        seen = route_variants(eng.graphs)
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        a = eng.experts.acct
+        assert "slab" in seen and a.ups_dma > 0, (seen, a.ups_dma)
+        assert a.ups_dma + a.ups_staged_used <= a.hits_at_lookup      # (eager steps read the slab itself)
+    if broken:
+        assert (plain_addressed - out).abs().max() > 3e-2
+    else:
+        assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
+@cpu_only
 @pytest.mark.parametrize("honours_tracing", [True, False])
 def test_tracing_steps_run_the_model_forward(store, honours_tracing):
     """While the model traces, the engine's step is the model's own (the hooks live there), not the graphs; the
@@ -280,9 +310,10 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
     from gpu_worker.engine import StreamingEngine
     _, path, n, stride = store
     out = {}
-    for stage in (False, True):
+    for stage in (False, True, "dma"):
         with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda",
-                             dtype=torch.float32, stage_ups=stage) as eng:
+                             dtype=torch.float32, stage_ups=bool(stage)) as eng:
+            eng.experts.up_dma_limit = 64 if stage == "dma" else 0      # the chosen ups by the copy engine too
             eng_graphs = eng.graphs
             seen = route_variants(eng_graphs)
             out[stage] = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
@@ -292,7 +323,9 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
                 assert a.ups_staged > 0 and a.ups_staged_used > 0, (a.ups_staged, a.ups_staged_used)
             else:
                 assert a.ups_staged == 0
+            assert (a.ups_dma > 0) == (stage == "dma"), a.ups_dma
     assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()
+    assert torch.allclose(out[False], out["dma"], atol=1e-4, rtol=1e-4), (out[False] - out["dma"]).abs().max()
 
 
 # Device routing: every expert of a MoE layer in the VRAM tier, its block addresses gathered on the device from the

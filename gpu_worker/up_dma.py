@@ -1,0 +1,99 @@
+"""The chosen experts' up sections by the copy engine while the layer's expert kernel runs (issue 19, RAM regime).
+
+Why (bench/NOTES.md, "Session 7, h28"): in the RAM regime the fused expert launch reads the pinned slab zero-copy
+at ~86 % of H2D (~1,028 µs per MoE layer on the H200's super shape) where the copy engine moves the same bytes at
+~98 % (the staged ups' copies: 1.44 MB in 28.7 µs). An expert's up section is read whole whatever the activations,
+so it can go by DMA once the router has chosen; only the sparse down (the active 16-neuron groups) has to be read
+by the kernel itself. So right after the host has the layer's block addresses (before the kernel is launched,
+while S_j still runs on the GPU), the chosen experts whose ups were not staged have their ups copied into a VRAM
+ring on a copy stream, in batches. The kernel (one launch, kernels/expert_layer.py, `up_ready`) runs at once: the
+programs of an expert whose up is still crossing spin on its batch's flag, the others work, and the zero-copy down
+reads share the bus with the copies.
+
+Ordering without events inside the graph: after a batch's up copies the same stream copies an 8-byte value (the
+batch's epoch, unique, from a pinned ring of values the host writes before queuing) into the batch's flag in VRAM.
+Copies on one stream run in order, so the flag holds the epoch only once the batch's rows are in VRAM; the kernel
+reads the flag with acquire semantics. The flag copy is a copy-engine operation, not a kernel, so a grid whose
+programs spin cannot starve it. The ring is rewritten for layer j+1 only after the host has waited for layer j+1's
+router, which the compute stream runs after layer j's kernel (the ring's last reader), so no event is needed for
+reuse. The slab slots copied from are pinned until the layer's kernel has run (the source defers them like any
+layer's pins), and the kernel ends after every copy it waited for.
+On the CPU (tests) the copies and flag writes are synchronous, before the kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from gpu_worker.up_staging import SLOT_ALIGN, driver_memcpy_async
+
+EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
+
+
+def dma_limit_from_env() -> int:
+    """MOESTREAM_UP_DMA: chosen-but-not-staged ups per layer moved by the copy engine (0: off, the zero-copy path)."""
+    v = os.environ.get("MOESTREAM_UP_DMA", "0")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_UP_DMA={v!r}: a count of experts per layer (0: off)") from None
+    if n < 0:
+        raise ValueError(f"MOESTREAM_UP_DMA={n}: must be >= 0")
+    return n
+
+
+class ChosenUpDMA:
+    def __init__(self, k: int, up_bytes: int, device, batch: int = 2):
+        """k: the router's top-k (ring slots, one per position); up_bytes: the bytes copied per expert; batch:
+        experts per flag (a flag copy is ~1-2 µs of copy-engine time: fewer flags, coarser overlap)."""
+        if k < 1 or up_bytes < 1 or batch < 1:
+            raise ValueError(f"up DMA needs slots, bytes and a batch, got k={k}, {up_bytes} bytes, batch {batch}")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.k, self.up_bytes, self.batch = k, up_bytes, batch
+        stride = -(-up_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self.buf = torch.zeros(k, stride, dtype=torch.uint8, device=self.device)
+        self._address = [self.buf[i].data_ptr() for i in range(k)]
+        self.flags = torch.zeros(k, dtype=torch.int64, device=self.device)     # one per batch, by its first slot
+        self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
+        self._epochs_np = self._epochs.numpy()
+        self.epoch = 0
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._memcpy = driver_memcpy_async() if self.cuda else None
+        if self.cuda and self._memcpy is None:
+            raise RuntimeError("the chosen ups' DMA needs libcuda's cuMemcpyAsync (the flags are copies, not kernels)")
+        if self.cuda:       # the ring's and the flags' zeroing ran on the compute stream: the first copies follow it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.copied = 0          # ups moved this way (the accounting)
+
+    def copy(self, positions: list[int], sources: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Queue the up sections at `sources` (addresses in the registered slab; on the CPU plain host addresses,
+        copied at once) for the top-k `positions`, in batches. Returns per position of the top-k (up address or 0, epoch to wait for or 0,
+        flag index): the kernel's `up_addrs` for those positions and its waits."""
+        ups, want, flag = [0] * self.k, [0] * self.k, [0] * self.k
+        ub = self.up_bytes
+        for b0 in range(0, len(positions), self.batch):
+            batch = positions[b0:b0 + self.batch]
+            self.epoch += 1
+            e, fi = self.epoch, batch[0]
+            for n, p in enumerate(batch):
+                src = b0 + n
+                if self.cuda:
+                    rc = self._memcpy(self._address[p], sources[src], ub, self.stream.cuda_stream)
+                    if rc:
+                        raise RuntimeError(f"cuMemcpyAsync of a chosen up section failed: CUDA error {rc}")
+                else:
+                    ctypes.memmove(self._address[p], sources[src], ub)
+                ups[p], want[p], flag[p] = self._address[p], e, fi
+            if self.cuda:
+                slot = e % EPOCHS
+                self._epochs_np[slot] = e
+                rc = self._memcpy(self.flags[fi].data_ptr(), self._epochs[slot].data_ptr(), 8, self.stream.cuda_stream)
+                if rc:
+                    raise RuntimeError(f"cuMemcpyAsync of an up batch's flag failed: CUDA error {rc}")
+            else:
+                self.flags[fi] = e
+        self.copied += len(positions)
+        return ups, want, flag

@@ -1,0 +1,116 @@
+"""The chosen experts' ups by the copy engine while the fused kernel runs (gpu_worker/up_dma.py): the kernel's
+programs read an expert's up rows from the ring only once its batch's flag holds the batch's epoch. CPU (copies
+synchronous, the kernel under Triton's interpreter) and CUDA (the copies held back behind a busy copy stream, so a
+kernel that does not wait reads the ring's stale bytes: the must-fail twin)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from expert_cases import TOL, experts  # noqa: E402
+
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env  # noqa: E402
+from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
+from kernels.moe_ops import block_addresses  # noqa: E402
+from kernels.testing import assert_close, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(BLOCK_N=32, BLOCK_K=32, BLOCK_L=32)
+
+
+def _case(k=5, L=48, I=80):
+    geom, blocks, ug, dg, *_ = experts(k=k, L=L, I=I, device=DEVICE)
+    x = (torch.randn(L, device=DEVICE).abs() + 0.1).bfloat16()
+    return geom, blocks, ug, dg, x, torch.rand(k, device=DEVICE) + 0.1
+
+
+def _waits(want, flag):
+    return torch.tensor([want, flag], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_dma_ups_give_the_twin(batch):
+    """Some positions' ups copied into the ring (in batches, a flag each), the rest read from the blocks: the twin's
+    result. The blocks' own up sections of the copied positions are overwritten, so only the ring gives it."""
+    geom, blocks, ug, dg, x, w = _case()
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=batch)
+    pos = [0, 2, 3]
+    saved = [blocks[p].clone() for p in range(k)]
+    ups, want, flag = dma.copy(pos, [saved[p].data_ptr() for p in pos])
+    broken = [b.clone() for b in saved]
+    for p in pos:
+        broken[p][: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor([ups[p] if p in pos else addrs[p].item() for p in range(k)], dtype=torch.int64, device=DEVICE)
+    out = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag), dma.flags))
+    assert_close(out, ref, TOL, "ups by DMA")
+    assert all(want[p] == 0 for p in range(k) if p not in pos) and all(want[p] > 0 for p in pos)
+    assert len({want[p] for p in pos}) == -(-len(pos) // batch)      # one epoch per batch
+    # twin: the same route, but the ring's slot of position 2 holds position 0's up (a copy to the wrong slot)
+    dma.buf[2].copy_(dma.buf[0])
+    bad = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag), dma.flags))
+    assert rel_err(bad, ref) > 0.05
+    torch.cuda.synchronize() if DEVICE == "cuda" else None
+    del saved
+
+
+def test_bad_waits_are_named():
+    geom, blocks, ug, dg, x, w = _case(k=3)
+    addrs = block_addresses(blocks, DEVICE)
+    flags = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="up_ready must be"):
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), flags))
+    with pytest.raises(ValueError, match="up_ready must be"):
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 3, dtype=torch.int32, device=DEVICE), flags))
+
+
+def test_limit_from_env(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_UP_DMA", "8")
+    assert dma_limit_from_env() == 8
+    monkeypatch.delenv("MOESTREAM_UP_DMA")
+    assert dma_limit_from_env() == 0
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("MOESTREAM_UP_DMA", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_UP_DMA"):
+            dma_limit_from_env()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
+@pytest.mark.parametrize("waits", [True, False])
+def test_gpu_kernel_waits_for_copies_still_running(waits):
+    """The ring's copies held back (the copy stream first sleeps ~20 ms on the GPU) while the kernel is launched at
+    once on the compute stream: the waiting kernel gives the twin's result; the must-fail twin (the same kernel
+    reading the ring without waiting for the flags) reads the ring's stale zeros and is caught."""
+    geom, blocks, ug, dg, x, w = _case(k=6, L=64, I=112)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    pinned = [b.cpu().pin_memory() for b in blocks]
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=2)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(dma.stream):
+        torch.cuda._sleep(40_000_000)
+    pos = list(range(k))
+    ups, want, flag = dma.copy(pos, [p.data_ptr() for p in pinned])
+    addrs = block_addresses(blocks, DEVICE)
+    broken = [b.clone() for b in blocks]
+    for b in broken:
+        b[: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor(ups, dtype=torch.int64, device=DEVICE)
+    ready = (_waits(want, flag), dma.flags) if waits else None
+    out = expert_layer(x, addrs, geom, ug, dg, w, up_addrs=up, up_ready=ready)
+    done = dma.stream.query()
+    torch.cuda.synchronize()
+    assert not done, "the copies had finished before the kernel: the test shows nothing"
+    if waits:
+        assert_close(out, ref, TOL, "kernel waited for its ups")
+    else:
+        assert rel_err(out, ref) > 0.05
