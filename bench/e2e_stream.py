@@ -322,7 +322,7 @@ def main(argv=None):
         return [[t for t in tok.encode(p, add_special_tokens=False).ids if t < vocab][:64]
                 for p in texts.prompts(text, a.prompts, 400, seed)]
 
-    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, **kw):
+    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None, **kw):
         t = time.time()
         if str(a.device).startswith("cuda"):
             import gc
@@ -340,7 +340,9 @@ def main(argv=None):
             into[f"s_load_{name}"] = time.time() - t
             if up_dma is not None:
                 eng.experts.up_dma_limit = up_dma if eng.experts.stage_ups else 0
-            r0 = {"up_dma_limit": eng.experts.up_dma_limit}
+            if up_dma_batch is not None:
+                eng.experts.up_dma_batch = up_dma_batch
+            r0 = {"up_dma_limit": eng.experts.up_dma_limit, "up_dma_batch": eng.experts.up_dma_batch}
             cuda = str(a.device).startswith("cuda")
             if cuda:
                 torch.cuda.synchronize()
@@ -404,9 +406,11 @@ def main(argv=None):
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
     if "ram_nostage" not in skip and "ram" not in skip:
         regime("ram_nostage", int(all_bytes * 1.02) + (8 << 20), 1, stage_ups=False)
-    dma_runs = [int(v) for v in a.up_dma.split(",") if v.strip()]
+    dma_runs = [v.strip() for v in a.up_dma.split(",") if v.strip()]     # N or NxB: N per layer, B per flag
     for n in dma_runs:
-        regime(f"ram_dma{n}", int(all_bytes * 1.02) + (8 << 20), 1, up_dma=n)
+        lim, _, batch = n.partition("x")
+        regime(f"ram_dma{n}", int(all_bytes * 1.02) + (8 << 20), 1, up_dma=int(lim),
+               up_dma_batch=int(batch) if batch else None)
     if a.eager_too and "ram" not in skip:
         regime("ram_eager", int(all_bytes * 1.02) + (8 << 20), 1, cuda_graphs=False)
     if "disk" not in skip:
@@ -511,8 +515,11 @@ def main(argv=None):
         if name in res:
             acc = res[name]["accounting"]
             if acc.get("ups_dma_per_token"):
-                print(f"{name}: chosen ups by the copy engine {acc['ups_dma_per_token']:.1f} per token "
-                      f"(limit {res[name].get('up_dma_limit')} per layer)")
+                g0, g1 = res.get("ram", {}).get("greedy", []), res[name]["greedy"]
+                same = next((i for i, (x, y) in enumerate(zip(g0, g1)) if x != y), min(len(g0), len(g1)))
+                print(f"{name}: chosen ups by the copy engine {acc['ups_dma_per_token']:.1f} per token (limit "
+                      f"{res[name].get('up_dma_limit')} per layer, {res[name].get('up_dma_batch')} per flag); greedy "
+                      f"tokens equal to the RAM row's for the first {same} of {len(g1)}")
             if res[name].get("staged_up_use_rate") is not None:
                 print(f"{name}: staged ups read {res[name]['staged_up_use_rate']:.3f} of those copied; "
                       f"{res[name]['pcie_wasted_bytes_per_token'] / 1e6:.1f} MB/token of wrong guesses moved")

@@ -194,7 +194,9 @@ class StreamingExperts(ExpertSource):
         # decode: the chosen experts' ups that were not staged, by the copy engine while the layer's kernel runs
         # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy)
         self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
+        self.up_dma_batch = int(os.environ.get("MOESTREAM_UP_DMA_BATCH", "2"))     # experts per flag copy
         self.up_dma: ChosenUpDMA | None = None
+        self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
@@ -296,18 +298,34 @@ class StreamingExperts(ExpertSource):
                            up_waits=waits)
 
     def _dma_ups(self, chosen, addresses, staged, ups):
-        """The chosen experts' ups not staged (at most `up_dma_limit`, in top-k order) queued on the copy engine
-        (gpu_worker/up_dma.py): (up addresses, (epochs, flags)) for the route; the slab pins are the route's own."""
+        """The chosen experts' ups not staged (at most `up_dma_limit`, in top-k order) planned into the DMA ring
+        (gpu_worker/up_dma.py): (up addresses, (epochs, flags, launch order)) for the route. The copies are queued
+        by `decode_launched`, right after the kernel (which waits for them) is: the host's ~3 µs per copy is then
+        off the path to the launch. On the CPU (the kernel runs at once) they are made here. The slab pins are the
+        route's own (released after the kernel, which ends after the copies)."""
         if self.up_dma is None:
-            self.up_dma = ChosenUpDMA(len(chosen), self._up_span, self.device)
+            self.up_dma = ChosenUpDMA(len(chosen), self._up_span, self.device, batch=self.up_dma_batch)
         staged = staged or {}
         pos = [p for p, e in enumerate(chosen) if e not in staged][:self.up_dma_limit]
-        got, want, flag = self.up_dma.copy(pos, [addresses[p] for p in pos])
+        first = [p for p, e in enumerate(chosen) if e in staged]
+        got, want, flag, order = self.up_dma.plan(pos, len(chosen), first)
+        sources = [addresses[p] for p in pos]
+        if self._cuda:
+            self._dma_pending = (pos, sources, want)
+        else:
+            self.up_dma.issue(pos, sources, want)
         ups = list(addresses) if ups is None else ups
         for p in pos:
             ups[p] = got[p]
         self.acct.ups_dma += len(pos)
-        return ups, (want, flag)
+        return ups, (want, flag, order)
+
+    def _dma_issue(self) -> None:
+        """The planned copies of the last route, once its kernel is queued (it spins until they land)."""
+        if self._dma_pending is not None:
+            pos, sources, want = self._dma_pending
+            self._dma_pending = None
+            self.up_dma.issue(pos, sources, want)
 
     def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None,
                        up_waits=None):
@@ -317,7 +335,7 @@ class StreamingExperts(ExpertSource):
         ready = None
         if fused and self.up_dma_limit and up_waits is not None:
             if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on
-                self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device)
+                self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device, batch=self.up_dma_batch)
             ready = (up_waits, self.up_dma.flags)
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
@@ -328,6 +346,7 @@ class StreamingExperts(ExpertSource):
         pins released (its kernels ran before the choice this route waited for), this layer's deferred past its
         kernels, the one message, the counts, the VRAM-tier admissions (after the kernels: an admission may evict
         a VRAM slot they read)."""
+        self._dma_issue()                # first: the launched kernel waits for these copies
         if self._launched is None:
             return
         t0 = time.perf_counter()

@@ -4,11 +4,13 @@ Why (bench/NOTES.md, "Session 7, h28"): in the RAM regime the fused expert launc
 at ~86 % of H2D (~1,028 µs per MoE layer on the H200's super shape) where the copy engine moves the same bytes at
 ~98 % (the staged ups' copies: 1.44 MB in 28.7 µs). An expert's up section is read whole whatever the activations,
 so it can go by DMA once the router has chosen; only the sparse down (the active 16-neuron groups) has to be read
-by the kernel itself. So right after the host has the layer's block addresses (before the kernel is launched,
-while S_j still runs on the GPU), the chosen experts whose ups were not staged have their ups copied into a VRAM
-ring on a copy stream, in batches. The kernel (one launch, kernels/expert_layer.py, `up_ready`) runs at once: the
-programs of an expert whose up is still crossing spin on its batch's flag, the others work, and the zero-copy down
-reads share the bus with the copies.
+by the kernel itself. So once the host has the layer's block addresses it plans, for the chosen experts whose ups
+were not staged (at most a limit per layer, in top-k order), a slot of a VRAM ring and a flag value each (`plan`);
+the kernel (one launch, kernels/expert_layer.py, `up_ready`) is launched on that plan, and right after it the
+copies are queued on a copy stream, in batches (`issue`: ~3 µs of host time per copy, so off the path to the
+launch). The kernel's programs go expert-major, those that need no wait first (staged ups, ups read from the slab)
+and then the waiting ones in copy order: a program whose up is still crossing spins on its batch's flag, the others
+work, and the zero-copy down reads share the bus with the copies.
 
 Ordering without events inside the graph: after a batch's up copies the same stream copies an 8-byte value (the
 batch's epoch, unique, from a pinned ring of values the host writes before queuing) into the batch's flag in VRAM.
@@ -68,25 +70,37 @@ class ChosenUpDMA:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.copied = 0          # ups moved this way (the accounting)
 
-    def copy(self, positions: list[int], sources: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """Queue the up sections at `sources` (addresses in the registered slab; on the CPU plain host addresses,
-        copied at once) for the top-k `positions`, in batches. Returns per position of the top-k (up address or 0, epoch to wait for or 0,
-        flag index): the kernel's `up_addrs` for those positions and its waits."""
-        ups, want, flag = [0] * self.k, [0] * self.k, [0] * self.k
-        ub = self.up_bytes
+    def plan(self, positions: list[int], k: int | None = None, first: list[int] = ()) -> tuple:
+        """The ring slots and flags of the top-k `positions` whose ups are to cross, in batches (nothing is
+        queued yet: `issue` does that, after the kernel is launched). Returns (up address or 0, epoch to wait for
+        or 0, flag index, launch order) per position of the top-k: the kernel's `up_addrs` for `positions` and its
+        waits. Launch order: `first` (e.g. the staged ones), then the rest that need no wait, then `positions`."""
+        k = self.k if k is None else k
+        ups, want, flag = [0] * k, [0] * k, [0] * k
         for b0 in range(0, len(positions), self.batch):
             batch = positions[b0:b0 + self.batch]
             self.epoch += 1
-            e, fi = self.epoch, batch[0]
+            for p in batch:
+                ups[p], want[p], flag[p] = self._address[p], self.epoch, batch[0]
+        waiting = set(positions)
+        head = [p for p in first if p not in waiting]
+        rest = [p for p in range(k) if p not in waiting and p not in set(head)]
+        return ups, want, flag, head + rest + list(positions)
+
+    def issue(self, positions: list[int], sources: list[int], want: list[int]) -> None:
+        """Queue the planned copies of the up sections at `sources` (addresses in the registered slab; on the CPU
+        plain host addresses, copied at once) into the positions' ring slots, each batch followed by its flag."""
+        ub = self.up_bytes
+        for b0 in range(0, len(positions), self.batch):
+            batch = positions[b0:b0 + self.batch]
             for n, p in enumerate(batch):
-                src = b0 + n
                 if self.cuda:
-                    rc = self._memcpy(self._address[p], sources[src], ub, self.stream.cuda_stream)
+                    rc = self._memcpy(self._address[p], sources[b0 + n], ub, self.stream.cuda_stream)
                     if rc:
                         raise RuntimeError(f"cuMemcpyAsync of a chosen up section failed: CUDA error {rc}")
                 else:
-                    ctypes.memmove(self._address[p], sources[src], ub)
-                ups[p], want[p], flag[p] = self._address[p], e, fi
+                    ctypes.memmove(self._address[p], sources[b0 + n], ub)
+            e, fi = want[batch[0]], batch[0]
             if self.cuda:
                 slot = e % EPOCHS
                 self._epochs_np[slot] = e
@@ -96,4 +110,9 @@ class ChosenUpDMA:
             else:
                 self.flags[fi] = e
         self.copied += len(positions)
-        return ups, want, flag
+
+    def copy(self, positions: list[int], sources: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """`plan` and `issue` at once (the copies queued before the kernel: tests, the CPU)."""
+        got = self.plan(positions)
+        self.issue(positions, sources, got[1])
+        return got

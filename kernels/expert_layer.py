@@ -47,8 +47,14 @@ def _expert_layer_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
-    j = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if WAIT:
+        # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
+        # the experts that need no wait come first and those whose ups cross by DMA after them, in copy order
+        pid_n = tl.program_id(0)
+        j = tl.load(wait_ptr + 2 * k + tl.program_id(1))
+    else:
+        j = tl.program_id(0)
+        pid_n = tl.program_id(1)
     NG: tl.constexpr = BLOCK_N // 16
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
     if WAIT:
@@ -107,9 +113,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     up_addrs: optional int64 [k], where each expert's up section (values then scales, the block's first
     `geom.down_off` bytes) lies when it is not in the block, e.g. staged into VRAM while the dense layers ran
     (gpu_worker/up_staging.py); None: in the block.
-    up_ready: optional (waits int64 [2, k], flags int64 [F]) for up sections that the copy engine is still moving
+    up_ready: optional (waits int64 [3, k], flags int64 [F]) for up sections that the copy engine is still moving
     while the kernel runs (gpu_worker/up_dma.py): expert j's programs read its up rows only once
-    flags[waits[1, j]] == waits[0, j] (waits[0, j] == 0: no wait).
+    flags[waits[1, j]] == waits[0, j] (waits[0, j] == 0: no wait); waits[2]: the experts in the order their
+    programs are launched (a permutation of range(k): those that wait last, in copy order).
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -132,8 +139,8 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"up_addrs must be int64 {tuple(addrs.shape)}, got {up_addrs.dtype} {tuple(up_addrs.shape)}")
     if up_ready is not None:
         waits, flags = up_ready
-        if waits.shape != (2, k) or waits.dtype != torch.int64 or not waits.is_contiguous() or flags.dtype != torch.int64 or flags.dim() != 1:
-            raise ValueError(f"up_ready must be (int64 [2, {k}], int64 [F]), got {waits.dtype} {tuple(waits.shape)}, "
+        if waits.shape != (3, k) or waits.dtype != torch.int64 or not waits.is_contiguous() or flags.dtype != torch.int64 or flags.dim() != 1:
+            raise ValueError(f"up_ready must be (int64 [3, {k}], int64 [F]), got {waits.dtype} {tuple(waits.shape)}, "
                              f"{flags.dtype} {tuple(flags.shape)}")
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
@@ -144,6 +151,8 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
     grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))
+    if up_ready is not None:
+        grid = grid[::-1]
     waits, flags = up_ready if up_ready is not None else (addrs, addrs)
     _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
                                counter if counter is not None else acc, waits, flags, L, I, geom.up_scales_off,

@@ -258,15 +258,12 @@ def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, b
     a DMA that hands two positions each other's ring slot."""
     from gpu_worker.up_dma import ChosenUpDMA
     if broken:
-        real = ChosenUpDMA.copy
-
-        def swapped(self, positions, sources):
-            ups, want, flag = real(self, positions, sources)
-            if len(positions) > 1:
-                a, b = positions[:2]
-                ups[a], ups[b] = ups[b], ups[a]
-            return ups, want, flag
-        monkeypatch.setattr(ChosenUpDMA, "copy", swapped)
+        def swapped(self, positions, sources, want):
+            if len(positions) > 1:      # each of the first two positions' ups copied into the other's slot
+                sources = [sources[1], sources[0]] + list(sources[2:])
+            return real(self, positions, sources, want)
+        real = ChosenUpDMA.issue
+        monkeypatch.setattr(ChosenUpDMA, "issue", swapped)
     with engine(store, store[2] + 8, addressed=True) as eng:
         eng.experts.up_dma_limit = 64
         seen = route_variants(eng.graphs)

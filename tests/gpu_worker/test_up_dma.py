@@ -30,8 +30,8 @@ def _case(k=5, L=48, I=80):
     return geom, blocks, ug, dg, x, torch.rand(k, device=DEVICE) + 0.1
 
 
-def _waits(want, flag):
-    return torch.tensor([want, flag], dtype=torch.int64, device=DEVICE)
+def _waits(want, flag, order):
+    return torch.tensor([want, flag, order], dtype=torch.int64, device=DEVICE)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4])
@@ -44,22 +44,36 @@ def test_dma_ups_give_the_twin(batch):
     dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=batch)
     pos = [0, 2, 3]
     saved = [blocks[p].clone() for p in range(k)]
-    ups, want, flag = dma.copy(pos, [saved[p].data_ptr() for p in pos])
+    ups, want, flag, order = dma.copy(pos, [saved[p].data_ptr() for p in pos])
+    assert order == [1, 4, 0, 2, 3]       # the experts that wait are launched last, in copy order
     broken = [b.clone() for b in saved]
     for p in pos:
         broken[p][: geom.down_off] = 0x77
     addrs = block_addresses(broken, DEVICE)
     up = torch.tensor([ups[p] if p in pos else addrs[p].item() for p in range(k)], dtype=torch.int64, device=DEVICE)
-    out = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag), dma.flags))
+    out = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
     assert_close(out, ref, TOL, "ups by DMA")
     assert all(want[p] == 0 for p in range(k) if p not in pos) and all(want[p] > 0 for p in pos)
     assert len({want[p] for p in pos}) == -(-len(pos) // batch)      # one epoch per batch
     # twin: the same route, but the ring's slot of position 2 holds position 0's up (a copy to the wrong slot)
     dma.buf[2].copy_(dma.buf[0])
-    bad = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag), dma.flags))
+    bad = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
     assert rel_err(bad, ref) > 0.05
     torch.cuda.synchronize() if DEVICE == "cuda" else None
     del saved
+
+
+def test_plan_orders_the_launch_and_numbers_the_batches():
+    """Staged experts first, then those read from the slab, then the ones that wait, in copy order; one epoch and one
+    flag (the batch's first slot) per batch, fresh epochs every plan (a flag left from the last layer never matches)."""
+    dma = ChosenUpDMA(6, 64, DEVICE, batch=2)
+    ups, want, flag, order = dma.plan([1, 2, 5], first=[4])
+    assert order == [4, 0, 3, 1, 2, 5]
+    assert want[1] == want[2] != want[5] and want[0] == want[3] == want[4] == 0
+    assert flag[1] == flag[2] == 1 and flag[5] == 5
+    assert ups[1] == dma.buf[1].data_ptr() and ups[0] == 0
+    again = dma.plan([1, 2, 5])[1]
+    assert min(w for w in again if w) > max(want)
 
 
 def test_bad_waits_are_named():
@@ -69,7 +83,7 @@ def test_bad_waits_are_named():
     with pytest.raises(ValueError, match="up_ready must be"):
         expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), flags))
     with pytest.raises(ValueError, match="up_ready must be"):
-        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 3, dtype=torch.int32, device=DEVICE), flags))
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(3, 3, dtype=torch.int32, device=DEVICE), flags))
 
 
 def test_limit_from_env(monkeypatch):
@@ -98,14 +112,14 @@ def test_gpu_kernel_waits_for_copies_still_running(waits):
     with torch.cuda.stream(dma.stream):
         torch.cuda._sleep(40_000_000)
     pos = list(range(k))
-    ups, want, flag = dma.copy(pos, [p.data_ptr() for p in pinned])
+    ups, want, flag, order = dma.copy(pos, [p.data_ptr() for p in pinned])
     addrs = block_addresses(blocks, DEVICE)
     broken = [b.clone() for b in blocks]
     for b in broken:
         b[: geom.down_off] = 0x77
     addrs = block_addresses(broken, DEVICE)
     up = torch.tensor(ups, dtype=torch.int64, device=DEVICE)
-    ready = (_waits(want, flag), dma.flags) if waits else None
+    ready = (_waits(want, flag, order), dma.flags) if waits else None
     out = expert_layer(x, addrs, geom, ug, dg, w, up_addrs=up, up_ready=ready)
     done = dma.stream.query()
     torch.cuda.synchronize()
@@ -114,3 +128,25 @@ def test_gpu_kernel_waits_for_copies_still_running(waits):
         assert_close(out, ref, TOL, "kernel waited for its ups")
     else:
         assert rel_err(out, ref) > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
+def test_gpu_copies_queued_after_the_kernel():
+    """The engine's order: the kernel launched on the plan's waits first, the copies queued after it (the host's
+    copy calls off the path to the launch); the kernel spins until they land and gives the twin's result."""
+    geom, blocks, ug, dg, x, w = _case(k=7, L=64, I=112)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    pinned = [b.cpu().pin_memory() for b in blocks]
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=2)
+    pos = [0, 1, 3, 4, 6]
+    ups, want, flag, order = dma.plan(pos)
+    broken = [b.clone() for b in blocks]
+    for p in pos:
+        broken[p][: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor([ups[p] if p in pos else addrs[p].item() for p in range(k)], dtype=torch.int64, device=DEVICE)
+    out = expert_layer(x, addrs, geom, ug, dg, w, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
+    dma.issue(pos, [pinned[p].data_ptr() for p in pos], want)
+    torch.cuda.synchronize()
+    assert_close(out, ref, TOL, "copies queued after the kernel")
