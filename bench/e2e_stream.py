@@ -519,7 +519,8 @@ def main(argv=None):
                 same = next((i for i, (x, y) in enumerate(zip(g0, g1)) if x != y), min(len(g0), len(g1)))
                 print(f"{name}: chosen ups by the copy engine {acc['ups_dma_per_token']:.1f} per token (limit "
                       f"{res[name].get('up_dma_limit')} per layer, {res[name].get('up_dma_batch')} per flag); greedy "
-                      f"tokens equal to the RAM row's for the first {same} of {len(g1)}")
+                      f"tokens equal to the RAM row's for the first {same} of {len(g1)}; programs that gave up "
+                      f"waiting for a copy: {acc.get('ups_dma_gave_up', 0)} (must be 0)")
             if res[name].get("staged_up_use_rate") is not None:
                 print(f"{name}: staged ups read {res[name]['staged_up_use_rate']:.3f} of those copied; "
                       f"{res[name]['pcie_wasted_bytes_per_token'] / 1e6:.1f} MB/token of wrong guesses moved")

@@ -79,6 +79,7 @@ class Accounting:
     ups_staged: int = 0                  # guessed ups copied into VRAM during the dense layers (gpu_worker/up_staging)
     ups_staged_used: int = 0             # ... that the layer's kernel then read instead of the slab's
     ups_dma: int = 0                     # chosen ups moved by the copy engine while their kernel ran (gpu_worker/up_dma)
+    ups_dma_gave_up: int = 0             # ... kernel programs that stopped waiting for one (a fault: never expected)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
@@ -100,6 +101,7 @@ class Accounting:
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
         return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses, hit_rate=self.hits_at_lookup / looked,
+                    ups_dma_gave_up=self.ups_dma_gave_up,
                     staged_up_use_rate=self.ups_staged_used / max(self.ups_staged, 1),
                     **{f"{k}_per_token": getattr(self, k) / n for k in self._SUMMED})
 
@@ -220,6 +222,12 @@ class StreamingExperts(ExpertSource):
         self._fold_counters()
 
     def _fold_counters(self):
+        if self.up_dma is not None:
+            n = self.up_dma.gave_up()
+            if n != self.acct.ups_dma_gave_up:
+                warnings.warn(f"{n} expert-kernel programs stopped waiting for an up section's copy (gpu_worker/"
+                              "up_dma.py): the copies and the kernel's waits disagree, those layers' results are wrong")
+                self.acct.ups_dma_gave_up = n
         if self._down_groups is not None:
             n = int(self._down_groups)          # int32 wraps after ~2^31 groups: fold before it can
             self.acct.bytes_over_pcie += (n - self._down_groups_seen) * self.geom.group_bytes

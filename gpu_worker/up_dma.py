@@ -58,7 +58,8 @@ class ChosenUpDMA:
         stride = -(-up_bytes // SLOT_ALIGN) * SLOT_ALIGN
         self.buf = torch.zeros(k, stride, dtype=torch.uint8, device=self.device)
         self._address = [self.buf[i].data_ptr() for i in range(k)]
-        self.flags = torch.zeros(k, dtype=torch.int64, device=self.device)     # one per batch, by its first slot
+        # one per batch, by its first slot; flags[k]: programs that gave up waiting (kernels/expert_layer.py)
+        self.flags = torch.zeros(k + 1, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
         self._epochs_np = self._epochs.numpy()
         self.epoch = 0
@@ -69,6 +70,10 @@ class ChosenUpDMA:
         if self.cuda:       # the ring's and the flags' zeroing ran on the compute stream: the first copies follow it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.copied = 0          # ups moved this way (the accounting)
+
+    def gave_up(self) -> int:
+        """Programs that stopped waiting for a flag that never came (a sync; read with the other counters)."""
+        return int(self.flags[self.k])
 
     def plan(self, positions: list[int], k: int | None = None, first: list[int] = ()) -> tuple:
         """The ring slots and flags of the top-k `positions` whose ups are to cross, in batches (nothing is

@@ -46,6 +46,7 @@ def _expert_layer_kernel(
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
+    SPIN_LIMIT: tl.constexpr = 1 << 20,
 ):
     if WAIT:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
@@ -61,12 +62,19 @@ def _expert_layer_kernel(
         # an up section still crossing by the copy engine (gpu_worker/up_dma.py): its batch's flag gets the value
         # `want` by a copy queued after the batch's copies, so seeing it (acquire: no up load moves above it)
         # means the rows are in VRAM; 0: nothing to wait for
+        # means the rows are in VRAM; 0: nothing to wait for. A flag that never comes (a bug) must not hang the
+        # device: past SPIN_LIMIT polls (~1 s; a normal wait is < 1 ms) the program goes on and counts itself in
+        # flags[k], which the host reads (gpu_worker/streaming.py raises on it)
         want = tl.load(wait_ptr + j)
         if want != 0:
             f = flag_ptr + tl.load(wait_ptr + k + j)
             seen = tl.atomic_add(f, 0, sem="acquire")
-            while seen != want:
+            n = 0
+            while (seen != want) & (n < SPIN_LIMIT):
                 seen = tl.atomic_add(f, 0, sem="acquire")
+                n += 1
+            if seen != want:
+                tl.atomic_add(flag_ptr + k, 1, sem="relaxed")
     ubase = tl.load(up_addr_ptr + j).to(tl.pointer_type(tl.uint8))    # the up rows: in the block, or staged
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
@@ -113,10 +121,11 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     up_addrs: optional int64 [k], where each expert's up section (values then scales, the block's first
     `geom.down_off` bytes) lies when it is not in the block, e.g. staged into VRAM while the dense layers ran
     (gpu_worker/up_staging.py); None: in the block.
-    up_ready: optional (waits int64 [3, k], flags int64 [F]) for up sections that the copy engine is still moving
+    up_ready: optional (waits int64 [3, k], flags int64 [F > k]) for up sections that the copy engine is still moving
     while the kernel runs (gpu_worker/up_dma.py): expert j's programs read its up rows only once
     flags[waits[1, j]] == waits[0, j] (waits[0, j] == 0: no wait); waits[2]: the experts in the order their
-    programs are launched (a permutation of range(k): those that wait last, in copy order).
+    programs are launched (a permutation of range(k): those that wait last, in copy order); flags[k] counts the
+    programs that gave up waiting (a flag that never came: their result is wrong, the caller must check).
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -139,9 +148,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"up_addrs must be int64 {tuple(addrs.shape)}, got {up_addrs.dtype} {tuple(up_addrs.shape)}")
     if up_ready is not None:
         waits, flags = up_ready
-        if waits.shape != (3, k) or waits.dtype != torch.int64 or not waits.is_contiguous() or flags.dtype != torch.int64 or flags.dim() != 1:
-            raise ValueError(f"up_ready must be (int64 [3, {k}], int64 [F]), got {waits.dtype} {tuple(waits.shape)}, "
-                             f"{flags.dtype} {tuple(flags.shape)}")
+        if (waits.shape != (3, k) or waits.dtype != torch.int64 or not waits.is_contiguous()
+                or flags.dtype != torch.int64 or flags.dim() != 1 or flags.numel() <= k):
+            raise ValueError(f"up_ready must be (int64 [3, {k}], int64 [F > {k}]), got {waits.dtype} "
+                             f"{tuple(waits.shape)}, {flags.dtype} {tuple(flags.shape)}")
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,

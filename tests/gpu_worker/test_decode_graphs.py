@@ -271,6 +271,7 @@ def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, b
         a = eng.experts.acct
         assert "slab" in seen and a.ups_dma > 0, (seen, a.ups_dma)
         assert a.ups_dma + a.ups_staged_used <= a.hits_at_lookup      # (eager steps read the slab itself)
+        assert eng.experts.up_dma.gave_up() == 0          # every wait saw its flag
     if broken:
         assert (plain_addressed - out).abs().max() > 3e-2
     else:
@@ -321,6 +322,8 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
             else:
                 assert a.ups_staged == 0
             assert (a.ups_dma > 0) == (stage == "dma"), a.ups_dma
+            if stage == "dma":
+                assert eng.experts.up_dma.gave_up() == 0
     assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()
     assert torch.allclose(out[False], out["dma"], atol=1e-4, rtol=1e-4), (out[False] - out["dma"]).abs().max()
 

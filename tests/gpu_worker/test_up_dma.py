@@ -3,6 +3,7 @@ programs read an expert's up rows from the ring only once its batch's flag holds
 synchronous, the kernel under Triton's interpreter) and CUDA (the copies held back behind a busy copy stream, so a
 kernel that does not wait reads the ring's stale bytes: the must-fail twin)."""
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,11 @@ from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))      # fresh per test, reproducible
 SMALL = dict(BLOCK_N=32, BLOCK_K=32, BLOCK_L=32)
 
 
@@ -73,11 +79,29 @@ def test_plan_orders_the_launch_and_numbers_the_batches():
 def test_bad_waits_are_named():
     geom, blocks, ug, dg, x, w = _case(k=3)
     addrs = block_addresses(blocks, DEVICE)
-    flags = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    flags = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="up_ready must be"):
         expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), flags))
     with pytest.raises(ValueError, match="up_ready must be"):
         expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(3, 3, dtype=torch.int32, device=DEVICE), flags))
+    with pytest.raises(ValueError, match="up_ready must be"):        # no room for the give-up counter
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(3, 3, dtype=torch.int64, device=DEVICE), flags[:3]))
+
+
+def test_a_flag_that_never_comes_is_counted_not_waited_for_forever():
+    """A wait whose flag never gets its epoch (a bug in the copies' plan) ends after the spin limit and is counted in
+    flags[k] (the engine raises on it) instead of hanging the device. Twin: the same wait with the flag set counts
+    nothing."""
+    geom, blocks, ug, dg, x, w = _case(k=3)
+    addrs = block_addresses(blocks, DEVICE)
+    for flag_set, gave_up in ((False, 5), (True, 0)):       # 5: expert 1's programs (80 neurons, 16 a program)
+        dma = ChosenUpDMA(3, geom.down_off, DEVICE)
+        if flag_set:
+            dma.flags[1] = 7
+        waits = _waits([0, 7, 0], [0, 1, 0], [0, 2, 1])
+        cfg = dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=64, SPIN_LIMIT=3)
+        expert_layer(x, addrs, geom, ug, dg, w, config=cfg, up_ready=(waits, dma.flags))
+        assert dma.gave_up() == gave_up
 
 
 def test_limit_from_env(monkeypatch):
