@@ -197,6 +197,9 @@ class StreamingExperts(ExpertSource):
         # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy)
         self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
         self.up_dma_batch = int(os.environ.get("MOESTREAM_UP_DMA_BATCH", "2"))     # experts per flag copy
+        # decode: guessed ups staged beyond the adapted limit, the kernel waiting per expert on flags instead of for
+        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only)
+        self.stage_extra = int(os.environ.get("MOESTREAM_STAGE_EXTRA", "0"))
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
@@ -222,6 +225,9 @@ class StreamingExperts(ExpertSource):
         self._fold_counters()
 
     def _fold_counters(self):
+        if self.ups is not None and self.ups.extra and self.ups.gave_up():
+            warnings.warn(f"{self.ups.gave_up()} expert-kernel programs stopped waiting for a staged up's copy")
+            self.acct.ups_dma_gave_up = max(self.acct.ups_dma_gave_up, self.ups.gave_up())
         if self.up_dma is not None:
             n = self.up_dma.gave_up()
             if n != self.acct.ups_dma_gave_up:
@@ -294,11 +300,16 @@ class StreamingExperts(ExpertSource):
             addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
-            staged = self.ups.take(j, chosen) if self.ups is not None else None
+            nowait = self._stage_nowait()
+            staged = self.ups.take(j, chosen, blocking=not nowait) if self.ups is not None else None
             if staged:
                 ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
             if self.up_dma_limit:
                 ups, waits = self._dma_ups(chosen, addresses, staged, ups)
+            elif nowait:                 # the kernel waits per staged expert on its batch's flag
+                wo = self.ups.wait_of if staged else {}
+                waits = ([wo[e][0] if e in wo else 0 for e in chosen], [wo[e][1] if e in wo else 0 for e in chosen],
+                         list(range(len(chosen))))
         self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
@@ -328,6 +339,11 @@ class StreamingExperts(ExpertSource):
         self.acct.ups_dma += len(pos)
         return ups, (want, flag, order)
 
+    def _stage_nowait(self) -> bool:
+        """The staged ups in non-blocking mode: extra copies asked for, the chosen ups' DMA off, copies by address."""
+        return bool(self.stage_extra) and not self.up_dma_limit and self.stage_ups and (
+            self.ups is None or self.ups.by_address or not self._cuda)
+
     def _dma_issue(self) -> None:
         """The planned copies of the last route, once its kernel is queued (it spins until they land)."""
         if self._dma_pending is not None:
@@ -340,14 +356,19 @@ class StreamingExperts(ExpertSource):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
         fused = count_down_groups and self.geom.down_group_neurons == 16
-        ready = None
+        ready, major = None, True
         if fused and self.up_dma_limit and up_waits is not None:
             if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on
                 self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device, batch=self.up_dma_batch)
             ready = (up_waits, self.up_dma.flags)
+        elif fused and up_waits is not None and self._stage_nowait():
+            if self.ups is None:
+                self.ups = self._new_staging(addresses.numel())
+            ready, major = (up_waits, self.ups.flags), False
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
-                              fused=count_down_groups, up_blocks=up_addresses if fused else None, up_ready=ready)
+                              fused=count_down_groups, up_blocks=up_addresses if fused else None, up_ready=ready,
+                              expert_major=major)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
@@ -380,7 +401,7 @@ class StreamingExperts(ExpertSource):
         nj, guess = self._next_guess
         self._next_guess = None
         if self.ups is None:
-            self.ups = UpStaging(len(guess), self._up_span, self.device)
+            self.ups = self._new_staging(len(guess))
         guess = guess[:self.ups.how_many(nj)]       # the router's rank order: the likeliest first
         slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
@@ -391,6 +412,11 @@ class StreamingExperts(ExpertSource):
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_staging += (time.perf_counter() - t0) * 1e3
+
+    def _new_staging(self, n: int) -> UpStaging:
+        ups = UpStaging(n, self._up_span, self.device)
+        ups.extra = self.stage_extra if self._stage_nowait() and (ups.by_address or not self._cuda) else 0
+        return ups
 
     # ------------------------------------------------------------------ device routing (gpu_worker/decode_graphs.py)
     def decode_device_layers(self) -> frozenset[int]:

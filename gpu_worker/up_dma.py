@@ -8,8 +8,8 @@ by the kernel itself. So once the host has the layer's block addresses it plans,
 were not staged (at most a limit per layer, in top-k order), a slot of a VRAM ring and a flag value each (`plan`);
 the kernel (one launch, kernels/expert_layer.py, `up_ready`) is launched on that plan, and right after it the
 copies are queued on a copy stream, in batches (`issue`: ~3 µs of host time per copy, so off the path to the
-launch). The kernel's programs go expert-major, those that need no wait first (staged ups, ups read from the slab)
-and then the waiting ones in copy order: a program whose up is still crossing spins on its batch's flag, the others
+launch). The kernel's programs go expert-major: the staged ones, the waiting ones in copy order, then those read
+from the slab: a program whose up is still crossing spins on its batch's flag, the others
 work, and the zero-copy down reads share the bus with the copies.
 
 Ordering without events inside the graph: after a batch's up copies the same stream copies an 8-byte value (the
@@ -79,7 +79,9 @@ class ChosenUpDMA:
         """The ring slots and flags of the top-k `positions` whose ups are to cross, in batches (nothing is
         queued yet: `issue` does that, after the kernel is launched). Returns (up address or 0, epoch to wait for
         or 0, flag index, launch order) per position of the top-k: the kernel's `up_addrs` for `positions` and its
-        waits. Launch order: `first` (e.g. the staged ones), then the rest that need no wait, then `positions`."""
+        waits. Launch order: `first` (e.g. the staged ones), then `positions` in copy order, then the rest (read from
+        the slab: their programs keep the bus busy after the last copy, where DMA'd experts last left only their
+        downs to read — run 1, bench/NOTES.md "Session 7, h28")."""
         k = self.k if k is None else k
         ups, want, flag = [0] * k, [0] * k, [0] * k
         for b0 in range(0, len(positions), self.batch):
@@ -90,7 +92,7 @@ class ChosenUpDMA:
         waiting = set(positions)
         head = [p for p in first if p not in waiting]
         rest = [p for p in range(k) if p not in waiting and p not in set(head)]
-        return ups, want, flag, head + rest + list(positions)
+        return ups, want, flag, head + list(positions) + rest
 
     def issue(self, positions: list[int], sources: list[int], want: list[int]) -> None:
         """Queue the planned copies of the up sections at `sources` (addresses in the registered slab; on the CPU

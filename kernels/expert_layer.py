@@ -46,11 +46,11 @@ def _expert_layer_kernel(
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
-    SPIN_LIMIT: tl.constexpr = 1 << 20,
+    SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False,
 ):
-    if WAIT:
+    if EXPERT_MAJOR:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
-        # the experts that need no wait come first and those whose ups cross by DMA after them, in copy order
+        # the caller's order (gpu_worker/up_dma.py: staged, then DMA'd in copy order, then from the slab) holds
         pid_n = tl.program_id(0)
         j = tl.load(wait_ptr + 2 * k + tl.program_id(1))
     else:
@@ -112,7 +112,7 @@ def _expert_layer_kernel(
 def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
                  config: dict | None = None, counter: torch.Tensor | None = None,
-                 up_addrs: torch.Tensor | None = None, up_ready=None) -> torch.Tensor:
+                 up_addrs: torch.Tensor | None = None, up_ready=None, expert_major: bool = True) -> torch.Tensor:
     """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active 16-neuron down groups.
 
     The inputs of `expert_up` + `sparse_down` together: x [L] (bf16/fp32, on the device), addrs int64 [k] block
@@ -124,8 +124,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     up_ready: optional (waits int64 [3, k], flags int64 [F > k]) for up sections that the copy engine is still moving
     while the kernel runs (gpu_worker/up_dma.py): expert j's programs read its up rows only once
     flags[waits[1, j]] == waits[0, j] (waits[0, j] == 0: no wait); waits[2]: the experts in the order their
-    programs are launched (a permutation of range(k): those that wait last, in copy order); flags[k] counts the
+    programs are launched (a permutation of range(k), e.g. those that wait in copy order); flags[k] counts the
     programs that gave up waiting (a flag that never came: their result is wrong, the caller must check).
+    expert_major (with up_ready): the programs go in waits[2]'s order, an expert's neuron blocks together; False:
+    the grid as without up_ready (every expert's first blocks first), waits[2] unused.
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -161,12 +163,14 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
     grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))
-    if up_ready is not None:
+    major = up_ready is not None and expert_major
+    if major:
         grid = grid[::-1]
     waits, flags = up_ready if up_ready is not None else (addrs, addrs)
     _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
                                counter if counter is not None else acc, waits, flags, L, I, geom.up_scales_off,
-                               geom.down_off, k, COUNT=counter is not None, WAIT=up_ready is not None, **cfg)
+                               geom.down_off, k, COUNT=counter is not None, WAIT=up_ready is not None,
+                               EXPERT_MAJOR=major, **cfg)
     return acc
 
 
