@@ -36,6 +36,7 @@ import torch
 from gpu_worker.copy_pins import CopyPins
 
 EPOCHS = 4096       # pinned flag values in flight at most (the host waits for every MoE layer's router)
+FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter sits at flags[k])
 
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
@@ -81,10 +82,11 @@ class UpStaging:
         # non-blocking mode (`extra` > 0, bench/NOTES.md "Session 7, h28"): `extra` copies beyond the adapted limit,
         # and the kernel does not wait for the copies' event but each staged expert's programs for a flag (the
         # mechanism of gpu_worker/up_dma.py: an epoch copied after each batch), so copies that overrun the dense
-        # stretch delay only their own experts. flags[n_slots]: programs that gave up waiting.
+        # stretch delay only their own experts. The kernel counts programs that gave up waiting at flags[k] (its
+        # top-k, >= n_slots: the guess may be filtered): the room past the slots is for that count alone.
         self.extra = 0
         self.batch = 2
-        self.flags = torch.zeros(n_slots + 1, dtype=torch.int64, device=self.device)
+        self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
         self._epochs_np = self._epochs.numpy()
         self.epoch = 0
@@ -166,7 +168,7 @@ class UpStaging:
 
     def gave_up(self) -> int:
         """Kernel programs that stopped waiting for a staged up's flag (a fault; a sync)."""
-        return int(self.flags[len(self._address)])
+        return int(self.flags[len(self._address):].sum())
 
     def take(self, layer: int, experts: list[int], blocking: bool = True) -> dict[int, int]:
         """{expert: address of its staged up section} for those of `experts` staged for `layer` (consumed: a
