@@ -194,11 +194,13 @@ class StreamingExperts(ExpertSource):
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
         # decode: the chosen experts' ups that were not staged, by the copy engine while the layer's kernel runs
-        # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy)
+        # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy). Off by
+        # default: it lost 0.07-0.17 ms/token on the H200 (bench/NOTES.md "Session 7, h28", run 1)
         self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
         self.up_dma_batch = int(os.environ.get("MOESTREAM_UP_DMA_BATCH", "2"))     # experts per flag copy
         # decode: guessed ups staged beyond the adapted limit, the kernel waiting per expert on flags instead of for
-        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only)
+        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). Off by
+        # default: not yet measured on a GPU (its line waits in bench/NOTES.md "Session 7, h28")
         self.stage_extra = int(os.environ.get("MOESTREAM_STAGE_EXTRA", "0"))
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
