@@ -21,6 +21,10 @@ router, which the compute stream runs after layer j's kernel (the ring's last re
 reuse. The slab slots copied from are pinned until the layer's kernel has run (the source defers them like any
 layer's pins), and the kernel ends after every copy it waited for.
 On the CPU (tests) the copies and flag writes are synchronous, before the kernel.
+
+Measured (H200, run 1): a loss of 0.07-0.17 ms/token. Beside the kernel's zero-copy down reads the copy engine adds no
+bandwidth (the kernel phase stays at ~84 % of H2D), and the pipeline's edges cost ~85 µs a layer. Off by default
+(`MOESTREAM_UP_DMA=0`); its flags serve the non-blocking staging (gpu_worker/up_staging.py).
 """
 from __future__ import annotations
 

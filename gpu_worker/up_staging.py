@@ -26,6 +26,12 @@ Ordering, with one buffer: the copies for layer j+1 wait for an event recorded a
 (the buffer's last reader); layer j+1's kernel waits for the copies' event. The slab slots copied from stay
 pinned until the copies are known to be done, so the cache cannot hand them to an IO worker mid-copy.
 On the CPU (tests) the copies are synchronous and nothing waits.
+
+Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, off until measured on a GPU): `extra` more guesses than the
+limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag (gpu_worker/up_dma.py's
+mechanism), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs of each staged expert
+wait for its flag (kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch delay only their own
+experts, not the layer. The limit is judged on the first `limit` copies (an event after them), as in blocking mode.
 """
 from __future__ import annotations
 
