@@ -251,6 +251,13 @@ def main(argv=None):
     ap.add_argument("--out", default="e2e_stream.json")
     ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill,vram")
     ap.add_argument("--eager-too", action="store_true", help="also the RAM regime without CUDA graphs")
+    ap.add_argument("--stage-extra", default="",
+                    help="comma list of counts: the RAM regime again for each, staging that many guessed ups beyond the "
+                         "adapted limit, the kernel waiting per staged expert on flags (gpu_worker/up_staging.py)")
+    ap.add_argument("--up-dma", default="",
+                    help="comma list of per-layer counts: the RAM regime again for each, with that many of the chosen "
+                         "experts' ups (not staged) moved by the copy engine while the kernel runs (gpu_worker/up_dma.py; "
+                         "the env MOESTREAM_UP_DMA sets the plain RAM row's)")
     ap.add_argument("--vram-gb", type=float, default=0.0,
                     help="also run a 'vram' regime: every expert cached, this device budget (experts admitted on first "
                     "use, layers filled whole), with the layers routed on the device, and 'vram_host' beside it: the "
@@ -318,7 +325,8 @@ def main(argv=None):
         return [[t for t in tok.encode(p, add_special_tokens=False).ids if t < vocab][:64]
                 for p in texts.prompts(text, a.prompts, 400, seed)]
 
-    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, **kw):
+    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None,
+               stage_extra=None, **kw):
         t = time.time()
         if str(a.device).startswith("cuda"):
             import gc
@@ -334,6 +342,14 @@ def main(argv=None):
         with StreamingEngine(store_path, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
                              dtype=dtype, **kw) as eng:
             into[f"s_load_{name}"] = time.time() - t
+            if up_dma is not None:
+                eng.experts.up_dma_limit = up_dma if eng.experts.stage_ups else 0
+            if up_dma_batch is not None:
+                eng.experts.up_dma_batch = up_dma_batch
+            if stage_extra is not None:
+                eng.experts.stage_extra = stage_extra
+            r0 = {"up_dma_limit": eng.experts.up_dma_limit, "up_dma_batch": eng.experts.up_dma_batch,
+                  "stage_extra": eng.experts.stage_extra}
             cuda = str(a.device).startswith("cuda")
             if cuda:
                 torch.cuda.synchronize()
@@ -342,7 +358,7 @@ def main(argv=None):
             dense_bytes = sum(w.nbytes for m in eng.model.mixers for w in vars(m).values()
                               if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor)) + eng.model.lm_head.nbytes
             into["dense_bytes_per_token"] = dense_bytes
-            if name in ("ram", "ram_nostage", "ram_eager", "vram", "vram_host"):   # warm: one pass over every expert (demand reads of all)
+            if name in ("ram", "ram_nostage", "ram_eager", "vram", "vram_host") or name.startswith(("ram_dma", "ram_extra")):   # warm: one pass over every expert (demand reads of all)
                 for j in range(len(store.moe_layers)):
                     ex = list(range(store.n_experts))
                     eng.sup.client().request(j, ex)
@@ -353,6 +369,7 @@ def main(argv=None):
                 decode_run(eng, prompts(seed + 200), a.tokens, a.device)
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
+            r.update(r0)
             vt = eng.experts.vram
             if vt is not None:    # whether the device routing was on for the layers, as the timed tokens ended
                 r["tier_complete_layers"] = [j for j in range(len(store.moe_layers)) if vt.complete(j)]
@@ -396,6 +413,14 @@ def main(argv=None):
         regime("ram", int(all_bytes * 1.02) + (8 << 20), 1)
     if "ram_nostage" not in skip and "ram" not in skip:
         regime("ram_nostage", int(all_bytes * 1.02) + (8 << 20), 1, stage_ups=False)
+    dma_runs = [v.strip() for v in a.up_dma.split(",") if v.strip()]     # N or NxB: N per layer, B per flag
+    for n in dma_runs:
+        lim, _, batch = n.partition("x")
+        regime(f"ram_dma{n}", int(all_bytes * 1.02) + (8 << 20), 1, up_dma=int(lim),
+               up_dma_batch=int(batch) if batch else None)
+    extra_runs = [int(v) for v in a.stage_extra.split(",") if v.strip()]
+    for n in extra_runs:
+        regime(f"ram_extra{n}", int(all_bytes * 1.02) + (8 << 20), 1, stage_extra=n, up_dma=0)
     if a.eager_too and "ram" not in skip:
         regime("ram_eager", int(all_bytes * 1.02) + (8 << 20), 1, cuda_graphs=False)
     if "disk" not in skip:
@@ -443,6 +468,18 @@ def main(argv=None):
         floor = res["ram_floor_ms"]
         rows.append(("RAM no staging", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                      (r.get("pcie_bytes_per_token") or 0) / 1e6, floor, r["ms_per_token"] / floor))
+    for n in extra_runs:     # the A/B of the non-blocking staging, same run, same floor
+        r = res[f"ram_extra{n}"]
+        moved = (r.get("pcie_bytes_per_token") or 0) - r.get("pcie_wasted_bytes_per_token", 0.0)
+        floor = res.get("ram_floor_ms") or max(moved / (h2d * 1e9) * 1e3, dense_ms)
+        rows.append((f"RAM, staged +{n} no block", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                     moved / 1e6, floor, r["ms_per_token"] / floor))
+    for n in dma_runs:       # the A/B of the chosen ups' DMA, same run, same floor
+        r = res[f"ram_dma{n}"]
+        moved = (r.get("pcie_bytes_per_token") or 0) - r.get("pcie_wasted_bytes_per_token", 0.0)
+        floor = res.get("ram_floor_ms") or max(moved / (h2d * 1e9) * 1e3, dense_ms)
+        rows.append((f"RAM, up DMA {n}", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                     moved / 1e6, floor, r["ms_per_token"] / floor))
     if "disk" in res:
         r = res["disk"]
         floor = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
@@ -490,9 +527,18 @@ def main(argv=None):
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    for name in ("ram", "ram_nostage", "ram_eager", "disk", "vram", "vram_host"):
+    for name in ("ram", "ram_nostage", "ram_eager", *(f"ram_dma{n}" for n in dma_runs),
+                 *(f"ram_extra{n}" for n in extra_runs), "disk", "vram", "vram_host"):
         if name in res:
             acc = res[name]["accounting"]
+            if name.startswith(("ram_dma", "ram_extra")):
+                g0, g1 = res.get("ram", {}).get("greedy", []), res[name]["greedy"]
+                same = sum(x == y for x, y in zip(g0, g1))
+                print(f"{name}: greedy tokens equal to the RAM row's: {same} of {len(g1)}; waits given up "
+                      f"{acc.get('ups_dma_gave_up', 0)} (must be 0)")
+            if acc.get("ups_dma_per_token"):
+                print(f"{name}: chosen ups by the copy engine {acc['ups_dma_per_token']:.1f} per token (limit "
+                      f"{res[name].get('up_dma_limit')} per layer, {res[name].get('up_dma_batch')} per flag)")
             if res[name].get("staged_up_use_rate") is not None:
                 print(f"{name}: staged ups read {res[name]['staged_up_use_rate']:.3f} of those copied; "
                       f"{res[name]['pcie_wasted_bytes_per_token'] / 1e6:.1f} MB/token of wrong guesses moved")

@@ -134,7 +134,9 @@ class ExpertInputs:
     acc: torch.Tensor                  # fp32 [L]: the routed sum, zeroed by S_j
     scales: tuple | None               # the chosen experts' (up, down) global scales (None: the source has none)
     weights: torch.Tensor | None       # fp32 [k]: the routing weights, beside the scales
-    addresses: torch.Tensor            # int64 [2, k] on the device: the chosen experts' blocks, their up sections
+    addresses: torch.Tensor            # int64 [5, k] on the device: the chosen experts' blocks, their up sections,
+    #                                    the epoch and flag each up still crossing waits for, the kernel's launch
+    #                                    order of the experts (gpu_worker/up_dma.py)
     addresses_host: torch.Tensor       # pinned staging, written by the host; its last copy ran before the event
 
     def __post_init__(self):
@@ -151,8 +153,8 @@ class ExpertInputs:
                    torch.zeros(lat.shape[-1], dtype=torch.float32, device=lat.device),
                    None if scales is None else tuple(torch.empty_like(t) for t in scales),
                    None if scales is None else weights,    # the router's static buffer itself: no copy
-                   torch.zeros(2, k, dtype=torch.long, device=lat.device),
-                   torch.zeros(2, k, dtype=torch.long, pin_memory=pinned))
+                   torch.zeros(5, k, dtype=torch.long, device=lat.device),
+                   torch.zeros(5, k, dtype=torch.long, pin_memory=pinned))
 
     def write(self, lat, shared, scales, weights) -> None:
         self.lat.copy_(lat)
@@ -165,10 +167,17 @@ class ExpertInputs:
                 self.weights.copy_(weights)
         self.acc.zero_()
 
-    def set_addresses(self, addresses: list[int], up_addresses: list[int] | None = None) -> None:
-        """Blocks in top-k order; up_addresses: where their up sections lie (None: in the blocks)."""
+    def set_addresses(self, addresses: list[int], up_addresses: list[int] | None = None,
+                      up_waits: tuple[list[int], list[int], list[int]] | None = None) -> None:
+        """Blocks in top-k order; up_addresses: where their up sections lie (None: in the blocks); up_waits:
+        (epoch, flag) per expert whose up the copy engine is still moving, and the launch order (None: no wait)."""
         self._addresses_np[0] = addresses
         self._addresses_np[1] = addresses if up_addresses is None else up_addresses
+        if up_waits is None:
+            self._addresses_np[2:4] = 0
+            self._addresses_np[4] = range(self._addresses_np.shape[1])
+        else:
+            self._addresses_np[2], self._addresses_np[3], self._addresses_np[4] = up_waits
         if self._memcpy is None:
             self.addresses.copy_(self.addresses_host, non_blocking=True)
             return
@@ -264,7 +273,7 @@ class MoEStep:
             src.decode_eager(r, inp.lat[0], out.experts[0], out.weights[0], inp.acc)
             self.variant = EAGER
         else:
-            inp.set_addresses(r.addresses, r.up_addresses)
+            inp.set_addresses(r.addresses, r.up_addresses, r.up_waits)
             self.variant = SLAB if r.count_down_groups else MIXED
 
     def combine(self, x, variant: str):
@@ -273,7 +282,8 @@ class MoEStep:
         if variant != EAGER:
             mixer.experts.decode_kernels(mixer.moe_index, inp.lat[0], inp.addresses[0], inp.scales, inp.weights,
                                          inp.acc, count_down_groups=variant == SLAB,
-                                         up_addresses=inp.addresses[1] if variant == SLAB else None)
+                                         up_addresses=inp.addresses[1] if variant == SLAB else None,
+                                         up_waits=inp.addresses[2:] if variant == SLAB else None)
         return x + mixer.tail(inp.acc[None], inp.shared)
 
 

@@ -25,6 +25,7 @@ import torch
 from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_accounting import PrefillAccounting
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
@@ -77,10 +78,13 @@ class Accounting:
     bytes_from_vram: int = 0
     ups_staged: int = 0                  # guessed ups copied into VRAM during the dense layers (gpu_worker/up_staging)
     ups_staged_used: int = 0             # ... that the layer's kernel then read instead of the slab's
+    ups_dma: int = 0                     # chosen ups moved by the copy engine while their kernel ran (gpu_worker/up_dma)
+    ups_dma_gave_up: int = 0             # ... kernel programs that stopped waiting for one (a fault: never expected)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
-               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used")
+               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used",
+               "ups_dma")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -97,6 +101,7 @@ class Accounting:
         looked = max(self.hits_at_lookup + self.misses_at_lookup, 1)
         uses = max(self.vram_hits + self.hits_at_lookup + self.misses_at_lookup, 1)
         return dict(tokens=self.tokens, vram_hit_rate=self.vram_hits / uses, hit_rate=self.hits_at_lookup / looked,
+                    ups_dma_gave_up=self.ups_dma_gave_up,
                     staged_up_use_rate=self.ups_staged_used / max(self.ups_staged, 1),
                     **{f"{k}_per_token": getattr(self, k) / n for k in self._SUMMED})
 
@@ -188,6 +193,17 @@ class StreamingExperts(ExpertSource):
         self.ups: UpStaging | None = None
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
+        # decode: the chosen experts' ups that were not staged, by the copy engine while the layer's kernel runs
+        # (gpu_worker/up_dma.py): at most this many per layer (0: off, the kernel reads them zero-copy). Off by
+        # default: it lost 0.07-0.17 ms/token on the H200 (bench/NOTES.md "Session 7, h28", run 1)
+        self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
+        self.up_dma_batch = int(os.environ.get("MOESTREAM_UP_DMA_BATCH", "2"))     # experts per flag copy
+        # decode: guessed ups staged beyond the adapted limit, the kernel waiting per expert on flags instead of for
+        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). Off by
+        # default: not yet measured on a GPU (its line waits in bench/NOTES.md "Session 7, h28")
+        self.stage_extra = int(os.environ.get("MOESTREAM_STAGE_EXTRA", "0"))
+        self.up_dma: ChosenUpDMA | None = None
+        self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
@@ -211,6 +227,15 @@ class StreamingExperts(ExpertSource):
         self._fold_counters()
 
     def _fold_counters(self):
+        if self.ups is not None and self.ups.extra and self.ups.gave_up():
+            warnings.warn(f"{self.ups.gave_up()} expert-kernel programs stopped waiting for a staged up's copy")
+            self.acct.ups_dma_gave_up = max(self.acct.ups_dma_gave_up, self.ups.gave_up())
+        if self.up_dma is not None:
+            n = self.up_dma.gave_up()
+            if n != self.acct.ups_dma_gave_up:
+                warnings.warn(f"{n} expert-kernel programs stopped waiting for an up section's copy (gpu_worker/"
+                              "up_dma.py): the copies and the kernel's waits disagree, those layers' results are wrong")
+                self.acct.ups_dma_gave_up = n
         if self._down_groups is not None:
             n = int(self._down_groups)          # int32 wraps after ~2^31 groups: fold before it can
             self.acct.bytes_over_pcie += (n - self._down_groups_seen) * self.geom.group_bytes
@@ -271,33 +296,88 @@ class StreamingExperts(ExpertSource):
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
             return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
-        ups = None
+        ups, staged, waits = None, None, None
         if on_dev:
             at = dict(zip(rest, slots))
             addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
-            staged = self.ups.take(j, chosen) if self.ups is not None else None
+            nowait = self._stage_nowait()
+            staged = self.ups.take(j, chosen, blocking=not nowait) if self.ups is not None else None
             if staged:
                 ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
-        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if ups else 0)
+            if self.up_dma_limit:
+                ups, waits = self._dma_ups(chosen, addresses, staged, ups)
+            elif nowait:                 # the kernel waits per staged expert on its batch's flag
+                wo = self.ups.wait_of if staged else {}
+                waits = ([wo[e][0] if e in wo else 0 for e in chosen], [wo[e][1] if e in wo else 0 for e in chosen],
+                         list(range(len(chosen))))
+        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
-        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups)
+        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups,
+                           up_waits=waits)
 
-    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None):
+    def _dma_ups(self, chosen, addresses, staged, ups):
+        """The chosen experts' ups not staged (at most `up_dma_limit`, in top-k order) planned into the DMA ring
+        (gpu_worker/up_dma.py): (up addresses, (epochs, flags, launch order)) for the route. The copies are queued
+        by `decode_launched`, right after the kernel (which waits for them) is: the host's ~3 µs per copy is then
+        off the path to the launch. On the CPU (the kernel runs at once) they are made here. The slab pins are the
+        route's own (released after the kernel, which ends after the copies)."""
+        if self.up_dma is None:
+            self.up_dma = ChosenUpDMA(len(chosen), self._up_span, self.device, batch=self.up_dma_batch)
+        staged = staged or {}
+        pos = [p for p, e in enumerate(chosen) if e not in staged][:self.up_dma_limit]
+        first = [p for p, e in enumerate(chosen) if e in staged]
+        got, want, flag, order = self.up_dma.plan(pos, len(chosen), first)
+        sources = [addresses[p] for p in pos]
+        if self._cuda:
+            self._dma_pending = (pos, sources, want)
+        else:
+            self.up_dma.issue(pos, sources, want)
+        ups = list(addresses) if ups is None else ups
+        for p in pos:
+            ups[p] = got[p]
+        self.acct.ups_dma += len(pos)
+        return ups, (want, flag, order)
+
+    def _stage_nowait(self) -> bool:
+        """The staged ups in non-blocking mode: extra copies asked for, the chosen ups' DMA off, copies by address."""
+        return bool(self.stage_extra) and not self.up_dma_limit and self.stage_ups and (
+            self.ups is None or self.ups.by_address or not self._cuda)
+
+    def _dma_issue(self) -> None:
+        """The planned copies of the last route, once its kernel is queued (it spins until they land)."""
+        if self._dma_pending is not None:
+            pos, sources, want = self._dma_pending
+            self._dma_pending = None
+            self.up_dma.issue(pos, sources, want)
+
+    def decode_kernels(self, moe_index, x, addresses, scales, weights, acc, count_down_groups, up_addresses=None,
+                       up_waits=None):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
         fused = count_down_groups and self.geom.down_group_neurons == 16
+        ready, major = None, True
+        if fused and self.up_dma_limit and up_waits is not None:
+            if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on
+                self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device, batch=self.up_dma_batch)
+            ready = (up_waits, self.up_dma.flags)
+        elif fused and up_waits is not None and self._stage_nowait():
+            if self.ups is None:
+                self.ups = self._new_staging(addresses.numel())
+            ready, major = (up_waits, self.ups.flags), False
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
-                              fused=count_down_groups, up_blocks=up_addresses if fused else None)
+                              fused=count_down_groups, up_blocks=up_addresses if fused else None, up_ready=ready,
+                              expert_major=major)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
         pins released (its kernels ran before the choice this route waited for), this layer's deferred past its
         kernels, the one message, the counts, the VRAM-tier admissions (after the kernels: an admission may evict
         a VRAM slot they read)."""
+        self._dma_issue()                # first: the launched kernel waits for these copies
         if self._launched is None:
             return
         t0 = time.perf_counter()
@@ -323,7 +403,7 @@ class StreamingExperts(ExpertSource):
         nj, guess = self._next_guess
         self._next_guess = None
         if self.ups is None:
-            self.ups = UpStaging(len(guess), self._up_span, self.device)
+            self.ups = self._new_staging(len(guess))
         guess = guess[:self.ups.how_many(nj)]       # the router's rank order: the likeliest first
         slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
@@ -334,6 +414,11 @@ class StreamingExperts(ExpertSource):
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_staging += (time.perf_counter() - t0) * 1e3
+
+    def _new_staging(self, n: int) -> UpStaging:
+        ups = UpStaging(n, self._up_span, self.device)
+        ups.extra = self.stage_extra if self._stage_nowait() and (ups.by_address or not self._cuda) else 0
+        return ups
 
     # ------------------------------------------------------------------ device routing (gpu_worker/decode_graphs.py)
     def decode_device_layers(self) -> frozenset[int]:

@@ -26,6 +26,12 @@ Ordering, with one buffer: the copies for layer j+1 wait for an event recorded a
 (the buffer's last reader); layer j+1's kernel waits for the copies' event. The slab slots copied from stay
 pinned until the copies are known to be done, so the cache cannot hand them to an IO worker mid-copy.
 On the CPU (tests) the copies are synchronous and nothing waits.
+
+Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, off until measured on a GPU): `extra` more guesses than the
+limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag (gpu_worker/up_dma.py's
+mechanism), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs of each staged expert
+wait for its flag (kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch delay only their own
+experts, not the layer. The limit is judged on the first `limit` copies (an event after them), as in blocking mode.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ import ctypes
 import torch
 
 from gpu_worker.copy_pins import CopyPins
+
+EPOCHS = 4096       # pinned flag values in flight at most (the host waits for every MoE layer's router)
+FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter sits at flags[k])
 
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
@@ -64,6 +73,7 @@ class UpStaging:
         stride = -(-up_bytes // SLOT_ALIGN) * SLOT_ALIGN
         self.buf = torch.empty(n_slots, stride, dtype=torch.uint8, device=self.device)
         self._address = [self.buf[i].data_ptr() for i in range(n_slots)]
+        self._wait_slot = [(0, 0)] * n_slots       # slot -> (epoch, flag index) of its last batch
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
         self._memcpy = driver_memcpy_async() if self.cuda else None
@@ -75,6 +85,21 @@ class UpStaging:
         self.done = None                     # event after the copies (CUDA)
         self._waited = True                  # the compute stream already waits for `done`
         self._held = CopyPins()              # slab slots pinned for the copies
+        # non-blocking mode (`extra` > 0, bench/NOTES.md "Session 7, h28"): `extra` copies beyond the adapted limit,
+        # and the kernel does not wait for the copies' event but each staged expert's programs for a flag (the
+        # mechanism of gpu_worker/up_dma.py: an epoch copied after each batch), so copies that overrun the dense
+        # stretch delay only their own experts. The kernel counts programs that gave up waiting at flags[k] (its
+        # top-k, >= n_slots: the guess may be filtered): the room past the slots is for that count alone.
+        self.extra = 0
+        self.batch = 2
+        self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
+        self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
+        self._epochs_np = self._epochs.numpy()
+        self.epoch = 0
+        self.wait_of: dict[int, tuple[int, int]] = {}    # expert -> (epoch, flag index) of the last stage
+        self._core = None                    # event after the first `limit` copies (what the adapted limit judges)
+        if self.cuda:     # the flags' zeroing ran on the compute stream: the first flag copies follow it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @property
     def by_address(self) -> bool:
@@ -87,7 +112,7 @@ class UpStaging:
 
     def how_many(self, layer: int) -> int:
         """Copies to issue for `layer` now (its adapted limit)."""
-        return self.limit.setdefault(layer, len(self._address))
+        return min(self.limit.setdefault(layer, len(self._address)) + self.extra, len(self._address))
 
     def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None) -> None:
         """Copy the up sections of `experts` (their blocks at `addresses` in the registered slab; `views`: the
@@ -102,10 +127,17 @@ class UpStaging:
             self.stream.wait_event(self._after)
             if self._memcpy is not None:
                 cp, h, dst = self._memcpy, self.stream.cuda_stream, self._address
+                core = self.limit.get(layer, len(dst)) if self.extra else -1
+                self._core = None
                 for i in range(n):
                     rc = cp(dst[i], addresses[i], ub, h)
                     if rc:
                         raise RuntimeError(f"cuMemcpyAsync of a staged up section failed: CUDA error {rc}")
+                    if self.extra and (i % self.batch == self.batch - 1 or i == n - 1):
+                        self._signal(i - i % self.batch, i + 1)
+                    if i + 1 == core:
+                        self._core = torch.cuda.Event()
+                        self._core.record(self.stream)
             else:
                 with torch.cuda.stream(self.stream):
                     for i in range(n):
@@ -115,6 +147,9 @@ class UpStaging:
         else:
             for i in range(n):
                 self.buf[i, :ub].copy_(views[i][:ub])
+        if not self.cuda and self.extra:         # the copies are done: the flags say so at once
+            for b0 in range(0, n, self.batch):
+                self._signal(b0, min(b0 + self.batch, n))
         for i in range(n):
             self.staged_by_rank[i] += 1
         self._waited = False
@@ -122,22 +157,46 @@ class UpStaging:
         self.slot_of = {e: i for i, e in enumerate(experts)}
         self._held.add(self.done, slots)
 
-    def take(self, layer: int, experts: list[int]) -> dict[int, int]:
+    def _signal(self, lo: int, hi: int) -> None:
+        """Slots lo..hi-1 (one batch) copied: their flag (slot lo) gets a fresh epoch, queued after the copies."""
+        self.epoch += 1
+        e = self.epoch
+        for i in range(lo, hi):
+            self._wait_slot[i] = (e, lo)
+        if self.cuda:
+            slot = e % EPOCHS
+            self._epochs_np[slot] = e
+            rc = self._memcpy(self.flags[lo].data_ptr(), self._epochs[slot].data_ptr(), 8, self.stream.cuda_stream)
+            if rc:
+                raise RuntimeError(f"cuMemcpyAsync of a staged batch's flag failed: CUDA error {rc}")
+        else:
+            self.flags[lo] = e
+
+    def gave_up(self) -> int:
+        """Kernel programs that stopped waiting for a staged up's flag (a fault; a sync)."""
+        return int(self.flags[len(self._address):].sum())
+
+    def take(self, layer: int, experts: list[int], blocking: bool = True) -> dict[int, int]:
         """{expert: address of its staged up section} for those of `experts` staged for `layer` (consumed: a
-        later stage overwrites them). When any is used, the current stream waits for the copies first."""
+        later stage overwrites them). When any is used and `blocking` (or the staging is not in non-blocking
+        mode), the current stream waits for the copies first; otherwise `wait_of` gives each got expert's
+        (epoch, flag) for the kernel's own wait."""
         if self.layer != layer or not self.slot_of:
             return {}
         slot_of, addr = self.slot_of, self._address
         got = {e: addr[slot_of[e]] for e in experts if e in slot_of}
         if self.cuda and not self._waited:
-            # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer
+            # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer.
+            # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun)
             lim = self.limit.get(layer, len(addr))
-            self.limit[layer] = min(lim + 1, len(addr)) if self.done.query() else max(lim - 1, 1)
+            ev = self._core if self.extra and self._core is not None else self.done
+            self.limit[layer] = min(lim + 1, len(addr)) if ev.query() else max(lim - 1, 1)
+        self.wait_of = {e: self._wait_slot[slot_of[e]] for e in got} if self.extra else {}
         self.layer, self.slot_of = None, {}
         if got:
             for e in got:
                 self.used_by_rank[slot_of[e]] += 1
-            if self.cuda and not self._waited:
+            if self.cuda and not self._waited and (blocking or not self.extra):
                 torch.cuda.current_stream(self.device).wait_event(self.done)
                 self._waited = True
         return got

@@ -40,17 +40,41 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
 @triton.jit
 def _expert_layer_kernel(
     # tensors
-    x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr,
+    x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, wait_ptr, flag_ptr,
     # sizes
-    L, I, up_scales_off, down_off,
+    L, I, up_scales_off, down_off, k,
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
-    UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False,
+    UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
+    SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False,
 ):
-    j = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if EXPERT_MAJOR:
+        # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
+        # the caller's order (gpu_worker/up_dma.py: staged, then DMA'd in copy order, then from the slab) holds
+        pid_n = tl.program_id(0)
+        j = tl.load(wait_ptr + 2 * k + tl.program_id(1))
+    else:
+        j = tl.program_id(0)
+        pid_n = tl.program_id(1)
     NG: tl.constexpr = BLOCK_N // 16
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
+    if WAIT:
+        # an up section still crossing by the copy engine (gpu_worker/up_dma.py): its batch's flag gets the value
+        # `want` by a copy queued after the batch's copies, so seeing it (acquire: no up load moves above it)
+        # means the rows are in VRAM; 0: nothing to wait for
+        # means the rows are in VRAM; 0: nothing to wait for. A flag that never comes (a bug) must not hang the
+        # device: past SPIN_LIMIT polls (~1 s; a normal wait is < 1 ms) the program goes on and counts itself in
+        # flags[k], which the host reads (gpu_worker/streaming.py raises on it)
+        want = tl.load(wait_ptr + j)
+        if want != 0:
+            f = flag_ptr + tl.load(wait_ptr + k + j)
+            seen = tl.atomic_add(f, 0, sem="acquire")
+            n = 0
+            while (seen != want) & (n < SPIN_LIMIT):
+                seen = tl.atomic_add(f, 0, sem="acquire")
+                n += 1
+            if seen != want:
+                tl.atomic_add(flag_ptr + k, 1, sem="relaxed")
     ubase = tl.load(up_addr_ptr + j).to(tl.pointer_type(tl.uint8))    # the up rows: in the block, or staged
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
@@ -88,7 +112,7 @@ def _expert_layer_kernel(
 def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
                  config: dict | None = None, counter: torch.Tensor | None = None,
-                 up_addrs: torch.Tensor | None = None) -> torch.Tensor:
+                 up_addrs: torch.Tensor | None = None, up_ready=None, expert_major: bool = True) -> torch.Tensor:
     """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active 16-neuron down groups.
 
     The inputs of `expert_up` + `sparse_down` together: x [L] (bf16/fp32, on the device), addrs int64 [k] block
@@ -97,6 +121,13 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     up_addrs: optional int64 [k], where each expert's up section (values then scales, the block's first
     `geom.down_off` bytes) lies when it is not in the block, e.g. staged into VRAM while the dense layers ran
     (gpu_worker/up_staging.py); None: in the block.
+    up_ready: optional (waits int64 [3, k], flags int64 [F > k]) for up sections that the copy engine is still moving
+    while the kernel runs (gpu_worker/up_dma.py): expert j's programs read its up rows only once
+    flags[waits[1, j]] == waits[0, j] (waits[0, j] == 0: no wait); waits[2]: the experts in the order their
+    programs are launched (a permutation of range(k), e.g. those that wait in copy order); flags[k] counts the
+    programs that gave up waiting (a flag that never came: their result is wrong, the caller must check).
+    expert_major (with up_ready): the programs go in waits[2]'s order, an expert's neuron blocks together; False:
+    the grid as without up_ready (every expert's first blocks first), waits[2] unused.
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -117,6 +148,12 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         up_addrs = addrs
     elif up_addrs.shape != addrs.shape or up_addrs.dtype != torch.int64:
         raise ValueError(f"up_addrs must be int64 {tuple(addrs.shape)}, got {up_addrs.dtype} {tuple(up_addrs.shape)}")
+    if up_ready is not None:
+        waits, flags = up_ready
+        if (waits.shape != (3, k) or waits.dtype != torch.int64 or not waits.is_contiguous()
+                or flags.dtype != torch.int64 or flags.dim() != 1 or flags.numel() <= k):
+            raise ValueError(f"up_ready must be (int64 [3, {k}], int64 [F > {k}]), got {waits.dtype} "
+                             f"{tuple(waits.shape)}, {flags.dtype} {tuple(flags.shape)}")
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
@@ -126,9 +163,14 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")
     grid = (k, triton.cdiv(I, cfg["BLOCK_N"]))
+    major = up_ready is not None and expert_major
+    if major:
+        grid = grid[::-1]
+    waits, flags = up_ready if up_ready is not None else (addrs, addrs)
     _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
-                               counter if counter is not None else acc, L, I, geom.up_scales_off, geom.down_off,
-                               COUNT=counter is not None, **cfg)
+                               counter if counter is not None else acc, waits, flags, L, I, geom.up_scales_off,
+                               geom.down_off, k, COUNT=counter is not None, WAIT=up_ready is not None,
+                               EXPERT_MAJOR=major, **cfg)
     return acc
 
 

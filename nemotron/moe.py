@@ -32,6 +32,7 @@ class DecodeRoute:
     addresses: list[int] | None = None   # every expert present and addressable: block addresses, top-k order
     count_down_groups: bool = False       # the graphed kernels count the down groups they read as bus traffic
     up_addresses: list[int] | None = None  # where each expert's up section lies when not in its block (staged)
+    up_waits: tuple | None = None  # ups still crossing: (epoch to wait for or 0, flag index, the kernel's launch order)
 
 
 class ExpertSource(ABC):
@@ -72,9 +73,11 @@ class ExpertSource(ABC):
 
     def decode_kernels(self, moe_index: int, x: torch.Tensor, addresses: torch.Tensor,
                        scales: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, acc: torch.Tensor,
-                       count_down_groups: bool, up_addresses: torch.Tensor | None = None) -> None:
+                       count_down_groups: bool, up_addresses: torch.Tensor | None = None,
+                       up_waits: torch.Tensor | None = None) -> None:
         """The expert kernels on blocks by address (int64 [k] on the device), as a graph records them;
-        up_addresses (int64 [k]): where each up section lies (the block's own, or a staged copy)."""
+        up_addresses (int64 [k]): where each up section lies (the block's own, or a staged copy); up_waits
+        (int64 [3, k]): the route's `up_waits` on the device, for ups the copy engine moves while the kernel runs."""
         raise NotImplementedError(f"{type(self).__name__} hands out no block addresses")
 
     def decode_launched(self) -> None:

@@ -239,8 +239,8 @@ def test_twin_staged_ups_of_the_wrong_experts_is_caught(store, plain_addressed, 
     from gpu_worker.up_staging import UpStaging
     real = UpStaging.take
 
-    def shuffled(self, layer, experts):
-        got = real(self, layer, experts)
+    def shuffled(self, layer, experts, blocking=True):
+        got = real(self, layer, experts, blocking)
         keys = list(got)
         return dict(zip(keys, [got[k] for k in keys[1:] + keys[:1]])) if len(keys) > 1 else got
     monkeypatch.setattr(UpStaging, "take", shuffled)
@@ -248,6 +248,47 @@ def test_twin_staged_ups_of_the_wrong_experts_is_caught(store, plain_addressed, 
         broken = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
         assert eng.experts.acct.ups_staged_used > 1
     assert (plain_addressed - broken).abs().max() > 3e-2
+
+
+@cpu_only
+@pytest.mark.parametrize("broken", [False, True])
+def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, broken):
+    """The chosen experts' ups that were not staged copied into the DMA ring (gpu_worker/up_dma.py; synchronous
+    here, the kernel under the interpreter waits on their flags): the logits of the plain forward. Must-fail twin:
+    a DMA that hands two positions each other's ring slot."""
+    from gpu_worker.up_dma import ChosenUpDMA
+    if broken:
+        def swapped(self, positions, sources, want):
+            if len(positions) > 1:      # each of the first two positions' ups copied into the other's slot
+                sources = [sources[1], sources[0]] + list(sources[2:])
+            return real(self, positions, sources, want)
+        real = ChosenUpDMA.issue
+        monkeypatch.setattr(ChosenUpDMA, "issue", swapped)
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        eng.experts.up_dma_limit = 64
+        seen = route_variants(eng.graphs)
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        a = eng.experts.acct
+        assert "slab" in seen and a.ups_dma > 0, (seen, a.ups_dma)
+        assert a.ups_dma + a.ups_staged_used <= a.hits_at_lookup      # (eager steps read the slab itself)
+        assert eng.experts.up_dma.gave_up() == 0          # every wait saw its flag
+    if broken:
+        assert (plain_addressed - out).abs().max() > 3e-2
+    else:
+        assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
+@cpu_only
+def test_staged_ups_without_the_blocking_wait_change_nothing(store, plain_addressed):
+    """Non-blocking staging (gpu_worker/up_staging.py `extra`): more guessed ups than the adapted limit, and the
+    kernel waits per staged expert on its batch's flag instead of for the copies' event: the plain forward's logits,
+    the staged ups read, no wait given up."""
+    with engine(store, store[2] + 8, addressed=True) as eng:
+        eng.experts.stage_extra = 3
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        ex = eng.experts
+        assert ex.ups.extra == 3 and ex.acct.ups_staged_used > 0 and ex.ups.gave_up() == 0
+    assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
 
 
 @cpu_only
@@ -280,9 +321,11 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
     from gpu_worker.engine import StreamingEngine
     _, path, n, stride = store
     out = {}
-    for stage in (False, True):
+    for stage in (False, True, "dma", "nowait"):
         with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda",
-                             dtype=torch.float32, stage_ups=stage) as eng:
+                             dtype=torch.float32, stage_ups=bool(stage)) as eng:
+            eng.experts.up_dma_limit = 64 if stage == "dma" else 0      # the chosen ups by the copy engine too
+            eng.experts.stage_extra = 4 if stage == "nowait" else 0     # staged ups waited for per expert
             eng_graphs = eng.graphs
             seen = route_variants(eng_graphs)
             out[stage] = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
@@ -292,7 +335,14 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
                 assert a.ups_staged > 0 and a.ups_staged_used > 0, (a.ups_staged, a.ups_staged_used)
             else:
                 assert a.ups_staged == 0
+            assert (a.ups_dma > 0) == (stage == "dma"), a.ups_dma
+            if stage == "dma":
+                assert eng.experts.up_dma.gave_up() == 0
+            if stage == "nowait":
+                assert eng.experts.ups.extra == 4 and eng.experts.ups.gave_up() == 0
     assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()
+    assert torch.allclose(out[False], out["dma"], atol=1e-4, rtol=1e-4), (out[False] - out["dma"]).abs().max()
+    assert torch.allclose(out[False], out["nowait"], atol=1e-4, rtol=1e-4), (out[False] - out["nowait"]).abs().max()
 
 
 # Device routing: every expert of a MoE layer in the VRAM tier, its block addresses gathered on the device from the

@@ -1,0 +1,176 @@
+"""The chosen experts' ups by the copy engine while the fused kernel runs (gpu_worker/up_dma.py): the kernel's
+programs read an expert's up rows from the ring only once its batch's flag holds the batch's epoch. CPU (copies
+synchronous, the kernel under Triton's interpreter) and CUDA (the copies held back behind a busy copy stream, so a
+kernel that does not wait reads the ring's stale bytes: the must-fail twin)."""
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
+from expert_cases import TOL, experts  # noqa: E402
+
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env  # noqa: E402
+from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
+from kernels.moe_ops import block_addresses  # noqa: E402
+from kernels.testing import assert_close, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))      # fresh per test, reproducible
+SMALL = dict(BLOCK_N=32, BLOCK_K=32, BLOCK_L=32)
+
+
+def _case(k=5, L=48, I=80):
+    geom, blocks, ug, dg, *_ = experts(k=k, L=L, I=I, device=DEVICE)
+    x = (torch.randn(L, device=DEVICE).abs() + 0.1).bfloat16()
+    return geom, blocks, ug, dg, x, torch.rand(k, device=DEVICE) + 0.1
+
+
+def _waits(want, flag, order):
+    return torch.tensor([want, flag, order], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_dma_ups_give_the_twin(batch):
+    """Some positions' ups copied into the ring (in batches, a flag each), the rest read from the blocks: the twin's
+    result. The blocks' own up sections of the copied positions are overwritten, so only the ring gives it."""
+    geom, blocks, ug, dg, x, w = _case()
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=batch)
+    pos = [0, 2, 3]
+    saved = [blocks[p].clone() for p in range(k)]
+    ups, want, flag, order = dma.copy(pos, [saved[p].data_ptr() for p in pos])
+    assert order == [0, 2, 3, 1, 4]       # the experts that wait in copy order, then those read from the slab
+    broken = [b.clone() for b in saved]
+    for p in pos:
+        broken[p][: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor([ups[p] if p in pos else addrs[p].item() for p in range(k)], dtype=torch.int64, device=DEVICE)
+    out = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
+    assert_close(out, ref, TOL, "ups by DMA")
+    assert all(want[p] == 0 for p in range(k) if p not in pos) and all(want[p] > 0 for p in pos)
+    assert len({want[p] for p in pos}) == -(-len(pos) // batch)      # one epoch per batch
+    # twin: the same route, but the ring's slot of position 2 holds position 0's up (a copy to the wrong slot)
+    dma.buf[2].copy_(dma.buf[0])
+    bad = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
+    assert rel_err(bad, ref) > 0.05
+
+
+def test_plan_orders_the_launch_and_numbers_the_batches():
+    """Staged experts first, then the ones that wait, in copy order, then those read from the slab; one epoch and one
+    flag (the batch's first slot) per batch, fresh epochs every plan (a flag left from the last layer never matches)."""
+    dma = ChosenUpDMA(6, 64, DEVICE, batch=2)
+    ups, want, flag, order = dma.plan([1, 2, 5], first=[4])
+    assert order == [4, 1, 2, 5, 0, 3]
+    assert want[1] == want[2] != want[5] and want[0] == want[3] == want[4] == 0
+    assert flag[1] == flag[2] == 1 and flag[5] == 5
+    assert ups[1] == dma.buf[1].data_ptr() and ups[0] == 0
+    again = dma.plan([1, 2, 5])[1]
+    assert min(w for w in again if w) > max(want)
+
+
+def test_bad_waits_are_named():
+    geom, blocks, ug, dg, x, w = _case(k=3)
+    addrs = block_addresses(blocks, DEVICE)
+    flags = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="up_ready must be"):
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), flags))
+    with pytest.raises(ValueError, match="up_ready must be"):
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(3, 3, dtype=torch.int32, device=DEVICE), flags))
+    with pytest.raises(ValueError, match="up_ready must be"):        # no room for the give-up counter
+        expert_layer(x, addrs, geom, ug, dg, w, up_ready=(torch.zeros(3, 3, dtype=torch.int64, device=DEVICE), flags[:3]))
+
+
+def test_a_flag_that_never_comes_is_counted_not_waited_for_forever():
+    """A wait whose flag never gets its epoch (a bug in the copies' plan) ends after the spin limit and is counted in
+    flags[k] (the engine raises on it) instead of hanging the device. Twin: the same wait with the flag set counts
+    nothing."""
+    geom, blocks, ug, dg, x, w = _case(k=3)
+    addrs = block_addresses(blocks, DEVICE)
+    for flag_set, gave_up in ((False, 5), (True, 0)):       # 5: expert 1's programs (80 neurons, 16 a program)
+        dma = ChosenUpDMA(3, geom.down_off, DEVICE)
+        if flag_set:
+            dma.flags[1] = 7
+        waits = _waits([0, 7, 0], [0, 1, 0], [0, 2, 1])
+        cfg = dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=64, SPIN_LIMIT=3)
+        expert_layer(x, addrs, geom, ug, dg, w, config=cfg, up_ready=(waits, dma.flags))
+        assert dma.gave_up() == gave_up
+
+
+def test_limit_from_env(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_UP_DMA", "8")
+    assert dma_limit_from_env() == 8
+    monkeypatch.delenv("MOESTREAM_UP_DMA")
+    assert dma_limit_from_env() == 0
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("MOESTREAM_UP_DMA", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_UP_DMA"):
+            dma_limit_from_env()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
+@pytest.mark.parametrize("waits", [True, False])
+def test_gpu_kernel_waits_for_copies_still_running(waits):
+    """The ring's copies held back (the copy stream first sleeps ~20 ms on the GPU) while the kernel is launched at
+    once on the compute stream: the waiting kernel gives the twin's result; the must-fail twin (the same kernel
+    reading the ring without waiting for the flags) reads the ring's stale zeros and is caught."""
+    geom, blocks, ug, dg, x, w = _case(k=6, L=64, I=112)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    pinned = [b.cpu().pin_memory() for b in blocks]
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=2)
+    # compile both variants first (a first call compiles for seconds, long past the held-back copies)
+    warm = ChosenUpDMA(k, geom.down_off, DEVICE, batch=2)
+    got = warm.copy(list(range(k)), [p.data_ptr() for p in pinned])
+    for r in ((_waits(*got[1:]), warm.flags), None):
+        expert_layer(x, block_addresses(blocks, DEVICE), geom, ug, dg, w,
+                     up_addrs=torch.tensor(got[0], dtype=torch.int64, device=DEVICE), up_ready=r)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(dma.stream):
+        torch.cuda._sleep(40_000_000)
+    pos = list(range(k))
+    ups, want, flag, order = dma.copy(pos, [p.data_ptr() for p in pinned])
+    addrs = block_addresses(blocks, DEVICE)
+    broken = [b.clone() for b in blocks]
+    for b in broken:
+        b[: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor(ups, dtype=torch.int64, device=DEVICE)
+    ready = (_waits(want, flag, order), dma.flags) if waits else None
+    out = expert_layer(x, addrs, geom, ug, dg, w, up_addrs=up, up_ready=ready)
+    done = dma.stream.query()
+    torch.cuda.synchronize()
+    assert not done, "the copies had finished before the kernel: the test shows nothing"
+    if waits:
+        assert_close(out, ref, TOL, "kernel waited for its ups")
+    else:
+        assert rel_err(out, ref) > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
+def test_gpu_copies_queued_after_the_kernel():
+    """The engine's order: the kernel launched on the plan's waits first, the copies queued after it (the host's
+    copy calls off the path to the launch); the kernel spins until they land and gives the twin's result."""
+    geom, blocks, ug, dg, x, w = _case(k=7, L=64, I=112)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    pinned = [b.cpu().pin_memory() for b in blocks]
+    dma = ChosenUpDMA(k, geom.down_off, DEVICE, batch=2)
+    pos = [0, 1, 3, 4, 6]
+    ups, want, flag, order = dma.plan(pos)
+    broken = [b.clone() for b in blocks]
+    for p in pos:
+        broken[p][: geom.down_off] = 0x77
+    addrs = block_addresses(broken, DEVICE)
+    up = torch.tensor([ups[p] if p in pos else addrs[p].item() for p in range(k)], dtype=torch.int64, device=DEVICE)
+    out = expert_layer(x, addrs, geom, ug, dg, w, up_addrs=up, up_ready=(_waits(want, flag, order), dma.flags))
+    dma.issue(pos, [pinned[p].data_ptr() for p in pos], want)
+    torch.cuda.synchronize()
+    assert_close(out, ref, TOL, "copies queued after the kernel")
