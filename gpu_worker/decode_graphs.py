@@ -141,6 +141,7 @@ class ExpertInputs:
 
     def __post_init__(self):
         self._addresses_np = self.addresses_host.numpy()
+        self._no_waits = False           # rows 2-4 (the up waits) not yet written as "none"
         # on the critical path (the GPU waits for these addresses): libcuda's copy costs ~3 µs of host time where
         # a torch copy_ costs ~10 (bench/host_bookkeeping.py's "staging" column on the H200 host: 11.4 µs per layer)
         self._memcpy = driver_memcpy_async() if self.addresses.is_cuda else None
@@ -174,10 +175,13 @@ class ExpertInputs:
         self._addresses_np[0] = addresses
         self._addresses_np[1] = addresses if up_addresses is None else up_addresses
         if up_waits is None:
-            self._addresses_np[2:4] = 0
-            self._addresses_np[4] = range(self._addresses_np.shape[1])
+            if not self._no_waits:       # rewritten only after a route with waits: ~1.4 µs a layer on the path
+                self._addresses_np[2:4] = 0
+                self._addresses_np[4] = range(self._addresses_np.shape[1])
+                self._no_waits = True
         else:
             self._addresses_np[2], self._addresses_np[3], self._addresses_np[4] = up_waits
+            self._no_waits = False
         if self._memcpy is None:
             self.addresses.copy_(self.addresses_host, non_blocking=True)
             return

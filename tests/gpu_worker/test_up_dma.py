@@ -174,3 +174,19 @@ def test_gpu_copies_queued_after_the_kernel():
     dma.issue(pos, [pinned[p].data_ptr() for p in pos], want)
     torch.cuda.synchronize()
     assert_close(out, ref, TOL, "copies queued after the kernel")
+
+
+def test_expert_inputs_reset_the_waits_after_a_route_with_waits():
+    """set_addresses skips rewriting the wait rows while no route had waits (host time on the critical path), so a
+    route without waits after one with them must still clear them: a kernel would otherwise spin on a stale flag."""
+    from gpu_worker.decode_graphs import ExpertInputs
+    k = 5
+    inp = ExpertInputs.like(torch.zeros(1, 8), None, (torch.zeros(k), torch.zeros(k)), torch.zeros(k), pinned=False)
+    blocks = [4096 * (i + 1) for i in range(k)]
+    inp.set_addresses(blocks)
+    assert inp.addresses[2:4].eq(0).all() and inp.addresses[4].tolist() == list(range(k))
+    inp.set_addresses(blocks, up_waits=([7] * k, [1] * k, [4, 3, 2, 1, 0]))
+    assert inp.addresses[2].tolist() == [7] * k and inp.addresses[4].tolist() == [4, 3, 2, 1, 0]
+    inp.set_addresses(blocks)
+    assert inp.addresses[2:4].eq(0).all() and inp.addresses[4].tolist() == list(range(k))
+    assert inp.addresses[0].tolist() == blocks
