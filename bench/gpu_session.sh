@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft host subgroups gemv subcheck" (default: vision check e2e profile omni),
+#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
@@ -51,6 +52,25 @@ PY
            --out "$OUT/gemv_sweep.json" > "$OUT/gemv_sweep.log" 2>&1; tail -40 "$OUT/gemv_sweep.log";;
     subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
+    # session 7's switches, each off by default until one of these runs measures it (bench/NOTES.md, h26-h28):
+    pieces) timeout 25 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_staging_runs.py tests/kernels/test_mamba_carry.py > "$OUT/pytest_pieces.log" 2>&1; tail -2 "$OUT/pytest_pieces.log"
+      timeout 95 python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes 1000,4000,16000 \
+        --paths "staged_no_ahead,staged_no_ahead@4096,staged_no_ahead@4096+,staged_no_ahead#2,staged_no_ahead@4096+#2" --budget-mb 512 --budget-pieces 0,4096 \
+        --brief --out "$OUT/prefill_pieces.json" > "$OUT/prefill_pieces.log" 2>&1; tail -24 "$OUT/prefill_pieces.log" | cut -c1-220
+      MOESTREAM_PIECE_TOKENS=4096 MOESTREAM_MAMBA_CARRY_KERNEL=1 MOESTREAM_COPY_RUNS=1 timeout 50 python3 -m bench.profile_kernels --work $W/super \
+        --moe-layers ${MOE_LAYERS:-4} --decode "" --prefill 16000 --top 24 --out "$OUT/profile_kernels_pieces.json" > "$OUT/profile_kernels_pieces.log" 2>&1
+      head -14 "$OUT/profile_kernels_pieces.log";;
+    gemv_pdl) timeout 92 python3 -m bench.kernels.gemv_pdl_sweep --budget-s 76 --out "$OUT/gemv_pdl.json" > "$OUT/gemv_pdl.log" 2>&1
+      timeout 22 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_stream_k.py -k "stream_k_matches_twin or pdl" > "$OUT/pytest_stream_k.log" 2>&1
+      tail -3 "$OUT/pytest_stream_k.log"; tail -70 "$OUT/gemv_pdl.log";;
+    stage_extra) timeout 15 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_up_dma.py > "$OUT/pytest_up_dma.log" 2>&1; tail -2 "$OUT/pytest_up_dma.log"
+      timeout 100 python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip disk,prefill,vram,ram_nostage \
+        --stage-extra 3,6 --up-dma 8 --out "$OUT/e2e_stage_extra.json" > "$OUT/e2e_stage_extra.log" 2>&1
+      grep -v "^\s*$" "$OUT/e2e_stage_extra.log" | grep -v "device memory" | tail -16;;
+    # the copies ahead (off by default): the copy-order fix's GPU test, then the 16k prompt that gave a wrong first token
+    ahead16k) timeout 40 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_copy_buffers_order.py > "$OUT/pytest_copy_order.log" 2>&1; tail -2 "$OUT/pytest_copy_order.log"
+      timeout 90 python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes 4000,16000 \
+        --paths staged_no_ahead,staged --budget-mb 0 --brief --out "$OUT/prefill_ahead16k.json" > "$OUT/prefill_ahead16k.log" 2>&1; tail -8 "$OUT/prefill_ahead16k.log";;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
            --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;

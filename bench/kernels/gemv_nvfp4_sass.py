@@ -119,7 +119,7 @@ def compile_variant(kernel, mode, m_pad, bn, nw, stages, split, maxnreg, flags, 
         sig = dict(xc_ptr="*bf16" if flags.get("X_BUILD") else "*fp16", w_ptr="*u8", scale_ptr="*fp32",
                    y_ptr="*bf16", M="i32", N="i32", K="i32", stride_ym="i32", stride_xm="i32")
         cx = dict(SPLIT_K=split, BLOCK_N=bn, BLOCK_K=128, DIRECT=True, X_BUILD=False, ONE_ROW=m_pad == 1,
-                  SPLIT_REDUCE=0)
+                  SPLIT_REDUCE=0, PDL=False, PREFETCH=False)
     cx.update(flags)
     sig["d_ptr"] = "*fp16" if flags.get("X_BUILD") and (kernel.startswith("nvfp4") or m_pad == 1) else "constexpr"
     if not kernel.endswith("_sk"):

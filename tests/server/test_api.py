@@ -341,7 +341,9 @@ def test_a_killed_io_worker_or_prefetcher_goes_unnoticed(server, model):
 
 
 # ------------------------------------------------------------------------------------------------ load
-def test_concurrent_clients_are_served_in_order(server, model):
+def _clients_in_order(server, model) -> int:
+    """Eight clients, each sent once the ones before it are in the server; asserts they finish in arrival order
+    with 200s and returns the most that waited at once."""
     done, lock = [], threading.Lock()
 
     def one(i):
@@ -373,7 +375,17 @@ def test_concurrent_clients_are_served_in_order(server, model):
         t.join(120)
     assert [c for _, c in done] == [200] * 8
     assert [i for i, _ in done] == list(range(8))
-    assert peak >= 2, "the clients never queued: the test proves nothing"
+    return peak
+
+
+def test_concurrent_clients_are_served_in_order(server, model):
+    # on a loaded machine the arrivals' /metrics polls can outlast the first request, and then nobody queues: such
+    # a round still checks the order but proves no queueing, so up to three rounds are run until one queued
+    for _ in range(3):
+        peak = _clients_in_order(server, model)
+        if peak >= 2:
+            break
+    assert peak >= 2, "the clients never queued in three rounds: the test proves nothing"
 
 
 def test_timed_out_clients_are_cancelled(server, model):
