@@ -110,11 +110,20 @@ def policy_at(rows: list[dict], label: str, fraction: float) -> dict:
     raise AssertionError("unreachable")
 
 
-def down_ratios(d: dict) -> dict:
-    """{N: down bytes at N / at 16} from a bench.down_groups json (rows) or a bench.coactivation one (identity)."""
+def down_ratios(d: dict, order: str = "identity") -> dict:
+    """{N: down bytes at N / at 16 unordered} from a bench.down_groups json (rows), a bench.coactivation one or a
+    tools.instrument_downbytes one (the NVFP4 store's ratios); `order` picks the neuron order of the last two
+    (identity: as trained)."""
     if "rows" in d:
+        if order != "identity":
+            raise ValueError(f"a bench.down_groups json has no neuron orders (asked for {order!r})")
         return {str(r["down_group_neurons"]): r["down_vs_16"] for r in d["rows"]}
-    return next(o for o in d["orders"] if o["order"] == "identity")["down_vs_unordered_16"]
+    if "bytes" in d:                    # tools.instrument_downbytes
+        orders = d["bytes"]["nvfp4"]["vs_unordered_16"]
+        if order not in orders:
+            raise ValueError(f"order {order!r} not in the json's {sorted(orders)}")
+        return orders[order]
+    return next(o for o in d["orders"] if o["order"] == order)["down_vs_unordered_16"]
 
 
 def instrument_projection(res: dict, policy_rows: list[dict], policy_label: str, down_vs_16: dict,
@@ -172,6 +181,9 @@ def main(argv=None):
     ap.add_argument("--down-json", default="bench/results/down_groups-super1-coh045.json",
                     help="bench.down_groups (or bench.coactivation: its unordered row) output of an instrument-like "
                          "checkpoint: the down bytes at N against 16")
+    ap.add_argument("--down-order", default="identity",
+                    help="the neuron order whose ratios --down-json gives (bench.coactivation or tools.instrument_downbytes "
+                         "output: identity, frequency, coact, ...)")
     ap.add_argument("--active-groups", type=float, default=0.39,
                     help="share of 16-neuron down groups with an active neuron (the instrument: docs/instrument.md)")
     ap.add_argument("--sizes", default="16,8,4")
@@ -184,10 +196,10 @@ def main(argv=None):
         print_projection(p)
         return
     rows = json.loads(open(a.policy_json).read())["rows"]
-    ps = instrument_projection(res, rows, a.policy, down_ratios(json.loads(open(a.down_json).read())), a.active_groups,
+    ps = instrument_projection(res, rows, a.policy, down_ratios(json.loads(open(a.down_json).read()), a.down_order), a.active_groups,
                                [int(x) for x in a.sizes.split(",")], moe_layers_target=a.moe_layers_target)
     print(f"inputs: {a.e2e_json} (dense, host, ceiling fractions), {a.policy_json} ({a.policy}), {a.down_json} "
-          f"(down at N vs 16), active 16-groups {a.active_groups:.0%}")
+          f"(down at N vs 16, order {a.down_order}), active 16-groups {a.active_groups:.0%}")
     for p in ps:
         print()
         print_projection(p)

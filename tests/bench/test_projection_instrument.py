@@ -58,3 +58,19 @@ def test_down_ratios_read_both_bench_formats():
                      {"order": "identity", "down_vs_unordered_16": {"16": 1.0, "4": 0.51}}]}
     assert down_ratios(dg) == {"16": 1.0, "4": 0.59}
     assert down_ratios(co) == {"16": 1.0, "4": 0.51}        # the unordered row, not the first
+
+
+def test_down_ratios_pick_an_order_of_the_instrument_measurement():
+    import pytest
+    from bench.projection import down_ratios
+    ib = {"bytes": {"nvfp4": {"vs_unordered_16": {"identity": {"16": 1.0, "4": 0.56},
+                                                  "coact": {"16": 0.58, "4": 0.42}}}}}
+    assert down_ratios(ib) == {"16": 1.0, "4": 0.56}
+    assert down_ratios(ib, "coact") == {"16": 0.58, "4": 0.42}
+    co = {"orders": [{"order": "identity", "down_vs_unordered_16": {"16": 1.0}},
+                     {"order": "coactivation", "down_vs_unordered_16": {"16": 0.74}}]}
+    assert down_ratios(co, "coactivation") == {"16": 0.74}
+    with pytest.raises(ValueError, match="not in the json"):
+        down_ratios(ib, "random")
+    with pytest.raises(ValueError, match="no neuron orders"):
+        down_ratios({"rows": []}, "coact")
