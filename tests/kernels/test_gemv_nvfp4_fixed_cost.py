@@ -5,30 +5,12 @@ each with a must-fail twin."""
 import pytest
 import torch
 
+from gemv_cases import activations as _x, counters_zero as _counters_zero, poisoned as _poisoned, weight as _weight
 from kernels import gemv_nvfp4 as g
-from kernels.nvfp4 import encode_nvfp4, swap_nibbles
+from kernels.nvfp4 import swap_nibbles
 from kernels.testing import assert_close, rel_err
 
 TOL = 2e-5
-
-
-def _weight(N, K, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen)
-    q, s, gs = encode_nvfp4(w)
-    return q.to(device), s.to(device), gs.to(device)
-
-
-def _x(M, K, device, seed):
-    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(device).bfloat16()
-
-
-def _poisoned(M, N, device):
-    return torch.full((M, N), float("nan"), dtype=torch.float32, device=device)
-
-
-def _counters_zero(device):
-    return all(int(c.abs().sum()) == 0 for k, c in g._arrival_by_stream.items() if k[0] == torch.device(device).type)
 
 
 # (M, N, K, mode): N = 1,023 is not a multiple of any BLOCK_N; K = 272 = 17 groups, 1 + 1/16 K-tiles of 256

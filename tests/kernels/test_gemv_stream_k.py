@@ -7,8 +7,9 @@ the next K-tile — what a prefetch one tile off would read —, a stale arrival
 import pytest
 import torch
 
+from gemv_cases import activations as _x, counters_zero as _counters_zero, poisoned as _poisoned, weight as _weight
 from kernels import gemv_nvfp4 as g
-from kernels.nvfp4 import encode_fp8, encode_nvfp4, swap_nibbles
+from kernels.nvfp4 import encode_fp8, swap_nibbles
 from kernels.testing import assert_close, rel_err
 
 TOL = 2e-5
@@ -18,25 +19,6 @@ N_SM = 4    # shares planned for 4 SMs on every device, so that each case cuts r
 @pytest.fixture(autouse=True)
 def _four_sms(monkeypatch):
     monkeypatch.setattr(g, "_n_sm", lambda device: N_SM)
-
-
-def _weight(N, K, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen)
-    q, s, gs = encode_nvfp4(w)
-    return q.to(device), s.to(device), gs.to(device)
-
-
-def _x(M, K, device, seed):
-    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(device).bfloat16()
-
-
-def _poisoned(M, N, device):
-    return torch.full((M, N), float("nan"), dtype=torch.float32, device=device)
-
-
-def _counters_zero(device):
-    return all(int(c.abs().sum()) == 0 for k, c in g._arrival_by_stream.items() if k[0] == torch.device(device).type)
 
 
 def _shares(M, N, K, cfg):
