@@ -109,6 +109,24 @@ def _expert_layer_kernel(
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
 
 
+def check_layer_args(x, addrs, geom: ExpertGeometry, up_global, down_global, weights, acc, counter) -> torch.Tensor:
+    """A one-launch expert layer's argument checks (this kernel's and the VRAM one's,
+    bench/kernels/moe_vram_layer.py); returns acc, a zeroed fp32 [L] if None."""
+    L, k = geom.L, addrs.numel()
+    if x.numel() != L or addrs.dtype != torch.int64:
+        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
+    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
+        if t.numel() != k or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
+    if acc is None:
+        acc = torch.zeros(L, dtype=torch.float32, device=x.device)
+    if acc.shape != (L,) or acc.dtype != torch.float32:
+        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
+    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
+        raise ValueError("counter must be int32 [1]")
+    return acc
+
+
 def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
                  config: dict | None = None, counter: torch.Tensor | None = None,
@@ -133,17 +151,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
     L, I = geom.L, geom.I
     k = addrs.numel()
-    if x.numel() != L or addrs.dtype != torch.int64:
-        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
-    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
-        if t.numel() != k or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
-    if acc is None:
-        acc = torch.zeros(L, dtype=torch.float32, device=x.device)
-    if acc.shape != (L,) or acc.dtype != torch.float32:
-        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
-    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
-        raise ValueError("counter must be int32 [1]")
+    acc = check_layer_args(x, addrs, geom, up_global, down_global, weights, acc, counter)
     if up_addrs is None:
         up_addrs = addrs
     elif up_addrs.shape != addrs.shape or up_addrs.dtype != torch.int64:

@@ -15,6 +15,7 @@ import triton.language as tl
 from bench.kernels.vram_down_variants import _down_rows
 from kernels import backend
 from kernels.expert_block import GROUP, ExpertGeometry
+from kernels.expert_layer import check_layer_args
 from kernels.expert_vram import _down_rows_quad
 from kernels.gemv_nvfp4 import _UNDO_DECODE, _gemv_rows_quad, x_operands, x_pattern
 
@@ -76,16 +77,7 @@ def vram_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_gl
         raise ValueError("the fused VRAM kernel reads NVFP4 blocks of 16-neuron down groups")
     L, I = geom.L, geom.I
     k = addrs.numel()
-    if x.numel() != L or addrs.dtype != torch.int64:
-        raise ValueError(f"x has {x.numel()} elements for L={L}; addrs must be int64, got {addrs.dtype}")
-    for name, t in (("up_global", up_global), ("down_global", down_global), ("weights", weights)):
-        if t.numel() != k or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 [{k}], got {t.dtype} {tuple(t.shape)}")
-    acc = torch.zeros(L, dtype=torch.float32, device=x.device) if acc is None else acc
-    if acc.shape != (L,) or acc.dtype != torch.float32:
-        raise ValueError(f"acc must be fp32 [{L}], got {acc.dtype} {tuple(acc.shape)}")
-    if counter is not None and (counter.dtype != torch.int32 or counter.numel() != 1):
-        raise ValueError("counter must be int32 [1]")
+    acc = check_layer_args(x, addrs, geom, up_global, down_global, weights, acc, counter)
     cfg = {**FUSED_CONFIG, **(config or {})}
     if cfg["BLOCK_N"] % GROUP:
         raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} must hold whole 16-neuron groups")

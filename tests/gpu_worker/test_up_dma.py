@@ -190,3 +190,8 @@ def test_expert_inputs_reset_the_waits_after_a_route_with_waits():
     inp.set_addresses(blocks)
     assert inp.addresses[2:4].eq(0).all() and inp.addresses[4].tolist() == list(range(k))
     assert inp.addresses[0].tolist() == blocks
+    # must-fail twin: a skip that ignored the last route's waits leaves them for the kernel to spin on
+    inp.set_addresses(blocks, up_waits=([7] * k, [1] * k, [4, 3, 2, 1, 0]))
+    inp._no_waits = True
+    inp.set_addresses(blocks)
+    assert inp.addresses[2].tolist() == [7] * k
