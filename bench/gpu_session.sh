@@ -14,9 +14,17 @@ mount -o remount,size=100G /dev/shm 2>/dev/null || true
 { nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } > "$OUT/env.txt" 2>&1
 STEPS=${STEPS:-vision check e2e profile omni}
 W=/tmp/w; mkdir -p $W
+T0=$(date +%s); K=0
+# A step starts only while fewer than DEADLINE seconds have passed (default: no limit), so a call's last steps are
+# skipped, not cut by the device's limit; after each step, loose files are packed (the device returns at most 8).
+pack() { local f; f=$(find "$OUT" -maxdepth 1 -type f ! -name 'steps_*.tgz' ! -name env.txt -printf '%f\n')
+  [ -z "$f" ] && return; K=$((K+1)); (cd "$OUT" && tar -czf "steps_$K.tgz" $f && rm -f $f); }
 for s in $STEPS; do
   t=$(date +%s)
+  if [ $(( t - T0 )) -ge ${DEADLINE:-999999} ]; then echo "== $s: skipped (${DEADLINE} s deadline)"; continue; fi
   case $s in
+    prebuild) timeout 150 python3 -c "from bench.workdir import super_store; super_store('$W/super', ${MOE_LAYERS:-4})" > "$OUT/prebuild.log" 2>&1
+      tail -2 "$OUT/prebuild.log";;
     vision) timeout 180 python3 -m bench.vision_tower --out "$OUT/vision.json" > "$OUT/vision.log" 2>&1; tail -6 "$OUT/vision.log";;
     check)
       IDS=$(python3 -c 'import random; random.seed(1); print(",".join(str(random.randrange(14, 1000)) for _ in range(30)))')
@@ -76,6 +84,7 @@ PY
            --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;
   esac
   echo "== $s: rc $? in $(( $(date +%s) - t )) s"
+  [ "$(find "$OUT" -type f | wc -l)" -gt 6 ] && pack
 done
 # the device returns at most 8 files from $OUT (session 6 lost a call's files to that): more than 8, one archive
 n=$(find "$OUT" -type f | wc -l)
