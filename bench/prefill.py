@@ -306,10 +306,11 @@ def ahead_figures(last) -> dict:
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
 
 
-def budgeted(eng, ids, device, budget: int) -> dict:
+def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
     """One prompt under a stated budget, as the server runs it (`--vram-gb`: the engine's reserve is the prefill's
     budget): its spans, the measured peak beside the budget and beside the model's estimate of its largest span
-    (gpu_worker/prefill.py, with the plan and the KV capacities each span was planned with)."""
+    (gpu_worker/prefill.py, with the plan and the KV capacities each span was planned with). TTFT: the median of
+    `reps` runs (one run was session 8's first figure, and moved by 35 % between two rows of the same plan)."""
     from gpu_worker.prefill import kv_rows, prefill, span_bytes, span_plan
     m = eng.model
     plan = span_plan(m.config, m.dtype, budget, m.device)
@@ -331,14 +332,20 @@ def budgeted(eng, ids, device, budget: int) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             mem0 = torch.cuda.memory_allocated()
-        t = time.perf_counter()
-        logits = prefill(m, ids, m.new_state(), budget_bytes=budget)
-        tok = int(logits[-1].argmax())
-        sec = time.perf_counter() - t
+        secs = []
+        for _ in range(max(1, reps)):
+            if spans:
+                spans.clear()
+            t = time.perf_counter()
+            logits = prefill(m, ids, m.new_state(), budget_bytes=budget)
+            tok = int(logits[-1].argmax())
+            secs.append(time.perf_counter() - t)
+            del logits
+        sec = sorted(secs)[len(secs) // 2]
         peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     finally:
         del m.forward
-    return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec,
+    return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec, ttft_runs_s=secs,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
                 estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
@@ -358,13 +365,13 @@ def profiled(eng, ids, device) -> dict:
     return prof.result()
 
 
-def new_glue(on: bool) -> None:
-    """The A/B of a path ending in "+": session 7's glue, off by default until measured — the Mamba scan's carry in one
-    launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy (gpu_worker/streaming.py
-    `copy_runs`)."""
+def new_glue(path: str) -> None:
+    """The glue's A/B by a path's last character: "+" session 7's glue (on by default since session 8), "-" the old —
+    the Mamba scan's carry in one launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy
+    (gpu_worker/streaming.py `copy_runs`); neither: the engine's defaults."""
     for name in ("MOESTREAM_MAMBA_CARRY_KERNEL", "MOESTREAM_COPY_RUNS"):
-        if on:
-            os.environ[name] = "1"
+        if path.endswith(("+", "-")):
+            os.environ[name] = "1" if path.endswith("+") else "0"
         else:
             os.environ.pop(name, None)
 
@@ -393,9 +400,13 @@ def brief(res) -> None:
 
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
+    """The floor: the largest of the distinct expert bytes over H2D, the missing ones over the disk, the FLOPs over the
+    GEMM rate. H2D as the pipeline moves the bytes (the staging ring's copies from the slab, `h2d_staging_gbps`)
+    where measured, else the 1 GiB pinned copy."""
     need = r["distinct_experts"] * block_bytes
     miss = r["missing_at_start"] * block_bytes
-    parts = dict(h2d=need / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
+    h2d = c.get("h2d_staging_gbps") or c["h2d_gbps"]
+    parts = dict(h2d=need / (h2d * 1e9) if h2d else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, r["tokens"], r["expert_uses"]) / (c["gemm_tflops"] * 1e12))
     r["floor_parts_s"] = parts
     r["floor_s"] = max(parts.values())
@@ -424,15 +435,16 @@ def main(argv=None):
                          "reserve through the server): spans, peak against the estimate; 0: not run")
     ap.add_argument("--budget-pieces", default="0",
                     help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
-                         "default, the old plan; 4096: the large pieces)")
+                         "default, 4,096 since session 8; 512: the old plan)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
                          "staged: with the copies ahead)")
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
-                    "(MOESTREAM_PIECE_TOKENS; the default is 512, the old plan); PATH+ (or PATH@N+): the new glue "
-                    "(the Mamba carry in one launch, adjacent staging copies merged; off by default)")
+                    "(MOESTREAM_PIECE_TOKENS; the default is 4,096 since session 8, 512 the old plan); PATH+ / PATH- "
+                    "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
+                    "copies merged; on by default since session 8)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -504,14 +516,26 @@ def main(argv=None):
                              dtype=torch.bfloat16 if cuda else torch.float32) as eng:
             if warm:
                 warm_all(eng, store)
+                if cuda and "h2d_staging_gbps" not in c:   # every block cached: the staging ring's own copies
+                    from bench.ceilings import staging_h2d_gbps
+                    try:
+                        c["h2d_staging"] = staging_h2d_gbps(eng.experts)
+                    except Exception as err:      # the floors fall back to the 1 GiB copy, and say so
+                        c["h2d_staging"] = dict(gbps=None, error=repr(err))
+                        print(f"H2D through the staging ring not measured: {err!r}", flush=True)
+                    c["h2d_staging_gbps"] = c["h2d_staging"]["gbps"]
+                    if c["h2d_staging_gbps"]:
+                        print(f"H2D through the staging ring from the slab: {c['h2d_staging_gbps']:.1f} GB/s (runs "
+                              f"{[round(x, 1) for x in c['h2d_staging']['runs_gbps']]}); 1 GiB pinned copy "
+                              f"{c['h2d_gbps']:.1f} GB/s", flush=True)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             for path in paths:
-                # "staged#2": the same path again; "@4096": pieces of up to 4,096 tokens; "+": the new glue (the
-                # Mamba carry in one launch, adjacent staging copies merged)
-                base, _, piece = path.split("#")[0].replace("+", "").partition("@")
-                new_glue(path.split("#")[0].endswith("+"))
+                # "staged#2": the same path again; "@512": pieces of up to 512 tokens (the old plan); "+" / "-":
+                # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
+                base, _, piece = path.split("#")[0].rstrip("+-").partition("@")
+                new_glue(path.split("#")[0])
                 if piece:
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
@@ -533,9 +557,10 @@ def main(argv=None):
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
-            new_glue(False)
+            new_glue("")
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0].replace("+", "").partition("@")[0]
+                first = paths[0].split("#")[0].rstrip("+-").partition("@")[0]
+                new_glue("")                                # the budget rows: the engine's default glue
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would

@@ -20,7 +20,7 @@ is per token of the span:
                     (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
                     span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: 512 tokens for a large one by default, up to MAX_PIECE_TOKENS with MOESTREAM_PIECE_TOKENS, down to
+from the budget: up to MAX_PIECE_TOKENS (4,096) for a large one by default, 512 with MOESTREAM_PIECE_TOKENS=512, down to
 one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
@@ -151,13 +151,13 @@ def dequant_terms(cfg, e: int) -> dict:
 
 
 def piece_tokens_max() -> int:
-    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else PIECE_TOKENS (the old plan exactly:
-    larger pieces are OFF by default until a GPU run measures them — session 7's run stopped on another change before
-    any prompt, bench/NOTES.md h26; `MOESTREAM_PIECE_TOKENS=4096` turns them on); never above MAX_PIECE_TOKENS (a
-    Mamba mixer cuts longer calls itself)."""
+    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else MAX_PIECE_TOKENS (4,096: on by
+    default since session 8's H200 run, where a 16k prompt went 303 -> 250 ms and every size was faster with equal
+    first tokens, bench/NOTES.md "Session 8"; `MOESTREAM_PIECE_TOKENS=512` gives the old plan exactly); never above
+    MAX_PIECE_TOKENS (a Mamba mixer cuts longer calls itself)."""
     raw = os.environ.get("MOESTREAM_PIECE_TOKENS", "")
     try:
-        n = int(raw) if raw else PIECE_TOKENS
+        n = int(raw) if raw else MAX_PIECE_TOKENS
     except ValueError:
         raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: expected a whole number of tokens") from None
     if n < 1:
@@ -179,7 +179,7 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None 
     heaviest layer's at that span (with `max_piece` 4,096, on Super at the server's 512 MiB, the MoE layer's launches
     decide: Mamba pieces 256 instead of 128, the others 1,024), and a large budget takes `max_piece`. A piece's
     launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200
-    session 6). By default `max_piece` is PIECE_TOKENS: the old plan (piece_tokens_max)."""
+    session 6). By default `max_piece` is MAX_PIECE_TOKENS (piece_tokens_max; MOESTREAM_PIECE_TOKENS=512: the old plan)."""
     top = piece_tokens_max() if max_piece is None else max_piece
     key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
            _knobs())

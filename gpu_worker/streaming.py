@@ -25,7 +25,7 @@ import torch
 from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_accounting import PrefillAccounting
-from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
@@ -199,9 +199,9 @@ class StreamingExperts(ExpertSource):
         self.up_dma_limit = dma_limit_from_env() if self.stage_ups else 0     # (the fused kernel's paths only)
         self.up_dma_batch = int(os.environ.get("MOESTREAM_UP_DMA_BATCH", "2"))     # experts per flag copy
         # decode: guessed ups staged beyond the adapted limit, the kernel waiting per expert on flags instead of for
-        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). Off by
-        # default: not yet measured on a GPU (its line waits in bench/NOTES.md "Session 7, h28")
-        self.stage_extra = int(os.environ.get("MOESTREAM_STAGE_EXTRA", "0"))
+        # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). 3 by
+        # default: RAM regime 5.99 -> 5.71 ms/token on the H200, session 8 (6: 5.73); MOESTREAM_STAGE_EXTRA=0 is off
+        self.stage_extra = stage_extra_from_env()
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
@@ -914,8 +914,8 @@ def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tupl
     the same storage and in the same `segment(address)` (the slab's CUDA registrations: runs that ignored them raised
     cudaErrorInvalidValue on the H200, session 7 run 1 — a copy spanning two registrations, most likely) and holds a
     whole row, and each slot follows the one before (no wrap)."""
-    if os.environ.get("MOESTREAM_COPY_RUNS") != "1":      # OFF by default: one copy per block, as before (the runs'
-        return [(i, 1) for i in range(len(sources))]       # speed is not measured yet, bench/NOTES.md h26)
+    if os.environ.get("MOESTREAM_COPY_RUNS", "1") == "0":     # =0: one copy per block, as before session 8 (the runs
+        return [(i, 1) for i in range(len(sources))]           # are on by default: bench/NOTES.md "Session 8")
     runs: list[tuple[int, int]] = []
     prev_ptr = prev_store = prev_seg = None
     for i, src in enumerate(sources):

@@ -50,6 +50,19 @@ def dma_limit_from_env() -> int:
     return n
 
 
+def stage_extra_from_env() -> int:
+    """MOESTREAM_STAGE_EXTRA: guessed ups staged beyond the adapted limit, non-blocking (gpu_worker/up_staging.py);
+    3 by default (measured, bench/NOTES.md "Session 8"), 0: off."""
+    v = os.environ.get("MOESTREAM_STAGE_EXTRA", "3")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_STAGE_EXTRA={v!r}: a count of guessed ups per layer (0: off)") from None
+    if n < 0:
+        raise ValueError(f"MOESTREAM_STAGE_EXTRA={n}: must be >= 0")
+    return n
+
+
 class ChosenUpDMA:
     def __init__(self, k: int, up_bytes: int, device, batch: int = 2):
         """k: the router's top-k (ring slots, one per position); up_bytes: the bytes copied per expert; batch:

@@ -946,8 +946,11 @@ _arrival_retired: list = []   # outgrown counter sets: a captured graph may stil
 def _arrival_counters(device, n: int) -> torch.Tensor:
     """int32 counters, zero between calls (each call's last arrivals put them back), one set per stream so that
     GEMVs on concurrent streams never share one."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
+    index = device.index
+    if device.type == "cuda" and index is None:    # "cuda" and "cuda:0" must name one set (a must-fail twin that
+        index = torch.cuda.current_device()         # poisoned the other set passed on the H200, session 8)
+    stream = torch.cuda.current_stream(index).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, index, stream)
     c = _arrival_by_stream.get(key)
     if c is None or c.numel() < n:
         if c is not None:

@@ -22,12 +22,12 @@ BLOCK = 1024
 
 
 def use_kernel(states: torch.Tensor) -> bool:
-    """The kernel where kernels.backend.FORCED names it (the tests), else on CUDA only with
-    MOESTREAM_MAMBA_CARRY_KERNEL=1: OFF by default until a GPU run measures it (correct on the H200, session 7 run 1's
-    tests; its speed not measured: bench/NOTES.md h26)."""
+    """The kernel where kernels.backend.FORCED names it (the tests), else on CUDA unless
+    MOESTREAM_MAMBA_CARRY_KERNEL=0: ON by default since session 8's H200 run (with the large pieces and the merged
+    copies, 16k prompt 303 -> 245 ms, every size faster, first tokens equal: bench/NOTES.md "Session 8")."""
     if "mamba_carry" in backend.FORCED or "*" in backend.FORCED:
         return backend.use_triton(states, "mamba_carry")
-    return states.is_cuda and os.environ.get("MOESTREAM_MAMBA_CARRY_KERNEL") == "1"
+    return states.is_cuda and os.environ.get("MOESTREAM_MAMBA_CARRY_KERNEL", "1") != "0"
 
 
 @triton.jit(**varying("c"))       # the chunk count changes with every piece length: compile once

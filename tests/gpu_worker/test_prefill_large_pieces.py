@@ -31,10 +31,13 @@ def _large_pieces(monkeypatch):
     monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", str(MAX_PIECE_TOKENS))
 
 
-def test_off_by_default_the_old_plan(monkeypatch):
+def test_on_by_default_and_512_is_the_old_plan(monkeypatch):
+    """Large pieces are the default since session 8's H200 run; MOESTREAM_PIECE_TOKENS=512 gives session 6's plan."""
     monkeypatch.delenv("MOESTREAM_PIECE_TOKENS")
     cfg = _super(4)
-    assert P.piece_tokens_max() == PIECE_TOKENS == 512
+    assert P.piece_tokens_max() == MAX_PIECE_TOKENS == 4096 and PIECE_TOKENS == 512
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 4096
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "512")
     for budget in (512 << 20, 60 << 30):
         assert P.span_plan(cfg, BF, budget, "cuda") == P._with_dequant(*_old(cfg, budget))
     assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512

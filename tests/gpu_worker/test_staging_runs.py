@@ -105,10 +105,10 @@ def test_ring_twin_merging_across_gaps_is_caught(monkeypatch):
     assert not all(_staged_right("gaps"))
 
 
-def test_off_by_default_copies_block_by_block(monkeypatch):
+def test_on_by_default_and_zero_copies_block_by_block(monkeypatch):
     slab = _slab(4)
     monkeypatch.delenv("MOESTREAM_COPY_RUNS")
-    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
+    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 3)]
     monkeypatch.setenv("MOESTREAM_COPY_RUNS", "0")
     assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
 

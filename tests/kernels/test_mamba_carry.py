@@ -82,11 +82,14 @@ def test_bad_input_is_named(device):
         carry(states, S0[:1], decay, torch.empty_like(states))
 
 
-def test_off_by_default(device, monkeypatch):
-    """Unmeasured on the GPU: the scan takes the twin unless FORCED or MOESTREAM_MAMBA_CARRY_KERNEL=1 (on CUDA)."""
+def test_on_by_default_on_cuda(device, monkeypatch):
+    """Measured on the H200 (session 8): the scan takes the kernel on CUDA unless MOESTREAM_MAMBA_CARRY_KERNEL=0; the
+    twin on the CPU unless FORCED."""
     states = torch.zeros(2, 1, 1, 1, device=device)
     monkeypatch.setattr(backend, "FORCED", {})
     monkeypatch.delenv("MOESTREAM_MAMBA_CARRY_KERNEL", raising=False)
+    assert mamba_carry.use_kernel(states) == (device == "cuda")
+    monkeypatch.setenv("MOESTREAM_MAMBA_CARRY_KERNEL", "0")
     assert not mamba_carry.use_kernel(states)
     monkeypatch.setenv("MOESTREAM_MAMBA_CARRY_KERNEL", "1")
     assert mamba_carry.use_kernel(states) == (device == "cuda")
