@@ -437,8 +437,8 @@ def main(argv=None):
                     help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
                          "default, 4,096 since session 8; 512: the old plan)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
-                    help="the disk regime's weight paths, each in a fresh engine (staged_no_ahead: the engine's default; "
-                         "staged: with the copies ahead)")
+                    help="the disk regime's weight paths, each in a fresh engine (staged: the engine's default since "
+                         "session 8, the copies ahead for prompts of 2,048 tokens and more; staged_no_ahead: none)")
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
@@ -480,7 +480,9 @@ def main(argv=None):
     c["gemm_tflops"] = gemm_tflops(device)
     # the pipeline's own readers on cold block sets, best of three (bench/ceilings.py): one pass under-measured
     # the disk so that a prompt beat its floor (1.61 GB/s probe, 1.98 GB/s read: NOTES, session 3)
-    disk = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=3)
+    # sets of 384 blocks (1.2 GB on Super), as many as a prompt's misses: sets of 96 under-measured the disk so that
+    # the 1,000-16,000-token prompts beat their floors (0.88-0.93, H200 session 8)
+    disk = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(384, n_blocks // 4), repeats=3)
     c["disk_gbps"], c["disk_probe"] = disk["gbps"], disk
     print(json.dumps(res), flush=True)
     out_path = Path(a.out)

@@ -390,7 +390,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
     plan = span_plan(cfg, model.dtype, budget, model.device)
     source = _streaming_source(model)       # accounts per prompt
-    wish = source.ahead_wish() if source is not None else 0
+    wish = source.ahead_wish(end - start) if source is not None else 0
     if source is not None:
         source.begin_prompt(launch_bytes=plan.launch())
     t0 = time.perf_counter()

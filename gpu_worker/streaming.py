@@ -38,12 +38,13 @@ PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its ne
 # device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
 # measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
 PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
-# off by default, and for measuring only: the first build won nothing on the H200 (bench/NOTES.md, session 6, h23 run
-# 2), and this build, measured in the integrator's call 6, gave a WRONG first token (0, NaN logits) for a 16,000-token
-# prompt in the RAM regime with 512 ahead slots, while 128-4,000 tokens and the disk regime were right. A suspect (a new
-# slots buffer written before the compute stream's queued readers of its recycled memory) is fixed below, unmeasured.
-# bench.prefill's `staged` path turns it on (its `staged_no_ahead` is the engine's default)
-PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "0") == "1"
+# On by default since session 8, for prompts of PREFILL_AHEAD_MIN_TOKENS and more: with the 4,096-token pieces the H200
+# measured 4,000 tokens 143 -> 129 ms and 16,000 248 -> 201 ms, but 128 and 1,000 tokens slower (70 -> 86, 110 -> 114
+# ms), first tokens equal at every size (bench/NOTES.md "Session 8"). Session 6's wrong 16k first token is gone since
+# the slots buffer waits for the compute stream's queued readers of its recycled memory (session 7's fix).
+# MOESTREAM_PREFILL_COPY_AHEAD=0 turns it off; bench.prefill's `staged_no_ahead` path runs without it.
+PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
+PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "2048"))
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -208,9 +209,9 @@ class StreamingExperts(ExpertSource):
         # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
         # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
         self.copy_ahead = self._cuda and PREFILL_COPY_AHEAD
-        if self.copy_ahead:
-            warnings.warn("MOESTREAM_PREFILL_COPY_AHEAD=1: an experimental path with a known wrong result on a "
-                        "16,000-token prompt (bench/NOTES.md, session 6); for measurements only")
+        # prompts shorter than this copy nothing ahead (their copies cost more than they hid, H200 session 8); the CPU
+        # path (tests) copies ahead for any prompt where copy_ahead is set
+        self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
         self.ahead_bytes = 0
         self._ahead: _AheadSlots | None = None
         self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
@@ -657,10 +658,11 @@ class StreamingExperts(ExpertSource):
         self.ahead_at_sync, self._guessed = [], None
         self.prefill_acct.begin()
 
-    def ahead_wish(self) -> int:
+    def ahead_wish(self, tokens: int | None = None) -> int:
         """Bytes of device slots this source would copy the next MoE layer's experts ahead into (gpu_worker/prefill.py
-        grants them from what a span leaves of the budget): one layer's experts, or 0 where it copies none."""
-        if not self._copies_ahead():
+        grants them from what a span leaves of the budget): one layer's experts, or 0 where it copies none — or where
+        the prompt's `tokens` are fewer than `ahead_min_tokens`."""
+        if not self._copies_ahead() or (tokens is not None and tokens < self.ahead_min_tokens):
             return 0
         return min(self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX) * self.store.block_stride
 

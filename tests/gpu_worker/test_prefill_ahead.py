@@ -71,6 +71,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monk
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
+        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         run(eng, n)                      # reads every routed block once: the next run finds them all in RAM
         spy.copied.clear()
         out = run(eng, n)
@@ -112,6 +113,7 @@ def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
+        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         run(eng, 300)
         out = run(eng, 300)
         last = src.prefill_acct.last
@@ -131,6 +133,7 @@ def test_twin_wrong_block_in_a_slot_is_caught(tiny, refs, monkeypatch):
     monkeypatch.setattr(streaming._AheadSlots, "copy", rotated)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         eng.experts.copy_ahead = True
+        eng.experts.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         run(eng, 300)
         out = run(eng, 300)
     assert (out - refs[300]).abs().max() > 1e-2
@@ -142,6 +145,7 @@ def test_cache_at_a_tenth_with_copies_ahead(tiny, refs):
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
+        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         out = run(eng, 300)
         stats = eng.cache_stats()
         last = src.prefill_acct.last
@@ -159,6 +163,7 @@ def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
     st = ExpertStore.open(store)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
         eng.experts.copy_ahead = True
+        eng.experts.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         m = eng.model
         prefill(m, prompt(1500, seed=4), m.new_state())
         last = eng.experts.prefill_acct.last
@@ -195,6 +200,7 @@ def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
         src = eng.experts
         assert src.ahead_wish() == 0, "on the CPU copies ahead are a test's choice"
         src.copy_ahead = True
+        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
         src._cuda = True                 # (the wish alone: nothing runs)
         src.prefill_weights = "zero_copy"
@@ -218,6 +224,7 @@ def test_gpu_copies_ahead_read_by_the_next_layer(tiny):
         src, m = eng.experts, eng.model
         for ahead in (True, False):
             src.copy_ahead = ahead
+            src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
             prefill(m, ids, m.new_state())                  # every block in RAM for the timed-like second run
             out = prefill(m, ids, m.new_state(), all_logits=True)
             last = src.prefill_acct.last
@@ -229,3 +236,17 @@ def test_gpu_copies_ahead_read_by_the_next_layer(tiny):
     assert read == used > 0 and copied == used + wrong and before
     assert mean_kl(ref, lm) < 3e-3 and mean_kl(ref, got[False][0]) < 3e-3
     assert got[False][1] == 0 and not got[False][5]
+
+
+def test_short_prompts_wish_no_slots():
+    """The CUDA default copies ahead only for prompts of `ahead_min_tokens` and more (H200 session 8: shorter ones
+    lost); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
+    from gpu_worker.streaming import PREFILL_AHEAD_MIN_TOKENS, StreamingExperts
+    src = StreamingExperts.__new__(StreamingExperts)
+    src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
+    src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
+    assert PREFILL_AHEAD_MIN_TOKENS == 2048
+    assert src.ahead_wish(2048) == 8 * 1000 and src.ahead_wish() == 8 * 1000
+    assert src.ahead_wish(2047) == 0
+    src.copy_ahead = False
+    assert src.ahead_wish(4096) == 0
