@@ -48,8 +48,9 @@ PY
     e2e) timeout ${E2E_TIMEOUT:-300} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E_ARGS:-} \
            --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
     prefill) timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-           ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; tail -22 "$OUT/prefill.log";;
-    api_ttft) CEIL=(); [ -f "$OUT/prefill.json" ] && CEIL=(--ceilings-from "$OUT/prefill.json")   # same call: same ceilings
+           ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
+    api_ttft) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # same call: same ceilings
+      # ($W's copy: pack() may have moved $OUT's into an archive; session 8 call 4's API run measured its own)
       timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            ${CEIL[@]+"${CEIL[@]}"} ${API_ARGS:-} --out "$OUT/api_ttft.json" > "$OUT/api_ttft.log" 2>&1; tail -6 "$OUT/api_ttft.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;

@@ -1,0 +1,18 @@
+"""bench.plot_prefill: the curves are the run's rows, a row that beat its floor is never drawn."""
+from bench import plot_prefill
+
+
+def _row(tokens, ttft, floor):
+    return dict(tokens=tokens, ttft_s=ttft, floor_s=floor, ratio=ttft / floor)
+
+
+def test_series_keeps_rows_whose_floor_held_and_plots(tmp_path):
+    res = dict(preset="super", moe_layers=4, device="cpu",
+               ram=dict(a=[_row(1000, 0.11, 0.075), _row(128, 0.07, 0.056)],
+                        b=[_row(128, 0.05, 0.056), _row(1000, 0.12, 0.075)]))     # b at 128 beat its floor
+    curves, floors = plot_prefill.series(res)
+    assert curves["a"] == [(128, 70.0, 0.07 / 0.056), (1000, 110.0, 0.11 / 0.075)]
+    assert [p[0] for p in curves["b"]] == [1000]            # the twin: the 0.89x row is left out
+    assert floors == {128: 56.0, 1000: 75.0}
+    out = plot_prefill.plot(res, tmp_path / "p.png")
+    assert out.stat().st_size > 1000
