@@ -29,6 +29,7 @@ from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
+from kernels.expert_layer import FUSED_SUBS
 from nemotron.moe import DecodeRoute, ExpertSource
 
 PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers at most (`launch_limits`); a prefill
@@ -189,8 +190,8 @@ class StreamingExperts(ExpertSource):
         self._ring = None
         self.launch_bytes = PREFILL_BATCH_BYTES     # set per prompt by begin_prompt
         # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
-        # the fused kernel reads them, so only where it runs (NVFP4 by address, 16-neuron down groups)
-        self.stage_ups = self._addressed and self.geom.down_group_neurons == 16
+        # the fused kernel reads them, so only where it runs (NVFP4 by address, down groups of 16, 8, 4 or 2 neurons)
+        self.stage_ups = self._addressed and self.geom.down_group_neurons in FUSED_SUBS
         self.ups: UpStaging | None = None
         self._up_span = self.geom.up_scales_off + self.geom.up_scales_bytes   # the bytes a staged up copies
         self._next_guess = None          # (next MoE layer, its guessed experts) from the last request
@@ -358,7 +359,7 @@ class StreamingExperts(ExpertSource):
                        up_waits=None):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
-        fused = count_down_groups and self.geom.down_group_neurons == 16
+        fused = count_down_groups and self.geom.down_group_neurons in FUSED_SUBS
         ready, major = None, True
         if fused and self.up_dma_limit and up_waits is not None:
             if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on

@@ -1,5 +1,9 @@
 """The routed experts of one token at one MoE layer in one launch: up -> ReLU² -> 16-group mask -> sparse down.
 
+A store of down sub-groups (8, 4 or 2 neurons, each with a copy of its 16-group's scales: ExpertGeometry
+.down_group_neurons, docs/block-layout.md) is read the same way a sub-group at a time, only the sub-groups that hold
+a non-zero activation (SUB; FUSED_SUBS). Sub-groups of 1 neuron (two rows a byte) keep the two launches.
+
 acc[l] += Σ_j w_j · down_global_j · Σ_{g active in j} scale_jg[l] · Σ_{n<16} act[j, 16g+n] · e2m1_jg[l, n],
 act = relu(up_j · x)². It replaces `expert_up` + `sparse_down` (kernels/moe_ops.expert_decode's two launches)
 with the same inputs and result. One program takes BLOCK_N neurons (BLOCK_N / 16 down groups) of one expert:
@@ -23,14 +27,17 @@ from kernels.gemv_nvfp4 import _UNDO_DECODE, _e2m1_to_fp16
 from kernels.sparse_down import sparse_down_torch
 
 
+FUSED_SUBS = (16, 8, 4, 2)     # down (sub-)group sizes the one launch reads
+
+
 @triton.jit
-def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd):
-    """One 16-neuron down group at p_g (values U8 [L, 8], then e4m3 scales [L]) for the rows o_l:
+def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF: tl.constexpr = 8):
+    """One down (sub-)group of 2·HALF neurons at p_g (values U8 [L, HALF], then e4m3 scales [L]) for the rows o_l:
     Σ_n act[n] · e2m1[l, n] · scale[l], fp32 [BLOCK_L], times 2^-14 (the fp16 decode's factor).
     a_even / a_odd: the group's act at neurons 2t and 2t+1 (the low and high nibble of byte t)."""
-    o_t = tl.arange(0, 8)
-    b_v = tl.load(p_g + o_l[:, None] * 8 + o_t[None, :], mask=m_l[:, None], other=0)
-    b_s = tl.load(p_g + 8 * L + o_l, mask=m_l, other=0)
+    o_t = tl.arange(0, HALF)
+    b_v = tl.load(p_g + o_l[:, None] * HALF + o_t[None, :], mask=m_l[:, None], other=0)
+    b_s = tl.load(p_g + HALF * L + o_l, mask=m_l, other=0)
     lo = _e2m1_to_fp16(b_v & 15).to(tl.float32)
     hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
     part = tl.sum(lo * a_even[None, :] + hi * a_odd[None, :], axis=1)
@@ -46,7 +53,7 @@ def _expert_layer_kernel(
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
-    SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False,
+    SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False, SUB: tl.constexpr = 16,
 ):
     if EXPERT_MAJOR:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
@@ -56,7 +63,8 @@ def _expert_layer_kernel(
     else:
         j = tl.program_id(0)
         pid_n = tl.program_id(1)
-    NG: tl.constexpr = BLOCK_N // 16
+    NG: tl.constexpr = BLOCK_N // SUB         # the (sub-)groups of this program's neurons
+    HALF: tl.constexpr = SUB // 2
     base = tl.load(addr_ptr + j).to(tl.pointer_type(tl.uint8))
     if WAIT:
         # an up section still crossing by the copy engine (gpu_worker/up_dma.py): its batch's flag gets the value
@@ -87,8 +95,8 @@ def _expert_layer_kernel(
     b_h = b_h * (tl.load(gup_ptr + j) * _UNDO_DECODE)
     b_a = tl.maximum(b_h, 0.0)
     b_a = tl.where(m_n, b_a * b_a, 0.0)
-    act = tl.reshape(b_a, (NG, 16))
-    active = tl.max((act != 0.0).to(tl.int32), axis=1)                     # [NG]
+    act = tl.reshape(b_a, (NG, SUB))
+    active = tl.max((act != 0.0).to(tl.int32), axis=1)                     # [NG]: a (sub-)group with a non-zero
     n_active = tl.sum(active, axis=0)
     if n_active > 0:
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0     # 2^14 undoes the fp16 decode
@@ -99,11 +107,11 @@ def _expert_layer_kernel(
             b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
             for gi in tl.static_range(NG):
                 if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:     # an all-zero group is never read
-                    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [16]
-                    a_even, a_odd = tl.split(tl.reshape(a_g, (8, 2)))
+                    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [SUB]
+                    a_even, a_odd = tl.split(tl.reshape(a_g, (HALF, 2)))
                     g = pid_n * NG + gi
-                    p_g = base + down_off + g.to(tl.int64) * (9 * L)
-                    b_out += _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd)
+                    p_g = base + down_off + g.to(tl.int64) * ((HALF + 1) * L)
+                    b_out += _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF)
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
@@ -131,11 +139,12 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
                  config: dict | None = None, counter: torch.Tensor | None = None,
                  up_addrs: torch.Tensor | None = None, up_ready=None, expert_major: bool = True) -> torch.Tensor:
-    """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active 16-neuron down groups.
+    """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active down (sub-)groups: 16 neurons, or
+    the store's sub-groups of 8, 4 or 2 (`geom.down_group_neurons`, FUSED_SUBS).
 
     The inputs of `expert_up` + `sparse_down` together: x [L] (bf16/fp32, on the device), addrs int64 [k] block
     base addresses, up_global / down_global / weights fp32 [k], acc fp32 [L] (zeros when None).
-    counter: optional int32 [1], += the down groups read (the bytes-over-the-bus accounting of sparse_down).
+    counter: optional int32 [1], += the down (sub-)groups read (the bytes-over-the-bus accounting of sparse_down).
     up_addrs: optional int64 [k], where each expert's up section (values then scales, the block's first
     `geom.down_off` bytes) lies when it is not in the block, e.g. staged into VRAM while the dense layers ran
     (gpu_worker/up_staging.py); None: in the block.
@@ -149,6 +158,9 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
+    if geom.down_group_neurons not in FUSED_SUBS:
+        raise ValueError(f"the fused expert kernel reads down groups of {FUSED_SUBS} neurons, not "
+                         f"{geom.down_group_neurons} (use expert_up + sparse_down)")
     L, I = geom.L, geom.I
     k = addrs.numel()
     acc = check_layer_args(x, addrs, geom, up_global, down_global, weights, acc, counter)
@@ -178,7 +190,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
                                counter if counter is not None else acc, waits, flags, L, I, geom.up_scales_off,
                                geom.down_off, k, COUNT=counter is not None, WAIT=up_ready is not None,
-                               EXPERT_MAJOR=major, **cfg)
+                               EXPERT_MAJOR=major, SUB=geom.down_group_neurons, **cfg)
     return acc
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.expert_block import ExpertGeometry
-from kernels.expert_layer import expert_layer
+from kernels.expert_layer import FUSED_SUBS, expert_layer
 from kernels.expert_prefill import expert_prefill as _expert_prefill_triton
 from kernels.expert_prefill import expert_prefill_torch
 from kernels.expert_up import expert_up, expert_up_torch, relu2_group_mask_torch
@@ -51,12 +51,13 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
     (gpu_worker/streaming.py), so an uncounted, unfused call is one whose experts are in the VRAM tier.
     down_counter: int32 [1] on the device, += the down groups the kernel read (kernel path only).
     fused: one launch for the whole layer (kernels/expert_layer.py; up_config/down_config do not apply), same
-    result as the two launches; a store of down sub-groups (down_group_neurons < 16) keeps the two launches.
+    result as the two launches, for down groups of 16 neurons and sub-groups of 8, 4 and 2 (FUSED_SUBS); sub-groups
+    of 1 keep the two launches.
     up_blocks: int64 [k], where each expert's up section lies when not in its block (the fused launch only).
     up_ready: (waits, flags) for up sections still crossing by the copy engine (the fused launch only;
     kernels/expert_layer.py, gpu_worker/up_dma.py); expert_major: their programs in the waits' launch order.
     """
-    if _addressed(blocks) and geom.fmt == "nvfp4" and fused and geom.down_group_neurons == 16:
+    if _addressed(blocks) and geom.fmt == "nvfp4" and fused and geom.down_group_neurons in FUSED_SUBS:
         return expert_layer(x, blocks, geom, up_global, down_global, weights, acc, counter=down_counter,
                             up_addrs=up_blocks, up_ready=up_ready, expert_major=expert_major)
     if up_blocks is not None or up_ready is not None:
