@@ -444,7 +444,8 @@ def main(argv=None):
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
                     "(MOESTREAM_PIECE_TOKENS; the default is 4,096 since session 8, 512 the old plan); PATH+ / PATH- "
                     "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
-                    "copies merged; on by default since session 8)")
+                    "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead in runs "
+                    "(MOESTREAM_AHEAD_RUNS=1, off by default)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -536,8 +537,12 @@ def main(argv=None):
             for path in paths:
                 # "staged#2": the same path again; "@512": pieces of up to 512 tokens (the old plan); "+" / "-":
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
-                base, _, piece = path.split("#")[0].rstrip("+-").partition("@")
-                new_glue(path.split("#")[0])
+                base, _, piece = path.split("#")[0].rstrip("+-!").partition("@")
+                new_glue(path.split("#")[0].rstrip("!"))
+                if path.split("#")[0].endswith("!"):      # the copies ahead in runs (gpu_worker/streaming.py)
+                    os.environ["MOESTREAM_AHEAD_RUNS"] = "1"
+                else:
+                    os.environ.pop("MOESTREAM_AHEAD_RUNS", None)
                 if piece:
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
@@ -561,7 +566,8 @@ def main(argv=None):
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
             new_glue("")
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0].rstrip("+-").partition("@")[0]
+                first = paths[0].split("#")[0].rstrip("+-!").partition("@")[0]
+                os.environ.pop("MOESTREAM_AHEAD_RUNS", None)
                 new_glue("")                                # the budget rows: the engine's default glue
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)

@@ -46,6 +46,16 @@ PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "5
 # MOESTREAM_PREFILL_COPY_AHEAD=0 turns it off; bench.prefill's `staged_no_ahead` path runs without it.
 PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
 PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "2048"))
+# The copies ahead issued in runs (adjacent slab rows into adjacent slots as one copy, the rest by the driver's
+# cuMemcpyAsync) with one ready event per AHEAD_EVENT_EVERY blocks, instead of a torch copy and an event per block:
+# session 8 measured 18-31 ms of host time a prompt issuing them (~25 µs a block), about what the copies ahead lost
+# at 128 and 1,000 tokens. OFF until a GPU run measures it (MOESTREAM_AHEAD_RUNS=1, read per layer so that
+# bench.prefill can A/B it in one engine: its paths ending in "!"; bench/NOTES.md "Session 8").
+AHEAD_EVENT_EVERY = 8
+
+
+def ahead_runs() -> bool:
+    return os.environ.get("MOESTREAM_AHEAD_RUNS", "0") == "1"
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -787,7 +797,10 @@ class StreamingExperts(ExpertSource):
         if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
             pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
             self._ahead = None           # the old slots go before the new ones are allocated
-            self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda)
+            from cache_shm.cuda_map import chunk_slots
+            base, step = self.slab.data_ptr(), chunk_slots(self.slot_bytes) * self.slot_bytes
+            self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
+                                      segment=lambda ptr: (ptr - base) // step)
             self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
         after = None
         if self._cuda and self._ring is not None:    # this layer's own copies first: the needed blocks are never
@@ -909,6 +922,25 @@ class StreamingExperts(ExpertSource):
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+def ahead_copy_plan(runs: list[tuple[int, int]], every: int) -> list[list[tuple[int, int]]]:
+    """The copies ahead in groups, one ready event after each: runs ((first index, length), in order, from
+    `copy_runs`) gathered until a group holds at least `every` blocks; a run is never split. A launch waits for the
+    event of each group its blocks are in, so a group of `every` blocks makes it wait for at most every - 1 blocks
+    that it does not read (the launches take ~30 blocks each and read them in this order)."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    groups, cur, n = [], [], 0
+    for run in runs:
+        cur.append(run)
+        n += run[1]
+        if n >= every:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tuple[int, int]]:
@@ -1042,9 +1074,11 @@ class _AheadSlots:
     last (an event per slot); a launch waits for its blocks' copies (an event per slot). The slab slots stay pinned
     until their copies are done. On the CPU (tests) the copies are plain and done at once."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool, segment=None):
         self.n, self.cuda, self.block_bytes, self.device = n, cuda, block_bytes, device
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
+        self.segment = segment                      # address -> which registered chunk of the slab (copy_runs)
+        self.runs_ok = True                         # False after a run's copy failed: one copy per block from then
         self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
         self.next = 0
         self.pins = CopyPins()                     # slab slots pinned for the copies
@@ -1081,14 +1115,44 @@ class _AheadSlots:
         if events is not None:
             events[0].record(cs)
         with torch.cuda.stream(cs):
-            for r, src in zip(rs, sources):
-                self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(cs)
-                self.ready[r] = ev
+            if ahead_runs():
+                self._copy_runs(rs, sources)
+            else:
+                for r, src in zip(rs, sources):
+                    self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(cs)
+                    self.ready[r] = ev
         if events is not None:
             events[1].record(cs)
         self.pins.add(self.ready[rs[-1]], slab_slots)
+
+    def _copy_runs(self, rs, sources) -> None:
+        """MOESTREAM_AHEAD_RUNS: `ahead_copy_plan`'s copies on the current (copy) stream, an event after each group."""
+        from gpu_worker.up_staging import driver_memcpy_async
+        cs, bb, stride = self.stream, self.block_bytes, self.buf.shape[1]
+        memcpy = driver_memcpy_async()
+        runs = copy_runs(sources, rs, stride, self.segment) if self.runs_ok else [(i, 1) for i in range(len(rs))]
+        for group in ahead_copy_plan(runs, AHEAD_EVENT_EVERY):
+            for i, k in group:
+                r = rs[i]
+                if k > 1:
+                    try:
+                        self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
+                        continue
+                    except RuntimeError as err:     # a host range the driver will not copy in one piece
+                        self.runs_ok = False
+                        warnings.warn(f"copies ahead: a copy of {k} adjacent slab rows failed ({err}); one copy per "
+                                      "block from now on", RuntimeWarning, stacklevel=2)
+                for q in range(i, i + k):
+                    dst = self.buf[rs[q]]
+                    if memcpy is None or memcpy(dst.data_ptr(), sources[q].data_ptr(), bb, cs.cuda_stream) != 0:
+                        dst[:bb].copy_(sources[q][:bb], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(cs)
+            for i, k in group:
+                for q in range(i, i + k):
+                    self.ready[rs[q]] = ev
 
     def address(self, r: int) -> int:
         return self.buf[r].data_ptr()
@@ -1099,8 +1163,12 @@ class _AheadSlots:
     def wait(self, slots) -> None:
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
-            for r in slots:
-                cur.wait_event(self.ready[r])
+            seen = set()
+            for r in slots:              # slots that share a ready event (MOESTREAM_AHEAD_RUNS) wait once
+                ev = self.ready[r]
+                if id(ev) not in seen:
+                    seen.add(id(ev))
+                    cur.wait_event(ev)
 
     def read_by_current_stream(self, slots) -> None:
         if self.cuda:

@@ -7,7 +7,9 @@ prompt, and the span model counts the slots without shortening a span."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -210,9 +212,12 @@ def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
 
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
-def test_gpu_copies_ahead_read_by_the_next_layer(tiny):
+@pytest.mark.parametrize("runs", ["0", "1"])
+def test_gpu_copies_ahead_read_by_the_next_layer(tiny, runs, monkeypatch):
     """On the GPU (bf16, staged weights, RAM): the blocks copied ahead on their own stream are read by the next
-    layer's launches, copied before its router synced, and the logits are the CPU engine's; the A/B without them too."""
+    layer's launches, copied before its router synced, and the logits are the CPU engine's; the A/B without them too.
+    runs "1": the copies issued in runs with an event per group (MOESTREAM_AHEAD_RUNS)."""
+    monkeypatch.setenv("MOESTREAM_AHEAD_RUNS", runs)
     from tests.nemotron.test_model_vs_transformers import mean_kl
     model_dir, store = tiny
     ids = prompt(700, seed=8)
@@ -250,3 +255,37 @@ def test_short_prompts_wish_no_slots():
     assert src.ahead_wish(2047) == 0
     src.copy_ahead = False
     assert src.ahead_wish(4096) == 0
+
+
+def _plan_ok(plan, runs, every) -> bool:
+    """Every run once, in order, unsplit; each group but the last holds at least `every` blocks."""
+    flat = [r for g in plan for r in g]
+    sizes = [sum(k for _, k in g) for g in plan]
+    return flat == list(runs) and all(s >= every for s in sizes[:-1]) and all(g for g in plan)
+
+
+@pytest.mark.parametrize("every", [1, 3, 8])
+def test_ahead_copy_plan_groups_runs_for_one_event_each(every):
+    """MOESTREAM_AHEAD_RUNS (off by default, unmeasured): the copies ahead in runs, an event per group of blocks."""
+    from gpu_worker.streaming import ahead_copy_plan, ahead_runs
+    rng = np.random.default_rng(every)
+    lens = rng.integers(1, 6, size=37).tolist()
+    runs, i = [], 0
+    for k in lens:
+        runs.append((i, k))
+        i += k
+    plan = ahead_copy_plan(runs, every)
+    assert _plan_ok(plan, runs, every)
+    assert len(plan) <= -(-i // every)                        # at most one event per `every` blocks (rounded up)
+    assert ahead_copy_plan([], every) == []
+    # must-fail twins of the check: a run split in two, a run dropped, a group too small before the last
+    j = next(n for n, (_, k) in enumerate(runs) if k >= 2)
+    (a, k) = runs[j]
+    split = [[r] for r in runs[:j]] + [[(a, 1)], [(a + 1, k - 1)]] + [[r] for r in runs[j + 1:]]
+    assert not _plan_ok(split, runs, 1)
+    assert not _plan_ok(plan[:-1], runs, every)
+    small = [[runs[0]], runs[1:]]                      # the first group: one run, shorter than `every` blocks
+    assert _plan_ok(small, runs, every) == (runs[0][1] >= every)
+    with pytest.raises(ValueError, match="every"):
+        ahead_copy_plan(runs, 0)
+    assert ahead_runs() == (os.environ.get("MOESTREAM_AHEAD_RUNS") == "1")     # off unless asked
