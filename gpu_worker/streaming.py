@@ -1004,6 +1004,21 @@ class _SortedRows:
         return self.x[tok], ws, tok, local
 
 
+def _copy_rows(owner, r: int, k: int, src, what: str) -> bool:
+    """k adjacent slab rows from `src` (the first of them) into owner.buf[r:r + k] as one copy on the current
+    stream; False (and owner.runs_ok False, with a warning) where the driver will not copy that host range in one
+    piece: the caller then copies block by block."""
+    stride = owner.buf.shape[1]
+    try:
+        owner.buf[r:r + k].copy_(src.as_strided((k, stride), (stride, 1)), non_blocking=True)
+        return True
+    except RuntimeError as err:
+        owner.runs_ok = False
+        warnings.warn(f"{what}: a copy of {k} adjacent slab rows failed ({err}); one copy per block from now on",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+
 class _StagingRing:
     """Device slots that the copy engine fills from the pinned slab on its own stream. The compute stream waits
     for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
@@ -1044,14 +1059,8 @@ class _StagingRing:
                 r = self.used[i]
                 for q in range(r, r + k):
                     cs.wait_event(self.free[q])
-                if k > 1:
-                    try:
-                        self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
-                        continue
-                    except RuntimeError as err:     # a host range the driver will not copy in one piece
-                        self.runs_ok = False
-                        warnings.warn(f"staging ring: a copy of {k} adjacent slab rows failed ({err}); one copy "
-                                      "per block from now on", RuntimeWarning, stacklevel=2)
+                if k > 1 and _copy_rows(self, r, k, sources[i], "staging ring"):
+                    continue
                 for q in range(i, i + k):
                     self.buf[self.used[q], :bb].copy_(sources[q][:bb], non_blocking=True)
         if events is not None:
@@ -1135,15 +1144,8 @@ class _AheadSlots:
         runs = copy_runs(sources, rs, stride, self.segment) if self.runs_ok else [(i, 1) for i in range(len(rs))]
         for group in ahead_copy_plan(runs, AHEAD_EVENT_EVERY):
             for i, k in group:
-                r = rs[i]
-                if k > 1:
-                    try:
-                        self.buf[r:r + k].copy_(sources[i].as_strided((k, stride), (stride, 1)), non_blocking=True)
-                        continue
-                    except RuntimeError as err:     # a host range the driver will not copy in one piece
-                        self.runs_ok = False
-                        warnings.warn(f"copies ahead: a copy of {k} adjacent slab rows failed ({err}); one copy per "
-                                      "block from now on", RuntimeWarning, stacklevel=2)
+                if k > 1 and _copy_rows(self, rs[i], k, sources[i], "copies ahead"):
+                    continue
                 for q in range(i, i + k):
                     dst = self.buf[rs[q]]
                     if memcpy is None or memcpy(dst.data_ptr(), sources[q].data_ptr(), bb, cs.cuda_stream) != 0:

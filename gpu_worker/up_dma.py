@@ -38,29 +38,26 @@ from gpu_worker.up_staging import SLOT_ALIGN, driver_memcpy_async
 EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
 
 
-def dma_limit_from_env() -> int:
-    """MOESTREAM_UP_DMA: chosen-but-not-staged ups per layer moved by the copy engine (0: off, the zero-copy path)."""
-    v = os.environ.get("MOESTREAM_UP_DMA", "0")
+def _count_from_env(name: str, default: str, what: str) -> int:
+    v = os.environ.get(name, default)
     try:
         n = int(v)
     except ValueError:
-        raise ValueError(f"MOESTREAM_UP_DMA={v!r}: a count of experts per layer (0: off)") from None
+        raise ValueError(f"{name}={v!r}: a count of {what} per layer (0: off)") from None
     if n < 0:
-        raise ValueError(f"MOESTREAM_UP_DMA={n}: must be >= 0")
+        raise ValueError(f"{name}={n}: must be >= 0")
     return n
+
+
+def dma_limit_from_env() -> int:
+    """MOESTREAM_UP_DMA: chosen-but-not-staged ups per layer moved by the copy engine (0: off, the zero-copy path)."""
+    return _count_from_env("MOESTREAM_UP_DMA", "0", "experts")
 
 
 def stage_extra_from_env() -> int:
     """MOESTREAM_STAGE_EXTRA: guessed ups staged beyond the adapted limit, non-blocking (gpu_worker/up_staging.py);
     3 by default (measured, bench/NOTES.md "Session 8"), 0: off."""
-    v = os.environ.get("MOESTREAM_STAGE_EXTRA", "3")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"MOESTREAM_STAGE_EXTRA={v!r}: a count of guessed ups per layer (0: off)") from None
-    if n < 0:
-        raise ValueError(f"MOESTREAM_STAGE_EXTRA={n}: must be >= 0")
-    return n
+    return _count_from_env("MOESTREAM_STAGE_EXTRA", "3", "guessed ups")
 
 
 class ChosenUpDMA:

@@ -186,3 +186,22 @@ def test_ring_copies_across_registered_chunks():
     finally:
         for off in (0, 4 * S):
             cudart.cudaHostUnregister(base + off)
+
+
+def test_copy_rows_one_copy_or_false_with_a_warning():
+    """The run copy the staging ring and the copies ahead share (streaming._copy_rows): k adjacent rows in one copy;
+    where the host range cannot be copied in one piece it says so once and the caller copies block by block."""
+    import types
+    import warnings
+    from gpu_worker.streaming import _copy_rows
+    stride = 64
+    slab = torch.arange(6 * stride, dtype=torch.int64).to(torch.uint8).view(6, stride)
+    owner = types.SimpleNamespace(buf=torch.zeros(5, stride, dtype=torch.uint8), runs_ok=True)
+    assert _copy_rows(owner, 1, 3, slab[2], "test")
+    assert torch.equal(owner.buf[1:4], slab[2:5]) and not owner.buf[0].any() and not owner.buf[4].any()
+    assert owner.runs_ok
+    short = torch.zeros(stride, dtype=torch.uint8)          # one row only: 3 rows past it are out of its storage
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not _copy_rows(owner, 0, 3, short, "test")
+    assert not owner.runs_ok and any("adjacent slab rows failed" in str(x.message) for x in w)
