@@ -10,7 +10,8 @@ request for every expert the span routes to (plus the guess as prefetch), the hi
 misses in grouped launches as they land (kernels/expert_prefill.py). With staged weights, the next MoE layer's likely
 experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
 device slots (`_AheadSlots`) on their own stream, after this layer's own copies, while this layer's last kernels and
-the dense layers run: the next layer's launches then find them on the device (off by default, PREFILL_COPY_AHEAD).
+the dense layers run: the next layer's launches then find them on the device (on for prompts of
+PREFILL_AHEAD_MIN_TOKENS and more since session 8; PREFILL_COPY_AHEAD).
 """
 from __future__ import annotations
 
@@ -1038,7 +1039,7 @@ class _StagingRing:
 
     def stage(self, sources, events=None) -> list[int]:
         """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
-        With MOESTREAM_COPY_RUNS=1 (off by default, unmeasured), sources that are adjacent rows of one pinned tensor
+        Unless MOESTREAM_COPY_RUNS=0 (on by default since session 8), sources that are adjacent rows of one pinned tensor
         (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
         adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size (1,651
         of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
