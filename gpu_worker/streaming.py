@@ -1039,8 +1039,8 @@ class _StagingRing:
 
     def stage(self, sources, events=None) -> list[int]:
         """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
-        Unless MOESTREAM_COPY_RUNS=0 (on by default since session 8), sources that are adjacent rows of one pinned tensor
-        (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
+        Unless MOESTREAM_COPY_RUNS=0 (on by default since session 8), sources that are adjacent rows of one pinned
+        tensor (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
         adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size (1,651
         of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
         bb, cs, n = self.block_bytes, self.stream, len(self.free)
