@@ -31,7 +31,8 @@ Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, 3 by default since sess
 guesses than the limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag
 (gpu_worker/up_dma.py's mechanism), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs
 of each staged expert wait for its flag (kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch
-delay only their own experts, not the layer. The limit is judged on the first `limit` copies (an event after them), as in blocking mode.
+delay only their own experts, not the layer. The limit is judged on the first `limit` copies (an event after them),
+as in blocking mode.
 """
 from __future__ import annotations
 
