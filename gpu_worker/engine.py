@@ -87,11 +87,11 @@ class StreamingEngine:
         return self.model.new_state()
 
     def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None, cancel=None,
-                pieces=None):
+                pieces=None, captures=None):
         """The model's forward (prefill, image rows, `cancel` checked per layer, `pieces` bounding a long call's
-        temporaries), always eager: see `NemotronH.forward`."""
+        temporaries, `captures` the states inside it), always eager: see `NemotronH.forward`."""
         return self.model.forward(ids, state, last_only=last_only, image_embeds=image_embeds,
-                                  image_positions=image_positions, cancel=cancel, pieces=pieces)
+                                  image_positions=image_positions, cancel=cancel, pieces=pieces, captures=captures)
 
     # what the one prefill loop (gpu_worker/prefill.py) reads of the model it runs, so it takes the engine too
     @property

@@ -47,7 +47,7 @@ import torch
 
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Pieces
+from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
 # a decoded-weight bound below the largest layer's decoded weights (some weights evicted and decoded per piece, or
@@ -378,14 +378,21 @@ def _streaming_source(model):
 
 @torch.inference_mode()
 def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images: ImageRows | None = None,
-            cancel=None, budget_bytes: int | None = None, max_span: int = 0, all_logits: bool = False):
+            cancel=None, budget_bytes: int | None = None, max_span: int = 0, all_logits: bool = False,
+            capture_at=(), on_capture=None):
     """Feed ids[start:end] into `state` (which holds ids[:start]); returns the logits of the last token fed
     ([1, vocab]; with all_logits every token's, [end - start, vocab]) or None if nothing was fed or the prefill
     was cancelled. A set `cancel` stops it within one layer; the state, part-way through a call, is emptied
-    (position 0) so that nobody keeps it. `max_span` caps the span below the budget's (0: the budget alone)."""
+    (position 0) so that nobody keeps it. `max_span` caps the span below the budget's (0: the budget alone).
+    `capture_at`: indices k into ids (start < k < end) where `on_capture(k, host_state)` gets the state after
+    ids[:k] (InferenceState.to_host's layout), taken inside the span that holds k (nemotron.model.Captures) or at a
+    span's end: the prompt is not cut there, so its experts are read once (the server's snapshot point)."""
     end = len(ids) if end is None else end
     if end <= start:
         return None
+    capture_at = sorted({int(k) for k in capture_at if start < int(k) < end})
+    if capture_at and on_capture is None:
+        raise ValueError("capture_at needs on_capture")
     cfg = model.config
     budget = default_budget(model.device) if budget_bytes is None else budget_bytes
     plan = span_plan(cfg, model.dtype, budget, model.device)
@@ -412,8 +419,16 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
                                                        all_logits, kv_rows(state))
             e = min(end, pos + span)
             kw = images.within(pos, e) if images is not None else {}
+            inside = [k - pos for k in capture_at if pos < k < e]
+            if inside:
+                kw["captures"] = Captures(inside)
             out = model.forward(ids[pos:e], state, last_only=not all_logits, cancel=cancel, pieces=plan.pieces, **kw)
             parts.append(out if all_logits else out[-1:])
+            if inside:
+                for c, d in kw["captures"].states().items():
+                    on_capture(pos + c, d)
+            if e in capture_at:
+                on_capture(e, state.to_host())
             pos = e
     except Cancelled:
         fresh = model.new_state()

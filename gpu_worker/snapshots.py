@@ -196,7 +196,13 @@ class SnapshotStore:
         """Keep a copy of `state` (which has consumed exactly `ids`) in host RAM, and on disk with a directory."""
         if not ids or state.position != len(ids):
             return
-        d = state.to_host()
+        self.put_host(ids, state.to_host())
+
+    def put_host(self, ids: list[int], d: dict) -> None:
+        """`put` for a state already in host memory (`InferenceState.to_host`'s layout, e.g. one that the prefill
+        captured inside a prompt: gpu_worker/prefill.py `capture_at`), which has consumed exactly `ids`."""
+        if not ids or d.get("position") != len(ids):
+            return
         n = state_bytes(d)
         if n > self.max_bytes or self.max_count <= 0:
             return

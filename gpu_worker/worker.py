@@ -84,6 +84,7 @@ class _Request:
     cached: int = 0
     pos: int = 0
     rows: tuple | None = None        # (embeddings, positions) of the image tokens still to feed
+    keep: list = field(default_factory=list)     # snapshot points the prefill still has to capture (absolute)
 
 
 @dataclass
@@ -229,17 +230,22 @@ class Worker:
 
     def _prefill_prompt(self, req: _Request) -> None:
         """Snapshots inside the prompt (e.g. where the last message ends, before the generation prompt that the
-        next turn renders differently): prefill up to each and keep a copy. Then the image rows: generate()
-        gets only the prompt's tail without them (its last token is never an image token)."""
+        next turn renders differently) are taken as the prompt is prefilled, in one pass (`_keep`: the prefill
+        captures the state there, so the experts that both sides route to are read once, not twice). The image
+        rows go through `_prefill` here: generate() then gets only the prompt's last token (never an image token)."""
         ids, cancel = req.ids, req.cancel
         keep_at = req.msg.keep_at if req.snaps is not None else ()
-        for stop_at in sorted({int(k) for k in keep_at if req.cached < int(k) < len(ids)}):
-            req.pos = self._prefill(ids, req.state, req.pos, stop_at, req.rows, cancel)
-            if cancel.is_set():
-                break
-            req.snaps.put(req.key[:stop_at], req.state)
+        req.keep = sorted({int(k) for k in keep_at if req.cached < int(k) < len(ids)})
         if req.rows is not None:
-            req.pos = self._prefill(ids, req.state, req.pos, len(ids) - 1, req.rows, cancel)
+            req.pos = self._prefill(ids, req.state, req.pos, len(ids) - 1, req.rows, cancel,
+                                    capture_at=[k for k in req.keep if k < len(ids) - 1], req=req)
+            if req.pos == len(ids) - 1 and len(ids) - 1 in req.keep:
+                req.snaps.put(req.key[:req.pos], req.state)
+            req.keep = []
+
+    def _keep(self, req: _Request, k: int, d: dict) -> None:
+        """A state captured inside the prompt after ids[:k]: kept as that prefix's snapshot."""
+        req.snaps.put_host(req.key[:k], d)
 
     def _decode(self, req: _Request) -> _Decoded:
         """The rest of the prompt and the generated tokens, each sent as it is chosen."""
@@ -248,10 +254,13 @@ class Worker:
         out.lookups_at_start = self._lookups()
         grammar = self._grammar(req.msg.grammar) if req.msg.grammar is not None else None
         if not req.cancel.is_set():
+            base = req.pos
             for step in generate(self.engine, req.ids[req.pos:], req.msg.params, state=req.state,
                                  prefill_budget=self.prefill_budget, max_span=self.prefill_chunk,
                                  cancel=req.cancel, logprobs=req.msg.logprobs,
-                                 grammar=grammar, context_ids=req.ids):
+                                 grammar=grammar, context_ids=req.ids,
+                                 capture_at=[k - base for k in req.keep],
+                                 on_capture=lambda k, d: self._keep(req, base + k, d)):
                 out.t_last = time.perf_counter()
                 if out.t_first is None:
                     out.t_first = out.t_last
@@ -300,13 +309,15 @@ class Worker:
                                            out.lookups_at_start, self._lookups())})
         self.chan.send(m.Done(req.msg.id, out.finish, timings, engine))
 
-    def _prefill(self, ids, state, pos: int, end: int, rows, cancel) -> int:
+    def _prefill(self, ids, state, pos: int, end: int, rows, cancel, capture_at=(), req=None) -> int:
         """Feed ids[pos:end] (the state holds ids[:pos]) through the one prefill loop; `rows` = (embeddings
         [K, hidden], absolute positions [K]) of image tokens, whose embeddings replace the token embeddings.
         Returns the position reached: end, or 0 when cancelled (the state is then emptied)."""
         from gpu_worker.prefill import ImageRows, prefill
+        keep = (lambda k, d: self._keep(req, k, d)) if capture_at else None
         prefill(self.model, ids, state, pos, end, images=ImageRows(*rows) if rows is not None else None,
-                cancel=cancel, budget_bytes=self.prefill_budget, max_span=self.prefill_chunk)
+                cancel=cancel, budget_bytes=self.prefill_budget, max_span=self.prefill_chunk,
+                capture_at=capture_at, on_capture=keep)
         return state.position
 
     def _image_layout(self, img: m.Images, n_ids: int) -> _PromptImages:

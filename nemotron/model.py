@@ -68,6 +68,40 @@ class Pieces:
         return max(1, min(step, budget // max(per_query, 1)))
 
 
+class Captures:
+    """States inside one `forward` call, without a second call: for each offset c (0 < c < T, from the call's first
+    token) the state after the call's first c tokens, in `InferenceState.to_host`'s layout (a snapshot's payload),
+    built layer by layer as the layer-major pass goes: a Mamba layer's pieces are cut at c and its state copied there,
+    an attention layer's KV rows up to c copied once the layer is done, the others hold none. Where a chat's last
+    message ends (the server's snapshot point) the prompt then needs one pass over its experts instead of two (one
+    prefill up to c, one for the generation prompt after it, which re-read the experts both touch)."""
+
+    def __init__(self, offsets):
+        self.offsets = sorted({int(c) for c in offsets})
+        self.layers: dict[int, list] = {c: [] for c in self.offsets}
+        self.position0: int | None = None
+
+    def check(self, T: int) -> None:
+        bad = [c for c in self.offsets if not 0 < c < T]
+        if bad:
+            raise ValueError(f"capture offsets {bad} are not inside the call's {T} tokens (0 < c < T)")
+
+    def cut(self, pieces) -> list[tuple[int, int]]:
+        """The pieces (a, b) with a cut at every offset inside one."""
+        out = []
+        for a, b in pieces:
+            for c in self.offsets:
+                if a < c < b:
+                    out.append((a, c))
+                    a = c
+            out.append((a, b))
+        return out
+
+    def states(self) -> dict[int, dict]:
+        """{offset: host state} once every layer has run."""
+        return {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
+
+
 @dataclass
 class InferenceState:
     layers: list = field(default_factory=list)   # per layer: MambaState | KVCache | None
@@ -208,7 +242,7 @@ class NemotronH:
     @torch.inference_mode()
     def forward(self, ids, state: InferenceState, last_only: bool = False,
                 image_embeds: torch.Tensor | None = None, image_positions=None, cancel=None,
-                pieces: Pieces | None = None) -> torch.Tensor:
+                pieces: Pieces | None = None, captures: Captures | None = None) -> torch.Tensor:
         """ids [T] -> logits float32 [T, vocab] (or [1, vocab] with last_only); advances `state`.
 
         `image_embeds` [K, hidden] replace the token embeddings at `image_positions` [K] (indices into this
@@ -221,12 +255,16 @@ class NemotronH:
         mixer and the residual add run a piece of `pieces.tokens` tokens at a time (`Pieces`), so a long span's
         per-layer temporaries are bounded by the piece, not by the span. Each routed expert still runs once per
         layer on all of the call's tokens (`MoEMixer.add_to`), and the layer's own NVFP4/FP8 projections are decoded
-        once for all of its pieces (`kernels.dense_prefill.held`, within `pieces.dequant_bytes`), freed after it."""
+        once for all of its pieces (`kernels.dense_prefill.held`, within `pieces.dequant_bytes`), freed after it.
+        `captures` (a `Captures`) also records the states after some of the call's first tokens."""
         ids = self.token_ids(ids)
         T = ids.numel()
+        if captures is not None:
+            captures.check(T)
+            captures.position0 = state.position
         if (image_embeds is None) != (image_positions is None):
             raise ValueError("give image_embeds and image_positions together")
-        if T == 1 and image_embeds is None:
+        if T == 1 and image_embeds is None and captures is None:
             return self._one_token(ids, state, cancel)
         plan = pieces or Pieces()
         step = plan.tokens_for(self.config)
@@ -248,7 +286,7 @@ class NemotronH:
                 raise Cancelled(f"cancelled before layer {i}")
             own, transient = _own_weights(mixer)
             with dense_prefill.held(own, plan.dequant_bytes, T, transient):
-                self._layer(i, mixer, x, state, plan, step, T)
+                self._layer(i, mixer, x, state, plan, step, T, captures)
         state.position += T
         if last_only:
             x = x[-1:]
@@ -259,10 +297,15 @@ class NemotronH:
             out[a:b] = linear(rms_norm(x[a:b], self.norm_f, eps), self.lm_head)
         return out
 
-    def _layer(self, i: int, mixer, x: torch.Tensor, state: InferenceState, plan: Pieces, step: int, T: int):
-        """Layer i of forward on the span x [T, hidden], in place, a piece at a time."""
+    def _layer(self, i: int, mixer, x: torch.Tensor, state: InferenceState, plan: Pieces, step: int, T: int,
+               captures: Captures | None = None):
+        """Layer i of forward on the span x [T, hidden], in place, a piece at a time; `captures` gets the layer's
+        state at its offsets."""
         s, norm = state.layers[i], self.norms[i]
         eps, kinds = self.config.layer_norm_epsilon, self.config.layer_types
+        if s is None and captures is not None:
+            for c in captures.offsets:
+                captures.layers[c].append(None)
         if isinstance(mixer, MoEMixer):
             mixer.add_to(x, norm, eps, step)
             return
@@ -272,13 +315,26 @@ class NemotronH:
             x += mixer(rms_norm(x, norm, eps))
             return
         layer_step = plan.tokens_for(self.config, mamba=True) if kinds[i] == MAMBA else step
+        kv0 = 0
         if isinstance(s, KVCache):
+            kv0 = s.length
             _grow_kv(s, s.length + T)
             if not x.is_cuda:   # CUDA attends in one fused SDPA launch a piece, which holds no scores
                 layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
-        for a, b in moe_pieces(T, layer_step):
+        pieces = moe_pieces(T, layer_step)
+        cut_here = isinstance(s, MambaState) and captures is not None
+        if cut_here:
+            pieces = captures.cut(pieces)
+        for a, b in pieces:
             h = rms_norm(x[a:b], norm, eps)
             x[a:b] += mixer(h) if s is None else mixer(h, s)
+            if cut_here and b in captures.layers:
+                captures.layers[b].append(s.to_host())          # the recurrence's state after the first b tokens
+        if isinstance(s, KVCache) and captures is not None:
+            for c in captures.offsets:
+                n = kv0 + c
+                captures.layers[c].append({"kind": "kv", "k": s.k[:n].to("cpu", copy=True),
+                                           "v": s.v[:n].to("cpu", copy=True), "length": n})
 
     def _one_token(self, ids, state: InferenceState, cancel) -> torch.Tensor:
         """forward() of one token (decode): nothing to cut into pieces."""

@@ -1,0 +1,94 @@
+"""States captured inside one prefill (nemotron.model.Captures, gpu_worker.prefill `capture_at`): the state after
+ids[:k], taken while the whole prompt is prefilled in one pass, equals the state of a prefill that stops at k, and
+continues exactly like it; at a span's end too; small pieces (the cut inside a Mamba piece and between its scan
+chunks). Must-fail twin: the state at the end of the piece that holds k (no cut) is caught."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.prefill import prefill
+from nemotron.model import Captures, InferenceState, NemotronH, Pieces
+
+
+@pytest.fixture(scope="module")
+def model(synth):
+    return NemotronH(synth("tiny", "nvfp4"))
+
+
+def _ids(n, seed=3):
+    return [int(t) for t in np.random.default_rng(seed).integers(14, 900, size=n)]
+
+
+def _close(d, e, atol=2e-5):
+    """Two host states (InferenceState.to_host's layout) hold the same position and tensors."""
+    assert d["position"] == e["position"] and len(d["layers"]) == len(e["layers"])
+    for a, b in zip(d["layers"], e["layers"]):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert a["kind"] == b["kind"]
+        for name in ("conv", "ssm") if a["kind"] == "mamba" else ("k", "v"):
+            torch.testing.assert_close(a[name].float(), b[name].float(), rtol=1e-4, atol=atol)
+
+
+def _stopped_at(model, ids, k, **kw):
+    st = model.new_state()
+    prefill(model, ids, st, 0, k, **kw)
+    return st.to_host()
+
+
+@pytest.mark.parametrize("k", [37, 64, 129])
+def test_captured_state_equals_a_prefill_stopped_there_and_continues_the_same(model, k):
+    ids = _ids(150)
+    got = {}
+    st = model.new_state()
+    last = prefill(model, ids, st, capture_at=[k], on_capture=lambda p, d: got.setdefault(p, d))
+    assert list(got) == [k]
+    _close(got[k], _stopped_at(model, ids, k))
+    # continuing from the capture gives the one-pass prefill's last logits (the snapshot's use)
+    back = InferenceState.from_host(got[k], model.device)
+    cont = prefill(model, ids, back, k, len(ids))
+    torch.testing.assert_close(cont, last, rtol=1e-4, atol=1e-4)
+    assert back.position == st.position == len(ids)
+
+
+def test_capture_at_a_span_end_and_in_small_pieces(model):
+    ids = _ids(200, seed=5)
+    got = {}
+    prefill(model, ids, model.new_state(), max_span=64, capture_at=[64, 100],
+            on_capture=lambda p, d: got.setdefault(p, d))
+    assert sorted(got) == [64, 100]
+    _close(got[64], _stopped_at(model, ids, 64))
+    _close(got[100], _stopped_at(model, ids, 100))
+    caps = Captures([5, 33])                   # inside Mamba pieces of 16 tokens, across scan chunks
+    st = model.new_state()
+    model.forward(ids[:60], st, pieces=Pieces(tokens=16), captures=caps)
+    for c, d in caps.states().items():
+        _close(d, _stopped_at(model, ids, c))
+
+
+def test_must_fail_the_state_at_the_end_of_the_piece(model):
+    """The bug the cut prevents: the state copied at the end of the Mamba piece that holds k (64 tokens here)
+    instead of at k (37), labelled k. The comparison catches it; the KV rows alone would not (they are cut by
+    position), so the check must look at the Mamba states."""
+    ids = _ids(150)
+    caps = Captures([64])
+    model.forward(ids[:150], model.new_state(), pieces=Pieces(tokens=64), captures=caps)
+    wrong = caps.states()[64]
+    wrong = {"position": 37, "layers": [
+        None if d is None else ({**d, "k": d["k"][:37], "v": d["v"][:37], "length": 37} if d["kind"] == "kv" else d)
+        for d in wrong["layers"]]}
+    with pytest.raises(AssertionError):
+        _close(wrong, _stopped_at(model, ids, 37))
+    right = Captures([37])
+    model.forward(ids[:150], model.new_state(), pieces=Pieces(tokens=64), captures=right)
+    _close(right.states()[37], _stopped_at(model, ids, 37))
+
+
+def test_bad_offsets_are_named(model):
+    with pytest.raises(ValueError, match="capture offsets"):
+        model.forward(_ids(10), model.new_state(), captures=Captures([10]))
+    with pytest.raises(ValueError, match="on_capture"):
+        prefill(model, _ids(10), model.new_state(), capture_at=[4])
