@@ -10,7 +10,9 @@ same device call. Then per regime one server
 (bench/peers/moestream_server.py):
   ram    the cache holds every expert; warmed by long prompts until one reads nothing from the disk
   disk   the cache holds a third; every turn starts from what the turn before left (one warm-up turn first)
-Each turn is a fresh window of varied text (bench/peers/texts.py), `cache_prompt` off, streamed with logprobs so
+Each turn is a fresh window of varied text (bench/peers/texts.py), `cache_prompt` off (`--cache-prompt on`: as a
+client that leaves the server's default, which also keeps a snapshot where the user's message ends), streamed with
+logprobs so
 that the first token arrives as an event even when its text is empty. TTFT is the client's clock from the request to
 that event; the server's own prompt_ms and its /metrics for the prompt (distinct experts, missing from the cache at
 the start, blocks read) come beside it. The floor is bench.prefill's: the largest of distinct expert bytes / H2D,
@@ -44,10 +46,10 @@ def is_token_event(ev: dict) -> bool:
     return bool(ch) and bool(ch[0].get("logprobs") or ch[0].get("delta", {}).get("content"))
 
 
-def chat_turn(server: MoestreamServer, text: str, max_tokens: int = 2) -> dict:
+def chat_turn(server: MoestreamServer, text: str, max_tokens: int = 2, cache_prompt: bool = False) -> dict:
     """One streamed chat request; the client's time to the first token event and the server's figures."""
     body = {"model": server.model_id, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "cache_prompt": False, "stream": True, "logprobs": True,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": cache_prompt, "stream": True, "logprobs": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, timings, usage = None, {}, {}
@@ -94,7 +96,8 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
                 break
         turns = []
         for i in range(a.repeats):
-            r = chat_turn(srv, user_text(text, tok, a.tokens - shared["template_tokens"], seed=1 + i))
+            r = chat_turn(srv, user_text(text, tok, a.tokens - shared["template_tokens"], seed=1 + i),
+                          cache_prompt=a.cache_prompt == "on")
             turns.append(r)
             print(name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)
@@ -126,6 +129,9 @@ def main(argv=None):
     ap.add_argument("--warm-tokens", type=int, default=4000, help="RAM regime: the warm-up prompts' length")
     ap.add_argument("--warm-max", type=int, default=4)
     ap.add_argument("--regimes", default="ram,disk")
+    ap.add_argument("--cache-prompt", choices=("on", "off"), default="off",
+                    help="the measured turns' cache_prompt (on: the server's default for clients, with the snapshot "
+                         "where the user's message ends; off: sessions 5-8's figures)")
     ap.add_argument("--ceilings-from", help="a bench.prefill JSON of the same device call: its ceilings, not measured "
                                             "again (same machine, same run; the floors of both benches then agree)")
     ap.add_argument("--out", default="api_ttft.json")
@@ -140,7 +146,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     model_dir, store_dir = work / "model", work / "store"
     res = dict(preset=a.preset, moe_layers=a.moe_layers, device=torch.cuda.get_device_name() if cuda else "cpu",
-               tokens=a.tokens, repeats=a.repeats, vram_gb=a.vram_gb)
+               tokens=a.tokens, repeats=a.repeats, vram_gb=a.vram_gb, cache_prompt=a.cache_prompt)
     if not (model_dir / "config.json").exists():
         res["s_synth"] = sh([sys.executable, "-m", "tools.synth", "--preset", a.preset, "--quant", "nvfp4",
                              "--moe-layers", str(a.moe_layers), "--out", str(model_dir)])
