@@ -80,6 +80,17 @@ class Captures:
         self.offsets = sorted({int(c) for c in offsets})
         self.layers: dict[int, list] = {c: [] for c in self.offsets}
         self.position0: int | None = None
+        self._device_copies = False     # CUDA: copies into pinned memory, queued, waited for once in `states`
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of t. From CUDA into pinned memory without a sync (the pass goes on; the stream's order keeps
+        t's memory until the copy has run): `states` waits for the copies once."""
+        if not t.is_cuda:
+            return t.to("cpu", copy=True)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        self._device_copies = True
+        return out
 
     def check(self, T: int) -> None:
         bad = [c for c in self.offsets if not 0 < c < T]
@@ -99,6 +110,9 @@ class Captures:
 
     def states(self) -> dict[int, dict]:
         """{offset: host state} once every layer has run."""
+        if self._device_copies:
+            torch.cuda.current_stream().synchronize()
+            self._device_copies = False
         return {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
 
 
@@ -328,13 +342,14 @@ class NemotronH:
         for a, b in pieces:
             h = rms_norm(x[a:b], norm, eps)
             x[a:b] += mixer(h) if s is None else mixer(h, s)
-            if cut_here and b in captures.layers:
-                captures.layers[b].append(s.to_host())          # the recurrence's state after the first b tokens
+            if cut_here and b in captures.layers:                 # the recurrence's state after the first b tokens
+                captures.layers[b].append({"kind": "mamba", "conv": captures.host(s.conv),
+                                           "ssm": captures.host(s.ssm)})
         if isinstance(s, KVCache) and captures is not None:
             for c in captures.offsets:
                 n = kv0 + c
-                captures.layers[c].append({"kind": "kv", "k": s.k[:n].to("cpu", copy=True),
-                                           "v": s.v[:n].to("cpu", copy=True), "length": n})
+                captures.layers[c].append({"kind": "kv", "k": captures.host(s.k[:n]), "v": captures.host(s.v[:n]),
+                                           "length": n})
 
     def _one_token(self, ids, state: InferenceState, cancel) -> torch.Tensor:
         """forward() of one token (decode): nothing to cut into pieces."""
