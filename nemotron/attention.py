@@ -50,10 +50,12 @@ class KVCache:
     def clone(self) -> "KVCache":
         return KVCache.of(self.k[: self.length].clone(), self.v[: self.length].clone(), self.length)
 
-    def to_host(self) -> dict:
-        """The filled rows copied to host memory (a snapshot's payload)."""
-        return {"kind": "kv", "k": self.k[:self.length].to("cpu", copy=True),
-                "v": self.v[:self.length].to("cpu", copy=True), "length": int(self.length)}
+    def to_host(self, length: int | None = None, copy=None) -> dict:
+        """The filled rows (the first `length` of them) copied to host memory (a snapshot's payload); `copy(t)`
+        makes each host copy (default: a synchronous one)."""
+        n = self.length if length is None else int(length)
+        copy = copy or (lambda t: t.to("cpu", copy=True))
+        return {"kind": "kv", "k": copy(self.k[:n]), "v": copy(self.v[:n]), "length": n}
 
     @classmethod
     def from_host(cls, d: dict, device) -> "KVCache":

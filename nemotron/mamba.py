@@ -33,9 +33,11 @@ class MambaState:
     def clone(self) -> "MambaState":
         return MambaState(self.conv.clone(), self.ssm.clone())
 
-    def to_host(self) -> dict:
-        """Both states copied to host memory (a snapshot's payload)."""
-        return {"kind": "mamba", "conv": self.conv.to("cpu", copy=True), "ssm": self.ssm.to("cpu", copy=True)}
+    def to_host(self, copy=None) -> dict:
+        """Both states copied to host memory (a snapshot's payload); `copy(t)` makes each host copy (default: a
+        synchronous one)."""
+        copy = copy or (lambda t: t.to("cpu", copy=True))
+        return {"kind": "mamba", "conv": copy(self.conv), "ssm": copy(self.ssm)}
 
     @classmethod
     def from_host(cls, d: dict, device) -> "MambaState":

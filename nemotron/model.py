@@ -343,13 +343,10 @@ class NemotronH:
             h = rms_norm(x[a:b], norm, eps)
             x[a:b] += mixer(h) if s is None else mixer(h, s)
             if cut_here and b in captures.layers:                 # the recurrence's state after the first b tokens
-                captures.layers[b].append({"kind": "mamba", "conv": captures.host(s.conv),
-                                           "ssm": captures.host(s.ssm)})
+                captures.layers[b].append(s.to_host(copy=captures.host))
         if isinstance(s, KVCache) and captures is not None:
             for c in captures.offsets:
-                n = kv0 + c
-                captures.layers[c].append({"kind": "kv", "k": captures.host(s.k[:n]), "v": captures.host(s.v[:n]),
-                                           "length": n})
+                captures.layers[c].append(s.to_host(length=kv0 + c, copy=captures.host))
 
     def _one_token(self, ids, state: InferenceState, cancel) -> torch.Tensor:
         """forward() of one token (decode): nothing to cut into pieces."""
