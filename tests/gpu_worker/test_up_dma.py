@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
 from expert_cases import TOL, experts  # noqa: E402
 
-from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env  # noqa: E402
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env  # noqa: E402
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
@@ -113,6 +113,18 @@ def test_limit_from_env(monkeypatch):
         monkeypatch.setenv("MOESTREAM_UP_DMA", bad)
         with pytest.raises(ValueError, match="MOESTREAM_UP_DMA"):
             dma_limit_from_env()
+
+
+def test_stage_extra_from_env(monkeypatch):
+    """3 by default since session 8's H200 run; 0 turns the non-blocking staging off; bad values are named."""
+    monkeypatch.delenv("MOESTREAM_STAGE_EXTRA", raising=False)
+    assert stage_extra_from_env() == 3
+    monkeypatch.setenv("MOESTREAM_STAGE_EXTRA", "0")
+    assert stage_extra_from_env() == 0
+    for bad in ("three", "-2"):
+        monkeypatch.setenv("MOESTREAM_STAGE_EXTRA", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_STAGE_EXTRA"):
+            stage_extra_from_env()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
