@@ -365,6 +365,17 @@ def profiled(eng, ids, device) -> dict:
     return prof.result()
 
 
+def path_parts(path: str) -> tuple[str, str, str, bool]:
+    """A --paths entry BASE[@N][+|-][!][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
+    repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead in runs."""
+    p = path.split("#")[0]
+    runs = p.endswith("!")
+    p = p.rstrip("!")
+    glue = p[-1] if p.endswith(("+", "-")) else ""
+    base, _, piece = p.rstrip("+-").partition("@")
+    return base, piece, glue, runs
+
+
 def new_glue(path: str) -> None:
     """The glue's A/B by a path's last character: "+" session 7's glue (on by default since session 8), "-" the old —
     the Mamba scan's carry in one launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy
@@ -537,9 +548,9 @@ def main(argv=None):
             for path in paths:
                 # "staged#2": the same path again; "@512": pieces of up to 512 tokens (the old plan); "+" / "-":
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
-                base, _, piece = path.split("#")[0].rstrip("+-!").partition("@")
-                new_glue(path.split("#")[0].rstrip("!"))
-                if path.split("#")[0].endswith("!"):      # the copies ahead in runs (gpu_worker/streaming.py)
+                base, piece, glue, runs = path_parts(path)
+                new_glue(glue)
+                if runs:                          # the copies ahead in runs (gpu_worker/streaming.py)
                     os.environ["MOESTREAM_AHEAD_RUNS"] = "1"
                 else:
                     os.environ.pop("MOESTREAM_AHEAD_RUNS", None)
@@ -566,7 +577,7 @@ def main(argv=None):
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
             new_glue("")
             if budget and a.budget_mb:
-                first = paths[0].split("#")[0].rstrip("+-!").partition("@")[0]
+                first = path_parts(paths[0])[0]
                 os.environ.pop("MOESTREAM_AHEAD_RUNS", None)
                 new_glue("")                                # the budget rows: the engine's default glue
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda

@@ -16,3 +16,13 @@ def test_series_keeps_rows_whose_floor_held_and_plots(tmp_path):
     assert floors == {128: 56.0, 1000: 75.0}
     out = plot_prefill.plot(res, tmp_path / "p.png")
     assert out.stat().st_size > 1000
+
+
+def test_prefill_path_parts():
+    """bench.prefill's --paths entries: base, largest piece, glue, copies ahead in runs; '#k' only repeats."""
+    from bench.prefill import path_parts
+    assert path_parts("staged_no_ahead") == ("staged_no_ahead", "", "", False)
+    assert path_parts("staged_no_ahead@512-#2") == ("staged_no_ahead", "512", "-", False)
+    assert path_parts("staged@4096+!") == ("staged", "4096", "+", True)
+    assert path_parts("staged!") == ("staged", "", "", True)
+    assert path_parts("zero_copy+#3") == ("zero_copy", "", "+", False)
