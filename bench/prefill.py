@@ -227,6 +227,19 @@ def _median_time(fn, n, reps=5) -> float:
 
 
 # ------------------------------------------------------------------ floors
+def text_ids(tokenizer, corpus: str, vocab: int, n: int, seed: int = 1000) -> list[int]:
+    """n token ids of a window of varied real text (bench/peers/texts.py), another window per (n, seed)."""
+    from bench.peers import texts
+    ids = [t for t in tokenizer.encode(texts.prompt_of_tokens(corpus, tokenizer, n, seed + n),
+                                       add_special_tokens=False).ids if t < vocab][:n]
+    rng = np.random.default_rng(seed + n)       # a short text window: padded with more of the text
+    while len(ids) < n:
+        more = tokenizer.encode(texts.prompts(corpus, 1, 4 * (n - len(ids)) + 64, int(rng.integers(1 << 30)))[0],
+                                add_special_tokens=False).ids
+        ids += [t for t in more if t < vocab][:n - len(ids)]
+    return ids
+
+
 def prefill_flops(cfg, T: int, expert_uses: int, past: int = 0) -> float:
     """Multiply-adds x 2 of one prefill of T tokens: the dense linears per token, attention over the causal
     prefix, the Mamba2 scan's chunk products, the routed experts (per (token, expert) use), one lm_head row."""
@@ -367,7 +380,8 @@ def profiled(eng, ids, device) -> dict:
 
 def path_parts(path: str) -> tuple[str, str, str, bool]:
     """A --paths entry BASE[@N][+|-][!][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
-    repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead in runs."""
+    repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
+    default since session 9)."""
     p = path.split("#")[0]
     runs = p.endswith("!")
     p = p.rstrip("!")
@@ -444,6 +458,9 @@ def main(argv=None):
     ap.add_argument("--budget-mb", type=int, default=512,
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
+    ap.add_argument("--budget-sizes", default="1000,4000,16000", help="comma list: the budget rows' prompt sizes")
+    ap.add_argument("--budget-env", default="none",
+                    help="comma list of KEY=VALUE or none: the budget rows once per setting (an A/B in one engine)")
     ap.add_argument("--budget-pieces", default="0",
                     help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
                          "default, 4,096 since session 8; 512: the old plan)")
@@ -455,8 +472,8 @@ def main(argv=None):
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
                     "(MOESTREAM_PIECE_TOKENS; the default is 4,096 since session 8, 512 the old plan); PATH+ / PATH- "
                     "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
-                    "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead in runs "
-                    "(MOESTREAM_AHEAD_RUNS=1, off by default)")
+                    "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead a block "
+                    "at a time (MOESTREAM_AHEAD_RUNS=0; in runs by default since session 9)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -515,14 +532,7 @@ def main(argv=None):
     corpus = texts.load_text()
 
     def prompt(n, seed=1000):
-        ids = [t for t in tokenizer.encode(texts.prompt_of_tokens(corpus, tokenizer, n, seed + n),
-                                           add_special_tokens=False).ids if t < vocab][:n]
-        rng = np.random.default_rng(seed + n)       # a short text window: padded with more of the text
-        while len(ids) < n:
-            more = tokenizer.encode(texts.prompts(corpus, 1, 4 * (n - len(ids)) + 64, int(rng.integers(1 << 30)))[0],
-                                    add_special_tokens=False).ids
-            ids += [t for t in more if t < vocab][:n - len(ids)]
-        return ids
+        return text_ids(tokenizer, corpus, vocab, n, seed)
 
     def regime(name, cache_bytes, warm, paths=("staged",), profile=False, budget=False):
         out = {}
@@ -550,8 +560,8 @@ def main(argv=None):
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
                 base, piece, glue, runs = path_parts(path)
                 new_glue(glue)
-                if runs:                          # the copies ahead in runs (gpu_worker/streaming.py)
-                    os.environ["MOESTREAM_AHEAD_RUNS"] = "1"
+                if runs:                          # "!": the copies ahead a block at a time (the old way)
+                    os.environ["MOESTREAM_AHEAD_RUNS"] = "0"
                 else:
                     os.environ.pop("MOESTREAM_AHEAD_RUNS", None)
                 if piece:
@@ -585,15 +595,21 @@ def main(argv=None):
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 res["budget"] = []
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
-                    if top:
-                        os.environ["MOESTREAM_PIECE_TOKENS"] = str(top)
-                    for n in [n for n in sizes if n >= 1000]:
-                        r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
-                        r["piece_top"] = top
-                        res["budget"].append(r)
-                        print("budget", json.dumps(r, default=float), flush=True)
-                        save()
-                    os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
+                    for env in a.budget_env.split(","):
+                        if top:
+                            os.environ["MOESTREAM_PIECE_TOKENS"] = str(top)
+                        key, _, val = env.partition("=")
+                        if key and key != "none":
+                            os.environ[key] = val
+                        for n in [int(n) for n in a.budget_sizes.split(",") if n]:
+                            r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                            r["piece_top"], r["env"] = top, env if key and key != "none" else ""
+                            res["budget"].append(r)
+                            print("budget", json.dumps(r, default=float), flush=True)
+                            save()
+                        os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
+                        if key and key != "none":
+                            os.environ.pop(key, None)
         return out
 
     if "ram" not in skip:
@@ -650,8 +666,8 @@ def main(argv=None):
                           f"{r['ahead_wrong']} ({r['bytes_wasted_ahead'] / 1e6:.0f}) | "
                           f"{r['guess_precision']:.3f} / {r['guess_recall']:.3f}")
     for r in res.get("budget", []):
-        print(f"budget {r['budget_bytes'] >> 20} MiB | {r['tokens']} tokens | spans {r['spans']} | "
-              f"TTFT {r['ttft_s']:.3f} s | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
+        print(f"budget {r['budget_bytes'] >> 20} MiB{' ' + r['env'] if r.get('env') else ''} | {r['tokens']} tokens | spans {r['spans']} | "
+              f"TTFT {r['ttft_s']:.3f} s | launches {r['launches']} | first token {r['first_token']} | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
               f"{r['estimated_bytes'] / 2**20:.0f}"
               f" | peak within the estimate: {r['peak_within_estimate']} | ahead slots "
               f"{r['ahead_slot_bytes'] >> 20} MiB, copied {r['ahead_copied']}, used {r['ahead_used']}, "

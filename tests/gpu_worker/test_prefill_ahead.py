@@ -266,7 +266,8 @@ def _plan_ok(plan, runs, every) -> bool:
 
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_ahead_copy_plan_groups_runs_for_one_event_each(every):
-    """MOESTREAM_AHEAD_RUNS (off by default, unmeasured): the copies ahead in runs, an event per group of blocks."""
+    """The copies ahead in runs (on by default since session 9; MOESTREAM_AHEAD_RUNS=0 is off), an event per group of
+    blocks."""
     from gpu_worker.streaming import ahead_copy_plan, ahead_runs
     rng = np.random.default_rng(every)
     lens = rng.integers(1, 6, size=37).tolist()
@@ -288,4 +289,4 @@ def test_ahead_copy_plan_groups_runs_for_one_event_each(every):
     assert _plan_ok(small, runs, every) == (runs[0][1] >= every)
     with pytest.raises(ValueError, match="every"):
         ahead_copy_plan(runs, 0)
-    assert ahead_runs() == (os.environ.get("MOESTREAM_AHEAD_RUNS") == "1")     # off unless asked
+    assert ahead_runs() == (os.environ.get("MOESTREAM_AHEAD_RUNS") != "0")     # on unless turned off

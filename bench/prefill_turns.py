@@ -1,0 +1,125 @@
+"""Chat turns in one process, as the server's compute process runs them: where bench.api_ttft's 126-token turn loses
+against bench.prefill's 128-token prompt (H200 session 9: 152 ms of engine prefill in the server, 78 ms in
+bench.prefill; the server's first turns of new lengths 143-191 ms, a length seen before 86 ms).
+
+    python -m bench.prefill_turns --work DIR [--moe-layers 4] [--lengths 123,126,127,124,126] [--rounds 2]
+                                  [--capture 5] [--budget-mb 0] [--profile] [--out F.json]
+
+The engine of bench.prefill's RAM regime (every expert cached), warmed as bench.api_ttft warms its server (two
+4,000-token turns), then turns through `gpu_worker.generate` (prefill, the first token sampled on the device, one
+decode step: max_tokens 2): `--rounds` rounds over `--lengths`, a new text window every turn, so round 1 is the
+first visit of each length in the process and round 2 the second. Each turn's prefill is timed to its synchronized
+end, beside the engine's own accounting. `--capture K` takes a snapshot K tokens before each prompt's end, as the
+server does with cache_prompt on (the state captured inside the one prefill, kept on the host). `--budget-mb`:
+the prefill budget (0: the engine's default, as bench.api_ttft's server without --vram-gb). `--profile`: the first
+turn of round 1 and of round 2 under torch.profiler, the top host ops by self CPU time and the top device
+kernels, so that a first visit's extra time is read, not guessed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def one_turn(eng, ids, budget, capture: int) -> dict:
+    from gpu_worker.generate import generate
+    from procs.messages import SamplingParams
+    kept = {}
+    kw = {}
+    if capture:
+        kw = dict(capture_at=[len(ids) - capture], on_capture=lambda k, d: kept.__setitem__(k, d))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    it = generate(eng, ids, SamplingParams(max_tokens=2), prefill_budget=budget, **kw)
+    first = next(it)
+    t_first = time.perf_counter() - t
+    for _ in it:
+        pass
+    torch.cuda.synchronize()
+    last = eng.experts.prefill_acct.last
+    return dict(tokens=len(ids), first_ms=t_first * 1e3, turn_ms=(time.perf_counter() - t) * 1e3,
+                engine_prefill_ms=last.seconds * 1e3,
+                launches=last.launches, first_token=first.token, captured=sorted(kept))
+
+
+def profile_turn(eng, ids, budget, capture, top=14) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = one_turn(eng, ids, budget, capture)
+    ev = prof.key_averages()
+    host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    dev = sorted(ev, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
+    r["host_top"] = [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in host]
+    r["device_top"] = [(e.key, e.count, round(getattr(e, "self_device_time_total", 0) / 1e3, 2)) for e in dev]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--lengths", default="123,126,127,124,126")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--capture", type=int, default=0)
+    ap.add_argument("--budget-mb", type=int, default=0)
+    ap.add_argument("--warm-tokens", type=int, default=4000)
+    ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="prefill_turns.json")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.prefill_turns times the CUDA engine: no CUDA device here")
+    from tokenizers import Tokenizer
+
+    from bench.peers import texts
+    from bench.prefill import text_ids
+    from bench.workdir import all_experts_bytes, super_store, warm_all
+    from gpu_worker.engine import StreamingEngine
+    from nemotron.config import NemotronHConfig
+    model_dir, store_dir, store = super_store(a.work, a.moe_layers)
+    vocab = NemotronHConfig.from_dir(model_dir).vocab_size
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    corpus = texts.load_text()
+    lengths = [int(n) for n in a.lengths.split(",") if n]
+    budget = (a.budget_mb << 20) or None
+    res = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), lengths=lengths,
+               capture=a.capture, budget_mb=a.budget_mb, turns=[])
+    with StreamingEngine(store_dir, cache_bytes=int(all_experts_bytes(store) * 1.02) + (8 << 20),
+                         io_workers=a.io_workers, device="cuda", dtype=torch.bfloat16) as eng:
+        warm_all(eng, store)
+        for i in range(2):          # as bench.api_ttft warms its server
+            one_turn(eng, text_ids(tok, corpus, vocab, a.warm_tokens, 900 + i), budget, 0)
+        seed = 5000
+        for rnd in range(1, a.rounds + 1):
+            for i, n in enumerate(lengths):
+                seed += 1
+                ids = text_ids(tok, corpus, vocab, n, seed)
+                if a.profile and i == 0:
+                    r = profile_turn(eng, ids, budget, a.capture)
+                else:
+                    r = one_turn(eng, ids, budget, a.capture)
+                r["round"] = rnd
+                res["turns"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if not k.endswith("_top")}), flush=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    for r in res["turns"]:
+        if "host_top" in r:
+            print(f"round {r['round']}, {r['tokens']} tokens (profiled, {r['first_ms']:.1f} ms): host ops by self CPU ms")
+            for k, n, ms in r["host_top"]:
+                print(f"  {ms:8.2f}  {n:6d}  {k[:90]}")
+            print("  device kernels by self device ms")
+            for k, n, ms in r["device_top"][:8]:
+                print(f"  {ms:8.2f}  {n:6d}  {k[:90]}")
+    print(f"capture {a.capture}, budget {a.budget_mb} MiB (0: default)")
+    print("round | tokens | first token ms | turn ms | launches | first token")
+    for r in res["turns"]:
+        print(f"{r['round']} | {r['tokens']} | {r['first_ms']:.1f} | {r['turn_ms']:.1f} | {r['launches']} | "
+              f"{r['first_token']}")
+
+
+if __name__ == "__main__":
+    main()
