@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill api_ttft api_cache turns host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   STEPS="vision check e2e profile omni pytest smoke prefill prefill2 api_ttft api_cache turns host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -49,6 +49,8 @@ PY
            --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
     prefill) timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
+    prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+           --io-workers 8 ${PREFILL2_ARGS:-${PREFILL_ARGS:-}} --out "$OUT/prefill2.json" > "$OUT/prefill2.log" 2>&1; tail -12 "$OUT/prefill2.log";;
     api_ttft) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # same call: same ceilings
       # ($W's copy: pack() may have moved $OUT's into an archive; session 8 call 4's API run measured its own)
       timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \

@@ -13,7 +13,8 @@ end, beside the engine's own accounting. `--capture K` takes a snapshot K tokens
 server does with cache_prompt on (the state captured inside the one prefill, kept on the host). `--budget-mb`:
 the prefill budget (0: the engine's default, as bench.api_ttft's server without --vram-gb). `--profile`: the first
 turn of round 1 and of round 2 under torch.profiler, the top host ops by self CPU time and the top device
-kernels, so that a first visit's extra time is read, not guessed.
+kernels, so that a first visit's extra time is read, not guessed. Each turn lists the Triton kernels it compiled
+(or loaded from the disk cache) and how long that took.
 """
 from __future__ import annotations
 
@@ -23,6 +24,43 @@ import time
 from pathlib import Path
 
 import torch
+
+
+class Compiles:
+    """Triton compiles (and loads from its disk cache) while it is on: (kernel, seconds), by patching
+    JITFunction._do_compile, the method every cache miss of a kernel's in-process table goes through."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, float]] = []
+        self._orig = None
+
+    def __enter__(self):
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return self
+        if not hasattr(JITFunction, "_do_compile"):
+            return self
+        self._orig, seen = JITFunction._do_compile, self.seen
+        orig = self._orig
+
+        def timed(fn, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return orig(fn, *a, **kw)
+            finally:
+                seen.append((getattr(fn, "__name__", str(fn)), time.perf_counter() - t))
+        JITFunction._do_compile = timed
+        return self
+
+    def take(self) -> list:
+        out, self.seen[:] = list(self.seen), []
+        return [(n, round(s * 1e3, 1)) for n, s in out]
+
+    def __exit__(self, *exc):
+        if self._orig is not None:
+            from triton.runtime.jit import JITFunction
+            JITFunction._do_compile = self._orig
 
 
 def one_turn(eng, ids, budget, capture: int) -> dict:
@@ -89,10 +127,11 @@ def main(argv=None):
     res = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), lengths=lengths,
                capture=a.capture, budget_mb=a.budget_mb, turns=[])
     with StreamingEngine(store_dir, cache_bytes=int(all_experts_bytes(store) * 1.02) + (8 << 20),
-                         io_workers=a.io_workers, device="cuda", dtype=torch.bfloat16) as eng:
+                         io_workers=a.io_workers, device="cuda", dtype=torch.bfloat16) as eng, Compiles() as comp:
         warm_all(eng, store)
         for i in range(2):          # as bench.api_ttft warms its server
             one_turn(eng, text_ids(tok, corpus, vocab, a.warm_tokens, 900 + i), budget, 0)
+        res["warm_compiles"] = comp.take()
         seed = 5000
         for rnd in range(1, a.rounds + 1):
             for i, n in enumerate(lengths):
@@ -102,7 +141,7 @@ def main(argv=None):
                     r = profile_turn(eng, ids, budget, a.capture)
                 else:
                     r = one_turn(eng, ids, budget, a.capture)
-                r["round"] = rnd
+                r["round"], r["compiles"] = rnd, comp.take()
                 res["turns"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if not k.endswith("_top")}), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
@@ -115,10 +154,11 @@ def main(argv=None):
             for k, n, ms in r["device_top"][:8]:
                 print(f"  {ms:8.2f}  {n:6d}  {k[:90]}")
     print(f"capture {a.capture}, budget {a.budget_mb} MiB (0: default)")
-    print("round | tokens | first token ms | turn ms | launches | first token")
+    print("round | tokens | first token ms | turn ms | launches | first token | Triton compiles (ms)")
     for r in res["turns"]:
+        comps = ", ".join(f"{n} {ms:.0f}" for n, ms in r["compiles"][:6])
         print(f"{r['round']} | {r['tokens']} | {r['first_ms']:.1f} | {r['turn_ms']:.1f} | {r['launches']} | "
-              f"{r['first_token']}")
+              f"{r['first_token']} | {comps or '-'}")
 
 
 if __name__ == "__main__":

@@ -62,31 +62,16 @@ VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
 
-DEQUANT_CHUNK_MIN = 4                # a launch sized for the fused path keeps this many experts' dequantized scratch
-
-
-def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
-                  fused: bool = False) -> tuple[int, int, int]:
-    """(experts, rows, chunk) one grouped prefill launch may take so that its device buffers stay within
-    `launch_bytes`. Half of the bytes go to the experts: two staging-ring slots each (the ring holds two launches'
-    blocks, so that one launch's copies overlap the kernels of the one before), and the dequantized path's bf16 up
-    and fp16 down scratch (4·L·I an expert) for `chunk` experts at a time (a launch on that path decodes its experts
-    in chunks: `kernels.expert_prefill`'s CHUNK). The rest goes to the rows: per row, the ReLU² row (fp16, I), the
-    latent row gathered in expert order and its token, weight and gather index. At least one expert, one chunk and
-    rows of at least one tile.
-    A layer whose launches take the dequantized path (DEQUANT_MIN_TOKENS rows an expert or more) gives every expert
-    its scratch (chunk = experts). One on the `fused` path (a short prompt: it decodes nothing) gives the ring what
-    leaves DEQUANT_CHUNK_MIN experts' scratch, for a launch that still goes the other way: under the server's 512 MiB
-    budget a 126-token turn ran 11 Super experts a launch, where the unbudgeted engine ran 31 (H200 session 9: 152
-    against 78 ms)."""
-    half, stage, scratch = launch_bytes // 2, 2 * block_stride, 4 * L * I
-    if fused and half >= DEQUANT_CHUNK_MIN * scratch + stage:
-        experts = min(PREFILL_LAUNCH_EXPERTS, (half - DEQUANT_CHUNK_MIN * scratch) // stage)
-        chunk = max(1, min(experts, (half - experts * stage) // scratch))
-    else:
-        experts = chunk = max(1, min(PREFILL_LAUNCH_EXPERTS, half // (stage + scratch)))
+def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int) -> tuple[int, int]:
+    """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
+    per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
+    kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
+    row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
+    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile."""
+    per_expert = 2 * block_stride + 4 * L * I
+    experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes // 2) // per_expert))
     per_row = 2 * I + act_bytes * L + 20
-    return experts, max(64, (launch_bytes - experts * stage - chunk * scratch) // per_row), chunk
+    return experts, max(64, (launch_bytes - experts * per_expert) // per_row)
 
 
 @dataclass
@@ -216,7 +201,6 @@ class StreamingExperts(ExpertSource):
         self.prefill_weights = "staged"
         self._ring = None
         self.launch_bytes = PREFILL_BATCH_BYTES     # set per prompt by begin_prompt
-        self._fused_launches = False     # the MoE layer's launches sized for the fused path (set per layer, _prefill)
         # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
         # the fused kernel reads them, so only where it runs (NVFP4 by address, down groups of 16, 8, 4 or 2 neurons)
         self.stage_ups = self._addressed and self.geom.down_group_neurons in FUSED_SUBS
@@ -698,9 +682,8 @@ class StreamingExperts(ExpertSource):
     def _copies_ahead(self) -> bool:
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
 
-    def _launch_limits(self, act_bytes: int) -> tuple[int, int, int]:
-        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes,
-                             fused=self._fused_launches)
+    def _launch_limits(self, act_bytes: int) -> tuple[int, int]:
+        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes)
 
     def end_prompt(self, tokens: int, seconds: float) -> None:
         """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
@@ -743,11 +726,7 @@ class StreamingExperts(ExpertSource):
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
-        from kernels.expert_prefill import DEQUANT_MIN_TOKENS
-        # the layer's launches sized for the path most of them take (the grouped kernels' own rule, on the layer)
-        self._fused_launches = (os.environ.get("MOESTREAM_FUSED_LAUNCH_SIZING", "1") == "1"    # (0: the A/B)
-                                and not (x.dtype == torch.bfloat16 and T * k >= DEQUANT_MIN_TOKENS * max(len(uniq), 1)))
-        n_cap, rows_cap, _ = self._launch_limits(x.element_size())
+        n_cap, rows_cap = self._launch_limits(x.element_size())
         # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
         # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
         # launch reading its blocks copied ahead from their slots and staging the others through the ring
@@ -881,8 +860,7 @@ class StreamingExperts(ExpertSource):
         there): the launch waits for their copies and reads them from their slots, the others are staged."""
         ex, slots = [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
-        _, rows_cap, chunk = self._launch_limits(rows.x.element_size())
-        kcfg = {"CHUNK": chunk}          # the dequantized path's scratch: `chunk` experts at a time (launch_limits)
+        rows_cap = self._launch_limits(rows.x.element_size())[1]
         at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
         from_ahead = [r for r in at if r is not None]
         to_stage = [s for s, r in zip(slots, at) if r is None]
@@ -903,8 +881,7 @@ class StreamingExperts(ExpertSource):
                 for part in _windows(segments, rows_cap):
                     xs, ws, tok, local = rows.gather(part)
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
-                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
-                                                                config=kcfg))
+                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
                     pa.launches += 1
                     if not staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes

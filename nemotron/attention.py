@@ -1,6 +1,8 @@
 """GQA attention with no positional encoding (NemotronH applies no RoPE), over a growing KV cache."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,23 @@ def query_block(n_heads: int, T: int, S: int, act_bytes: int) -> int:
     per_query = n_heads * S * (2 * act_bytes + 8)
     return max(1, min(T, SCORE_BYTES // max(per_query, 1)))
 
+
+SDPA_ORDER = "flash,efficient,cudnn"
+
+
+def sdpa_order() -> list:
+    """The fused SDPA backends a prefill tries, in this order (MOESTREAM_SDPA_ORDER, read per call: an A/B knob).
+    cuDNN comes last: it plans a graph for every new shape, ~70-85 ms of host time (H200 session 9, torch 2.11), and a
+    chat turn's (queries, keys) shape is always new, so the server paid it on every turn (a 126-token turn took
+    178-187 ms where a length seen before took 94)."""
+    from torch.nn.attention import SDPBackend
+    names = dict(flash=SDPBackend.FLASH_ATTENTION, efficient=SDPBackend.EFFICIENT_ATTENTION,
+                 cudnn=SDPBackend.CUDNN_ATTENTION)
+    order = os.environ.get("MOESTREAM_SDPA_ORDER", SDPA_ORDER)
+    try:
+        return [names[n.strip()] for n in order.split(",") if n.strip()]
+    except KeyError as e:
+        raise ValueError(f"MOESTREAM_SDPA_ORDER={order!r}: {e.args[0]!r} is not one of {', '.join(names)}") from None
 
 class KVCache:
     __slots__ = ("k", "v", "length")
@@ -125,9 +144,8 @@ class Attention:
         qh, kh, vh = (t.permute(1, 0, 2)[None] for t in (q, K, V))              # [1, heads, rows, hd]
         # the queries are the last T of S positions: causal aligned at the lower right (top left when past == 0)
         mask = causal_lower_right(T, S) if T > 1 and past > 0 else None
-        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         try:
-            with sdpa_kernel(fused):
+            with sdpa_kernel(sdpa_order(), set_priority=True):
                 o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=T > 1 and past == 0,
                                                    scale=self.scale, enable_gqa=self.nq != self.nkv)
         except RuntimeError:          # "no available kernel": an unsupported dtype, head size or mask

@@ -115,7 +115,7 @@ def test_small_launches_windows_and_gathers_equal_the_checkpoint(tiny_model, tmp
     ids = [int(t) for t in np.random.default_rng(4).integers(14, 1000, size=900)]
     ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
     small = 40 << 10
-    n_experts, rows, _ = streaming.launch_limits(1, 64, 96, 4, small)
+    n_experts, rows = streaming.launch_limits(1, 64, 96, 4, small)
     assert n_experts == 1 and rows < 900 * 4 // 32, "the budget must split an expert's rows"
     out, (launches, distinct), used = _streamed_logits(tiny_model, store, ids, small, monkeypatch)
     assert used == small and launches > distinct, "no expert's rows were split into windows"
@@ -232,43 +232,3 @@ def test_a_short_span_takes_the_budgets_slack_for_its_launches():
     from gpu_worker.prefill import prefill_span
     longest = prefill_span(cfg, torch.bfloat16, budget, device="cuda")
     assert launch_bytes_for(cfg, torch.bfloat16, budget, longest, plan) < plan.launch() + (16 << 20)
-
-
-
-def _launch_held(stride, L, I, e, experts, rows, chunk):
-    """The device bytes a launch of these limits holds: the ring's two slots per expert, one chunk's dequantized
-    scratch, the rows' buffers (as launch_limits prices them)."""
-    return experts * 2 * stride + chunk * 4 * L * I + rows * (2 * I + e * L + 20)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("launch_mb", [60, 145, 290, 408, 1024])
-def test_super_launches_within_their_bytes(launch_mb, fused):
-    """On the Super expert geometry (block stride 3,096,576, latent 1,024, I 2,688), whichever path a layer's
-    launches are sized for, a launch's ring slots, its dequantized chunk and its rows fit the launch bytes. Sized for
-    the fused path, from the 408 MiB a 126-token turn gets under the server's 512 MiB budget, a launch takes at least
-    25 experts (11 with a scratch per expert) and keeps DEQUANT_CHUNK_MIN experts' scratch. The twin gives each of
-    the launch's experts its own scratch (chunk = experts): it does not fit."""
-    stride, L, I, e = 3_096_576, 1024, 2688, 2
-    lb = launch_mb << 20
-    experts, rows, chunk = streaming.launch_limits(stride, L, I, e, lb, fused=fused)
-    assert 1 <= chunk <= experts and rows >= 64
-    assert _launch_held(stride, L, I, e, experts, rows, chunk) <= lb
-    old = streaming.launch_limits(stride, L, I, e, lb)[0]
-    if not fused:
-        assert chunk == experts
-    elif launch_mb >= 408:
-        assert experts >= min(25, streaming.PREFILL_LAUNCH_EXPERTS) and chunk >= streaming.DEQUANT_CHUNK_MIN
-        assert experts > old or old == streaming.PREFILL_LAUNCH_EXPERTS
-        if experts > chunk:
-            assert _launch_held(stride, L, I, e, experts, rows, experts) > lb, "the twin fit: nothing checked"
-
-
-def test_tiny_launch_budget_still_one_expert_with_its_scratch():
-    """Below one chunk of DEQUANT_CHUNK_MIN experts' scratch, a launch takes what fits of (slots + scratch) per
-    expert, either way, and at least one expert, one chunk and 64 rows."""
-    for fused in (False, True):
-        experts, rows, chunk = streaming.launch_limits(1, 64, 96, 4, 40 << 10, fused=fused)
-        assert (experts, chunk) == (1, 1) and rows >= 64
-        experts, _, chunk = streaming.launch_limits(1000, 64, 96, 4, 3 * (2 * 1000 + 4 * 64 * 96), fused=fused)
-        assert experts == 1 and chunk == 1

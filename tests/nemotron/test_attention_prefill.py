@@ -49,13 +49,34 @@ def test_top_left_causal_after_a_prefix_is_caught():
     assert not torch.allclose(wrong, a.attend_blocks(q, K, V, past), atol=1e-3)
 
 
+def test_sdpa_order_reads_the_knob(monkeypatch):
+    """The backends in MOESTREAM_SDPA_ORDER's order (cuDNN last by default: it plans a graph per new shape); a name
+    that is not a backend is an error naming it, not a silent default."""
+    from torch.nn.attention import SDPBackend
+
+    from nemotron.attention import sdpa_order
+    monkeypatch.delenv("MOESTREAM_SDPA_ORDER", raising=False)
+    assert sdpa_order() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    monkeypatch.setenv("MOESTREAM_SDPA_ORDER", "cudnn, flash")
+    assert sdpa_order() == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    monkeypatch.setenv("MOESTREAM_SDPA_ORDER", "flash,cudnnn")
+    with pytest.raises(ValueError, match="cudnnn"):
+        sdpa_order()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the flash / cuDNN / efficient kernels")
+@pytest.mark.parametrize("order", ["flash,efficient,cudnn", "flash", "efficient", "cudnn"])
 @pytest.mark.parametrize("T,past", [(1000, 0), (333, 700)])
-def test_fused_on_cuda_equals_blocked(T, past):
+def test_fused_on_cuda_equals_blocked(T, past, order, monkeypatch):
+    """Each backend alone on Super's attention shape (GQA 32:2, head 128, the lower-right mask after a prefix) equals
+    the blocked reference (or takes no part: then the default order must still take it)."""
+    monkeypatch.setenv("MOESTREAM_SDPA_ORDER", order)
     g = torch.Generator().manual_seed(T)
     a = attn(32, 2, 128)
     q, K, V = (torch.randn(n, h, 128, generator=g).cuda().bfloat16() for n, h in ((T, 32), (T + past, 2), (T + past, 2)))
     fused = a.attend_fused(q, K, V, past)
+    if fused is None and "," not in order:
+        pytest.skip(f"{order} does not take Super's attention shape here")
     assert fused is not None, "no fused SDPA kernel took Super's attention shape on this GPU"
     ref = a.attend_blocks(q.float(), K.float(), V.float(), past)
     assert (fused.float() - ref).abs().max() < 0.05
