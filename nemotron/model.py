@@ -109,31 +109,11 @@ class Captures:
         return out
 
     def states(self) -> dict[int, dict]:
-        """{offset: host state} once every layer has run, in pageable memory: the pinned copies go back to torch's
-        pinned cache for the next capture. A kept snapshot held its pinned buffers before (session 9): every chat
-        turn then pinned new memory (~17 ms a turn on the synthetic Super's 4 MoE layers, H200; the server's
-        2 GiB of snapshots would all have been page-locked)."""
-        out = {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
+        """{offset: host state} once every layer has run."""
         if self._device_copies:
             torch.cuda.current_stream().synchronize()
             self._device_copies = False
-            out = _pageable(out)
-        return out
-
-
-def _pageable(x):
-    """x (dicts, lists, tuples of tensors and plain values) with every pinned tensor copied into pageable memory."""
-    if isinstance(x, torch.Tensor):
-        if not x.is_pinned():
-            return x
-        out = torch.empty(x.shape, dtype=x.dtype)
-        out.copy_(x)
-        return out
-    if isinstance(x, dict):
-        return {k: _pageable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_pageable(v) for v in x)
-    return x
+        return {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
 
 
 @dataclass

@@ -94,39 +94,20 @@ def test_bad_offsets_are_named(model):
         prefill(model, _ids(10), model.new_state(), capture_at=[4])
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-
-
-def test_pageable_copies_pinned_tensors_only():
-    """Captures.states hands out pageable tensors (a kept snapshot must not hold page-locked memory, and each turn
-    pinned new memory while it did): `_pageable` copies pinned tensors, equal in value, and leaves the others as
-    they are. The twin (an identity) leaves a pinned tensor pinned, which the check catches."""
-    from nemotron.model import _pageable
-    if not torch.cuda.is_available():
-        plain = {"layers": [{"kind": "kv", "k": torch.randn(3, 2)}, None], "position": 3}
-        assert _pageable(plain)["layers"][0]["k"] is plain["layers"][0]["k"]
-        pytest.skip("pinned host memory needs CUDA")
-    pinned = torch.randn(5, 7).pin_memory()
-    d = {"position": 5, "layers": [{"kind": "mamba", "conv": pinned, "ssm": torch.randn(2)}, None], "t": (pinned,)}
-    got = _pageable(d)
-    assert not any(t.is_pinned() for t in _tensors(got))
-    torch.testing.assert_close(got["layers"][0]["conv"], pinned)
-    assert got["layers"][0]["ssm"] is d["layers"][0]["ssm"] and got["layers"][1] is None and got["position"] == 5
-    assert any(t.is_pinned() for t in _tensors((lambda x: x)(d))), "the twin left nothing pinned: nothing checked"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captures' pinned copies: CUDA")
-def test_gpu_captured_state_is_pageable_and_right(synth):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captures' pinned copies without a sync: CUDA")
+def test_gpu_captured_state_equals_a_prefill_stopped_there(synth):
+    """On CUDA the captures are queued copies into pinned memory, waited for once: the state still equals a prefill
+    stopped at k, to the GPU kernels' precision (Triton's fp32 dots run as TF32: ~7e-4 apart on the H200, session
+    9), and is far from the state one token later (the twin: a capture taken one row late would pass a loose check)."""
     m = NemotronH(synth("tiny", "nvfp4"), device="cuda", dtype=torch.float32)
     ids, k, got = _ids(150), 64, {}
     prefill(m, ids, m.new_state(), capture_at=[k], on_capture=lambda p, d: got.setdefault(p, d))
-    assert not any(t.is_pinned() for t in _tensors(got[k]))
-    _close(got[k], _stopped_at(m, ids, k), atol=1e-4)
+    ref = _stopped_at(m, ids, k)
+    for a, b in zip(got[k]["layers"], ref["layers"]):
+        if a is not None:
+            for name in ("conv", "ssm") if a["kind"] == "mamba" else ("k", "v"):
+                torch.testing.assert_close(a[name].float(), b[name].float(), rtol=5e-3, atol=5e-3)
+    late = _stopped_at(m, ids, k + 1)
+    worst = max(float((a["ssm"].float() - b["ssm"].float()).abs().max())
+                for a, b in zip(got[k]["layers"], late["layers"]) if a is not None and a["kind"] == "mamba")
+    assert worst > 5e-2, "a state one token later is within the tolerance: the check above proves nothing"
