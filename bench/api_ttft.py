@@ -10,6 +10,8 @@ same device call. Then per regime one server
 (bench/peers/moestream_server.py):
   ram    the cache holds every expert; warmed by long prompts until one reads nothing from the disk
   disk   the cache holds a third; every turn starts from what the turn before left (one warm-up turn first)
+then one turn of the measured length that is not measured with the others (`first_short_turn`: the short prompts'
+kernel variants, which the long warm-up turns do not compile, load there: a user's first turn after a start).
 Each turn is a fresh window of varied text (bench/peers/texts.py), `cache_prompt` off (`--cache-prompt on`: as a
 client that leaves the server's default, which also keeps a snapshot where the user's message ends), streamed with
 logprobs so
@@ -99,6 +101,14 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
                 shared["template_tokens"] = w["prompt_tokens"] - len(tok.encode(wt, add_special_tokens=False).ids)
             if name != "ram" or w["blocks_read"] == 0:
                 break
+        # one turn of the measured length: the long warm-up prompts take other kernel paths, so the first short turn
+        # compiles (or loads) the short prompts' Triton variants (577 ms in H200 session 9's call 4) — a user's
+        # first turn after a start, reported apart, not one of the measured turns
+        first = chat_turn(srv, user_text(text, tok, a.tokens - shared["template_tokens"], seed=800),
+                          cache_prompt=a.cache_prompt == "on")
+        out["first_short_turn"] = first
+        print(name, "first short turn", json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                                    for k, v in first.items()}), flush=True)
         turns = []
         for i in range(a.repeats):
             r = chat_turn(srv, user_text(text, tok, a.tokens - shared["template_tokens"], seed=1 + i),
