@@ -572,7 +572,8 @@ class StreamingExperts(ExpertSource):
             self._fill_vram()
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
-            guess_list = [e for e in guess_list if (nj, e) not in vt.slot_of]
+            row = vt.row(nj)
+            guess_list = [e for e in guess_list if e not in row]
         self.client.request(j, rest, guess=guess_list)
         self._next_guess = ((j + 1) % self.n_moe, guess_list)
         a = self.acct

@@ -35,6 +35,7 @@ import torch
 
 # scores grow by a factor per token instead of all of them decaying; rescaled before floats overflow
 _RESCALE_AT = 1e150
+_EMPTY: dict = {}      # an absent layer's row (never written)
 
 
 class VramTier:
@@ -51,9 +52,13 @@ class VramTier:
         # slot addresses by arithmetic: `buf[slot].data_ptr()` is a tensor op, ~2 µs per expert on the route path
         self._base, self._stride = self.buf.data_ptr(), block_stride
         self.slot_of: dict[tuple[int, int], int] = {}
+        # the route path's view of the same residents, and the counts, per MoE layer with int keys: a (layer,
+        # expert) tuple built and hashed per expert cost ~0.5 µs of the ~20 µs `lookup` took for 22 experts
+        # (bench.host_bookkeeping, vram scenario, session 9)
+        self._rows: dict[int, dict[int, int]] = {}        # layer -> {expert: slot}
         self.free = list(range(n_slots - 1, -1, -1))
-        self.uses: dict[tuple[int, int], int] = {}          # raw use counts: the `admit_after` gate
-        self.score: dict[tuple[int, int], float] = {}       # decayed use counts, in units of this token's weight
+        self._uses: dict[int, dict[int, int]] = {}        # layer -> raw use counts: the `admit_after` gate
+        self._sc: dict[int, dict[int, float]] = {}        # layer -> decayed use counts, in units of this token's weight
         self.admit_after = admit_after
         self._growth = 2.0 ** (1.0 / half_life_tokens)      # 1.0 for math.inf: plain counts
         self._w = 1.0                                        # the weight of a use at this token
@@ -73,18 +78,28 @@ class VramTier:
     def nbytes(self) -> int:
         return self.buf.numel()
 
+    @property
+    def score(self) -> dict[tuple[int, int], float]:
+        """Every counted expert's decayed use count by (layer, expert): a copy, for reading."""
+        return {(j, e): v for j, row in self._sc.items() for e, v in row.items()}
+
+    def row(self, j: int) -> dict[int, int]:
+        """{expert: slot} of layer j's residents (the tier's own map: read it, do not change it)."""
+        return self._rows.get(j, _EMPTY)
+
     def lookup(self, j: int, experts: list[int]) -> dict[int, int]:
         """{expert: vram slot} of the experts resident on the device (counts their uses)."""
         if j == 0:
             self._tick()
-        got = {}
-        sc, w = self.score, self._w
-        for e in experts:
-            s = self.slot_of.get((j, e))
-            if s is not None:
-                sc[j, e] += w
-                got[e] = s
-        self.hits += len(got)
+        row = self._rows.get(j)
+        if not row:
+            return {}
+        got = {e: row[e] for e in experts if e in row}
+        if got:
+            sc, w = self._sc[j], self._w
+            for e in got:
+                sc[e] += w
+            self.hits += len(got)
         return got
 
     def block(self, slot: int) -> torch.Tensor:
@@ -97,17 +112,21 @@ class VramTier:
         """Count a use from the slab; True if the expert should now be admitted (see the module docstring)."""
         if self.n_slots == 0:
             return False
-        k = (j, e)
-        n = self.uses.get(k, 0) + 1
-        self.uses[k] = n
-        before = self.score.get(k, 0.0)
-        self.score[k] = before + self._w
-        if n < self.admit_after or k in self.slot_of:
+        uses = self._uses.get(j)
+        if uses is None:
+            uses = self._uses[j] = {}
+            self._sc[j] = {}
+        n = uses.get(e, 0) + 1
+        uses[e] = n
+        sc = self._sc[j]
+        before = sc.get(e, 0.0)
+        sc[e] = before + self._w
+        if n < self.admit_after or e in self._rows.get(j, _EMPTY):
             return False
         if self.free:
             return True
         victim = self._coldest()
-        if not before > self.score[victim]:
+        if not before > self._sc[victim[0]][victim[1]]:
             return False
         if victim[0] in self.held:        # a graph queued later in this token may read that slot
             self._yielding.add(victim[0])
@@ -129,7 +148,9 @@ class VramTier:
             s = self._evict(victim)
         self.buf[s, :self.block_bytes].copy_(src, non_blocking=True)
         self.slot_of[k] = s
-        heapq.heappush(self._heap, (self.score.setdefault(k, self._w), k))
+        self._rows.setdefault(j, {})[e] = s
+        heapq.heappush(self._heap, (self._sc.setdefault(j, {}).setdefault(e, self._w), k))
+        self._uses.setdefault(j, {})
         self.admissions += 1
         self._placed(k, self.address(s))
 
@@ -147,6 +168,7 @@ class VramTier:
     def _evict(self, k: tuple[int, int]) -> int:
         """Drop a resident (its heap entry is the caller's); returns its slot."""
         s = self.slot_of.pop(k)
+        del self._rows[k[0]][k[1]]
         self.evictions += 1
         self._placed(k, 0)
         return s
@@ -196,10 +218,10 @@ class VramTier:
 
     def _coldest(self) -> tuple[int, int]:
         """The resident with the lowest decayed count (at the top of the heap once the stale tops are fixed)."""
-        heap, sc = self._heap, self.score
+        heap, sc = self._heap, self._sc
         while True:
             s, k = heap[0]
-            now = sc[k]
+            now = sc[k[0]][k[1]]
             if now == s:
                 return k
             heapq.heapreplace(heap, (now, k))
@@ -208,8 +230,9 @@ class VramTier:
         self._w *= self._growth
         if self._w > _RESCALE_AT:
             w = self._w
-            self.score = {k: v / w for k, v in self.score.items() if v / w > 1e-300 or k in self.slot_of}
-            self._heap = [(self.score[k], k) for k in self.slot_of]
+            self._sc = {j: {e: v / w for e, v in row.items() if v / w > 1e-300 or e in self._rows.get(j, _EMPTY)}
+                        for j, row in self._sc.items()}
+            self._heap = [(self._sc[k[0]][k[1]], k) for k in self.slot_of]
             heapq.heapify(self._heap)
             self._w = 1.0
 

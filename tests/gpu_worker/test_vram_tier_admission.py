@@ -17,6 +17,7 @@ class SecondUseLru(VramTier):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.slot_of = OrderedDict()
+        self.uses = {}
 
     def lookup(self, j, experts):
         got = {}
