@@ -159,3 +159,39 @@ def test_scores_are_rescaled_before_they_overflow():
     rows = drive(vt, tokens)
     assert all(math.isfinite(v) for v in vt.score.values()) and vt._w < 1e150
     assert len(vt.slot_of) == 4 and sum(r[1] for r in rows) > 0
+
+
+def _rows_agree(vt) -> bool:
+    """The route path's per-layer rows hold exactly the canonical (layer, expert) -> slot map."""
+    flat = {(j, e): s for j in range(8) for e, s in vt.row(j).items()}
+    return flat == dict(vt.slot_of)
+
+
+def test_per_layer_rows_follow_every_admission_and_eviction():
+    """The per-layer maps `lookup` reads (int keys, no tuple per expert) hold the canonical residents after a
+    skewed trace with many evictions, an explicit evict, and a rescale of the scores; `lookup` returns exactly
+    the residents among the asked experts and counts a use of each. The twin forgets the row on eviction: caught."""
+    vt = VramTier(6, 8, 8, "cpu", admit_after=1, half_life_tokens=2.0)
+    drive(vt, zipf(80, 3, 16, 3, seed=4))
+    assert vt.evictions > 0 and _rows_agree(vt)
+    j, e = next(iter(vt.slot_of))
+    vt.evict(j, e)
+    assert _rows_agree(vt) and e not in vt.row(j)
+    asked = list(range(16))
+    before = vt.score
+    got = vt.lookup(1, asked)
+    assert got == {e: s for (jj, e), s in vt.slot_of.items() if jj == 1}
+    assert all(vt.score[1, e] > before[1, e] for e in got)
+    vt._w = 2e150                      # the next layer-0 lookup rescales
+    vt.lookup(0, asked)
+    assert _rows_agree(vt) and all(math.isfinite(v) for v in vt.score.values())
+
+    class Forgets(VramTier):
+        def _evict(self, k):
+            s = self.slot_of.pop(k)
+            self.evictions += 1
+            self._placed(k, 0)
+            return s
+    bad = Forgets(6, 8, 8, "cpu", admit_after=1, half_life_tokens=2.0)
+    drive(bad, zipf(80, 3, 16, 3, seed=4))
+    assert not _rows_agree(bad), "a stale row went unnoticed"
