@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill prefill2 api_ttft api_cache turns host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   STEPS="vision check e2e profile omni pytest smoke prefill prefill2 api_ttft api_cache api_settle turns host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -63,6 +63,10 @@ PY
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
       timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --capture 5 \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns_capture.json" > "$OUT/prefill_turns_capture.log" 2>&1; tail -12 "$OUT/prefill_turns_capture.log";;
+    api_settle) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # cache_prompt on, kept states settled
+      MOESTREAM_SNAPSHOT_SETTLE=1 timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+           --io-workers 8 ${CEIL[@]+"${CEIL[@]}"} --regimes ram --cache-prompt on --out "$OUT/api_ttft_settle.json" > "$OUT/api_ttft_settle.log" 2>&1
+      tail -3 "$OUT/api_ttft_settle.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;

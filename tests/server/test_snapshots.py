@@ -134,3 +134,64 @@ def test_wrong_shapes_are_a_miss(model, synth, tmp_path):
     s.path_for(a[:20]).write_bytes(encode_file(KEY, a[:20], d))
     s2 = store(model, tmp_path)
     assert s2.lookup(a) is None and s2.info()["bad_files"] == 1
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_settling_moves_kept_states_off_their_buffers(model, tmp_path, with_disk):
+    """A kept state's tensors that the settle predicate names (on CUDA: the pinned ones a capture filled) are copied
+    by the store's own thread into fresh memory, equal in value, and the store lets the originals go (so torch's
+    pinned cache can give them to the next capture); a restore during or after gives the same continuation, the
+    disk copy is written the same, and close() stops both threads. The twin: a store that settles nothing keeps the
+    originals alive, which the weak references catch."""
+    import gc
+    import weakref
+    a = ids(40, seed=3)
+    for settle, moves in ((lambda t: True, True), (None, False)):
+        s = store(model, tmp_path / f"{with_disk}{moves}" if with_disk else None, settle=settle)
+        d = state_after(model, a[:25]).to_host()
+        refs = [weakref.ref(t) for t in _tensors(d)]
+        want = [t.clone() for t in _tensors(d)]
+        s.put_host(a[:25], d)
+        del d
+        assert s.settled(10)
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert (alive == 0) == moves, f"{alive} of {len(refs)} original tensors still held (settle={moves})"
+        kept = list(_tensors(s.ram[tuple(a[:25])].state))
+        assert len(kept) == len(want) and all(torch.equal(x, y) for x, y in zip(kept, want))
+        r = s.lookup(a)
+        torch.testing.assert_close(continue_logits(model, r.state, a[25:]),
+                                   continue_logits(model, state_after(model, a[:25]), a[25:]), **CONTINUES)
+        s.close()
+        assert s._settler is None and s._writer is None
+        if with_disk:
+            s2 = store(model, tmp_path / f"{with_disk}{moves}")
+            assert tuple(a[:25]) in s2.disk and s2.lookup(a) is not None
+            s2.close()
+
+
+def test_settling_skips_an_entry_replaced_before_its_turn(model):
+    """An entry evicted or put again before the thread reaches it is not overwritten with the stale copy."""
+    gate = []
+
+    def slow(t):
+        gate.append(1)
+        return True
+    s = store(model, settle=slow, max_count=1)
+    a = ids(30, seed=4)
+    s.put_host(a[:10], state_after(model, a[:10]).to_host())
+    s.put_host(a[:20], state_after(model, a[:20]).to_host())     # evicts the first (max_count 1)
+    assert s.settled(10)
+    assert list(s.ram) == [tuple(a[:20])] and s.ram[tuple(a[:20])].state["position"] == 20
+    s.close()
