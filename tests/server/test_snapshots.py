@@ -195,3 +195,21 @@ def test_settling_skips_an_entry_replaced_before_its_turn(model):
     assert s.settled(10)
     assert list(s.ram) == [tuple(a[:20])] and s.ram[tuple(a[:20])].state["position"] == 20
     s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_settling_the_pinned_tensors_of_a_capture(model):
+    """As MOESTREAM_SNAPSHOT_SETTLE=1 runs it: the pinned tensors of a kept state become pageable, the rest stay."""
+    from gpu_worker.snapshots import _pinned
+    a = ids(30, seed=5)
+    d = state_after(model, a[:20]).to_host()
+    d["layers"] = [None if x is None else {k: (v.pin_memory() if torch.is_tensor(v) and v.dim() > 1 else v)
+                                            for k, v in x.items()} for x in d["layers"]]
+    assert any(t.is_pinned() for t in _tensors(d))
+    s = store(model, settle=_pinned)
+    s.put_host(a[:20], d)
+    assert s.settled(10)
+    kept = s.ram[tuple(a[:20])].state
+    assert not any(t.is_pinned() for t in _tensors(kept))
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(kept), _tensors(d)))
+    s.close()
