@@ -115,10 +115,11 @@ class VramTier:
         uses = self._uses.get(j)
         if uses is None:
             uses = self._uses[j] = {}
-            self._sc[j] = {}
         n = uses.get(e, 0) + 1
         uses[e] = n
-        sc = self._sc[j]
+        sc = self._sc.get(j)
+        if sc is None:
+            sc = self._sc[j] = {}
         before = sc.get(e, 0.0)
         sc[e] = before + self._w
         if n < self.admit_after or e in self._rows.get(j, _EMPTY):
@@ -150,7 +151,6 @@ class VramTier:
         self.slot_of[k] = s
         self._rows.setdefault(j, {})[e] = s
         heapq.heappush(self._heap, (self._sc.setdefault(j, {}).setdefault(e, self._w), k))
-        self._uses.setdefault(j, {})
         self.admissions += 1
         self._placed(k, self.address(s))
 
