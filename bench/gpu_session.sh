@@ -19,6 +19,11 @@ T0=$(date +%s); K=0
 # skipped, not cut by the device's limit; after each step, loose files are packed (the device returns at most 8).
 pack() { local f; f=$(find "$OUT" -maxdepth 1 -type f ! -name 'steps_*.tgz' ! -name env.txt -printf '%f\n')
   [ -z "$f" ] && return; K=$((K+1)); (cd "$OUT" && tar -czf "steps_$K.tgz" $f && rm -f $f); }
+# bench.api_ttft with this call's ceilings ($W's copy of bench.prefill's JSON: pack() may have moved $OUT's into an
+# archive; without it the API bench measures its own): api_run NAME ARGS... writes $OUT/NAME.{json,log}
+api_run() { local name=$1; shift; local ceil=(); [ -f $W/prefill.json ] && ceil=(--ceilings-from $W/prefill.json)
+  timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+    ${ceil[@]+"${ceil[@]}"} "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; tail -6 "$OUT/$name.log"; }
 for s in $STEPS; do
   t=$(date +%s)
   if [ $(( t - T0 )) -ge ${DEADLINE:-999999} ]; then echo "== $s: skipped (${DEADLINE} s deadline)"; continue; fi
@@ -51,22 +56,13 @@ PY
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
     prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --io-workers 8 ${PREFILL2_ARGS:-${PREFILL_ARGS:-}} --out "$OUT/prefill2.json" > "$OUT/prefill2.log" 2>&1; tail -12 "$OUT/prefill2.log";;
-    api_ttft) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # same call: same ceilings
-      # ($W's copy: pack() may have moved $OUT's into an archive; session 8 call 4's API run measured its own)
-      timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-           ${CEIL[@]+"${CEIL[@]}"} ${API_ARGS:-} --out "$OUT/api_ttft.json" > "$OUT/api_ttft.log" 2>&1; tail -6 "$OUT/api_ttft.log";;
-    api_cache) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # the server's default: cache_prompt on
-      timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-           ${CEIL[@]+"${CEIL[@]}"} --regimes ram --cache-prompt on ${API_CACHE_ARGS:-} --out "$OUT/api_ttft_cache.json" > "$OUT/api_ttft_cache.log" 2>&1
-      tail -6 "$OUT/api_ttft_cache.log";;
+    api_ttft) api_run api_ttft ${API_ARGS:-};;
+    api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
     turns) timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
       timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --capture 5 \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns_capture.json" > "$OUT/prefill_turns_capture.log" 2>&1; tail -12 "$OUT/prefill_turns_capture.log";;
-    api_settle) CEIL=(); [ -f $W/prefill.json ] && CEIL=(--ceilings-from $W/prefill.json)   # cache_prompt on, kept states settled
-      MOESTREAM_SNAPSHOT_SETTLE=1 timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} \
-           --io-workers 8 ${CEIL[@]+"${CEIL[@]}"} --regimes ram --cache-prompt on --out "$OUT/api_ttft_settle.json" > "$OUT/api_ttft_settle.log" 2>&1
-      tail -3 "$OUT/api_ttft_settle.log";;
+    api_settle) MOESTREAM_SNAPSHOT_SETTLE=1 api_run api_ttft_settle --regimes ram --cache-prompt on;;   # states settled
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;

@@ -265,9 +265,7 @@ class SnapshotStore:
         runs without the GIL), swapped in if the entry is still the one that was kept."""
         while True:
             with self._lock:
-                while not self._to_settle and not self._closing:
-                    self._wake.wait()
-                if not self._to_settle:
+                if not self._wait_for(self._to_settle):
                     return
                 k = self._to_settle.pop(0)
                 e = self.ram.get(k)
@@ -283,6 +281,13 @@ class SnapshotStore:
                 with self._lock:
                     self._settling -= 1
                     self._wake.notify_all()
+
+    def _wait_for(self, queue: list) -> bool:
+        """A background thread's wait, the lock held: True once `queue` has work, False once the store closes with
+        none left (what was queued before close() is still done)."""
+        while not queue and not self._closing:
+            self._wake.wait()
+        return bool(queue)
 
     def settled(self, timeout: float = 30.0) -> bool:
         """Wait until every kept state is settled and written (tests); False on timeout."""
@@ -372,9 +377,7 @@ class SnapshotStore:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._closing:
-                    self._wake.wait()
-                if not self._pending:
+                if not self._wait_for(self._pending):
                     return
                 k, d = self._pending.pop(0)
                 self._writing += 1
