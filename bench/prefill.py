@@ -382,12 +382,19 @@ def path_parts(path: str) -> tuple[str, str, str, bool]:
     """A --paths entry BASE[@N][+|-][!][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
     repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
     default since session 9)."""
-    p = path.split("#")[0]
+    p = path.split("#")[0].split("~")[0]
     runs = p.endswith("!")
     p = p.rstrip("!")
     glue = p[-1] if p.endswith(("+", "-")) else ""
     base, _, piece = p.rstrip("+-").partition("@")
     return base, piece, glue, runs
+
+
+def ahead_gate(path: str) -> int | None:
+    """A --paths entry's "~G": the copies ahead for prompts of G tokens and more (the engine's
+    `ahead_min_tokens`, MOESTREAM_PREFILL_AHEAD_MIN_TOKENS; 2,048 by default); None without one."""
+    g = path.split("#")[0].partition("~")[2]
+    return int(g) if g else None
 
 
 def new_glue(path: str) -> None:
@@ -473,7 +480,8 @@ def main(argv=None):
                     "(MOESTREAM_PIECE_TOKENS; the default is 4,096 since session 8, 512 the old plan); PATH+ / PATH- "
                     "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
                     "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead a block "
-                    "at a time (MOESTREAM_AHEAD_RUNS=0; in runs by default since session 9)")
+                    "at a time (MOESTREAM_AHEAD_RUNS=0; in runs by default since session 9); PATH~G: the copies ahead for prompts "
+                    "of G tokens and more (2,048 by default; staged~0: at every size)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -555,6 +563,7 @@ def main(argv=None):
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
+            default_gate = eng.experts.ahead_min_tokens
             for path in paths:
                 # "staged#2": the same path again; "@512": pieces of up to 512 tokens (the old plan); "+" / "-":
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
@@ -571,6 +580,8 @@ def main(argv=None):
                 if cuda:
                     eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
                     eng.experts.copy_ahead = base != "staged_no_ahead"
+                    gate = ahead_gate(path)
+                    eng.experts.ahead_min_tokens = default_gate if gate is None else gate
                 rows = []
                 for n in sizes:
                     cold = None
@@ -593,6 +604,7 @@ def main(argv=None):
                 eng.experts.prefill_weights = (("staged" if first == "staged_no_ahead" else first) if cuda
                                                else eng.experts.prefill_weights)
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
+                eng.experts.ahead_min_tokens = default_gate
                 res["budget"] = []
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):

@@ -76,17 +76,22 @@ class Captures:
     message ends (the server's snapshot point) the prompt then needs one pass over its experts instead of two (one
     prefill up to c, one for the generation prompt after it, which re-read the experts both touch)."""
 
-    def __init__(self, offsets):
+    def __init__(self, offsets, on_device: bool = False):
+        """on_device: CUDA states are copied on the device (a clone, no pinned memory, no wait) and handed out there;
+        the caller moves them to the host later (`state_to_host`), e.g. once the turn's first token is out."""
         self.offsets = sorted({int(c) for c in offsets})
         self.layers: dict[int, list] = {c: [] for c in self.offsets}
         self.position0: int | None = None
+        self.on_device = on_device
         self._device_copies = False     # CUDA: copies into pinned memory, queued, waited for once in `states`
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of t. From CUDA into pinned memory without a sync (the pass goes on; the stream's order keeps
-        t's memory until the copy has run): `states` waits for the copies once."""
+        t's memory until the copy has run): `states` waits for the copies once. With on_device, a device clone."""
         if not t.is_cuda:
             return t.to("cpu", copy=True)
+        if self.on_device:
+            return t.clone()
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t, non_blocking=True)
         self._device_copies = True
@@ -116,6 +121,18 @@ class Captures:
         return {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
 
 
+def state_to_host(d):
+    """A captured state (`Captures.states`' layout; also any dict / list of tensors and plain values) with every
+    device tensor copied into pageable host memory, synchronously; host tensors are kept as they are."""
+    if isinstance(d, torch.Tensor):
+        return d.to("cpu", copy=True) if d.device.type != "cpu" else d
+    if isinstance(d, dict):
+        return {k: state_to_host(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return type(d)(state_to_host(v) for v in d)
+    return d
+
+
 @dataclass
 class InferenceState:
     layers: list = field(default_factory=list)   # per layer: MambaState | KVCache | None
@@ -124,9 +141,10 @@ class InferenceState:
     def clone(self) -> "InferenceState":
         return InferenceState([None if s is None else s.clone() for s in self.layers], self.position)
 
-    def to_host(self) -> dict:
-        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds)."""
-        layers = [None if s is None else s.to_host() for s in self.layers]
+    def to_host(self, copy=None) -> dict:
+        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds); `copy(t)` makes
+        each tensor's copy (default: a synchronous one to the host; `torch.clone`: the same layout on the device)."""
+        layers = [None if s is None else s.to_host(copy=copy) for s in self.layers]
         return {"position": int(self.position), "layers": layers}
 
     @staticmethod

@@ -26,3 +26,8 @@ def test_prefill_path_parts():
     assert path_parts("staged@4096+!") == ("staged", "4096", "+", True)
     assert path_parts("staged!") == ("staged", "", "", True)
     assert path_parts("zero_copy+#3") == ("zero_copy", "", "+", False)
+    from bench.prefill import ahead_gate
+    assert path_parts("staged~0#2") == ("staged", "", "", False)
+    assert path_parts("staged@1024!~512") == ("staged", "1024", "", True)
+    assert ahead_gate("staged~0#2") == 0 and ahead_gate("staged@1024!~512") == 512
+    assert ahead_gate("staged") is None and ahead_gate("staged#3") is None
