@@ -66,7 +66,7 @@ PY
     api_dev) MOESTREAM_CAPTURE_ON_DEVICE=1 api_run api_ttft_dev --regimes ram --cache-prompt on;;   # captures held on the device
     # the cache_prompt turn's A/B in one process, interleaved (bench.prefill_turns --modes)
     turnab) timeout ${TURNS_TIMEOUT:-150} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
-           --modes ${TURN_MODES:-off,drop,keep,settle,device} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
+           --modes ${TURN_MODES:-off,drop,cut,keep,device} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
            --out "$OUT/prefill_turns_ab.json" > "$OUT/prefill_turns_ab.log" 2>&1; tail -8 "$OUT/prefill_turns_ab.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \

@@ -3,7 +3,7 @@ against bench.prefill's 128-token prompt (H200 session 9: 152 ms of engine prefi
 bench.prefill; the server's first turns of new lengths 143-191 ms, a length seen before 86 ms).
 
     python -m bench.prefill_turns --work DIR [--moe-layers 4] [--lengths 123,126,127,124,126] [--rounds 2]
-                                  [--capture 5] [--modes off,drop,keep,settle,device] [--budget-mb 0] [--profile]
+                                  [--capture 5] [--modes off,drop,cut,keep,settle,device] [--budget-mb 0] [--profile]
                                   [--out F.json]
 
 The engine of bench.prefill's RAM regime (every expert cached), warmed as bench.api_ttft warms its server (two
@@ -13,7 +13,8 @@ first visit of each length in the process and round 2 the second. Each turn's pr
 end, beside the engine's own accounting. `--capture K` takes a snapshot K tokens before each prompt's end, as the
 server does with cache_prompt on (the state captured inside the one prefill, kept on the host). `--modes` runs each
 length once per mode, interleaved in one process (the order rotated per turn), for an A/B that the API bench's five
-turns per server cannot resolve: `off` (no capture), `drop` (captured, then dropped), `keep` (as the server with
+turns per server cannot resolve: `off` (no capture), `drop` (captured, then dropped), `cut` (`drop` with the Mamba
+pieces cut at the snapshot point, MOESTREAM_CAPTURE_CUT=1: the way until session 10), `keep` (as the server with
 cache_prompt on: a SnapshotStore looked up before the turn, the captured state kept with `put_host`, the end state
 with `put`), `settle` (`keep` with the store's settling thread: pinned tensors moved to pageable memory), `device`
 (`keep` with the state captured on the device, moved to the host once the first token is out). `--budget-mb`:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -69,7 +71,7 @@ class Compiles:
             JITFunction._do_compile = self._orig
 
 
-MODES = ("off", "drop", "keep", "settle", "device")
+MODES = ("off", "drop", "cut", "keep", "settle", "device")
 
 
 def one_turn(eng, ids, budget, capture: int, store=None, on_device: bool = False) -> dict:
@@ -186,6 +188,10 @@ def main(argv=None):
                     seed += 1
                     ids = text_ids(tok, corpus, vocab, n, seed)
                     cap, st, dev = mode_args(mode, capture, stores)
+                    if mode == "cut":       # the Mamba pieces cut at the snapshot point (the way before session 10)
+                        os.environ["MOESTREAM_CAPTURE_CUT"] = "1"
+                    else:
+                        os.environ.pop("MOESTREAM_CAPTURE_CUT", None)
                     if a.profile and i == 0 and (len(modes) == 1 or rnd == a.rounds):
                         r = profile_turn(eng, ids, budget, cap, store=st, on_device=dev)
                     else:
@@ -195,6 +201,7 @@ def main(argv=None):
                     r["round"], r["mode"], r["compiles"] = rnd, mode, comp.take()
                     res["turns"].append(r)
                     print(json.dumps({k: v for k, v in r.items() if not k.endswith("_top")}), flush=True)
+        os.environ.pop("MOESTREAM_CAPTURE_CUT", None)
         for st in stores.values():
             st.close()
     Path(a.out).write_text(json.dumps(res, indent=1))

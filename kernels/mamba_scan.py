@@ -42,26 +42,54 @@ def _check(x, dt, A, B, C, state, chunk_size):
             raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
 
 
-def chunk_scan(x, dt, A, B, C, state, chunk_size: int):
+def chunk_scan(x, dt, A, B, C, state, chunk_size: int, taps: dict | None = None):
     """dt [T, nh], A [nh], state [nh, hd, N] fp32; x [T, nh, hd] and B/C [T, ng, N] in any float dtype (the mixer
     passes its activation dtype: the scan's first products read them into fp32), rows may be strided
     -> (y [T, nh, hd], new state) fp32.
 
-    Chunks start at token 0 and every chunk_size tokens after, as in the loop; `state` is not modified."""
+    Chunks start at token 0 and every chunk_size tokens after, as in the loop; `state` is not modified.
+    `taps` ({t: None} for 0 < t < T): each filled with the state after the first t tokens (a snapshot inside the
+    piece, without cutting it there: `_state_at`)."""
     _check(x, dt, A, B, C, state, chunk_size)
     T = x.shape[0]
     Q = min(chunk_size, T)
     whole = T - T % Q
     y = torch.empty(x.shape, device=x.device)
-    S = _whole_chunks(x[:whole], dt[:whole], A, B[:whole], C[:whole], state, Q, y[:whole])
+    at = sorted(int(t) for t in taps) if taps else []
+    if any(not 0 < t < T for t in at):
+        raise ValueError(f"taps {at} must lie inside the {T} tokens (0 < t < T)")
+    got: dict = {}
+    S = _whole_chunks(x[:whole], dt[:whole], A, B[:whole], C[:whole], state, Q, y[:whole],
+                      [t for t in at if t < whole], got)
     if whole < T:
         # the ragged last chunk (only a prompt's last piece has one) as a batch of one shorter chunk
-        S = _whole_chunks(x[whole:], dt[whole:], A, B[whole:], C[whole:], S, T - whole, y[whole:])
+        if whole in at:
+            got[whole] = S.clone()
+        late: dict = {}
+        S = _whole_chunks(x[whole:], dt[whole:], A, B[whole:], C[whole:], S, T - whole, y[whole:],
+                          [t - whole for t in at if t > whole], late)
+        got.update({t + whole: v for t, v in late.items()})
+    if taps is not None:
+        taps.update(got)
     return y, S
 
 
-def _whole_chunks(x, dt, A, B, C, S0, Q: int, y):
-    """The scan over T = c·Q tokens, c chunks of Q at once: writes y [T, nh, hd] (contiguous), returns the state."""
+def _state_at(x, dt, B, acs, S_start, j: int):
+    """The state after the first j tokens (0 < j < Q) of one chunk that starts from S_start [nh, hd, N]; x [Q, nh, hd],
+    dt [Q, nh], B [Q, ng, N], acs [Q, nh] (the chunk's cumulative dt·A). The chunk-end formula over its first j
+    tokens: S_j = exp(s_j) S_start + Σ_{t<j} exp(s_j − s_t) dt_t x_t ⊗ B_t (s_j: acs[j − 1])."""
+    nh, hd = x.shape[1:]
+    ng, N = B.shape[1:]
+    s_j = acs[j - 1]
+    w = torch.exp(s_j[None, :] - acs[:j]) * dt[:j]                       # [j, nh]
+    xw = (x[:j].float() * w[:, :, None]).view(j, ng, nh // ng, hd)       # [j, ng, r, hd]
+    part = torch.einsum("tgrd,tgn->grdn", xw, B[:j].float()).reshape(nh, hd, N)
+    return torch.exp(s_j)[:, None, None] * S_start + part
+
+
+def _whole_chunks(x, dt, A, B, C, S0, Q: int, y, at=(), got=None):
+    """The scan over T = c·Q tokens, c chunks of Q at once: writes y [T, nh, hd] (contiguous), returns the state;
+    `got[t]` = the state after the first t tokens for each t in `at` (0 < t < T)."""
     T, nh, hd = x.shape
     ng, N = B.shape[1:]
     c, r = T // Q, nh // ng
@@ -91,6 +119,10 @@ def _whole_chunks(x, dt, A, B, C, S0, Q: int, y):
     S_in = torch.empty(c, nh, hd, N, device=x.device)               # the state each chunk starts from
     S = _carry(states, S0, chunk_decay, S_in)
     del states
+    for t in at:                                                     # snapshots inside the piece (taps)
+        q, j = divmod(t, Q)
+        got[t] = S_in[q].clone() if j == 0 else _state_at(x[q * Q:(q + 1) * Q], dt[q * Q:(q + 1) * Q],
+                                                           B[q * Q:(q + 1) * Q], acs[q], S_in[q], j)
     # what the start state gives each token: exp(s_i) C_i · S_in, per (chunk, group) one GEMM
     y_off = torch.bmm(Cg, S_in.view(c * ng, r * hd, N).transpose(1, 2))   # [c·ng, Q, r·hd]
     # the two parts, each in its GEMM's layout, summed straight into [T, nh, hd] (heads split as [ng, r])

@@ -81,19 +81,28 @@ class Mamba2Mixer:
         return MambaState(torch.zeros(self.K - 1, self.conv_dim, device=device, dtype=self.dtype),
                           torch.zeros(self.nh, self.hd, self.N, device=device, dtype=torch.float32))
 
-    def __call__(self, h: torch.Tensor, st: MambaState) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, st: MambaState, taps: dict | None = None) -> torch.Tensor:
+        """`taps` ({t: None} for 0 < t < T): each filled with a MambaState (fresh tensors on the state's device) after
+        the first t tokens, taken inside the one pass (a chat's snapshot point, without cutting the piece there)."""
         T = h.shape[0]
         if T > self.piece:
             # The recurrence carries everything between tokens in `st`, so pieces give the same result while the
             # mixer's activations (~470 KB per token on Super) stay bounded by the piece, whatever the span.
             out = torch.empty(T, self.out_proj.out_features, device=h.device, dtype=self.dtype)
             for s in range(0, T, self.piece):
-                out[s:s + self.piece] = self(h[s:s + self.piece], st)
+                e = min(T, s + self.piece)
+                inner = {t - s: None for t in taps or () if s < t < e}
+                out[s:e] = self(h[s:e], st, inner or None)
+                if taps:
+                    taps.update({t + s: v for t, v in inner.items()})
+                    if e in taps and e < T:
+                        taps[e] = st.clone()
             return out
         zxbcdt = linear(h, self.in_proj)
         z, xBC, dt = zxbcdt.split([self.I, self.conv_dim, self.nh], dim=-1)
         if T == 1 and backend.use_triton(h, "mamba_step") and self.dt_min == 0 and not math.isfinite(self.dt_max):
             return self._step_fused(z, xBC, dt, st)
+        conv_at = {t: self._conv_state_at(st.conv, xBC, t) for t in taps} if taps else None
         xBC = self._conv(xBC, st)
         x, B, C = xBC.split([self.I, self.ng * self.N, self.ng * self.N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)                                # fp32: dt_bias is fp32
@@ -110,7 +119,11 @@ class Mamba2Mixer:
             y = self._step(x[0].float(), dt[0], B[0].float().repeat_interleave(rep, dim=0),
                            C[0].float().repeat_interleave(rep, dim=0), st)[None]
         else:
-            y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size)
+            ssm_at = dict.fromkeys(taps) if taps else None
+            y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size,
+                                   **({"taps": ssm_at} if taps else {}))
+            if taps:
+                taps.update({t: MambaState(conv_at[t], ssm_at[t]) for t in taps})
         y = y + self.D[:, None] * x                                         # (x in the activation dtype)
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
@@ -124,6 +137,15 @@ class Mamba2Mixer:
                                               self.A, B.view(self.ng, self.N), C.view(self.ng, self.N), self.D)
         y = gated_group_rms_norm(y.reshape(1, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
+
+    @staticmethod
+    def _conv_state_at(conv: torch.Tensor, xBC: torch.Tensor, t: int) -> torch.Tensor:
+        """The conv state after the first t of the piece's inputs xBC [T, conv_dim] (conv: the state before them,
+        [K-1, conv_dim]): the last K-1 rows of (conv, xBC[:t]), a fresh tensor in the state's dtype. Read before the
+        conv runs (a kernel may update the state in place)."""
+        km = conv.shape[0]
+        rows = xBC[t - km:t] if t >= km else torch.cat([conv[t:].to(xBC.dtype), xBC[:t]])
+        return rows.to(conv.dtype, copy=True)
 
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
         conv = causal_conv1d if backend.use_triton(xBC, "mamba_conv") else causal_conv1d_torch

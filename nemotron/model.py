@@ -9,6 +9,7 @@ replays the one-token step as CUDA graphs (gpu_worker/engine.py) offers the same
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,10 @@ class Captures:
         self.layers: dict[int, list] = {c: [] for c in self.offsets}
         self.position0: int | None = None
         self.on_device = on_device
+        # A Mamba layer's state inside a piece comes from the scan itself (Mamba2Mixer's taps); MOESTREAM_CAPTURE_CUT=1:
+        # the piece cut at the offset instead (the way until session 10: a second, tiny piece through every Mamba
+        # layer, ~8 ms of a 126-token turn on the H200, bench/NOTES.md "Session 10")
+        self.cut_pieces = os.environ.get("MOESTREAM_CAPTURE_CUT", "0") == "1"
         self._device_copies = False     # CUDA: copies into pinned memory, queued, waited for once in `states`
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
@@ -355,11 +360,18 @@ class NemotronH:
                 layer_step = plan.queries_for(self.config, s.length + T, x.element_size(), step)
         pieces = moe_pieces(T, layer_step)
         cut_here = isinstance(s, MambaState) and captures is not None
-        if cut_here:
+        tapped = cut_here and isinstance(mixer, Mamba2Mixer) and not captures.cut_pieces
+        if cut_here and not tapped:
             pieces = captures.cut(pieces)
         for a, b in pieces:
             h = rms_norm(x[a:b], norm, eps)
-            x[a:b] += mixer(h) if s is None else mixer(h, s)
+            if tapped:                                            # the states inside the piece, from its own scan
+                taps = {c - a: None for c in captures.offsets if a < c < b}
+                x[a:b] += mixer(h, s, taps or None)
+                for t, st in sorted(taps.items()):
+                    captures.layers[a + t].append(st.to_host(copy=captures.host))
+            else:
+                x[a:b] += mixer(h) if s is None else mixer(h, s)
             if cut_here and b in captures.layers:                 # the recurrence's state after the first b tokens
                 captures.layers[b].append(s.to_host(copy=captures.host))
         if isinstance(s, KVCache) and captures is not None:

@@ -197,3 +197,24 @@ def test_scan_bytes_model_is_caught_when_wrong():
     with AllocatedBytes(*args) as mem:
         chunk_scan(*args, Q)
     assert mem.peak != scan_bytes(T, nh, hd, ng, N, Q) - 4 * (T // Q) * nh * Q * Q
+
+
+@pytest.mark.parametrize("T,Q,nh,hd,N,ng", [c for c in CASES if c[0] > 2])
+def test_taps_are_the_states_inside_the_piece(T, Q, nh, hd, N, ng):
+    """chunk_scan's taps: the state after the first t tokens for t inside a chunk, on a chunk's start, in the ragged
+    last chunk — each equal to the float64 recurrence stopped at t; y and the end state unchanged by asking.
+    Must-fail twin: the state one token later, labelled t, is caught."""
+    torch.manual_seed(T * 7 + Q)
+    x, dt, A, B, C, S0 = inputs(T, nh, hd, N, ng, "cpu", dtype_bc=torch.bfloat16)
+    want = sorted({1, min(Q, T - 1), T // 2, T - 1} | ({Q + 1} if Q + 1 < T else set()))
+    taps = dict.fromkeys(want)
+    y, S = chunk_scan(x, dt, A, B, C, S0, Q, taps=taps)
+    y0, S_0 = chunk_scan(x, dt, A, B, C, S0, Q)
+    assert torch.equal(y, y0) and torch.equal(S, S_0)
+    for t in want:
+        _, ref = recurrence64(x[:t], dt[:t], A, B[:t], C[:t], S0)
+        assert rel_err(taps[t], ref.float()) < TOL, t
+        _, late = recurrence64(x[:t + 1], dt[:t + 1], A, B[:t + 1], C[:t + 1], S0)
+        assert rel_err(late.float(), ref.float()) > 100 * TOL, f"the state at {t + 1} passes for {t}: no proof"
+    with pytest.raises(ValueError, match="inside"):
+        chunk_scan(x, dt, A, B, C, S0, Q, taps={T: None})

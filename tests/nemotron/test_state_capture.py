@@ -133,3 +133,52 @@ def test_gpu_captures_held_on_the_device_equal_the_pinned_ones(synth):
                 for name in ("conv", "ssm") if a["kind"] == "mamba" else ("k", "v"):
                     assert a[name].device.type == "cpu"
                     torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+def test_mamba_states_come_from_the_scan_not_from_a_cut(model, monkeypatch):
+    """A capture inside a Mamba piece is read from that piece's own scan (Mamba2Mixer taps): each Mamba layer runs
+    once per piece, no extra tiny piece after the snapshot point, and the state still equals a prefill stopped
+    there. The twin: MOESTREAM_CAPTURE_CUT=1 (the old cut) runs one more Mamba call per layer — the count tells."""
+    from nemotron.mamba import Mamba2Mixer
+    ids, k = _ids(60, seed=9), 53
+    calls = []
+    real = Mamba2Mixer.__call__
+
+    def counted(self, h, st, taps=None):
+        calls.append(h.shape[0])
+        return real(self, h, st, taps)
+    monkeypatch.setattr(Mamba2Mixer, "__call__", counted)
+    n_mamba = sum(isinstance(mx, Mamba2Mixer) for mx in model.mixers)
+    for cut, per_layer in ((False, [60]), (True, [53, 7])):
+        monkeypatch.setenv("MOESTREAM_CAPTURE_CUT", "1" if cut else "0")
+        calls.clear()
+        caps = Captures([k])
+        model.forward(ids, model.new_state(), pieces=Pieces(tokens=64), captures=caps)
+        assert calls == per_layer * n_mamba, (cut, calls)
+        _close(caps.states()[k], _stopped_at(model, ids, k))
+
+
+def test_mixer_taps_across_its_own_pieces(model):
+    """The mixer's own split (calls longer than its piece): taps inside a sub-piece, on a sub-piece's boundary and in
+    the ragged last chunk each equal the state of a call that stops there."""
+    from nemotron.mamba import Mamba2Mixer, MambaState
+    mx = next(m_ for m_ in model.mixers if isinstance(m_, Mamba2Mixer))
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(45, model.config.hidden_size, generator=g)
+    st0 = MambaState(torch.randn(mx.conv_w.shape[1] - 1, mx.conv_dim, generator=g),
+                     torch.randn(mx.nh, mx.hd, mx.N, generator=g))
+    old = mx.piece
+    try:
+        mx.piece = 16                               # sub-pieces 0-16, 16-32, 32-45 (chunk 8: a ragged 5 at the end)
+        taps = {t: None for t in (3, 16, 21, 42)}
+        y = mx(h, st0.clone(), taps)
+        for t, got in taps.items():
+            ref = st0.clone()
+            mx(h[:t], ref)
+            # (in_proj over t rows or over all of them: the GEMM's sums may round apart, ~1e-6)
+            torch.testing.assert_close(got.conv, ref.conv, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.ssm, ref.ssm, rtol=1e-5, atol=1e-5)
+            assert float((got.ssm - st0.ssm).abs().max()) > 1e-2      # not the start state handed back
+        torch.testing.assert_close(y, mx(h, st0.clone()), rtol=0, atol=0)     # the taps change nothing else
+    finally:
+        mx.piece = old
