@@ -10,10 +10,12 @@ Waking the other side is the caller's business (a posix_ipc semaphore post after
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 HEADER_BYTES = 128
 _LEN_BYTES = 4
+_LEN = struct.Struct("<I")     # a record's length, little-endian as peek reads it
 _fence_lock = threading.Lock()
 
 
@@ -53,7 +55,7 @@ class Ring:
         if head - self._tail.value >= self.capacity:
             return False
         off = (head % self.capacity) * self.record_bytes
-        self._data[off:off + _LEN_BYTES] = n.to_bytes(_LEN_BYTES, "little")
+        _LEN.pack_into(self._data, off, n)
         self._data[off + _LEN_BYTES:off + _LEN_BYTES + n] = payload
         full_fence()  # payload before the head that publishes it
         self._head.value = head + 1

@@ -116,13 +116,18 @@ class RouterOutputs:
         w = torch.empty(routers, 1, k, dtype=torch.float32, device=h.device)
         return cls(torch.empty_like(h), choice[:k].view(1, k), w[0], choice, choice_host, k, w)
 
+    def __post_init__(self):
+        # read through numpy: a list from numpy's tolist costs the host about half of torch's (0.36 against 0.63 µs warm
+        # on the VM, more where the route path starts cold after waiting for the disk)
+        self._choice_np = self.choice_host.numpy()
+
     def route_out(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts int64 [R, 1, k], weights fp32 [R, 1, k]): where `MoEMixer.route` writes."""
         return self.choice.view(-1, 1, self.k), self.route_weights
 
     def on_host(self) -> tuple[list[int], list[int]]:
         """(chosen experts, guess for the next MoE layer); only after the event behind the `Route` op's copy."""
-        ids = self.choice_host.tolist()
+        ids = self._choice_np.tolist()
         return ids[:self.k], ids[self.k:]
 
 

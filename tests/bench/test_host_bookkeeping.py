@@ -1,6 +1,7 @@
 """bench/host_bookkeeping.py on a few tokens: every scenario takes the path it is named for (all hits: every layer
 addressed; misses: layers run eagerly; a VRAM tier: hits there), the figures are written."""
 import json
+import time
 
 from bench import host_bookkeeping
 
@@ -20,3 +21,39 @@ def test_each_scenario_takes_its_path(synth, tmp_path):
     for m in med.values():
         assert m["critical_path"] > 0 and m["lookup"] > 0 and m["message"] > 0
     assert "| hits |" in (tmp_path / "host_bookkeeping-t.txt").read_text()
+    for m in med.values():
+        assert 0.0 <= m["preempted_share"] <= 1.0 and m["median_critical_path"] > 0
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_involuntary_switches_count_a_core_taken_not_a_sleep():
+    """The bench's preemption flag: a busy process on this thread's only core takes it from a spinning thread (counted);
+    the twin, a thread that sleeps as long, gives its core up itself (not counted)."""
+    import multiprocessing as mp
+    import os
+    cpu = min(os.sched_getaffinity(0))
+    before_affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        ctx = mp.get_context("fork")
+        hog = ctx.Process(target=_spin, args=(1.0,))
+        hog.start()                  # inherits the one-core affinity
+        try:
+            n0 = host_bookkeeping.involuntary_switches()
+            _spin(0.3)
+            taken = host_bookkeeping.involuntary_switches() - n0
+        finally:
+            hog.terminate()
+            hog.join()
+        n0 = host_bookkeeping.involuntary_switches()
+        for _ in range(30):
+            time.sleep(0.01)
+        slept = host_bookkeeping.involuntary_switches() - n0
+    finally:
+        os.sched_setaffinity(0, before_affinity)
+    assert taken >= 5 and slept <= 2, (taken, slept)

@@ -539,3 +539,22 @@ def test_the_tier_fills_whole_layers_from_disk(store, monkeypatch, asks):
     assert all(whole) == asks, (whole, t)
     if asks:
         assert reads <= n       # each block read once: the fill copies from the slab, it does not read again
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_the_host_reads_the_choice_as_the_router_last_wrote_it(view):
+    """`RouterOutputs.on_host` reads the pinned row through a view made once: each token's copy is seen, as Python
+    ints. Twin (view=False): a copy of the row taken at allocation never sees a token's choice."""
+    from gpu_worker.decode_graphs import RouterOutputs
+    k = 3
+    row = torch.zeros(2 * k, dtype=torch.long)
+    out = RouterOutputs.alloc(torch.zeros(1, 4), k, 2, torch.zeros(2 * k, dtype=torch.long), row)
+    if not view:
+        out._choice_np = row.numpy().copy()
+    seen = []
+    for token in ([5, 1, 9, 2, 7, 0], [8, 3, 4, 6, 1, 2]):
+        row.copy_(torch.tensor(token))          # what the Route op's copy leaves for the host
+        seen.append(out.on_host())
+    want = [([5, 1, 9], [2, 7, 0]), ([8, 3, 4], [6, 1, 2])]
+    ok = seen == want and all(type(e) is int for c, g in seen for e in c + g)
+    assert ok == view, seen
