@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile omni pytest smoke prefill prefill2 api_ttft api_cache api_settle api_dev turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   STEPS="vision check e2e profile omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -62,11 +62,9 @@ PY
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
       timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --capture 5 \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns_capture.json" > "$OUT/prefill_turns_capture.log" 2>&1; tail -12 "$OUT/prefill_turns_capture.log";;
-    api_settle) MOESTREAM_SNAPSHOT_SETTLE=1 api_run api_ttft_settle --regimes ram --cache-prompt on;;   # states settled
-    api_dev) MOESTREAM_CAPTURE_ON_DEVICE=1 api_run api_ttft_dev --regimes ram --cache-prompt on;;   # captures held on the device
     # the cache_prompt turn's A/B in one process, interleaved (bench.prefill_turns --modes)
     turnab) timeout ${TURNS_TIMEOUT:-150} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
-           --modes ${TURN_MODES:-off,drop,cut,keep,device} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
+           --modes ${TURN_MODES:-off,drop,cut,keep} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
            --out "$OUT/prefill_turns_ab.json" > "$OUT/prefill_turns_ab.log" 2>&1; tail -8 "$OUT/prefill_turns_ab.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \

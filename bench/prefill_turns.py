@@ -3,7 +3,7 @@ against bench.prefill's 128-token prompt (H200 session 9: 152 ms of engine prefi
 bench.prefill; the server's first turns of new lengths 143-191 ms, a length seen before 86 ms).
 
     python -m bench.prefill_turns --work DIR [--moe-layers 4] [--lengths 123,126,127,124,126] [--rounds 2]
-                                  [--capture 5] [--modes off,drop,cut,keep,settle,device] [--budget-mb 0] [--profile]
+                                  [--capture 5] [--modes off,drop,cut,keep] [--budget-mb 0] [--profile]
                                   [--out F.json]
 
 The engine of bench.prefill's RAM regime (every expert cached), warmed as bench.api_ttft warms its server (two
@@ -16,8 +16,8 @@ length once per mode, interleaved in one process (the order rotated per turn), f
 turns per server cannot resolve: `off` (no capture), `drop` (captured, then dropped), `cut` (`drop` with the Mamba
 pieces cut at the snapshot point, MOESTREAM_CAPTURE_CUT=1: the way until session 10), `keep` (as the server with
 cache_prompt on: a SnapshotStore looked up before the turn, the captured state kept with `put_host`, the end state
-with `put`), `settle` (`keep` with the store's settling thread: pinned tensors moved to pageable memory), `device`
-(`keep` with the state captured on the device, moved to the host once the first token is out). `--budget-mb`:
+with `put`; session 10 also ran `settle`, the snapshot store moving kept states into pageable memory on its own
+thread: +15-25 ms, removed). `--budget-mb`:
 the prefill budget (0: the engine's default, as bench.api_ttft's server without --vram-gb). `--profile`: the first
 turn of round 1 and of round 2 under torch.profiler, the top host ops by self CPU time and the top device
 kernels, so that a first visit's extra time is read, not guessed. Each turn lists the Triton kernels it compiled
@@ -71,23 +71,20 @@ class Compiles:
             JITFunction._do_compile = self._orig
 
 
-MODES = ("off", "drop", "cut", "keep", "settle", "device")
+MODES = ("off", "drop", "cut", "keep")
 
 
-def one_turn(eng, ids, budget, capture: int, store=None, on_device: bool = False) -> dict:
+def one_turn(eng, ids, budget, capture: int, store=None) -> dict:
     """One turn; with `store` (a SnapshotStore) as the server's compute process runs a cache_prompt turn
-    (gpu_worker/worker.py): a lookup first, the captured state kept with put_host, the end state with put.
-    `on_device`: the state captured on the device and kept once the first token is out (MOESTREAM_CAPTURE_ON_DEVICE)."""
+    (gpu_worker/worker.py): a lookup first, the captured state kept with put_host, the end state with put."""
     from gpu_worker.generate import generate
-    from nemotron.model import state_to_host
     from procs.messages import SamplingParams
-    kept, held = {}, []
+    kept = {}
     kw = {}
     if capture:
-        on = ((lambda k, d: held.append((k, d))) if on_device
-              else (lambda k, d: store.put_host(ids[:k], d)) if store is not None
+        on = ((lambda k, d: store.put_host(ids[:k], d)) if store is not None
               else (lambda k, d: kept.__setitem__(k, d)))
-        kw = dict(capture_at=[len(ids) - capture], on_capture=on, capture_on_device=on_device)
+        kw = dict(capture_at=[len(ids) - capture], on_capture=on)
     torch.cuda.synchronize()
     t = time.perf_counter()
     restored = store.lookup(ids) if store is not None else None
@@ -101,9 +98,6 @@ def one_turn(eng, ids, budget, capture: int, store=None, on_device: bool = False
                   context_ids=ids, **kw)
     first = next(it)
     t_first = time.perf_counter() - t
-    for k, d in held:           # as the worker does once the first token is sent
-        store.put_host(ids[:k], state_to_host(d))
-    held.clear()
     out = [first.token] + [s.token for s in it]
     torch.cuda.synchronize()
     if store is not None:
@@ -116,16 +110,16 @@ def one_turn(eng, ids, budget, capture: int, store=None, on_device: bool = False
 
 
 def mode_args(mode: str, capture: int, stores: dict):
-    """(capture, store, on_device) of a turn in `mode`."""
+    """(capture, store) of a turn in `mode`."""
     if mode == "off":
-        return 0, None, False
-    return capture, stores.get(mode), mode == "device"
+        return 0, None
+    return capture, stores.get(mode)
 
 
-def profile_turn(eng, ids, budget, capture, top=14, store=None, on_device=False) -> dict:
+def profile_turn(eng, ids, budget, capture, top=14, store=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        r = one_turn(eng, ids, budget, capture, store, on_device)
+        r = one_turn(eng, ids, budget, capture, store)
     ev = prof.key_averages()
     host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     dev = sorted(ev, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
@@ -173,9 +167,8 @@ def main(argv=None):
                capture=capture, modes=modes, budget_mb=a.budget_mb, turns=[])
     with StreamingEngine(store_dir, cache_bytes=int(all_experts_bytes(store) * 1.02) + (8 << 20),
                          io_workers=a.io_workers, device="cuda", dtype=torch.bfloat16) as eng, Compiles() as comp:
-        from gpu_worker.snapshots import SnapshotStore, _pinned
-        stores = {m: SnapshotStore("bench", eng.model.new_state, "cuda", settle=_pinned if m == "settle" else None)
-                  for m in modes if m in ("keep", "settle", "device")}
+        from gpu_worker.snapshots import SnapshotStore
+        stores = {m: SnapshotStore("bench", eng.model.new_state, "cuda") for m in modes if m == "keep"}
         warm_all(eng, store)
         for i in range(2):          # as bench.api_ttft warms its server
             one_turn(eng, text_ids(tok, corpus, vocab, a.warm_tokens, 900 + i), budget, 0)
@@ -187,15 +180,15 @@ def main(argv=None):
                     mode = modes[(i + j) % len(modes)]          # rotated: no mode always runs first
                     seed += 1
                     ids = text_ids(tok, corpus, vocab, n, seed)
-                    cap, st, dev = mode_args(mode, capture, stores)
+                    cap, st = mode_args(mode, capture, stores)
                     if mode == "cut":       # the Mamba pieces cut at the snapshot point (the way before session 10)
                         os.environ["MOESTREAM_CAPTURE_CUT"] = "1"
                     else:
                         os.environ.pop("MOESTREAM_CAPTURE_CUT", None)
                     if a.profile and i == 0 and (len(modes) == 1 or rnd == a.rounds):
-                        r = profile_turn(eng, ids, budget, cap, store=st, on_device=dev)
+                        r = profile_turn(eng, ids, budget, cap, store=st)
                     else:
-                        r = one_turn(eng, ids, budget, cap, st, dev)
+                        r = one_turn(eng, ids, budget, cap, st)
                     if st is not None:
                         st.settled(5.0)         # the server's next turn comes after the client's round trip
                     r["round"], r["mode"], r["compiles"] = rnd, mode, comp.take()

@@ -23,7 +23,7 @@ class Step:
 def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, prefill_budget: int | None = None,
              cancel: threading.Event | None = None, logprobs: int | None = None, grammar=None,
              context_ids: list[int] | None = None, max_span: int = 0, capture_at=(),
-             on_capture=None, capture_on_device: bool = False) -> Iterator[Step]:
+             on_capture=None) -> Iterator[Step]:
     """Yields tokens as they are chosen. `state` (an InferenceState that already holds a prefix) is advanced
     in place; a stop token ends generation and is yielded with finish_reason 'stop'. The last yielded token
     is never fed to the model, so afterwards `state.position` tokens of prompt + output are in the state.
@@ -33,13 +33,13 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
     `prompt_ids` is the tail after a snapshot) is what repetition_penalty looks back at.
     `prefill_budget` (device bytes for the prompt's activations; None: `prefill.default_budget`) and `max_span`
     bound the prefill's spans (`gpu_worker.prefill.prefill`); `capture_at` / `on_capture` take states inside the
-    prompt as it is prefilled (indices into `prompt_ids`; the same function's, as is `capture_on_device`)."""
+    prompt as it is prefilled (indices into `prompt_ids`; the same function's)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     state = model.new_state() if state is None else state
     sampler = Sampler(params, prompt_ids=context_ids if context_ids is not None else prompt_ids, grammar=grammar)
     logits = prefill(model, prompt_ids, state, cancel=cancel, budget_bytes=prefill_budget, max_span=max_span,
-                     capture_at=capture_at, on_capture=on_capture, capture_on_device=capture_on_device)
+                     capture_at=capture_at, on_capture=on_capture)
     if logits is None:      # cancelled
         return
     stops = set(params.stop_token_ids)

@@ -379,16 +379,14 @@ def _streaming_source(model):
 @torch.inference_mode()
 def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images: ImageRows | None = None,
             cancel=None, budget_bytes: int | None = None, max_span: int = 0, all_logits: bool = False,
-            capture_at=(), on_capture=None, capture_on_device: bool = False):
+            capture_at=(), on_capture=None):
     """Feed ids[start:end] into `state` (which holds ids[:start]); returns the logits of the last token fed
     ([1, vocab]; with all_logits every token's, [end - start, vocab]) or None if nothing was fed or the prefill
     was cancelled. A set `cancel` stops it within one layer; the state, part-way through a call, is emptied
     (position 0) so that nobody keeps it. `max_span` caps the span below the budget's (0: the budget alone).
     `capture_at`: indices k into ids (start < k < end) where `on_capture(k, host_state)` gets the state after
     ids[:k] (InferenceState.to_host's layout), taken inside the span that holds k (nemotron.model.Captures) or at a
-    span's end: the prompt is not cut there, so its experts are read once (the server's snapshot point).
-    `capture_on_device`: the states handed to `on_capture` stay on the model's device (clones; the caller moves them
-    with `nemotron.model.state_to_host`), so the pass neither pins memory nor waits for a copy."""
+    span's end: the prompt is not cut there, so its experts are read once (the server's snapshot point)."""
     end = len(ids) if end is None else end
     if end <= start:
         return None
@@ -423,14 +421,14 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             kw = images.within(pos, e) if images is not None else {}
             inside = [k - pos for k in capture_at if pos < k < e]
             if inside:
-                kw["captures"] = Captures(inside, on_device=capture_on_device)
+                kw["captures"] = Captures(inside)
             out = model.forward(ids[pos:e], state, last_only=not all_logits, cancel=cancel, pieces=plan.pieces, **kw)
             parts.append(out if all_logits else out[-1:])
             if inside:
                 for c, d in kw["captures"].states().items():
                     on_capture(pos + c, d)
             if e in capture_at:
-                on_capture(e, state.to_host(copy=torch.clone if capture_on_device else None))
+                on_capture(e, state.to_host())
             pos = e
     except Cancelled:
         fresh = model.new_state()

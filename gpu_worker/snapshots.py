@@ -76,36 +76,6 @@ def check_compatible(d: dict, template: InferenceState, n_tokens: int) -> str | 
     return template.host_mismatch(d)
 
 
-def _moved(x, move):
-    """x (dicts, lists, tuples of tensors and plain values) with every tensor that `move(t)` names copied into
-    fresh pageable memory; None if none was."""
-    if isinstance(x, torch.Tensor):
-        if not move(x):
-            return None
-        out = torch.empty(x.shape, dtype=x.dtype)
-        out.copy_(x)
-        return out
-    if isinstance(x, dict):
-        got = {k: _moved(v, move) for k, v in x.items()}
-        return None if all(v is None for v in got.values()) else {k: x[k] if got[k] is None else got[k] for k in x}
-    if isinstance(x, (list, tuple)):
-        got = [_moved(v, move) for v in x]
-        return None if all(v is None for v in got) else type(x)(v if g is None else g for v, g in zip(x, got))
-    return None
-
-
-def _pinned(t: torch.Tensor) -> bool:
-    return t.is_pinned()
-
-
-# Off until a GPU run measures it (bench/NOTES.md "Session 9", call 4): a state captured inside the prefill sits in
-# pinned memory, and a kept snapshot held it, so each chat turn pinned fresh memory inside the pass (cache_prompt
-# turns +17 ms on the synthetic Super; copying to pageable memory on the turn's path made it +31 ms). With
-# MOESTREAM_SNAPSHOT_SETTLE=1 the store copies a kept state's pinned tensors into pageable memory on its own thread,
-# after the turn's prefill, and drops the pinned ones, which torch's pinned cache then gives to the next capture.
-SETTLE_PINNED = os.environ.get("MOESTREAM_SNAPSHOT_SETTLE", "0") == "1"
-
-
 def state_bytes(d: dict) -> int:
     n = 0
     for s in d["layers"]:
@@ -194,11 +164,8 @@ class Restored:
 
 class SnapshotStore:
     def __init__(self, key: str, template_fn, device, max_count: int = 32, max_bytes: int = 2 << 30,
-                 directory=None, max_disk_count: int = 64, log=None, settle=None):
-        """template_fn() -> a fresh InferenceState of the model (to check shapes); device: the model's.
-        settle: a predicate on a kept state's tensors — those it names are copied into pageable memory by the
-        store's settling thread after `put_host` returns, and the originals let go (default: the pinned ones where
-        MOESTREAM_SNAPSHOT_SETTLE=1, else none)."""
+                 directory=None, max_disk_count: int = 64, log=None):
+        """template_fn() -> a fresh InferenceState of the model (to check shapes); device: the model's."""
         self.key, self.template_fn, self.device = key, template_fn, torch.device(device)
         self.max_count, self.max_bytes = max_count, max_bytes
         self.dir = Path(directory) if directory else None
@@ -213,10 +180,6 @@ class SnapshotStore:
         self._writing = 0
         self._wake = threading.Condition(self._lock)
         self._closing = False
-        self._settle = settle if settle is not None else (_pinned if SETTLE_PINNED else None)
-        self._to_settle: list[tuple] = []
-        self._settling = 0
-        self._settler: threading.Thread | None = None
         if self.dir is not None:
             _private_dir(self.dir, self.log)
             self._sweep_tmp()
@@ -253,47 +216,19 @@ class SnapshotStore:
             if self.dir is not None and k not in self.disk:
                 self._pending.append((k, d))
                 self._wake.notify_all()
-            if self._settle is not None and k in self.ram:
-                self._to_settle.append(k)
-                if self._settler is None:
-                    self._settler = threading.Thread(target=self._settle_loop, name="snapshot-settler", daemon=True)
-                    self._settler.start()
-                self._wake.notify_all()
-
-    def _settle_loop(self) -> None:
-        """Kept states' tensors that `settle` names, copied into pageable memory off the turn's path (torch's copy
-        runs without the GIL), swapped in if the entry is still the one that was kept."""
-        while True:
-            with self._lock:
-                if not self._wait_for(self._to_settle):
-                    return
-                k = self._to_settle.pop(0)
-                e = self.ram.get(k)
-                d = e.state if e is not None else None
-                self._settling += 1
-            try:
-                new = _moved(d, self._settle) if d is not None else None
-                with self._lock:
-                    if new is not None and self.ram.get(k) is e and e.state is d:
-                        e.state = new
-            finally:
-                d = new = None
-                with self._lock:
-                    self._settling -= 1
-                    self._wake.notify_all()
 
     def _wait_for(self, queue: list) -> bool:
-        """A background thread's wait, the lock held: True once `queue` has work, False once the store closes with
+        """The writer thread's wait, the lock held: True once `queue` has work, False once the store closes with
         none left (what was queued before close() is still done)."""
         while not queue and not self._closing:
             self._wake.wait()
         return bool(queue)
 
     def settled(self, timeout: float = 30.0) -> bool:
-        """Wait until every kept state is settled and written (tests); False on timeout."""
+        """Wait until every kept state is written (tests, benches); False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._to_settle or self._settling or self._pending or self._writing:
+            while self._pending or self._writing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -429,10 +364,9 @@ class SnapshotStore:
         with self._lock:
             self._closing = True
             self._wake.notify_all()
-        for t in (self._writer, self._settler):
-            if t is not None:
-                t.join(timeout)
-        self._writer = self._settler = None
+        if self._writer is not None:
+            self._writer.join(timeout)
+        self._writer = None
 
     def info(self) -> dict:
         with self._lock:

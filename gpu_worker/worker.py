@@ -29,11 +29,6 @@ from procs.spawn import die_with_parent
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# A chat turn's snapshot point (cache_prompt) captured on the device and moved to the host only once the turn's first
-# token is out: the prefill then pins no memory and waits for no copy. Off until a GPU run measures it
-# (bench/NOTES.md "Session 10"; bench.prefill_turns --modes keep,device).
-CAPTURE_ON_DEVICE = os.environ.get("MOESTREAM_CAPTURE_ON_DEVICE", "0") == "1"
-
 
 def log(msg: str) -> None:
     print(f"gpu_worker: {msg}", file=sys.stderr, flush=True)
@@ -90,7 +85,6 @@ class _Request:
     pos: int = 0
     rows: tuple | None = None        # (embeddings, positions) of the image tokens still to feed
     keep: list = field(default_factory=list)     # snapshot points the prefill still has to capture (absolute)
-    held: list = field(default_factory=list)     # (k, state on the device) captured, kept once the first token is out
 
 
 @dataclass
@@ -250,19 +244,8 @@ class Worker:
             req.keep = []
 
     def _keep(self, req: _Request, k: int, d: dict) -> None:
-        """A state captured inside the prompt after ids[:k]: kept as that prefix's snapshot (held on the device
-        until the first token is out, with CAPTURE_ON_DEVICE)."""
-        if CAPTURE_ON_DEVICE:
-            req.held.append((k, d))
-        else:
-            req.snaps.put_host(req.key[:k], d)
-
-    def _keep_held(self, req: _Request) -> None:
-        """The states held on the device, copied to the host and kept (after the first token, or at the end)."""
-        from nemotron.model import state_to_host
-        while req.held:
-            k, d = req.held.pop(0)
-            req.snaps.put_host(req.key[:k], state_to_host(d))
+        """A state captured inside the prompt after ids[:k]: kept as that prefix's snapshot."""
+        req.snaps.put_host(req.key[:k], d)
 
     def _decode(self, req: _Request) -> _Decoded:
         """The rest of the prompt and the generated tokens, each sent as it is chosen."""
@@ -277,18 +260,14 @@ class Worker:
                                  cancel=req.cancel, logprobs=req.msg.logprobs,
                                  grammar=grammar, context_ids=req.ids,
                                  capture_at=[k - base for k in req.keep],
-                                 on_capture=lambda k, d: self._keep(req, base + k, d),
-                                 capture_on_device=CAPTURE_ON_DEVICE):
+                                 on_capture=lambda k, d: self._keep(req, base + k, d)):
                 out.t_last = time.perf_counter()
-                first = out.t_first is None
-                if first:
+                if out.t_first is None:
                     out.t_first = out.t_last
                     out.disk_at_first = self._disk_bytes()
                 out.tokens.append(step.token)
                 out.finish = step.finish_reason
                 self.chan.send(m.Token(req.msg.id, step.token, step.finish_reason, step.logprob, step.top_logprobs))
-                if first and req.held:
-                    self._keep_held(req)
         if out.finish is None:
             out.finish = "cancelled"
         if grammar is not None and grammar.rejected is not None:
@@ -300,8 +279,6 @@ class Worker:
     def _finish(self, req: _Request, out: _Decoded, a0: dict) -> None:
         """Keep the end state as a snapshot, count, and report the request's figures."""
         state, ids, cached = req.state, req.ids, req.cached
-        if req.held:                # no first token (e.g. cancelled after the prefill): kept as the host path would
-            self._keep_held(req)
         if req.snaps is not None and state.position > 0:
             full = req.key + out.tokens
             req.snaps.put(full[:state.position], state)
@@ -340,7 +317,7 @@ class Worker:
         keep = (lambda k, d: self._keep(req, k, d)) if capture_at else None
         prefill(self.model, ids, state, pos, end, images=ImageRows(*rows) if rows is not None else None,
                 cancel=cancel, budget_bytes=self.prefill_budget, max_span=self.prefill_chunk,
-                capture_at=capture_at, on_capture=keep, capture_on_device=CAPTURE_ON_DEVICE)
+                capture_at=capture_at, on_capture=keep)
         return state.position
 
     def _image_layout(self, img: m.Images, n_ids: int) -> _PromptImages:

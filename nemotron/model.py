@@ -72,31 +72,27 @@ class Pieces:
 class Captures:
     """States inside one `forward` call, without a second call: for each offset c (0 < c < T, from the call's first
     token) the state after the call's first c tokens, in `InferenceState.to_host`'s layout (a snapshot's payload),
-    built layer by layer as the layer-major pass goes: a Mamba layer's pieces are cut at c and its state copied there,
+    built layer by layer as the layer-major pass goes: a Mamba layer's state at c read from its piece's own scan,
     an attention layer's KV rows up to c copied once the layer is done, the others hold none. Where a chat's last
     message ends (the server's snapshot point) the prompt then needs one pass over its experts instead of two (one
     prefill up to c, one for the generation prompt after it, which re-read the experts both touch)."""
 
-    def __init__(self, offsets, on_device: bool = False):
-        """on_device: CUDA states are copied on the device (a clone, no pinned memory, no wait) and handed out there;
-        the caller moves them to the host later (`state_to_host`), e.g. once the turn's first token is out."""
+    def __init__(self, offsets):
         self.offsets = sorted({int(c) for c in offsets})
         self.layers: dict[int, list] = {c: [] for c in self.offsets}
         self.position0: int | None = None
-        self.on_device = on_device
-        # A Mamba layer's state inside a piece comes from the scan itself (Mamba2Mixer's taps); MOESTREAM_CAPTURE_CUT=1:
-        # the piece cut at the offset instead (the way until session 10: a second, tiny piece through every Mamba
-        # layer, ~8 ms of a 126-token turn on the H200, bench/NOTES.md "Session 10")
+        # A Mamba layer's state inside a piece comes from the piece's own scan (Mamba2Mixer's taps). MOESTREAM_CAPTURE_CUT=1
+        # cuts the piece at the offset instead (the way until session 10): a second, tiny piece through every Mamba
+        # layer, whose M <= 8 GEMV variants a server's first chat turn compiled (1.2 s on the H200, bench/NOTES.md
+        # "Session 10"); in steady state the two cost the same within the turns' spread.
         self.cut_pieces = os.environ.get("MOESTREAM_CAPTURE_CUT", "0") == "1"
         self._device_copies = False     # CUDA: copies into pinned memory, queued, waited for once in `states`
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of t. From CUDA into pinned memory without a sync (the pass goes on; the stream's order keeps
-        t's memory until the copy has run): `states` waits for the copies once. With on_device, a device clone."""
+        t's memory until the copy has run): `states` waits for the copies once."""
         if not t.is_cuda:
             return t.to("cpu", copy=True)
-        if self.on_device:
-            return t.clone()
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t, non_blocking=True)
         self._device_copies = True
@@ -126,18 +122,6 @@ class Captures:
         return {c: {"position": self.position0 + c, "layers": list(self.layers[c])} for c in self.offsets}
 
 
-def state_to_host(d):
-    """A captured state (`Captures.states`' layout; also any dict / list of tensors and plain values) with every
-    device tensor copied into pageable host memory, synchronously; host tensors are kept as they are."""
-    if isinstance(d, torch.Tensor):
-        return d.to("cpu", copy=True) if d.device.type != "cpu" else d
-    if isinstance(d, dict):
-        return {k: state_to_host(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return type(d)(state_to_host(v) for v in d)
-    return d
-
-
 @dataclass
 class InferenceState:
     layers: list = field(default_factory=list)   # per layer: MambaState | KVCache | None
@@ -146,10 +130,9 @@ class InferenceState:
     def clone(self) -> "InferenceState":
         return InferenceState([None if s is None else s.clone() for s in self.layers], self.position)
 
-    def to_host(self, copy=None) -> dict:
-        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds); `copy(t)` makes
-        each tensor's copy (default: a synchronous one to the host; `torch.clone`: the same layout on the device)."""
-        layers = [None if s is None else s.to_host(copy=copy) for s in self.layers]
+    def to_host(self) -> dict:
+        """A copy in host memory as plain tensors and numbers (what a snapshot file's payload holds)."""
+        layers = [None if s is None else s.to_host() for s in self.layers]
         return {"position": int(self.position), "layers": layers}
 
     @staticmethod

@@ -113,28 +113,6 @@ def test_gpu_captured_state_equals_a_prefill_stopped_there(synth):
     assert worst > 5e-2, "a state one token later is within the tolerance: the check above proves nothing"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captures held on the device: CUDA")
-def test_gpu_captures_held_on_the_device_equal_the_pinned_ones(synth):
-    """capture_on_device: the states handed out are device clones (no pinned memory, no wait in the pass); moved with
-    state_to_host they equal the pinned path's (two runs of the same kernels: equal up to the order of atomic adds),
-    inside a span and at its end."""
-    from nemotron.model import state_to_host
-    m = NemotronH(synth("tiny", "nvfp4"), device="cuda", dtype=torch.float32)
-    ids, host, dev = _ids(150), {}, {}
-    prefill(m, ids, m.new_state(), max_span=100, capture_at=[64, 100], on_capture=lambda p, d: host.setdefault(p, d))
-    prefill(m, ids, m.new_state(), max_span=100, capture_at=[64, 100], on_capture=lambda p, d: dev.setdefault(p, d),
-            capture_on_device=True)
-    assert sorted(dev) == [64, 100]
-    for k in (64, 100):
-        assert all(t.is_cuda for s in dev[k]["layers"] if s is not None for t in s.values() if torch.is_tensor(t))
-        moved = state_to_host(dev[k])
-        for a, b in zip(moved["layers"], host[k]["layers"]):
-            if a is not None:
-                for name in ("conv", "ssm") if a["kind"] == "mamba" else ("k", "v"):
-                    assert a[name].device.type == "cpu"
-                    torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
-
-
 def test_mamba_states_come_from_the_scan_not_from_a_cut(model, monkeypatch):
     """A capture inside a Mamba piece is read from that piece's own scan (Mamba2Mixer taps): each Mamba layer runs
     once per piece, no extra tiny piece after the snapshot point, and the state still equals a prefill stopped
