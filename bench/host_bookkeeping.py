@@ -18,8 +18,8 @@ Not in the figures (CUDA calls, not measurable here): the event record/sync, the
 launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
 expert kernels (`decode_eager`), which is time waiting for the disk, not bookkeeping.
 
-Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots`, and `VramTier.lookup` where a tier is
-on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
+Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots`, and `VramTier.lookup` / `lookup_slots`
+where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
 `set_addresses`), other (the rest: tickets, lists, addresses, counts, admissions). The parts come from one pass
 through timing wrappers. The wrappers' own cost is calibrated out, and `other` is what the pass's total leaves.
 The critical path and the after-launch time come from a second pass without wrappers; that pass also counts the
@@ -223,6 +223,8 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
             client.lookup_slots = meter.wrap(client.lookup_slots, "lookup")
         if vram is not None:
             vram.lookup = meter.wrap(vram.lookup, "lookup")
+            if hasattr(vram, "lookup_slots"):      # the decode route's lookup (its uses counted after the launch)
+                vram.lookup_slots = meter.wrap(vram.lookup_slots, "lookup")
         for t in range(tokens):
             token(t, meter, rec2)
         for name in ("lookup", "request", "release", "lookup_slots"):

@@ -177,8 +177,11 @@ class ExpertInputs:
                       up_waits: tuple[list[int], list[int], list[int]] | None = None) -> None:
         """Blocks in top-k order; up_addresses: where their up sections lie (None: in the blocks); up_waits:
         (epoch, flag) per expert whose up the copy engine is still moving, and the launch order (None: no wait)."""
-        self._addresses_np[0] = addresses
-        self._addresses_np[1] = addresses if up_addresses is None else up_addresses
+        if up_addresses is None:         # both rows from one conversion of the list (~0.9 µs of two on the VM)
+            self._addresses_np[:2] = addresses
+        else:
+            self._addresses_np[0] = addresses
+            self._addresses_np[1] = up_addresses
         if up_waits is None:
             if not self._no_waits:       # rewritten only after a route with waits: ~1.4 µs a layer on the path
                 self._addresses_np[2:4] = 0

@@ -303,17 +303,20 @@ class StreamingExperts(ExpertSource):
         self.decode_launched()           # a route whose launch was never reported: its work first
         tr = time.perf_counter()
         j, vt = moe_index, self.vram
-        on_dev = vt.lookup(j, chosen) if vt is not None else {}
-        rest = [e for e in chosen if e not in on_dev] if on_dev else chosen
+        # the VRAM tier's slots aligned with chosen (-1: in the slab; None: none on the device); their uses are
+        # counted after the launch (`score_uses` in decode_launched)
+        vslots = vt.lookup_slots(j, chosen) if vt is not None else None
+        rest = [e for e, v in zip(chosen, vslots) if v < 0] if vslots else chosen
         slots = self.client.lookup_slots(j, rest)       # aligned with rest, -1: a miss
         if -1 in slots:                  # misses: the request goes now, the kernels run eagerly as they land
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
-            return self._request(j, layer, chosen, guess, on_dev, rest, hits, waited_s, tr)
+            return self._request(j, layer, chosen, guess, _on_dev(chosen, vslots), rest, hits, waited_s, tr)
         ups, staged, waits = None, None, None
-        if on_dev:
-            at = dict(zip(rest, slots))
-            addresses = [vt.address(on_dev[e]) if e in on_dev else self._slot_address[at[e]] for e in chosen]
+        if vslots:
+            base, stride = vt.base_address, vt.slot_stride
+            in_slab = map(self._slot_address.__getitem__, slots)       # rest's addresses, in top-k order
+            addresses = [base + v * stride if v >= 0 else next(in_slab) for v in vslots]
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
             nowait = self._stage_nowait()
@@ -326,10 +329,10 @@ class StreamingExperts(ExpertSource):
                 wo = self.ups.wait_of if staged else {}
                 waits = ([wo[e][0] if e in wo else 0 for e in chosen], [wo[e][1] if e in wo else 0 for e in chosen],
                          list(range(len(chosen))))
-        self._launched = (j, chosen, guess, on_dev, rest, slots, waited_s, len(staged) if staged else 0)
+        self._launched = (j, chosen, guess, vslots, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
-        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not on_dev, up_addresses=ups,
+        return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not vslots, up_addresses=ups,
                            up_waits=waits)
 
     def _dma_ups(self, chosen, addresses, staged, ups):
@@ -395,8 +398,11 @@ class StreamingExperts(ExpertSource):
         if self._launched is None:
             return
         t0 = time.perf_counter()
-        j, chosen, guess, on_dev, rest, slots, waited_s, n_staged = self._launched
+        j, chosen, guess, vslots, rest, slots, waited_s, n_staged = self._launched
         self._launched = None
+        on_dev = _on_dev(chosen, vslots)
+        if vslots:
+            self.vram.score_uses()       # the uses its lookup found, before anything below reads the counts
         self._flush(sync=False)
         self._request(j, None, chosen, guess, on_dev, rest, rest, waited_s, None)     # every one of rest hit
         a = self.acct
@@ -925,6 +931,11 @@ class StreamingExperts(ExpertSource):
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+def _on_dev(chosen: list[int], vslots: list[int] | None) -> dict[int, int]:
+    """{expert: VRAM-tier slot} from `VramTier.lookup_slots`'s aligned slots (what `VramTier.lookup` returns)."""
+    return {e: v for e, v in zip(chosen, vslots) if v >= 0} if vslots else {}
 
 
 def ahead_copy_plan(runs: list[tuple[int, int]], every: int) -> list[list[tuple[int, int]]]:

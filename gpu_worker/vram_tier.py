@@ -30,6 +30,7 @@ its row by the router's top-k. Two rules keep that safe:
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 
 import torch
 
@@ -50,7 +51,7 @@ class VramTier:
         self.n_slots, self.block_bytes = n_slots, block_bytes
         self.buf = torch.empty((n_slots, block_stride), dtype=torch.uint8, device=self.device)
         # slot addresses by arithmetic: `buf[slot].data_ptr()` is a tensor op, ~2 µs per expert on the route path
-        self._base, self._stride = self.buf.data_ptr(), block_stride
+        self.base_address, self.slot_stride = self.buf.data_ptr(), block_stride
         self.slot_of: dict[tuple[int, int], int] = {}
         # the route path's view of the same residents, and the counts, per MoE layer with int keys: a (layer,
         # expert) tuple built and hashed per expert cost ~0.5 µs of the ~20 µs `lookup` took for 22 experts
@@ -73,6 +74,9 @@ class VramTier:
         self.held: frozenset[int] = frozenset()            # layers the current token routes on the device
         self._yielding: set[int] = set()                   # held layers an admission wanted to evict from
         self.refused = 0                                   # admissions put off a token by a held victim
+        # (layer, experts, their slots or -1) of the last `lookup_slots`: the uses it found, not yet added to the
+        # counts (the decode route adds them after the launch); added first by whatever reads or changes the counts
+        self._unscored: tuple | None = None
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +85,7 @@ class VramTier:
     @property
     def score(self) -> dict[tuple[int, int], float]:
         """Every counted expert's decayed use count by (layer, expert): a copy, for reading."""
+        self.score_uses()
         return {(j, e): v for j, row in self._sc.items() for e, v in row.items()}
 
     def row(self, j: int) -> dict[int, int]:
@@ -89,6 +94,7 @@ class VramTier:
 
     def lookup(self, j: int, experts: list[int]) -> dict[int, int]:
         """{expert: vram slot} of the experts resident on the device (counts their uses)."""
+        self.score_uses()
         if j == 0:
             self._tick()
         row = self._rows.get(j)
@@ -102,16 +108,49 @@ class VramTier:
             self.hits += len(got)
         return got
 
+    def lookup_slots(self, j: int, experts: list[int]) -> list[int] | None:
+        """`lookup` aligned with `experts`, for the decode route: each one's VRAM slot, -1 where absent; None where
+        none is resident. Its uses are added to the counts by `score_uses` (or by the next call that reads or
+        changes them), so the route can add them after the launch: the decisions are those of `lookup`. One
+        `dict.get` per expert in C and no float updates before the launch: `lookup` + the route's own pass over
+        the hits cost ~15 of the vram scenario's ~22 µs critical path (bench.host_bookkeeping, VM, session 10)."""
+        self.score_uses()
+        if j == 0:
+            self._tick()
+        row = self._rows.get(j)
+        if not row:
+            return None
+        slots = list(map(row.get, experts, repeat(-1)))
+        n = len(slots) - slots.count(-1)
+        if not n:
+            return None
+        self.hits += n
+        self._unscored = (j, experts, slots)
+        return slots
+
+    def score_uses(self) -> None:
+        """Add the uses the last `lookup_slots` found to the counts (a no-op once added)."""
+        u = self._unscored
+        if u is None:
+            return
+        self._unscored = None
+        j, experts, slots = u
+        sc, w = self._sc[j], self._w
+        for e, s in zip(experts, slots):
+            if s >= 0:
+                sc[e] += w
+
     def block(self, slot: int) -> torch.Tensor:
         return self.buf[slot, :self.block_bytes]
 
     def address(self, slot: int) -> int:
-        return self._base + slot * self._stride
+        return self.base_address + slot * self.slot_stride
 
     def want(self, j: int, e: int) -> bool:
         """Count a use from the slab; True if the expert should now be admitted (see the module docstring)."""
         if self.n_slots == 0:
             return False
+        self.score_uses()
         uses = self._uses.get(j)
         if uses is None:
             uses = self._uses[j] = {}
@@ -137,6 +176,7 @@ class VramTier:
 
     def admit(self, j: int, e: int, src: torch.Tensor) -> None:
         """Copy a block (a U8 view of a pinned slab slot) into the tier, evicting the coldest resident."""
+        self.score_uses()
         k = (j, e)
         if self.free:
             s = self.free.pop()
@@ -159,6 +199,7 @@ class VramTier:
         returns the slot. Refused while its layer is held."""
         if j in self.held:
             raise ValueError(f"VRAM tier: MoE layer {j} is routed on the device this token, its experts stay")
+        self.score_uses()
         s = self._evict((j, e))
         self._heap = [(v, k) for v, k in self._heap if k != (j, e)]
         heapq.heapify(self._heap)
@@ -227,6 +268,7 @@ class VramTier:
             heapq.heapreplace(heap, (now, k))
 
     def _tick(self) -> None:
+        self.score_uses()                # the uses found before this token, at their token's weight
         self._w *= self._growth
         if self._w > _RESCALE_AT:
             w = self._w

@@ -142,7 +142,9 @@ def test_vram_tier_and_slab_addresses_mixed(rig):
             src.slab.data_ptr() + slot_of[0, 60] * src.slot_bytes, vt.buf[vt.slot_of[0, 12]].data_ptr()]
     assert r.addresses == want and not r.count_down_groups
     assert shm.slot_pins[slot_of[0, 3]] == 0 and shm.slot_pins[slot_of[0, 7]] == 1
+    assert vt._sc[0][3] == 1.0                 # the uses the route found are counted after the launch ...
     src.decode_launched()
+    assert vt.score[0, 3] == vt.score[0, 12] == 1.0 + vt._w       # ... at this token's weight
     assert messages(shm) == [[MSG_LAYER, 0, [7, 60], 1, [5, 6]]]
     assert src.acct.vram_hits == 2 and src.acct.bytes_from_vram == 2 * src.block_bytes
     assert torch.equal(vt.block(vt.slot_of[0, 7]), src.slab[slot_of[0, 7], :src.block_bytes])   # admitted
