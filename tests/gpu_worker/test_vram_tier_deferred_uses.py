@@ -33,6 +33,7 @@ class TickFirst(VramTier):
         super()._tick()
         self._unscored = pending
 
+
 def run(vt, tokens, aligned: bool):
     """One lookup per MoE layer, then want / admit for the rest, as gpu_worker/streaming.py drives the tier. aligned:
     `lookup_slots`, its uses added by an explicit `score_uses` at two layers in three (as `decode_launched` does),
