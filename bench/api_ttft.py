@@ -194,6 +194,20 @@ def main(argv=None):
             with_floor(t, cfg, store.block_bytes, c)
         res[name] = r
         out_path.write_text(json.dumps(res, indent=1, default=float))
+    if "disk" in res:
+        # The virtual disk moved by 1.4-1.7x within one device call (H200 session 10): the turns of call 1 beat a
+        # probe taken minutes before them. The probe again after the disk regime; the best of both is the ceiling
+        # (a floor the run beats is not a floor), both kept in the JSON.
+        if cuda:
+            torch.cuda.empty_cache()
+        after = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(384, n_blocks // 3),
+                                   repeats=3)
+        c["disk_after_regime"] = after
+        c["disk_gbps_before_regime"] = c["disk_gbps"]
+        c["disk_gbps"] = max(c["disk_gbps"], after["gbps"])
+        for name in a.regimes.split(","):
+            for t in res[name]["turns"]:
+                with_floor(t, cfg, store.block_bytes, c)
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s; chat template {res.get('template_tokens')} tokens")
     print("regime | prompt tokens | client TTFT s (median of n) | server prompt ms | floor s (by) | ratio | "
