@@ -145,7 +145,7 @@ class Mamba2Mixer:
         conv runs (a kernel may update the state in place)."""
         km = conv.shape[0]
         rows = xBC[t - km:t] if t >= km else torch.cat([conv[t:].to(xBC.dtype), xBC[:t]])
-        return rows.to(conv.dtype, copy=True)
+        return rows.to(conv.dtype, copy=True, memory_format=torch.contiguous_format)
 
     def _conv(self, xBC: torch.Tensor, st: MambaState) -> torch.Tensor:
         conv = causal_conv1d if backend.use_triton(xBC, "mamba_conv") else causal_conv1d_torch
