@@ -165,7 +165,7 @@ def main(argv=None):
     capture = a.capture or (5 if a.modes else 0)
     res = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), lengths=lengths,
                capture=capture, modes=modes, budget_mb=a.budget_mb, turns=[])
-    with StreamingEngine(store_dir, cache_bytes=int(all_experts_bytes(store) * 1.02) + (8 << 20),
+    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store),
                          io_workers=a.io_workers, device="cuda", dtype=torch.bfloat16) as eng, Compiles() as comp:
         from gpu_worker.snapshots import SnapshotStore
         stores = {m: SnapshotStore("bench", eng.model.new_state, "cuda") for m in modes if m == "keep"}

@@ -217,13 +217,6 @@ class SnapshotStore:
                 self._pending.append((k, d))
                 self._wake.notify_all()
 
-    def _wait_for(self, queue: list) -> bool:
-        """The writer thread's wait, the lock held: True once `queue` has work, False once the store closes with
-        none left (what was queued before close() is still done)."""
-        while not queue and not self._closing:
-            self._wake.wait()
-        return bool(queue)
-
     def settled(self, timeout: float = 30.0) -> bool:
         """Wait until every kept state is written (tests, benches); False on timeout."""
         deadline = time.monotonic() + timeout
@@ -312,7 +305,9 @@ class SnapshotStore:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                if not self._wait_for(self._pending):
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                if not self._pending:    # closing with nothing left (what was queued before close() is written)
                     return
                 k, d = self._pending.pop(0)
                 self._writing += 1

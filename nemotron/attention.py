@@ -38,6 +38,7 @@ def sdpa_order() -> list:
     except KeyError as e:
         raise ValueError(f"MOESTREAM_SDPA_ORDER={order!r}: {e.args[0]!r} is not one of {', '.join(names)}") from None
 
+
 class KVCache:
     __slots__ = ("k", "v", "length")
 
