@@ -347,12 +347,13 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
 
 # Device routing: every expert of a MoE layer in the VRAM tier, its block addresses gathered on the device from the
 # tier's table by the router's top-k, no host decision; the host does the layer's bookkeeping after the token.
-def vram_engine(store, device_routing: bool, record=None):
-    """As on CUDA (blocks by address), a VRAM tier of every expert, the slab warmed with every expert."""
+def vram_engine(store, device_routing: bool, record=None, tier_blocks: int | None = None):
+    """As on CUDA (blocks by address), a VRAM tier of every expert (or of tier_blocks), the slab warmed with every
+    expert."""
     n, stride = store[2], store[3]
     eng = engine(store, n + 8, addressed=True)
     ex = eng.experts
-    ex.vram = eng._vram_tier(eng.model.dense_nbytes() + n * stride, 0, "cpu", 1)
+    ex.vram = eng._vram_tier(eng.model.dense_nbytes() + (tier_blocks or n) * stride, 0, "cpu", 1)
     ex.device_routing, ex.record = device_routing, record
     client = eng.sup.client()
     for j in range(ex.n_moe):
@@ -431,6 +432,48 @@ def test_device_routed_decode_equals_host_routed(store, plain_addressed, host_ro
     assert all(p == moe_layers for p in plans[2:]), plans
     assert len(g.plans[moe_layers][0]) == 1      # a token routed on the device alone: one graph
     assert torch.equal(out, host_routed[0]), (out - host_routed[0]).abs().max()
+    assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
+@cpu_only
+@pytest.mark.parametrize("sees_the_tier", [True, False])
+def test_no_ups_staged_for_a_layer_with_vram_residents(store, plain_addressed, monkeypatch, sees_the_tier):
+    """A layer with any chosen expert in the VRAM tier runs the two-launch kernels, which read every up from its
+    block: the staging copies no guessed up for a layer whose tier holds residents (on the H200, session 11, 98 %
+    of them went unread: 33 MB a token over the bus). Same logits as the plain forward.
+    Twin: a staging blind to the tier copies ups for such layers."""
+    from gpu_worker.streaming import StreamingExperts
+    real, calls = StreamingExperts.decode_stage, []
+
+    def blind(self):
+        vt, self.vram = self.vram, None
+        try:
+            real(self)
+        finally:
+            self.vram = vt
+
+    def watched(self):
+        nxt = self._next_guess
+        resident = nxt is not None and bool(self.vram.row(nxt[0]))
+        before = self.acct.ups_staged
+        (real if sees_the_tier else blind)(self)
+        calls.append((resident, self.acct.ups_staged - before))
+    monkeypatch.setattr(StreamingExperts, "decode_stage", watched)
+    # a tier of a third of the experts: the guesses it lacks are staged unless the layer holds residents
+    with vram_engine(store, device_routing=False, tier_blocks=store[2] // 3) as eng:
+        if sees_the_tier:
+            out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        else:                            # a few tokens show the waste; the logits are not on trial
+            st = eng.new_state()
+            eng.forward([1, 2, 3], st)
+            for t in range(3):
+                eng.step(7 + t, st)
+    staged_for_tier_layers = sum(n for resident, n in calls if resident)
+    assert any(resident for resident, _ in calls), calls       # the tier held residents at some staging
+    if not sees_the_tier:
+        assert staged_for_tier_layers > 0, calls
+        return
+    assert staged_for_tier_layers == 0, calls
     assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
 
 
