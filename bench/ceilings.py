@@ -81,26 +81,25 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
 def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> dict:
     """H2D the way a prompt's staged experts cross: from the pinned, CUDA-registered shm slab of `source` (a
     gpu_worker.streaming source whose cache holds the blocks) through the prefill's own staging ring
-    (`_StagingRing`: two launches' slots, one launch's blocks a batch, `copy_runs`' merged copies of adjacent slab
-    rows, one copy stream), `n_blocks` slab rows in slab order (default: every slot), no kernel in between; best of
+    (`_StagingRing`: two launches' slots, one launch's blocks a batch, `SlabRows`' driver copies with adjacent slab
+    rows merged, one copy stream), `n_blocks` slab rows in slab order (default: every slot), no kernel in between; best of
     `repeats`. The 1 GiB pinned copy (bench.e2e_stream.copy_gbps) is not how these bytes move: 13 MB copies from a
     registered shm mapping ran at ~49 GB/s where it measured 55 (session 8's 16k profile)."""
     import torch
     from cache_shm.cuda_map import chunk_slots
-    from gpu_worker.streaming import _StagingRing
+    from gpu_worker.streaming import SlabRows, _StagingRing
     slab = source.slab
     n_blocks = min(n_blocks or slab.shape[0], slab.shape[0])
     per = max(1, source._launch_limits(2)[0])
-    base, step = slab.data_ptr(), chunk_slots(source.slot_bytes) * source.slot_bytes
     ring = _StagingRing(2 * per, source.store.block_stride, source.geom.block_bytes, source.device,
-                        segment=lambda ptr: (ptr - base) // step)
+                        SlabRows(slab, chunk_slots(source.slot_bytes)))
     moved = n_blocks * source.geom.block_bytes
     runs = []
     for _ in range(max(1, repeats) + 1):        # the first pass warms the ring and the driver's mappings: untimed
         torch.cuda.synchronize(source.device)
         t = time.perf_counter()
         for lo in range(0, n_blocks, per):
-            ring.stage([slab[s] for s in range(lo, min(n_blocks, lo + per))])
+            ring.stage(list(range(lo, min(n_blocks, lo + per))))
             ring.read_by_current_stream()
         torch.cuda.synchronize(source.device)
         runs.append(moved / (time.perf_counter() - t) / 1e9)

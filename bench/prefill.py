@@ -379,10 +379,10 @@ def profiled(eng, ids, device) -> dict:
 
 
 def path_parts(path: str) -> tuple[str, str, str, bool]:
-    """A --paths entry BASE[@N][+|-][!][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
+    """A --paths entry BASE[@N][+|-][!][%][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
     repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
-    default since session 9)."""
-    p = path.split("#")[0].split("~")[0]
+    default since session 9); "%" (read by `slab_copies`) the slab's blocks copied by torch, not the driver."""
+    p = path.split("#")[0].split("~")[0].replace("%", "")
     runs = p.endswith("!")
     p = p.rstrip("!")
     glue = p[-1] if p.endswith(("+", "-")) else ""
@@ -395,6 +395,16 @@ def ahead_gate(path: str) -> int | None:
     `ahead_min_tokens`, MOESTREAM_PREFILL_AHEAD_MIN_TOKENS; 2,048 by default); None without one."""
     g = path.split("#")[0].partition("~")[2]
     return int(g) if g else None
+
+
+def slab_copies(path: str) -> None:
+    """A path with "%": the staging ring and the copies ahead copy the slab's blocks by torch's copy_ of slab views
+    (the engine's way before session 11) instead of the driver on their addresses (gpu_worker/streaming.py
+    `SlabRows`)."""
+    if "%" in path.split("#")[0]:
+        os.environ["MOESTREAM_SLAB_COPIES"] = "torch"
+    else:
+        os.environ.pop("MOESTREAM_SLAB_COPIES", None)
 
 
 def new_glue(path: str) -> None:
@@ -569,6 +579,7 @@ def main(argv=None):
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
                 base, piece, glue, runs = path_parts(path)
                 new_glue(glue)
+                slab_copies(path)
                 if runs:                          # "!": the copies ahead a block at a time (the old way)
                     os.environ["MOESTREAM_AHEAD_RUNS"] = "0"
                 else:
@@ -597,6 +608,7 @@ def main(argv=None):
                 out[path] = rows
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
             new_glue("")
+            slab_copies("")
             if budget and a.budget_mb:
                 first = path_parts(paths[0])[0]
                 os.environ.pop("MOESTREAM_AHEAD_RUNS", None)

@@ -812,9 +812,8 @@ class StreamingExperts(ExpertSource):
             pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
             self._ahead = None           # the old slots go before the new ones are allocated
             from cache_shm.cuda_map import chunk_slots
-            base, step = self.slab.data_ptr(), chunk_slots(self.slot_bytes) * self.slot_bytes
             self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
-                                      segment=lambda ptr: (ptr - base) // step)
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
             self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
         after = None
         if self._cuda and self._ring is not None:    # this layer's own copies first: the needed blocks are never
@@ -822,7 +821,7 @@ class StreamingExperts(ExpertSource):
             after.record(self._ring.stream)
         events = self.prefill_profile.copy_events(ahead=True) if self.prefill_profile is not None else None
         ss = [s for _, s in pairs]
-        self._ahead.copy(nj, [e for e, _ in pairs], [self.slab[s] for s in ss], ss, after, events)
+        self._ahead.copy(nj, [e for e, _ in pairs], ss, ss, after, events)
         if not self._cuda:
             self.client.release(self._ahead.releasable(wait=True))
         pa = self.prefill_acct.last
@@ -928,11 +927,10 @@ class StreamingExperts(ExpertSource):
         if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
             from cache_shm.cuda_map import chunk_slots
-            base, step = self.slab.data_ptr(), chunk_slots(self.slot_bytes) * self.slot_bytes
             self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,
-                                      segment=lambda ptr: (ptr - base) // step)
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
-        return self._ring.stage([self.slab[s] for s in slots], events)
+        return self._ring.stage(slots, events)
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
@@ -962,27 +960,21 @@ def ahead_copy_plan(runs: list[tuple[int, int]], every: int) -> list[list[tuple[
     return groups
 
 
-def copy_runs(sources, slots: list[int], stride: int, segment=None) -> list[tuple[int, int]]:
-    """(first index, length) of the runs of `sources` (1-D uint8 tensors) that one copy of whole rows of `stride`
-    bytes can move into `slots` (ring slots): within a run each source starts `stride` bytes after the one before in
-    the same storage and in the same `segment(address)` (the slab's CUDA registrations: runs that ignored them raised
-    cudaErrorInvalidValue on the H200, session 7 run 1 — a copy spanning two registrations, most likely) and holds a
-    whole row, and each slot follows the one before (no wrap)."""
+def copy_runs(slab_slots: list[int], ring_slots: list[int], chunk: int | None = None) -> list[tuple[int, int]]:
+    """(first index, length) of the runs that one copy of whole rows can move: slab slots s, s+1, ... bound for ring
+    slots r, r+1, ... (no wrap), inside one of the slab's CUDA registrations (`chunk` slots each: slot s lies in
+    registration s // chunk; runs that ignored them raised cudaErrorInvalidValue on the H200, session 7 run 1 — a copy
+    spanning two registrations, most likely); chunk None: no registrations to respect."""
     if os.environ.get("MOESTREAM_COPY_RUNS", "1") == "0":     # =0: one copy per block, as before session 8 (the runs
-        return [(i, 1) for i in range(len(sources))]           # are on by default: bench/NOTES.md "Session 8")
+        return [(i, 1) for i in range(len(slab_slots))]        # are on by default: bench/NOTES.md "Session 8")
     runs: list[tuple[int, int]] = []
-    prev_ptr = prev_store = prev_seg = None
-    for i, src in enumerate(sources):
-        ptr, store = src.data_ptr(), src.untyped_storage().data_ptr()
-        seg = segment(ptr) if segment is not None else 0
-        whole = src.numel() >= stride and src.dim() == 1
-        if (runs and whole and ptr == prev_ptr + stride and store == prev_store and seg == prev_seg
-                and slots[i] == slots[i - 1] + 1 and runs[-1][1] > 0):
+    for i, s in enumerate(slab_slots):
+        if (runs and s == slab_slots[i - 1] + 1 and ring_slots[i] == ring_slots[i - 1] + 1
+                and (chunk is None or s // chunk == (s - 1) // chunk)):
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append((i, 1 if whole else -1))      # -1 marks a source that never joins a run
-        prev_ptr, prev_store, prev_seg = ptr, store, seg
-    return [(i, abs(k)) for i, k in runs]
+            runs.append((i, 1))
+    return runs
 
 
 def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:
@@ -1023,76 +1015,114 @@ class _SortedRows:
         return self.x[tok], ws, tok, local
 
 
-def _copy_rows(owner, r: int, k: int, src, what: str) -> bool:
-    """k adjacent slab rows from `src` (the first of them) into owner.buf[r:r + k] as one copy on the current
-    stream; False (and owner.runs_ok False, with a warning) where the driver will not copy that host range in one
-    piece: the caller then copies block by block."""
-    stride = owner.buf.shape[1]
-    try:
-        owner.buf[r:r + k].copy_(src.as_strided((k, stride), (stride, 1)), non_blocking=True)
-        return True
-    except RuntimeError as err:
-        owner.runs_ok = False
-        warnings.warn(f"{what}: a copy of {k} adjacent slab rows failed ({err}); one copy per block from now on",
-                      RuntimeWarning, stacklevel=3)
-        return False
+class SlabRows:
+    """Whole blocks of the pinned slab copied into rows of a device buffer, by slab slot, on a copy stream: through the
+    driver's cuMemcpyAsync on the blocks' addresses (~3 µs of host a copy), adjacent slab slots bound for adjacent rows
+    as one copy (`copy_runs`). A torch copy_ of a slab view cost ~10 µs and a select per block: on the H200 (session
+    11) a 123-token prompt's 674 staging copies took ~25 ms of the host's ~80, which the bus then waited for. Where the
+    driver cannot be loaded (or on the CPU), torch copies of the slab's views; MOESTREAM_SLAB_COPIES=torch (read per
+    call: bench.prefill's paths marked "%") takes that path on CUDA too, for the A/B."""
+
+    def __init__(self, slab: torch.Tensor, chunk: int | None = None):
+        from gpu_worker.up_staging import driver_memcpy_async
+        self.slab, self.chunk = slab, chunk
+        self.slot_bytes, self.base = slab.shape[1], slab.data_ptr()
+        self.memcpy = driver_memcpy_async() if slab.is_pinned() else None
+        self.runs_ok = True          # False after a run's copy failed: one copy per block from then on
+
+    def copy(self, buf: torch.Tensor, rows: list[int], slab_slots: list[int], nbytes: int, stream, what: str):
+        """Slab slots' first `nbytes` into buf's `rows` (buf [n, stride] on the device) on `stream` (None: at once, on
+        the CPU); each copy's (first index, length) in the order queued, for the caller's events."""
+        stride = buf.shape[1]
+        runs = (copy_runs(slab_slots, rows, self.chunk) if self.runs_ok and self.slot_bytes == stride
+                else [(i, 1) for i in range(len(rows))])
+        driver = (self.memcpy is not None and stream is not None
+                  and os.environ.get("MOESTREAM_SLAB_COPIES", "driver") != "torch")
+        done = []
+        for i, k in runs:
+            if k > 1 and not self._one(buf, rows[i], slab_slots[i], k * stride, stream, driver):
+                self.runs_ok = False
+                warnings.warn(f"{what}: a copy of {k} adjacent slab rows failed; one copy per block from now on",
+                              RuntimeWarning, stacklevel=2)
+                for q in range(i, i + k):
+                    if not self._one(buf, rows[q], slab_slots[q], nbytes, stream, driver):
+                        raise RuntimeError(f"{what}: the copy of slab slot {slab_slots[q]} failed")
+                    done.append((q, 1))
+                continue
+            if k == 1 and not self._one(buf, rows[i], slab_slots[i], nbytes, stream, driver):
+                raise RuntimeError(f"{what}: the copy of slab slot {slab_slots[i]} failed")
+            done.append((i, k))
+        return done
+
+    def _one(self, buf, row: int, slot: int, nbytes: int, stream, driver: bool) -> bool:
+        if driver:
+            dst = buf.data_ptr() + row * buf.shape[1]
+            return self.memcpy(dst, self.base + slot * self.slot_bytes, nbytes, stream.cuda_stream) == 0
+        k = -(-nbytes // buf.shape[1])
+        try:
+            src = self.slab[slot:slot + k].view(-1)[:nbytes]
+            if stream is None:
+                buf[row:row + k].view(-1)[:nbytes].copy_(src)
+            else:
+                with torch.cuda.stream(stream):
+                    buf[row:row + k].view(-1)[:nbytes].copy_(src, non_blocking=True)
+            return True
+        except RuntimeError:
+            return False
 
 
 class _StagingRing:
     """Device slots that the copy engine fills from the pinned slab on its own stream. The compute stream waits
-    for a launch's copies; a slot is refilled only after the kernels that read it last have run (an event per
-    slot), so the copies of one launch overlap the kernels of the one before (the ring holds two launches)."""
+    for a launch's copies; a slot is refilled only after the kernels that read it last have run (one event per
+    launch, shared by its slots), so the copies of one launch overlap the kernels of the one before (the ring holds
+    two launches)."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device, segment=None):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, rows: SlabRows):
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
-        self.free = [torch.cuda.Event() for _ in range(n)]
-        self.segment = segment       # address -> which registered chunk of the slab (copy_runs)
-        self.runs_ok = True          # False after a run's copy failed: one copy per block from then on
+        self.free = [None] * n      # the event after the kernels that read each slot last (None: never read)
+        self.rows = rows
         self.stream = torch.cuda.Stream(device)
         # the buffer comes from the compute stream's pool: its memory may be a tensor freed a moment ago that queued
-        # kernels still read; the copy stream writes it only after them (a fresh slot's `free` event is unrecorded)
+        # kernels still read; the copy stream writes it only after them
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self.device, self.block_bytes = device, block_bytes
         self.next, self.used = 0, []
+        base, st = self.buf.data_ptr(), self.buf.stride(0)
+        self._address = [base + r * st for r in range(n)]
 
-    def stage(self, sources, events=None) -> list[int]:
-        """events: (start, end) CUDA events recorded on the copy stream around the copies (a profile), or None.
-        Unless MOESTREAM_COPY_RUNS=0 (on by default since session 8), sources that are adjacent rows of one pinned
-        tensor (the slab's slots s, s+1, ...: a layer read in order) within one of its CUDA registrations and bound for
-        adjacent ring slots go as one copy of whole rows: each copy costs the host ~10-20 µs whatever its size (1,651
-        of them for a 16k prompt on the 4-MoE Super shape, H200 session 6)."""
-        bb, cs, n = self.block_bytes, self.stream, len(self.free)
-        self.used = []
-        for _ in sources:
-            self.used.append(self.next)
-            self.next = (self.next + 1) % n
+    @property
+    def runs_ok(self) -> bool:
+        return self.rows.runs_ok
+
+    def stage(self, slab_slots: list[int], events=None) -> list[int]:
+        """The blocks in `slab_slots` into the next ring slots; their device addresses. events: (start, end) CUDA
+        events recorded on the copy stream around the copies (a profile), or None. Adjacent slab slots bound for
+        adjacent ring slots within one of the slab's CUDA registrations go as one copy of whole rows (unless
+        MOESTREAM_COPY_RUNS=0, on by default since session 8)."""
+        cs, n = self.stream, len(self.free)
+        self.used = used = [(self.next + i) % n for i in range(len(slab_slots))]
+        self.next = (self.next + len(slab_slots)) % n
+        waited = set()
+        for r in used:               # a launch's slots share one event: wait once per launch, not per slot
+            ev = self.free[r]
+            if ev is not None and id(ev) not in waited:
+                waited.add(id(ev))
+                cs.wait_event(ev)
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
-            for r in self.used:
-                cs.wait_event(self.free[r])
             events[0].record(cs)
-        stride = self.buf.shape[1]
-        runs = (copy_runs(sources, self.used, stride, self.segment) if self.runs_ok
-                else [(i, 1) for i in range(len(sources))])
-        with torch.cuda.stream(cs):
-            for i, k in runs:
-                r = self.used[i]
-                for q in range(r, r + k):
-                    cs.wait_event(self.free[q])
-                if k > 1 and _copy_rows(self, r, k, sources[i], "staging ring"):
-                    continue
-                for q in range(i, i + k):
-                    self.buf[self.used[q], :bb].copy_(sources[q][:bb], non_blocking=True)
+        self.rows.copy(self.buf, used, slab_slots, self.block_bytes, cs, "staging ring")
         if events is not None:
             events[1].record(cs)
         done = torch.cuda.Event()
         done.record(cs)
         torch.cuda.current_stream(self.device).wait_event(done)
-        return [self.buf[r].data_ptr() for r in self.used]
+        return [self._address[r] for r in used]
 
     def read_by_current_stream(self) -> None:
-        cur = torch.cuda.current_stream(self.device)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
         for r in self.used:
-            self.free[r].record(cur)
+            self.free[r] = ev
 
 
 class _AheadSlots:
@@ -1102,14 +1132,14 @@ class _AheadSlots:
     last (an event per slot); a launch waits for its blocks' copies (an event per slot). The slab slots stay pinned
     until their copies are done. On the CPU (tests) the copies are plain and done at once."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool, segment=None):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool, rows: SlabRows):
         self.n, self.cuda, self.block_bytes, self.device = n, cuda, block_bytes, device
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
-        self.segment = segment                      # address -> which registered chunk of the slab (copy_runs)
-        self.runs_ok = True                         # False after a run's copy failed: one copy per block from then
+        self.rows = rows                            # the slab and how its blocks are copied
         self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
         self.next = 0
         self.pins = CopyPins()                     # slab slots pinned for the copies
+        self.stream = None
         if cuda:
             self.stream = torch.cuda.Stream(device)
             self.buf.record_stream(self.stream)     # freed only after the copies queued on it
@@ -1120,9 +1150,14 @@ class _AheadSlots:
             self.free = [None] * n                  # after the kernels that read the slot last
             self.ready = [None] * n                 # after the slot's copy
 
+    @property
+    def runs_ok(self) -> bool:
+        return self.rows.runs_ok
+
     def copy(self, layer: int, experts, sources, slab_slots, after=None, events=None) -> None:
-        """Copy `sources` (slab rows, pinned) into the next slots for `layer`'s `experts` (at most n). after: an event
-        the copies wait for; events: (start, end) recorded around the copies alone (a profile)."""
+        """Copy the blocks of slab slots `sources` into the next slots for `layer`'s `experts` (at most n); `slab_slots`
+        stay pinned until the copies are done. after: an event the copies wait for; events: (start, end) recorded
+        around the copies alone (a profile)."""
         if len(experts) > self.n:
             raise ValueError(f"{len(experts)} blocks copied ahead into {self.n} slots")
         rs = [(self.next + i) % self.n for i in range(len(experts))]
@@ -1130,8 +1165,7 @@ class _AheadSlots:
         self.layer, self.table = layer, dict(zip(experts, rs))
         bb = self.block_bytes
         if not self.cuda:
-            for r, src in zip(rs, sources):
-                self.buf[r, :bb].copy_(src[:bb])
+            self.rows.copy(self.buf, rs, list(sources), bb, None, "copies ahead")
             self.pins.add(None, slab_slots)
             return
         cs = self.stream
@@ -1142,33 +1176,26 @@ class _AheadSlots:
                 cs.wait_event(self.free[r])
         if events is not None:
             events[0].record(cs)
-        with torch.cuda.stream(cs):
-            if ahead_runs():
-                self._copy_runs(rs, sources)
-            else:
-                for r, src in zip(rs, sources):
-                    self.buf[r, :bb].copy_(src[:bb], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(cs)
-                    self.ready[r] = ev
+        if ahead_runs():
+            self._copy_runs(rs, list(sources))
+        else:
+            for r, src in zip(rs, sources):
+                self.rows.copy(self.buf, [r], [src], bb, cs, "copies ahead")
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                self.ready[r] = ev
         if events is not None:
             events[1].record(cs)
         self.pins.add(self.ready[rs[-1]], slab_slots)
 
     def _copy_runs(self, rs, sources) -> None:
-        """MOESTREAM_AHEAD_RUNS: `ahead_copy_plan`'s copies on the current (copy) stream, an event after each group."""
-        from gpu_worker.up_staging import driver_memcpy_async
-        cs, bb, stride = self.stream, self.block_bytes, self.buf.shape[1]
-        memcpy = driver_memcpy_async()
-        runs = copy_runs(sources, rs, stride, self.segment) if self.runs_ok else [(i, 1) for i in range(len(rs))]
+        """MOESTREAM_AHEAD_RUNS: the copies in runs on the copy stream, an event after each group of at least
+        AHEAD_EVENT_EVERY blocks (`ahead_copy_plan`)."""
+        cs = self.stream
+        runs = copy_runs(sources, rs, self.rows.chunk) if self.rows.runs_ok else [(i, 1) for i in range(len(rs))]
         for group in ahead_copy_plan(runs, AHEAD_EVENT_EVERY):
             for i, k in group:
-                if k > 1 and _copy_rows(self, rs[i], k, sources[i], "copies ahead"):
-                    continue
-                for q in range(i, i + k):
-                    dst = self.buf[rs[q]]
-                    if memcpy is None or memcpy(dst.data_ptr(), sources[q].data_ptr(), bb, cs.cuda_stream) != 0:
-                        dst[:bb].copy_(sources[q][:bb], non_blocking=True)
+                self.rows.copy(self.buf, rs[i:i + k], sources[i:i + k], self.block_bytes, cs, "copies ahead")
             ev = torch.cuda.Event()
             ev.record(cs)
             for i, k in group:

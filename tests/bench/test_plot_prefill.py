@@ -31,3 +31,14 @@ def test_prefill_path_parts():
     assert path_parts("staged@1024!~512") == ("staged", "1024", "", True)
     assert ahead_gate("staged~0#2") == 0 and ahead_gate("staged@1024!~512") == 512
     assert ahead_gate("staged") is None and ahead_gate("staged#3") is None
+    # "%": the slab's blocks copied by torch (bench.prefill.slab_copies sets the engine's switch for that path only)
+    import os
+    from bench.prefill import slab_copies
+    assert path_parts("staged%#2") == ("staged", "", "", False) and path_parts("staged@512-%") == ("staged", "512", "-", False)
+    try:
+        slab_copies("staged%#2")
+        assert os.environ["MOESTREAM_SLAB_COPIES"] == "torch"
+        slab_copies("staged#2%")              # after the repeat mark: a name, not a switch
+        assert "MOESTREAM_SLAB_COPIES" not in os.environ
+    finally:
+        os.environ.pop("MOESTREAM_SLAB_COPIES", None)

@@ -9,20 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.streaming import _AheadSlots, _StagingRing
+from gpu_worker.streaming import SlabRows, _AheadSlots, _StagingRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy streams and the caching allocator: CUDA")
 
 N, STRIDE = 4, 1 << 20
 
 
-def _fill(kind, dev, src):
+def _fill(kind, dev, slab):
     if kind == "ring":
-        buf = _StagingRing(N, STRIDE, STRIDE, dev)
-        buf.stage(src)
+        buf = _StagingRing(N, STRIDE, STRIDE, dev, SlabRows(slab))
+        buf.stage(list(range(N)))
     else:
-        buf = _AheadSlots(N, STRIDE, STRIDE, dev, True)
-        buf.copy(0, list(range(N)), src, [0] * N)
+        buf = _AheadSlots(N, STRIDE, STRIDE, dev, True, SlabRows(slab))
+        buf.copy(0, list(range(N)), list(range(N)), [0] * N)
     return buf
 
 
@@ -31,7 +31,7 @@ def _race(kind, monkeypatch=None):
     dev = torch.device("cuda")
     x = torch.randint(0, 255, (N, STRIDE), dtype=torch.uint8, device=dev)
     want = x.clone()
-    src = [torch.full((STRIDE,), 7, dtype=torch.uint8).pin_memory() for _ in range(N)]
+    src = torch.full((N, STRIDE), 7, dtype=torch.uint8).pin_memory()      # the slab
     torch.cuda.synchronize()
     torch.cuda._sleep(300_000_000)          # the compute stream busy for a while (~0.2 s on an H200)
     y = x.clone()                           # a reader of x's memory, queued behind it

@@ -1,22 +1,24 @@
-"""The staging ring's coalesced copies (gpu_worker/streaming.py `copy_runs`, `_StagingRing.stage`): adjacent slab rows
-bound for adjacent ring slots go as one copy of whole rows, anything else one block at a time. On the CPU the runs
-themselves (odd patterns: gaps, a ring wrap, another tensor, a short source); the ring's bytes after staging sources
-in and out of order, against the sources, on CUDA and on the CPU with the streams and events faked; a twin that
-merges across a gap is caught."""
+"""The staging ring's coalesced copies (gpu_worker/streaming.py `copy_runs`, `SlabRows`, `_StagingRing.stage`):
+adjacent slab slots bound for adjacent ring slots go as one copy of whole rows, anything else one block at a time.
+On the CPU the runs themselves (odd patterns: gaps, a ring wrap, a registration's end); the ring's bytes after
+staging slab slots in and out of order, against the slab, on CUDA (by the driver, on the blocks' addresses) and on
+the CPU with the streams and events faked; a twin that merges across a gap is caught."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from gpu_worker import streaming
-from gpu_worker.streaming import copy_runs
+from gpu_worker.streaming import SlabRows, copy_runs
 
 S = 4096
 
 
 @pytest.fixture(autouse=True)
 def _runs_on(monkeypatch):
-    """The runs are off by default (unmeasured): these tests switch them on."""
+    """The runs are on by default; a developer's MOESTREAM_COPY_RUNS=0 must not change these tests."""
     monkeypatch.setenv("MOESTREAM_COPY_RUNS", "1")
 
 
@@ -24,35 +26,28 @@ def _slab(n):
     return torch.randint(0, 255, (n, S), dtype=torch.uint8)
 
 
-def test_runs_follow_adjacent_rows_and_slots():
-    slab, other = _slab(12), _slab(3)
-    src = [slab[2], slab[3], slab[4], slab[7], slab[8], other[0], other[1], slab[9], slab[10]]
-    slots = [5, 6, 7, 0, 1, 2, 3, 5, 6]          # 7 -> 0: the ring wrapped between rows 4 and 7 anyway
-    assert copy_runs(src, slots, S) == [(0, 3), (3, 2), (5, 2), (7, 2)]
-    # the same rows into slots that wrap inside a run of rows: cut there
-    assert copy_runs([slab[0], slab[1], slab[2]], [6, 7, 0], S) == [(0, 2), (2, 1)]
-    # a source shorter than a row (a block view) never joins a run, nor does the row after it
-    assert copy_runs([slab[0][:S // 2], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 2)]
-    assert copy_runs([], [], S) == []
+def test_runs_follow_adjacent_slab_slots_and_ring_slots():
+    slab_slots = [2, 3, 4, 7, 8, 20, 21, 9, 10]
+    ring_slots = [5, 6, 7, 0, 1, 2, 3, 5, 6]      # 7 -> 0: the ring wrapped between slots 4 and 7 anyway
+    assert copy_runs(slab_slots, ring_slots) == [(0, 3), (3, 2), (5, 2), (7, 2)]
+    # the same slab slots into ring slots that wrap inside a run: cut there
+    assert copy_runs([0, 1, 2], [6, 7, 0]) == [(0, 2), (2, 1)]
+    assert copy_runs([5, 4, 3], [0, 1, 2]) == [(0, 1), (1, 1), (2, 1)]        # descending: no run
+    assert copy_runs([], []) == []
 
 
 def test_runs_stop_at_a_registered_chunks_end():
-    """The slab is registered with CUDA in chunks (cache_shm.cuda_map); a run never spans two."""
-    slab = _slab(12)
-    base = slab.data_ptr()
-
-    def segment(ptr):
-        return (ptr - base) // (4 * S)            # chunks of 4 rows
-    src = [slab[r] for r in (2, 3, 4, 5, 6, 7, 8)]
-    assert copy_runs(src, list(range(7)), S, segment) == [(0, 2), (2, 4), (6, 1)]
-    assert copy_runs(src, list(range(7)), S) == [(0, 7)]      # without it: one run across both boundaries
+    """The slab is registered with CUDA in chunks of whole slots (cache_shm.cuda_map); a run never spans two."""
+    slots = [2, 3, 4, 5, 6, 7, 8]
+    assert copy_runs(slots, list(range(7)), chunk=4) == [(0, 2), (2, 4), (6, 1)]
+    assert copy_runs(slots, list(range(7))) == [(0, 7)]      # without it: one run across both boundaries
 
 
-def _slots_only(sources, slots, stride, segment=None):
-    """The must-fail twin: runs that look only at the slots (rows 2 and 5 bound for slots 0 and 1 would merge)."""
+def _slots_only(slab_slots, ring_slots, chunk=None):
+    """The must-fail twin: runs that look only at the ring slots (slab slots 2 and 5 bound for 0 and 1 would merge)."""
     out = []
-    for i in range(len(sources)):
-        if out and slots[i] == slots[i - 1] + 1:
+    for i in range(len(slab_slots)):
+        if out and ring_slots[i] == ring_slots[i - 1] + 1:
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((i, 1))
@@ -60,10 +55,8 @@ def _slots_only(sources, slots, stride, segment=None):
 
 
 def test_twin_merging_across_a_gap_is_caught():
-    slab = _slab(8)
-    src, slots = [slab[2], slab[5]], [0, 1]
-    assert copy_runs(src, slots, S) == [(0, 1), (1, 1)]
-    assert _slots_only(src, slots, S) != copy_runs(src, slots, S)
+    assert copy_runs([2, 5], [0, 1]) == [(0, 1), (1, 1)]
+    assert _slots_only([2, 5], [0, 1]) != copy_runs([2, 5], [0, 1])
 
 
 ROWS = {"in_order": [3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
@@ -76,11 +69,13 @@ def _staged_right(order, dev="cuda") -> list[bool]:
     dev = torch.device(dev)
     n_slots, bb = 7, S - 100                      # block bytes below the stride, as a store's padding leaves
     slab = _slab(16).pin_memory() if dev.type == "cuda" else _slab(16)
-    ring = streaming._StagingRing(n_slots, S, bb, dev)
+    ring = streaming._StagingRing(n_slots, S, bb, dev, SlabRows(slab))
+    if dev.type == "cuda":
+        assert ring.rows.memcpy is not None       # the engine's path: the driver on the blocks' addresses
     rows, seen = ROWS[order], []
     for a in range(0, len(rows), 4):
         part = rows[a:a + 4]
-        ptrs = ring.stage([slab[r] for r in part])
+        ptrs = ring.stage(part)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         for p, r, slot in zip(ptrs, part, ring.used):
@@ -106,11 +101,10 @@ def test_ring_twin_merging_across_gaps_is_caught(monkeypatch):
 
 
 def test_on_by_default_and_zero_copies_block_by_block(monkeypatch):
-    slab = _slab(4)
     monkeypatch.delenv("MOESTREAM_COPY_RUNS")
-    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 3)]
+    assert copy_runs([0, 1, 2], [0, 1, 2]) == [(0, 3)]
     monkeypatch.setenv("MOESTREAM_COPY_RUNS", "0")
-    assert copy_runs([slab[0], slab[1], slab[2]], [0, 1, 2], S) == [(0, 1), (1, 1), (2, 1)]
+    assert copy_runs([0, 1, 2], [0, 1, 2]) == [(0, 1), (1, 1), (2, 1)]
 
 
 class _Event:
@@ -149,6 +143,28 @@ def test_ring_twin_merging_across_gaps_is_caught_on_the_cpu(streams_faked, monke
     assert not all(_staged_right("gaps", "cpu"))
 
 
+def test_ring_waits_once_per_launch_for_the_slots_it_refills(streams_faked):
+    """A launch's slots share one `free` event (recorded after its kernels): refilling them waits for it once, not
+    once per slot; slots never read wait for nothing. Twin: an event recorded per slot would be waited for per
+    slot, and the count shows it."""
+    waits = []
+    slab = _slab(16)
+    ring = streaming._StagingRing(8, S, S, torch.device("cpu"), SlabRows(slab))
+    ring.stream.wait_event = waits.append        # what the copy stream waits for
+    ring.stage([0, 1, 2, 3])
+    assert waits == []                           # fresh slots: nothing read them
+    ring.read_by_current_stream()
+    ring.stage([4, 5, 6, 7])
+    ring.read_by_current_stream()
+    ring.stage([8, 9, 10, 11])                   # the first launch's four slots, refilled
+    assert len(waits) == 1, waits
+    per_slot = [_Event() for _ in range(4)]      # the twin: what an event per slot would cost
+    ring.free[:4] = per_slot
+    waits.clear()
+    ring.stage([12, 13, 14, 15, 0, 1, 2, 3])     # wraps into slots 4-7 and then 0-3
+    assert len(waits) == 1 + 4, waits
+
+
 @CUDA
 def test_ring_copies_across_registered_chunks():
     """A host buffer registered in two chunks, as cache_shm.cuda_map registers the slab. The driver refuses one copy
@@ -169,17 +185,15 @@ def test_ring_copies_across_registered_chunks():
         assert int(cudart.cudaHostRegister(base + off, 4 * S, flags)) == 0
     try:
         rows = [2, 3, 4, 5]
-        with pytest.raises(RuntimeError):
-            torch.empty(4, S, dtype=torch.uint8, device=dev).copy_(slab[2:6], non_blocking=True)
-            torch.cuda.synchronize()
-        ring = streaming._StagingRing(6, S, S, dev, segment=lambda p: (p - base) // (4 * S))
-        ring.stage([slab[r] for r in rows])
+        ring = streaming._StagingRing(6, S, S, dev, SlabRows(slab, chunk=4))
+        assert ring.rows.memcpy is not None
+        ring.stage(rows)
         torch.cuda.synchronize()
         assert ring.runs_ok
         assert all(torch.equal(ring.buf[q].cpu(), slab[r]) for q, r in zip(ring.used, rows))
-        twin = streaming._StagingRing(6, S, S, dev)          # no segments: one run across the chunks
+        twin = streaming._StagingRing(6, S, S, dev, SlabRows(slab))          # no chunks: one run across them
         with pytest.warns(RuntimeWarning, match="one copy per block"):
-            twin.stage([slab[r] for r in rows])
+            twin.stage(rows)
         torch.cuda.synchronize()
         assert not twin.runs_ok
         assert all(torch.equal(twin.buf[q].cpu(), slab[r]) for q, r in zip(twin.used, rows))
@@ -188,20 +202,28 @@ def test_ring_copies_across_registered_chunks():
             cudart.cudaHostUnregister(base + off)
 
 
-def test_copy_rows_one_copy_or_false_with_a_warning():
-    """The run copy the staging ring and the copies ahead share (streaming._copy_rows): k adjacent rows in one copy;
-    where the host range cannot be copied in one piece it says so once and the caller copies block by block."""
-    import types
-    import warnings
-    from gpu_worker.streaming import _copy_rows
+def test_slab_rows_one_copy_a_run_or_block_by_block_with_a_warning(monkeypatch):
+    """The copies the staging ring and the copies ahead share (streaming.SlabRows): a run of adjacent rows in one
+    copy; where one run's copy fails it says so once and copies block by block from then on (bytes still right)."""
     stride = 64
-    slab = torch.arange(6 * stride, dtype=torch.int64).to(torch.uint8).view(6, stride)
-    owner = types.SimpleNamespace(buf=torch.zeros(5, stride, dtype=torch.uint8), runs_ok=True)
-    assert _copy_rows(owner, 1, 3, slab[2], "test")
-    assert torch.equal(owner.buf[1:4], slab[2:5]) and not owner.buf[0].any() and not owner.buf[4].any()
-    assert owner.runs_ok
-    short = torch.zeros(stride, dtype=torch.uint8)          # one row only: 3 rows past it are out of its storage
+    slab = torch.arange(8 * stride, dtype=torch.int64).to(torch.uint8).view(8, stride)
+    rows = SlabRows(slab)
+    buf = torch.zeros(5, stride, dtype=torch.uint8)
+    calls = []
+    real = SlabRows._one
+
+    def counted(self, buf, row, slot, nbytes, stream, driver):
+        calls.append(nbytes)
+        return real(self, buf, row, slot, nbytes, stream, driver)
+    monkeypatch.setattr(SlabRows, "_one", counted)
+    assert rows.copy(buf, [1, 2, 3], [2, 3, 4], stride, None, "test") == [(0, 3)]
+    assert calls == [3 * stride] and torch.equal(buf[1:4], slab[2:5])
+    assert not buf[0].any() and not buf[4].any() and rows.runs_ok
+    monkeypatch.setattr(SlabRows, "_one", lambda self, buf, row, slot, nbytes, stream, driver:
+                        nbytes <= stride and real(self, buf, row, slot, nbytes, stream, driver))   # runs refused
+    buf.zero_()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        assert not _copy_rows(owner, 0, 3, short, "test")
-    assert not owner.runs_ok and any("adjacent slab rows failed" in str(x.message) for x in w)
+        assert rows.copy(buf, [0, 1, 2], [5, 6, 7], stride - 8, None, "test") == [(0, 1), (1, 1), (2, 1)]
+    assert not rows.runs_ok and any("adjacent slab rows failed" in str(x.message) for x in w)
+    assert torch.equal(buf[:3, :stride - 8], slab[5:8, :stride - 8]) and not buf[:3, stride - 8:].any()
