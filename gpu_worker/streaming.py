@@ -58,6 +58,13 @@ AHEAD_EVENT_EVERY = 8
 
 def ahead_runs() -> bool:
     return os.environ.get("MOESTREAM_AHEAD_RUNS", "1") != "0"
+
+
+def stage_streams() -> int:
+    """Copy streams the prefill's staging ring spreads a launch's copies over (MOESTREAM_STAGE_STREAMS, read per
+    launch: 1 by default; 2, the runs alternating, is session 11's candidate for the ~10 % that one-block copies lose
+    against whole launches, bench/h2d_blocks.py)."""
+    return 2 if os.environ.get("MOESTREAM_STAGE_STREAMS", "1") == "2" else 1
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -1081,10 +1088,12 @@ class _StagingRing:
         self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
         self.free = [None] * n      # the event after the kernels that read each slot last (None: never read)
         self.rows = rows
-        self.stream = torch.cuda.Stream(device)
+        self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+        self.stream = self.streams[0]
         # the buffer comes from the compute stream's pool: its memory may be a tensor freed a moment ago that queued
-        # kernels still read; the copy stream writes it only after them
-        self.stream.wait_stream(torch.cuda.current_stream(device))
+        # kernels still read; the copy streams write it only after them
+        for cs in self.streams:
+            cs.wait_stream(torch.cuda.current_stream(device))
         self.device, self.block_bytes = device, block_bytes
         self.next, self.used = 0, []
         base, st = self.buf.data_ptr(), self.buf.stride(0)
@@ -1100,6 +1109,7 @@ class _StagingRing:
         adjacent ring slots within one of the slab's CUDA registrations go as one copy of whole rows (unless
         MOESTREAM_COPY_RUNS=0, on by default since session 8)."""
         cs, n = self.stream, len(self.free)
+        two = stage_streams() == 2
         self.used = used = [(self.next + i) % n for i in range(len(slab_slots))]
         self.next = (self.next + len(slab_slots)) % n
         waited = set()
@@ -1110,7 +1120,18 @@ class _StagingRing:
                 cs.wait_event(ev)
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
             events[0].record(cs)
-        self.rows.copy(self.buf, used, slab_slots, self.block_bytes, cs, "staging ring")
+        if not two:
+            self.rows.copy(self.buf, used, slab_slots, self.block_bytes, cs, "staging ring")
+        else:                        # the runs alternate between two copy streams, the second after the first's waits
+            start = torch.cuda.Event()
+            start.record(cs)
+            self.streams[1].wait_event(start)
+            runs = (copy_runs(slab_slots, used, self.rows.chunk) if self.rows.runs_ok
+                    else [(i, 1) for i in range(len(used))])
+            for q, (i, k) in enumerate(runs):
+                self.rows.copy(self.buf, used[i:i + k], slab_slots[i:i + k], self.block_bytes, self.streams[q % 2],
+                               "staging ring")
+            cs.wait_stream(self.streams[1])
         if events is not None:
             events[1].record(cs)
         done = torch.cuda.Event()

@@ -89,8 +89,11 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the staging rin
 
 
 @CUDA
+@pytest.mark.parametrize("streams", ["1", "2"])
 @pytest.mark.parametrize("order", list(ROWS))
-def test_ring_holds_the_sources(order):
+def test_ring_holds_the_sources(order, streams, monkeypatch):
+    """One copy stream, or the runs alternating between two (MOESTREAM_STAGE_STREAMS=2)."""
+    monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", streams)
     assert all(_staged_right(order))
 
 
@@ -133,8 +136,10 @@ def streams_faked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
 
 
+@pytest.mark.parametrize("streams", ["1", "2"])
 @pytest.mark.parametrize("order", list(ROWS))
-def test_ring_holds_the_sources_on_the_cpu(order, streams_faked):
+def test_ring_holds_the_sources_on_the_cpu(order, streams, streams_faked, monkeypatch):
+    monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", streams)
     assert all(_staged_right(order, "cpu"))
 
 
@@ -227,3 +232,30 @@ def test_slab_rows_one_copy_a_run_or_block_by_block_with_a_warning(monkeypatch):
         assert rows.copy(buf, [0, 1, 2], [5, 6, 7], stride - 8, None, "test") == [(0, 1), (1, 1), (2, 1)]
     assert not rows.runs_ok and any("adjacent slab rows failed" in str(x.message) for x in w)
     assert torch.equal(buf[:3, :stride - 8], slab[5:8, :stride - 8]) and not buf[:3, stride - 8:].any()
+
+
+def _read_at_once(skip_join: bool, monkeypatch) -> bool:
+    """Four single-block runs over two copy streams, the second held up by a sleeping kernel; the compute stream
+    copies the ring out right after `stage`, with no host sync: right only if it waited for both streams."""
+    monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", "2")
+    slab = _slab(16).pin_memory()
+    ring = streaming._StagingRing(8, S, S, torch.device("cuda"), SlabRows(slab))
+    if skip_join:            # the twin: the first stream does not wait for the second before its `done` event
+        monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
+    with torch.cuda.stream(ring.streams[1]):
+        torch.cuda._sleep(200_000_000)       # ~0.1 s on an H200
+    rows = [0, 2, 4, 6]
+    ring.stage(rows)
+    seen = ring.buf[ring.used].clone()
+    torch.cuda.synchronize()
+    return all(torch.equal(seen[i].cpu(), slab[r]) for i, r in enumerate(rows))
+
+
+@CUDA
+def test_two_copy_streams_the_compute_stream_waits_for_both(monkeypatch):
+    assert _read_at_once(False, monkeypatch)
+
+
+@CUDA
+def test_twin_two_copy_streams_unjoined_is_caught(monkeypatch):
+    assert not _read_at_once(True, monkeypatch)
