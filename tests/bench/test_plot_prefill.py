@@ -40,5 +40,11 @@ def test_prefill_path_parts():
         assert os.environ["MOESTREAM_SLAB_COPIES"] == "torch"
         slab_copies("staged#2%")              # after the repeat mark: a name, not a switch
         assert "MOESTREAM_SLAB_COPIES" not in os.environ
+        assert path_parts("staged&#2") == ("staged", "", "", False)
+        slab_copies("staged&")
+        assert os.environ["MOESTREAM_STAGE_STREAMS"] == "2" and "MOESTREAM_SLAB_COPIES" not in os.environ
+        slab_copies("staged")
+        assert "MOESTREAM_STAGE_STREAMS" not in os.environ
     finally:
         os.environ.pop("MOESTREAM_SLAB_COPIES", None)
+        os.environ.pop("MOESTREAM_STAGE_STREAMS", None)
