@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -70,6 +70,16 @@ PY
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
            --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
+    # issue 15: the same model on a store of down sub-groups of SUB_N (default 8): prefill (never measured there) and
+    # the RAM regime's decode, beside the default store's rows of this call
+    sub8) mkdir -p $W/super8; ln -sfn $W/super/model $W/super8/model
+      timeout 150 python3 -m tools.repack --model $W/super/model --out $W/super8/store --down-group-neurons ${SUB_N:-8} \
+        --no-progress > "$OUT/sub8.log" 2>&1
+      timeout 120 python3 -m bench.prefill --work $W/super8 --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk \
+        --sizes 128,1000,4000,16000 --paths staged,staged#2 --budget-mb 0 --brief --out "$OUT/prefill_sub8.json" >> "$OUT/sub8.log" 2>&1
+      timeout 120 python3 -m bench.e2e_stream --work $W/super8 --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+        --skip disk,prefill,vram,ram_nostage --out "$OUT/e2e_sub8.json" >> "$OUT/sub8.log" 2>&1
+      grep -E "^ram staged|^RAM|^regime" "$OUT/sub8.log" | cut -c1-150;;
     h2d) timeout 90 python3 -m bench.h2d_blocks --out "$OUT/h2d_blocks.json" > "$OUT/h2d_blocks.log" 2>&1; tail -7 "$OUT/h2d_blocks.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
