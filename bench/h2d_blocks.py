@@ -40,6 +40,16 @@ def _register(buf_ptr: int, nbytes: int, step: int):
     return lambda: [cudart.cudaHostUnregister(p) for p in done]
 
 
+def _cut(s: int, k: int, chunk: int) -> list[tuple[int, int]]:
+    """Slots s..s+k-1 as runs that stay inside one registration of `chunk` slots."""
+    out = []
+    while k > 0:
+        n = min(k, chunk - s % chunk)
+        out.append((s, n))
+        s, k = s + n, k - n
+    return out
+
+
 def run(n_blocks: int, share: float, repeats: int, seed: int = 0) -> dict:
     from cache_shm.cuda_map import chunk_slots
     from gpu_worker.streaming import copy_runs
@@ -60,7 +70,9 @@ def run(n_blocks: int, share: float, repeats: int, seed: int = 0) -> dict:
     chosen = sorted(rng.sample(range(n_blocks), max(1, int(n_blocks * share))))
     per_launch, total = 29, len(chosen)
     # the probe's pattern: the same number of bytes as adjacent rows, a launch at a time
-    patterns = {"runs": [(lo, min(per_launch, total - lo)) for lo in range(0, total, per_launch)]}
+    # (each launch's run cut at the registrations' end: one copy may not span two)
+    patterns = {"runs": [(s, k) for lo in range(0, total, per_launch)
+                         for s, k in _cut(lo, min(per_launch, total - lo), chunk)]}
     patterns["blocks"] = [(s, 1) for s in chosen]
     ring_slots = [i % ring_n for i in range(total)]
     merged = copy_runs(chosen, ring_slots, chunk)

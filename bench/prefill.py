@@ -382,7 +382,7 @@ def path_parts(path: str) -> tuple[str, str, str, bool]:
     """A --paths entry BASE[@N][+|-][!][%][&][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names
     a repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
     default since session 9); "%" and "&" (read by `slab_copies`) the slab's blocks copied by torch, not the driver,
-    and the staging ring's copies over two streams."""
+    and the staging ring's copies on one stream (two by default)."""
     p = path.split("#")[0].split("~")[0].replace("%", "").replace("&", "")
     runs = p.endswith("!")
     p = p.rstrip("!")
@@ -401,9 +401,10 @@ def ahead_gate(path: str) -> int | None:
 def slab_copies(path: str) -> None:
     """A path with "%": the staging ring and the copies ahead copy the slab's blocks by torch's copy_ of slab views
     (the engine's way before session 11) instead of the driver on their addresses (gpu_worker/streaming.py
-    `SlabRows`); with "&": the staging ring spreads a launch's copies over two copy streams (MOESTREAM_STAGE_STREAMS)."""
+    `SlabRows`); with "&": the staging ring's copies on one copy stream (MOESTREAM_STAGE_STREAMS=1; two by default
+    since session 11)."""
     marks = path.split("#")[0]
-    for mark, name, value in (("%", "MOESTREAM_SLAB_COPIES", "torch"), ("&", "MOESTREAM_STAGE_STREAMS", "2")):
+    for mark, name, value in (("%", "MOESTREAM_SLAB_COPIES", "torch"), ("&", "MOESTREAM_STAGE_STREAMS", "1")):
         if mark in marks:
             os.environ[name] = value
         else:

@@ -62,9 +62,10 @@ def ahead_runs() -> bool:
 
 def stage_streams() -> int:
     """Copy streams the prefill's staging ring spreads a launch's copies over (MOESTREAM_STAGE_STREAMS, read per
-    launch: 1 by default; 2, the runs alternating, is session 11's candidate for the ~10 % that one-block copies lose
-    against whole launches, bench/h2d_blocks.py)."""
-    return 2 if os.environ.get("MOESTREAM_STAGE_STREAMS", "1") == "2" else 1
+    launch): 2 by default, the runs alternating between them — one process on the H200 (session 11 call 3, two pairs):
+    16,000 tokens 224 / 223 -> 198 / 200 ms, 4,000 130 / 128 -> 125 / 126, 1,000 104 / 105 -> 101 / 103, 128 equal,
+    first tokens equal. MOESTREAM_STAGE_STREAMS=1 is one copy stream, as before."""
+    return 1 if os.environ.get("MOESTREAM_STAGE_STREAMS", "2") == "1" else 2
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 

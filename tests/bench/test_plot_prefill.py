@@ -42,7 +42,7 @@ def test_prefill_path_parts():
         assert "MOESTREAM_SLAB_COPIES" not in os.environ
         assert path_parts("staged&#2") == ("staged", "", "", False)
         slab_copies("staged&")
-        assert os.environ["MOESTREAM_STAGE_STREAMS"] == "2" and "MOESTREAM_SLAB_COPIES" not in os.environ
+        assert os.environ["MOESTREAM_STAGE_STREAMS"] == "1" and "MOESTREAM_SLAB_COPIES" not in os.environ
         slab_copies("staged")
         assert "MOESTREAM_STAGE_STREAMS" not in os.environ
     finally:

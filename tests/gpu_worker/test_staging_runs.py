@@ -259,3 +259,10 @@ def test_two_copy_streams_the_compute_stream_waits_for_both(monkeypatch):
 @CUDA
 def test_twin_two_copy_streams_unjoined_is_caught(monkeypatch):
     assert not _read_at_once(True, monkeypatch)
+
+
+def test_two_copy_streams_by_default(monkeypatch):
+    monkeypatch.delenv("MOESTREAM_STAGE_STREAMS", raising=False)
+    assert streaming.stage_streams() == 2
+    monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", "1")
+    assert streaming.stage_streams() == 1
