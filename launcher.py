@@ -60,8 +60,9 @@ def store_is_complete(store: Path) -> bool:
     return (store / "manifest.json").exists()
 
 
-def sizes(model: Path | None, store: Path) -> tuple[int, int, int]:
-    """(dense bytes, routed-expert bytes as stored, block stride) from the store, else from the checkpoint."""
+def sizes(model: Path | None, store: Path, down_group_neurons: int = 16) -> tuple[int, int, int]:
+    """(dense bytes, routed-expert bytes as stored, block stride) from the store, else from the checkpoint as a store
+    of down (sub-)groups of `down_group_neurons` would hold them."""
     if store_is_complete(store):
         from expert_store.reader import ExpertStore
         st = ExpertStore.open(store)
@@ -69,9 +70,30 @@ def sizes(model: Path | None, store: Path) -> tuple[int, int, int]:
         n_blocks = len(st.moe_layers) * st.n_experts
         return dense, n_blocks * st.block_stride, st.block_stride
     from expert_store.source import make_plan
-    plan = make_plan(model)
+    plan = make_plan(model, down_group_neurons=down_group_neurons)
     dense = sum(plan.infos[n].nbytes for n in plan.dense_names)
     return dense, plan.experts_bytes, plan.geometry.block_stride
+
+
+# The store's down (sub-)group size when the launcher repacks (issue 15, measured on the H200's super shape, 4 MoE
+# layers, bench/NOTES.md sessions 8, 9 and 11): where the cache holds every expert (the RAM regime) groups of 8 read
+# 24 % fewer down bytes and decode 7-10 % faster (session 11: 5.65 -> 5.11 ms/token), while a prompt's prefill is 5-14 %
+# slower (bigger blocks over the bus); where blocks come from disk the 5.6 % bigger blocks cost the disk regime 10 %.
+# A chat turn is mostly decode, so: 8 for an NVFP4 model on a GPU whose --cache-gb holds the whole store, else 16.
+RAM_REGIME_DOWN_GROUPS = 8
+
+
+def down_groups_for(a, model: Path) -> int:
+    """--down-group-neurons, or for `auto` the size the regime of this start calls for (see above)."""
+    if a.down_group_neurons != "auto":
+        return int(a.down_group_neurons)
+    if not a.device.startswith("cuda"):
+        return 16
+    from expert_store.source import make_plan
+    plan = make_plan(model, down_group_neurons=RAM_REGIME_DOWN_GROUPS)
+    if plan.geometry.fmt != "nvfp4" or a.cache_gb * GiB < plan.experts_bytes:
+        return 16
+    return RAM_REGIME_DOWN_GROUPS
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -164,6 +186,10 @@ def parse_args(argv=None):
     ap.add_argument("--vram-gb", type=float, default=None, help="GPU memory budget, GiB: the dense part, then hot experts in a VRAM tier "
                     "(default: what is free less 1 GiB)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    ap.add_argument("--down-group-neurons", default="auto", choices=["auto", "16", "8", "4", "2", "1"],
+                    help="when the store is made (first start): its down projection in sub-groups of N neurons, read "
+                         "only where one fires (auto: 8 for an NVFP4 model on a GPU whose --cache-gb holds every "
+                         "expert, else 16; an existing store keeps its own)")
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                     help="compute dtype (auto: bf16 on a GPU, fp32 on the CPU)")
     ap.add_argument("--io-workers", type=int, default=4, help="IO worker processes reading expert blocks")
@@ -272,10 +298,14 @@ def main(argv=None) -> int:
     if a.dtype == "auto":
         a.dtype = "fp32" if a.device == "cpu" else "bf16"
     try:
-        dense_bytes, expert_bytes, stride = sizes(model, store)
+        a.repack_down_groups = None if store_is_complete(store) else down_groups_for(a, model)
+        dense_bytes, expert_bytes, stride = sizes(model, store, a.repack_down_groups or 16)
     except Exception as e:
         log(f"error: cannot read the model: {type(e).__name__}: {e}")
         return 2
+    if a.repack_down_groups is None and a.down_group_neurons != "auto":
+        log(f"note: {store} exists, so --down-group-neurons {a.down_group_neurons} is not applied (repack it with "
+            f"`python -m tools.repack --down-group-neurons {a.down_group_neurons}` to change it)")
     cache_bytes = min(int(a.cache_gb * GiB), expert_bytes)
     if cache_bytes < stride:
         log(f"error: --cache-gb {a.cache_gb:g} holds no expert block ({stride:,} bytes each): raise it")
@@ -388,9 +418,12 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
                 notify(f"STATUS=repacking {model} into {store}")
                 log(f"repacking {model} into the expert store {store} (once; resumable)")
                 state.loading = "repacking (0 %)"
+                n = a.repack_down_groups or 16
+                if n != 16:
+                    log(f"down groups of {n} neurons: the cache holds every expert, where they decode faster")
                 p = repack_proc[0] = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store), cwd=str(ROOT),
-                    stderr=asyncio.subprocess.PIPE)
+                    sys.executable, "-m", "tools.repack", "--model", str(model), "--out", str(store),
+                    "--down-group-neurons", str(n), cwd=str(ROOT), stderr=asyncio.subprocess.PIPE)
                 await relay_progress(p.stderr, state)
                 if await p.wait() != 0:
                     raise RuntimeError(f"repacking {model} failed (exit code {p.returncode})")
