@@ -1039,15 +1039,18 @@ class SlabRows:
         self.runs_ok = True          # False after a run's copy failed: one copy per block from then on
 
     def copy(self, buf: torch.Tensor, rows: list[int], slab_slots: list[int], nbytes: int, stream, what: str):
-        """Slab slots' first `nbytes` into buf's `rows` (buf [n, stride] on the device) on `stream` (None: at once, on
-        the CPU); each copy's (first index, length) in the order queued, for the caller's events."""
+        """Slab slots' first `nbytes` into buf's `rows` (buf [n, stride] on the device) on `stream` (a list: the copies
+        alternate between its streams; None: at once, on the CPU); each copy's (first index, length) in the order
+        queued, for the caller's events."""
         stride = buf.shape[1]
         runs = (copy_runs(slab_slots, rows, self.chunk) if self.runs_ok and self.slot_bytes == stride
                 else [(i, 1) for i in range(len(rows))])
-        driver = (self.memcpy is not None and stream is not None
+        streams = stream if isinstance(stream, (list, tuple)) else [stream]
+        driver = (self.memcpy is not None and streams[0] is not None
                   and os.environ.get("MOESTREAM_SLAB_COPIES", "driver") != "torch")
         done = []
-        for i, k in runs:
+        for q, (i, k) in enumerate(runs):
+            stream = streams[q % len(streams)]
             if k > 1 and not self._one(buf, rows[i], slab_slots[i], k * stride, stream, driver):
                 self.runs_ok = False
                 warnings.warn(f"{what}: a copy of {k} adjacent slab rows failed; one copy per block from now on",
@@ -1121,17 +1124,12 @@ class _StagingRing:
                 cs.wait_event(ev)
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
             events[0].record(cs)
-        if not two:
-            self.rows.copy(self.buf, used, slab_slots, self.block_bytes, cs, "staging ring")
-        else:                        # the runs alternate between two copy streams, the second after the first's waits
+        if two:                      # the runs alternate between two copy streams, the second after the first's waits
             start = torch.cuda.Event()
             start.record(cs)
             self.streams[1].wait_event(start)
-            runs = (copy_runs(slab_slots, used, self.rows.chunk) if self.rows.runs_ok
-                    else [(i, 1) for i in range(len(used))])
-            for q, (i, k) in enumerate(runs):
-                self.rows.copy(self.buf, used[i:i + k], slab_slots[i:i + k], self.block_bytes, self.streams[q % 2],
-                               "staging ring")
+        self.rows.copy(self.buf, used, slab_slots, self.block_bytes, self.streams if two else cs, "staging ring")
+        if two:
             cs.wait_stream(self.streams[1])
         if events is not None:
             events[1].record(cs)
