@@ -13,6 +13,10 @@ count, so the model is the tiny synthetic one with Super's 512 experts and top-2
 Two figures per layer:
 - critical path: from the choice on the host to the addresses staged, what the GPU waits for;
 - after launch: `decode_launched`, which overlaps the next graph.
+And for a layer with misses (no launch: its experts run eagerly as they land), request out: from the choice on the
+host to the post that wakes the prefetcher with the layer's request. The disk reads of its misses start there, and
+they take milliseconds, so this is what such a layer waits for; its route's return (the critical path above) only
+lets the hits' kernels go, which finish long before the last miss lands.
 
 Not in the figures (CUDA calls, not measurable here): the event record/sync, the graph replays, the H2D copy
 launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
@@ -107,6 +111,20 @@ class Meter:
         return timed
 
 
+class PostStamp:
+    """The prefetcher's semaphore, stamping the time each post returned (when a request went out)."""
+
+    def __init__(self, sem):
+        self.sem, self.t = sem, 0.0
+
+    def release(self) -> None:
+        self.sem.release()
+        self.t = time.perf_counter()
+
+    def __getattr__(self, name):
+        return getattr(self.sem, name)
+
+
 def involuntary_switches() -> int:
     """This thread's involuntary context switches so far (the scheduler gave its core to another process)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
@@ -148,6 +166,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
             vram = VramTier(n_blocks * 9 // 10, store.block_stride, store.block_bytes, "cpu", admit_after=2)
         src = cuda_path_on_cpu(StreamingExperts(store, client, "cpu", slab_tensor(client.shm), vram=vram))
         ring = client.shm.msg_ring
+        post = client.shm.sem_prefetcher = PostStamp(client.shm.sem_prefetcher)
         if scenario != "misses":
             for j in range(n_moe):
                 client.request(j, list(range(E)), guess=())
@@ -195,7 +214,8 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                     meter.phase = "critical"
                     meter.add("staging", t_staging)
                 if record is not None:
-                    record.append((t2 - t0, t_after, r.addresses is not None, preempted))
+                    sent = post.t - t0 if r.addresses is None and post.t > t0 else float("nan")
+                    record.append((t2 - t0, t_after, r.addresses is not None, preempted, sent))
             while len(ring):          # at real speed a message comes every ~1 ms of GPU time: the ring drains
                 time.sleep(0.0001)
 
@@ -230,6 +250,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         for name in ("lookup", "request", "release", "lookup_slots"):
             client.__dict__.pop(name, None)
         src._flush(sync=False)
+        client.shm.sem_prefetcher = post.sem
 
     n_layers = tokens * n_moe
     us = lambda sec: sec * 1e6 / n_layers
@@ -256,6 +277,12 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
     out["preempted_share"] = 1 - len(kept) / len(rec)
     out["critical_path_not_preempted"] = statistics.fmean(kept) * 1e6 if kept else float("nan")
     out["addressed_share"] = sum(r[2] for r in rec) / len(rec)
+    # layers with misses: the choice on the host -> their request posted (all of them, and the unpreempted ones)
+    sent = [r[4] for r in rec if r[4] == r[4]]
+    sent_kept = [r[4] for r in rec if r[4] == r[4] and not r[3]]
+    out["request_out"] = statistics.fmean(sent) * 1e6 if sent else float("nan")
+    out["median_request_out"] = statistics.median(sent) * 1e6 if sent else float("nan")
+    out["request_out_not_preempted"] = statistics.fmean(sent_kept) * 1e6 if sent_kept else float("nan")
     hits, misses, vram_hits = (after[i] - before[i] for i in (2, 3, 4))
     looked = hits + misses + vram_hits
     out["hit_rate"] = (hits + vram_hits) / max(looked, 1)
@@ -292,8 +319,9 @@ def main(argv=None):
              f"timing wrapper {overhead_s * 1e9:.0f} ns calibrated out)", "",
              "| scenario | hit rate | lookup | message | pin/release | staging | other | total | **critical path** "
              "(p90) | after launch | Accounting: bookkeeping / after launch | critical ×40, ms/token | median | "
-             "layers preempted: share (critical path of the rest) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "layers preempted: share (critical path of the rest) | layers with misses: request out (median; the "
+             "unpreempted) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, m in med.items():
         lines.append(f"| {s} | {m['hit_rate']:.3f} (VRAM {m['vram_hit_rate']:.3f}) | {m['lookup']:.1f} | "
                      f"{m['message']:.1f} | {m['pin_release']:.1f} | {m['staging']:.1f} | {m['other']:.1f} | "
@@ -301,13 +329,18 @@ def main(argv=None):
                      f"{m['after_launch']:.1f} | {m['accounting_ms_bookkeeping_us']:.1f} / "
                      f"{m['accounting_ms_bookkeeping_after_launch_us']:.1f} | "
                      f"{m['critical_path'] * SUPER_MOE_LAYERS / 1e3:.2f} | {m['median_critical_path']:.1f} | "
-                     f"{m['preempted_share']:.2f} ({m['critical_path_not_preempted']:.1f}) |")
+                     f"{m['preempted_share']:.2f} ({m['critical_path_not_preempted']:.1f}) | "
+                     + ("—" if m["request_out"] != m["request_out"] else
+                        f"{m['request_out']:.1f} ({m['median_request_out']:.1f}; {m['request_out_not_preempted']:.1f})")
+                     + " |")
     lines.append(f"\nparts: through timing wrappers (one pass); critical path / after launch: a pass without them. "
                  f"Critical path = the choice on the host → the block addresses staged (what the GPU waits for); "
                  f"after launch = `decode_launched`, overlapped with the next stretch. Goal: ≤ "
                  f"{GOAL_US_PER_LAYER:.0f} µs per layer on the GPU host (≤ 1 ms per token at {SUPER_MOE_LAYERS} "
                  f"MoE layers). Preempted: an involuntary context switch of this thread inside the layer's critical "
-                 f"path (its core given to another process, on a small host usually a cache process).")
+                 f"path (its core given to another process, on a small host usually a cache process). Request out: the "
+                 f"choice on the host → the post that wakes the prefetcher with the request, for the layers with "
+                 f"misses (whose kernels wait for the disk reads it starts).")
     text = "\n".join(lines)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
