@@ -22,7 +22,7 @@ Not in the figures (CUDA calls, not measurable here): the event record/sync, the
 launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
 expert kernels (`decode_eager`), which is time waiting for the disk, not bookkeeping.
 
-Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots`, and `VramTier.lookup` / `lookup_slots`
+Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots` / `lookup_all`, and `VramTier.lookup` / `lookup_slots`
 where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
 `set_addresses`), other (the rest: tickets, lists, addresses, counts, admissions). The parts come from one pass
 through timing wrappers. The wrappers' own cost is calibrated out, and `other` is what the pass's total leaves.
@@ -239,15 +239,16 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         client.lookup = meter.wrap(client.lookup, "lookup")
         client.request = meter.wrap(client.request, "message")
         client.release = meter.wrap(client.release, "pin_release")
-        if hasattr(client, "lookup_slots"):
-            client.lookup_slots = meter.wrap(client.lookup_slots, "lookup")
+        for name in ("lookup_slots", "lookup_all"):     # (the decode route's lookups, where the client has them)
+            if hasattr(client, name):
+                setattr(client, name, meter.wrap(getattr(client, name), "lookup"))
         if vram is not None:
             vram.lookup = meter.wrap(vram.lookup, "lookup")
             if hasattr(vram, "lookup_slots"):      # the decode route's lookup (its uses counted after the launch)
                 vram.lookup_slots = meter.wrap(vram.lookup_slots, "lookup")
         for t in range(tokens):
             token(t, meter, rec2)
-        for name in ("lookup", "request", "release", "lookup_slots"):
+        for name in ("lookup", "request", "release", "lookup_slots", "lookup_all"):
             client.__dict__.pop(name, None)
         src._flush(sync=False)
         client.shm.sem_prefetcher = post.sem
