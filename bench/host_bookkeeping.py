@@ -205,11 +205,15 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                     t2 = time.perf_counter()
                     preempted = involuntary_switches() > switches0
                     t_after = 0.0
-                    # decode_eager's wait for the misses (not bookkeeping): the landed slots stay pinned
+                    # decode_eager's wait for the misses (not bookkeeping), its releases as there (less its syncs)
                     missing = [e for e in r.rest if e not in r.hits]
                     src._defer(list(r.hits.values()))
+                    if missing:
+                        src._flush(sync=False)
                     for _, s in client.wait_any(j, missing):
                         src._defer([s])
+                        if len(src._deferred) > 1:
+                            src._flush(sync=False)
                 if meter is not None:
                     meter.phase = "critical"
                     meter.add("staging", t_staging)

@@ -620,13 +620,14 @@ class StreamingExperts(ExpertSource):
         the pins (`seen`: the slots read without them), so the disk reads start before the lookup's pins, the
         release of the last layer's and the counts (~15-24 of the ~31-47 µs to the post, bench.host_bookkeeping,
         VM). An expert that the prefetcher found ready (a touch, no read) and evicted before the pin is read on
-        demand, or the layer would wait for the client's re-send (0.5 s)."""
+        demand, or the layer would wait for the client's re-send (0.5 s). The last layer's pins are not released
+        here but with this layer's hits, by `decode_eager` once their kernels are queued (the cache is large: they
+        hold nothing up), so the hits' kernels wait only for the lookup."""
         guess = self._send(j, rest, guess)
         slots = self.client.lookup_slots(j, rest)
         lost = [e for e, was, s in zip(rest, seen, slots) if was >= 0 > s]
         if lost:
             self.client.demand(j, lost)
-        self._flush(sync=False)
         hits = {e: s for e, s in zip(rest, slots) if s >= 0}
         return self._count(j, layer, chosen, guess, _on_dev(chosen, vslots), rest, hits, waited_s, tr)
 
