@@ -1,5 +1,9 @@
 """Host bookkeeping per MoE layer at decode, on the CPU: the route path of `StreamingExperts` with a real cache.
 
+Scenarios: hits (every block in the RAM cache), misses (the disk regime: a cache of a third of the blocks), vram
+(a VRAM tier holding 90 % of them), staged (hits with the next layer's guessed ups staged, as the GPU's RAM regime
+runs by default: `staging_on_cpu`).
+
 Goal (issue 19, part 3): ≤ 1 ms of host bookkeeping per token at Super's 40 MoE layers, i.e. ≤ 25 µs per layer.
 What runs per layer is what `MoEStep.decide` and the stretch after it run on the host when the graphs are on:
 the choice read from its pinned copy (`RouterOutputs.on_host`), `decode_route`, and, when every expert is
@@ -56,7 +60,7 @@ from gpu_worker.vram_tier import VramTier
 SUPER_MOE_LAYERS = 40
 GOAL_US_PER_LAYER = 1000 / SUPER_MOE_LAYERS
 PARTS = ("lookup", "message", "pin_release", "staging", "other")
-SCENARIOS = ("hits", "misses", "vram")
+SCENARIOS = ("hits", "misses", "vram", "staged")
 
 
 def build_store(work: Path, experts: int, top_k: int) -> Path:
@@ -152,6 +156,18 @@ def cuda_path_on_cpu(src: StreamingExperts) -> StreamingExperts:
     return src
 
 
+def staging_on_cpu(src: StreamingExperts) -> StreamingExperts:
+    """The RAM regime as the GPU runs it by default: the next layer's guessed ups staged after each launch
+    (`decode_stage`), non-blocking (MOESTREAM_STAGE_EXTRA, the kernel waits per expert on a flag), so the route takes
+    the staged ups (`UpStaging.take`), writes their addresses and each expert's (epoch, flag) and launch order. On
+    the CPU the copies are synchronous; the source's non-blocking staging needs copies by the driver or a CPU source,
+    so it keeps its CPU pins: a layer's pins are released in its `decode_launched` instead of the next layer's (the
+    same phase, after a launch). Not here: the staging's event query in `take` (a CUDA call) and the copies' issue."""
+    src._cuda = False
+    src.stage_ups = True
+    return src
+
+
 def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhead_s: float) -> dict:
     store = ExpertStore.open(store_dir)
     n_moe, E = len(store.moe_layers), store.n_experts
@@ -166,6 +182,8 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         if scenario == "vram":     # the VRAM regime as measured (VRAM hit rate 0.90): a tier of 90 % of the blocks
             vram = VramTier(n_blocks * 9 // 10, store.block_stride, store.block_bytes, "cpu", admit_after=2)
         src = cuda_path_on_cpu(StreamingExperts(store, client, "cpu", slab_tensor(client.shm), vram=vram))
+        if scenario == "staged":
+            staging_on_cpu(src)
         ring = client.shm.msg_ring
         post = client.shm.sem_prefetcher = PostStamp(client.shm.sem_prefetcher)
         if scenario != "misses":
@@ -201,6 +219,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                         meter.phase = "after_launch"
                     t3 = time.perf_counter()
                     src.decode_launched()
+                    src.decode_stage()          # (a no-op unless the scenario stages ups)
                     t_after = time.perf_counter() - t3
                 else:
                     t2 = time.perf_counter()
@@ -231,6 +250,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
             token(t, None, None)
         a = src.acct
         admitted = vram.admissions if vram is not None else 0
+        staged_used = a.ups_staged_used
         before = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
                   a.misses_at_lookup, a.vram_hits)
         # pass 1: no wrappers
@@ -240,6 +260,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         after = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
                  a.misses_at_lookup, a.vram_hits)
         admitted = (vram.admissions if vram is not None else 0) - admitted
+        staged_used = a.ups_staged_used - staged_used
         # pass 2: the parts, through timing wrappers
         meter = Meter(overhead_s)
         rec2: list = []
@@ -292,6 +313,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
     out["request_out"] = statistics.fmean(sent) * 1e6 if sent else float("nan")
     out["median_request_out"] = statistics.median(sent) * 1e6 if sent else float("nan")
     out["request_out_not_preempted"] = statistics.fmean(sent_kept) * 1e6 if sent_kept else float("nan")
+    out["ups_staged_used_per_layer"] = staged_used / n_layers
     hits, misses, vram_hits = (after[i] - before[i] for i in (2, 3, 4))
     looked = hits + misses + vram_hits
     out["hit_rate"] = (hits + vram_hits) / max(looked, 1)
