@@ -19,6 +19,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -333,13 +334,16 @@ class StreamingExperts(ExpertSource):
             nowait = self._stage_nowait()
             staged = self.ups.take(j, chosen, blocking=not nowait) if self.ups is not None else None
             if staged:
-                ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
+                ups = list(map(staged.get, chosen, addresses))     # a staged up's address, else the block's
             if self.up_dma_limit:
                 ups, waits = self._dma_ups(chosen, addresses, staged, ups)
             elif nowait:                 # the kernel waits per staged expert on its batch's flag
-                wo = self.ups.wait_of if staged else {}
-                waits = ([wo[e][0] if e in wo else 0 for e in chosen], [wo[e][1] if e in wo else 0 for e in chosen],
-                         list(range(len(chosen))))
+                none, order = _no_waits(len(chosen))
+                if staged:               # (epoch, flag) per expert, split into the two rows
+                    epochs, flags = zip(*map(self.ups.wait_of.get, chosen, repeat((0, 0))))
+                    waits = (epochs, flags, order)
+                else:
+                    waits = (none, none, order)
         self._launched = (j, chosen, guess, vslots, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
@@ -967,6 +971,18 @@ class StreamingExperts(ExpertSource):
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+_NO_WAITS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _no_waits(k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(k zeros, the launch order 0..k-1) for a route with staged ups in non-blocking mode, made once per k: tuples, so
+    that `ExpertInputs.set_addresses` may skip rewriting an order row it already holds."""
+    got = _NO_WAITS.get(k)
+    if got is None:
+        got = _NO_WAITS[k] = ((0,) * k, tuple(range(k)))
+    return got
 
 
 def _on_dev(chosen: list[int], vslots: list[int] | None) -> dict[int, int]:
