@@ -213,9 +213,10 @@ class UpStaging:
         if self.cuda and not self._waited:
             # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer.
             # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun)
-            lim = self.limit.get(layer, len(addr))
+            n = len(self._address)
+            lim = self.limit.get(layer, n)
             ev = self._core if self.extra and self._core is not None else self.done
-            self.limit[layer] = min(lim + 1, len(addr)) if ev.query() else max(lim - 1, 1)
+            self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
         # every staged expert's (epoch, flag): the got ones are those of `experts` (the route looks up no other)
         self.wait_of = self._stage_waits
         self._taken = (self.slot_of, got) if got else None

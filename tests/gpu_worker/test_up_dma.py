@@ -249,3 +249,28 @@ def test_take_hands_the_stages_ups_and_waits_and_counts_the_ranks_used(counted, 
     ups.stage(2, [40], [0], [6], views=blocks[:1])
     assert (ups.used_by_rank == [1, 0, 1, 0]) == counted, ups.used_by_rank
     assert ups.staged_by_rank == [2, 1, 1, 0]
+
+
+class _Copies:
+    """A CUDA event's query, for `take`'s judgement of the copies on the CPU."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("judged", [True, False])
+def test_take_judges_the_copies_it_gets(judged):
+    """On CUDA `take` adapts the layer's limit by whether the judged copies were done: late ones take one off.
+    Run here with the CUDA flag forced and an event's query faked (non-blocking: no stream wait). Twin
+    (judged=False): a take that leaves the limit alone is caught."""
+    from gpu_worker.up_staging import UpStaging
+    ups = UpStaging(4, 64, "cpu")
+    ups.extra = 3
+    blocks = [torch.zeros(128, dtype=torch.uint8)] * 2
+    ups.stage(1, [10, 20], [0, 0], [7, 8], views=blocks)
+    ups.cuda, ups._core = judged, _Copies(done=False)
+    assert ups.take(1, [20], blocking=False) == {20: ups._address[1]}
+    assert (ups.limit == {1: 3}) == judged, ups.limit
