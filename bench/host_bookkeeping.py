@@ -26,8 +26,8 @@ Not in the figures (CUDA calls, not measurable here): the event record/sync, the
 launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
 expert kernels (`decode_eager`), which is time waiting for the disk, not bookkeeping.
 
-Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots` / `lookup_all`, and `VramTier.lookup` / `lookup_slots`
-where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
+Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots` / `lookup_all`, and `VramTier.lookup` /
+`lookup_slots` where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
 `set_addresses`), other (the rest: tickets, lists, addresses, counts, admissions). The parts come from one pass
 through timing wrappers. The wrappers' own cost is calibrated out, and `other` is what the pass's total leaves.
 The critical path and the after-launch time come from a second pass without wrappers; that pass also counts the
