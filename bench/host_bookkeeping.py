@@ -1,5 +1,9 @@
 """Host bookkeeping per MoE layer at decode, on the CPU: the route path of `StreamingExperts` with a real cache.
 
+Scenarios: hits (every block in the RAM cache), misses (the disk regime: a cache of a third of the blocks), vram
+(a VRAM tier holding 90 % of them), staged (hits with the next layer's guessed ups staged, as the GPU's RAM regime
+runs by default: `staging_on_cpu`).
+
 Goal (issue 19, part 3): ≤ 1 ms of host bookkeeping per token at Super's 40 MoE layers, i.e. ≤ 25 µs per layer.
 What runs per layer is what `MoEStep.decide` and the stretch after it run on the host when the graphs are on:
 the choice read from its pinned copy (`RouterOutputs.on_host`), `decode_route`, and, when every expert is
@@ -13,13 +17,17 @@ count, so the model is the tiny synthetic one with Super's 512 experts and top-2
 Two figures per layer:
 - critical path: from the choice on the host to the addresses staged, what the GPU waits for;
 - after launch: `decode_launched`, which overlaps the next graph.
+And for a layer with misses (no launch: its experts run eagerly as they land), request out: from the choice on the
+host to the post that wakes the prefetcher with the layer's request. The disk reads of its misses start there, and
+they take milliseconds, so this is what such a layer waits for; its route's return (the critical path above) only
+lets the hits' kernels go, which finish long before the last miss lands.
 
 Not in the figures (CUDA calls, not measurable here): the event record/sync, the graph replays, the H2D copy
 launch inside `set_addresses` (here a CPU copy). Not in them either: waiting for the misses and the eager
 expert kernels (`decode_eager`), which is time waiting for the disk, not bookkeeping.
 
-Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots`, and `VramTier.lookup` / `lookup_slots`
-where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
+Parts, wherever they run: lookup (`CacheClient.lookup` / `lookup_slots` / `lookup_all`, and `VramTier.lookup` /
+`lookup_slots` where a tier is on), message (`CacheClient.request`), pin/release (`CacheClient.release`), staging (`on_host` +
 `set_addresses`), other (the rest: tickets, lists, addresses, counts, admissions). The parts come from one pass
 through timing wrappers. The wrappers' own cost is calibrated out, and `other` is what the pass's total leaves.
 The critical path and the after-launch time come from a second pass without wrappers; that pass also counts the
@@ -52,7 +60,7 @@ from gpu_worker.vram_tier import VramTier
 SUPER_MOE_LAYERS = 40
 GOAL_US_PER_LAYER = 1000 / SUPER_MOE_LAYERS
 PARTS = ("lookup", "message", "pin_release", "staging", "other")
-SCENARIOS = ("hits", "misses", "vram")
+SCENARIOS = ("hits", "misses", "vram", "staged")
 
 
 def build_store(work: Path, experts: int, top_k: int) -> Path:
@@ -84,7 +92,8 @@ def routing(n_tokens: int, n_moe: int, n_experts: int, k: int, seed: int, guess_
 
 
 class Meter:
-    """Seconds per (phase, part); `phase` is where the host is: before the launch ("critical") or after."""
+    """Seconds per (phase, part); `phase` is where the host is: before the launch ("critical"), after it, or waiting
+    for a layer's misses as `decode_eager` does ("eager", not the route's: left out of the parts)."""
 
     def __init__(self, overhead_s: float):
         self.overhead_s = overhead_s
@@ -103,8 +112,22 @@ class Meter:
                 return fn(*a, **kw)
             finally:
                 self.add(part, time.perf_counter() - t0 - self.overhead_s)
-                self.calls += 1
+                self.calls += self.phase != "eager"     # (the eager phase is outside the timed stretches)
         return timed
+
+
+class PostStamp:
+    """The prefetcher's semaphore, stamping the time each post returned (when a request went out)."""
+
+    def __init__(self, sem):
+        self.sem, self.t = sem, 0.0
+
+    def release(self) -> None:
+        self.sem.release()
+        self.t = time.perf_counter()
+
+    def __getattr__(self, name):
+        return getattr(self.sem, name)
 
 
 def involuntary_switches() -> int:
@@ -133,6 +156,18 @@ def cuda_path_on_cpu(src: StreamingExperts) -> StreamingExperts:
     return src
 
 
+def staging_on_cpu(src: StreamingExperts) -> StreamingExperts:
+    """The RAM regime as the GPU runs it by default: the next layer's guessed ups staged after each launch
+    (`decode_stage`), non-blocking (MOESTREAM_STAGE_EXTRA, the kernel waits per expert on a flag), so the route takes
+    the staged ups (`UpStaging.take`), writes their addresses and each expert's (epoch, flag) and launch order. On
+    the CPU the copies are synchronous; the source's non-blocking staging needs copies by the driver or a CPU source,
+    so it keeps its CPU pins: a layer's pins are released in its `decode_launched` instead of the next layer's (the
+    same phase, after a launch). Not here: the staging's event query in `take` (a CUDA call) and the copies' issue."""
+    src._cuda = False
+    src.stage_ups = True
+    return src
+
+
 def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhead_s: float) -> dict:
     store = ExpertStore.open(store_dir)
     n_moe, E = len(store.moe_layers), store.n_experts
@@ -147,7 +182,10 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         if scenario == "vram":     # the VRAM regime as measured (VRAM hit rate 0.90): a tier of 90 % of the blocks
             vram = VramTier(n_blocks * 9 // 10, store.block_stride, store.block_bytes, "cpu", admit_after=2)
         src = cuda_path_on_cpu(StreamingExperts(store, client, "cpu", slab_tensor(client.shm), vram=vram))
+        if scenario == "staged":
+            staging_on_cpu(src)
         ring = client.shm.msg_ring
+        post = client.shm.sem_prefetcher = PostStamp(client.shm.sem_prefetcher)
         if scenario != "misses":
             for j in range(n_moe):
                 client.request(j, list(range(E)), guess=())
@@ -181,21 +219,29 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                         meter.phase = "after_launch"
                     t3 = time.perf_counter()
                     src.decode_launched()
+                    src.decode_stage()          # (a no-op unless the scenario stages ups)
                     t_after = time.perf_counter() - t3
                 else:
                     t2 = time.perf_counter()
                     preempted = involuntary_switches() > switches0
                     t_after = 0.0
-                    # decode_eager's wait for the misses (not bookkeeping): the landed slots stay pinned
+                    # decode_eager's wait for the misses (not bookkeeping), its releases as there (less its syncs)
+                    if meter is not None:
+                        meter.phase = "eager"            # not the route's: left out of the parts
                     missing = [e for e in r.rest if e not in r.hits]
                     src._defer(list(r.hits.values()))
+                    if missing:
+                        src._flush(sync=False)
                     for _, s in client.wait_any(j, missing):
                         src._defer([s])
+                        if len(src._deferred) > 1:
+                            src._flush(sync=False)
                 if meter is not None:
                     meter.phase = "critical"
                     meter.add("staging", t_staging)
                 if record is not None:
-                    record.append((t2 - t0, t_after, r.addresses is not None, preempted))
+                    sent = post.t - t0 if r.addresses is None and post.t > t0 else float("nan")
+                    record.append((t2 - t0, t_after, r.addresses is not None, preempted, sent))
             while len(ring):          # at real speed a message comes every ~1 ms of GPU time: the ring drains
                 time.sleep(0.0001)
 
@@ -204,6 +250,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
             token(t, None, None)
         a = src.acct
         admitted = vram.admissions if vram is not None else 0
+        staged_used = a.ups_staged_used
         before = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
                   a.misses_at_lookup, a.vram_hits)
         # pass 1: no wrappers
@@ -213,29 +260,32 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         after = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
                  a.misses_at_lookup, a.vram_hits)
         admitted = (vram.admissions if vram is not None else 0) - admitted
+        staged_used = a.ups_staged_used - staged_used
         # pass 2: the parts, through timing wrappers
         meter = Meter(overhead_s)
         rec2: list = []
         client.lookup = meter.wrap(client.lookup, "lookup")
         client.request = meter.wrap(client.request, "message")
         client.release = meter.wrap(client.release, "pin_release")
-        if hasattr(client, "lookup_slots"):
-            client.lookup_slots = meter.wrap(client.lookup_slots, "lookup")
+        for name in ("lookup_slots", "lookup_all"):     # (the decode route's lookups, where the client has them)
+            if hasattr(client, name):
+                setattr(client, name, meter.wrap(getattr(client, name), "lookup"))
         if vram is not None:
             vram.lookup = meter.wrap(vram.lookup, "lookup")
             if hasattr(vram, "lookup_slots"):      # the decode route's lookup (its uses counted after the launch)
                 vram.lookup_slots = meter.wrap(vram.lookup_slots, "lookup")
         for t in range(tokens):
             token(t, meter, rec2)
-        for name in ("lookup", "request", "release", "lookup_slots"):
+        for name in ("lookup", "request", "release", "lookup_slots", "lookup_all"):
             client.__dict__.pop(name, None)
         src._flush(sync=False)
+        client.shm.sem_prefetcher = post.sem
 
     n_layers = tokens * n_moe
     us = lambda sec: sec * 1e6 / n_layers
     out = {}
     for part in PARTS[:-1]:
-        out[part] = us(sum(v for (ph, p), v in meter.s.items() if p == part))
+        out[part] = us(sum(v for (ph, p), v in meter.s.items() if p == part and ph != "eager"))
     # the wrapped pass's total less the wrappers' own cost
     calls_s = meter.calls * overhead_s
     total2 = us(sum(r[0] + r[1] for r in rec2) - calls_s)
@@ -245,6 +295,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
     out["after_launch"] = statistics.fmean(r[1] for r in rec) * 1e6
     out["total_unwrapped"] = out["critical_path"] + out["after_launch"]
     out["critical_parts"] = {p: us(v) for (ph, p), v in meter.s.items() if ph == "critical"}
+    out["eager_parts"] = {p: us(v) for (ph, p), v in meter.s.items() if ph == "eager"}
     out["after_launch_parts"] = {p: us(v) for (ph, p), v in meter.s.items() if ph == "after_launch"}
     out["accounting_ms_bookkeeping_us"] = (after[0] - before[0]) * 1e3 / n_layers
     out["accounting_ms_bookkeeping_after_launch_us"] = (after[1] - before[1]) * 1e3 / n_layers
@@ -256,6 +307,13 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
     out["preempted_share"] = 1 - len(kept) / len(rec)
     out["critical_path_not_preempted"] = statistics.fmean(kept) * 1e6 if kept else float("nan")
     out["addressed_share"] = sum(r[2] for r in rec) / len(rec)
+    # layers with misses: the choice on the host -> their request posted (all of them, and the unpreempted ones)
+    sent = [r[4] for r in rec if r[4] == r[4]]
+    sent_kept = [r[4] for r in rec if r[4] == r[4] and not r[3]]
+    out["request_out"] = statistics.fmean(sent) * 1e6 if sent else float("nan")
+    out["median_request_out"] = statistics.median(sent) * 1e6 if sent else float("nan")
+    out["request_out_not_preempted"] = statistics.fmean(sent_kept) * 1e6 if sent_kept else float("nan")
+    out["ups_staged_used_per_layer"] = staged_used / n_layers
     hits, misses, vram_hits = (after[i] - before[i] for i in (2, 3, 4))
     looked = hits + misses + vram_hits
     out["hit_rate"] = (hits + vram_hits) / max(looked, 1)
@@ -292,8 +350,9 @@ def main(argv=None):
              f"timing wrapper {overhead_s * 1e9:.0f} ns calibrated out)", "",
              "| scenario | hit rate | lookup | message | pin/release | staging | other | total | **critical path** "
              "(p90) | after launch | Accounting: bookkeeping / after launch | critical ×40, ms/token | median | "
-             "layers preempted: share (critical path of the rest) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "layers preempted: share (critical path of the rest) | layers with misses: request out (median; the "
+             "unpreempted) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, m in med.items():
         lines.append(f"| {s} | {m['hit_rate']:.3f} (VRAM {m['vram_hit_rate']:.3f}) | {m['lookup']:.1f} | "
                      f"{m['message']:.1f} | {m['pin_release']:.1f} | {m['staging']:.1f} | {m['other']:.1f} | "
@@ -301,13 +360,18 @@ def main(argv=None):
                      f"{m['after_launch']:.1f} | {m['accounting_ms_bookkeeping_us']:.1f} / "
                      f"{m['accounting_ms_bookkeeping_after_launch_us']:.1f} | "
                      f"{m['critical_path'] * SUPER_MOE_LAYERS / 1e3:.2f} | {m['median_critical_path']:.1f} | "
-                     f"{m['preempted_share']:.2f} ({m['critical_path_not_preempted']:.1f}) |")
+                     f"{m['preempted_share']:.2f} ({m['critical_path_not_preempted']:.1f}) | "
+                     + ("—" if m["request_out"] != m["request_out"] else
+                        f"{m['request_out']:.1f} ({m['median_request_out']:.1f}; {m['request_out_not_preempted']:.1f})")
+                     + " |")
     lines.append(f"\nparts: through timing wrappers (one pass); critical path / after launch: a pass without them. "
                  f"Critical path = the choice on the host → the block addresses staged (what the GPU waits for); "
                  f"after launch = `decode_launched`, overlapped with the next stretch. Goal: ≤ "
                  f"{GOAL_US_PER_LAYER:.0f} µs per layer on the GPU host (≤ 1 ms per token at {SUPER_MOE_LAYERS} "
                  f"MoE layers). Preempted: an involuntary context switch of this thread inside the layer's critical "
-                 f"path (its core given to another process, on a small host usually a cache process).")
+                 f"path (its core given to another process, on a small host usually a cache process). Request out: the "
+                 f"choice on the host → the post that wakes the prefetcher with the request, for the layers with "
+                 f"misses (whose kernels wait for the disk reads it starts).")
     text = "\n".join(lines)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -93,16 +93,35 @@ class CacheClient:
             if count:
                 self._cc[LOOKUPS] += 1
             return []
-        row, pins = self._rdy_rows[layer], self._pins
+        row = self._rdy_rows[layer]
         gather = operator.itemgetter(*experts)      # one C-level gather from the memoryview (a loop: 3× slower)
-        one = len(experts) == 1
+        slots = [gather(row)] if len(experts) == 1 else list(gather(row))
+        return self._pin(row, gather, slots, count)
+
+    def lookup_all(self, layer: int, experts: list[int]) -> tuple[list[int], bool]:
+        """`lookup_slots` if every expert is ready now: (slots, True), pinned and counted (a block unpublished before
+        its pin is still a miss, -1). Otherwise nothing is pinned or counted: (the slots read, -1 where not ready,
+        False), for a caller that sends its request before it pins (`lookup_slots` then). Such a read is a hint:
+        a slot read without a pin may hold another block the moment after."""
+        if not experts:
+            return self.lookup_slots(layer, experts), True
+        row = self._rdy_rows[layer]
+        gather = operator.itemgetter(*experts)
+        slots = [gather(row)] if len(experts) == 1 else list(gather(row))
+        if -1 in slots:
+            return slots, False
+        return self._pin(row, gather, slots, True), True
+
+    def _pin(self, row, gather, slots: list[int], count: bool) -> list[int]:
+        """Pin the slots read (>= 0) by `gather` from `row`, then read again: an expert unpublished meanwhile is a
+        miss (-1, its pin undone)."""
+        pins = self._pins
         with self._lock:
-            slots = [gather(row)] if one else list(gather(row))
             for s in slots:
                 if s >= 0:
                     pins[s] += 1
         # as in _try_pin: the lock release was the fence; an expert unpublished meanwhile is a miss
-        again = [gather(row)] if one else list(gather(row))
+        again = [gather(row)] if len(slots) == 1 else list(gather(row))
         if again != slots:
             with self._lock:
                 for i, (s, now) in enumerate(zip(slots, again)):

@@ -147,6 +147,7 @@ class ExpertInputs:
     def __post_init__(self):
         self._addresses_np = self.addresses_host.numpy()
         self._no_waits = False           # rows 2-4 (the up waits) not yet written as "none"
+        self._order_row = None           # the tuple row 4 was last written from (a route's cached launch order)
         # on the critical path (the GPU waits for these addresses): libcuda's copy costs ~3 µs of host time where
         # a torch copy_ costs ~10 (bench/host_bookkeeping.py's "staging" column on the H200 host: 11.4 µs per layer)
         self._memcpy = driver_memcpy_async() if self.addresses.is_cuda else None
@@ -186,9 +187,15 @@ class ExpertInputs:
             if not self._no_waits:       # rewritten only after a route with waits: ~1.4 µs a layer on the path
                 self._addresses_np[2:4] = 0
                 self._addresses_np[4] = range(self._addresses_np.shape[1])
-                self._no_waits = True
+                self._no_waits, self._order_row = True, None
         else:
-            self._addresses_np[2], self._addresses_np[3], self._addresses_np[4] = up_waits
+            epochs, flags, order = up_waits
+            self._addresses_np[2], self._addresses_np[3] = epochs, flags
+            # a tuple cannot change: the same one as last time is in row 4 already (the identity of every non-blocking
+            # route, streaming._no_waits); a list is written each time
+            if order is not self._order_row or type(order) is not tuple:
+                self._addresses_np[4] = order
+                self._order_row = order
             self._no_waits = False
         if self._memcpy is None:
             self.addresses.copy_(self.addresses_host, non_blocking=True)

@@ -19,6 +19,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -66,6 +67,13 @@ def stage_streams() -> int:
     16,000 tokens 224 / 223 -> 198 / 200 ms, 4,000 130 / 128 -> 125 / 126, 1,000 104 / 105 -> 101 / 103, 128 equal,
     first tokens equal. MOESTREAM_STAGE_STREAMS=1 is one copy stream, as before."""
     return 1 if os.environ.get("MOESTREAM_STAGE_STREAMS", "2") == "1" else 2
+
+
+# A decode layer with a miss sends its request before it pins its hits where the cache holds at least this many
+# layers' choices (`_request_first`): the prefetcher may then evict an expert the message found ready before the pin
+# (repaired by a demand read), which under LRU needs every other slot pinned or loading, about a layer's choice each
+# for the pins held past the kernels, the staged ups and the reads in flight
+REQUEST_FIRST_CHOICES = 8
 VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
@@ -188,6 +196,7 @@ class StreamingExperts(ExpertSource):
         self.slot_bytes = slab.shape[1]
         base = slab.data_ptr()
         self._slot_address = [base + s * self.slot_bytes for s in range(slab.shape[0])]
+        self._n_slots = slab.shape[0]
         self.acct = Accounting()
         self.vram = vram           # a VramTier, or None
         self.n_moe = len(store.moe_layers)
@@ -315,7 +324,12 @@ class StreamingExperts(ExpertSource):
         # counted after the launch (`score_uses` in decode_launched)
         vslots = vt.lookup_slots(j, chosen) if vt is not None else None
         rest = [e for e, v in zip(chosen, vslots) if v < 0] if vslots else chosen
-        slots = self.client.lookup_slots(j, rest)       # aligned with rest, -1: a miss
+        if self._n_slots >= REQUEST_FIRST_CHOICES * len(chosen):
+            slots, pinned = self.client.lookup_all(j, rest)     # a miss: nothing pinned yet, the request goes first
+            if not pinned:
+                return self._request_first(j, layer, chosen, guess, vslots, rest, slots, waited_s, tr)
+        else:
+            slots = self.client.lookup_slots(j, rest)   # aligned with rest, -1: a miss
         if -1 in slots:                  # misses: the request goes now, the kernels run eagerly as they land
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
@@ -330,13 +344,16 @@ class StreamingExperts(ExpertSource):
             nowait = self._stage_nowait()
             staged = self.ups.take(j, chosen, blocking=not nowait) if self.ups is not None else None
             if staged:
-                ups = [staged.get(e, a) for e, a in zip(chosen, addresses)]
+                ups = list(map(staged.get, chosen, addresses))     # a staged up's address, else the block's
             if self.up_dma_limit:
                 ups, waits = self._dma_ups(chosen, addresses, staged, ups)
             elif nowait:                 # the kernel waits per staged expert on its batch's flag
-                wo = self.ups.wait_of if staged else {}
-                waits = ([wo[e][0] if e in wo else 0 for e in chosen], [wo[e][1] if e in wo else 0 for e in chosen],
-                         list(range(len(chosen))))
+                none, order = _no_waits(len(chosen))
+                if staged:               # (epoch, flag) per expert, split into the two rows
+                    epochs, flags = zip(*map(self.ups.wait_of.get, chosen, repeat((0, 0))))
+                    waits = (epochs, flags, order)
+                else:
+                    waits = (none, none, order)
         self._launched = (j, chosen, guess, vslots, rest, slots, waited_s, len(staged) if staged else 0)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
@@ -586,6 +603,12 @@ class StreamingExperts(ExpertSource):
     def _request(self, j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr) -> "_Ticket | None":
         """The one request of a looked-up layer and its counts; `tr`: when the bookkeeping the device waits for
         began (None: after the launch, timed by the caller)."""
+        guess_list = self._send(j, rest, guess_list)
+        return self._count(j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr)
+
+    def _send(self, j, rest, guess_list) -> list[int]:
+        """The layer's one message (rest: its choice less the VRAM tier's experts; the guess less those the tier
+        holds for the next layer); returns the guess as sent."""
         vt = self.vram
         if j == 0:               # once per token, before the guess is filtered: what it admits needs no prefetch
             self._fill_vram()
@@ -595,6 +618,9 @@ class StreamingExperts(ExpertSource):
             guess_list = [e for e in guess_list if e not in row]
         self.client.request(j, rest, guess=guess_list)
         self._next_guess = ((j + 1) % self.n_moe, guess_list)
+        return guess_list
+
+    def _count(self, j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr) -> "_Ticket | None":
         a = self.acct
         if j == 0:
             a.tokens += 1
@@ -607,6 +633,22 @@ class StreamingExperts(ExpertSource):
         if self.record is not None:
             self.record(j, a.tokens - 1, ex, guess_list, list(hits) + list(on_dev))
         return None if tr is None else _Ticket(j, layer, ex=ex, on_dev=on_dev, hits=hits, rest=rest)
+
+    def _request_first(self, j, layer, chosen, guess, vslots, rest, seen, waited_s, tr) -> "_Ticket":
+        """A layer with misses in a cache of at least REQUEST_FIRST_CHOICES layers' choices: the request goes before
+        the pins (`seen`: the slots read without them), so the disk reads start before the lookup's pins, the
+        release of the last layer's and the counts (~15-24 of the ~31-47 µs to the post, bench.host_bookkeeping,
+        VM). An expert that the prefetcher found ready (a touch, no read) and evicted before the pin is read on
+        demand, or the layer would wait for the client's re-send (0.5 s). The last layer's pins are not released
+        here but with this layer's hits, by `decode_eager` once their kernels are queued (the cache is large: they
+        hold nothing up), so the hits' kernels wait only for the lookup."""
+        guess = self._send(j, rest, guess)
+        slots = self.client.lookup_slots(j, rest)
+        lost = [e for e, was, s in zip(rest, seen, slots) if was >= 0 > s]
+        if lost:
+            self.client.demand(j, lost)
+        hits = {e: s for e, s in zip(rest, slots) if s >= 0}
+        return self._count(j, layer, chosen, guess, _on_dev(chosen, vslots), rest, hits, waited_s, tr)
 
     def decode_eager(self, t: "_Ticket", x, experts, weights, acc) -> None:
         """The ticket's experts into acc fp32 [L]: VRAM-tier and slab hits at once, misses as they land."""
@@ -942,6 +984,18 @@ class StreamingExperts(ExpertSource):
 
     def _ring_used(self) -> None:
         self._ring.read_by_current_stream()
+
+
+_NO_WAITS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _no_waits(k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(k zeros, the launch order 0..k-1) for a route with staged ups in non-blocking mode, made once per k: tuples, so
+    that `ExpertInputs.set_addresses` may skip rewriting an order row it already holds."""
+    got = _NO_WAITS.get(k)
+    if got is None:
+        got = _NO_WAITS[k] = ((0,) * k, tuple(range(k)))
+    return got
 
 
 def _on_dev(chosen: list[int], vslots: list[int] | None) -> dict[int, int]:

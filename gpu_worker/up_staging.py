@@ -79,7 +79,8 @@ class UpStaging:
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
         self._memcpy = driver_memcpy_async() if self.cuda else None
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
-        self.used_by_rank = [0] * n_slots    # how often the guess of each rank was read
+        self._used_by_rank = [0] * n_slots   # how often the guess of each rank was read (`used_by_rank`)
+        self._taken = None                   # (slot_of, got) of the last take, its ranks not yet counted
         self.staged_by_rank = [0] * n_slots
         self.layer: int | None = None        # the MoE layer whose guessed ups the buffer holds
         self.slot_of: dict[int, int] = {}    # expert -> buffer slot
@@ -98,6 +99,10 @@ class UpStaging:
         self._epochs_np = self._epochs.numpy()
         self.epoch = 0
         self.wait_of: dict[int, tuple[int, int]] = {}    # expert -> (epoch, flag index) of the last stage
+        # the last stage's experts: their up sections' addresses and (epoch, flag index), made at the stage (after a
+        # launch) so that `take` and the route, before the next one, read them in one pass
+        self._up_of: dict[int, int] = {}
+        self._stage_waits: dict[int, tuple[int, int]] = {}
         self._core = None                    # event after the first `limit` copies (what the adapted limit judges)
         if self.cuda:     # the flags' zeroing ran on the compute stream: the first flag copies follow it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -111,6 +116,21 @@ class UpStaging:
     def nbytes(self) -> int:
         return self.buf.numel()
 
+    @property
+    def used_by_rank(self) -> list[int]:
+        """How often the guess of each rank was read."""
+        self._count_taken()
+        return self._used_by_rank
+
+    def _count_taken(self) -> None:
+        """The ranks the last `take` used, counted here (at the next stage, or when read) and not on the route."""
+        if self._taken is not None:
+            slot_of, got = self._taken
+            self._taken = None
+            used = self._used_by_rank
+            for e in got:
+                used[slot_of[e]] += 1
+
     def how_many(self, layer: int) -> int:
         """Copies to issue for `layer` now (its adapted limit)."""
         return min(self.limit.setdefault(layer, len(self._address)) + self.extra, len(self._address))
@@ -120,6 +140,7 @@ class UpStaging:
         same blocks as U8 tensors, for the torch path) into the buffer, after the work queued so far on the
         current stream (the kernel that last read the buffer). `slots`: the slab slots pinned for the copies;
         they come back from `releasable` once the copies are done."""
+        self._count_taken()
         n = min(len(experts), len(self._address))
         experts = experts[:n]
         ub = self.up_bytes
@@ -156,6 +177,9 @@ class UpStaging:
         self._waited = False
         self.layer = layer
         self.slot_of = {e: i for i, e in enumerate(experts)}
+        addr, ws = self._address, self._wait_slot
+        self._up_of = {e: addr[i] for i, e in enumerate(experts)}
+        self._stage_waits = {e: ws[i] for i, e in enumerate(experts)} if self.extra else {}
         self._held.add(self.done, slots)
 
     def _signal(self, lo: int, hi: int) -> None:
@@ -181,22 +205,23 @@ class UpStaging:
         """{expert: address of its staged up section} for those of `experts` staged for `layer` (consumed: a
         later stage overwrites them). When any is used and `blocking` (or the staging is not in non-blocking
         mode), the current stream waits for the copies first; otherwise `wait_of` gives each got expert's
-        (epoch, flag) for the kernel's own wait."""
+        (epoch, flag) for the kernel's own wait (it holds every expert of the stage: look up only `experts`)."""
         if self.layer != layer or not self.slot_of:
             return {}
-        slot_of, addr = self.slot_of, self._address
-        got = {e: addr[slot_of[e]] for e in experts if e in slot_of}
+        up_of = self._up_of
+        got = {e: up_of[e] for e in experts if e in up_of}
         if self.cuda and not self._waited:
             # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer.
             # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun)
-            lim = self.limit.get(layer, len(addr))
+            n = len(self._address)
+            lim = self.limit.get(layer, n)
             ev = self._core if self.extra and self._core is not None else self.done
-            self.limit[layer] = min(lim + 1, len(addr)) if ev.query() else max(lim - 1, 1)
-        self.wait_of = {e: self._wait_slot[slot_of[e]] for e in got} if self.extra else {}
+            self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
+        # every staged expert's (epoch, flag): the got ones are those of `experts` (the route looks up no other)
+        self.wait_of = self._stage_waits
+        self._taken = (self.slot_of, got) if got else None
         self.layer, self.slot_of = None, {}
         if got:
-            for e in got:
-                self.used_by_rank[slot_of[e]] += 1
             if self.cuda and not self._waited and (blocking or not self.extra):
                 torch.cuda.current_stream(self.device).wait_event(self.done)
                 self._waited = True

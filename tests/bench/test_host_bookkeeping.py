@@ -1,5 +1,6 @@
 """bench/host_bookkeeping.py on a few tokens: every scenario takes the path it is named for (all hits: every layer
-addressed; misses: layers run eagerly; a VRAM tier: hits there), the figures are written."""
+addressed; misses: layers run eagerly; a VRAM tier: hits there; staged: the guessed ups read from the staging), the
+figures are written."""
 import json
 import time
 
@@ -14,15 +15,19 @@ def test_each_scenario_takes_its_path(synth, tmp_path):
     host_bookkeeping.main(["--store", str(store), "--tokens", "6", "--repeats", "1", "--out-dir", str(tmp_path),
                            "--tag", "t"])
     med = json.loads((tmp_path / "host_bookkeeping-t.json").read_text())["median"]
-    hits, misses, vram = med["hits"], med["misses"], med["vram"]
+    hits, misses, vram, staged = med["hits"], med["misses"], med["vram"], med["staged"]
     assert hits["hit_rate"] == 1.0 and hits["addressed_share"] == 1.0 and hits["after_launch"] > 0
     assert misses["hit_rate"] < 1.0 and misses["addressed_share"] < 1.0      # the twin of the all-hits path
     assert vram["vram_hit_rate"] > 0.5
+    assert staged["ups_staged_used_per_layer"] > 0 and hits["ups_staged_used_per_layer"] == 0   # the staged path's twin
     for m in med.values():
         assert m["critical_path"] > 0 and m["lookup"] > 0 and m["message"] > 0
     assert "| hits |" in (tmp_path / "host_bookkeeping-t.txt").read_text()
     for m in med.values():
         assert 0.0 <= m["preempted_share"] <= 1.0 and m["median_critical_path"] > 0
+    # a layer with misses posts its request inside its route; an addressed layer only after its launch (none timed)
+    assert 0 < misses["median_request_out"] <= misses["median_critical_path"]
+    assert hits["request_out"] != hits["request_out"] and vram["request_out"] != vram["request_out"]    # NaN
 
 
 def _spin(seconds: float) -> None:

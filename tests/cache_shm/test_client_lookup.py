@@ -65,3 +65,20 @@ def test_unpublished_between_read_and_pin_is_a_miss(shm, rereads):
     slots = c.lookup_slots(0, [1, 2, 3])
     ok = slots == [4, -1, 6] and shm.slot_pins[5] == 0 and shm.slot_pins[[4, 6]].tolist() == [1, 1]
     assert ok == rereads, (slots, shm.slot_pins[[4, 5, 6]].tolist())
+
+
+@pytest.mark.parametrize("all_or_none", [True, False])
+def test_lookup_all_pins_nothing_unless_every_expert_is_ready(shm, all_or_none):
+    """Every expert ready: pinned and counted, as lookup_slots. One missing: the slots read, nothing pinned or counted
+    (the caller sends its request, then pins). Twin (all_or_none=False): a lookup that pins what it found is caught."""
+    c = CacheClient(shm)
+    publish(shm, 1, {5: 10, 9: 3, 40: 77})
+    if not all_or_none:
+        c.lookup_all = lambda layer, experts: (c.lookup_slots(layer, experts), False)
+    assert c.lookup_all(1, [9, 40]) == ([3, 77], True) or not all_or_none
+    c.release([3, 77])
+    before = shm.client_counters.copy()
+    slots, pinned = c.lookup_all(1, [9, 0, 40])
+    ok = (slots, pinned) == ([3, -1, 77], False) and (shm.slot_pins == 0).all() and (
+        shm.client_counters == before).all()
+    assert ok == all_or_none, (slots, pinned, shm.slot_pins[[3, 77]])

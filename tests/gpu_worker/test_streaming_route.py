@@ -102,8 +102,9 @@ def test_twin_broken_route_is_caught(rig, monkeypatch, broken):
             src._flush(sync=False)
         monkeypatch.setattr(src, "decode_launched", careless)
     elif broken == "slots out of order":
-        real_lookup = src.client.lookup_slots
+        real_lookup, real_all = src.client.lookup_slots, src.client.lookup_all
         monkeypatch.setattr(src.client, "lookup_slots", lambda j, ex: sorted(real_lookup(j, ex)))
+        monkeypatch.setattr(src.client, "lookup_all", lambda j, ex: (sorted(real_all(j, ex)[0]), True))
     else:
         monkeypatch.setattr(src.client, "request", lambda *a, **k: None)
     assert route_problems(src, shm, slot_of) != []
@@ -148,3 +149,58 @@ def test_vram_tier_and_slab_addresses_mixed(rig):
     assert messages(shm) == [[MSG_LAYER, 0, [7, 60], 1, [5, 6]]]
     assert src.acct.vram_hits == 2 and src.acct.bytes_from_vram == 2 * src.block_bytes
     assert torch.equal(vt.block(vt.slot_of[0, 7]), src.slab[slot_of[0, 7], :src.block_bytes])   # admitted
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_miss_in_a_large_cache_sends_its_request_before_the_pins(rig, monkeypatch, first):
+    """The disk reads start at the request, so it goes before the hits are pinned; they are pinned before the route
+    returns, and the last layer's pins are released with the hits' by `decode_eager` (`_flush` before it waits for
+    the misses). Twin (first=False): the order of a small cache (pins and release, then the request) is caught by the
+    same check."""
+    from gpu_worker import streaming
+    src, shm, slot_of = rig
+    if not first:
+        monkeypatch.setattr(streaming, "REQUEST_FIRST_CHOICES", 10 ** 6)
+    src.decode_route(0, 1, [7, 3, 60], [1, 2])       # an all-hits layer whose pins are held past its kernels
+    src.decode_launched()
+    messages(shm)
+    shm.ready_of_expert[1, 41] = -1
+    chosen = [5, 41, 9]
+    at_request = []
+    real = src.client.request
+
+    def request(*a, **k):
+        at_request.append([int(shm.slot_pins[slot_of[1, e]]) for e in (5, 9)])
+        real(*a, **k)
+    monkeypatch.setattr(src.client, "request", request)
+    r = src.decode_route(1, 3, chosen, [4])
+    assert r.addresses is None and sorted(r.hits) == [5, 9] and messages(shm) == [[MSG_LAYER, 1, chosen, 2, [4]]]
+    assert [shm.slot_pins[slot_of[1, e]] for e in chosen] == [1, 0, 1]
+    assert (src.acct.hits_at_lookup, src.acct.misses_at_lookup) == (5, 1)
+    assert (at_request == [[0, 0]]) == first, at_request
+    src._defer(list(r.hits.values()))              # decode_eager, its hits' kernels queued: the release before the wait
+    src._flush(sync=False)
+    assert (shm.slot_pins == 0).all()
+
+
+@pytest.mark.parametrize("repaired", [True, False])
+def test_an_expert_evicted_between_the_request_and_its_pin_is_read_on_demand(rig, monkeypatch, repaired):
+    """The race the early request opens: the prefetcher finds expert 9 ready (a touch, no read), then evicts it before
+    the client pins it. The route asks for it by a demand read, or the layer would wait for the client's re-send.
+    Twin (repaired=False): a client whose demand goes nowhere is caught."""
+    from cache_shm.client import MSG_DEMAND
+    src, shm, slot_of = rig
+    shm.ready_of_expert[1, 41] = -1
+    real = src.client.request
+
+    def request_then_evict(*a, **k):
+        real(*a, **k)
+        shm.ready_of_expert[1, 9] = -1       # the prefetcher's eviction: unpublished, then the slot reused
+        shm.slot_of_expert[1, 9] = -1
+    monkeypatch.setattr(src.client, "request", request_then_evict)
+    if not repaired:
+        monkeypatch.setattr(src.client, "demand", lambda *a: None)
+    r = src.decode_route(1, 3, [5, 41, 9], [4])
+    sent = messages(shm)
+    assert sorted(r.hits) == [5] and shm.slot_pins[slot_of[1, 9]] == 0
+    assert (sent[1:] == [[MSG_DEMAND, 1, [9], 0, []]]) == repaired, sent

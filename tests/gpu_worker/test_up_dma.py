@@ -207,3 +207,70 @@ def test_expert_inputs_reset_the_waits_after_a_route_with_waits():
     inp._no_waits = True
     inp.set_addresses(blocks)
     assert inp.addresses[2].tolist() == [7] * k
+
+
+@pytest.mark.parametrize("honest", [True, False])
+def test_expert_inputs_rewrite_the_launch_order_unless_it_is_the_same_tuple(honest):
+    """set_addresses skips row 4 (the kernel's launch order) when a route hands the tuple it wrote last (the identity
+    of every non-blocking route, made once per k); another order in between must be written and then undone.
+    Twin (honest=False): a skip by the tuple's value alone, which misses the list in between, is caught."""
+    from gpu_worker.decode_graphs import ExpertInputs
+    from gpu_worker.streaming import _no_waits
+    k = 5
+    inp = ExpertInputs.like(torch.zeros(1, 8), None, (torch.zeros(k), torch.zeros(k)), torch.zeros(k), pinned=False)
+    blocks = [4096 * (i + 1) for i in range(k)]
+    none, order = _no_waits(k)
+    assert _no_waits(k)[1] is order and order == tuple(range(k))
+    seen = []
+    for o in (order, [4, 3, 2, 1, 0], order):
+        inp.set_addresses(blocks, up_waits=(none, none, o))
+        seen.append(inp.addresses[4].tolist())
+        if not honest:
+            inp._order_row = order                  # as if every write had been of the identity tuple
+    assert (seen == [list(range(k)), [4, 3, 2, 1, 0], list(range(k))]) == honest, seen
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_take_hands_the_stages_ups_and_waits_and_counts_the_ranks_used(counted, monkeypatch):
+    """On the CPU: `take` gives the chosen experts that were staged with their up sections' addresses, `wait_of` their
+    batches' (epoch, flag), and the ranks used are counted off the route (at the next stage, or when read).
+    Twin (counted=False): ranks never counted are caught."""
+    from gpu_worker.up_staging import UpStaging
+    ups = UpStaging(4, 64, "cpu")
+    ups.extra, ups.batch = 3, 2
+    if not counted:
+        monkeypatch.setattr(ups, "_count_taken", lambda: None)
+    blocks = [torch.full((128,), i, dtype=torch.uint8) for i in range(3)]
+    ups.stage(1, [10, 20, 30], [0, 0, 0], [7, 8, 9], views=blocks)
+    got = ups.take(1, [30, 5, 10], blocking=False)
+    assert got == {30: ups._address[2], 10: ups._address[0]} and ups.take(1, [30]) == {}    # consumed
+    assert [ups.wait_of[e] for e in (10, 30)] == [ups._wait_slot[0], ups._wait_slot[2]]
+    assert ups._wait_slot[0] != ups._wait_slot[2] and ups.buf[2, :64].eq(2).all()
+    ups.stage(2, [40], [0], [6], views=blocks[:1])
+    assert (ups.used_by_rank == [1, 0, 1, 0]) == counted, ups.used_by_rank
+    assert ups.staged_by_rank == [2, 1, 1, 0]
+
+
+class _Copies:
+    """A CUDA event's query, for `take`'s judgement of the copies on the CPU."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("judged", [True, False])
+def test_take_judges_the_copies_it_gets(judged):
+    """On CUDA `take` adapts the layer's limit by whether the judged copies were done: late ones take one off.
+    Run here with the CUDA flag forced and an event's query faked (non-blocking: no stream wait). Twin
+    (judged=False): a take that leaves the limit alone is caught."""
+    from gpu_worker.up_staging import UpStaging
+    ups = UpStaging(4, 64, "cpu")
+    ups.extra = 3
+    blocks = [torch.zeros(128, dtype=torch.uint8)] * 2
+    ups.stage(1, [10, 20], [0, 0], [7, 8], views=blocks)
+    ups.cuda, ups._core = judged, _Copies(done=False)
+    assert ups.take(1, [20], blocking=False) == {20: ups._address[1]}
+    assert (ups.limit == {1: 3}) == judged, ups.limit
