@@ -61,9 +61,10 @@ def _exact_dot(a, b, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _split(a):
-    """fp32 a as hi + lo, two bf16 tiles whose sum is within 2^-17 |a| of it."""
-    hi = a.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    return hi, (a - hi.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    """fp32 a as hi + lo, two bf16 tiles whose sum is within 2^-17 |a| of it (Triton rounds to nearest on the GPU;
+    its interpreter truncates, within 2^-14)."""
+    hi = a.to(tl.bfloat16)
+    return hi, (a - hi.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def _dot_split(a, b, acc, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     return acc
 
 
-@triton.jit(**varying("x_ptr", "B_ptr", "T"))
+@triton.jit(**varying("x_ptr", "dt_ptr", "B_ptr", "T"))
 def _chunk_state_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, acs_ptr, decay_ptr, states_ptr,
     T, Q, nh, hd, N, heads_per_group, sx_t, sb_t,
@@ -120,7 +121,7 @@ def _chunk_state_kernel(
     tl.store(p, acc, mask=m_d[:, None] & m_n[None, :])
 
 
-@triton.jit(**varying("x_ptr", "B_ptr", "C_ptr", "T"))
+@triton.jit(**varying("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "T"))
 def _chunk_out_kernel(
     x_ptr, dt_ptr, acs_ptr, B_ptr, C_ptr, S_ptr, D_ptr, y_ptr,
     T, Q, nh, hd, N, heads_per_group, sx_t, sb_t, sc_t,

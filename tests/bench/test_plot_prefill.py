@@ -1,4 +1,6 @@
 """bench.plot_prefill: the curves are the run's rows, a row that beat its floor is never drawn."""
+import pytest
+
 from bench import plot_prefill
 
 
@@ -29,5 +31,13 @@ def test_prefill_path_parts():
     from bench.prefill import ahead_gate
     assert path_parts("staged~0#2") == ("staged", "", "", False)
     assert path_parts("staged@1024!~512") == ("staged", "1024", "", True)
+    from bench.prefill import path_env
+    assert path_parts("staged|MOESTREAM_MAMBA_SSD=1#2") == ("staged", "", "", False)
+    assert path_parts("staged@1024~512|A=1|B=x") == ("staged", "1024", "", False)
+    assert ahead_gate("staged~512|A=1#2") == 512 and ahead_gate("staged|A=1") is None
+    assert path_env("staged|MOESTREAM_MAMBA_SSD=1#2") == {"MOESTREAM_MAMBA_SSD": "1"}
+    assert path_env("staged~0|A=1|B=#3") == {"A": "1", "B": ""} and path_env("staged#2") == {}
+    with pytest.raises(ValueError, match="KEY=VAL"):
+        path_env("staged|MOESTREAM_MAMBA_SSD")
     assert ahead_gate("staged~0#2") == 0 and ahead_gate("staged@1024!~512") == 512
     assert ahead_gate("staged") is None and ahead_gate("staged#3") is None
