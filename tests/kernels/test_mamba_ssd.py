@@ -40,7 +40,9 @@ def reference64(x, dt, A, B, C, D, S0):
     return y + D.double()[:, None] * x.double(), S
 
 
-@pytest.mark.parametrize("T,Q,nh,hd,N,ng", CASES + [(150, 64, 4, 8, 16, 2), (45, 128, 4, 16, 32, 2)])
+# the scan tests' odd shapes, and Super's tiles (Q 128, hd 64, N 128: the blocks and warps the GPU compiles for it)
+@pytest.mark.parametrize("T,Q,nh,hd,N,ng", CASES + [(150, 64, 4, 8, 16, 2), (45, 128, 4, 16, 32, 2),
+                                                    (300, 128, 2, 64, 128, 1)])
 def test_kernels_equal_twin_and_recurrence(T, Q, nh, hd, N, ng, device):
     args = inputs(T, nh, hd, N, ng, device)
     S0_before = args[-1].clone()
@@ -166,10 +168,10 @@ def test_off_by_default(device, monkeypatch):
 
 
 @pytest.mark.parametrize("T,Q,nh,hd,N,ng", [(40, 16, 4, 16, 32, 2), (33, 8, 8, 4, 16, 2), (7, 16, 2, 4, 8, 1)])
-def test_ssd_bytes_is_what_the_scan_allocates(T, Q, nh, hd, N, ng):
-    """The memory model equals the allocations counted op by op (CPU: no allocator rounding); only y and the new
-    state outlive the call."""
-    args = inputs(T, nh, hd, N, ng, "cpu")
+def test_ssd_bytes_is_what_the_scan_allocates(T, Q, nh, hd, N, ng, device):
+    """The memory model equals the allocations counted op by op (storage sizes, no allocator rounding); only y and
+    the new state outlive the call."""
+    args = inputs(T, nh, hd, N, ng, device)
     with AllocatedBytes(*args) as mem:
         y, S = ssd_scan(*args, Q)
     assert mem.now == y.nbytes + S.nbytes
