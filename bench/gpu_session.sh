@@ -99,9 +99,9 @@ PY
         --paths staged_no_ahead,staged --budget-mb 0 --brief --out "$OUT/prefill_ahead16k.json" > "$OUT/prefill_ahead16k.log" 2>&1; tail -8 "$OUT/prefill_ahead16k.log";;
     # h-scan (session 11): the Mamba scan on the tensor cores (kernels/mamba_ssd.py, MOESTREAM_MAMBA_SSD, off by default).
     # ssd_kernel needs no store: the kernel tests on CUDA, then old vs new per layer at 4k / 16k in one process
-    ssd_kernel) timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mamba_ssd.py tests/nemotron/test_mamba_mixer.py \
-           tests/kernels/test_mamba_carry.py > "$OUT/pytest_ssd.log" 2>&1; tail -2 "$OUT/pytest_ssd.log"
-      timeout 60 python3 -m bench.kernels.mamba_ssd --sizes 4000,16000 --variants ${SSD_VARIANTS:-ssd,i128_j64_w8,i32_j32,nosplit} \
+    ssd_kernel) timeout 65 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mamba_ssd.py \
+           tests/nemotron/test_mamba_mixer.py::test_ssd_kernels_equal_the_twin_in_the_model > "$OUT/pytest_ssd.log" 2>&1; tail -2 "$OUT/pytest_ssd.log"
+      timeout 85 python3 -m bench.kernels.mamba_ssd --sizes 4000,16000 --variants ${SSD_VARIANTS:-ssd,i128_j64_w8,i64_j64,state_n64,nosplit} \
            --out "$OUT/mamba_ssd.json" > "$OUT/mamba_ssd.log" 2>&1; tail -3 "$OUT/mamba_ssd.log" | cut -c1-400;;
     # the prompt's TTFT with the switch off and on, interleaved twice in one engine (after prebuild)
     ssd_prefill) timeout ${PREFILL_TIMEOUT:-90} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \

@@ -94,20 +94,22 @@ def _chunk_state_kernel(
     T, Q, nh, hd, N, heads_per_group, sx_t, sb_t,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    ci, h = tl.program_id(0), tl.program_id(1)
+    ci, h, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = h // heads_per_group
     o_q = tl.arange(0, BLOCK_Q)
     o_d = tl.arange(0, BLOCK_D)
-    o_n = tl.arange(0, BLOCK_N)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     t = ci * Q + o_q
     m_q = (o_q < Q) & (t < T)
     m_d, m_n = o_d < hd, o_n < N
     b_dt = tl.load(dt_ptr + t * nh + h, mask=m_q, other=0.0)
     b_s = tl.cumsum(b_dt * tl.load(A_ptr + h), axis=0)               # padding adds 0: s stays at the last token's
-    tl.store(acs_ptr + t * nh + h, b_s, mask=m_q)
+    # with N in several blocks (a grid's third axis), every block computes s; the first writes it
     n_valid = tl.minimum(Q, T - ci * Q)
     s_last = tl.sum(tl.where(o_q == n_valid - 1, b_s, 0.0), axis=0)
-    tl.store(decay_ptr + ci * nh + h, tl.exp(s_last))
+    if pid_n == 0:
+        tl.store(acs_ptr + t * nh + h, b_s, mask=m_q)
+        tl.store(decay_ptr + ci * nh + h, tl.exp(s_last))
     # exp(s_Q - s_j) dt_j on B's rows (<= 1: s falls along the chunk); 0 on padding rows
     b_w = tl.where(m_q, tl.exp(s_last - b_s) * b_dt, 0.0)
     b_B = tl.load(B_ptr + t[:, None].to(tl.int64) * sb_t + g * N + o_n[None, :], mask=m_q[:, None] & m_n[None, :],
@@ -174,9 +176,10 @@ def _check(x, dt, A, B, C, D, state, chunk_size):
         raise ValueError(f"D must be fp32 [{A.shape[0]}], got {D.dtype} {tuple(D.shape)}")
 
 
-# The output kernel's blocks and warps, the state kernel's warps at Q >= 128, and the split (see the module's note);
+# The output kernel's blocks and warps, the state kernel's warps at Q >= 128 and its block of N (a third grid axis
+# when smaller than N: fewer registers, x read once a block), and the split (see the module's note);
 # bench/kernels/mamba_ssd.py times others beside these on the GPU
-CONFIG = dict(BLOCK_I=64, BLOCK_J=32, num_warps=4, num_stages=2, state_warps=8, SPLIT=True)
+CONFIG = dict(BLOCK_I=64, BLOCK_J=32, num_warps=4, num_stages=2, state_warps=8, state_block_n=128, SPLIT=True)
 
 
 def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None, config: dict | None = None):
@@ -203,9 +206,10 @@ def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None
     block_d, block_n = max(16, triton.next_power_of_2(hd)), max(16, triton.next_power_of_2(N))
     cfg = {**CONFIG, **(config or {})}
     split = cfg.pop("SPLIT")
-    _chunk_state_kernel[(c, nh)](
+    state_n = max(16, min(block_n, cfg.pop("state_block_n")))
+    _chunk_state_kernel[(c, nh, triton.cdiv(N, state_n))](
         x, dt, A, B, acs, decay, states, T, Q, nh, hd, N, nh // ng, x.stride(0), B.stride(0),
-        BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, UPCAST=_UPCAST,
+        BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=state_n, SPLIT=split, UPCAST=_UPCAST,
         num_warps=cfg.pop("state_warps") if block_q >= 128 else 4)
     S_in = torch.empty_like(states)
     S = _carry(states, state, decay, S_in)

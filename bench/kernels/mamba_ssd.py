@@ -2,6 +2,7 @@
 (kernels.mamba_scan.chunk_scan, the twin), old and new in one process, at a prompt's size in the mixer's pieces.
 
     python -m bench.kernels.mamba_ssd [--sizes 4000,16000] [--layers 4] [--out F.json] [--shape super|small]
+    TRITON_INTERPRET= python -m bench.kernels.mamba_ssd --sass 90      # resources of every variant, no GPU
 
 Per size T, over pieces of the mixer's MAX_PIECE_TOKENS (4,096) with the state carried from piece to piece, as the
 mixer runs them, inputs as the mixer hands them over (x, B, C bf16 views of one conv output; dt after softplus):
@@ -39,6 +40,8 @@ VARIANTS = {
     "i32_j32": dict(BLOCK_I=32, BLOCK_J=32),
     "i64_j32_s3": dict(num_stages=3),
     "state_w4": dict(state_warps=4),
+    "state_n64": dict(state_block_n=64),
+    "state_n64_w4": dict(state_block_n=64, state_warps=4),
     "nosplit": dict(SPLIT=False),
 }
 
@@ -90,6 +93,66 @@ def peak_bytes(fn, device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+def sass_table(arch: int = 90, names=None) -> list[dict]:
+    """Each variant's two kernels compiled for sm_<arch> without a GPU (Super's blocks; Triton's bundled ptxas and
+    cuobjdump): registers, spill stack, shared memory, and the tensor-core instructions (HGMMA: wgmma; HMMA:
+    mma.sync)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.kernels.sass_probe import sass
+    from kernels import mamba_ssd as m
+
+    def build(fn, sig, cx, nw, ns, div16):
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+        return triton.compile(ASTSource(fn, signature=sig, constexprs=cx, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=nw, num_stages=ns))
+
+    def usage(k):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        finally:
+            os.unlink(f.name)
+        ops = collections.Counter(t.split()[0].split(".")[0] for t in re.findall(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?(.*?);",
+                                                                                  sass(k)))
+        return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)),
+                    stack=int(re.search(r"STACK:(\d+)", out).group(1)), smem_kb=k.metadata.shared // 1024,
+                    mma={o: n for o, n in ops.items() if "MMA" in o})
+
+    ints = ("T", "Q", "nh", "hd", "N", "heads_per_group", "sx_t", "sb_t")
+    st_sig = dict(x_ptr="*bf16", dt_ptr="*fp32", A_ptr="*fp32", B_ptr="*bf16", acs_ptr="*fp32", decay_ptr="*fp32",
+                  states_ptr="*fp32", **dict.fromkeys(ints, "i32"))
+    out_sig = dict(x_ptr="*bf16", dt_ptr="*fp32", acs_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16", S_ptr="*fp32",
+                   D_ptr="*fp32", y_ptr="*fp32", **dict.fromkeys(ints + ("sc_t",), "i32"))
+    # what the launcher specialises: the fresh buffers' pointers and the model's sizes (x, dt, B, C, T vary)
+    fixed = ("A_ptr", "acs_ptr", "decay_ptr", "states_ptr", "S_ptr", "D_ptr", "y_ptr", "Q", "nh", "hd", "N",
+             "heads_per_group", "sx_t", "sb_t", "sc_t")
+    rows = []
+    for name, over in VARIANTS.items():
+        if names and name not in names:
+            continue
+        cfg = {**CONFIG, **over}
+        st = build(m._chunk_state_kernel, st_sig, dict(BLOCK_Q=128, BLOCK_D=64, BLOCK_N=cfg["state_block_n"],
+                                                       SPLIT=cfg["SPLIT"], UPCAST=False),
+                   cfg["state_warps"], 3, [n for n in st_sig if n in fixed])
+        out = build(m._chunk_out_kernel, out_sig, dict(BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=64,
+                                                       BLOCK_N=128, SPLIT=cfg["SPLIT"], UPCAST=False),
+                    cfg["num_warps"], cfg["num_stages"], [n for n in out_sig if n in fixed])
+        rows.append(dict(variant=name, state=usage(st), out=usage(out)))
+        print(f"  {name:14s} state {rows[-1]['state']}  out {rows[-1]['out']}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="4000,16000")
@@ -99,7 +162,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-mixer", action="store_true", help="skip the whole-mixer rows")
     ap.add_argument("--out", default="mamba_ssd.json")
+    ap.add_argument("--sass", type=int, metavar="ARCH",
+                    help="only compile every variant for sm_ARCH (no GPU needed) and print its resources")
     a = ap.parse_args(argv)
+    if a.sass:
+        return dict(sass=sass_table(a.sass, [k for k in a.variants.split(",") if k]))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shape = a.shape or ("super" if cuda else "small")
@@ -132,6 +199,7 @@ def main(argv=None) -> dict:
             scan_bytes_model=scan_bytes(n, mx.nh, mx.hd, mx.ng, mx.N, chunk),
             ssd_bytes_model=ssd_bytes(n, mx.nh, mx.hd, mx.N, chunk))
     print("checks", json.dumps(res["checks"]), flush=True)
+    save(res, a.out)
     del x, dt, B, C, S0, y_t, S_t, first
 
     # ---- per size: the scan per layer, old and new in turn (interleaved twice: the second round is the one kept)
@@ -160,9 +228,14 @@ def main(argv=None) -> dict:
         res["rows"].append(row)
         print("  " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+        save(res, a.out)
     return res
+
+
+def save(res: dict, path: str) -> None:
+    """After every stage: a device call cut by its time limit keeps what was measured."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -131,11 +131,14 @@ def test_broken_scans_are_caught(broken, device, monkeypatch):
 
 
 def test_block_configs_agree(device):
-    """The bench's other output-kernel blocks (rows of 32 / 128, columns of 16 / 64) give the same y."""
-    args = inputs(150, 4, 8, 16, 2, device)
-    y, _ = ssd_scan(*args, 64)
-    for cfg in ({"BLOCK_I": 32, "BLOCK_J": 16}, {"BLOCK_I": 128, "BLOCK_J": 64}):
-        assert_close(ssd_scan(*args, 64, config=cfg)[0], y, TOL, str(cfg))
+    """The bench's other blocks (output rows of 32 / 128, columns of 16 / 64; the chunk states' N in blocks of 16)
+    give the same y and state."""
+    args = inputs(150, 4, 8, 40, 2, device)
+    y, S = ssd_scan(*args, 64)
+    for cfg in ({"BLOCK_I": 32, "BLOCK_J": 16}, {"BLOCK_I": 128, "BLOCK_J": 64}, {"state_block_n": 16}):
+        y2, S2 = ssd_scan(*args, 64, config=cfg)
+        assert_close(y2, y, TOL, str(cfg))
+        assert_close(S2, S, TOL, str(cfg))
 
 
 @pytest.mark.parametrize("change,message", [
