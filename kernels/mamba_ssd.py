@@ -205,12 +205,12 @@ def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None
     block_q = max(16, triton.next_power_of_2(Q))
     block_d, block_n = max(16, triton.next_power_of_2(hd)), max(16, triton.next_power_of_2(N))
     cfg = {**CONFIG, **(config or {})}
-    split = cfg.pop("SPLIT")
+    split, state_warps = cfg.pop("SPLIT"), cfg.pop("state_warps")
     state_n = max(16, min(block_n, cfg.pop("state_block_n")))
     _chunk_state_kernel[(c, nh, triton.cdiv(N, state_n))](
         x, dt, A, B, acs, decay, states, T, Q, nh, hd, N, nh // ng, x.stride(0), B.stride(0),
         BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=state_n, SPLIT=split, UPCAST=_UPCAST,
-        num_warps=cfg.pop("state_warps") if block_q >= 128 else 4)
+        num_warps=state_warps if block_q >= 128 else 4)
     S_in = torch.empty_like(states)
     S = _carry(states, state, decay, S_in)
     del states
@@ -223,7 +223,6 @@ def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None
             e = min(T, (q + 1) * Q)
             taps[t] = S_in[q].clone() if j == 0 else _state_at(x[q * Q:e], dt[q * Q:e], B[q * Q:e], acs[q * Q:e],
                                                                S_in[q], j)
-    cfg.pop("state_warps", None)
     cfg["BLOCK_I"] = min(cfg["BLOCK_I"], block_q)
     cfg["BLOCK_J"] = min(cfg["BLOCK_J"], cfg["BLOCK_I"])
     y = torch.empty(T, nh, hd, device=dev)
