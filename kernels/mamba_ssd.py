@@ -11,10 +11,10 @@ Why: the twin runs ~20 launches a 4,096-token piece through fp32 cuBLAS on the C
 decay tensor of 256 MiB (exp, tril, a broadcast product, each a pass over it). H200 session 8's 16k profile: ~37 ms of
 its ~139 ms of compute are these (fp32 GEMMs 11.6 ms, the decay's mul / sub / exp / tril ~14 ms, the casts, the
 combine and D·x ~11 ms) for ~0.4 TFLOP of products. Here:
-  1. `_chunk_state_kernel`, one program a (chunk, head): the chunk's cumulative decay (written out for 3), its total
+  1. `_ssd_state_kernel`, one program a (chunk, head): the chunk's cumulative decay (written out for 3), its total
      decay, and its end state from its own tokens, x^T · (w ∘ B) on the tensor cores.
   2. kernels/mamba_carry.py: the recurrence from chunk to chunk (unchanged).
-  3. `_chunk_out_kernel`, one program a (block of rows, head, chunk): C·B, the decay, the weighted x, the start
+  3. `_ssd_out_kernel`, one program a (block of rows, head, chunk): C·B, the decay, the weighted x, the start
      state's part and D·x, all in registers; y written once, fp32.
 
 Precision: x, B, C arrive in bf16 (the conv's output), so every product of two of them is exact in fp32, as in the
@@ -89,7 +89,7 @@ def _dot_split(a, b, acc, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit(**varying("x_ptr", "dt_ptr", "B_ptr", "T"))
-def _chunk_state_kernel(
+def _ssd_state_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, acs_ptr, decay_ptr, states_ptr,
     T, Q, nh, hd, N, heads_per_group, sx_t, sb_t,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
@@ -124,7 +124,7 @@ def _chunk_state_kernel(
 
 
 @triton.jit(**varying("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "T"))
-def _chunk_out_kernel(
+def _ssd_out_kernel(
     x_ptr, dt_ptr, acs_ptr, B_ptr, C_ptr, S_ptr, D_ptr, y_ptr,
     T, Q, nh, hd, N, heads_per_group, sx_t, sb_t, sc_t,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -207,7 +207,7 @@ def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None
     cfg = {**CONFIG, **(config or {})}
     split, state_warps = cfg.pop("SPLIT"), cfg.pop("state_warps")
     state_n = max(16, min(block_n, cfg.pop("state_block_n")))
-    _chunk_state_kernel[(c, nh, triton.cdiv(N, state_n))](
+    _ssd_state_kernel[(c, nh, triton.cdiv(N, state_n))](
         x, dt, A, B, acs, decay, states, T, Q, nh, hd, N, nh // ng, x.stride(0), B.stride(0),
         BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=state_n, SPLIT=split, UPCAST=_UPCAST,
         num_warps=state_warps if block_q >= 128 else 4)
@@ -226,7 +226,7 @@ def ssd_scan(x, dt, A, B, C, D, state, chunk_size: int, taps: dict | None = None
     cfg["BLOCK_I"] = min(cfg["BLOCK_I"], block_q)
     cfg["BLOCK_J"] = min(cfg["BLOCK_J"], cfg["BLOCK_I"])
     y = torch.empty(T, nh, hd, device=dev)
-    _chunk_out_kernel[(triton.cdiv(Q, cfg["BLOCK_I"]), nh, c)](
+    _ssd_out_kernel[(triton.cdiv(Q, cfg["BLOCK_I"]), nh, c)](
         x, dt, acs, B, C, S_in, D, y, T, Q, nh, hd, N, nh // ng, x.stride(0), B.stride(0), C.stride(0),
         BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split, UPCAST=_UPCAST, **cfg)
     return y, S

@@ -142,10 +142,10 @@ def sass_table(arch: int = 90, names=None) -> list[dict]:
         if names and name not in names:
             continue
         cfg = {**CONFIG, **over}
-        st = build(m._chunk_state_kernel, st_sig, dict(BLOCK_Q=128, BLOCK_D=64, BLOCK_N=cfg["state_block_n"],
+        st = build(m._ssd_state_kernel, st_sig, dict(BLOCK_Q=128, BLOCK_D=64, BLOCK_N=cfg["state_block_n"],
                                                        SPLIT=cfg["SPLIT"], UPCAST=False),
                    cfg["state_warps"], 3, [n for n in st_sig if n in fixed])
-        out = build(m._chunk_out_kernel, out_sig, dict(BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=64,
+        out = build(m._ssd_out_kernel, out_sig, dict(BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=64,
                                                        BLOCK_N=128, SPLIT=cfg["SPLIT"], UPCAST=False),
                     cfg["num_warps"], cfg["num_stages"], [n for n in out_sig if n in fixed])
         rows.append(dict(variant=name, state=usage(st), out=usage(out)))
