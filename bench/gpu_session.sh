@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -108,6 +108,17 @@ PY
     ahead16k) timeout 40 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_copy_buffers_order.py > "$OUT/pytest_copy_order.log" 2>&1; tail -2 "$OUT/pytest_copy_order.log"
       timeout 90 python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes 4000,16000 \
         --paths staged_no_ahead,staged --budget-mb 0 --brief --out "$OUT/prefill_ahead16k.json" > "$OUT/prefill_ahead16k.log" 2>&1; tail -8 "$OUT/prefill_ahead16k.log";;
+    # h-scan (session 11): the Mamba scan on the tensor cores (kernels/mamba_ssd.py, MOESTREAM_MAMBA_SSD, off by default).
+    # ssd_kernel needs no store: the kernel tests on CUDA, then old vs new per layer at 4k / 16k in one process
+    ssd_kernel) timeout 65 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mamba_ssd.py \
+           tests/nemotron/test_mamba_mixer.py::test_ssd_kernels_equal_the_twin_in_the_model > "$OUT/pytest_ssd.log" 2>&1; tail -2 "$OUT/pytest_ssd.log"
+      timeout 85 python3 -m bench.kernels.mamba_ssd --sizes 4000,16000 --variants ${SSD_VARIANTS:-ssd,i128_j64_w8,i64_j64,state_n64,nosplit} \
+           --out "$OUT/mamba_ssd.json" > "$OUT/mamba_ssd.log" 2>&1; tail -3 "$OUT/mamba_ssd.log" | cut -c1-400;;
+    # the prompt's TTFT with the switch off and on, interleaved twice in one engine (after prebuild)
+    ssd_prefill) timeout ${PREFILL_TIMEOUT:-90} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+           --skip kernel,sweep,disk --sizes ${SSD_SIZES:-4000,16000} --budget-mb 0 --brief --out "$OUT/prefill_ssd.json" \
+           --paths "staged,staged|MOESTREAM_MAMBA_SSD=1,staged#2,staged|MOESTREAM_MAMBA_SSD=1#2" > "$OUT/prefill_ssd.log" 2>&1
+      tail -10 "$OUT/prefill_ssd.log" | cut -c1-200;;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
            --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;

@@ -379,11 +379,10 @@ def profiled(eng, ids, device) -> dict:
 
 
 def path_parts(path: str) -> tuple[str, str, str, bool]:
-    """A --paths entry BASE[@N][+|-][!][%][&][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names
-    a repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
-    default since session 9); "%" and "&" (read by `slab_copies`) the slab's blocks copied by torch, not the driver,
-    and the staging ring's copies on one stream (two by default)."""
-    p = path.split("#")[0].split("~")[0].replace("%", "").replace("&", "")
+    """A --paths entry BASE[@N][+|-][!][#k] as (base, pieces N or "", glue "+" / "-" / "", runs): "#k" only names a
+    repeat, "@N" the largest piece, "+" / "-" the new / old glue, "!" the copies ahead a block at a time (in runs by
+    default since session 9); "|KEY=VAL" (`path_env`) is read apart."""
+    p = path.split("#")[0].split("|")[0].split("~")[0]
     runs = p.endswith("!")
     p = p.rstrip("!")
     glue = p[-1] if p.endswith(("+", "-")) else ""
@@ -394,21 +393,20 @@ def path_parts(path: str) -> tuple[str, str, str, bool]:
 def ahead_gate(path: str) -> int | None:
     """A --paths entry's "~G": the copies ahead for prompts of G tokens and more (the engine's
     `ahead_min_tokens`, MOESTREAM_PREFILL_AHEAD_MIN_TOKENS; 2,048 by default); None without one."""
-    g = path.split("#")[0].partition("~")[2]
+    g = path.split("#")[0].split("|")[0].partition("~")[2]
     return int(g) if g else None
 
 
-def slab_copies(path: str) -> None:
-    """A path with "%": the staging ring and the copies ahead copy the slab's blocks by torch's copy_ of slab views
-    (the engine's way before session 11) instead of the driver on their addresses (gpu_worker/streaming.py
-    `SlabRows`); with "&": the staging ring's copies on one copy stream (MOESTREAM_STAGE_STREAMS=1; two by default
-    since session 11)."""
-    marks = path.split("#")[0]
-    for mark, name, value in (("%", "MOESTREAM_SLAB_COPIES", "torch"), ("&", "MOESTREAM_STAGE_STREAMS", "1")):
-        if mark in marks:
-            os.environ[name] = value
-        else:
-            os.environ.pop(name, None)
+def path_env(path: str) -> dict[str, str]:
+    """A --paths entry's "|KEY=VAL" parts (before any "#k"): environment switches set for that path's prompts only,
+    e.g. staged|MOESTREAM_MAMBA_SSD=1 (an engine switch read per call, A/B'd in one process)."""
+    env = {}
+    for part in path.split("#")[0].split("|")[1:]:
+        key, eq, val = part.partition("=")
+        if not key or not eq:
+            raise ValueError(f"--paths entry {path!r}: {part!r} is not KEY=VAL")
+        env[key] = val
+    return env
 
 
 def new_glue(path: str) -> None:
@@ -495,7 +493,8 @@ def main(argv=None):
                     "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
                     "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead a block "
                     "at a time (MOESTREAM_AHEAD_RUNS=0; in runs by default since session 9); PATH~G: the copies ahead for prompts "
-                    "of G tokens and more (2,048 by default; staged~0: at every size)")
+                    "of G tokens and more (2,048 by default; staged~0: at every size); PATH|KEY=VAL: an environment "
+                         "switch for that path's prompts (e.g. staged|MOESTREAM_MAMBA_SSD=1)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -583,7 +582,6 @@ def main(argv=None):
                 # the new / old glue (the Mamba carry in one launch, adjacent staging copies merged)
                 base, piece, glue, runs = path_parts(path)
                 new_glue(glue)
-                slab_copies(path)
                 if runs:                          # "!": the copies ahead a block at a time (the old way)
                     os.environ["MOESTREAM_AHEAD_RUNS"] = "0"
                 else:
@@ -592,6 +590,9 @@ def main(argv=None):
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
                     os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
+                switches = path_env(path)
+                before = {k: os.environ.get(k) for k in switches}
+                os.environ.update(switches)
                 if cuda:
                     eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
                     eng.experts.copy_ahead = base != "staged_no_ahead"
@@ -610,9 +611,13 @@ def main(argv=None):
                     print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                                   for k, v in r.items() if k != "floor_parts_s"}), flush=True)
                 out[path] = rows
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
             new_glue("")
-            slab_copies("")
             if budget and a.budget_mb:
                 first = path_parts(paths[0])[0]
                 os.environ.pop("MOESTREAM_AHEAD_RUNS", None)

@@ -30,7 +30,7 @@ FAMILIES = (
     ("expert_prefill", r"expert_prefill|_grouped|dequant"),
     ("gemv_nvfp4", r"_nvfp4_gemv|_x_operands|_split_reduce"),
     ("gemv_fp8", r"fp8_gemv|_fp8"),
-    ("mamba", r"mamba|_scan|_conv|ssd|selective"),
+    ("mamba", r"mamba|_scan|_conv|ssd|selective|_carry"),
     ("attention", r"attention|flash|fmha|sdpa|_attn"),
     ("gemm (cuBLAS)", r"nvjet|gemm|sm90_xmma|cutlass|cublas"),
     ("copies", r"[Mm]emcpy|[Mm]emset|copy_kernel|CatArrayBatched"),

@@ -1081,9 +1081,10 @@ class SlabRows:
     """Whole blocks of the pinned slab copied into rows of a device buffer, by slab slot, on a copy stream: through the
     driver's cuMemcpyAsync on the blocks' addresses (~3 µs of host a copy), adjacent slab slots bound for adjacent rows
     as one copy (`copy_runs`). A torch copy_ of a slab view cost ~10 µs and a select per block: on the H200 (session
-    11) a 123-token prompt's 674 staging copies took ~25 ms of the host's ~80, which the bus then waited for. Where the
-    driver cannot be loaded (or on the CPU), torch copies of the slab's views; MOESTREAM_SLAB_COPIES=torch (read per
-    call: bench.prefill's paths marked "%") takes that path on CUDA too, for the A/B."""
+    11) the driver halved the host's time issuing the copies ahead (4k 17 -> 8 ms, 16k 15 -> 7) and took 8-11 ms off
+    the 16k prompt; short prompts, whose host was not their bound, did not move. Where the driver cannot be loaded
+    (or on the CPU), torch copies of the slab's views; MOESTREAM_SLAB_COPIES=torch (read per call: a bench.prefill
+    path `staged|MOESTREAM_SLAB_COPIES=torch`) takes that path on CUDA too, for the A/B."""
 
     def __init__(self, slab: torch.Tensor, chunk: int | None = None):
         from gpu_worker.up_staging import driver_memcpy_async

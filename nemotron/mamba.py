@@ -1,5 +1,5 @@
-"""Mamba2 mixer: for prefill the conv (kernels/mamba_conv.py) and the chunked SSD scan (kernels/mamba_scan.py), for
-decode the recurrent step; no dt floor.
+"""Mamba2 mixer: for prefill the conv (kernels/mamba_conv.py) and the chunked SSD scan (kernels/mamba_scan.py, or
+kernels/mamba_ssd.py on the tensor cores where MOESTREAM_MAMBA_SSD=1), for decode the recurrent step; no dt floor.
 
 Per head h (group g = h // (heads / groups)):  state_h <- state_h * exp(dt_h A_h) + dt_h x_h (x) B_g ;
 y_h = state_h . C_g + D_h x_h. The scan runs in fp32; the conv and SSM states live in `MambaState`.
@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import backend, mamba_step
+from kernels import backend, mamba_ssd, mamba_step
 from kernels.linear import linear
 from kernels.mamba_conv import causal_conv1d, causal_conv1d_torch
 from kernels.mamba_scan import chunk_scan
@@ -118,13 +118,18 @@ class Mamba2Mixer:
             rep = self.nh // self.ng
             y = self._step(x[0].float(), dt[0], B[0].float().repeat_interleave(rep, dim=0),
                            C[0].float().repeat_interleave(rep, dim=0), st)[None]
+            y = y + self.D[:, None] * x                                     # (x in the activation dtype)
         else:
             ssm_at = dict.fromkeys(taps) if taps else None
-            y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size,
-                                   **({"taps": ssm_at} if taps else {}))
+            if mamba_ssd.use_kernel(x):
+                # the scan on the tensor cores in three launches, D·x inside (kernels/mamba_ssd.py; off by default)
+                y, st.ssm = mamba_ssd.ssd_scan(x, dt, self.A, B, C, self.D, st.ssm, self.chunk_size, taps=ssm_at)
+            else:
+                y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size,
+                                       **({"taps": ssm_at} if taps else {}))
+                y = y + self.D[:, None] * x                                 # (x in the activation dtype)
             if taps:
                 taps.update({t: MambaState(conv_at[t], ssm_at[t]) for t in taps})
-        y = y + self.D[:, None] * x                                         # (x in the activation dtype)
         y = gated_group_rms_norm(y.reshape(T, self.I), z, self.norm_w, self.I // self.ng, self.eps)
         return linear(y.to(self.dtype), self.out_proj)
 

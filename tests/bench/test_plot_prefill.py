@@ -1,4 +1,6 @@
 """bench.plot_prefill: the curves are the run's rows, a row that beat its floor is never drawn."""
+import pytest
+
 from bench import plot_prefill
 
 
@@ -29,22 +31,13 @@ def test_prefill_path_parts():
     from bench.prefill import ahead_gate
     assert path_parts("staged~0#2") == ("staged", "", "", False)
     assert path_parts("staged@1024!~512") == ("staged", "1024", "", True)
+    from bench.prefill import path_env
+    assert path_parts("staged|MOESTREAM_MAMBA_SSD=1#2") == ("staged", "", "", False)
+    assert path_parts("staged@1024~512|A=1|B=x") == ("staged", "1024", "", False)
+    assert ahead_gate("staged~512|A=1#2") == 512 and ahead_gate("staged|A=1") is None
+    assert path_env("staged|MOESTREAM_MAMBA_SSD=1#2") == {"MOESTREAM_MAMBA_SSD": "1"}
+    assert path_env("staged~0|A=1|B=#3") == {"A": "1", "B": ""} and path_env("staged#2") == {}
+    with pytest.raises(ValueError, match="KEY=VAL"):
+        path_env("staged|MOESTREAM_MAMBA_SSD")
     assert ahead_gate("staged~0#2") == 0 and ahead_gate("staged@1024!~512") == 512
     assert ahead_gate("staged") is None and ahead_gate("staged#3") is None
-    # "%": the slab's blocks copied by torch (bench.prefill.slab_copies sets the engine's switch for that path only)
-    import os
-    from bench.prefill import slab_copies
-    assert path_parts("staged%#2") == ("staged", "", "", False) and path_parts("staged@512-%") == ("staged", "512", "-", False)
-    try:
-        slab_copies("staged%#2")
-        assert os.environ["MOESTREAM_SLAB_COPIES"] == "torch"
-        slab_copies("staged#2%")              # after the repeat mark: a name, not a switch
-        assert "MOESTREAM_SLAB_COPIES" not in os.environ
-        assert path_parts("staged&#2") == ("staged", "", "", False)
-        slab_copies("staged&")
-        assert os.environ["MOESTREAM_STAGE_STREAMS"] == "1" and "MOESTREAM_SLAB_COPIES" not in os.environ
-        slab_copies("staged")
-        assert "MOESTREAM_STAGE_STREAMS" not in os.environ
-    finally:
-        os.environ.pop("MOESTREAM_SLAB_COPIES", None)
-        os.environ.pop("MOESTREAM_STAGE_STREAMS", None)

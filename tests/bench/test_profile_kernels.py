@@ -28,6 +28,9 @@ def test_families_name_the_engines_kernels():
     assert family("nvjet_sm90_tst_512x8_64x3_2x1_v_bz_TNT") == "gemm (cuBLAS)"
     assert family("Memcpy HtoD (Pinned -> Device)") == "copies"
     assert family("_ssu_kernel") == "other"
+    # the Mamba prefill's own kernels (the scan on the tensor cores, the carry, the conv)
+    assert family("_ssd_state_kernel") == family("_ssd_out_kernel") == family("_carry_kernel") == "mamba"
+    assert family("_conv_prefill_kernel") == "mamba"
 
 
 def test_table_per_unit_by_family():
