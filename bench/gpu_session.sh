@@ -117,7 +117,7 @@ PY
     # the prompt's TTFT with the switch off and on, interleaved twice in one engine (after prebuild)
     ssd_prefill) timeout ${PREFILL_TIMEOUT:-90} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            --skip kernel,sweep,disk --sizes ${SSD_SIZES:-4000,16000} --budget-mb 0 --brief --out "$OUT/prefill_ssd.json" \
-           --paths "staged,staged|MOESTREAM_MAMBA_SSD=1,staged#2,staged|MOESTREAM_MAMBA_SSD=1#2" > "$OUT/prefill_ssd.log" 2>&1
+           --paths "staged|MOESTREAM_MAMBA_SSD=0,staged,staged|MOESTREAM_MAMBA_SSD=0#2,staged#2" > "$OUT/prefill_ssd.log" 2>&1
       tail -10 "$OUT/prefill_ssd.log" | cut -c1-200;;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \

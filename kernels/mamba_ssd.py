@@ -22,7 +22,9 @@ twin. The fp32 operands (the decay-weighted C·B, the weighted B, the start stat
 numbers whose sum is within 2^-17 of the value, and multiplied by two bf16 MMAs with fp32 accumulation: each
 product within ~8e-6 of the fp32 one (the mixer casts y to bf16 afterwards, 2^-9). Under Triton's interpreter the
 bf16 operands are upcast first (UPCAST: its bf16 tl.dot multiplies raw integers), which is the same arithmetic.
-OFF by default until measured on the GPU: MOESTREAM_MAMBA_SSD=1 turns it on (`use_kernel`).
+On by default since session 11's H200 run (bench/NOTES.md "Session 11", call 4: the scan 3.6x faster, 10.6 -> 2.9 ms
+at 16,000 tokens, within 8e-7 / 2.7e-6 of the twin; TTFT 4,000 tokens 132 / 125 -> 123 / 120 ms, 16,000 195 / 222 ->
+184 / 195 ms, first tokens equal); MOESTREAM_MAMBA_SSD=0 keeps the PyTorch scan (`use_kernel`).
 """
 from __future__ import annotations
 
@@ -42,11 +44,11 @@ _UPCAST = backend.interpreted()
 
 def use_kernel(x: torch.Tensor) -> bool:
     """The kernels where kernels.backend.FORCED names "mamba_ssd" (the tests), else on CUDA with bf16 activations
-    when MOESTREAM_MAMBA_SSD=1 (read per call, so a bench can A/B it in one process). fp32 activations keep the
+    unless MOESTREAM_MAMBA_SSD=0 (read per call, so a bench can A/B it in one process). fp32 activations keep the
     twin: their products would not be exact in bf16."""
     if "mamba_ssd" in backend.FORCED or "*" in backend.FORCED:
         return backend.use_triton(x, "mamba_ssd") and x.dtype == torch.bfloat16
-    return x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("MOESTREAM_MAMBA_SSD", "0") == "1"
+    return x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("MOESTREAM_MAMBA_SSD", "1") != "0"
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Mamba2 mixer: for prefill the conv (kernels/mamba_conv.py) and the chunked SSD scan (kernels/mamba_scan.py, or
-kernels/mamba_ssd.py on the tensor cores where MOESTREAM_MAMBA_SSD=1), for decode the recurrent step; no dt floor.
+kernels/mamba_ssd.py on the tensor cores on CUDA in bf16, unless MOESTREAM_MAMBA_SSD=0), for decode the recurrent step; no dt floor.
 
 Per head h (group g = h // (heads / groups)):  state_h <- state_h * exp(dt_h A_h) + dt_h x_h (x) B_g ;
 y_h = state_h . C_g + D_h x_h. The scan runs in fp32; the conv and SSM states live in `MambaState`.
@@ -122,7 +122,7 @@ class Mamba2Mixer:
         else:
             ssm_at = dict.fromkeys(taps) if taps else None
             if mamba_ssd.use_kernel(x):
-                # the scan on the tensor cores in three launches, D·x inside (kernels/mamba_ssd.py; off by default)
+                # the scan on the tensor cores in three launches, D·x inside (kernels/mamba_ssd.py; MOESTREAM_MAMBA_SSD=0: off)
                 y, st.ssm = mamba_ssd.ssd_scan(x, dt, self.A, B, C, self.D, st.ssm, self.chunk_size, taps=ssm_at)
             else:
                 y, st.ssm = chunk_scan(x, dt, self.A, B, C, st.ssm, self.chunk_size,

@@ -155,11 +155,15 @@ def test_bad_input_is_named(change, message, device):
         ssd_scan(**args)
 
 
-def test_off_by_default(device, monkeypatch):
-    """Not measured on the GPU yet: the twin unless MOESTREAM_MAMBA_SSD=1 (on CUDA, bf16 only) or FORCED."""
+def test_on_by_default_on_cuda_in_bf16(device, monkeypatch):
+    """Measured on the H200 (session 11): the kernels on CUDA with bf16 activations unless MOESTREAM_MAMBA_SSD=0;
+    the twin on the CPU, in fp32, or where FORCED names it."""
     x = torch.zeros(2, 1, 1, device=device, dtype=torch.bfloat16)
     monkeypatch.setattr(backend, "FORCED", {})
     monkeypatch.delenv("MOESTREAM_MAMBA_SSD", raising=False)
+    assert mamba_ssd.use_kernel(x) == (device == "cuda")
+    assert not mamba_ssd.use_kernel(x.float())
+    monkeypatch.setenv("MOESTREAM_MAMBA_SSD", "0")
     assert not mamba_ssd.use_kernel(x)
     monkeypatch.setenv("MOESTREAM_MAMBA_SSD", "1")
     assert mamba_ssd.use_kernel(x) == (device == "cuda")
