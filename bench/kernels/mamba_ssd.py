@@ -99,14 +99,12 @@ def sass_table(arch: int = 90, names=None) -> list[dict]:
     mma.sync)."""
     import collections
     import re
-    import subprocess
-    import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bench.kernels.sass_probe import sass
+    from bench.kernels.sass_probe import resources, sass
     from kernels import mamba_ssd as m
 
     def build(fn, sig, cx, nw, ns, div16):
@@ -116,17 +114,10 @@ def sass_table(arch: int = 90, names=None) -> list[dict]:
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=nw, num_stages=ns))
 
     def usage(k):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-        try:
-            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        finally:
-            os.unlink(f.name)
+        regs, stack = resources(k)
         ops = collections.Counter(t.split()[0].split(".")[0] for t in re.findall(r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?(.*?);",
                                                                                   sass(k)))
-        return dict(registers=int(re.search(r"REG:(\d+)", out).group(1)),
-                    stack=int(re.search(r"STACK:(\d+)", out).group(1)), smem_kb=k.metadata.shared // 1024,
+        return dict(registers=regs, stack=stack, smem_kb=k.metadata.shared // 1024,
                     mma={o: n for o, n in ops.items() if "MMA" in o})
 
     ints = ("T", "Q", "nh", "hd", "N", "heads_per_group", "sx_t", "sb_t")

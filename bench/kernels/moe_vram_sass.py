@@ -6,17 +6,14 @@ time; the device's Triton with PYTHONPATH=/tmp/triton36, as bench/kernels/gemv_n
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.kernels.sass_probe import loop_body, sass
+from bench.kernels.sass_probe import loop_body, resources, sass
 from kernels import expert_up as eu
 from bench.kernels import moe_vram_layer
 from bench.kernels import vram_down_variants as losers
@@ -92,17 +89,6 @@ def today_down(cfg):
     return _compile(sd._sparse_down_kernel, sig, cx, 4, 1), 1024 * 16, 4     # per group (the loop body)
 
 
-def resources(k):
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    try:
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    regs = int(re.search(r"REG:(\d+)", out).group(1))
-    stack = int(m.group(1)) if (m := re.search(r"STACK:(\d+)", out)) else 0
-    return regs, stack
 
 
 def main():

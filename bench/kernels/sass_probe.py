@@ -32,14 +32,27 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps=4, num_stages=
                                                                               num_stages=num_stages))
 
 
-def sass(kernel) -> str:
+def _cuobjdump(kernel, flag: str) -> str:
+    """Triton's bundled cuobjdump run with `flag` on the kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     try:
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def sass(kernel) -> str:
+    return _cuobjdump(kernel, "-sass")
+
+
+def resources(kernel) -> tuple[int, int]:
+    """(registers, spill stack bytes) of a compiled kernel, from cuobjdump's resource usage."""
+    out = _cuobjdump(kernel, "--dump-resource-usage")
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(m.group(1)) if (m := re.search(r"STACK:(\d+)", out)) else 0
+    return regs, stack
 
 
 def loop_body(text: str) -> Counter:
