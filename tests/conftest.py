@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 _made: dict[tuple, Path] = {}
 
 
+def repo_env() -> dict:
+    """The environment for a child Python that must import the repository: its root first on PYTHONPATH, what was
+    there kept (on the GPU machine, gpu_session.sh's packages live on PYTHONPATH; replacing it lost posix_ipc)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
 def write_synth(base: Path, preset: str = "tiny", quant: str = "nvfp4", seed: int = 0, *extra: str) -> Path:
     key = (preset, quant, seed, extra)
     if key not in _made:
@@ -29,7 +35,7 @@ def write_synth(base: Path, preset: str = "tiny", quant: str = "nvfp4", seed: in
         if not (out / "config.json").exists():
             cmd = [sys.executable, "-m", "tools.synth", "--preset", preset, "--quant", quant, "--seed", str(seed),
                    "--out", str(out), *extra]
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            env = repo_env()
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
         _made[key] = out

@@ -17,6 +17,7 @@ from cache_shm.names import list_entries, pid_alive, sweep_stale
 from cache_shm.shm import INF
 from gpu_worker.cache_supervisor import Supervisor
 from moestream_fake_store import make_fake_store
+from tests.conftest import repo_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -203,7 +204,7 @@ OWNER = textwrap.dedent("""
 def test_owner_killed_leaves_no_process_and_no_shm(tmp_path, sig):
     script = tmp_path / "owner.py"
     script.write_text(OWNER.format(fake=str(Path(__file__).parent), store=str(tmp_path / "st")))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         info = json.loads(owner.stdout.readline())
@@ -233,7 +234,7 @@ def test_client_in_another_process(run):
         c.close()
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=30)
+                         env=repo_env(), timeout=30)
     assert out.returncode == 0, out.stderr
     assert [int(x) for x in out.stdout.split()] == [int(sup.store.checksums[3, 9]), int(sup.store.checksums[3, 10])]
     assert len(list_entries(sup.prefix)) == 2 + 2 + 2
