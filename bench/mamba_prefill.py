@@ -95,7 +95,7 @@ class Launches(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def _sync(device):
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -103,12 +103,12 @@ def _sync(device):
 def wall_s(fn, device, reps: int) -> float:
     """Median wall seconds of fn() between two synchronizations, after one warm-up call."""
     fn()
-    _sync(device)
+    sync(device)
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 

@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.mamba_prefill import build_mixer
+from bench.mamba_prefill import build_mixer, sync, wall_s
 from kernels.mamba_scan import scan_bytes
 from kernels.mamba_ssd import CONFIG, ssd_bytes, ssd_scan, ssd_scan_torch
 from kernels.testing import rel_err
@@ -46,22 +44,9 @@ VARIANTS = {
 }
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def wall_ms(fn, device, reps: int) -> float:
     """Median wall ms of fn() between two synchronizations, after one warm-up call (which compiles)."""
-    fn()
-    sync(device)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+    return 1e3 * wall_s(fn, device, reps)
 
 
 def scan_inputs(mx, T: int, device, seed: int = 1):
