@@ -24,8 +24,9 @@ from the budget: up to MAX_PIECE_TOKENS (4,096) for a large one by default, 512 
 one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
-chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; the recurrence
-carries the state between pieces, so the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
+chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; priced for the
+path the forward runs, `mamba_path`: on CUDA the conv, gated norm and scan kernels hold far less, `mamba_mixer_bytes`,
+exact; the recurrence carries the state between pieces, so the mixer needs no more); an attention layer holds no scores where it runs as one fused SDPA launch a piece (CUDA),
 else it runs as many queries per piece as keep one piece's scores within the plan's score bytes (a 16k tail never
 holds T x T scores for all heads at once). An MoE layer's grouped expert
 launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
@@ -87,6 +88,7 @@ class SpanPlan:
     launch_bytes: int = 0
     fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
     ahead_bytes: int = 0            # the streaming source's slots for experts copied ahead (`ahead_bytes_for`)
+    mamba_path: str = "twin"        # which Mamba2 prefill path the forward runs (`mamba_path`), as it is priced
 
     def launch(self) -> int:
         from gpu_worker.streaming import PREFILL_BATCH_BYTES
@@ -100,14 +102,55 @@ def _mamba_piece_per_token(cfg, e: int) -> int:
     return e * (I + conv + cfg.mamba_num_heads + 2 * conv) + 16 * conv + 24 * I
 
 
-def _mamba_piece_bytes(cfg, e: int, tokens: int) -> int:
-    """A Mamba layer's peak for a piece of `tokens`: the residual's piece, the mixer's temporaries and the chunked
-    scan, which holds the piece's chunks at once (`kernels.mamba_scan.scan_bytes`, exact)."""
-    from kernels.mamba_scan import scan_bytes
+def _mamba_piece_bytes(cfg, e: int, tokens: int, path: str = "twin") -> int:
+    """A Mamba layer's peak for a piece of `tokens`: the residual's piece and the mixer's own peak on `path`
+    (`mamba_path`): "twin", the PyTorch conv, norm and scan (their fp32 temporaries, and the chunked scan, which
+    holds the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact); "kernels", the conv and gated norm
+    kernels around the PyTorch scan; "ssd", the scan on the tensor cores too (`kernels.mamba_ssd.ssd_bytes`)."""
     H = cfg.hidden_size
-    return (tokens * (2 * e * H + 8 * H + _mamba_piece_per_token(cfg, e))
-            + scan_bytes(tokens, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
-                         cfg.chunk_size))
+    around = tokens * (2 * e * H + 8 * H)
+    if path == "twin":
+        from kernels.mamba_scan import scan_bytes
+        return (around + tokens * _mamba_piece_per_token(cfg, e)
+                + scan_bytes(tokens, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
+                             cfg.chunk_size))
+    return around + mamba_mixer_bytes(cfg, e, tokens, ssd=path == "ssd")
+
+
+def mamba_mixer_bytes(cfg, e: int, tokens: int, ssd: bool) -> int:
+    """The Mamba2 mixer's peak over a piece of `tokens` where its conv and gated norm run as kernels (CUDA),
+    beyond its input and its output (both counted with the residual's piece), read from `Mamba2Mixer.__call__`:
+    in_proj's output [T, I + conv + nh], the conv's output [T, conv] (x, B and C are views of it), dt in fp32 and
+    the new conv state live to the end; beside them the larger of the scan (`ssd_bytes`, or `scan_bytes` and the
+    twin's y + D·x in fp32) and the gated norm (y fp32, the gate made contiguous, the norm's fp32 output, with the new
+    SSM state). tests/gpu_worker/test_prefill_mamba_bytes.py holds it to the allocations counted op by op."""
+    from kernels.mamba_scan import scan_bytes
+    from kernels.mamba_ssd import ssd_bytes
+    T, I, conv, nh = tokens, cfg.mamba_intermediate, cfg.conv_dim, cfg.mamba_num_heads
+    hd, N, Q = cfg.mamba_head_dim, cfg.ssm_state_size, cfg.chunk_size
+    state = 4 * nh * hd * N
+    held = T * e * (I + conv + nh) + T * e * conv + 4 * T * nh + (cfg.conv_kernel - 1) * conv * e
+    if ssd:
+        scan = ssd_bytes(T, nh, hd, N, Q)
+    else:
+        scan = max(scan_bytes(T, nh, hd, cfg.n_groups, N, Q), 12 * T * I + state)
+    norm = 10 * T * I + state + 4 * I
+    return held + max(scan, norm)
+
+
+def mamba_path(device, dtype) -> str:
+    """Which Mamba2 prefill path a forward on `device` in `dtype` runs, as `_mamba_piece_bytes` prices it: "ssd"
+    (the conv, the gated norm and the scan as kernels), "kernels" (the scan in PyTorch: MOESTREAM_MAMBA_SSD=0 or
+    fp32), "twin" (all in PyTorch: the CPU). Read now, as the mixer reads it per call."""
+    from types import SimpleNamespace
+    from kernels import backend, mamba_ssd
+    if device is None:
+        return "twin"
+    # the choices read only these two attributes of a tensor; a plan for "cuda" is also made where CUDA is absent
+    t = SimpleNamespace(is_cuda=torch.device(device).type == "cuda", dtype=dtype)
+    if not (backend.use_triton(t, "mamba_conv") and backend.use_triton(t, "rms_norm")):
+        return "twin"
+    return "ssd" if mamba_ssd.use_kernel(t) else "kernels"
 
 
 def _moe_piece_per_token(cfg, e: int) -> int:
@@ -177,12 +220,12 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None 
     them the others, each the largest of `max_piece` (piece_tokens_max()) halved down to the old plan's that leaves
     the longest span as long: layers run one after the other, so a piece may grow until its layer's peak reaches the
     heaviest layer's at that span (with `max_piece` 4,096, on Super at the server's 512 MiB, the MoE layer's launches
-    decide: Mamba pieces 256 instead of 128, the others 1,024), and a large budget takes `max_piece`. A piece's
+    decide: Mamba pieces 1,024 where the kernels run, the others 1,024), and a large budget takes `max_piece`. A piece's
     launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200
     session 6). By default `max_piece` is MAX_PIECE_TOKENS (piece_tokens_max; MOESTREAM_PIECE_TOKENS=512: the old plan)."""
     top = piece_tokens_max() if max_piece is None else max_piece
     key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
-           _knobs())
+           _knobs(), mamba_path(device, dtype))
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is cfg:
         return hit[1]
@@ -230,17 +273,18 @@ def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top:
         while tokens > cfg.chunk_size and piece_bytes(tokens) > budget_bytes // 8:
             tokens //= 2
         return tokens
-    mamba = halved(mamba_top, lambda n: _mamba_piece_bytes(cfg, e, n)) if MAMBA in cfg.layer_types else 0
+    path = mamba_path(device, dtype)
+    mamba = halved(mamba_top, lambda n: _mamba_piece_bytes(cfg, e, n, path)) if MAMBA in cfg.layer_types else 0
     per = _piece_per_token(cfg, e)
     return SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
                     launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
-                    fused_attention=device is not None and torch.device(device).type == "cuda")
+                    fused_attention=device is not None and torch.device(device).type == "cuda", mamba_path=path)
 
 
 def _with_dequant(plan: SpanPlan, nbytes: int) -> SpanPlan:
     p = plan.pieces
-    return SpanPlan(Pieces(p.tokens, p.score_bytes, p.mamba_tokens, nbytes), plan.launch_bytes, plan.fused_attention)
+    return dataclasses.replace(plan, pieces=Pieces(p.tokens, p.score_bytes, p.mamba_tokens, nbytes))
 
 
 def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
@@ -280,7 +324,7 @@ def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,
         conv, nh = cfg.conv_dim, cfg.mamba_num_heads
         t["states"] = n_mamba * ((cfg.conv_kernel - 1) * conv * e + nh * cfg.mamba_head_dim * cfg.ssm_state_size * 4)
         Pm = min(T, plan.pieces.tokens_for(cfg, mamba=True))
-        t["mamba"] = _mamba_piece_bytes(cfg, e, Pm) + held["mamba"]
+        t["mamba"] = _mamba_piece_bytes(cfg, e, Pm, plan.mamba_path) + held["mamba"]
     if n_attn:
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         caps = [max(past, 256)] * n_attn if kv_rows is None else list(kv_rows)

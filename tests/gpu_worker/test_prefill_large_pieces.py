@@ -6,6 +6,7 @@ pieces."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -59,11 +60,12 @@ def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers):
         assert new.pieces.tokens >= old.pieces.tokens and new.pieces.mamba_tokens >= old.pieces.mamba_tokens
         assert P._longest_span(cfg, BF, budget, new) >= P._longest_span(cfg, BF, budget, old)
         assert P.prefill_span(cfg, BF, budget, device="cuda") == P._longest_span(cfg, BF, budget, new)
-    # the server's reserve: the old plan was pieces of 512, Mamba 128; now 1,024 and 256, the same span (9,880 on
-    # Super) and the same decoded weights (none at 512 MiB)
+    # the server's reserve: the old plan was pieces of 512, Mamba 256 (128 when a Mamba piece was priced at the
+    # PyTorch path's bytes, before session 12); now 1,024 and 1,024, the same span (9,880 on Super) and the same
+    # decoded weights (none at 512 MiB)
     at_512, old = P.span_plan(cfg, BF, 512 << 20, "cuda"), P.span_plan(cfg, BF, 512 << 20, "cuda", max_piece=512)
-    assert (old.pieces.tokens, old.pieces.mamba_tokens) == (512, 128)
-    assert (at_512.pieces.tokens, at_512.pieces.mamba_tokens) == (1024, 256)
+    assert (old.pieces.tokens, old.pieces.mamba_tokens) == (512, 256)
+    assert (at_512.pieces.tokens, at_512.pieces.mamba_tokens) == (1024, 1024)
     assert at_512.pieces.dequant_bytes == old.pieces.dequant_bytes
     assert P.prefill_span(cfg, BF, 512 << 20, device="cuda") == P._longest_span(cfg, BF, 512 << 20, old)
     # at 1 GiB the decoded weights stay held beside the larger pieces
@@ -80,8 +82,7 @@ def test_twins_one_step_larger_shorten_the_span():
     longest = P._longest_span(cfg, BF, budget, kept)
     for tokens, mamba in ((p.tokens, 2 * p.mamba_tokens), (2 * p.tokens, p.mamba_tokens),
                           (MAX_PIECE_TOKENS, MAX_PIECE_TOKENS)):
-        bigger = P.SpanPlan(P.Pieces(tokens, p.score_bytes, mamba, p.dequant_bytes), kept.launch_bytes,
-                            kept.fused_attention)
+        bigger = dataclasses.replace(kept, pieces=P.Pieces(tokens, p.score_bytes, mamba, p.dequant_bytes))
         assert P._longest_span(cfg, BF, budget, bigger) < longest, (tokens, mamba)
 
 
@@ -101,14 +102,15 @@ def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
 
 def test_span_bytes_grows_with_the_pieces():
     """The estimate prices the pieces it is given (bench/prefill.py holds it against the device peak): at 16k a
-    Mamba piece of 4,096 tokens holds its 32 chunks' decay matrices."""
+    Mamba piece of 4,096 tokens holds its 32 chunks' states."""
     cfg = _super(4)
     big, old = P.span_plan(cfg, BF, 60 << 30, "cuda"), P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
     t_big, t_old = P.span_terms(cfg, BF, 16000, plan=big), P.span_terms(cfg, BF, 16000, plan=old)
-    from kernels.mamba_scan import scan_bytes
-    assert t_big["mamba"] - t_old["mamba"] >= (scan_bytes(4096, 128, 64, 8, 128, 128)
-                                              - scan_bytes(512, 128, 64, 8, 128, 128))
-    assert P.span_bytes(cfg, BF, 16000, plan=big) > P.span_bytes(cfg, BF, 16000, plan=old)
+    from kernels.mamba_ssd import ssd_bytes
+    assert big.mamba_path == "ssd"       # on CUDA in bf16 the scan runs on the tensor cores
+    assert t_big["mamba"] - t_old["mamba"] >= ssd_bytes(4096, 128, 64, 128, 128) - ssd_bytes(512, 128, 64, 128, 128)
+    # (with the kernels priced, the 4,096-token Mamba piece is no longer the heaviest layer at 16k)
+    assert P.span_bytes(cfg, BF, 16000, plan=big) >= P.span_bytes(cfg, BF, 16000, plan=old)
 
 
 @pytest.fixture(scope="module")
