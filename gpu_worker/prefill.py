@@ -141,10 +141,11 @@ def mamba_mixer_bytes(cfg, e: int, tokens: int, ssd: bool) -> int:
 def mamba_path(device, dtype) -> str:
     """Which Mamba2 prefill path a forward on `device` in `dtype` runs, as `_mamba_piece_bytes` prices it: "ssd"
     (the conv, the gated norm and the scan as kernels), "kernels" (the scan in PyTorch: MOESTREAM_MAMBA_SSD=0 or
-    fp32), "twin" (all in PyTorch: the CPU). Read now, as the mixer reads it per call."""
+    fp32), "twin" (all in PyTorch: the CPU). Read now, as the mixer reads it per call. MOESTREAM_MAMBA_PRICE=twin
+    prices every path as the PyTorch one (session 11's plan, for an A/B: bench.prefill --budget-env)."""
     from types import SimpleNamespace
     from kernels import backend, mamba_ssd
-    if device is None:
+    if device is None or os.environ.get("MOESTREAM_MAMBA_PRICE") == "twin":
         return "twin"
     # the choices read only these two attributes of a tensor; a plan for "cuda" is also made where CUDA is absent
     t = SimpleNamespace(is_cuda=torch.device(device).type == "cuda", dtype=dtype)

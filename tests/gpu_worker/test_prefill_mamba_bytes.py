@@ -109,3 +109,12 @@ def test_the_plan_prices_the_path_the_forward_runs(monkeypatch):
     e, n = 2, 1024
     assert (P._mamba_piece_bytes(cfg, e, n, "ssd") < P._mamba_piece_bytes(cfg, e, n, "kernels")
             < P._mamba_piece_bytes(cfg, e, n, "twin"))
+
+
+def test_the_old_price_for_an_ab(monkeypatch):
+    """MOESTREAM_MAMBA_PRICE=twin gives session 11's plan (Mamba pieces of 256 at 512 MiB) for bench.prefill's A/B."""
+    monkeypatch.setattr(backend, "FORCED", {})
+    monkeypatch.delenv("MOESTREAM_MAMBA_SSD", raising=False)
+    monkeypatch.delenv("MOESTREAM_PIECE_TOKENS", raising=False)
+    monkeypatch.setenv("MOESTREAM_MAMBA_PRICE", "twin")
+    assert P.span_plan(_super(), BF, 512 << 20, "cuda").pieces.mamba_tokens == 256
