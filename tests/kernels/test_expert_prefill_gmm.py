@@ -116,3 +116,14 @@ def test_gemm_switch_env_config_and_fallback(device, monkeypatch):
     monkeypatch.setenv(ep.EXPERT_GEMM_ENV, "cutlass")
     with pytest.raises(ValueError, match="one of triton"):
         ep.expert_gemm()
+
+
+def test_gmm_bench_script_smoke(tmp_path):
+    from bench.kernels import expert_prefill_gmm as bench
+    out = tmp_path / "g.json"
+    assert bench.main(["--experts", "3", "--tokens", "5", "--out", str(out)])
+    import json
+    res = json.loads(out.read_text())
+    row, = res["rows"]
+    assert all(c["ok"] for c in res["checks"]) and all(row[f"{g}_us"] > 0 for g in bench.GEMMS)
+    assert {p["part"] for p in res["parts"]} == {"gemms triton", "gemms grouped_mm bare", "gemms grouped_mm + epilogues"}
