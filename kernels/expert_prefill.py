@@ -8,7 +8,8 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
   slab zero-copy, VRAM, or a device ring the copy engine staged it into) and decodes NVFP4 in its tile loop;
 - dequantized (from DEQUANT_MIN_TOKENS rows per expert; bf16 x): per chunk of experts, one launch decodes their
   blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
-  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2).
+  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2). Its two
+  GEMMs may instead run as torch._grouped_mm (CUTLASS on sm90; bf16 h and y): MOESTREAM_EXPERT_GEMM (`expert_gemm`).
 Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
 experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
