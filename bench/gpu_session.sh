@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -119,6 +119,19 @@ PY
            --skip kernel,sweep,disk --sizes ${SSD_SIZES:-4000,16000} --budget-mb 0 --brief --out "$OUT/prefill_ssd.json" \
            --paths "staged|MOESTREAM_MAMBA_SSD=0,staged,staged|MOESTREAM_MAMBA_SSD=0#2,staged#2" > "$OUT/prefill_ssd.log" 2>&1
       tail -10 "$OUT/prefill_ssd.log" | cut -c1-200;;
+    # session 12 h-gmm: the dequantized expert path's GEMMs by torch._grouped_mm (CUTLASS) against Triton's: GPU tests,
+    # the kernel bench (one process, <= 120 s), then the prompt's TTFT with MOESTREAM_EXPERT_GEMM per path, interleaved
+    gmm) timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_expert_prefill_gmm.py \
+           tests/kernels/test_expert_prefill_dequant.py > "$OUT/pytest_gmm.log" 2>&1; tail -2 "$OUT/pytest_gmm.log"
+      MOESTREAM_EXPERT_GEMM=grouped_mm timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
+           "tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths" -s >> "$OUT/pytest_gmm.log" 2>&1
+      grep -E "mean KL|passed|failed" "$OUT/pytest_gmm.log" | tail -4
+      timeout 130 python3 -m bench.kernels.expert_prefill_gmm ${GMM_ARGS:-} --out "$OUT/expert_prefill_gmm.json" \
+           > "$OUT/expert_prefill_gmm.log" 2>&1; tail -24 "$OUT/expert_prefill_gmm.log" | cut -c1-200;;
+    gmm_prefill) timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+           --skip kernel,sweep,disk --sizes ${GMM_SIZES:-1000,4000,16000} --budget-mb 0 --brief --out "$OUT/prefill_gmm.json" \
+           --paths "staged,staged|MOESTREAM_EXPERT_GEMM=grouped_mm,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down,staged#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down#2" \
+           > "$OUT/prefill_gmm.log" 2>&1; tail -14 "$OUT/prefill_gmm.log" | cut -c1-200;;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
            --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;

@@ -8,7 +8,8 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
   slab zero-copy, VRAM, or a device ring the copy engine staged it into) and decodes NVFP4 in its tile loop;
 - dequantized (from DEQUANT_MIN_TOKENS rows per expert; bf16 x): per chunk of experts, one launch decodes their
   blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
-  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2).
+  which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2). Its two
+  GEMMs may instead run as torch._grouped_mm (CUTLASS on sm90; bf16 h and y): MOESTREAM_EXPERT_GEMM (`expert_gemm`).
 Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
 experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
@@ -313,7 +314,8 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
     if grouped_path(x_sorted, segments, geom, path) == "dequant":
         cfg = {**dequant_config(segments),
-               **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA")}}
+               **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA", "EPI_BLOCK_N")}}
+        cfg["GEMM"] = expert_gemm(config) if gmm_able(x_sorted, geom) else "triton"
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h)
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
@@ -446,12 +448,35 @@ def _dense_dot(p_a, p_b, m_m, m_n, K, o_k, EVEN_K: tl.constexpr, UPCAST: tl.cons
     return b_acc
 
 
+@triton.jit
+def _to_bf16(x, EMULATE: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest even, as the GPU's cvt.rn does. Triton's interpreter (3.9) truncates instead
+    (its rtne mode rounds ties away): there, the same rounding in integer ops."""
+    if EMULATE:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _relu2_out(b_acc, gs, H_BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """The up's epilogue: relu(gs · acc)², as fp16 · 2^-8 (what the Triton down loads) or as bf16 unscaled (what
+    torch._grouped_mm's down takes)."""
+    b_h = tl.maximum(b_acc * gs, 0.0)
+    if H_BF16:
+        return _to_bf16(b_h * b_h, EMULATE)
+    return (b_h * b_h * _X_PRESCALE).to(tl.float16)
+
+
 @triton.jit(**varying("n_tiles", "n_slots"))
 def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I, L, stride_xm,
                      EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[m, n] = relu(gs · Σ_k x[m, k] W_c[n, k])² · 2^-8 as fp16; W_c = w[c] bf16 [I, L] (c the tile's scratch
-    slot), gs = gs_ptr[the slot's launch index], x bf16 as it is: bf16 products are exact, the sum fp32."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     H_BF16: tl.constexpr = False):
+    """h[m, n] = relu(gs · Σ_k x[m, k] W_c[n, k])² · 2^-8 as fp16 (H_BF16: unscaled, bf16); W_c = w[c] bf16 [I, L]
+    (c the tile's scratch slot), gs = gs_ptr[the slot's launch index], x bf16 as it is: bf16 products are exact,
+    the sum fp32."""
     c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
@@ -461,8 +486,7 @@ def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I
     p_x = x_ptr + o_m[:, None] * stride_xm + o_k[None, :]
     p_w = w_ptr + c.to(tl.int64) * I * L + o_n[:, None] * L + o_k[None, :]
     b_acc = _dense_dot(p_x, p_w, m_m, m_n, L, o_k, EVEN_K, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
-    b_h = tl.maximum(b_acc * gs, 0.0)
-    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)    # as the fused path stores them
+    b_h = _relu2_out(b_acc, gs, H_BF16, UPCAST)    # fp16: as the fused path stores them
     tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None] & m_n[None, :])
 
 
@@ -487,7 +511,7 @@ def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr
 
 @triton.jit(**varying("n_tiles", "n_slots"))
 def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I, L, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, H_BF16: tl.constexpr = False):
     """`_dense_up_kernel` with both operands through the copy engine (TMA descriptors): x [rows, L], W [C·I, L].
     A tile's rows past its expert's (the next expert's rows, or zeros past the end) and its weight rows past I
     (the next slot's) only reach outputs the store masks off."""
@@ -507,8 +531,7 @@ def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I
         b_acc = tl.dot(a, tl.trans(b), b_acc)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
-    b_h = tl.maximum(b_acc * gs, 0.0)
-    b_h = (b_h * b_h * _X_PRESCALE).to(tl.float16)
+    b_h = _relu2_out(b_acc, gs, H_BF16, UPCAST)
     tl.store(h_ptr + o_m[:, None] * I + o_n[None, :], b_h, mask=(o_m < m1)[:, None] & (o_n < I)[None, :])
 
 
@@ -588,6 +611,9 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     live = [i for i, (_, n) in enumerate(segments) if n > 0]
     if not live:
         return acc
+    if cfg.get("GEMM", "triton") != "triton":
+        return _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
+                            cfg)
     C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
     C = min(C, len(live))
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
@@ -605,13 +631,152 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     return acc
 
 
+# ------------------------------------------------------------------------------------------------ torch._grouped_mm
+# MOESTREAM_EXPERT_GEMM (read per call, so that one process can A/B it; config GEMM overrides it) picks the dequantized
+# path's GEMMs: "triton" (the Triton GEMMs above, the default), "grouped_mm" (both through torch._grouped_mm: CUTLASS's
+# grouped GEMM on sm90/sm100), "grouped_mm_down" (the Triton up with its ReLU² epilogue, the down through
+# torch._grouped_mm). torch._grouped_mm's CUTLASS path takes bf16 in and gives bf16 out only (anything else is torch's
+# fallback, a loop of mm after a host sync on offs), so this path keeps h and y in bf16: transformers' own bf16
+# roundings (bench/NOTES.md, session 12 h-gmm), ~4e-3 from the fp32 twin where the Triton path keeps 1e-3.
+EXPERT_GEMM_ENV = "MOESTREAM_EXPERT_GEMM"
+EXPERT_GEMMS = ("triton", "grouped_mm", "grouped_mm_down")
+GMM_EPI_BLOCK_N = 128     # columns per program of the ReLU² and scatter kernels (rows: the table's BLOCK_M tiles)
+
+
+def expert_gemm(config: dict | None = None) -> str:
+    """The dequantized path's GEMMs: config GEMM, else $MOESTREAM_EXPERT_GEMM, else "triton"."""
+    g = (config or {}).get("GEMM") or os.environ.get(EXPERT_GEMM_ENV) or "triton"
+    if g not in EXPERT_GEMMS:
+        raise ValueError(f"{EXPERT_GEMM_ENV}={g!r}: one of {', '.join(EXPERT_GEMMS)}")
+    return g
+
+
+def gmm_able(x_sorted: torch.Tensor, geom: ExpertGeometry) -> bool:
+    """Whether torch._grouped_mm's fast path takes this launch: the op exists; on CUDA an sm90/sm100 device (any
+    other runs torch's fallback, which syncs the host on offs); bf16 x; every operand's base and row stride 16-byte
+    aligned (x's rows and the scratch's [I, L] / [L, I] matrices: L and I multiples of 8). Else the Triton GEMMs."""
+    if not hasattr(torch, "_grouped_mm") or x_sorted.dtype != torch.bfloat16:
+        return False
+    if x_sorted.is_cuda and torch.cuda.get_device_capability(x_sorted.device)[0] not in (9, 10):
+        return False
+    return (geom.L % 8 == 0 and geom.I % 8 == 0 and x_sorted.stride(0) % 8 == 0
+            and x_sorted.data_ptr() % 16 == 0)
+
+
+def gmm_group_ends(segments, part: list[int], lo: int, hi: int) -> list[int]:
+    """torch._grouped_mm's offs for the chunk's experts `part` (sorted by first row): group j ends where expert j+1's
+    rows begin, the last at hi (rows re-based to lo). Rows between two experts' segments (a launch over some experts
+    only, not contiguous) fall into the group before them: computed, never scattered (the tile table skips them)."""
+    return [segments[i][0] - lo for i in part[1:]] + [hi - lo]
+
+
+@triton.jit(**varying("n_tiles", "n_slots"))
+def _gmm_relu2_kernel(u_ptr, table_ptr, gs_ptr, n_tiles, n_slots, I, stride_um, EMULATE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """In place, on one (tile, BLOCK_N columns): u[m, n] = bf16(relu(gs · u[m, n])²), u = x W_c^T as
+    torch._grouped_mm gave it (bf16, global scale not applied); the arithmetic in fp32, one rounding."""
+    c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m = (o_m < m1)[:, None] & (o_n < I)[None, :]
+    p = u_ptr + o_m.to(tl.int64)[:, None] * stride_um + o_n[None, :]
+    b_u = tl.maximum(tl.load(p, mask=m, other=0.0).to(tl.float32) * gs, 0.0)
+    tl.store(p, _to_bf16(b_u * b_u, EMULATE), mask=m)
+
+
+@triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
+def _gmm_scatter_kernel(y_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, n_slots, L, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc[tok[m], n] += w[m] · gs · y[m, n] with fp32 atomics, y = h D_c^T as torch._grouped_mm gave it (bf16):
+    y read once; the rows between segments (not in the tile table) never reach acc."""
+    c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < m1
+    m = m_m[:, None] & (o_n < L)[None, :]
+    b_y = tl.load(y_ptr + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :], mask=m, other=0.0).to(tl.float32)
+    b_y = b_y * (gs * tl.load(w_ptr + o_m, mask=m_m, other=0.0))[:, None]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m)
+
+
+def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
+    """`_grouped_dequant` with torch._grouped_mm for the down GEMM, and for the up unless cfg GEMM is
+    "grouped_mm_down" (then the Triton up, its epilogue writing bf16 h). Per chunk: one pinned table (tiles, block
+    addresses, launch indexes, then the int32 offs packed two to an int64), the decode (both matrices bf16, global
+    scales not applied: exact), up, ReLU² with the up's global scale (in place), down, the scatter with w · the
+    down's global scale. The global scales stay out of the decoded weights: folded in, each weight would be rounded
+    to bf16, an error as large as the up's output rounding."""
+    L, I, dev = geom.L, geom.I, x_sorted.device
+    live = sorted(live, key=lambda i: segments[i][0])       # _grouped_mm's groups follow the rows
+    C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
+    C = min(C, len(live))
+    triton_up = cfg["GEMM"] == "grouped_mm_down"
+    up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
+    down_w = torch.empty((C, L, I), dtype=torch.bfloat16, device=dev)
+    bm, bn = cfg["BLOCK_M"], cfg.get("EPI_BLOCK_N", GMM_EPI_BLOCK_N)
+    for c0 in range(0, len(live), C):
+        part = live[c0:c0 + C]
+        n = len(part)
+        lo = segments[part[0]][0]
+        hi = max(segments[i][0] + segments[i][1] for i in part)
+        flat = chunk_table(segments, part, addrs, bm, lo)
+        n_tiles = (len(flat) - 2 * n) // 3
+        ends = gmm_group_ends(segments, part, lo, hi)
+        packed = torch.tensor(ends + [0] * (n % 2), dtype=torch.int32).view(torch.int64).tolist()
+        tab = torch.tensor(flat + packed, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        offs = tab[len(flat):].view(torch.int32)[:n]
+        dequantize(tab[3 * n_tiles:3 * n_tiles + n], geom, up_w, down_w, down_bf16=True)
+        x = x_sorted[lo:hi]
+        if triton_up:
+            h = torch.empty((hi - lo, I), dtype=torch.bfloat16, device=dev)
+            kcfg = {k: cfg[k] for k in _DEQUANT_KEYS}
+            if cfg.get("TMA") and _tma_able(x, h):
+                from triton.tools.tensor_descriptor import TensorDescriptor as TD
+                _tma_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n_tiles)](
+                    TD.from_tensor(x, [bm, cfg["BLOCK_K"]]), tab, up_global,
+                    TD.from_tensor(up_w.view(-1, L), [cfg["BLOCK_N"], cfg["BLOCK_K"]]), h, n_tiles, n, I, L,
+                    UPCAST=_UPCAST, H_BF16=True, **kcfg)
+            else:
+                _dense_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n_tiles)](
+                    x, tab, up_global, up_w, h, n_tiles, n, I, L, x.stride(0), EVEN_K=L % cfg["BLOCK_K"] == 0,
+                    UPCAST=_UPCAST, H_BF16=True, **kcfg)
+        else:
+            h = torch._grouped_mm(x, up_w[:n].transpose(1, 2), offs=offs)           # [rows, I] bf16
+            _gmm_relu2_kernel[(triton.cdiv(I, bn), n_tiles)](h, tab, up_global, n_tiles, n, I, h.stride(0),
+                                                             EMULATE=_UPCAST, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        y = torch._grouped_mm(h, down_w[:n].transpose(1, 2), offs=offs)              # [rows, L] bf16
+        _gmm_scatter_kernel[(triton.cdiv(L, bn), n_tiles)](y, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
+                                                           acc, n_tiles, n, L, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                                                           num_warps=4)
+    return acc
+
+
+def expert_prefill_bf16_torch(x: torch.Tensor, blk: torch.Tensor, geom: ExpertGeometry, up_global, down_global,
+                              token_weights: torch.Tensor, up_bf16: bool = True) -> torch.Tensor:
+    """Twin of the torch._grouped_mm path: the fp32 twin rounded to bf16 where that path rounds: u = x W^T (W without
+    its global scale), h = relu(gs · u)², y = h D^T (D without its global scale); up_bf16=False keeps u in fp32
+    (the "grouped_mm_down" variant's Triton up). The path's fp32 sums differ from these only in their order."""
+    up = up_weight_torch(geom, blk, 1.0)
+    down = down_group_weights_torch(geom, blk, 1.0).permute(1, 0, 2).reshape(geom.L, geom.I)
+    u = x.float() @ up.t()
+    if up_bf16:
+        u = u.bfloat16().float()
+    h = (torch.relu(u * float(up_global)) ** 2).bfloat16().float()
+    y = (h @ down.t()).bfloat16().float()
+    return y * (float(down_global) * token_weights.float())[:, None]
+
+
 def expert_prefill_grouped_torch(x_sorted: torch.Tensor, segments: list[tuple[int, int]], blocks, geom,
-                                 up_global, down_global, w_sorted, tok_sorted, acc) -> torch.Tensor:
-    """Twin: each expert decoded from its block (U8 tensor) and applied to its segment in fp32."""
+                                 up_global, down_global, w_sorted, tok_sorted, acc, bf16: str = "") -> torch.Tensor:
+    """Twin: each expert decoded from its block (U8 tensor) and applied to its segment in fp32. bf16: "" (fp32),
+    or an EXPERT_GEMMS name other than "triton": rounded as that torch._grouped_mm path rounds
+    (`expert_prefill_bf16_torch`)."""
     for i, (s, n) in enumerate(segments):
         if n == 0:
             continue
-        y = expert_prefill_torch(x_sorted[s:s + n], blocks[i], geom, float(up_global[i]), float(down_global[i]),
-                                 w_sorted[s:s + n])
+        xs, w, ug, dg = x_sorted[s:s + n], w_sorted[s:s + n], float(up_global[i]), float(down_global[i])
+        y = (expert_prefill_bf16_torch(xs, blocks[i], geom, ug, dg, w, up_bf16=bf16 == "grouped_mm") if bf16
+             else expert_prefill_torch(xs, blocks[i], geom, ug, dg, w))
         acc.index_add_(0, tok_sorted[s:s + n], y)
     return acc
