@@ -464,9 +464,12 @@ def _relu2_out(b_acc, gs, H_BF16: tl.constexpr, EMULATE: tl.constexpr):
     """The up's epilogue: relu(gs · acc)², as fp16 · 2^-8 (what the Triton down loads) or as bf16 unscaled (what
     torch._grouped_mm's down takes)."""
     b_h = tl.maximum(b_acc * gs, 0.0)
+    # one return: Triton 3.6 rejects returns of two dtypes even where a constexpr picks one (the interpreter does not)
     if H_BF16:
-        return _to_bf16(b_h * b_h, EMULATE)
-    return (b_h * b_h * _X_PRESCALE).to(tl.float16)
+        out = _to_bf16(b_h * b_h, EMULATE)
+    else:
+        out = (b_h * b_h * _X_PRESCALE).to(tl.float16)
+    return out
 
 
 @triton.jit(**varying("n_tiles", "n_slots"))
