@@ -25,7 +25,7 @@ to torch where libcuda cannot be loaded.
 Ordering, with one buffer: the copies for layer j+1 wait for an event recorded after layer j's expert kernel
 (the buffer's last reader); layer j+1's kernel waits for the copies' event. The slab slots copied from stay
 pinned until the copies are known to be done, so the cache cannot hand them to an IO worker mid-copy.
-On the CPU (tests) the copies are synchronous and nothing waits.
+On the CPU (tests, bench.host_bookkeeping) the copies are synchronous (a memmove per section) and nothing waits.
 
 Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, 3 by default since session 8's H200 run): `extra` more
 guesses than the limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag
@@ -47,6 +47,13 @@ FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter
 
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
+
+
+def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
+    """The CPU's stand-in for cuMemcpyAsync (same arguments, 0 for success): one C call per copy, as on the GPU host
+    (torch views and `copy_` per section cost the CPU bench ~300-440 µs a layer, where the GPU host makes ~25 calls)."""
+    ctypes.memmove(dst, src, nbytes)
+    return 0
 
 
 def driver_memcpy_async():
@@ -77,7 +84,8 @@ class UpStaging:
         self._wait_slot = [(0, 0)] * n_slots       # slot -> (epoch, flag index) of its last batch
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
-        self._memcpy = driver_memcpy_async() if self.cuda else None
+        # copies by address: the driver's on CUDA, a memmove on the CPU (views only where the driver is missing)
+        self._memcpy = driver_memcpy_async() if self.cuda else host_memcpy
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
         self._used_by_rank = [0] * n_slots   # how often the guess of each rank was read (`used_by_rank`)
         self._taken = None                   # (slot_of, got) of the last take, its ranks not yet counted
@@ -97,6 +105,7 @@ class UpStaging:
         self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
         self._epochs_np = self._epochs.numpy()
+        self._flags_np = None if self.cuda else self.flags.numpy()     # the CPU's flags, written without a torch op
         self.epoch = 0
         self.wait_of: dict[int, tuple[int, int]] = {}    # expert -> (epoch, flag index) of the last stage
         # the last stage's experts: their up sections' addresses and (epoch, flag index), made at the stage (after a
@@ -109,7 +118,8 @@ class UpStaging:
 
     @property
     def by_address(self) -> bool:
-        """True: `stage` copies from the blocks' addresses (the driver); False: it needs their U8 views."""
+        """True: `stage` copies from the blocks' addresses (the driver, or a memmove on the CPU); False: it needs their
+        U8 views. On the CPU `stage` copies from the views where it is given them."""
         return self._memcpy is not None
 
     @property
@@ -137,7 +147,7 @@ class UpStaging:
 
     def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None) -> None:
         """Copy the up sections of `experts` (their blocks at `addresses` in the registered slab; `views`: the
-        same blocks as U8 tensors, for the torch path) into the buffer, after the work queued so far on the
+        same blocks as U8 tensors, for the torch path; on the CPU, given views are copied from) into the buffer, after the work queued so far on the
         current stream (the kernel that last read the buffer). `slots`: the slab slots pinned for the copies;
         they come back from `releasable` once the copies are done."""
         self._count_taken()
@@ -166,6 +176,10 @@ class UpStaging:
                         self.buf[i, :ub].copy_(views[i][:ub], non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
+        elif views is None:
+            cp, dst = self._memcpy, self._address
+            for i in range(n):
+                cp(dst[i], addresses[i], ub)
         else:
             for i in range(n):
                 self.buf[i, :ub].copy_(views[i][:ub])
@@ -195,7 +209,7 @@ class UpStaging:
             if rc:
                 raise RuntimeError(f"cuMemcpyAsync of a staged batch's flag failed: CUDA error {rc}")
         else:
-            self.flags[lo] = e
+            self._flags_np[lo] = e
 
     def gave_up(self) -> int:
         """Kernel programs that stopped waiting for a staged up's flag (a fault; a sync)."""
