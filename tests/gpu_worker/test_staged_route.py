@@ -148,3 +148,36 @@ def test_cpu_staging_copies_by_address_the_bytes_the_views_give(by_address, monk
     by_view.stage(0, [5, 6, 7], [0, 0, 0], [0, 1, 2], views=list(blocks))
     assert torch.equal(by_view.buf[:, :100], blocks[:, :100])
     assert torch.equal(ups.buf[:, :100], blocks[:, :100]) == by_address
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_take_rows_are_what_take_gives_as_the_kernels_rows(fresh, monkeypatch):
+    """`take_rows` (the route's one pass) against `take` + `wait_of` (the contract it replaces on the route), over
+    stages of random guesses: the same ups, (epoch, flag) and ranks used, each stage consumed. Twin (fresh=False):
+    rows read from the first stage's maps are caught."""
+    rng = np.random.default_rng(3)
+    a, b = UpStaging(6, 64, "cpu"), UpStaging(6, 64, "cpu")
+    a.extra = b.extra = 3
+    blocks = torch.zeros(6, 128, dtype=torch.uint8)
+    addresses = [blocks[i].data_ptr() for i in range(6)]
+    first = None
+    for layer in range(20):
+        staged = rng.choice(40, int(rng.integers(1, 7)), replace=False).tolist()
+        for u in (a, b):
+            u.stage(layer, staged, addresses[:len(staged)], list(range(len(staged))))
+        if not fresh:
+            first = first or (b._up_of, b._epoch_of, b._flag_of)
+            b._up_of, b._epoch_of, b._flag_of = first
+        chosen = rng.choice(40, 6, replace=False).tolist()
+        mine = [1000 + e for e in chosen]
+        got = a.take(layer, chosen, blocking=False)
+        slot = {ad: i for i, ad in enumerate(a._address)}        # (the two buffers differ: b's addresses for a's)
+        want = ([b._address[slot[got[e]]] if e in got else m for e, m in zip(chosen, mine)],
+                [a.wait_of[e][0] if e in got else 0 for e in chosen], [a.wait_of[e][1] if e in got else 0 for e in chosen])
+        rows = b.take_rows(layer, chosen, mine)
+        assert b.count_taken() == len(got) or not fresh
+        if rows != want:
+            assert not fresh, (layer, rows, want)
+            return
+        assert b.take_rows(layer, chosen, mine) is None and a.take(layer, chosen) == {}      # consumed
+    assert a.used_by_rank == b.used_by_rank and fresh
