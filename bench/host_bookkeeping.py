@@ -211,7 +211,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                 r = src.decode_route(j, j, chosen, g, 0.0)
                 if r.addresses is not None:
                     t1 = time.perf_counter()
-                    inps[j].set_addresses(r.addresses)
+                    inps[j].set_addresses(r.addresses, r.up_addresses, r.up_waits)     # as MoEStep.decide does
                     t2 = time.perf_counter()             # here the next stretch's graph is launched
                     t_staging += t2 - t1
                     preempted = involuntary_switches() > switches0

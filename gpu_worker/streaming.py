@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 import torch
@@ -334,27 +333,30 @@ class StreamingExperts(ExpertSource):
             self._flush(sync=False)
             hits = {e: s for e, s in zip(rest, slots) if s >= 0}
             return self._request(j, layer, chosen, guess, _on_dev(chosen, vslots), rest, hits, waited_s, tr)
-        ups, staged, waits = None, None, None
+        ups, waits, n_staged = None, None, 0
         if vslots:
             base, stride = vt.base_address, vt.slot_stride
             in_slab = map(self._slot_address.__getitem__, slots)       # rest's addresses, in top-k order
             addresses = [base + v * stride if v >= 0 else next(in_slab) for v in vslots]
+        elif self._stage_nowait():       # the default: the kernel waits per staged expert on its batch's flag
+            addresses = list(map(self._slot_address.__getitem__, slots))
+            rows = self.ups.take_rows(j, chosen, addresses) if self.ups is not None else None
+            none, order = _no_waits(len(chosen))
+            if rows is None:
+                waits = (none, none, order)
+            else:
+                ups, epochs, flags = rows
+                waits = (epochs, flags, order)
+                n_staged = None          # counted after the launch (UpStaging.count_taken)
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
-            nowait = self._stage_nowait()
-            staged = self.ups.take(j, chosen, blocking=not nowait) if self.ups is not None else None
+            staged = self.ups.take(j, chosen) if self.ups is not None else None
             if staged:
                 ups = list(map(staged.get, chosen, addresses))     # a staged up's address, else the block's
+                n_staged = len(staged)
             if self.up_dma_limit:
                 ups, waits = self._dma_ups(chosen, addresses, staged, ups)
-            elif nowait:                 # the kernel waits per staged expert on its batch's flag
-                none, order = _no_waits(len(chosen))
-                if staged:               # (epoch, flag) per expert, split into the two rows
-                    epochs, flags = zip(*map(self.ups.wait_of.get, chosen, repeat((0, 0))))
-                    waits = (epochs, flags, order)
-                else:
-                    waits = (none, none, order)
-        self._launched = (j, chosen, guess, vslots, rest, slots, waited_s, len(staged) if staged else 0)
+        self._launched = (j, chosen, guess, vslots, rest, slots, waited_s, n_staged)
         self.acct.ms_bookkeeping += (time.perf_counter() - tr) * 1e3
         # the kernel's counter cannot tell VRAM-tier groups apart
         return DecodeRoute(j, layer, addresses=addresses, count_down_groups=not vslots, up_addresses=ups,
@@ -425,6 +427,8 @@ class StreamingExperts(ExpertSource):
         t0 = time.perf_counter()
         j, chosen, guess, vslots, rest, slots, waited_s, n_staged = self._launched
         self._launched = None
+        if n_staged is None:
+            n_staged = self.ups.count_taken()
         on_dev = _on_dev(chosen, vslots)
         if vslots:
             self.vram.score_uses()       # the uses its lookup found, before anything below reads the counts
@@ -444,6 +448,7 @@ class StreamingExperts(ExpertSource):
         slots stay pinned until the copies are done. The copies count as bus bytes whether used or not."""
         if not self.stage_ups or self._next_guess is None:
             return
+        self.decode_launched()           # a route not reported launched: its counts first (they read the stage taken)
         t0 = time.perf_counter()
         nj, guess = self._next_guess
         self._next_guess = None

@@ -25,7 +25,7 @@ to torch where libcuda cannot be loaded.
 Ordering, with one buffer: the copies for layer j+1 wait for an event recorded after layer j's expert kernel
 (the buffer's last reader); layer j+1's kernel waits for the copies' event. The slab slots copied from stay
 pinned until the copies are known to be done, so the cache cannot hand them to an IO worker mid-copy.
-On the CPU (tests) the copies are synchronous and nothing waits.
+On the CPU (tests, bench.host_bookkeeping) the copies are synchronous (a memmove per section) and nothing waits.
 
 Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, 3 by default since session 8's H200 run): `extra` more
 guesses than the limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag
@@ -37,6 +37,7 @@ as in blocking mode.
 from __future__ import annotations
 
 import ctypes
+from itertools import repeat
 
 import torch
 
@@ -47,6 +48,13 @@ FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter
 
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
+
+
+def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
+    """The CPU's stand-in for cuMemcpyAsync (same arguments, 0 for success): one C call per copy, as on the GPU host
+    (torch views and `copy_` per section cost the CPU bench ~300-440 µs a layer, where the GPU host makes ~25 calls)."""
+    ctypes.memmove(dst, src, nbytes)
+    return 0
 
 
 def driver_memcpy_async():
@@ -77,10 +85,11 @@ class UpStaging:
         self._wait_slot = [(0, 0)] * n_slots       # slot -> (epoch, flag index) of its last batch
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
-        self._memcpy = driver_memcpy_async() if self.cuda else None
+        # copies by address: the driver's on CUDA, a memmove on the CPU (views only where the driver is missing)
+        self._memcpy = driver_memcpy_async() if self.cuda else host_memcpy
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
         self._used_by_rank = [0] * n_slots   # how often the guess of each rank was read (`used_by_rank`)
-        self._taken = None                   # (slot_of, got) of the last take, its ranks not yet counted
+        self._taken = None                   # (slot_of, experts) of the last take, its ranks not yet counted
         self.staged_by_rank = [0] * n_slots
         self.layer: int | None = None        # the MoE layer whose guessed ups the buffer holds
         self.slot_of: dict[int, int] = {}    # expert -> buffer slot
@@ -97,19 +106,23 @@ class UpStaging:
         self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
         self._epochs_np = self._epochs.numpy()
+        self._flags_np = None if self.cuda else self.flags.numpy()     # the CPU's flags, written without a torch op
         self.epoch = 0
         self.wait_of: dict[int, tuple[int, int]] = {}    # expert -> (epoch, flag index) of the last stage
         # the last stage's experts: their up sections' addresses and (epoch, flag index), made at the stage (after a
         # launch) so that `take` and the route, before the next one, read them in one pass
         self._up_of: dict[int, int] = {}
         self._stage_waits: dict[int, tuple[int, int]] = {}
+        self._epoch_of: dict[int, int] = {}          # ... the same split: expert -> epoch, expert -> flag index
+        self._flag_of: dict[int, int] = {}
         self._core = None                    # event after the first `limit` copies (what the adapted limit judges)
         if self.cuda:     # the flags' zeroing ran on the compute stream: the first flag copies follow it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @property
     def by_address(self) -> bool:
-        """True: `stage` copies from the blocks' addresses (the driver); False: it needs their U8 views."""
+        """True: `stage` copies from the blocks' addresses (the driver, or a memmove on the CPU); False: it needs their
+        U8 views. On the CPU `stage` copies from the views where it is given them."""
         return self._memcpy is not None
 
     @property
@@ -122,14 +135,25 @@ class UpStaging:
         self._count_taken()
         return self._used_by_rank
 
-    def _count_taken(self) -> None:
-        """The ranks the last `take` used, counted here (at the next stage, or when read) and not on the route."""
-        if self._taken is not None:
-            slot_of, got = self._taken
-            self._taken = None
-            used = self._used_by_rank
-            for e in got:
-                used[slot_of[e]] += 1
+    def _count_taken(self) -> int:
+        """The ranks the last take used, counted here (after the launch, at the next stage, or when read) and not on
+        the route; returns how many of its experts were staged."""
+        if self._taken is None:
+            return 0
+        slot_of, experts = self._taken
+        self._taken = None
+        used, n = self._used_by_rank, 0
+        for e in experts:
+            i = slot_of.get(e)
+            if i is not None:
+                used[i] += 1
+                n += 1
+        return n
+
+    def count_taken(self) -> int:
+        """How many experts of the last `take_rows` were staged (their ranks counted): after the launch, before the
+        next stage."""
+        return self._count_taken()
 
     def how_many(self, layer: int) -> int:
         """Copies to issue for `layer` now (its adapted limit)."""
@@ -137,7 +161,7 @@ class UpStaging:
 
     def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None) -> None:
         """Copy the up sections of `experts` (their blocks at `addresses` in the registered slab; `views`: the
-        same blocks as U8 tensors, for the torch path) into the buffer, after the work queued so far on the
+        same blocks as U8 tensors, for the torch path; on the CPU, given views are copied from) into the buffer, after the work queued so far on the
         current stream (the kernel that last read the buffer). `slots`: the slab slots pinned for the copies;
         they come back from `releasable` once the copies are done."""
         self._count_taken()
@@ -166,6 +190,10 @@ class UpStaging:
                         self.buf[i, :ub].copy_(views[i][:ub], non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
+        elif views is None:
+            cp, dst = self._memcpy, self._address
+            for i in range(n):
+                cp(dst[i], addresses[i], ub)
         else:
             for i in range(n):
                 self.buf[i, :ub].copy_(views[i][:ub])
@@ -180,6 +208,8 @@ class UpStaging:
         addr, ws = self._address, self._wait_slot
         self._up_of = {e: addr[i] for i, e in enumerate(experts)}
         self._stage_waits = {e: ws[i] for i, e in enumerate(experts)} if self.extra else {}
+        self._epoch_of = {e: w[0] for e, w in self._stage_waits.items()}
+        self._flag_of = {e: w[1] for e, w in self._stage_waits.items()}
         self._held.add(self.done, slots)
 
     def _signal(self, lo: int, hi: int) -> None:
@@ -195,7 +225,7 @@ class UpStaging:
             if rc:
                 raise RuntimeError(f"cuMemcpyAsync of a staged batch's flag failed: CUDA error {rc}")
         else:
-            self.flags[lo] = e
+            self._flags_np[lo] = e
 
     def gave_up(self) -> int:
         """Kernel programs that stopped waiting for a staged up's flag (a fault; a sync)."""
@@ -210,6 +240,25 @@ class UpStaging:
             return {}
         up_of = self._up_of
         got = {e: up_of[e] for e in experts if e in up_of}
+        self._consume(layer, got, blocking)
+        return got
+
+    def take_rows(self, layer: int, experts: list[int], blocks: list[int]) -> tuple[list, list, list] | None:
+        """`take(layer, experts, blocking=False)` as the kernel's rows, the decode route's default (non-blocking
+        mode): (up addresses, epochs, flags) aligned with `experts`, a staged expert's up section in the buffer and
+        its batch's (epoch, flag), another's block (`blocks`, aligned) and (0, 0); None when nothing was staged for
+        `layer`. One `map` per row over the stage's maps, made after the last launch; the ranks used are counted
+        after this one (`count_taken`)."""
+        if self.layer != layer or not self.slot_of:
+            return None
+        self._consume(layer, experts, False)
+        zeros = repeat(0)
+        return (list(map(self._up_of.get, experts, blocks)), list(map(self._epoch_of.get, experts, zeros)),
+                list(map(self._flag_of.get, experts, zeros)))
+
+    def _consume(self, layer: int, taken, blocking: bool) -> None:
+        """A take of `layer`'s stage (`taken`: experts, some staged): the limit judged, `wait_of` handed, the ranks
+        left to count, the stage consumed, the stream made to wait where the kernel will not wait per expert."""
         if self.cuda and not self._waited:
             # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer.
             # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun)
@@ -219,13 +268,11 @@ class UpStaging:
             self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
         # every staged expert's (epoch, flag): the got ones are those of `experts` (the route looks up no other)
         self.wait_of = self._stage_waits
-        self._taken = (self.slot_of, got) if got else None
+        self._taken = (self.slot_of, taken)
         self.layer, self.slot_of = None, {}
-        if got:
-            if self.cuda and not self._waited and (blocking or not self.extra):
-                torch.cuda.current_stream(self.device).wait_event(self.done)
-                self._waited = True
-        return got
+        if self.cuda and not self._waited and (blocking or not self.extra) and not self._up_of.keys().isdisjoint(taken):
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+            self._waited = True
 
     def releasable(self, wait: bool = False) -> list[int]:
         """Slab slots whose copies are done (wait: all of them, waiting for the copies where they still run)."""
