@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -56,6 +56,13 @@ PY
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
     prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --io-workers 8 ${PREFILL2_ARGS:-${PREFILL_ARGS:-}} --out "$OUT/prefill2.json" > "$OUT/prefill2.log" 2>&1; tail -12 "$OUT/prefill2.log";;
+    # session 12: the prefill under budgets of BUDGETS MiB (the server's reserve is 512), BUDGET_SIZES tokens, one
+    # engine per budget: what a larger reserve buys a long prompt (the VRAM tier gives up as much)
+    budgets) for b in ${BUDGETS:-512 1024 2048}; do
+        timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} \
+          --out "$OUT/budget_$b.json" > "$OUT/budget_$b.log" 2>&1; grep "^budget [0-9]* MiB" "$OUT/budget_$b.log" | cut -c1-160
+      done;;
     api_ttft) api_run api_ttft ${API_ARGS:-};;
     api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
     turns) timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
