@@ -367,13 +367,14 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
 
 
-def profiled(eng, ids, device) -> dict:
-    """The same prompt once more under the per-stage profile (gpu_worker/prefill_profile.py)."""
+def profiled(eng, ids, device, budget: int | None = None) -> dict:
+    """The same prompt once more under the per-stage profile (gpu_worker/prefill_profile.py), under `budget` if
+    given (the budget rows with --profile)."""
     from gpu_worker.prefill import prefill
     from gpu_worker.prefill_profile import PrefillProfile
     m = eng.model
     with PrefillProfile(m) as prof:
-        logits = prefill(m, ids, m.new_state())
+        logits = prefill(m, ids, m.new_state(), budget_bytes=budget)
         int(logits[-1].argmax())
     return prof.result()
 
@@ -636,6 +637,8 @@ def main(argv=None):
                             os.environ[key] = val
                         for n in [int(n) for n in a.budget_sizes.split(",") if n]:
                             r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                            if a.profile and cuda:
+                                r["profile"] = profiled(eng, prompt(n), device, a.budget_mb << 20)
                             r["piece_top"], r["env"] = top, env if key and key != "none" else ""
                             res["budget"].append(r)
                             print("budget", json.dumps(r, default=float), flush=True)
@@ -707,6 +710,8 @@ def main(argv=None):
               f"wrong {r['ahead_wrong']}")
     profiles = [(r["tokens"], r["ttft_s"], r["profile"]) for rows in res.get("ram", {}).values() for r in rows
                 if "profile" in r]
+    profiles += [(f"{r['tokens']} @{r['budget_bytes'] >> 20} MiB", r["ttft_s"], r["profile"])
+                 for r in res.get("budget", []) if "profile" in r]
     if profiles:
         from gpu_worker.prefill_profile import EXPERT_SHARES, STAGES
         print("profile (RAM, ms) | tokens | TTFT plain / profiled | " + " | ".join(STAGES + EXPERT_SHARES))
