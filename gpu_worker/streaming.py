@@ -77,16 +77,39 @@ VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier
                                     # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
 
-def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int) -> tuple[int, int]:
+def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
+                  chunk: int = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
     per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
     row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
-    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile."""
-    per_expert = 2 * block_stride + 4 * L * I
-    experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes // 2) // per_expert))
+    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile.
+    chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
+    charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
+    more experts (Super at 512 MiB: ~12 against 5)."""
+    if chunk > 0:
+        scratch = chunk * 4 * L * I
+        experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes - scratch) // 2 // (2 * block_stride)))
+        rest = launch_bytes - scratch - experts * 2 * block_stride
+    else:
+        per_expert = 2 * block_stride + 4 * L * I
+        experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes // 2) // per_expert))
+        rest = launch_bytes - experts * per_expert
     per_row = 2 * I + act_bytes * L + 20
-    return experts, max(64, (launch_bytes - experts * per_expert) // per_row)
+    return experts, max(64, rest // per_row)
+
+
+def launch_chunk() -> int:
+    """MOESTREAM_LAUNCH_CHUNK: experts decoded at a time within a grouped prefill launch (`launch_limits`); 0, the
+    default, decodes the launch's experts at once (session 12: an A/B under the server's budget)."""
+    raw = os.environ.get("MOESTREAM_LAUNCH_CHUNK", "")
+    try:
+        n = int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"MOESTREAM_LAUNCH_CHUNK={raw!r}: expected a whole number of experts") from None
+    if n < 0:
+        raise ValueError(f"MOESTREAM_LAUNCH_CHUNK={raw!r}: expected 0 (off) or more experts")
+    return n
 
 
 @dataclass
@@ -750,7 +773,8 @@ class StreamingExperts(ExpertSource):
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
 
     def _launch_limits(self, act_bytes: int) -> tuple[int, int]:
-        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes)
+        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes,
+                             launch_chunk())
 
     def end_prompt(self, tokens: int, seconds: float) -> None:
         """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
@@ -927,6 +951,7 @@ class StreamingExperts(ExpertSource):
         ex, slots = [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
         rows_cap = self._launch_limits(rows.x.element_size())[1]
+        chunk = launch_chunk()
         at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
         from_ahead = [r for r in at if r is not None]
         to_stage = [s for s, r in zip(slots, at) if r is None]
@@ -947,7 +972,9 @@ class StreamingExperts(ExpertSource):
                 for part in _windows(segments, rows_cap):
                     xs, ws, tok, local = rows.gather(part)
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
-                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc))
+                    cfg = {"CHUNK": chunk} if chunk else None
+                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
+                                                                config=cfg))
                     pa.launches += 1
                     if not staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes

@@ -1,0 +1,59 @@
+"""`launch_limits` with the scratch charged per chunk (MOESTREAM_LAUNCH_CHUNK): a launch's buffers stay within its
+bytes, a small budget's launch takes more experts than with the scratch charged per expert, and the switch names a
+bad value. The chunked decode itself (CHUNK experts at a time) equals the whole launch's on the kernels' tests
+(tests/kernels/test_expert_prefill_dequant.py); here a twin that charges no scratch overruns the bytes."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker import streaming
+
+SUPER = dict(block_stride=3096576, L=1024, I=2688)     # an NVFP4 Super expert's block (16-neuron down groups)
+
+
+def used(experts, rows, chunk, block_stride, L, I, act=2):
+    """The device bytes of one launch as the streaming source allocates them."""
+    scratch = min(chunk or experts, experts) * 4 * L * I
+    return experts * 2 * block_stride + scratch + rows * (2 * I + act * L + 20)
+
+
+@pytest.mark.parametrize("launch_mb", [64, 128, 187, 256, 1024])
+@pytest.mark.parametrize("chunk", [0, 2, 4])
+def test_buffers_within_the_launch_bytes(launch_mb, chunk):
+    b = launch_mb << 20
+    experts, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, chunk)
+    assert 1 <= experts <= streaming.PREFILL_LAUNCH_EXPERTS and rows >= 64
+    if rows > 64:                                   # (a launch gets at least a tile of rows whatever its bytes)
+        assert used(experts, rows, chunk, **SUPER) <= b
+
+
+def test_a_small_budget_takes_more_experts_a_launch():
+    """Super at the server's 512 MiB (a launch of 128 MiB + half the slack, ~187 MiB at 16k): 5 experts a launch
+    with the scratch per expert, 12 with chunks of 4."""
+    b = 187 << 20
+    per_expert, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    chunked, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4)
+    assert (per_expert, chunked) == (5, 12)
+    assert rows >= 12 * 16000 * 22 // 512            # a 16k prompt's rows for 12 experts fit one launch
+
+
+def test_a_twin_without_the_scratch_overruns():
+    """Must-fail twin: charging the chunk's scratch nothing would give more experts than the bytes hold."""
+    b = 187 << 20
+
+    def free_scratch(block_stride, L, I, act, launch, chunk):
+        experts = max(1, min(streaming.PREFILL_LAUNCH_EXPERTS, launch // 2 // (2 * block_stride)))
+        return experts, max(64, (launch - experts * 2 * block_stride) // (2 * I + act * L + 20))
+    experts, rows = free_scratch(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4)
+    assert used(experts, rows, 4, **SUPER) > b
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv("MOESTREAM_LAUNCH_CHUNK", raising=False)
+    assert streaming.launch_chunk() == 0
+    monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", "4")
+    assert streaming.launch_chunk() == 4
+    for bad in ("four", "-1"):
+        monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_LAUNCH_CHUNK"):
+            streaming.launch_chunk()
