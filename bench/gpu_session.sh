@@ -60,7 +60,7 @@ PY
     # engine per budget: what a larger reserve buys a long prompt (the VRAM tier gives up as much)
     budgets) for b in ${BUDGETS:-512 1024 2048}; do
         timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --profile \
+          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --budget-env ${BUDGET_ENV:-none} --profile \
           --out "$OUT/budget_$b.json" > "$OUT/budget_$b.log" 2>&1; grep -E "^budget [0-9]* MiB|^profile" "$OUT/budget_$b.log" | cut -c1-220
       done;;
     api_ttft) api_run api_ttft ${API_ARGS:-};;
