@@ -86,7 +86,10 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile.
     chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
     charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
-    more experts (Super at 512 MiB: ~12 against 5)."""
+    more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
+    would give a launch, so the GEMMs keep today's size and the launches are about half as many."""
+    if chunk < 0:
+        chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes)[0]
     if chunk > 0:
         scratch = chunk * 4 * L * I
         experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes - scratch) // 2 // (2 * block_stride)))
@@ -101,8 +104,11 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
 
 def launch_chunk() -> int:
     """MOESTREAM_LAUNCH_CHUNK: experts decoded at a time within a grouped prefill launch (`launch_limits`); 0, the
-    default, decodes the launch's experts at once (session 12: an A/B under the server's budget)."""
+    default, decodes the launch's experts at once; "auto" (-1): as many as a launch takes with the scratch charged
+    per expert (session 12: an A/B under the server's budget)."""
     raw = os.environ.get("MOESTREAM_LAUNCH_CHUNK", "")
+    if raw == "auto":
+        return -1
     try:
         n = int(raw) if raw else 0
     except ValueError:
@@ -952,6 +958,9 @@ class StreamingExperts(ExpertSource):
         segments = [seg[e] for e in ex]
         rows_cap = self._launch_limits(rows.x.element_size())[1]
         chunk = launch_chunk()
+        if chunk < 0:
+            chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, rows.x.element_size(),
+                                  self.launch_bytes)[0]
         at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
         from_ahead = [r for r in at if r is not None]
         to_stage = [s for s, r in zip(slots, at) if r is None]

