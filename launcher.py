@@ -154,6 +154,10 @@ def preflight(a, cache_bytes: int, dense_bytes: int, snapshot_bytes: int) -> lis
     elif avail is not None and need + snapshot_bytes > avail:
         log(f"warning: with the snapshot budget (--snapshot-ram-gb {a.snapshot_ram_gb:g}) RAM could run short "
             f"({gb(need + snapshot_bytes)} of {gb(avail)} available); lower --snapshot-ram-gb if it does")
+    prefill_gb = getattr(a, "prefill_gb", None)
+    if prefill_gb is not None and prefill_gb <= 0:
+        problems.append(f"--prefill-gb {prefill_gb:g}: expected a size above 0 GiB (leave it out for the automatic "
+                        f"share)")
     if a.device.startswith("cuda"):
         free = free_vram(a.device)
         budget = int(a.vram_gb * GiB) if a.vram_gb else free
@@ -185,6 +189,10 @@ def parse_args(argv=None):
                     help="RAM cache of expert blocks in /dev/shm, GiB (fractions allowed; capped at the store size)")
     ap.add_argument("--vram-gb", type=float, default=None, help="GPU memory budget, GiB: the dense part, then hot experts in a VRAM tier "
                     "(default: what is free less 1 GiB)")
+    ap.add_argument("--prefill-gb", type=float, default=None,
+                    help="GPU memory kept beside the VRAM tier for a prompt's activations and the KV caches, GiB "
+                         "(default: 0.5 and an eighth of what the dense part leaves of --vram-gb, at most 2; long "
+                         "prompts run faster with more: 16k tokens took half the time at 1 GiB as at 0.5)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--down-group-neurons", default="auto", choices=["auto", "16", "8", "4", "2", "1"],
                     help="when the store is made (first start): its down projection in sub-groups of N neurons, read "
@@ -359,7 +367,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         io_workers=a.io_workers, device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, threads=a.threads,
         snapshot_dir=a.snapshot_dir, snapshot_count=a.snapshots, snapshot_ram_bytes=snapshot_bytes,
         snapshot_disk_count=a.snapshot_disk_count,
-        vram_bytes=getattr(a, "vram_budget", None)), max_queue=a.max_queue, log=log)
+        vram_bytes=getattr(a, "vram_budget", None),
+        prefill_reserve_bytes=int(a.prefill_gb * GiB) if a.prefill_gb else 0), max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
     state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir), store_dir=str(store),

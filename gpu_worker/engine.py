@@ -15,7 +15,7 @@ import torch
 from cache_shm.cuda_map import register_slab, slab_tensor
 from gpu_worker.cache_supervisor import Supervisor
 from gpu_worker.streaming import StreamingExperts
-from gpu_worker.vram_tier import VramTier, vram_tier_slots
+from gpu_worker.vram_tier import VramTier, prefill_reserve_bytes, vram_tier_slots
 from expert_store.format import StoreError
 from expert_store.reader import ExpertStore
 from nemotron.checkpoint import Checkpoint
@@ -27,7 +27,7 @@ class StreamingEngine:
                  dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
                  vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True,
-                 device_routing: bool = True):
+                 device_routing: bool = True, prefill_share: bool = False):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
         for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier.
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
@@ -35,7 +35,9 @@ class StreamingEngine:
         stage_ups: while the dense layers run, the copy engine moves the guessed experts' up sections of the next
         MoE layer into VRAM (gpu_worker/up_staging.py; top-k × ~1.5 MB on Super, taken from the reserve).
         device_routing: in the decode graphs, a MoE layer whose every expert is in the VRAM tier is routed on the
-        device, with no host decision (gpu_worker/decode_graphs.py); False keeps every layer host-routed (an A/B)."""
+        device, with no host decision (gpu_worker/decode_graphs.py); False keeps every layer host-routed (an A/B).
+        prefill_share: the reserve grows by a share of what the dense part leaves (`vram_tier.prefill_reserve_bytes`:
+        long prompts need room for large grouped launches); False keeps vram_reserve_bytes as given."""
         store_dir = Path(store_dir)
         # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py):
         # the reserve, and whatever a tier that holds every expert leaves of the budget (set by _vram_tier)
@@ -63,14 +65,17 @@ class StreamingEngine:
                 if DecodeGraphs.unsupported(self.model) is None:
                     self.graphs = DecodeGraphs(self.model)
             if vram_bytes is not None:
-                self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device, vram_admit_after)
+                self.experts.vram = self._vram_tier(vram_bytes, vram_reserve_bytes, device, vram_admit_after,
+                                                    prefill_share)
         except BaseException:
             self.close()
             raise
 
-    def _vram_tier(self, budget: int, reserve: int, device, admit_after: int) -> VramTier:
+    def _vram_tier(self, budget: int, reserve: int, device, admit_after: int, share: bool) -> VramTier:
         cuda = str(device).startswith("cuda")
         used = torch.cuda.memory_allocated(device) if cuda else self.model.dense_nbytes()
+        if share:
+            reserve = prefill_reserve_bytes(budget, used, reserve)
         if used + reserve > budget:
             raise ValueError(f"--vram-gb {budget / 2**30:.2f} is too small: the dense part takes "
                              f"{used / 2**30:.2f} GiB and {reserve / 2**30:.2f} GiB is kept for activations "

@@ -412,6 +412,8 @@ def main(argv=None) -> int:
                     help="cap on the prefill span in tokens (0: the prefill memory budget alone decides)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
+    ap.add_argument("--prefill-reserve-bytes", type=int, default=0,
+                    help="device bytes kept beside the VRAM tier for prefill activations and KV (0: automatic)")
     ap.add_argument("--snapshot-dir")
     ap.add_argument("--snapshot-count", type=int, default=32)
     ap.add_argument("--snapshot-ram-bytes", type=int, default=2 << 30)
@@ -429,9 +431,12 @@ def main(argv=None) -> int:
     try:
         # the tower first: its device slots then count as used when the VRAM tier is sized from the budget
         vision, image_geometry, vision_reserve = load_vision(a.model, a.device, dtype, chan)
-        reserve = (512 << 20) + vision_reserve
+        # the prefill's room beside the VRAM tier: --prefill-reserve-bytes, else 512 MiB and a share of what the
+        # dense part leaves (gpu_worker/vram_tier.py prefill_reserve_bytes); the tower's slots on top
+        reserve = (a.prefill_reserve_bytes or (512 << 20)) + vision_reserve
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
                                  dtype=dtype, model_dir=a.model, vram_reserve_bytes=reserve,
+                                 prefill_share=not a.prefill_reserve_bytes,
                                  vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())

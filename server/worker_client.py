@@ -47,6 +47,7 @@ class WorkerConfig:
     snapshot_ram_bytes: int = 2 << 30
     snapshot_disk_count: int = 64
     vram_bytes: int | None = None     # the device budget; what the dense part leaves becomes the VRAM tier
+    prefill_reserve_bytes: int = 0    # kept beside the VRAM tier for prefills (0: the worker's automatic share)
 
     def args(self, fd: int) -> list[str]:
         """The command line of `python -m gpu_worker.worker`."""
@@ -61,6 +62,8 @@ class WorkerConfig:
             a += ["--snapshot-dir", self.snapshot_dir]
         if self.vram_bytes:
             a += ["--vram-bytes", str(self.vram_bytes)]
+        if self.prefill_reserve_bytes:
+            a += ["--prefill-reserve-bytes", str(self.prefill_reserve_bytes)]
         return a
 
 

@@ -204,6 +204,10 @@ def test_preflight_says_what_to_change(monkeypatch):
     assert any("--vram-gb 8" in p for p in problems) and any("dense part" in p for p in problems)
     a.vram_gb = 3.0
     assert launcher.preflight(a, 10 << 20, 1 * launcher.GiB, 0) == []
+    a.prefill_gb = 0.0
+    assert any(p.startswith("--prefill-gb 0") for p in launcher.preflight(a, 10 << 20, 1 * launcher.GiB, 0))
+    a.prefill_gb = 1.5
+    assert launcher.preflight(a, 10 << 20, 1 * launcher.GiB, 0) == []
 
 
 def test_no_model_serves_the_demo_and_says_its_weights_are_random(tmp_path, monkeypatch):

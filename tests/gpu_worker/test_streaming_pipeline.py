@@ -230,3 +230,26 @@ def test_vram_tier_never_exceeds_the_experts_and_leaves_the_rest_to_prefill(tiny
                          vram_bytes=dense + 24 * st.block_stride, vram_reserve_bytes=0) as eng:
         assert eng.experts.vram.n_slots == 24 < every      # a tight budget: the tier as before, prefill the reserve
         assert eng.prefill_budget_bytes == 0
+
+
+def test_the_prefill_share_of_a_budget(tiny):
+    """The server's reserve (`prefill_share`): the base and an eighth of what the dense part leaves, at most 1.5 GiB
+    more (vram_tier.prefill_reserve_bytes); the tier gets the rest. Without the share the reserve is as given."""
+    from expert_store.reader import ExpertStore
+    from gpu_worker.vram_tier import PREFILL_EXTRA_MAX, prefill_reserve_bytes
+    assert prefill_reserve_bytes(8 << 30, 7 << 30, 512 << 20) == (512 << 20) + (512 << 20) // 8
+    assert prefill_reserve_bytes(16 << 30, 7 << 30, 512 << 20) == (512 << 20) + (17 << 29) // 8
+    assert prefill_reserve_bytes(64 << 30, 7 << 30, 512 << 20) == (512 << 20) + PREFILL_EXTRA_MAX
+    assert prefill_reserve_bytes(6 << 30, 7 << 30, 512 << 20) == 512 << 20       # nothing left: the base only
+    model_dir, store = tiny
+    st = ExpertStore.open(store)
+    dense = NemotronH(model_dir).dense_nbytes()
+    base, budget = 1 << 20, dense + (1 << 20) + 16 * st.block_stride
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2, vram_bytes=budget,
+                         vram_reserve_bytes=base, prefill_share=True) as eng:
+        want = prefill_reserve_bytes(budget, eng.model.dense_nbytes(), base)
+        assert want > base and eng.experts.vram.n_slots == (budget - eng.model.dense_nbytes() - want) // st.block_stride
+        assert eng.prefill_budget_bytes == want
+    with StreamingEngine(store, cache_bytes=tenth_of_experts(store), io_workers=2, vram_bytes=budget,
+                         vram_reserve_bytes=base) as eng:     # the twin: no share, the tier takes all 16 slots
+        assert eng.experts.vram.n_slots == 16 and eng.prefill_budget_bytes == base
