@@ -137,7 +137,7 @@ PY
            > "$OUT/expert_prefill_gmm.log" 2>&1; tail -24 "$OUT/expert_prefill_gmm.log" | cut -c1-200;;
     gmm_prefill) timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            --skip kernel,sweep,disk --sizes ${GMM_SIZES:-1000,4000,16000} --budget-mb 0 --brief --out "$OUT/prefill_gmm.json" \
-           --paths "staged,staged|MOESTREAM_EXPERT_GEMM=grouped_mm,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down,staged#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down#2" \
+           --paths "${GMM_PATHS:-staged,staged|MOESTREAM_EXPERT_GEMM=grouped_mm,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down,staged#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm#2,staged|MOESTREAM_EXPERT_GEMM=grouped_mm_down#2}" \
            > "$OUT/prefill_gmm.log" 2>&1; tail -14 "$OUT/prefill_gmm.log" | cut -c1-200;;
     subgroups) timeout ${SUB_TIMEOUT:-240} python3 -m bench.e2e_stream --work $W/super-sub --moe-layers ${SUB_MOE_LAYERS:-2} --io-workers 8 \
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
