@@ -307,7 +307,7 @@ def _block(w4, s2, rb, row_end, gs, xa, xs_a, xb, xs_b, y_ptr, stride_ym, part_p
     else:
         va, vb = _chunk_dot2(w0, w1, w2, w3, s2, xa, xb, USE_ASM)
         _store_rows(y_ptr, stride_ym, part_ptr, j, N, M_PAD, 0, _row_sums(va, USE_ASM), rows, m_r, gs / xs_a, SPLIT)
-        _store_rows(y_ptr, stride_ym, part_ptr, j, N, M_PAD, 1, _row_sums(vb, USE_ASM), rows, m_r & (M > 1),
+        _store_rows(y_ptr, stride_ym, part_ptr, j, N, M_PAD, 1, _row_sums(vb, USE_ASM), rows, m_r & ((rows * 0 + 1) < M),
                     gs / xs_b, SPLIT)
 
 
@@ -338,7 +338,7 @@ def _nvfp4_gemv_fma_kernel(
     xa, xs_a = _x_row(x_ptr, kw * 8, m_k)
     xb, xs_b = xa, xs_a
     if M_PAD == 2:
-        xb, xs_b = _x_row(x_ptr + stride_xm, kw * 8, m_k & (M > 1))
+        xb, xs_b = _x_row(x_ptr + stride_xm, kw * 8, m_k & ((kw * 0 + 1) < M))
     # two row blocks per trip, each buffer refilled right after it is consumed: the other block's words are in
     # flight while these are decoded (Triton does not pipeline loads that feed no dot), and no register moves
     # between buffers (a one-block loop that loaded the next block first carried it in ~32 moves per trip)
@@ -362,7 +362,8 @@ def _nvfp4_gemv_fma_kernel(
                     for jj in range(n_slices):
                         acc += tl.load(part_ptr + (jj * M_PAD + m) * N + rows, mask=m_r, other=0.0,
                                        cache_modifier=".cg")
-                    tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=m_r & (m < M))
+                    tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty),
+                             mask=m_r & ((rows * 0 + m) < M))
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 

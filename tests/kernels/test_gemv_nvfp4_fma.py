@@ -26,12 +26,12 @@ def _four_sms(monkeypatch):
 
 # (M, N, K, config): slices of C x 1,024 codes; K = 1,056 = 33 chunks of 32 codes
 CASES = [
-    (1, 1023, 1056, dict(C=1, R=1, num_warps=2, PPS=2)),        # 2 slices of 17 / 16 chunks: lanes past the slice
+    (1, 1023, 1056, dict(C=1, R=8, num_warps=4, PPS=2)),        # 2 slices of 17 / 16 chunks: lanes past the slice
     (1, 37, 2080, dict(C=2, R=2, num_warps=1, PPS=1)),          # 2 slices, 5 programs of 8 rows: partial blocks
     (1, 5, 512, dict(C=1, R=1, num_warps=1, PPS=2)),            # one slice, half its lanes idle
-    (2, 1023, 1056, dict(C=2, R=1, num_warps=2, PPS=1)),        # one slice, M = 2
+    (2, 1023, 1056, dict(C=2, R=8, num_warps=4, PPS=1)),        # one slice, M = 2
     (2, 37, 3104, dict(C=1, R=2, num_warps=2, PPS=3)),          # 4 slices, M = 2
-    (1, 300, 4096, dict(C=4, R=1, num_warps=4, PPS=1)),         # the default C at M = 1, one slice
+    (1, 100, 4096, dict(C=4, R=4, num_warps=4, PPS=1)),         # the default C at M = 1, one slice
 ]
 
 
