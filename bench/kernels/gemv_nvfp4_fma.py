@@ -377,6 +377,7 @@ def fma_config(M: int, N: int, K: int, device, config: dict | None = None, n_sm:
     m_pad = 1 if M <= 1 else 2
     cfg = dict(C=4, R=1, num_warps=4, PPS=3, num_stages=1) if m_pad == 1 else \
         dict(C=1, R=2, num_warps=4, PPS=5, num_stages=1)
+    cfg["C"] = min(cfg["C"], triton.next_power_of_2(triton.cdiv(K, 1024)))    # K = 1,024: no idle chunks
     cfg.update(config or {})
     cap = cfg["C"] * 1024
     slices = cfg.get("SLICES") or triton.cdiv(K, cap)
@@ -429,14 +430,14 @@ def nvfp4_linear_fma(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3
 # ---- SASS counts (sm_90 without a GPU; Triton 3.6 on a side path, see bench.kernels.sass_probe)
 
 SASS_VARIANTS = {   # label -> (M_PAD, C, R, num_warps, PROBE, maxnreg)
+    "M1 C4 R1 w4 (default)": (1, 4, 1, 4, False, None),
     "M1 C4 R2 w4": (1, 4, 2, 4, False, None),
-    "M1 C4 R1 w4": (1, 4, 1, 4, False, None),
     "M1 C2 R2 w4": (1, 2, 2, 4, False, None),
     "M1 C1 R4 w4": (1, 1, 4, 4, False, None),
     "M1 C4 R2 w4 r128": (1, 4, 2, 4, False, 128),
+    "M2 C1 R2 w4 (default)": (2, 1, 2, 4, False, None),
     "M2 C2 R2 w4": (2, 2, 2, 4, False, None),
-    "M2 C1 R2 w4": (2, 1, 2, 4, False, None),
-    "probe C4 R2 w4": (1, 4, 2, 4, True, None),
+    "probe C4 R1 w4": (1, 4, 1, 4, True, None),
 }
 
 

@@ -29,7 +29,7 @@ CASES = [
     (1, 1023, 1056, dict(C=1, R=8, num_warps=4, PPS=2)),        # 2 slices of 17 / 16 chunks: lanes past the slice
     (1, 37, 2080, dict(C=2, R=2, num_warps=1, PPS=1)),          # 2 slices, 5 programs of 8 rows: partial blocks
     (1, 5, 512, dict(C=1, R=1, num_warps=1, PPS=2)),            # one slice, half its lanes idle
-    (2, 1023, 1056, dict(C=2, R=8, num_warps=4, PPS=1)),        # one slice, M = 2
+    (2, 511, 1056, dict(C=2, R=8, num_warps=4, PPS=1)),         # one slice, M = 2
     (2, 37, 3104, dict(C=1, R=2, num_warps=2, PPS=3)),          # 4 slices, M = 2
     (1, 100, 4096, dict(C=4, R=4, num_warps=4, PPS=1)),         # the default C at M = 1, one slice
 ]
