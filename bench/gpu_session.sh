@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -94,6 +94,11 @@ PY
     host) timeout 150 python3 -m bench.host_bookkeeping --tag h200 --out-dir "$OUT" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log";;
     gemv) timeout ${GEMV_TIMEOUT:-150} python3 -m bench.kernels.gemv_nvfp4_sweep --budget-s $(( ${GEMV_TIMEOUT:-150} - 25 )) \
            --out "$OUT/gemv_sweep.json" > "$OUT/gemv_sweep.log" 2>&1; tail -40 "$OUT/gemv_sweep.log";;
+    # session 12 h-gemv: the NVFP4 decode GEMV on the CUDA cores (HFMA2) and its read probe beside today's
+    gemv_fma) timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_gemv_fma.log" 2>&1
+      tail -2 "$OUT/pytest_gemv_fma.log"
+      timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
+      tail -60 "$OUT/gemv_fma.log";;
     subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
     # session 7's switches, each off by default until one of these runs measures it (bench/NOTES.md, h26-h28):

@@ -1,0 +1,235 @@
+"""The NVFP4 decode GEMV on the CUDA cores (bench/kernels/gemv_nvfp4_fma.py) beside today's tensor-core GEMV and the
+read probe, at every Super shape, M = 1, 2 (FMA) and 4, 8 (today's only), with the D2D ceiling of the same run.
+
+    python -m bench.kernels.gemv_fma_sweep [--budget-s 125] [--out gemv_fma.json] [--only SHAPE,..] [--precompile 12]
+
+Method as bench.kernels.gemv_streamk_sweep: each call graph-captured over weight copies rotated through ~4x the L2,
+median of CUDA events (bench.kernels.common.time_graph); % of the D2D copy rate measured first in this run. Every
+variant is checked against the fp32 twin at full size (bf16 out, 5e-3) before and after its timing; a must-fail
+twin (nibbles swapped) per M shows the check catches a wrong decode. The read probe (same grid and loads, no decode)
+is timed, not checked. Distinct compilations are made first by worker processes (Triton's on-disk cache). The budget
+guard stops timing and keeps what was measured; the JSON is rewritten after every shape; the table comes last.
+On a CPU it runs one tiny shape under Triton's interpreter (a smoke test of the script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module defines its kernels
+
+import triton  # noqa: E402
+
+from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
+from bench.kernels import gemv_nvfp4_fma as fma  # noqa: E402
+from kernels import gemv_nvfp4 as g  # noqa: E402
+from kernels.nvfp4 import swap_nibbles  # noqa: E402
+from kernels.testing import rel_err  # noqa: E402
+
+CUDA = DEV == "cuda"
+TOL = 5e-3
+# (name, N, K, calls per decode token of the 88-layer Super)
+SHAPES = [("mamba.in_proj", 18560, 4096, 40), ("mamba.out_proj", 4096, 8192, 40), ("attn.q/o", 4096, 4096, 16),
+          ("shared.up", 5376, 4096, 40), ("shared.down", 4096, 5376, 40), ("fc1_latent", 1024, 4096, 40),
+          ("fc2_latent", 4096, 1024, 40), ("lm_head", 131072, 4096, 1)]
+SMOKE_SHAPES = [("smoke", 40, 1024, 1)]
+MS = (1, 2, 4, 8)
+
+
+def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
+    """label -> None (today's nvfp4_linear) or an FMA config ({} = fma_config's default); 'probe' = the read probe
+    with the default FMA grid."""
+    v: dict[str, dict | None] = {"today": None}
+    if M > 2:
+        return v
+    v["fma"] = {}
+    if M == 1:
+        v["fma C4 R2 pps2"] = dict(C=4, R=2, PPS=2)
+        v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
+        v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
+        v["fma C1 R4 pps6"] = dict(C=1, R=4, PPS=6)
+    else:
+        v["fma C2 R2 pps2"] = dict(C=2, R=2, PPS=2)
+        v["fma C1 R2 pps8"] = dict(C=1, R=2, PPS=8)
+    v["probe"] = dict(PROBE=True)
+    return v
+
+
+def call(cfg, x):
+    if cfg is None:
+        return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs)
+    c = {k: v for k, v in cfg.items() if k != "PROBE"}
+    return lambda q, s, gs: fma.nvfp4_linear_fma(x, q, s, gs, config=c, probe=cfg.get("PROBE", False))
+
+
+def weights(N, K, copies, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEV, generator=gen)
+        s = torch.randint(0x28, 0x48, (N, K // 16), dtype=torch.uint8, device=DEV, generator=gen)
+        out.append((q, s.view(torch.float8_e4m3fn), torch.tensor(1e-3, device=DEV)))
+    return out
+
+
+def nbytes(N, K, M):
+    return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
+
+
+def copies_for(nb):
+    return 1 if not CUDA else min(64, max(2, (256 << 20) // nb + 1))
+
+
+def _compile_job(job):
+    name, N, K, M, label, cfg = job
+    try:
+        (q, s, gs), = weights(N, K, 1, seed=1)
+        call(cfg, torch.randn(M, K, device=DEV).bfloat16())(q, s, gs)
+        if CUDA:
+            torch.cuda.synchronize()
+        return ""
+    except Exception as ex:  # noqa: BLE001 - the timed pass reports it
+        return f"{name} M={M} {label}: {type(ex).__name__}: {str(ex)[:120]}"
+
+
+def precompile(shapes, workers):
+    """Every variant's first call in `workers` spawned processes (Triton caches the compilations on disk)."""
+    jobs, seen = [], set()
+    for name, N, K, _ in shapes:
+        for M in MS:
+            for label, cfg in variants(M, N, K).items():
+                key = (name, M, label) if cfg is None else (min(M, 2), json.dumps(cfg, sort_keys=True))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((name, N, K, M, label, cfg))
+    t = time.time()
+    import multiprocessing as mp
+    try:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            errs = [e for e in pool.map(_compile_job, jobs, chunksize=1) if e]
+    except Exception as ex:  # noqa: BLE001
+        print(f"  precompile failed ({type(ex).__name__}: {str(ex)[:120]}); compiling as the run goes", flush=True)
+        return
+    print(f"  precompiled {len(jobs)} configurations in {time.time() - t:.0f} s ({workers} processes)"
+          + "".join(f"\n    raised: {e}" for e in errs), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemv_fma.json"))
+    ap.add_argument("--budget-s", type=float, default=125.0)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--precompile", type=int, default=12 if CUDA else 0)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    env = dict(gpu=torch.cuda.get_device_name(0) if CUDA else "none (CPU smoke run, TRITON_INTERPRET=1)",
+               torch=torch.__version__, triton=triton.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    print("env", env, flush=True)
+    shapes = SHAPES if CUDA else SMOKE_SHAPES
+    only = set(x for x in a.only.split(",") if x)
+    shapes = [sh for sh in shapes if not only or sh[0] in only]
+    if a.precompile > 0:
+        precompile(shapes, a.precompile)
+    d2d = ceiling_d2d()
+    print(f"D2D {d2d / 1e9:.0f} GB/s (at {time.time() - t0:.0f} s)", flush=True)
+    rows, checks = [], []
+
+    def dump(done=False):
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as fh:
+            json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done), fh, indent=1,
+                      default=str)
+
+    done = True
+    for name, N, K, per_token in shapes:
+        copies = copies_for(nbytes(N, K, 1))
+        ws = weights(N, K, copies, seed=N + K)
+        for M in MS:
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            ref = g.nvfp4_linear_torch(x, *ws[0], out_dtype=torch.float32)
+            if M <= 2:      # the must-fail twin, once per shape and M: swapped nibbles through the FMA default
+                bad = rel_err(call({}, x)(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
+                checks.append(dict(check=f"must-fail fma {name} M={M} swapped nibbles", rel_err=bad, ok=bad > 0.1))
+            for label, cfg in variants(M, N, K).items():
+                if time.time() - t0 > a.budget_s:
+                    print(f"  budget of {a.budget_s:.0f} s spent: {name} M={M} {label} and after not timed", flush=True)
+                    done = False
+                    break
+                fn = call(cfg, x)
+                probe = bool(cfg and cfg.get("PROBE"))
+                try:
+                    e = 0.0 if probe else rel_err(fn(*ws[0]), ref)
+                    if not probe:
+                        checks.append(dict(check=f"{name} M={M} {label}", rel_err=e, ok=e < TOL))
+                        if not e < TOL:
+                            print(f"  {name} M={M} {label} WRONG: rel err {e:.2e}", flush=True)
+                            continue
+                    sec = time_graph(lambda i: fn(*ws[i % copies]), 2 * copies)
+                    e_after = 0.0 if probe else rel_err(fn(*ws[0]), ref)
+                    if not probe:
+                        checks.append(dict(check=f"{name} M={M} {label} after timing", rel_err=e_after,
+                                           ok=e_after < TOL))
+                except Exception as ex:  # noqa: BLE001 - one failing variant must not hide the others
+                    print(f"  {name} M={M} {label} FAILED: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                    checks.append(dict(check=f"{name} M={M} {label}", rel_err=float("inf"), ok=False,
+                                       error=f"{type(ex).__name__}: {str(ex)[:300]}"))
+                    continue
+                nb = nbytes(N, K, M)
+                c = None if cfg is None else fma.fma_config(M, N, K, torch.device(DEV),
+                                                            {k: v for k, v in cfg.items() if k != "PROBE"})
+                row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / d2d,
+                           bytes=nb, rel_err=max(e, e_after), per_token=per_token, config=cfg,
+                           grid=None if c is None else (c["programs"], c["SLICES"]))
+                rows.append(row)
+                print(f"  {name:15s} M={M} {label:16s} {row['us']:7.1f} us {row['pct']:4.0f}%  err {row['rel_err']:.1e}"
+                      + (f"  grid {row['grid']}" if c else ""), flush=True)
+            else:
+                continue
+            break
+        del ws
+        dump()
+        if not done:
+            break
+    summary(rows)
+    bad = [c for c in checks if not c["ok"]]
+    print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
+    for c in bad:
+        print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
+    dump(done)
+    print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
+    return 0 if not bad else 1
+
+
+def summary(rows):
+    """Per shape and M: today, the best FMA variant, the read probe (µs, % of D2D); M = 1 per-token sums."""
+    print("\n== NVFP4 GEMV: today (tensor cores) vs FMA (CUDA cores) vs read probe (µs, % of D2D) ==")
+    print(f"  {'shape':15s} M  {'today':>12s}  {'best fma':>12s}  {'probe':>12s}  fma variant")
+    sums = [0.0, 0.0]
+    for name, N, K, per_token in SHAPES if CUDA else SMOKE_SHAPES:
+        for M in MS:
+            rs = [r for r in rows if r["shape"] == name and r["M"] == M]
+            if not rs:
+                continue
+            t = next((r for r in rs if r["variant"] == "today"), None)
+            fs = [r for r in rs if r["variant"].startswith("fma")]
+            b = min(fs, key=lambda r: r["us"]) if fs else None
+            p = next((r for r in rs if r["variant"] == "probe"), None)
+
+            def cell(r):
+                return f"{r['us']:6.1f} {r['pct']:3.0f}%" if r else "      -     "
+            print(f"  {name:15s} {M}  {cell(t):>12s}  {cell(b):>12s}  {cell(p):>12s}  {b['variant'] if b else ''}")
+            if M == 1 and t and b:
+                sums[0] += t["us"] * per_token
+                sums[1] += min(b["us"], t["us"]) * per_token
+    print(f"  M = 1 per 88-layer token: today {sums[0] / 1e3:.2f} ms, with the FMA where faster {sums[1] / 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
