@@ -29,9 +29,9 @@ CASES = [
     (1, 1023, 1056, dict(C=1, R=8, num_warps=4, PPS=2)),        # 2 slices of 17 / 16 chunks: lanes past the slice
     (1, 37, 2080, dict(C=2, R=2, num_warps=1, PPS=1)),          # 2 slices, 5 programs of 8 rows: partial blocks
     (1, 5, 512, dict(C=1, R=1, num_warps=1, PPS=2)),            # one slice, half its lanes idle
-    (2, 511, 1056, dict(C=2, R=8, num_warps=4, PPS=1)),         # one slice, M = 2
+    (2, 63, 1056, dict(C=2, R=8, num_warps=4, PPS=1)),          # one slice, M = 2, a partial row block
     (2, 37, 3104, dict(C=1, R=2, num_warps=2, PPS=3)),          # 4 slices, M = 2
-    (1, 100, 4096, dict(C=4, R=4, num_warps=4, PPS=1)),         # the default C at M = 1, one slice
+    (1, 36, 4096, dict(C=4, R=4, num_warps=4, PPS=1)),          # the default C at M = 1, one slice
 ]
 
 
@@ -61,21 +61,6 @@ def test_fma_must_fail_twins(M, N, K, cfg, device):
     s_shift = s.view(torch.uint8).clone()
     s_shift[:, 1:] = s.view(torch.uint8)[:, :-1]
     assert rel_err(_run(x, q, s_shift.view(s.dtype), gs, cfg, device), ref) > 0.05
-
-
-def test_fma_probe_reads_every_word(device):
-    """The read probe: same grid and loads, y = the row's words and scale pairs summed as integers (as fp32)."""
-    N, K = 37, 2080
-    q, s, gs = _weight(N, K, device, seed=5)
-    x = _x(1, K, device, seed=1)
-    cfg = dict(C=2, R=2, num_warps=1, PPS=1)
-    y = f.nvfp4_linear_fma(x, q, s, gs, out_dtype=torch.float32, config=cfg, probe=True)
-    words = q.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    pairs = s.view(torch.uint8).view(torch.int16).to(torch.int64) & 0xFFFF
-    ref = ((words.sum(1) + pairs.sum(1)) & 0xFFFFFFFF).to(torch.float64)
-    # sums of 32-bit integers wrap; each lane's sum is converted to fp32 before the lanes meet: compare loosely
-    assert y.shape == (1, N) and torch.isfinite(y).all()
-    assert float(y.double().abs().sum()) > 0 and ref.abs().sum() > 0
 
 
 def test_decode_ptx_matches_e2m1_table():
