@@ -24,14 +24,15 @@ from .shm import CLC, FAILED, HDR, PFC, STATE_NAMES, CacheShm
 # nothing); demote (a prefill is done with these experts: move what it loaded to the cold end)
 MSG_LAYER, MSG_DEMAND, MSG_PREFILL, MSG_DEMOTE = 1, 2, 3, 4
 # Every message reads as [kind, layer, actual, guess_layer, guess] (`decode_message`). The decode's per-layer message
-# (MSG_LAYER, on the route path) goes as a fixed record: a header "<BBHHH" (LAYER_RECORD_TAG, kind, layer, guess
-# layer, the number of actual experts), then the actual and the guessed experts as u16, packed straight into the
+# (MSG_LAYER, on the route path) goes as a fixed record: a header "=BBHHH" (LAYER_RECORD_TAG, kind, layer, guess
+# layer, the number of actual experts), then the actual and the guessed experts as u16 (the host's byte order: both
+# ends share its memory, and the prefetcher reads the ids as one memoryview cast), packed straight into the
 # ring's record by one cached Struct per id count. msgpack's pack and the push of its bytes cost the misses' request
 # ~21 µs cold on the VM (bench/NOTES.md, "Session 12, h-misses"). The rest, and any layer message the record cannot
 # carry (an id outside u16, too many ids), stay msgpack. The tag is msgpack's never-used byte: no msgpack message
 # begins with it.
 LAYER_RECORD_TAG = 0xC1
-_LAYER_HEAD = struct.Struct("<BBHHH")
+_LAYER_HEAD = struct.Struct("=BBHHH")
 _LAYER_RECORDS: dict[int, struct.Struct] = {}
 
 
@@ -50,7 +51,8 @@ def decode_message(rec: bytes) -> list:
     n_ids, odd = divmod(len(rec) - _LAYER_HEAD.size, 2)
     if odd or n_ids < 0:
         raise ValueError(f"a layer record of {len(rec)} bytes")
-    _, kind, layer, guess_layer, n_actual, *ids = layer_record(n_ids).unpack(rec)
+    _, kind, layer, guess_layer, n_actual = _LAYER_HEAD.unpack_from(rec)
+    ids = memoryview(rec)[_LAYER_HEAD.size:].cast("H").tolist()
     if n_actual > n_ids:
         raise ValueError(f"a layer record of {n_ids} ids says {n_actual} are actual")
     return [kind, layer, ids[:n_actual], guess_layer, ids[n_actual:]]
