@@ -230,6 +230,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
                         meter.phase = "eager"            # not the route's: left out of the parts
                     missing = [e for e in r.rest if e not in r.hits]
                     src._defer(list(r.hits.values()))
+                    src.decode_count(r)                  # the counts a request-first route leaves to decode_eager
                     if missing:
                         src._flush(sync=False)
                     for _, s in client.wait_any(j, missing):

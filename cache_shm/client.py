@@ -9,6 +9,7 @@ pin taken while the prefetcher evicts is seen by one side or the other:
 from __future__ import annotations
 
 import operator
+import struct
 import threading
 import time
 
@@ -22,6 +23,40 @@ from .shm import CLC, FAILED, HDR, PFC, STATE_NAMES, CacheShm
 # message kinds: per-layer (actual + guess); demand only (a re-send); prefill (demand misses, touch
 # nothing); demote (a prefill is done with these experts: move what it loaded to the cold end)
 MSG_LAYER, MSG_DEMAND, MSG_PREFILL, MSG_DEMOTE = 1, 2, 3, 4
+# Every message reads as [kind, layer, actual, guess_layer, guess] (`decode_message`). The decode's per-layer message
+# (MSG_LAYER, on the route path) goes as a fixed record: a header "=BBHHH" (LAYER_RECORD_TAG, kind, layer, guess
+# layer, the number of actual experts), then the actual and the guessed experts as u16 (the host's byte order: both
+# ends share its memory, and the prefetcher reads the ids as one memoryview cast), packed straight into the
+# ring's record by one cached Struct per id count. msgpack's pack and the push of its bytes cost the misses' request
+# ~21 µs cold on the VM (bench/NOTES.md, "Session 12, h-misses"). The rest, and any layer message the record cannot
+# carry (an id outside u16, too many ids), stay msgpack. The tag is msgpack's never-used byte: no msgpack message
+# begins with it.
+LAYER_RECORD_TAG = 0xC1
+_LAYER_HEAD = struct.Struct("=BBHHH")
+_LAYER_RECORDS: dict[int, struct.Struct] = {}
+
+
+def layer_record(n_ids: int) -> struct.Struct:
+    """The fixed record of a layer message carrying `n_ids` experts (actual + guess), made once per count."""
+    st = _LAYER_RECORDS.get(n_ids)
+    if st is None:
+        st = _LAYER_RECORDS[n_ids] = struct.Struct(f"{_LAYER_HEAD.format}{n_ids}H")
+    return st
+
+
+def decode_message(rec: bytes) -> list:
+    """A message from the ring as [kind, layer, actual, guess_layer, guess] (lists of ints), whichever form it went in."""
+    if rec[0] != LAYER_RECORD_TAG:
+        return msgpack.unpackb(rec)
+    n_ids, odd = divmod(len(rec) - _LAYER_HEAD.size, 2)
+    if odd or n_ids < 0:
+        raise ValueError(f"a layer record of {len(rec)} bytes")
+    _, kind, layer, guess_layer, n_actual = _LAYER_HEAD.unpack_from(rec)
+    ids = memoryview(rec)[_LAYER_HEAD.size:].cast("H").tolist()
+    if n_actual > n_ids:
+        raise ValueError(f"a layer record of {n_ids} ids says {n_actual} are actual")
+    return [kind, layer, ids[:n_actual], guess_layer, ids[n_actual:]]
+
 LOOKUPS, LOOKUP_HITS, LOOKUP_MISSES, REQUESTS, WAITS, WAIT_NS, RESENDS = (
     CLC[n] for n in ("lookups", "lookup_hits", "lookup_misses", "requests", "waits", "wait_ns", "resends"))
 
@@ -47,6 +82,7 @@ class CacheClient:
         self._cc = memoryview(shm.client_counters)
         self._lock = threading.Lock()   # one writer of pins per process; its release is also the fence
         self._packer = msgpack.Packer()
+        self._msg_ring = shm.msg_ring
         self._resend_s = resend_s
         self._owns_shm = False
         self.broken: str | None = None     # set by the owner when it gives up on the cache processes
@@ -166,9 +202,30 @@ class CacheClient:
     def request(self, layer: int, actual, guess=(), guess_layer: int | None = None) -> None:
         """One message per MoE layer: the router's actual choice for `layer` (touch; misses become
         demand reads) and the guess for `guess_layer` (default: the next MoE layer; misses become
-        prefetch reads). Experts: integers (Python ints are packed as given, anything else converted)."""
-        layer = int(layer)
-        guess_layer = (layer + 1) % self.n_layers if guess_layer is None else int(guess_layer)
+        prefetch reads). Experts: integers. A fixed record (`layer_record`) where it can carry them, else msgpack
+        (Python ints packed as given, anything else converted; split over several records if too many)."""
+        if guess_layer is None:
+            guess_layer = (layer + 1) % self.n_layers
+        try:
+            n_ids = len(actual) + len(guess)
+            st = _LAYER_RECORDS.get(n_ids) or layer_record(n_ids)      # (the call only the first time: ~1 µs cold)
+            with self._lock:
+                pushed = self._msg_ring.push_packed(st, LAYER_RECORD_TAG, MSG_LAYER, layer, guess_layer,
+                                                       len(actual), *actual, *guess)
+        except (struct.error, TypeError, ValueError):    # nothing written: an id a u16 cannot hold, too many ids
+            pushed = None
+        if pushed:
+            self._cc[REQUESTS] += 1
+            self.shm.sem_prefetcher.release()
+            return
+        if pushed is False:                               # the ring is full: the same record, once there is room
+            self._cc[REQUESTS] += 1
+            self._send(st.pack(LAYER_RECORD_TAG, MSG_LAYER, layer, guess_layer, len(actual), *actual, *guess))
+            return
+        self._request_msgpack(int(layer), actual, guess, guess_layer)
+
+    def _request_msgpack(self, layer: int, actual, guess, guess_layer: int) -> None:
+        guess_layer = int(guess_layer)
         try:     # the decode route's lists of Python ints go as they are (converting 44 ids was half this call's cost)
             msg = self._pack((MSG_LAYER, layer, actual, guess_layer, guess))
         except TypeError:                  # numpy or torch ints, a range, an array: as ints
@@ -177,8 +234,8 @@ class CacheClient:
         if len(msg) > self.shm.msg_ring.max_payload:   # a huge prefill set: split it
             actual, guess = [int(e) for e in actual], [int(e) for e in guess]
             half = max(len(actual), len(guess)) // 2
-            self.request(layer, actual[:half], guess[:half], guess_layer)
-            self.request(layer, actual[half:], guess[half:], guess_layer)
+            self._request_msgpack(layer, actual[:half], guess[:half], guess_layer)
+            self._request_msgpack(layer, actual[half:], guess[half:], guess_layer)
             return
         self._cc[REQUESTS] += 1
         self._send(msg)

@@ -61,6 +61,21 @@ class Ring:
         self._head.value = head + 1
         return True
 
+    def push_packed(self, st: struct.Struct, *values) -> bool:
+        """`push(st.pack(*values))` without the bytes object: packed straight into the record (the decode's layer
+        message, cache_shm/client.py). False if the ring is full (nothing written)."""
+        if st.size > self.record_bytes - _LEN_BYTES:
+            raise ValueError(f"payload of {st.size} bytes exceeds ring record of {self.record_bytes - _LEN_BYTES}")
+        head = self._head.value
+        if head - self._tail.value >= self.capacity:
+            return False
+        off = (head % self.capacity) * self.record_bytes
+        st.pack_into(self._data, off + _LEN_BYTES, *values)     # raises struct.error before the length is written
+        _LEN.pack_into(self._data, off, st.size)
+        full_fence()  # payload before the head that publishes it
+        self._head.value = head + 1
+        return True
+
     def peek(self) -> bytes | None:
         """Consumer side: the oldest record, not consumed, or None if empty."""
         tail = self._tail.value

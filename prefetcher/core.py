@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 from collections import OrderedDict, deque
 
-import msgpack
 import posix_ipc
 
-from cache_shm.client import MSG_DEMAND, MSG_DEMOTE, MSG_LAYER, MSG_PREFILL
+from cache_shm.client import MSG_DEMAND, MSG_DEMOTE, MSG_LAYER, MSG_PREFILL, decode_message
 from cache_shm.ring import full_fence
 from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, PREFETCH, READY,
                            REQ, CacheShm)
@@ -131,7 +130,7 @@ class Prefetcher:
             while (rec := ring.pop()) is not None:
                 self._on_done(w, rec)
         while (m := shm.msg_ring.pop()) is not None:
-            self._on_message(msgpack.unpackb(m))
+            self._on_message(decode_message(m))
         self.dispatch()
         self.c[PFC["demand_queue"]] = len(self.pending_demand) + sum(
             1 for o in self.outstanding for g, k in o.values() if k == DEMAND)

@@ -5,12 +5,11 @@ miss sends its request at once and runs eagerly. The device is the CPU, the sour
 addresses, pins deferred), which touches no device until the kernels run."""
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 import pytest
 import torch
 
-from cache_shm.client import MSG_LAYER, CacheClient
+from cache_shm.client import MSG_LAYER, CacheClient, decode_message
 from cache_shm.cuda_map import slab_tensor
 from cache_shm.shm import CacheShm
 from gpu_worker.streaming import StreamingExperts
@@ -44,7 +43,7 @@ def rig(tmp_path):
 def messages(shm) -> list:
     out = []
     while (rec := shm.msg_ring.pop()) is not None:
-        out.append(msgpack.unpackb(rec))
+        out.append(decode_message(rec))
     return out
 
 
@@ -121,6 +120,7 @@ def test_a_miss_sends_the_request_at_once_and_runs_eagerly(rig, monkeypatch, hon
     chosen, guess = [7, 41, 3], [1, 2]
     r = src.decode_route(2, 5, chosen, guess)
     sent = messages(shm)
+    src.decode_count(r)                             # decode_eager's, once the hits are queued
     ok = (r.addresses is None and r.rest == chosen and sorted(r.hits) == [3, 7]
           and sent == [[MSG_LAYER, 2, chosen, 0, guess]]      # at once; the guess is for the first MoE layer
           and [shm.slot_pins[slot_of[2, e]] for e in chosen] == [1, 0, 1]
@@ -176,6 +176,9 @@ def test_a_miss_in_a_large_cache_sends_its_request_before_the_pins(rig, monkeypa
     r = src.decode_route(1, 3, chosen, [4])
     assert r.addresses is None and sorted(r.hits) == [5, 9] and messages(shm) == [[MSG_LAYER, 1, chosen, 2, [4]]]
     assert [shm.slot_pins[slot_of[1, e]] for e in chosen] == [1, 0, 1]
+    # counted by the route (the old order) or by decode_eager once the hits are queued (request first)
+    assert (src.acct.hits_at_lookup, src.acct.misses_at_lookup) == ((3, 0) if first else (5, 1))
+    src.decode_count(r)
     assert (src.acct.hits_at_lookup, src.acct.misses_at_lookup) == (5, 1)
     assert (at_request == [[0, 0]]) == first, at_request
     src._defer(list(r.hits.values()))              # decode_eager, its hits' kernels queued: the release before the wait

@@ -175,3 +175,55 @@ def test_restart_rebuilds_and_resets_orphans(rig):
     assert shm.hdr[0] == 2             # epoch bumped: clients re-send
     serve_all(shm, pf2)
     assert all(shm.slot_state[shm.slot_of_expert[0, e]] == READY for e in (0, 1, 2))
+
+
+def prefetcher_state(shm, pf) -> tuple:
+    """What the prefetcher decided: its queues, the reads in the workers' rings, the index, its counters, the order."""
+    rings = [[REQ.unpack(r) for r in ring.pending()] for w in range(shm.n_workers)
+             for ring in (shm.demand_rings[w], shm.prefetch_rings[w])]
+    return (list(pf.pending_demand), list(pf.pending_prefetch), rings, shm.slot_of_expert.tolist(),
+            shm.ready_of_expert.tolist(), shm.slot_key.tolist(), shm.slot_state.tolist(), shm.pf_counters.tolist(),
+            list(pf.policy._order), sorted(pf.prefetched_unused), sorted(pf.credited))
+
+
+@pytest.mark.parametrize("faithful", [True, False])
+def test_layer_records_and_msgpack_messages_decide_the_same(tmp_path, faithful):
+    """The same decode (random choices and guesses over 2 layers of 8 experts, a cache of 6 slots, reads served every
+    other message) sent as fixed layer records in one cache and as msgpack in another: after every step both
+    prefetchers have queued, read, evicted and counted the same. Twin (faithful=False): records whose last actual
+    expert is dropped (a miss never read) are caught."""
+    from cache_shm import client as client_mod
+    rigs = []
+    for name in ("record", "msgpack"):
+        store = make_fake_store(tmp_path / name, n_layers=2, n_experts=8)
+        shm = CacheShm.create(store, n_slots=6, n_workers=2, prefetch_depth=1)
+        rigs.append((shm, core.Prefetcher(shm), CacheClient(shm)))
+    try:
+        (shm_r, pf_r, c_r), (shm_m, pf_m, c_m) = rigs
+        if not faithful:
+            real = shm_r.msg_ring.push_packed
+
+            def drop_last_actual(st, tag, kind, layer, guess_layer, n_actual, *ids):
+                if n_actual:
+                    ids, n_actual = ids[:n_actual - 1] + ids[n_actual:], n_actual - 1
+                return real(client_mod.layer_record(len(ids)), tag, kind, layer, guess_layer, n_actual, *ids)
+            shm_r.msg_ring.push_packed = drop_last_actual
+        rng = np.random.default_rng(3)
+        same = True
+        for t in range(30):
+            j = t % 2
+            actual = rng.choice(8, 3, replace=False).tolist()
+            guess = rng.choice(8, 2, replace=False).tolist()
+            c_r.request(j, actual, guess)
+            c_m._request_msgpack(j, actual, guess, (j + 1) % 2)
+            assert shm_r.msg_ring.peek()[0] == client_mod.LAYER_RECORD_TAG
+            assert shm_m.msg_ring.peek()[0] != client_mod.LAYER_RECORD_TAG
+            for shm, pf, _ in rigs:
+                pf.step()
+                if t % 2:
+                    serve_all(shm, pf)
+            same &= prefetcher_state(shm_r, pf_r) == prefetcher_state(shm_m, pf_m)
+        assert same == faithful
+    finally:
+        for shm, _, _ in rigs:
+            shm.close()
