@@ -28,6 +28,7 @@ import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
 from bench.kernels import gemv_nvfp4_fma as fma  # noqa: E402
+from bench.kernels.gemv_nvfp4_sweep import _weights as weights  # noqa: E402
 from kernels import gemv_nvfp4 as g  # noqa: E402
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
@@ -66,16 +67,6 @@ def call(cfg, x):
         return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs)
     c = {k: v for k, v in cfg.items() if k != "PROBE"}
     return lambda q, s, gs: fma.nvfp4_linear_fma(x, q, s, gs, config=c, probe=cfg.get("PROBE", False))
-
-
-def weights(N, K, copies, seed):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    out = []
-    for _ in range(copies):
-        q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=DEV, generator=gen)
-        s = torch.randint(0x28, 0x48, (N, K // 16), dtype=torch.uint8, device=DEV, generator=gen)
-        out.append((q, s.view(torch.float8_e4m3fn), torch.tensor(1e-3, device=DEV)))
-    return out
 
 
 def nbytes(N, K, M):
