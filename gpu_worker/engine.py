@@ -71,7 +71,7 @@ class StreamingEngine:
             self.close()
             raise
 
-    def _vram_tier(self, budget: int, reserve: int, device, admit_after: int, share: bool) -> VramTier:
+    def _vram_tier(self, budget: int, reserve: int, device, admit_after: int, share: bool = False) -> VramTier:
         cuda = str(device).startswith("cuda")
         used = torch.cuda.memory_allocated(device) if cuda else self.model.dense_nbytes()
         if share:
