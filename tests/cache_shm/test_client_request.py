@@ -36,13 +36,20 @@ def no_record(n_ids):
     raise ValueError("no record")     # what the client sees for a message the record cannot carry
 
 
+def msgpack_only(monkeypatch):
+    """Every layer message by msgpack: no record, none cached by an earlier test (the client reads its cache of
+    records before it asks `layer_record`)."""
+    monkeypatch.setattr(client_mod, "layer_record", no_record)
+    monkeypatch.setattr(client_mod, "_LAYER_RECORDS", {})
+
+
 @pytest.mark.parametrize("converts", [True, False])
 def test_request_sends_ints_whatever_it_was_given(shm, monkeypatch, converts):
     """msgpack's path (a message the record cannot carry): every form's message unpacks to the same ints, each one
     alone (a numpy form first fails to pack: a packer that kept that attempt's bytes would corrupt the message). Twin
     (converts=False): a packer that accepts numpy's ints by turning them into floats; the fast path then sends floats
     (equal to the ints, the wrong type for the prefetcher's indexing), and the check catches it."""
-    monkeypatch.setattr(client_mod, "layer_record", no_record)
+    msgpack_only(monkeypatch)
     c = CacheClient(shm)
     if not converts:
         c._packer = msgpack.Packer(default=as_floats)
