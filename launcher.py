@@ -191,8 +191,9 @@ def parse_args(argv=None):
                     "(default: what is free less 1 GiB)")
     ap.add_argument("--prefill-gb", type=float, default=None,
                     help="GPU memory kept beside the VRAM tier for a prompt's activations and the KV caches, GiB "
-                         "(default: 0.5 and an eighth of what the dense part leaves of --vram-gb, at most 2; long "
-                         "prompts run faster with more: 16k tokens took half the time at 1 GiB as at 0.5)")
+                         "(default: 0.5 and an eighth of what the dense part leaves of --vram-gb, at most 1; long "
+                         "prompts run faster with more: 16k tokens took half the time at 1 GiB as at 0.5, at the "
+                         "cost of the VRAM tier's slots)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--down-group-neurons", default="auto", choices=["auto", "16", "8", "4", "2", "1"],
                     help="when the store is made (first start): its down projection in sub-groups of N neurons, read "

@@ -280,11 +280,13 @@ class VramTier:
 
 
 # What a prefill is given beside the VRAM tier, when the user names no size (`prefill_reserve_bytes`): the base
-# reserve and an eighth of what the dense part leaves of the budget, the extra at most 1.5 GiB. Measured (H200, session
-# 12 call 3, bench/NOTES.md): a 16k prompt took 393 ms under 512 MiB, 206 under 1 GiB, 177 under 2 GiB (none: 181);
-# a GiB of tier is 1.6 % of Super's experts. An 8 GB card (6.6 GiB dense) keeps ~the base; a 16 GB one ~1.5 GiB.
+# reserve and an eighth of what the dense part leaves of the budget, the extra at most 512 MiB. Measured (H200, session
+# 12 calls 3-4, bench/NOTES.md): a 16k prompt took 381-393 ms under 512 MiB, 204-206 under 1 GiB, 177 under 2 GiB
+# (none: 181): the first extra 512 MiB buys nearly all of it. What the tier gives up (bench.vram_tier on the 16k
+# trace, the original's 26 GB/s bus): 7.9 -> 7.4 GiB of tier (a 16 GB card) 58.0 -> 59.5 ms of bus a token, 3.9 ->
+# 3.4 GiB (12 GB) 71.1 -> 73.0. An 8 GB card (6.6 GiB dense) keeps about the base.
 PREFILL_SHARE = 8
-PREFILL_EXTRA_MAX = 3 << 29
+PREFILL_EXTRA_MAX = 512 << 20
 
 
 def prefill_reserve_bytes(vram_budget_bytes: int, used_bytes: int, base_bytes: int) -> int:

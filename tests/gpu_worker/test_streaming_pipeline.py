@@ -233,12 +233,13 @@ def test_vram_tier_never_exceeds_the_experts_and_leaves_the_rest_to_prefill(tiny
 
 
 def test_the_prefill_share_of_a_budget(tiny):
-    """The server's reserve (`prefill_share`): the base and an eighth of what the dense part leaves, at most 1.5 GiB
+    """The server's reserve (`prefill_share`): the base and an eighth of what the dense part leaves, at most 512 MiB
     more (vram_tier.prefill_reserve_bytes); the tier gets the rest. Without the share the reserve is as given."""
     from expert_store.reader import ExpertStore
     from gpu_worker.vram_tier import PREFILL_EXTRA_MAX, prefill_reserve_bytes
     assert prefill_reserve_bytes(8 << 30, 7 << 30, 512 << 20) == (512 << 20) + (512 << 20) // 8
-    assert prefill_reserve_bytes(16 << 30, 7 << 30, 512 << 20) == (512 << 20) + (17 << 29) // 8
+    assert prefill_reserve_bytes(10 << 30, 7 << 30, 512 << 20) == (512 << 20) + (5 << 29) // 8
+    assert prefill_reserve_bytes(16 << 30, 7 << 30, 512 << 20) == (512 << 20) + PREFILL_EXTRA_MAX
     assert prefill_reserve_bytes(64 << 30, 7 << 30, 512 << 20) == (512 << 20) + PREFILL_EXTRA_MAX
     assert prefill_reserve_bytes(6 << 30, 7 << 30, 512 << 20) == 512 << 20       # nothing left: the base only
     model_dir, store = tiny
