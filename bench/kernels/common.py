@@ -149,3 +149,13 @@ def fill_expert_set(dst: torch.Tensor, geom, n: int, active_frac: float, by_grou
         dst[e * S: (e + 1) * S].copy_(blk)
     if DEV == "cuda":
         torch.cuda.synchronize()
+
+
+def report_checks(checks: list[dict]) -> list[dict]:
+    """Print a sweep's full-size correctness checks (each {"check", "ok", "rel_err" or "error"}): the count, then
+    every failed one; returns the failed ones."""
+    bad = [c for c in checks if not c["ok"]]
+    print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
+    for c in bad:
+        print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
+    return bad

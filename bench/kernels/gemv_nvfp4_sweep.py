@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
+from bench.kernels.common import DEV, ceiling_d2d, time_graph, report_checks  # noqa: E402
 from kernels.gemv_nvfp4 import (_arch, fp8_gemv_config, fp8_linear, fp8_linear_torch, gemv_config,  # noqa: E402
                                  nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands)
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
@@ -417,10 +417,7 @@ def main(argv=None):
 
     done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0, dump, family)
     per_token, choices = summary(rows)
-    bad = [c for c in checks if not c["ok"]]
-    print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
-    for c in bad:
-        print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
+    bad = report_checks(checks)
     dump(done, per_token_ms={op: {k: v / 1e3 for k, v in d.items()} for op, d in per_token.items()},
          choices={str(k): v for k, v in choices.items()})
     print(f"wrote {a.out}; total {time.time() - t0:.0f} s")

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from bench.kernels.common import DEV, ceiling_d2d, time_graph  # noqa: E402
+from bench.kernels.common import DEV, ceiling_d2d, time_graph, report_checks  # noqa: E402
 from bench.kernels.gemv_streamk_sweep import CUDA, Family, _copies, precompile  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
@@ -290,10 +290,7 @@ def main(argv=None):
             done = False
             break
     summary(rows)
-    bad = [c for c in checks if not c["ok"]]
-    print(f"\n== correctness at full size: {len(checks) - len(bad)} ok, {len(bad)} BAD ==")
-    for c in bad:
-        print(f"  BAD {c['check']}: " + (c.get("error") or f"rel err {c['rel_err']:.2e}"))
+    bad = report_checks(checks)
     dump(done)
     print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
     return 0 if not bad else 1
