@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -64,6 +64,9 @@ PY
           --out "$OUT/budget_$b.json" > "$OUT/budget_$b.log" 2>&1; grep -E "^budget [0-9]* MiB|^profile" "$OUT/budget_$b.log" | cut -c1-220
       done;;
     api_ttft) api_run api_ttft ${API_ARGS:-};;
+    # session 13: long prompts through the server with a --vram-gb budget (the prefill reserve of
+    # gpu_worker/vram_tier.prefill_reserve_bytes applies), one server per size: API_SIZES tokens, API_LONG_ARGS
+    api_long) for n in ${API_SIZES:-4000 16000}; do api_run api_long_$n --regimes ram --tokens $n --repeats 3 ${API_LONG_ARGS:---vram-gb 8}; done;;
     api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
     turns) timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
