@@ -71,18 +71,34 @@ class EncodedPrompt:
 
 def encode_prompt(render: Callable[[bool], str], encode: Callable[[str], list[int]],
                   images: PromptImages | None = None, add_generation_prompt: bool = True,
-                  messages_end: bool = False) -> EncodedPrompt:
+                  messages_end: bool = False,
+                  encode_split: Callable[[str, int], tuple[list[int], int | None]] | None = None) -> EncodedPrompt:
     """render(add_generation_prompt) -> the chat template's text; each `<image>` in it becomes its image's
     placeholder; encode(text) -> ids. With `messages_end`, the prompt is rendered a second time without the
     generation prompt: where those ids end, if they are a proper prefix, is where the last message ends (the
-    next turn re-renders what follows, so only the text up to there is certain to come back token for token)."""
+    next turn re-renders what follows, so only the text up to there is certain to come back token for token).
+
+    `encode_split(text, n_chars)` -> (ids of text, how many of them text[:n_chars] encodes to, or None where that
+    is not proven; server/tokenizer.py `encode_split`): when the text without the generation prompt is a prefix of
+    the prompt's, the prompt is tokenized once, not twice (a 16k-token prompt: one encode of ~12-30 ms saved before
+    its prefill starts). Where it proves nothing, the second encode decides as before."""
     expand = images.expand if images is not None else (lambda text: text)
-    ids = encode(expand(render(add_generation_prompt)))
+    text = expand(render(add_generation_prompt))
+    if not (messages_end and add_generation_prompt):
+        ids = encode(text)
+        return EncodedPrompt(ids, images.positions(ids) if images is not None else [])
+    base_text = expand(render(False))
+    n = None
+    if encode_split is not None and 0 < len(base_text) < len(text) and text.startswith(base_text):
+        ids, n = encode_split(text, len(base_text))
+    else:
+        ids = encode(text)
     out = EncodedPrompt(ids, images.positions(ids) if images is not None else [])
-    if messages_end and add_generation_prompt:
-        base = encode(expand(render(False)))
-        if 0 < len(base) < len(ids) and ids[:len(base)] == base:
-            out.messages_end = len(base)
+    if n is None:
+        base = encode(base_text)
+        n = len(base) if ids[:len(base)] == base else None
+    if n is not None and 0 < n < len(ids):
+        out.messages_end = n
     return out
 
 

@@ -201,7 +201,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, req.model)
         _check_unsupported(req)
         ids, keep_at, images = await asyncio.to_thread(_chat_ids, state, req.messages, req.chat_template_kwargs,
-                                                       req.tools, True)
+                                                       req.tools, True, bool(req.cache_prompt))
         in_reasoning = tok.starts_in_reasoning(ids)
         tools = await asyncio.to_thread(request_options.chat_tools, req, in_reasoning)   # compiles a schema check
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -279,10 +279,11 @@ def _check_unsupported(req) -> None:
     request_options.refuse_unsupported(req)
 
 
-def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generation_prompt: bool):
-    """The prompt's token ids and where to keep a snapshot: the end of the last message, before the generation
-    prompt (the next turn renders the assistant's turn differently, e.g. with its thinking removed, so only the
-    text up to there is certain to come back token for token)."""
+def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generation_prompt: bool,
+              messages_end: bool = False):
+    """The prompt's token ids and, with `messages_end`, where to keep a snapshot: the end of the last message,
+    before the generation prompt (the next turn renders the assistant's turn differently, e.g. with its thinking
+    removed, so only the text up to there is certain to come back token for token)."""
     from server import images as im
     tok = state.tokenizer
     msgs, encoded = [], []
@@ -316,8 +317,11 @@ def _chat_ids(state: ServerState, messages, template_kwargs, tools, add_generati
     try:
         within = lambda text: limits.encode_within(tok.encode, text, state.max_model_len,   # noqa: E731
                                                    state.piece_chars)
+        # where the last message ends is asked only when a snapshot may be kept there (cache_prompt)
+        split = lambda text, n: limits.encode_within(tok.encode, text, state.max_model_len,   # noqa: E731
+                                                     state.piece_chars, final=lambda t: tok.encode_split(t, n))
         prompt = encode_prompt(lambda gen: tok.render_chat(msgs, gen, tools, template_kwargs), within,
-                               prompt_images, add_generation_prompt, messages_end=True)
+                               prompt_images, add_generation_prompt, messages_end=messages_end, encode_split=split)
     except ImageTokenError as e:
         raise APIError(400, f"{e} (does a text part contain a literal {IMAGE_TOKEN}?)", param="messages",
                        code="invalid_image")

@@ -112,12 +112,12 @@ def max_piece_chars(tokenizer, vocab_size: int) -> int:
     return max((len(tokenizer.piece(i)) for i in range(vocab_size)), default=1) or 1
 
 
-def encode_within(encode, text: str, limit: int, piece_chars: int | None) -> list[int]:
+def encode_within(encode, text: str, limit: int, piece_chars: int | None, final=None):
     """`encode(text)`, unless the text has more than `limit` tokens; then ContextTooLong, after tokenizing no more
     than about four times what the limit takes. First the characters: C characters need at least C / piece_chars
     tokens, so most of an oversized text is never tokenized. Then prefixes of doubling length: a prefix cut at a
     space tokenizes like that stretch of the whole, so a prefix over the limit (plus a slack) proves the whole
-    is."""
+    is. `final(text)` (default `encode`) is what encodes the whole once it is known to fit, and what is returned."""
     n_chars = len(text)
     if piece_chars and n_chars > limit * piece_chars:
         raise ContextTooLong(-(-n_chars // piece_chars), f"{n_chars:,} characters, and one token stands for at "
@@ -130,7 +130,7 @@ def encode_within(encode, text: str, limit: int, piece_chars: int | None) -> lis
         if n > limit + PREFIX_SLACK_TOKENS:
             raise ContextTooLong(n - PREFIX_SLACK_TOKENS, f"its first {cut:,} characters alone are {n:,} tokens")
         span *= 2
-    return encode(text)
+    return (final or encode)(text)
 
 
 def context_error(limit: int, e: ContextTooLong, param: str) -> APIError:

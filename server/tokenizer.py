@@ -48,6 +48,33 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_split(self, text: str, n_chars: int) -> tuple[list[int], int | None]:
+        """`encode(text)` and how many of its ids `encode(text[:n_chars])` gives, or None where that is not proven
+        (nemotron/vision_prompt.py `encode_prompt`: where the last message ends, without a second encode).
+
+        The proof: `tokenizers` cuts a text at its added tokens first and encodes the stretches between them one by
+        one. So if an added token starts exactly at n_chars, text[:n_chars] is the same stretches and added tokens
+        up to there, and their ids are the same, but for the last stretch (after the last added token before
+        n_chars), which the prefix ends in and the text does not. That stretch alone (in a chat template, the
+        "\\n" after the last message's end mark) is encoded again and compared. No added token at n_chars, none
+        before it, or a stretch that encodes otherwise: None."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        ids, offsets = enc.ids, enc.offsets
+        added = self._added_ids()
+        n = next((i for i, (a, _) in enumerate(offsets) if a >= n_chars), None)
+        if n is None or n == 0 or offsets[n][0] != n_chars or ids[n] not in added or offsets[n - 1][1] > n_chars:
+            return ids, None
+        p = next((i for i in range(n - 1, -1, -1) if ids[i] in added), None)
+        if p is None:
+            return ids, None             # the whole prefix is one stretch: proving it costs the encode it saves
+        start = offsets[p][1]
+        tail = self.backend.encode(text[start:n_chars], add_special_tokens=False).ids if start < n_chars else []
+        return (ids, n) if tail == ids[p + 1:n] else (ids, None)
+
+    @lru_cache(maxsize=1)
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -1,0 +1,112 @@
+"""A chat prompt is tokenized once (session 13): where the last message ends comes from the prompt's own encode
+(`Tokenizer.encode_split`) wherever that is proven, and equals what the second encode of the text without the
+generation prompt gives (the old way, still the fallback)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nemotron.vision_prompt import encode_prompt
+
+
+@pytest.fixture(scope="module")
+def tok(synth):
+    from server.tokenizer import Tokenizer
+    return Tokenizer(synth("tiny", "nvfp4"))
+
+
+def conversations(seed: int, n: int = 12):
+    """Varied chats: system or not, one to four turns, assistant turns with thinking, odd whitespace at the ends."""
+    from tools.synth_tokenizer import CORPUS
+    rng = random.Random(seed)
+    words = CORPUS.split()
+    for _ in range(n):
+        def text():
+            s = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 60)))
+            return rng.choice(["", " ", "\n", "  "]) + s + rng.choice(["", " ", "\n", "\n\n"])
+        msgs = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+        for t in range(rng.randrange(1, 5)):
+            msgs.append({"role": "user", "content": text()})
+            if t + 1 < 5 and rng.random() < 0.6:
+                msgs.append({"role": "assistant", "content": f"<think>{text()}</think>{text()}"})
+        if msgs[-1]["role"] == "assistant":
+            msgs.append({"role": "user", "content": text()})
+        yield msgs
+
+
+def slow(tok, msgs):
+    return encode_prompt(lambda gen: tok.render_chat(msgs, gen), tok.encode, None, True, messages_end=True)
+
+
+def counted(tok):
+    """encode_split and encode, each counting its calls."""
+    calls = {"encode": 0, "split": 0}
+
+    def encode(t):
+        calls["encode"] += 1
+        return tok.encode(t)
+
+    def split(t, n):
+        calls["split"] += 1
+        return tok.encode_split(t, n)
+    return calls, encode, split
+
+
+def test_one_encode_gives_the_same_ids_and_messages_end(tok):
+    proven = 0
+    for msgs in conversations(7):
+        ref = slow(tok, msgs)
+        calls, encode, split = counted(tok)
+        got = encode_prompt(lambda gen: tok.render_chat(msgs, gen), encode, None, True, messages_end=True,
+                            encode_split=split)
+        assert got.ids == ref.ids and got.messages_end == ref.messages_end
+        assert ref.messages_end is not None          # the chat template's base is a prefix here
+        proven += calls["encode"] == 0
+        assert calls["split"] == 1 and calls["encode"] <= 1
+    assert proven == 12                              # the template ends a message with an added token: always proven
+
+
+def test_split_says_none_where_nothing_is_proven(tok):
+    """The twins: a cut inside a stretch, a cut with no added token after it, a cut whose stretch encodes otherwise
+    alone; each must say None (the caller then encodes the prefix), never a wrong count."""
+    text = tok.render_chat([{"role": "user", "content": "hello there friend"}], True)
+    base = tok.render_chat([{"role": "user", "content": "hello there friend"}], False)
+    ids, n = tok.encode_split(text, len(base))
+    assert n is not None and tok.encode(base) == ids[:n]
+    cut = base.index("there") + 2                      # inside a word: no added token starts there
+    assert tok.encode_split(text, cut)[1] is None
+    assert tok.encode_split(base, len(base) - 1)[1] is None       # before the stretch's last character
+    assert tok.encode_split("plain words only", 5)[1] is None     # no added token at all
+
+
+def test_a_stretch_that_encodes_otherwise_is_caught(tok, monkeypatch):
+    """The check of the last stretch is what proves the count: with a backend whose encode of the stretch alone
+    differs (as a tokenizer adding a prefix space to every text would), the answer is None."""
+    text = tok.render_chat([{"role": "user", "content": "a b c"}], True)
+    base = tok.render_chat([{"role": "user", "content": "a b c"}], False)
+    real = tok.backend
+
+    class Shifted:
+        def encode(self, t, add_special_tokens=False):
+            enc = real.encode(t, add_special_tokens=add_special_tokens)
+            if t == text:
+                return enc
+
+            class E:
+                ids = [i + 1 for i in enc.ids]
+                offsets = enc.offsets
+            return E()
+
+        def get_added_tokens_decoder(self):
+            return real.get_added_tokens_decoder()
+    monkeypatch.setattr(tok, "backend", Shifted())
+    assert tok.encode_split(text, len(base))[1] is None
+
+
+def test_no_messages_end_without_cache_prompt_costs_one_encode(tok):
+    msgs = [{"role": "user", "content": "just one encode"}]
+    calls, encode, split = counted(tok)
+    p = encode_prompt(lambda gen: tok.render_chat(msgs, gen), encode, None, True, messages_end=False,
+                      encode_split=split)
+    assert calls == {"encode": 1, "split": 0} and p.messages_end is None and p.ids == slow(tok, msgs).ids
