@@ -23,6 +23,9 @@ shares that cut a row block joined by the last to arrive; GEMV_CHOICES' winner a
 split-K launches there, no gain at M = 1), SCALE_AHEAD 1/2 and X_AHEAD (the scales / x values one or two K-tiles
 ahead in registers: measured to lose, kept as flags for the record), PDL / PREFETCH (programmatic dependent launch:
 the GEMV's programs start while the previous kernel drains; an L2 prefetch of the first weight tile before the wait).
+Session 13 (h-fmaroute): at M = 1 on sm_90 six shapes (in_proj, out_proj, q/o, shared up / down, lm_head) leave the
+tensor cores for kernels/gemv_nvfp4_fma.py (HFMA2 on the CUDA cores, 4-17 % faster there on the H200): their
+GEMV_CHOICES entries carry an 'FMA' key that `nvfp4_linear` dispatches on; MOESTREAM_GEMV_FMA=0 drops those keys.
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16) and its STREAM_K twin `_fp8_gemv_sk_kernel`
 (FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)

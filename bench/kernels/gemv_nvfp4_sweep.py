@@ -20,7 +20,8 @@ Method as bench/kernels/gemv_nvfp4.py: each call graph-captured many times over 
 D2D copy's % beside it. "default" is the engine's call: at M = 1 on sm_90 that is the FMA GEMV where GEMV_CHOICES
 routes it (kernels/gemv_nvfp4_fma.py); every other variant names tensor-core keys and so runs the tensor cores.
 Every variant is checked against the PyTorch twin at the full shape (fresh random inputs, bf16 as timed) before it
-is timed; a variant that fails or raises is reported, not timed; one must-fail twin (swapped nibbles) shows the check catches a broken decode.
+is timed; a variant that fails or raises is reported, not timed; one must-fail twin (swapped nibbles) shows the
+check catches a broken decode.
 Prints a table and the per-shape winners as a `GEMV_CHOICES` dict for kernels/gemv_nvfp4.py.
 --counts prints the bytes, programs, K-tiles per program and launches per call of every shape (no GPU needed).
 On a CPU the whole script runs as a smoke test under Triton's interpreter on tiny shapes.
