@@ -190,18 +190,24 @@ def test_route_in_cuda_graph(monkeypatch):
     shapes = [(4096, 8192, dict(C=4, R=2, PPS=2)), (4096, 4096, dict(C=4, R=2, PPS=2))]
     for N, K, cfg in shapes:
         monkeypatch.setitem(g.GEMV_CHOICES, (arch, 1, N, K), {**g.GEMV_CHOICES.get((arch, 1, N, K), {}), "FMA": cfg})
+    calls = []
+    real = f.nvfp4_linear_fma
+    monkeypatch.setattr(f, "nvfp4_linear_fma", lambda *a, **kw: calls.append(kw.get("config")) or real(*a, **kw))
     ws = [_weight(N, K, "cuda", seed=N + K) for N, K, _ in shapes]
     xs = [torch.zeros(1, K, device=dev, dtype=torch.bfloat16) for _, K, _ in shapes]
-    for w, x in zip(ws, xs):      # first calls (compilation) outside the capture
+    for x in xs:
         x.copy_(_x(1, x.shape[1], "cuda", seed=1))
-        g.nvfp4_linear(x, *w)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
+        for w, x in zip(ws, xs):      # first calls (compilation, the stream's counter set) before the capture
+            g.nvfp4_linear(x, *w)
+        side.synchronize()
         with torch.cuda.graph(graph, stream=side):
             ys = [g.nvfp4_linear(x, *w) for w, x in zip(ws, xs)]
     torch.cuda.current_stream().wait_stream(side)
+    assert calls == [c for _, _, c in shapes] * 2, calls          # warm-up and capture both took the FMA route
     for rep in range(3):
         for x in xs:
             x.copy_(_x(1, x.shape[1], "cuda", seed=100 + rep))
