@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -102,6 +102,13 @@ PY
       tail -2 "$OUT/pytest_gemv_fma.log"
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
+    # session 13 h-fmaroute: the FMA GEMV routed at M = 1 through GEMV_CHOICES' 'FMA' key: its tests on the GPU (the
+    # route captured in a CUDA graph and replayed included), then the FMA sweep against the read ceiling
+    # (bench.kernels.common.ceiling_read; today = the tensor cores, routed = nvfp4_linear as the engine calls it)
+    gemv_route) timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_nvfp4_fma.py \
+           tests/bench/test_ceiling_read.py > "$OUT/pytest_gemv_route.log" 2>&1; tail -2 "$OUT/pytest_gemv_route.log"
+      timeout 170 python3 -m bench.kernels.gemv_fma_sweep --budget-s 140 --out "$OUT/gemv_route.json" > "$OUT/gemv_route.log" 2>&1
+      grep -E "^read|BAD|FAILED|WRONG" "$OUT/gemv_route.log" | head -8; tail -44 "$OUT/gemv_route.log";;
     subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
     # session 7's switches, each off by default until one of these runs measures it (bench/NOTES.md, h26-h28):

@@ -23,6 +23,9 @@ shares that cut a row block joined by the last to arrive; GEMV_CHOICES' winner a
 split-K launches there, no gain at M = 1), SCALE_AHEAD 1/2 and X_AHEAD (the scales / x values one or two K-tiles
 ahead in registers: measured to lose, kept as flags for the record), PDL / PREFETCH (programmatic dependent launch:
 the GEMV's programs start while the previous kernel drains; an L2 prefetch of the first weight tile before the wait).
+Session 13 (h-fmaroute): at M = 1 on sm_90 six shapes (in_proj, out_proj, q/o, shared up / down, lm_head) leave the
+tensor cores for kernels/gemv_nvfp4_fma.py (HFMA2 on the CUDA cores, 4-17 % faster there on the H200): their
+GEMV_CHOICES entries carry an 'FMA' key that `nvfp4_linear` dispatches on; MOESTREAM_GEMV_FMA=0 drops those keys.
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16) and its STREAM_K twin `_fp8_gemv_sk_kernel`
 (FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes).
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
@@ -709,6 +712,8 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
     choice = GEMV_CHOICES.get((_arch(device), m_pad, N, K)) if _CHOICES_ON else None
     if choice:
         cfg.update(choice)
+        if not _FMA_ON:
+            cfg.pop("FMA", None)
         if "SPLIT_K" not in choice and "BLOCK_N" in choice:
             cfg["SPLIT_K"] = split_k_for(N, K, cfg["BLOCK_N"], 256, n_sm)
     return cfg
@@ -722,20 +727,26 @@ def gemv_config(M: int, N: int, K: int, device, n_sm: int | None = None) -> dict
 # H200 sweep of session 5 (bench/results/gemv_sweep_h200_session5.*: every variant checked against the twin at full
 # size before and after timing; per 88-layer token at M = 1, 3.77 -> 3.10 ms of GEMV).
 GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
-    (90, 1, 18560, 4096): {'SPLIT_K': 2, 'SPLIT_REDUCE': 1},
-    (90, 1, 4096, 8192): {'SPLIT_K': 8, 'SPLIT_REDUCE': 1},
-    (90, 1, 4096, 4096): {'SPLIT_K': 8, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    # 'FMA': session 13 (h-fmaroute) routes M = 1 to kernels.gemv_nvfp4_fma with the best variant the H200 measured
+    # (session 12 call 4, bench/results/gemv_fma_session12_call4.*; µs tensor cores -> FMA); the entry's other keys
+    # stay the tensor-core choice that MOESTREAM_GEMV_FMA=0 (or a caller's config without 'FMA') runs
+    (90, 1, 18560, 4096): {'SPLIT_K': 2, 'SPLIT_REDUCE': 1, 'FMA': dict(C=4, R=1, PPS=3)},  # in_proj 23.5 -> 19.5
+    (90, 1, 4096, 8192): {'SPLIT_K': 8, 'SPLIT_REDUCE': 1, 'FMA': dict(C=4, R=2, PPS=2)},  # out_proj 13.5 -> 13.0
+    (90, 1, 4096, 4096): {'SPLIT_K': 8, 'X_BUILD': True, 'SPLIT_REDUCE': 1,
+                          'FMA': dict(C=4, R=2, PPS=2)},                                          # attn.q/o 9.3 -> 8.0
     (90, 8, 4096, 4096): {'SPLIT_K': 8, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 256, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 256, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
-    (90, 1, 5376, 4096): {'SPLIT_K': 8, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 5376, 4096): {'SPLIT_K': 8, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1,
+                          'FMA': dict(C=4, R=1, PPS=3)},                                        # shared.up 10.7 -> 10.3
     (90, 8, 5376, 4096): {'SPLIT_K': 6, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
-    (90, 1, 4096, 5376): {'SPLIT_K': 11, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
+    (90, 1, 4096, 5376): {'SPLIT_K': 11, 'BLOCK_N': 128, 'X_BUILD': True, 'SPLIT_REDUCE': 1,
+                          'FMA': dict(C=4, R=2, PPS=2)},                       # shared.down 11.2 -> 11.1 (a tie)
     (90, 1, 1024, 4096): {'SPLIT_K': 16, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 1024, 4096): {'SPLIT_K': 16, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 1, 4096, 1024): {'SPLIT_K': 4, 'num_warps': 2, 'BLOCK_N': 32, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
     (90, 8, 4096, 1024): {'SPLIT_K': 4, 'BLOCK_N': 64, 'X_INLINE': False, 'X_BUILD': True, 'SPLIT_REDUCE': 1},
-    (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1},
+    (90, 1, 131072, 4096): {'SPLIT_REDUCE': 1, 'FMA': dict(C=4, R=2, PPS=2)},                   # lm_head 103.2 -> 89.3
     # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): STREAM_K where it beat the entry above by
     # >= 3 %, µs today -> STREAM_K at the measured M (2, 4, 8); M = 1 had no such win
     # lm_head: 146.0 -> 113.7 us
@@ -775,6 +786,15 @@ GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
 # MOESTREAM_GEMV_CHOICES=0 in the environment at start: experiment 4's rule everywhere (the A/B of bench/NOTES.md,
 # session 5); read once, not per call
 _CHOICES_ON = os.environ.get("MOESTREAM_GEMV_CHOICES") != "0"
+
+
+def _fma_on(environ=os.environ) -> bool:
+    """MOESTREAM_GEMV_FMA=0: GEMV_CHOICES' 'FMA' keys ignored, each such shape runs its entry's tensor-core choice
+    (the A/B of the FMA route alone; MOESTREAM_GEMV_CHOICES=0 turns off every entry, the FMA ones with them)."""
+    return environ.get("MOESTREAM_GEMV_FMA") != "0"
+
+
+_FMA_ON = _fma_on()     # read once at import, as _CHOICES_ON
 _arch_cache: dict = {}
 
 
@@ -959,6 +979,12 @@ def _arrival_counters(device, n: int) -> torch.Tensor:
     return c
 
 
+def _fma_fits(M: int, K: int, weight_u8: torch.Tensor, weight_scale_e4m3: torch.Tensor) -> bool:
+    """The FMA GEMV's preconditions: 1-2 rows of x, whole 16-byte words of codes per row, the words and the scale
+    pairs aligned as its LDG.128 / 2-byte loads read them."""
+    return (M <= 2 and K % 32 == 0 and weight_u8.data_ptr() % 16 == 0 and weight_scale_e4m3.data_ptr() % 2 == 0)
+
+
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
@@ -979,6 +1005,12 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     (split-K partials reduced by the last split to arrive: no zero-fill, no cast launch), ONE_DOT (mode 8: one dot
     per K-tile). SPLIT_REDUCE's arrival counters are one set per CUDA stream: GEMVs that may run at the same time
     must be issued (or captured) on different streams.
+    FMA (a dict of kernels.gemv_nvfp4_fma.fma_config keys, GEMV_CHOICES' M = 1 entries on sm_90): the call runs
+    `nvfp4_linear_fma` instead (HFMA2 on the CUDA cores; its split-K join uses the same per-stream counters, so it is
+    as graph-safe as SPLIT_REDUCE). A caller's `config` decides alone: with one, the FMA kernel runs only if it names
+    'FMA' (the sweeps' tensor-core variants stay tensor-core variants). `xb` is not read by the FMA kernel (it loads x
+    itself). The FMA kernel's preconditions (1-2 rows, K a multiple of 32, 16-byte aligned codes) failing, the
+    entry's tensor-core keys run.
     """
     N, K = weight_u8.shape[0], weight_u8.shape[1] * 2
     assert x.shape[-1] == K and weight_scale_e4m3.shape == (N, K // 16), (x.shape, weight_scale_e4m3.shape)
@@ -994,6 +1026,12 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     if M <= DECODE_MAX_ROWS:
         cfg = {**gemv_config(M, N, K, x.device), **(config or {})}
         cfg.pop("n_sm", None)
+        fma = cfg.pop("FMA", None)
+        if config and "FMA" not in config:
+            fma = None      # a caller's config decides alone
+        if fma is not None and _fma_fits(M, K, weight_u8, weight_scale_e4m3):
+            return _fma.nvfp4_linear_fma(x, weight_u8, weight_scale_e4m3, gs, out_dtype=out_dtype, config=fma,
+                                         out=out)
         if cfg["LOAD_MODE"] not in DECODE_MODES:
             raise ValueError(f"LOAD_MODE {cfg['LOAD_MODE']}: kernels/ keeps modes {DECODE_MODES} (the others: bench/kernels)")
         cfg.setdefault("USE_ASM", not backend.interpreted())
@@ -1095,3 +1133,7 @@ def nvfp4_linear_torch(x, weight_u8, weight_scale_e4m3, global_scale, out_dtype=
 
 def fp8_linear_torch(x, weight_e4m3, scale, out_dtype=None):
     return (x.float() @ decode_fp8(weight_e4m3, scale).t()).to(out_dtype or x.dtype)
+
+
+# the FMA GEMV imports this module's counters and helpers: imported last, once they exist
+from kernels import gemv_nvfp4_fma as _fma  # noqa: E402

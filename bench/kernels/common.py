@@ -1,4 +1,5 @@
-"""Timing, ceilings and the registered host slab shared by the kernel benchmarks (GPU only)."""
+"""Timing, ceilings and the registered host slab shared by the kernel benchmarks (GPU only; `ceiling_read` also runs
+under Triton's interpreter on a tiny buffer, for its CPU test)."""
 from __future__ import annotations
 
 import mmap
@@ -8,6 +9,8 @@ import statistics
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script under the interpreter
 
@@ -115,6 +118,56 @@ def ceiling_d2d(nbytes: int = 2 << 30) -> float:
     t = time_eager(lambda: b.copy_(a), 10)
     del a, b
     return 2 * nbytes / t
+
+
+@triton.jit
+def _read_sum_kernel(src_ptr, part_ptr, words_per_prog, BLOCK: tl.constexpr):
+    """Program p sums (int32, wrapping) its contiguous share of the words: a read with nothing else to do. No masks:
+    the caller trims the buffer to whole shares of whole blocks, so the loads stay 16-byte vectors."""
+    pid = tl.program_id(0)
+    p_src = src_ptr + pid.to(tl.int64) * words_per_prog + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for _ in range(0, words_per_prog, BLOCK):
+        acc += tl.load(p_src)
+        p_src += BLOCK
+    tl.store(part_ptr + pid, tl.sum(acc, axis=0))
+
+
+# (words a block, warps, programs per SM): 16 words a thread = four 16-byte loads in flight each, a few grids
+READ_CONFIGS = [(4096, 8, 4), (4096, 8, 8), (2048, 4, 8), (8192, 8, 2)]
+
+
+def read_sum(src: torch.Tensor, block: int, num_warps: int, programs: int,
+             part: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """(the programs' int32 sums, bytes read) of `src` (any dtype, contiguous) trimmed to whole shares."""
+    words = src.view(-1).view(torch.int32)
+    per = words.numel() // (programs * block) * block
+    if per == 0:
+        raise ValueError(f"{src.numel()} elements are fewer than {programs} x {block} words")
+    if part is None:
+        part = torch.empty(programs, dtype=torch.int32, device=src.device)
+    _read_sum_kernel[(programs,)](words, part, per, BLOCK=block, num_warps=num_warps)
+    return part, programs * per * 4
+
+
+def ceiling_read(nbytes: int = 2 << 30, configs=None, n_sm: int | None = None) -> float:
+    """HBM read ceiling, bytes read per second: a Triton kernel that only sums a buffer far larger than the L2 with
+    16-byte loads, best over a few grids (each: 4 launches in one CUDA graph, no launch gaps, median of 5). Session
+    12 call 4's read probe beat the D2D copy's figure (the lm_head at 102 % of D2D): a copy's ceiling is not a
+    read's, and a GEMV only reads, so its "% of HBM" is quoted against this one. On a CPU (the interpreter) a 1 MiB
+    buffer: the script's smoke run, not a figure."""
+    nbytes = nbytes if DEV == "cuda" else 1 << 20
+    if n_sm is None:
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 1
+    src = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=DEV)
+    best = 0.0
+    for block, warps, pps in configs or READ_CONFIGS:
+        programs = n_sm * pps
+        part = torch.empty(programs, dtype=torch.int32, device=DEV)
+        _, nb = read_sum(src, block, warps, programs, part)        # compiled outside the timing
+        best = max(best, nb / time_graph(lambda i: read_sum(src, block, warps, programs, part), 4, 5))
+    del src
+    return best
 
 
 def ceiling_h2d(src: torch.Tensor) -> float:

@@ -1,10 +1,14 @@
-"""The NVFP4 decode GEMV on the CUDA cores (bench/kernels/gemv_nvfp4_fma.py) beside today's tensor-core GEMV and the
-read probe, at every Super shape, M = 1, 2 (FMA) and 4, 8 (today's only), with the D2D ceiling of the same run.
+"""The NVFP4 decode GEMV on the CUDA cores (kernels/gemv_nvfp4_fma.py) beside the tensor-core GEMV ("today": the
+shape's GEMV_CHOICES entry without its FMA key) and the read probe, at every Super shape, M = 1, 2 (FMA) and 4, 8
+(today's only), with the read and D2D ceilings of the same run; "routed" is nvfp4_linear as the engine calls it
+(the FMA kernel where GEMV_CHOICES says 'FMA': session 13, h-fmaroute), timed where it differs from "today".
 
     python -m bench.kernels.gemv_fma_sweep [--budget-s 125] [--out gemv_fma.json] [--only SHAPE,..] [--precompile 12]
 
 Method as bench.kernels.gemv_streamk_sweep: each call graph-captured over weight copies rotated through ~4x the L2,
-median of CUDA events (bench.kernels.common.time_graph); % of the D2D copy rate measured first in this run. Every
+median of CUDA events (bench.kernels.common.time_graph); % of the read ceiling measured first in this run
+(bench.kernels.common.ceiling_read: a kernel that only reads; session 12's read probe beat the D2D copy's rate, so a
+read-only GEMV is quoted against a read), the D2D copy's % printed beside it. Every
 variant is checked against the fp32 twin at full size (bf16 out, 5e-3) before and after its timing; a must-fail
 twin (nibbles swapped) per M shows the check catches a wrong decode. The read probe (same grid and loads, no decode)
 is timed, not checked. Distinct compilations are made first by worker processes (Triton's on-disk cache). The budget
@@ -26,8 +30,8 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from bench.kernels.common import DEV, ceiling_d2d, time_graph, report_checks  # noqa: E402
-from bench.kernels import gemv_nvfp4_fma as fma  # noqa: E402
+from bench.kernels.common import DEV, ceiling_d2d, ceiling_read, time_graph, report_checks  # noqa: E402
+from kernels import gemv_nvfp4_fma as fma  # noqa: E402
 from bench.kernels.gemv_nvfp4_sweep import _weights as weights  # noqa: E402
 from kernels import gemv_nvfp4 as g  # noqa: E402
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
@@ -44,9 +48,11 @@ MS = (1, 2, 4, 8)
 
 
 def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
-    """label -> None (today's nvfp4_linear) or an FMA config ({} = fma_config's default); 'probe' = the read probe
-    with the default FMA grid."""
+    """label -> None (the tensor-core nvfp4_linear), ROUTED (nvfp4_linear as the engine calls it, where that is the
+    FMA kernel) or an FMA config ({} = fma_config's default); 'probe' = the read probe with the default FMA grid."""
     v: dict[str, dict | None] = {"today": None}
+    if routed_fma(M, N, K) is not None:
+        v["routed"] = ROUTED
     if M > 2:
         return v
     v["fma"] = {}
@@ -62,8 +68,18 @@ def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
     return v
 
 
+ROUTED = {"ROUTED": True}
+
+
+def routed_fma(M, N, K):
+    """The FMA config nvfp4_linear routes this shape to on this device (None: the tensor cores)."""
+    return g.gemv_config(M, N, K, torch.device(DEV)).get("FMA")
+
+
 def call(cfg, x):
-    if cfg is None:
+    if cfg is None:     # the tensor cores: a config naming FMA as None keeps the entry's tensor-core keys
+        return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs, config={"FMA": None})
+    if cfg is ROUTED:
         return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs)
     c = {k: v for k, v in cfg.items() if k != "PROBE"}
     return lambda q, s, gs: fma.nvfp4_linear_fma(x, q, s, gs, config=c, probe=cfg.get("PROBE", False))
@@ -95,7 +111,7 @@ def precompile(shapes, workers):
     for name, N, K, _ in shapes:
         for M in MS:
             for label, cfg in variants(M, N, K).items():
-                key = (name, M, label) if cfg is None else (min(M, 2), json.dumps(cfg, sort_keys=True))
+                key = (name, M, label) if cfg is None or cfg is ROUTED else (min(M, 2), json.dumps(cfg, sort_keys=True))
                 if key not in seen:
                     seen.add(key)
                     jobs.append((name, N, K, M, label, cfg))
@@ -128,15 +144,15 @@ def main(argv=None):
     shapes = [sh for sh in shapes if not only or sh[0] in only]
     if a.precompile > 0:
         precompile(shapes, a.precompile)
-    d2d = ceiling_d2d()
-    print(f"D2D {d2d / 1e9:.0f} GB/s (at {time.time() - t0:.0f} s)", flush=True)
+    read, d2d = ceiling_read(), ceiling_d2d()
+    print(f"read {read / 1e9:.0f} GB/s, D2D {d2d / 1e9:.0f} GB/s (at {time.time() - t0:.0f} s)", flush=True)
     rows, checks = [], []
 
     def dump(done=False):
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
-            json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done), fh, indent=1,
-                      default=str)
+            json.dump(dict(env=env, read_GBps=read / 1e9, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done),
+                      fh, indent=1, default=str)
 
     done = True
     for name, N, K, per_token in shapes:
@@ -173,13 +189,15 @@ def main(argv=None):
                                        error=f"{type(ex).__name__}: {str(ex)[:300]}"))
                     continue
                 nb = nbytes(N, K, M)
-                c = None if cfg is None else fma.fma_config(M, N, K, torch.device(DEV),
-                                                            {k: v for k, v in cfg.items() if k != "PROBE"})
-                row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / d2d,
-                           bytes=nb, rel_err=max(e, e_after), per_token=per_token, config=cfg,
-                           grid=None if c is None else (c["programs"], c["SLICES"]))
+                fcfg = routed_fma(M, N, K) if cfg is ROUTED else cfg
+                c = None if fcfg is None else fma.fma_config(M, N, K, torch.device(DEV),
+                                                             {k: v for k, v in fcfg.items() if k != "PROBE"})
+                row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / read,
+                           pct_d2d=100 * nb / sec / d2d, bytes=nb, rel_err=max(e, e_after), per_token=per_token,
+                           config=fcfg, grid=None if c is None else (c["programs"], c["SLICES"]))
                 rows.append(row)
-                print(f"  {name:15s} M={M} {label:16s} {row['us']:7.1f} us {row['pct']:4.0f}%  err {row['rel_err']:.1e}"
+                print(f"  {name:15s} M={M} {label:16s} {row['us']:7.1f} us {row['pct']:4.0f}% read "
+                      f"({row['pct_d2d']:3.0f}% D2D)  err {row['rel_err']:.1e}"
                       + (f"  grid {row['grid']}" if c else ""), flush=True)
             else:
                 continue
@@ -196,10 +214,11 @@ def main(argv=None):
 
 
 def summary(rows):
-    """Per shape and M: today, the best FMA variant, the read probe (µs, % of D2D); M = 1 per-token sums."""
-    print("\n== NVFP4 GEMV: today (tensor cores) vs FMA (CUDA cores) vs read probe (µs, % of D2D) ==")
-    print(f"  {'shape':15s} M  {'today':>12s}  {'best fma':>12s}  {'probe':>12s}  fma variant")
-    sums = [0.0, 0.0]
+    """Per shape and M: today, the best FMA variant, the read probe, the engine's route (µs, % of the read ceiling);
+    M = 1 per-token sums."""
+    print("\n== NVFP4 GEMV: today (tensor cores) vs FMA (CUDA cores) vs read probe (µs, % of the read ceiling) ==")
+    print(f"  {'shape':15s} M  {'today':>12s}  {'best fma':>12s}  {'probe':>12s}  {'routed':>12s}  fma variant")
+    sums = [0.0, 0.0, 0.0]
     for name, N, K, per_token in SHAPES if CUDA else SMOKE_SHAPES:
         for M in MS:
             rs = [r for r in rows if r["shape"] == name and r["M"] == M]
@@ -209,14 +228,18 @@ def summary(rows):
             fs = [r for r in rs if r["variant"].startswith("fma")]
             b = min(fs, key=lambda r: r["us"]) if fs else None
             p = next((r for r in rs if r["variant"] == "probe"), None)
+            rt = next((r for r in rs if r["variant"] == "routed"), t)
 
             def cell(r):
                 return f"{r['us']:6.1f} {r['pct']:3.0f}%" if r else "      -     "
-            print(f"  {name:15s} {M}  {cell(t):>12s}  {cell(b):>12s}  {cell(p):>12s}  {b['variant'] if b else ''}")
-            if M == 1 and t and b:
+            print(f"  {name:15s} {M}  {cell(t):>12s}  {cell(b):>12s}  {cell(p):>12s}  {cell(rt):>12s}  "
+                  f"{b['variant'] if b else ''}")
+            if M == 1 and t and b and rt:
                 sums[0] += t["us"] * per_token
                 sums[1] += min(b["us"], t["us"]) * per_token
-    print(f"  M = 1 per 88-layer token: today {sums[0] / 1e3:.2f} ms, with the FMA where faster {sums[1] / 1e3:.2f} ms")
+                sums[2] += rt["us"] * per_token
+    print(f"  M = 1 per 88-layer token: today {sums[0] / 1e3:.2f} ms, with the FMA where faster {sums[1] / 1e3:.2f} ms,"
+          f" as routed {sums[2] / 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

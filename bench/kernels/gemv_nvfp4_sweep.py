@@ -1,6 +1,6 @@
 """The dense NVFP4 GEMV's fixed cost per call (issue 19, part 1): every Super decode shape at M = 1 and 8, the
-default (kernels.gemv_nvfp4.gemv_config) beside the variants that remove launches, in one run with its own D2D
-ceiling.
+default (kernels.gemv_nvfp4.gemv_config) beside the variants that remove launches, in one run with its own read
+ceiling (bench.kernels.common.ceiling_read; the D2D copy's beside it).
 
     python -m bench.kernels.gemv_nvfp4_sweep [--out gemv.json] [--budget-s 140] [--only SHAPE,SHAPE] [--counts]
         [--fp8]      # the FP8 GEMV instead: its Super shapes, default / build / last / build+last / last s4x1
@@ -15,9 +15,13 @@ and a cast to bf16 — 2 to 4 launches for one GEMV. The variants (flags of kern
   x given: the x operands made outside the timed call, i.e. the GEMV alone (what sharing one x across q/k/v or
            shared-up/fc1 saves per extra GEMV).
 Method as bench/kernels/gemv_nvfp4.py: each call graph-captured many times over weight copies rotated through
-~4x the L2, median of CUDA events; % of the D2D copy rate measured in this run. Every variant is checked against
-the PyTorch twin at the full shape (fresh random inputs, bf16 as timed) before it is timed; a variant that fails
-or raises is reported, not timed; one must-fail twin (swapped nibbles) shows the check catches a broken decode.
+~4x the L2, median of CUDA events; % of the read ceiling measured in this run (a kernel that only reads: session
+12's read probe beat the D2D copy's rate, 102 % at the lm_head, so a read-only GEMV is quoted against a read), the
+D2D copy's % beside it. "default" is the engine's call: at M = 1 on sm_90 that is the FMA GEMV where GEMV_CHOICES
+routes it (kernels/gemv_nvfp4_fma.py); every other variant names tensor-core keys and so runs the tensor cores.
+Every variant is checked against the PyTorch twin at the full shape (fresh random inputs, bf16 as timed) before it
+is timed; a variant that fails or raises is reported, not timed; one must-fail twin (swapped nibbles) shows the
+check catches a broken decode.
 Prints a table and the per-shape winners as a `GEMV_CHOICES` dict for kernels/gemv_nvfp4.py.
 --counts prints the bytes, programs, K-tiles per program and launches per call of every shape (no GPU needed).
 On a CPU the whole script runs as a smoke test under Triton's interpreter on tiny shapes.
@@ -37,7 +41,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from bench.kernels.common import DEV, ceiling_d2d, time_graph, report_checks  # noqa: E402
+from bench.kernels.common import DEV, ceiling_d2d, ceiling_read, time_graph, report_checks  # noqa: E402
 from kernels.gemv_nvfp4 import (_arch, fp8_gemv_config, fp8_linear, fp8_linear_torch, gemv_config,  # noqa: E402
                                  nvfp4_linear, nvfp4_linear_torch, split_k_for, x_operands)
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
@@ -111,6 +115,8 @@ def resolved(cfg: dict, M: int, N: int, K: int, n_sm: int | None = None) -> dict
 
 def launches(c: dict) -> int:
     """Kernel launches of one call with this configuration (bf16 out)."""
+    if c.get("FMA") is not None:
+        return 1                                      # the FMA GEMV: one launch, split K joined in it
     n = 1
     if not (c.get("X_INLINE") or c.get("X_BUILD")):
         n += 1                                        # _x_operands_kernel
@@ -183,6 +189,7 @@ def _fn(cfg, M, N, K, x, out_dtype=None):
     if cfg.get("XB"):
         r = resolved(cfg, M, N, K)
         xb = x_operands(x, r["M_PAD"], r["LOAD_MODE"] == 8)
+        c = {"FMA": None}       # prepared operands are the tensor cores' (the FMA GEMV reads x itself)
     return lambda q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c, xb=xb)
 
 
@@ -255,7 +262,8 @@ class Fp8:
         return ((w[0].view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn), w[1])
 
 
-def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None, family=Nvfp4):
+def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None, family=Nvfp4, d2d=None):
+    """Every variant checked, timed, checked again; pct is % of `hbm` (the read ceiling), pct_d2d of `d2d`."""
     n_sm = gemv_config(1, 1, 256, torch.device(DEV))["n_sm"]
     must_fail_done = False
     for name, N, K, per_token in shapes:
@@ -302,14 +310,19 @@ def run(shapes, ms, budget_s, hbm, out_rows, checks, t0, dump=lambda: None, fami
                 e = max(e, e_after)
                 nb = family.bytes(N, K, M)
                 row = dict(op=family.op, shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6,
-                           pct=100 * nb / sec / hbm, bytes=nb, rel_err=e, launches=family.launches(c),
-                           per_token=per_token,
+                           pct=100 * nb / sec / hbm, pct_d2d=100 * nb / sec / (d2d or hbm), bytes=nb, rel_err=e,
+                           launches=family.launches(c), per_token=per_token,
                            config={k: v for k, v in c.items() if k in ("LOAD_MODE", "BLOCK_N", "SPLIT_K", "X_BUILD",
                                                                          "X_INLINE", "SPLIT_REDUCE", "ONE_DOT",
                                                                          "num_warps", "num_stages", "maxnreg")})
+                fma = c.get("FMA") if family is Nvfp4 and not cfg else None
+                if fma is not None:
+                    row["config"] = dict(FMA=fma)
                 out_rows.append(row)
-                print(f"  {family.op[:5]} {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}%  "
-                      f"split {c['SPLIT_K']:2d}  launches {row['launches']}  err {e:.1e}", flush=True)
+                print(f"  {family.op[:5]} {name:15s} M={M} {label:26s} {row['us']:7.1f} us {row['pct']:4.0f}% read "
+                      f"({row['pct_d2d']:3.0f}% D2D)  " + (f"FMA {fma}  " if fma is not None else
+                                                         f"split {c['SPLIT_K']:2d}  ")
+                      + f"launches {row['launches']}  err {e:.1e}", flush=True)
         del ws
         dump()
     return True
@@ -332,7 +345,7 @@ def summary(rows):
     default = {(r["op"], r["shape"], r["M"]): r for r in rows if r["variant"] == "default"}
     per_token = {}
     for op in dict.fromkeys(r["op"] for r in rows):
-        print(f"\n== {op}, default vs best variant (us, % of D2D) ==")
+        print(f"\n== {op}, default vs best variant (us, % of the read ceiling) ==")
         print(f"  {'shape':15s} M  {'default':>14s}  {'best':>14s}  variant")
         sums = {"default": 0.0, "best": 0.0}
         for (o, shape, M), b in best.items():
@@ -405,17 +418,17 @@ def main(argv=None):
                sms=n_sm if CUDA else 0, torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     print("env", env, flush=True)
-    d2d = ceiling_d2d()
-    print(f"D2D {d2d / 1e9:.0f} GB/s", flush=True)
+    read, d2d = ceiling_read(), ceiling_d2d()
+    print(f"read {read / 1e9:.0f} GB/s, D2D {d2d / 1e9:.0f} GB/s", flush=True)
     rows, checks = [], []
 
     def dump(done=False, **extra):   # after every shape too: a run cut short keeps what it measured
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump(dict(env=env, d2d_GBps=d2d / 1e9, rows=rows, checks=checks, complete=done, **extra), f,
-                      indent=1, default=str)
+            json.dump(dict(env=env, read_GBps=read / 1e9, d2d_GBps=d2d / 1e9, rows=rows, checks=checks,
+                           complete=done, **extra), f, indent=1, default=str)
 
-    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, d2d, rows, checks, t0, dump, family)
+    done = run(shapes, [int(m) for m in a.m.split(",")], a.budget_s, read, rows, checks, t0, dump, family, d2d)
     per_token, choices = summary(rows)
     bad = report_checks(checks)
     dump(done, per_token_ms={op: {k: v / 1e3 for k, v in d.items()} for op, d in per_token.items()},
