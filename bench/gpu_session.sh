@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -66,7 +66,10 @@ PY
     api_ttft) api_run api_ttft ${API_ARGS:-};;
     # session 13: long prompts through the server with a --vram-gb budget (the prefill reserve of
     # gpu_worker/vram_tier.prefill_reserve_bytes applies), one server per size: API_SIZES tokens, API_LONG_ARGS
-    api_long) for n in ${API_SIZES:-4000 16000}; do api_run api_long_$n --regimes ram --tokens $n --repeats 3 ${API_LONG_ARGS:---vram-gb 8}; done;;
+    # API_LONG_SETS: server argument sets separated by ';' (default "--vram-gb 8"; "none": no extra argument)
+    api_long) IFS=';' read -ra sets <<< "${API_LONG_SETS:---vram-gb 8}"; i=0
+      for set in "${sets[@]}"; do i=$((i+1)); [ "$set" = none ] && set=""
+        for n in ${API_SIZES:-4000 16000}; do echo "set $i: '$set', $n tokens"; api_run api_long_${n}_$i --regimes ram --tokens $n --repeats 3 $set; done; done;;
     api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
     turns) timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
@@ -109,6 +112,11 @@ PY
            tests/bench/test_ceiling_read.py > "$OUT/pytest_gemv_route.log" 2>&1; tail -2 "$OUT/pytest_gemv_route.log"
       timeout 170 python3 -m bench.kernels.gemv_fma_sweep --budget-s 140 --out "$OUT/gemv_route.json" > "$OUT/gemv_route.log" 2>&1
       grep -E "^read|BAD|FAILED|WRONG" "$OUT/gemv_route.log" | head -8; tail -44 "$OUT/gemv_route.log";;
+    # session 13: the RAM regime's decode A/B in one call, alternated (A B A B): E2E_AB_ENV="KEY=VALUE" is B
+    e2e_ab) for r in a b a2 b2; do env $( [ "${r:0:1}" = b ] && echo ${E2E_AB_ENV:-MOESTREAM_GEMV_FMA=0} ) \
+             timeout ${E2E_TIMEOUT:-90} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+             --skip disk,prefill,vram ${E2E_ARGS:-} --out "$OUT/e2e_$r.json" > "$OUT/e2e_$r.log" 2>&1
+           echo "$r ${E2E_AB_ENV:-MOESTREAM_GEMV_FMA=0}: $(grep -E '^RAM \|' "$OUT/e2e_$r.log")"; done;;
     subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
     # session 7's switches, each off by default until one of these runs measures it (bench/NOTES.md, h26-h28):
