@@ -76,3 +76,29 @@ def test_sampling_defaults_are_applied_once_in_order():
     assert m.SamplingParams().temperature == 0.0           # the engine's own default: greedy
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         m.SamplingParams.for_request({"temperature": -1}, gen)
+
+
+def test_a_long_prompt_crosses_without_a_step_per_id(monkeypatch):
+    """16k ids are checked and packed at C speed (one Python step per id cost ~20 ms each way on a fast host):
+    the decode calls the per-item converter a bounded number of times, and still names a bad id (the twins)."""
+    import random
+    ids = [random.randrange(1 << 17) for _ in range(16_384)]
+    msg = m.Generate("r", ids, m.SamplingParams(), keep_at=[5, 9])
+    calls = {"n": 0}
+    real = m._convert
+
+    def counting(*a):
+        calls["n"] += 1
+        return real(*a)
+    monkeypatch.setattr(m, "_convert", counting)
+    got = m.decode(wire(msg), m.TO_WORKER)
+    assert got == msg and type(got.prompt_ids) is list and calls["n"] < 100
+    for bad, why in ((True, "expected an integer, got bool"), (1.5, "expected an integer, got float"),
+                     (None, "expected an integer, got NoneType")):
+        obj = wire(msg)
+        obj["prompt_ids"][12_345] = bad
+        with pytest.raises(m.ProtocolError, match=rf"prompt_ids\[12345\]: {why}"):
+            m.decode(obj, m.TO_WORKER)
+    obj = wire(m.Generate("r", [1], m.SamplingParams(), images=m.Images(b"\0", 1, 2, [[2, 2]], [0], ["d", 3])))
+    with pytest.raises(m.ProtocolError, match=r"digests\[1\]: expected str, got int"):
+        m.decode(obj, m.TO_WORKER)
