@@ -27,7 +27,7 @@ REFUSED = -2          # _allocate: the policy did not admit the read ahead (not 
 
 
 class Prefetcher:
-    def __init__(self, shm: CacheShm, policy: str = "reuse", parent_pid: int | None = None,
+    def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None,
                  prefill_reads: str | None = None):
         """prefill_reads: "as_slots_free" (a prefill's reads wait for slots the prompt is done with, see
         `_allocate`), or "at_once" (every read gets a slot when it is queued: spent blocks first, then the layer's
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description="moestream prefetcher process")
     ap.add_argument("--prefix", required=True)
-    ap.add_argument("--policy", default="reuse")   # bench/NOTES.md, session 13 h-policy
+    ap.add_argument("--policy", default="lru")   # reuse by name: its host cost at Super scale, bench/NOTES.md session 13 h-policy
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
     from procs.spawn import die_with_parent
