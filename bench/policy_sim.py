@@ -11,8 +11,9 @@ hit and is touched, a missing one is a demand read), then the guess is applied (
 expert is touched, a missing one is read ahead — the current prefetcher's behaviour). Cache sizes are a
 fraction of all n_moe × E experts; the experts of the record being served are pinned (never the victim).
 
-Policies: the prefetcher's own classes (`prefetcher/policy.py`: lru, lfu, lrfu, slru, arc), each demand-only and
-with the guess prefetch, and Belady's MIN (evict the expert whose next use is farthest; demand only): no demand
+Policies: the prefetcher's own classes (`prefetcher/policy.py`: lru, lfu, lrfu, slru, arc, reuse), each demand-only
+and with the guess prefetch (a policy with `observe` is shown each record's layer message first; one with `admit` may
+refuse a read ahead, counted as `prefetch_refused`), and Belady's MIN (evict the expert whose next use is farthest; demand only): no demand
 policy misses less, so it bounds every demand policy's hit rate. Prefetching reads beyond the demand misses (its
 wasted reads are counted), so a prefetching policy may pass the demand bound in hit rate while reading more.
 Two references beside them (`--no-references` skips them): `belady+prefetch`, MIN's eviction with the same reads
@@ -41,7 +42,7 @@ from bench.policy_trace import Result, Trace, read_trace, rotate, synthetic_trac
 from prefetcher.policy import POLICIES, make_policy
 
 FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
-DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc")
+DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc", "reuse")
 
 
 def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, **policy_kw) -> Result:
@@ -59,10 +60,17 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
     unused_prefetch: set[int] = set()
     pinned: set[int] = set()
 
-    def make_room():
+    observe = getattr(pol, "observe", None)          # policies that read the layer message (ReusePolicy)
+    admit = getattr(pol, "admit", None)
+
+    def make_room(key=None):
+        """Free a slot; with `key` (a read ahead) a policy with `admit` may refuse it instead."""
         if len(resident) < capacity:
             return True
         victim = pol.choose_victim(lambda s: s not in pinned)
+        if victim is not None and key is not None and admit is not None and not admit(key, victim):
+            r.prefetch_refused += 1
+            return False
         if victim is None:
             return False
         pol.remove(victim)
@@ -75,6 +83,8 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
     for j, ex, guess in trace.steps:
         step = [trace.key(j, e) for e in ex]
         pinned = set(step)
+        if observe is not None:
+            observe(j, ex, (j + 1) % trace.n_layers if prefetch else None, guess if prefetch else ())
         for k in step:
             r.accesses += 1
             if k in resident:
@@ -94,7 +104,7 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
                 k = trace.key(nj, e)
                 if k in resident:
                     pol.touch(k, k)
-                elif make_room():
+                elif make_room(k):
                     pinned.add(k)          # the reads in flight are not victims of each other
                     pol.insert(k, k)
                     resident.add(k)
@@ -171,7 +181,12 @@ def table(rows) -> str:
         if "+prefetch" in lb:
             wasted.append(f"{lb:<28}" + "".join(
                 f"{by[lb, f]['prefetch_wasted'] / max(by[lb, f]['prefetch_reads'], 1) * 100:>14.0f}%" for f in fr))
-    return "\n".join(out + [""] + points + [""] + gap + [""] + wasted)
+    refused = ["reads ahead refused by the policy's admission (per token; not read, not in the reads above)"]
+    for lb in labels:
+        if "+prefetch" in lb and any(by[lb, f].get("prefetch_refused", 0) for f in fr):
+            refused.append(f"{lb:<28}" + "".join(
+                f"{by[lb, f]['prefetch_refused'] / max(by[lb, f]['tokens'], 1):>15.1f}" for f in fr))
+    return "\n".join(out + [""] + points + [""] + gap + [""] + wasted + ([""] + refused if len(refused) > 1 else []))
 
 
 def plot(rows, path: Path, title: str) -> None:

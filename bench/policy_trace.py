@@ -76,6 +76,7 @@ class Result:
     prefetch_reads: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_refused: int = 0       # reads ahead a policy's admission turned down (not read, not counted as reads)
     tokens: int = 0
 
     @property

@@ -41,7 +41,8 @@ HDR_FIELDS = ["epoch", "prefetcher_pid", "stopping", "created_ns"]
 PF_COUNTERS = ["hits", "misses", "misses_inflight", "demand_reads", "prefetch_issued",
                "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "evictions", "messages",
                "demand_queue", "prefetch_queue", "stalls_no_slot", "failed_slots",
-               "prefill_forced"]     # a prefill's reads that took a block it had not passed (nothing spent was free)
+               "prefill_forced",     # a prefill's reads that took a block it had not passed (nothing spent was free)
+               "prefetch_refused"]   # reads ahead the policy's admission turned down (prefetcher/policy.py ReusePolicy)
 WORKER_COUNTERS = ["pid", "direct", "reads", "bytes_read", "failures", "read_ns",
                    "demand_reads", "prefetch_reads", "ready"]
 CLIENT_COUNTERS = ["lookups", "lookup_hits", "lookup_misses", "requests", "waits", "wait_ns",

@@ -23,6 +23,7 @@ from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, 
 from .policy import make_policy
 
 PREFILL_READS = ("as_slots_free", "at_once")
+REFUSED = -2          # _allocate: the policy did not admit the read ahead (not a slot)
 
 
 class Prefetcher:
@@ -35,6 +36,8 @@ class Prefetcher:
         self.shm = shm
         self.E = shm.n_experts
         self.policy = make_policy(policy, shm.n_layers, shm.n_experts)
+        self._observe = getattr(self.policy, "observe", None)
+        self._admit = getattr(self.policy, "admit", None)
         self.parent_pid = parent_pid
         self.depth = int(shm.cfg["prefetch_depth"])
         self.c = shm.pf_counters
@@ -213,6 +216,8 @@ class Prefetcher:
         if self.prefill_layer is not None:
             self._reset_prefill()
             self.prefill_layer = None
+        if self._observe is not None:            # a policy that learns from the layer message (ReusePolicy)
+            self._observe(layer, actual, guess_layer, guess)
         for e in actual:
             k = layer * E + e
             self.prefill_loaded.discard(k)      # decode uses it: an ordinary resident now
@@ -280,10 +285,13 @@ class Prefetcher:
                     key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
             if counts[w] >= self.depth:
                 break
-            s = self._allocate(PREFETCH)
+            s = self._allocate(PREFETCH, key=next(iter(self.pending_prefetch)))
             if s is None:
                 break
             k, _ = self.pending_prefetch.popitem(last=False)
+            if s == REFUSED:
+                self.c[PFC["prefetch_refused"]] += 1
+                continue
             self._assign(s, k, PREFETCH, w)
             self.c[PFC["prefetch_issued"]] += 1
 
@@ -375,7 +383,9 @@ class Prefetcher:
         soe = self.shm.slot_of_expert.reshape(-1)
         return self._spent_pinned + sum(1 for k in self._want if k not in self._done and soe[k] >= 0)
 
-    def _allocate(self, kind: int = DEMAND) -> int | None:
+    def _allocate(self, kind: int = DEMAND, key: int | None = None) -> int | None:
+        """A slot for a read: free, spent by the prefill, or the policy's victim evicted; REFUSED when `key` (a read
+        ahead at decode) is less likely used than the victim by the policy's own `admit`."""
         if self.free:
             return self.free.popleft()
         if self.prefill_layer is not None:
@@ -394,6 +404,9 @@ class Prefetcher:
                 s = self.policy.choose_victim(self._evictable)
             if s is None:
                 return None
+            if key is not None and self._admit is not None and self.prefill_layer is None \
+                    and not self._admit(key, s):
+                return REFUSED
             if self._evict(s):
                 if self.prefill_layer is not None:
                     self.c[PFC["prefill_forced"]] += 1
@@ -435,7 +448,7 @@ def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description="moestream prefetcher process")
     ap.add_argument("--prefix", required=True)
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--policy", default="lru")   # reuse by name: its host cost at Super scale, bench/NOTES.md session 13 h-policy
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
     from procs.spawn import die_with_parent

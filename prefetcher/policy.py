@@ -297,8 +297,260 @@ class ARCPolicy:
         return None
 
 
+class ReusePolicy:
+    """A victim ranking by the reuse probability learned online from the decode's own messages, which the classical
+    policies do not see: each expert's next use is at its layer's next turn (the next token), so the policy counts,
+    per (layer, turns since the expert's last use, its decayed use count, whether the guess named it for that turn),
+    how often an expert in that cell was used at its layer's turn, and evicts the resident in the least likely cell
+    (ties: the least recently inserted or touched, so with nothing learned yet it is LRU). One ranking over every
+    layer gives skewed layers more of the cache without a quota. `observe(layer, actual, guess_layer, guess)` is the
+    layer message (the prefetcher and bench/policy_sim.py call it when a policy has it, before the lookups);
+    `admit(key, victim)` refuses a read ahead whose guessed cell is less likely used than the victim's (a guess no
+    better than chance, e.g. the last layer's for the next token's first, is not read).
+    Measured on the instrument's 16k trace: bench/NOTES.md, session 13 h-policy."""
+    name = "reuse"
+    AGE_EDGES = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])     # bucket i: age <= edge i; the last: older/never
+    FREQ_EDGES = np.array([0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+
+    def __init__(self, n_layers: int, n_experts: int, half_life: float = 64.0, admission: bool = True,
+                 features: str = "layer,age,freq,guess"):
+        self.L, self.E = int(n_layers), int(n_experts)
+        self.features = set(features.split(","))               # fewer: the ablations in bench/NOTES.md
+        K = self.L * self.E
+        self.decay = 0.5 ** (1.0 / float(half_life))           # per turn of the expert's layer
+        self.admission = bool(admission)
+        self.turn = np.zeros(self.L, dtype=np.int64)            # per layer: the index of its next turn
+        self.last_use = np.full(K, -(1 << 40), dtype=np.int64)   # turn of the last use; never: far past
+        self.guessed_for = np.full(K, -1, dtype=np.int64)       # the turn a guess named the expert for
+        self.freq = np.zeros(K)                                 # uses, halved every half_life turns of its layer
+        self._na, self._nf = len(self.AGE_EDGES) + 1, len(self.FREQ_EDGES) + 1
+        n_cells = self.L * self._na * self._nf * 2
+        self.used_in_cell = np.zeros(n_cells)
+        self.seen_in_cell = np.zeros(n_cells)
+        self._key_of_slot = np.full(64, -1, dtype=np.int64)
+        self._tick_of_slot = np.zeros(64, dtype=np.int64)
+        self._demoted = np.zeros(64, dtype=bool)
+        self._tick, self._n = 0, 0
+        # The ranking kept between evictions (choose_victim pops it instead of ranking every resident): the
+        # probability of every key (it changes only in observe, and there only for the message's layer and the
+        # guessed one while cells are per layer), one heap per layer of (p, tick, version, slot) entries — a touch,
+        # insert or demote pushes a new entry and bumps the slot's version, so older entries are skipped when they
+        # come up — and a heap of the layers' heads. The victim is the same as _ranked's first evictable slot.
+        self._p_key = self.reuse_probability(np.arange(K))
+        self._ver: list[int] = [0] * 64                          # per slot; an entry is live iff its version matches
+        self._layer_slots: list[set[int]] = [set() for _ in range(self.L)]
+        self._heaps: list[list[tuple]] = [[] for _ in range(self.L)]
+        self._gheap: list[tuple] = []                            # (p, tick, version, slot, layer): the layers' heads
+        self._slot_of_key: dict[int, int] = {}
+
+    def __len__(self):
+        return self._n
+
+    def __contains__(self, slot):
+        return 0 <= slot < len(self._key_of_slot) and self._key_of_slot[slot] >= 0
+
+    # ---- what the decode says --------------------------------------------------------------
+    def _cells(self, layer, age, freq, guessed):
+        fs = self.features
+        a = np.searchsorted(self.AGE_EDGES, age, side="left") if "age" in fs else 0
+        f = np.searchsorted(self.FREQ_EDGES, freq, side="right") if "freq" in fs else 0
+        j = layer if "layer" in fs else 0 * layer
+        return ((j * self._na + a) * self._nf + f) * 2 + (guessed if "guess" in fs else 0 * guessed)
+
+    def observe(self, layer: int, actual, guess_layer=None, guess=()) -> None:
+        j, E = int(layer), self.E
+        sl = slice(j * E, (j + 1) * E)
+        t = self.turn[j]
+        cells = self._cells(j, t - self.last_use[sl], self.freq[sl], self.guessed_for[sl] == t)
+        used = np.zeros(E)
+        act = np.asarray(list(actual), dtype=np.int64)
+        used[act] = 1.0
+        if "layer" in self.features:                           # the layer's cells only: a block of the counts
+            n = self._na * self._nf * 2
+            lo = j * n
+            self.seen_in_cell[lo:lo + n] += np.bincount(cells - lo, minlength=n)
+            self.used_in_cell[lo:lo + n] += np.bincount(cells - lo, weights=used, minlength=n)
+        else:
+            n = len(self.seen_in_cell)
+            self.seen_in_cell += np.bincount(cells, minlength=n)
+            self.used_in_cell += np.bincount(cells, weights=used, minlength=n)
+        self.freq[sl] *= self.decay
+        self.freq[j * E + act] += 1.0
+        self.last_use[j * E + act] = t
+        self.turn[j] = t + 1
+        changed, gkeys = {j}, None
+        if guess_layer is not None and len(guess):
+            g = int(guess_layer)
+            gkeys = g * E + np.asarray(list(guess), dtype=np.int64)
+            self.guessed_for[gkeys] = self.turn[g]
+            if g == j:
+                gkeys = None
+            else:
+                changed.add(g)
+        if "layer" not in self.features:                       # shared cells: every key's probability moved
+            changed = range(self.L)
+        elif gkeys is not None:                                 # another layer: only the guessed keys' flags moved
+            changed = (j,)
+            p = self.reuse_probability(gkeys)
+            self._p_key[gkeys] = p
+            slot_of = self._slot_of_key
+            for k, pk in zip(gkeys.tolist(), p.tolist()):
+                s = slot_of.get(k)
+                if s is not None and not self._demoted[s]:
+                    self._push(s, k, pk)
+        for layer_ in changed:
+            self._refresh(layer_)
+
+    def _refresh(self, j: int) -> None:
+        """Recompute layer j's key probabilities and re-rank its residents (a sorted list is a heap)."""
+        E = self.E
+        self._p_key[j * E:(j + 1) * E] = self.reuse_probability(np.arange(j * E, (j + 1) * E))
+        self._rebuild(j)
+
+    def _rebuild(self, j: int) -> None:
+        """Layer j's heap from its residents' current probabilities and ticks (drops its stale entries)."""
+        members = self._layer_slots[j]
+        if not members:
+            self._heaps[j] = []
+            return
+        slots = np.fromiter(members, dtype=np.int64, count=len(members))
+        p = self._p_key[self._key_of_slot[slots]]
+        p[self._demoted[slots]] = -1.0
+        ticks = self._tick_of_slot[slots]
+        order = np.lexsort((ticks, p))
+        slots, p, ticks = slots[order].tolist(), p[order].tolist(), ticks[order].tolist()
+        ver = self._ver
+        h = self._heaps[j] = list(zip(p, ticks, [ver[s] for s in slots], slots))
+        heapq.heappush(self._gheap, h[0] + (j,))
+
+    def reuse_probability(self, keys) -> np.ndarray:
+        """The learned chance that each expert key is used at its layer's next turn (a weak prior: chance)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        j = keys // self.E
+        t = self.turn[j]
+        cells = self._cells(j, t - self.last_use[keys], self.freq[keys], self.guessed_for[keys] == t)
+        prior = 1.0 / max(self.E, 1)
+        return (self.used_in_cell[cells] + 8.0 * prior) / (self.seen_in_cell[cells] + 8.0)
+
+    # ---- the slots -------------------------------------------------------------------------
+    def _grow(self, slot: int) -> None:
+        if slot >= len(self._key_of_slot):
+            n = max(slot + 1, 2 * len(self._key_of_slot))
+            self._key_of_slot = np.concatenate([self._key_of_slot, np.full(n - len(self._key_of_slot), -1)])
+            self._tick_of_slot = np.concatenate([self._tick_of_slot, np.zeros(n - len(self._tick_of_slot), np.int64)])
+            self._demoted = np.concatenate([self._demoted, np.zeros(n - len(self._demoted), bool)])
+            self._ver.extend([0] * (n - len(self._ver)))
+
+    def _push(self, slot: int, key: int, p: float) -> None:
+        """A new live entry for the slot (its older ones go stale)."""
+        self._ver[slot] += 1
+        j = key // self.E
+        e = (p, int(self._tick_of_slot[slot]), self._ver[slot], slot)
+        h = self._heaps[j]
+        heapq.heappush(h, e)
+        if h[0] is e:
+            heapq.heappush(self._gheap, e + (j,))
+        if len(h) > 4 * len(self._layer_slots[j]) + 64:        # touches with no message between: compact
+            self._rebuild(j)
+
+    def insert(self, slot: int, key: int) -> None:
+        self._grow(slot)
+        old = int(self._key_of_slot[slot])
+        if old < 0:
+            self._n += 1
+        else:
+            self._slot_of_key.pop(old, None)
+            if old // self.E != key // self.E:
+                self._layer_slots[old // self.E].discard(slot)
+        self._key_of_slot[slot] = key
+        self._slot_of_key[key] = slot
+        self._layer_slots[key // self.E].add(slot)
+        self.touch(slot, key)
+
+    def touch(self, slot: int, key: int) -> None:
+        if slot in self:
+            self._tick += 1
+            self._tick_of_slot[slot] = self._tick
+            self._demoted[slot] = False
+            k = int(self._key_of_slot[slot])
+            self._push(slot, k, float(self._p_key[k]))
+
+    def remove(self, slot: int) -> None:
+        if slot in self:
+            k = int(self._key_of_slot[slot])
+            self._layer_slots[k // self.E].discard(slot)
+            if self._slot_of_key.get(k) == slot:
+                del self._slot_of_key[k]
+            self._key_of_slot[slot] = -1
+            self._demoted[slot] = False
+            self._ver[slot] += 1
+            self._n -= 1
+
+    def demote(self, slot: int) -> None:
+        """To the eviction end until its next use: a block a prefill loaded and is done with."""
+        if slot in self:
+            self._demoted[slot] = True
+            self._push(slot, int(self._key_of_slot[slot]), -1.0)
+
+    def _ranked(self):
+        """Every resident, victims first: the full ranking (the reference the kept heaps reproduce; tests)."""
+        slots = np.flatnonzero(self._key_of_slot >= 0)
+        p = self.reuse_probability(self._key_of_slot[slots])
+        p[self._demoted[slots]] = -1.0
+        order = np.lexsort((self._tick_of_slot[slots], p))
+        return slots[order], p[order]
+
+    def choose_victim_full(self, evictable) -> int | None:
+        """choose_victim by ranking every resident (O(slots) numpy per call; the reference)."""
+        slots, _ = self._ranked()
+        for s in slots:
+            if evictable(int(s)):
+                return int(s)
+        return None
+
+    def choose_victim(self, evictable) -> int | None:
+        """The least likely used evictable resident, ties to the least recent: the heads of the per-layer heaps
+        merged through the heap of heads, stale entries dropped, unevictable ones set aside and put back."""
+        gh, heaps, ver = self._gheap, self._heaps, self._ver
+        pop, push = heapq.heappop, heapq.heappush
+        skipped, victim = [], None
+        while gh:
+            top = gh[0]
+            j = top[4]
+            h = heaps[j]
+            if not h or h[0] != top[:4]:
+                pop(gh)                                         # not that layer's head any more
+                continue
+            e = h[0]
+            s = e[3]
+            if e[2] == ver[s] and evictable(s):
+                victim = s
+                break
+            pop(gh)
+            pop(h)
+            if e[2] == ver[s]:
+                skipped.append((j, e))                          # live but not evictable now: put back below
+            if h:
+                push(gh, h[0] + (j,))
+        for j, e in skipped:
+            h = heaps[j]
+            push(h, e)
+            if h[0] is e:
+                push(gh, e + (j,))
+        if len(gh) > 4 * self.L + 256:                         # drop the heads that went stale
+            self._gheap = [h[0] + (j,) for j, h in enumerate(heaps) if h]
+            heapq.heapify(self._gheap)
+        return victim
+
+    def admit(self, key: int, victim: int) -> bool:
+        """Read the guessed expert `key` ahead into the victim's slot only if it is at least as likely used."""
+        if not self.admission or victim not in self:
+            return True
+        return bool(self._p_key[key] >= self._p_key[int(self._key_of_slot[victim])])
+
+
 POLICIES = {p.name: p for p in (LRUPolicy, LFUAwareLRUPolicy, DecayedFrequencyPolicy, SegmentedLRUPolicy,
-                                ARCPolicy)}
+                                ARCPolicy, ReusePolicy)}
 
 
 def make_policy(name: str, n_layers: int, n_experts: int):

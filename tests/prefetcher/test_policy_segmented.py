@@ -96,7 +96,7 @@ def test_arc_scan_resistance_against_lru():
     assert run(LRUPolicy(1, 64)) == 0
 
 
-@pytest.mark.parametrize("name", ["slru", "arc"])
+@pytest.mark.parametrize("name", ["slru", "arc", "reuse"])
 def test_interface_pins_demote_remove(name):
     p = fill(make_policy(name, 1, 8), 4)
     for s in range(4):

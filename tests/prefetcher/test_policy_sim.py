@@ -16,7 +16,7 @@ from bench.policy_sim import (Trace, belady, belady_prefetch, fitted_ranking, fi
                               read_trace, rotate, simulate, sweep, synthetic_trace, table)
 from prefetcher.policy import DecayedFrequencyPolicy, make_policy
 
-DEMAND_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc")
+DEMAND_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc", "reuse")
 
 
 def stale_next_use(keys) -> np.ndarray:
@@ -184,11 +184,11 @@ def test_trace_reader_reads_the_recorder_format(tmp_path):
 def test_sweep_table_has_every_policy_and_the_bound():
     t = synthetic_trace(n_layers=2, n_experts=16, top_k=2, tokens=30, skew=0.8, seed=1)
     rows = sweep(t, [0.1, 0.5])
-    assert {r["policy"] for r in rows} == {"belady", "lru", "lfu", "lrfu", "slru", "arc"} and len(rows) == 22
+    assert {r["policy"] for r in rows} == {"belady", "lru", "lfu", "lrfu", "slru", "arc", "reuse"} and len(rows) == 26
     text = table(rows)
     assert "lru+prefetch" in text and "gap closed" in text and "wasted" in text and "points over" in text
     rows = sweep(t, [0.1, 0.5], references=True)
-    assert len(rows) == 26 and {(r["policy"], r["prefetch"]) for r in rows} >= {("belady", True), ("fitted", False)}
+    assert len(rows) == 30 and {(r["policy"], r["prefetch"]) for r in rows} >= {("belady", True), ("fitted", False)}
     assert "belady+prefetch" in table(rows)
 
 

@@ -1,4 +1,5 @@
-"""Prefetcher logic in one process (no workers): policies, ordering, pins, accounting, recovery."""
+"""Prefetcher logic in one process (no workers): policies, ordering, pins, accounting, recovery (with `lru`, whose order
+the assertions name; the default `reuse` has its own tests in test_policy_reuse.py)."""
 import sys
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def test_lfu_aware_keeps_popular_expert():
 def rig(tmp_path):
     store = make_fake_store(tmp_path, n_layers=2, n_experts=8)
     shm = CacheShm.create(store, n_slots=4, n_workers=2, prefetch_depth=1)
-    pf = core.Prefetcher(shm)
+    pf = core.Prefetcher(shm, "lru")
     yield shm, pf, CacheClient(shm)
     shm.close()
 
@@ -169,7 +170,7 @@ def test_restart_rebuilds_and_resets_orphans(rig):
     shm.slot_state[orphan] = LOADING   # a crash between assign and push leaves this
     shm.slot_key[orphan] = 8 + 4
     shm.slot_of_expert[1, 4] = orphan
-    pf2 = core.Prefetcher(shm)
+    pf2 = core.Prefetcher(shm, "lru")
     assert shm.slot_state[orphan] == EMPTY and shm.slot_of_expert[1, 4] == -1
     assert sum(len(o) for o in pf2.outstanding) == 2 - 0 and len(pf2.free) == 1
     assert shm.hdr[0] == 2             # epoch bumped: clients re-send
@@ -197,7 +198,7 @@ def test_layer_records_and_msgpack_messages_decide_the_same(tmp_path, faithful):
     for name in ("record", "msgpack"):
         store = make_fake_store(tmp_path / name, n_layers=2, n_experts=8)
         shm = CacheShm.create(store, n_slots=6, n_workers=2, prefetch_depth=1)
-        rigs.append((shm, core.Prefetcher(shm), CacheClient(shm)))
+        rigs.append((shm, core.Prefetcher(shm, "lru"), CacheClient(shm)))
     try:
         (shm_r, pf_r, c_r), (shm_m, pf_m, c_m) = rigs
         if not faithful:
