@@ -45,9 +45,11 @@ FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc", "reuse")
 
 
-def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, **policy_kw) -> Result:
+def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, observe_first: bool = False,
+             **policy_kw) -> Result:
     """Replay the trace through one of the prefetcher's policies (slot = expert key, as one expert has at most
-    one slot)."""
+    one slot). A policy with `observe` learns from each record after its demand reads and before its reads ahead,
+    as the prefetcher does (prefetcher/core.py `dispatch`); `observe_first`: before its demand reads."""
     top_k = max(len(ex) for _, ex, _ in trace.steps)
     if capacity < top_k:
         raise ValueError(f"a cache of {capacity} experts cannot hold one layer's {top_k}")
@@ -83,7 +85,7 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
     for j, ex, guess in trace.steps:
         step = [trace.key(j, e) for e in ex]
         pinned = set(step)
-        if observe is not None:
+        if observe is not None and observe_first:
             observe(j, ex, (j + 1) % trace.n_layers if prefetch else None, guess if prefetch else ())
         for k in step:
             r.accesses += 1
@@ -98,6 +100,8 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, *
                 make_room()
                 pol.insert(k, k)
                 resident.add(k)
+        if observe is not None and not observe_first:
+            observe(j, ex, (j + 1) % trace.n_layers if prefetch else None, guess if prefetch else ())
         if prefetch:
             nj = (j + 1) % trace.n_layers
             for e in guess:

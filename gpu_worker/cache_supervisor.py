@@ -28,7 +28,7 @@ from procs.spawn import spawn_module
 
 class Supervisor:
     def __init__(self, store, *, cache_bytes: int | None = None, n_slots: int | None = None,
-                 n_workers: int = 4, policy: str = "lru", verify_checksums: bool = True,
+                 n_workers: int = 4, policy: str = "reuse", verify_checksums: bool = True,
                  direct: str = "auto", prefetch_depth: int = 2, read_chunks: int = 4,
                  worker_args: tuple = (), restart_budget=RestartBudget.from_env, log=None):
         """restart_budget() -> a fresh `RestartBudget`, one per kind of process (default: from the

@@ -24,7 +24,7 @@ from nemotron.model import NemotronH
 
 class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
-                 dtype=torch.float32, model_dir=None, policy: str = "lru", verify_checksums: bool = True,
+                 dtype=torch.float32, model_dir=None, policy: str = "reuse", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
                  vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True,
                  device_routing: bool = True, prefill_share: bool = False):

@@ -27,7 +27,7 @@ REFUSED = -2          # _allocate: the policy did not admit the read ahead (not 
 
 
 class Prefetcher:
-    def __init__(self, shm: CacheShm, policy: str = "lru", parent_pid: int | None = None,
+    def __init__(self, shm: CacheShm, policy: str = "reuse", parent_pid: int | None = None,
                  prefill_reads: str | None = None):
         """prefill_reads: "as_slots_free" (a prefill's reads wait for slots the prompt is done with, see
         `_allocate`), or "at_once" (every read gets a slot when it is queued: spent blocks first, then the layer's
@@ -37,6 +37,7 @@ class Prefetcher:
         self.E = shm.n_experts
         self.policy = make_policy(policy, shm.n_layers, shm.n_experts)
         self._observe = getattr(self.policy, "observe", None)
+        self._to_observe: list = []      # layer messages the policy has not learned from yet (`dispatch`)
         self._admit = getattr(self.policy, "admit", None)
         self.parent_pid = parent_pid
         self.depth = int(shm.cfg["prefetch_depth"])
@@ -216,8 +217,8 @@ class Prefetcher:
         if self.prefill_layer is not None:
             self._reset_prefill()
             self.prefill_layer = None
-        if self._observe is not None:            # a policy that learns from the layer message (ReusePolicy)
-            self._observe(layer, actual, guess_layer, guess)
+        if self._observe is not None:            # a policy that learns from the layer message (ReusePolicy): after
+            self._to_observe.append((layer, actual, guess_layer, guess))     # this step's demand reads (dispatch)
         for e in actual:
             k = layer * E + e
             self.prefill_loaded.discard(k)      # decode uses it: an ordinary resident now
@@ -277,6 +278,13 @@ class Prefetcher:
             w = min(ws, key=lambda w: (len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
             self._assign(s, k, DEMAND, w)
             self.c[PFC["demand_reads"]] += 1
+        # The policy learns from the layer messages once their demand reads are out (ReusePolicy.observe: ~0.1 ms a
+        # message at Super's scale, off the path of the reads the decode waits for) and before their reads ahead,
+        # whose admission needs the guess it was just told.
+        if self._to_observe:
+            for msg in self._to_observe:
+                self._observe(*msg)
+            self._to_observe.clear()
         while self.pending_prefetch:
             counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH)
                       for w in range(shm.n_workers)]
@@ -448,7 +456,7 @@ def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description="moestream prefetcher process")
     ap.add_argument("--prefix", required=True)
-    ap.add_argument("--policy", default="lru")   # reuse by name: its host cost at Super scale, bench/NOTES.md session 13 h-policy
+    ap.add_argument("--policy", default="reuse")   # bench/NOTES.md session 13 h-policy: its hit rates and cost
     ap.add_argument("--parent-pid", type=int, required=True)
     args = ap.parse_args(argv)
     from procs.spawn import die_with_parent

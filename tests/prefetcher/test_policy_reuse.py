@@ -114,3 +114,48 @@ def test_the_prefetcher_refuses_a_hopeless_read_ahead(tmp_path):
     reuse, lru = run("reuse"), run("lru")
     assert reuse["prefetch_refused"] >= 30 and reuse["prefetch_issued"] <= 10, reuse
     assert lru["prefetch_refused"] == 0 and lru["prefetch_issued"] == 40, lru
+
+
+def test_the_prefetcher_learns_after_the_demand_reads_and_before_the_reads_ahead(tmp_path):
+    """ReusePolicy.observe (~0.1 ms a message at Super's scale) runs once the message's demand reads are on the
+    IO workers' rings and before its reads ahead are admitted (their admission needs the guess it learns). The twin:
+    a step that observes on arrival is caught by the same check."""
+    import prefetcher.core as core
+    from cache_shm.client import CacheClient
+    from cache_shm.shm import CacheShm
+
+    events = []
+
+    class Spy(ReusePolicy):
+        def observe(self, *a):
+            events.append(("observe", len(shm.demand_rings[0]), len(shm.prefetch_rings[0])))
+            return super().observe(*a)
+
+    def run(on_arrival: bool):
+        nonlocal shm
+        events.clear()
+        store = make_fake_store(tmp_path / str(on_arrival), n_layers=2, n_experts=8)
+        shm = CacheShm.create(store, n_slots=6, n_workers=1, prefetch_depth=4)
+        try:
+            pf, c = core.Prefetcher(shm, "lru"), CacheClient(shm)
+            pf.policy = Spy(2, 8)
+            pf._observe, pf._admit = pf.policy.observe, pf.policy.admit
+            if on_arrival:               # the twin: the old order
+                real = pf._on_message
+
+                def eager(msg):
+                    real(msg)
+                    for m in pf._to_observe:
+                        pf._observe(*m)
+                    pf._to_observe.clear()
+                pf._on_message = eager
+            c.request(0, [0, 1, 2], guess=[3, 4])
+            pf.step()
+            return list(events), len(shm.demand_rings[0]), len(shm.prefetch_rings[0])
+        finally:
+            shm.close()
+    shm = None
+    seen, demand, ahead = run(False)
+    assert seen == [("observe", 3, 0)] and demand == 3 and ahead == 2, (seen, demand, ahead)
+    seen, _, _ = run(True)
+    assert seen == [("observe", 0, 0)], seen
