@@ -194,6 +194,9 @@ def parse_args(argv=None):
                          "(default: 0.5 and an eighth of what the dense part leaves of --vram-gb, at most 1; long "
                          "prompts run faster with more: 16k tokens took half the time at 1 GiB as at 0.5, at the "
                          "cost of the VRAM tier's slots)")
+    ap.add_argument("--warm-cache", choices=["auto", "off"], default="auto",
+                    help="auto: when --cache-gb holds every expert, the store is read into the cache from the start, "
+                         "behind any prompt's reads, so the first prompts read nothing from disk (off: as they come)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--down-group-neurons", default="auto", choices=["auto", "16", "8", "4", "2", "1"],
                     help="when the store is made (first start): its down projection in sub-groups of N neurons, read "
@@ -369,7 +372,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         snapshot_dir=a.snapshot_dir, snapshot_count=a.snapshots, snapshot_ram_bytes=snapshot_bytes,
         snapshot_disk_count=a.snapshot_disk_count,
         vram_bytes=getattr(a, "vram_budget", None),
-        prefill_reserve_bytes=int(a.prefill_gb * GiB) if a.prefill_gb else 0), max_queue=a.max_queue, log=log)
+        prefill_reserve_bytes=int(a.prefill_gb * GiB) if a.prefill_gb else 0, warm_cache=a.warm_cache),
+        max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")
     state = ServerState(ServerSettings(model_name=name, model_dir=str(meta_dir), store_dir=str(store),

@@ -21,8 +21,9 @@ from .names import pid_alive
 from .shm import CLC, FAILED, HDR, PFC, STATE_NAMES, CacheShm
 
 # message kinds: per-layer (actual + guess); demand only (a re-send); prefill (demand misses, touch
-# nothing); demote (a prefill is done with these experts: move what it loaded to the cold end)
-MSG_LAYER, MSG_DEMAND, MSG_PREFILL, MSG_DEMOTE = 1, 2, 3, 4
+# nothing); demote (a prefill is done with these experts: move what it loaded to the cold end); warm (read into free
+# slots while nothing else waits, never evicting: a cache that holds every expert filled at start)
+MSG_LAYER, MSG_DEMAND, MSG_PREFILL, MSG_DEMOTE, MSG_WARM = 1, 2, 3, 4, 5
 # Every message reads as [kind, layer, actual, guess_layer, guess] (`decode_message`). The decode's per-layer message
 # (MSG_LAYER, on the route path) goes as a fixed record: a header "=BBHHH" (LAYER_RECORD_TAG, kind, layer, guess
 # layer, the number of actual experts), then the actual and the guessed experts as u16 (the host's byte order: both
@@ -260,6 +261,13 @@ class CacheClient:
     def demand(self, layer: int, experts) -> None:
         """Demand reads without a touch (wait() re-sends with this after a prefetcher restart)."""
         self._send(msgpack.packb((MSG_DEMAND, int(layer), [int(e) for e in experts], 0, [])))
+
+    def warm(self, layer: int, experts) -> None:
+        """Read `experts` of `layer` into free slots while no demand read or read ahead waits; never evicts (a
+        cache that holds the whole store, filled while the model loads: its first prompts read nothing from disk)."""
+        experts = [int(e) for e in experts]
+        for s in range(0, len(experts), 256):
+            self._send(msgpack.packb((MSG_WARM, int(layer), experts[s:s + 256], 0, [])))
 
     # ---- wait ------------------------------------------------------------------------------
     def wait(self, layer: int, expert: int, timeout: float = 60.0) -> int:

@@ -42,7 +42,8 @@ PF_COUNTERS = ["hits", "misses", "misses_inflight", "demand_reads", "prefetch_is
                "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "evictions", "messages",
                "demand_queue", "prefetch_queue", "stalls_no_slot", "failed_slots",
                "prefill_forced",     # a prefill's reads that took a block it had not passed (nothing spent was free)
-               "prefetch_refused"]   # reads ahead the policy's admission turned down (prefetcher/policy.py ReusePolicy)
+               "prefetch_refused",   # reads ahead the policy's admission turned down (prefetcher/policy.py ReusePolicy)
+               "warm_reads"]         # blocks read into free slots by a warm message (CacheClient.warm)
 WORKER_COUNTERS = ["pid", "direct", "reads", "bytes_read", "failures", "read_ns",
                    "demand_reads", "prefetch_reads", "ready"]
 CLIENT_COUNTERS = ["lookups", "lookup_hits", "lookup_misses", "requests", "waits", "wait_ns",

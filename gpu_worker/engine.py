@@ -27,7 +27,7 @@ class StreamingEngine:
                  dtype=torch.float32, model_dir=None, policy: str = "reuse", verify_checksums: bool = True,
                  record=None, vram_bytes: int | None = None, vram_reserve_bytes: int = 512 << 20,
                  vram_admit_after: int = 2, cuda_graphs: bool = True, stage_ups: bool = True,
-                 device_routing: bool = True, prefill_share: bool = False):
+                 device_routing: bool = True, prefill_share: bool = False, warm_cache: bool = False):
         """vram_bytes: the device budget (`--vram-gb`): the dense part first, what is left (less a reserve
         for activations and KV caches) becomes the VRAM tier of the expert cache. None: no tier.
         cuda_graphs: on CUDA, one-token steps replay the dense stretches between MoE layers as CUDA graphs
@@ -37,7 +37,10 @@ class StreamingEngine:
         device_routing: in the decode graphs, a MoE layer whose every expert is in the VRAM tier is routed on the
         device, with no host decision (gpu_worker/decode_graphs.py); False keeps every layer host-routed (an A/B).
         prefill_share: the reserve grows by a share of what the dense part leaves (`vram_tier.prefill_reserve_bytes`:
-        long prompts need room for large grouped launches); False keeps vram_reserve_bytes as given."""
+        long prompts need room for large grouped launches); False keeps vram_reserve_bytes as given.
+        warm_cache: where the RAM cache holds every expert, the IO workers read the whole store into it from the start,
+        while the dense part loads, behind any demand read or read ahead (CacheClient.warm): a server's first prompts
+        then read nothing from disk. `warming` says whether it was asked."""
         store_dir = Path(store_dir)
         # the prefill's activations live in what the budget keeps beside the VRAM tier (gpu_worker/prefill.py):
         # the reserve, and whatever a tier that holds every expert leaves of the budget (set by _vram_tier)
@@ -55,6 +58,10 @@ class StreamingEngine:
         try:
             self.sup.start()
             client = self.sup.client()
+            self.warming = warm_cache and self.warm_fits(client)
+            if self.warming:
+                for j in range(len(self.store.moe_layers)):
+                    client.warm(j, range(self.store.n_experts))
             self.reg = register_slab(client.shm, device="cuda" if str(device).startswith("cuda") else "cpu")
             self.experts = StreamingExperts(self.store, client, device, slab_tensor(client.shm), record=record)
             self.experts.stage_ups = self.experts.stage_ups and stage_ups
@@ -70,6 +77,10 @@ class StreamingEngine:
         except BaseException:
             self.close()
             raise
+
+    def warm_fits(self, client) -> bool:
+        """The RAM cache has a slot for every expert of the store."""
+        return client.shm.n_slots >= len(self.store.moe_layers) * self.store.n_experts
 
     def _vram_tier(self, budget: int, reserve: int, device, admit_after: int, share: bool = False) -> VramTier:
         cuda = str(device).startswith("cuda")

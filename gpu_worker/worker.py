@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
     ap.add_argument("--prefill-reserve-bytes", type=int, default=0,
                     help="device bytes kept beside the VRAM tier for prefill activations and KV (0: automatic)")
+    ap.add_argument("--warm-cache", choices=["auto", "off"], default="auto",
+                    help="auto: where the RAM cache holds every expert, read the whole store into it from the start")
     ap.add_argument("--snapshot-dir")
     ap.add_argument("--snapshot-count", type=int, default=32)
     ap.add_argument("--snapshot-ram-bytes", type=int, default=2 << 30)
@@ -436,7 +438,7 @@ def main(argv=None) -> int:
         reserve = (a.prefill_reserve_bytes or (512 << 20)) + vision_reserve
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
                                  dtype=dtype, model_dir=a.model, vram_reserve_bytes=reserve,
-                                 prefill_share=not a.prefill_reserve_bytes,
+                                 prefill_share=not a.prefill_reserve_bytes, warm_cache=a.warm_cache == "auto",
                                  vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())

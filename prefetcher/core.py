@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 
 import posix_ipc
 
-from cache_shm.client import MSG_DEMAND, MSG_DEMOTE, MSG_LAYER, MSG_PREFILL, decode_message
+from cache_shm.client import MSG_DEMAND, MSG_DEMOTE, MSG_LAYER, MSG_PREFILL, MSG_WARM, decode_message
 from cache_shm.ring import full_fence
 from cache_shm.shm import (DEMAND, DONE, EMPTY, FAILED, HDR, INF, LOADING, PFC, PREFETCH, READY,
                            REQ, CacheShm)
@@ -45,6 +45,8 @@ class Prefetcher:
         self.free: deque[int] = deque()
         self.pending_demand: OrderedDict[int, None] = OrderedDict()    # key -> None, FIFO
         self.pending_prefetch: OrderedDict[int, None] = OrderedDict()
+        self.pending_warm: OrderedDict[int, None] = OrderedDict()     # warm reads: free slots, nothing else waiting
+        self.warming: set[int] = set()               # slots a warm read is filling
         self.outstanding = [dict() for _ in range(shm.n_workers)]      # slot -> (gen, kind)
         self.prefetched_unused: set[int] = set()    # ready slots a prefetch filled, not yet used
         self.credited: set[int] = set()              # loading prefetch slots already counted used
@@ -154,6 +156,10 @@ class Prefetcher:
         if st not in (READY, FAILED):
             return
         self.policy.insert(slot, k)
+        if slot in self.warming:         # a warm read: neither a read ahead used nor one wasted
+            self.warming.discard(slot)
+            self.c[PFC["failed_slots" if st == FAILED else "warm_reads"]] += 1
+            return
         if st == FAILED:
             self.c[PFC["failed_slots"]] += 1
         elif kind == PREFETCH:
@@ -167,6 +173,11 @@ class Prefetcher:
         shm, E = self.shm, self.E
         soe = shm.slot_of_expert
         self.c[PFC["messages"]] += 1
+        if kind == MSG_WARM:
+            for e in actual:
+                if soe[layer, e] < 0:
+                    self.pending_warm[layer * E + e] = None
+            return
         if kind == MSG_DEMAND:
             for e in actual:
                 k = layer * E + e
@@ -302,6 +313,22 @@ class Prefetcher:
                 continue
             self._assign(s, k, PREFETCH, w)
             self.c[PFC["prefetch_issued"]] += 1
+        # warm reads last, into free slots only (never a victim), at the reads-ahead depth, while nothing else waits
+        soe = shm.slot_of_expert.reshape(-1)
+        while self.pending_warm and self.free and not self.pending_demand and not self.pending_prefetch:
+            counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH)
+                      for w in range(shm.n_workers)]
+            self._rr += 1
+            w = min(range(shm.n_workers),
+                    key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
+            if counts[w] >= self.depth:
+                break
+            k, _ = self.pending_warm.popitem(last=False)
+            if soe[k] >= 0:              # read meanwhile (a demand, a read ahead)
+                continue
+            s = self.free.popleft()
+            self.warming.add(s)
+            self._assign(s, k, PREFETCH, w)
 
     def _assign(self, s: int, k: int, kind: int, w: int) -> None:
         shm = self.shm

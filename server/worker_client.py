@@ -48,6 +48,7 @@ class WorkerConfig:
     snapshot_disk_count: int = 64
     vram_bytes: int | None = None     # the device budget; what the dense part leaves becomes the VRAM tier
     prefill_reserve_bytes: int = 0    # kept beside the VRAM tier for prefills (0: the worker's automatic share)
+    warm_cache: str = "auto"          # auto: a RAM cache that holds every expert is filled from the start
 
     def args(self, fd: int) -> list[str]:
         """The command line of `python -m gpu_worker.worker`."""
@@ -62,6 +63,7 @@ class WorkerConfig:
             a += ["--snapshot-dir", self.snapshot_dir]
         if self.vram_bytes:
             a += ["--vram-bytes", str(self.vram_bytes)]
+        a += ["--warm-cache", self.warm_cache]
         if self.prefill_reserve_bytes:
             a += ["--prefill-reserve-bytes", str(self.prefill_reserve_bytes)]
         return a
