@@ -121,6 +121,9 @@ class _EngineCollector:
                                ("expert_cache_evictions", "evictions", "expert blocks evicted"),
                                ("prefetch_issued", "prefetch_issued", "prefetch reads issued"),
                                ("prefetch_used", "prefetch_used", "prefetched blocks later used"),
+                               ("prefetch_refused", "prefetch_refused", "reads ahead the cache policy did not admit"),
+                               ("expert_cache_warm_reads", "warm_reads",
+                                "blocks read into free slots at start (--warm-cache: a cache that holds the store)"),
                                ("bytes_from_disk", "io_bytes_read", "bytes read from the expert store")]:
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], float(cache.get(key, 0)))

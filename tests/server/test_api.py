@@ -318,6 +318,8 @@ def test_metrics(server, model):
     assert metric(server, "moestream_time_to_first_token_seconds_count") == ttft_before + 1
     assert 0 < metric(server, "moestream_expert_cache_hit_rate") <= 1
     assert metric(server, "moestream_bytes_from_disk_total") > 0
+    assert metric(server, "moestream_expert_cache_warm_reads_total") >= 0      # named (--warm-cache)
+    assert metric(server, "moestream_prefetch_refused_total") >= 0
     assert metric(server, "moestream_bytes_from_disk_per_token") >= 0
     assert metric(server, "moestream_bytes_over_pcie_per_token") == 0          # CPU: nothing crosses a bus
     assert metric(server, "moestream_ms_per_token", {"part": "total"}) > 0
