@@ -297,12 +297,8 @@ class Prefetcher:
                 self._observe(*msg)
             self._to_observe.clear()
         while self.pending_prefetch:
-            counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH)
-                      for w in range(shm.n_workers)]
-            self._rr += 1
-            w = min(range(shm.n_workers),
-                    key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
-            if counts[w] >= self.depth:
+            w = self._ahead_worker()
+            if w is None:
                 break
             s = self._allocate(PREFETCH, key=next(iter(self.pending_prefetch)))
             if s is None:
@@ -316,12 +312,8 @@ class Prefetcher:
         # warm reads last, into free slots only (never a victim), at the reads-ahead depth, while nothing else waits
         soe = shm.slot_of_expert.reshape(-1)
         while self.pending_warm and self.free and not self.pending_demand and not self.pending_prefetch:
-            counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH)
-                      for w in range(shm.n_workers)]
-            self._rr += 1
-            w = min(range(shm.n_workers),
-                    key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % shm.n_workers))
-            if counts[w] >= self.depth:
+            w = self._ahead_worker()
+            if w is None:
                 break
             k, _ = self.pending_warm.popitem(last=False)
             if soe[k] >= 0:              # read meanwhile (a demand, a read ahead)
@@ -329,6 +321,15 @@ class Prefetcher:
             s = self.free.popleft()
             self.warming.add(s)
             self._assign(s, k, PREFETCH, w)
+
+    def _ahead_worker(self) -> int | None:
+        """The IO worker with the fewest reads ahead (and warm reads) outstanding, ties round-robin; None when even
+        it has the reads-ahead depth."""
+        n = self.shm.n_workers
+        counts = [sum(1 for g, kd in self.outstanding[w].values() if kd == PREFETCH) for w in range(n)]
+        self._rr += 1
+        w = min(range(n), key=lambda w: (counts[w], len(self.outstanding[w]), (w - self._rr) % n))
+        return None if counts[w] >= self.depth else w
 
     def _assign(self, s: int, k: int, kind: int, w: int) -> None:
         shm = self.shm
