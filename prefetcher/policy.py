@@ -342,6 +342,7 @@ class ReusePolicy:
         self._heaps: list[list[tuple]] = [[] for _ in range(self.L)]
         self._gheap: list[tuple] = []                            # (p, tick, version, slot, layer): the layers' heads
         self._slot_of_key: dict[int, int] = {}
+        self._dirty: set[int] = set()    # layers whose probabilities a message moved, re-ranked when next needed
 
     def __len__(self):
         return self._n
@@ -398,8 +399,15 @@ class ReusePolicy:
                 s = slot_of.get(k)
                 if s is not None and not self._demoted[s]:
                     self._push(s, k, pk)
-        for layer_ in changed:
-            self._refresh(layer_)
+        self._dirty.update(changed)      # re-ranked at the next eviction or admission (`_settle`), not per message:
+        # a cache that never evicts (the RAM regime) pays only the counts above
+
+    def _settle(self) -> None:
+        """The layers the messages since the last eviction moved, re-ranked from the state as it is now (what a full
+        ranking would see)."""
+        for j in self._dirty:
+            self._refresh(j)
+        self._dirty.clear()
 
     def _refresh(self, j: int) -> None:
         """Recompute layer j's key probabilities and re-rank its residents (a sorted list is a heap)."""
@@ -511,6 +519,8 @@ class ReusePolicy:
     def choose_victim(self, evictable) -> int | None:
         """The least likely used evictable resident, ties to the least recent: the heads of the per-layer heaps
         merged through the heap of heads, stale entries dropped, unevictable ones set aside and put back."""
+        if self._dirty:
+            self._settle()
         gh, heaps, ver = self._gheap, self._heaps, self._ver
         pop, push = heapq.heappop, heapq.heappush
         skipped, victim = [], None
@@ -546,6 +556,8 @@ class ReusePolicy:
         """Read the guessed expert `key` ahead into the victim's slot only if it is at least as likely used."""
         if not self.admission or victim not in self:
             return True
+        if self._dirty:
+            self._settle()
         return bool(self._p_key[key] >= self._p_key[int(self._key_of_slot[victim])])
 
 
