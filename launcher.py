@@ -194,6 +194,9 @@ def parse_args(argv=None):
                          "(default: 0.5 and an eighth of what the dense part leaves of --vram-gb, at most 1; long "
                          "prompts run faster with more: 16k tokens took half the time at 1 GiB as at 0.5, at the "
                          "cost of the VRAM tier's slots)")
+    ap.add_argument("--cache-policy", choices=["reuse", "lru", "lfu", "lrfu", "slru", "arc"], default="reuse",
+                    help="which expert the RAM cache evicts (reuse: the least likely used at its layer's next token, "
+                         "learnt from the decode; lru: the least recently used; docs/cache.md)")
     ap.add_argument("--warm-cache", choices=["auto", "off"], default="auto",
                     help="auto: when --cache-gb holds every expert, the store is read into the cache from the start, "
                          "behind any prompt's reads, so the first prompts read nothing from disk (off: as they come)")
@@ -372,7 +375,8 @@ async def serve(a, model: Path | None, store: Path, cache_bytes: int, snapshot_b
         snapshot_dir=a.snapshot_dir, snapshot_count=a.snapshots, snapshot_ram_bytes=snapshot_bytes,
         snapshot_disk_count=a.snapshot_disk_count,
         vram_bytes=getattr(a, "vram_budget", None),
-        prefill_reserve_bytes=int(a.prefill_gb * GiB) if a.prefill_gb else 0, warm_cache=a.warm_cache),
+        prefill_reserve_bytes=int(a.prefill_gb * GiB) if a.prefill_gb else 0, warm_cache=a.warm_cache,
+        cache_policy=a.cache_policy),
         max_queue=a.max_queue, log=log)
     client.on_status = lambda s: notify(f"STATUS={s}")
     name = a.served_model_name or meta_dir.name.removesuffix(".moestream-store")

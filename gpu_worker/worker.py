@@ -399,7 +399,8 @@ def load_vision(model_dir, device, dtype, chan=None):
     return tower, geom, tower.activation_bytes(most) if cuda else 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The worker's command line (what server/worker_client.py `WorkerConfig.args` writes)."""
     ap = argparse.ArgumentParser(prog="python -m gpu_worker.worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--fd", type=int, required=True, help="the inherited socket to the launcher")
     ap.add_argument("--store", required=True)
@@ -414,13 +415,18 @@ def main(argv=None) -> int:
     ap.add_argument("--vram-bytes", type=int, help="device budget: the dense part, then a VRAM tier of hot experts")
     ap.add_argument("--prefill-reserve-bytes", type=int, default=0,
                     help="device bytes kept beside the VRAM tier for prefill activations and KV (0: automatic)")
+    ap.add_argument("--cache-policy", default="reuse", help="the RAM cache's eviction policy (prefetcher/policy.py)")
     ap.add_argument("--warm-cache", choices=["auto", "off"], default="auto",
                     help="auto: where the RAM cache holds every expert, read the whole store into it from the start")
     ap.add_argument("--snapshot-dir")
     ap.add_argument("--snapshot-count", type=int, default=32)
     ap.add_argument("--snapshot-ram-bytes", type=int, default=2 << 30)
     ap.add_argument("--snapshot-disk-count", type=int, default=64)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the launcher decides when we stop
     chan = Channel(socket.socket(fileno=a.fd))
@@ -439,6 +445,7 @@ def main(argv=None) -> int:
         engine = StreamingEngine(a.store, cache_bytes=a.cache_bytes, io_workers=a.io_workers, device=a.device,
                                  dtype=dtype, model_dir=a.model, vram_reserve_bytes=reserve,
                                  prefill_share=not a.prefill_reserve_bytes, warm_cache=a.warm_cache == "auto",
+                                 policy=a.cache_policy,
                                  vram_bytes=a.vram_bytes if str(a.device).startswith("cuda") else None)
     except Exception as e:
         log(traceback.format_exc())

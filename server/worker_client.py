@@ -49,6 +49,7 @@ class WorkerConfig:
     vram_bytes: int | None = None     # the device budget; what the dense part leaves becomes the VRAM tier
     prefill_reserve_bytes: int = 0    # kept beside the VRAM tier for prefills (0: the worker's automatic share)
     warm_cache: str = "auto"          # auto: a RAM cache that holds every expert is filled from the start
+    cache_policy: str = "reuse"       # the RAM cache's eviction policy (prefetcher/policy.py)
 
     def args(self, fd: int) -> list[str]:
         """The command line of `python -m gpu_worker.worker`."""
@@ -63,7 +64,7 @@ class WorkerConfig:
             a += ["--snapshot-dir", self.snapshot_dir]
         if self.vram_bytes:
             a += ["--vram-bytes", str(self.vram_bytes)]
-        a += ["--warm-cache", self.warm_cache]
+        a += ["--warm-cache", self.warm_cache, "--cache-policy", self.cache_policy]
         if self.prefill_reserve_bytes:
             a += ["--prefill-reserve-bytes", str(self.prefill_reserve_bytes)]
         return a

@@ -3,6 +3,7 @@ unreadable message fails that request with a message naming the field, instead o
 from __future__ import annotations
 
 import msgpack
+import pytest
 
 from procs import messages as m
 from server.worker_client import WorkerClient, WorkerConfig
@@ -26,3 +27,18 @@ def test_messages_reach_their_request_and_a_bad_one_fails_it():
     err = job.events.get_nowait()
     assert isinstance(err, m.Error) and "token.token: expected an integer, got str" in err.message
     assert job.state == "finished" and client.running is None
+
+
+def test_the_worker_reads_every_setting_the_launcher_writes():
+    """WorkerConfig.args -> gpu_worker.worker.parse_args: the cache's policy, the warm, the reserve arrive as set
+    (the twin: a policy the worker does not know is refused by the prefetcher, not here; an unknown flag is)."""
+    from gpu_worker.worker import parse_args
+    cfg = WorkerConfig(store="s", cache_bytes=5, vram_bytes=7, prefill_reserve_bytes=9, warm_cache="off",
+                       cache_policy="lru", model="m", snapshot_dir="d")
+    a = parse_args(cfg.args(3))
+    assert (a.fd, a.store, a.cache_bytes, a.vram_bytes, a.prefill_reserve_bytes, a.warm_cache, a.cache_policy,
+            a.model, a.snapshot_dir) == (3, "s", 5, 7, 9, "off", "lru", "m", "d")
+    d = parse_args(WorkerConfig(store="s", cache_bytes=5).args(3))
+    assert (d.warm_cache, d.cache_policy, d.prefill_reserve_bytes, d.vram_bytes) == ("auto", "reuse", 0, None)
+    with pytest.raises(SystemExit):
+        parse_args(cfg.args(3) + ["--no-such-flag"])
