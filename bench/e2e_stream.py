@@ -248,6 +248,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prefill-tokens", type=int, default=2000)
     ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--policy", default="reuse", help="the RAM cache's eviction policy (prefetcher/policy.py)")
     ap.add_argument("--out", default="e2e_stream.json")
     ap.add_argument("--skip", default="", help="comma list of: ram,disk,prefill,vram")
     ap.add_argument("--eager-too", action="store_true", help="also the RAM regime without CUDA graphs")
@@ -340,7 +341,7 @@ def main(argv=None):
             if kw.get("vram_bytes"):
                 kw["vram_bytes"] += held
         with StreamingEngine(store_path, cache_bytes=cache_bytes, io_workers=a.io_workers, device=a.device,
-                             dtype=dtype, **kw) as eng:
+                             policy=a.policy, dtype=dtype, **kw) as eng:
             into[f"s_load_{name}"] = time.time() - t
             if up_dma is not None:
                 eng.experts.up_dma_limit = up_dma if eng.experts.stage_ups else 0
