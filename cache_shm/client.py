@@ -147,19 +147,25 @@ class CacheClient:
         slots = [gather(row)] if len(experts) == 1 else list(gather(row))
         if -1 in slots:
             return slots, False
-        return self._pin(row, gather, slots, True), True
+        return self._pin(row, gather, slots, True, True), True
 
-    def _pin(self, row, gather, slots: list[int], count: bool) -> list[int]:
+    def _pin(self, row, gather, slots: list[int], count: bool, ready: bool = False) -> list[int]:
         """Pin the slots read (>= 0) by `gather` from `row`, then read again: an expert unpublished meanwhile is a
-        miss (-1, its pin undone)."""
+        miss (-1, its pin undone). ready: every slot read is >= 0 (`lookup_all`: the loops skip the test, and the
+        counts the misses' scan unless one was unpublished; ~0.5 µs of the hits' ~4 on the VM)."""
         pins = self._pins
         with self._lock:
-            for s in slots:
-                if s >= 0:
+            if ready:
+                for s in slots:
                     pins[s] += 1
+            else:
+                for s in slots:
+                    if s >= 0:
+                        pins[s] += 1
         # as in _try_pin: the lock release was the fence; an expert unpublished meanwhile is a miss
         again = [gather(row)] if len(slots) == 1 else list(gather(row))
         if again != slots:
+            ready = False
             with self._lock:
                 for i, (s, now) in enumerate(zip(slots, again)):
                     if s >= 0 and now != s:
@@ -167,8 +173,12 @@ class CacheClient:
                         slots[i] = -1
         if not count:
             return slots
-        cc, n_miss = self._cc, slots.count(-1)
+        cc = self._cc
         cc[LOOKUPS] += 1
+        if ready:
+            cc[LOOKUP_HITS] += len(slots)
+            return slots
+        n_miss = slots.count(-1)
         cc[LOOKUP_HITS] += len(slots) - n_miss
         cc[LOOKUP_MISSES] += n_miss
         return slots
