@@ -181,3 +181,40 @@ def test_take_rows_are_what_take_gives_as_the_kernels_rows(fresh, monkeypatch):
             return
         assert b.take_rows(layer, chosen, mine) is None and a.take(layer, chosen) == {}      # consumed
     assert a.used_by_rank == b.used_by_rank and fresh
+
+
+def test_set_addresses_packed_rows_equal_numpy_and_fall_back():
+    """The staged route's rows written by one cached Struct (h-host13) equal numpy's writes; what the Struct refuses
+    (numpy ints, a wrong length, a value past int64) goes through numpy as before, or fails as numpy would."""
+    import numpy as np
+
+    from gpu_worker.decode_graphs import ExpertInputs
+    k = 5
+    rng = np.random.default_rng(3)
+
+    def fresh():
+        return ExpertInputs.like(torch.zeros(1, 8), None, (torch.zeros(k), torch.zeros(k)), torch.zeros(k),
+                                 pinned=False)
+
+    def expect(rows, order):
+        want = np.zeros((5, k), dtype=np.int64)
+        want[:4] = rows
+        want[4] = order
+        return want
+    for _ in range(4):
+        rows = [[int(v) for v in rng.integers(-(1 << 62), 1 << 62, size=k)] for _ in range(4)]
+        order = tuple(int(v) for v in rng.permutation(k))
+        inp = fresh()
+        inp.set_addresses(rows[0], rows[1], (rows[2], rows[3], order))
+        assert (inp.addresses_host.numpy() == expect(rows, order)).all()
+        two = fresh()                                       # no waits: rows 2-3 zero, row 4 the identity
+        two.set_addresses(rows[0], rows[1])
+        assert (two.addresses_host.numpy() == expect([rows[0], rows[1], [0] * k, [0] * k], range(k))).all()
+    inp = fresh()
+    np_rows = [np.asarray(r, dtype=np.int64) for r in rows]       # not Python ints: the numpy path
+    inp.set_addresses(np_rows[0], list(np_rows[1]), (rows[2], rows[3], list(order)))
+    assert (inp.addresses_host.numpy() == expect(rows, order)).all()
+    with pytest.raises(ValueError):                               # a wrong length fails as numpy's write does
+        fresh().set_addresses(rows[0][:-1], rows[1], (rows[2], rows[3], order))
+    with pytest.raises(OverflowError):                            # past int64: numpy refuses it too
+        fresh().set_addresses([1 << 63] + rows[0][1:], rows[1], (rows[2], rows[3], order))
