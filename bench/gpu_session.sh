@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with the env),
@@ -84,6 +84,10 @@ PY
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
            --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
+    # session 14: the prefill's device timeline, copy engine beside compute, per MoE layer (bench.prefill_timeline)
+    timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 -m bench.prefill_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+           --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1
+      grep -v "^\s*$" "$OUT/prefill_timeline.log" | grep -v Warning | tail -${TIMELINE_TAIL:-40} | cut -c1-200;;
     # issue 15: the same model on a store of down sub-groups of SUB_N (default 8): prefill (never measured there) and
     # the RAM regime's decode, beside the default store's rows of this call
     sub8) mkdir -p $W/super8; ln -sfn $W/super/model $W/super8/model

@@ -1,0 +1,204 @@
+"""Where a prompt's prefill wall time goes on the device's timeline: the copy engine and the compute stream side by
+side, between the host's router syncs (one a MoE layer).
+
+    python -m bench.prefill_timeline --work DIR [--moe-layers 4] [--sizes 4000,16000] [--out OUT.json]
+
+The RAM regime (every expert cached, weights staged, the engine's defaults), prompts of varied real text. Each size
+runs once to compile, then once under torch.profiler (CUPTI: every kernel and every copy with its stream and its
+device time). The prompt's wall on the device is cut into what ran at each instant:
+
+  both      a host->device copy and a kernel at once (the overlap the pipeline is built for)
+  copy      only copies: the compute stream waits for weights (a copy-bound stretch)
+  compute   only kernels: the bus idles (the copies ahead ran out, or nothing was asked for yet)
+  neither   the device idles: the host is issuing work, or waiting (its router sync, the disk)
+
+and the same split is given per stretch between consecutive router syncs (`MoE j` = from layer j's sync to the next
+one; `pre` = the prompt's start to the first sync, the dense layers before the first MoE layer; `tail` = the last
+sync to the end). The floor's view: the H2D bytes the prompt moved over the copy-busy time is the copies' own rate;
+wall − max(copy busy, compute busy) is what a perfect overlap of the two would save.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ("both", "copy", "compute", "neither")
+
+
+def union(iv):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for s, e in sorted(iv):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [tuple(x) for x in out]
+
+
+def length(iv, lo=None, hi=None) -> float:
+    """Total length of merged intervals `iv`, clipped to [lo, hi)."""
+    t = 0.0
+    for s, e in iv:
+        if lo is not None:
+            s = max(s, lo)
+        if hi is not None:
+            e = min(e, hi)
+        t += max(0.0, e - s)
+    return t
+
+
+def intersect(a, b):
+    """Intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def split(copies, kernels, lo: float, hi: float) -> dict:
+    """{kind: time} over [lo, hi) of two merged interval lists (KINDS)."""
+    c, k = length(copies, lo, hi), length(kernels, lo, hi)
+    b = length(intersect(copies, kernels), lo, hi)
+    return dict(both=b, copy=c - b, compute=k - b, neither=(hi - lo) - (c + k - b))
+
+
+def timeline(events: list[dict], marks: list[float], lo: float, hi: float) -> dict:
+    """events: the device's [{kind: 'copy'|'kernel', ts, dur, bytes}] (µs); marks: the host's sync times (µs) inside
+    [lo, hi). Returns the whole prompt's split, its H2D bytes and busy times, and one split per stretch."""
+    copies = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "copy")
+    kernels = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "kernel")
+    edges = [lo] + sorted(m for m in marks if lo < m < hi) + [hi]
+    names = ["pre"] + [f"MoE {j}" for j in range(len(edges) - 2)]
+    if len(names) > 1:
+        names[-1] += " + tail"                          # the last MoE layer's stretch runs to the prompt's end
+    stretches = []
+    for i, name in enumerate(names):
+        a, b = edges[i], edges[i + 1]
+        stretches.append(dict(name=name, start=a - lo, wall=b - a, **split(copies, kernels, a, b)))
+    h2d = sum(e.get("bytes", 0) for e in events if e["kind"] == "copy" and e.get("h2d", True))
+    return dict(wall=hi - lo, copy_busy=length(copies, lo, hi), compute_busy=length(kernels, lo, hi),
+                h2d_bytes=h2d, **split(copies, kernels, lo, hi), stretches=stretches)
+
+
+def device_events(trace: dict) -> tuple[list[dict], list[float], tuple[float, float] | None]:
+    """From a chrome trace (torch.profiler's export): the device's copies and kernels, the host's router-sync marks
+    and the prompt's (start, end) on the host (record_function 'prompt')."""
+    ev, marks, prompt = [], [], None
+    for e in trace.get("traceEvents", []):
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if e.get("ph") != "X":
+            continue
+        if cat in ("gpu_memcpy", "gpu_memset", "kernel"):
+            is_copy = cat != "kernel"
+            args = e.get("args", {})
+            ev.append(dict(kind="copy" if is_copy else "kernel", ts=float(e["ts"]), dur=float(e.get("dur", 0)),
+                           bytes=int(args.get("bytes", 0)) if is_copy else 0, h2d="HtoD" in name, name=name))
+        elif cat != "user_annotation":                 # (the device's copy of a range is gpu_user_annotation)
+            continue
+        elif name == "moe_router_sync":
+            marks.append(float(e["ts"]) + float(e.get("dur", 0)))
+        elif name == "prompt":
+            prompt = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+    return ev, marks, prompt
+
+
+def show(n: int, r: dict) -> None:
+    ms = lambda us: f"{us / 1e3:7.2f}"      # noqa: E731
+    print(f"\n== {n} tokens: wall {r['wall'] / 1e3:.2f} ms; copy busy {r['copy_busy'] / 1e3:.2f} ms "
+          f"({r['h2d_bytes'] / 1e9:.2f} GB H2D, {r['h2d_bytes'] / max(r['copy_busy'], 1e-9) / 1e3:.1f} GB/s while "
+          f"busy), compute busy {r['compute_busy'] / 1e3:.2f} ms; a perfect overlap would save "
+          f"{(r['wall'] - max(r['copy_busy'], r['compute_busy'])) / 1e3:.2f} ms")
+    print("stretch | start ms | wall ms | both | copy only | compute only | neither")
+    for s in r["stretches"] + [dict(name="prompt", start=0.0, **{k: r[k] for k in ("wall",) + KINDS})]:
+        print(f"{s['name']} | {ms(s['start'])} | {ms(s['wall'])} | " + " | ".join(ms(s[k]) for k in KINDS))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--sizes", default="4000,16000")
+    ap.add_argument("--env", default="none", help="comma list of settings to compare in one engine: 'none' or "
+                    "KEY=VAL (set while that row runs; read per prompt by the switch)")
+    ap.add_argument("--out", default="prefill_timeline.json")
+    a = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.prefill_timeline reads the device's timeline: no CUDA device here")
+    from tokenizers import Tokenizer
+    from bench.peers import texts
+    from bench.prefill import text_ids
+    from bench.workdir import all_experts_bytes, super_store, warm_all
+    from gpu_worker.engine import StreamingEngine
+    from gpu_worker.prefill import prefill
+    model_dir, store_dir, store = super_store(a.work, a.moe_layers)
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    corpus = texts.load_text()
+    res: dict = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), rows=[])
+    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        warm_all(eng, store)
+        src = eng.experts
+        plain_sync = src._router_sync
+
+        def marked_sync(counts, guess):                 # the host's mark of each MoE layer's one sync
+            with torch.profiler.record_function("moe_router_sync"):
+                return plain_sync(counts, guess)
+        src._router_sync = marked_sync
+        vocab = eng.model.config.vocab_size
+        for n in [int(s) for s in a.sizes.split(",") if s]:
+            for setting in a.env.split(","):
+                key, _, val = setting.partition("=")
+                old = os.environ.get(key) if setting != "none" else None
+                if setting != "none":
+                    os.environ[key] = val
+                try:
+                    prefill(eng.model, text_ids(tok, corpus, vocab, n, 7), eng.model.new_state())   # compiles
+                    ids = text_ids(tok, corpus, vocab, n, 8)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    prefill(eng.model, ids, eng.model.new_state())
+                    torch.cuda.synchronize()
+                    plain_ms = (time.perf_counter() - t) * 1e3
+                    ids = text_ids(tok, corpus, vocab, n, 9)
+                    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    with torch.profiler.profile(activities=acts) as prof:
+                        with torch.profiler.record_function("prompt"):
+                            prefill(eng.model, ids, eng.model.new_state())
+                            torch.cuda.synchronize()
+                    with tempfile.TemporaryDirectory() as d:
+                        p = os.path.join(d, "trace.json")
+                        prof.export_chrome_trace(p)
+                        trace = json.loads(Path(p).read_text())
+                finally:
+                    if setting != "none":
+                        if old is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = old
+                ev, marks, prompt = device_events(trace)
+                if prompt is None:
+                    raise SystemExit("the profile holds no 'prompt' range")
+                r = timeline(ev, marks, *prompt)
+                r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks))
+                res["rows"].append(r)
+                print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms")
+                show(n, r)
+                Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

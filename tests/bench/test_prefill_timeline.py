@@ -1,0 +1,65 @@
+"""bench.prefill_timeline's interval algebra against a brute-force twin on a 1 µs grid, and its trace reading."""
+import random
+
+import pytest
+
+from bench.prefill_timeline import KINDS, device_events, split, timeline, union
+
+
+def grid_split(copies, kernels, lo, hi):
+    """The twin: every µs of [lo, hi) classified by membership (integer endpoints)."""
+    out = dict.fromkeys(KINDS, 0)
+    for t in range(lo, hi):
+        c = any(s <= t < e for s, e in copies)
+        k = any(s <= t < e for s, e in kernels)
+        out["both" if c and k else "copy" if c else "compute" if k else "neither"] += 1
+    return out
+
+
+def rand_iv(rng, n, span):
+    iv = []
+    for _ in range(n):
+        s = rng.randrange(span)
+        iv.append((s, s + rng.randrange(1, 40)))
+    return iv
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_equals_the_grid(seed):
+    rng = random.Random(seed)
+    copies, kernels = rand_iv(rng, 23, 301), rand_iv(rng, 31, 301)
+    lo, hi = rng.randrange(0, 50), rng.randrange(250, 347)
+    got = split(union(copies), union(kernels), lo, hi)
+    want = grid_split(copies, kernels, lo, hi)
+    assert {k: round(v, 6) for k, v in got.items()} == want
+    assert sum(got.values()) == pytest.approx(hi - lo)
+
+
+def test_unmerged_intervals_would_be_caught():
+    """The must-fail twin: split over intervals left unmerged double-counts their overlap."""
+    copies = [(0, 10), (5, 15)]
+    assert split(copies, [], 0, 20) != grid_split(copies, [], 0, 20)
+    assert split(union(copies), [], 0, 20) == pytest.approx(grid_split(copies, [], 0, 20))
+
+
+def test_trace_reading_and_stretches():
+    tr = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "prompt", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "moe_router_sync", "ts": 120, "dur": 10},
+        {"ph": "X", "cat": "user_annotation", "name": "moe_router_sync", "ts": 160, "dur": 5},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "prompt", "ts": 101, "dur": 300},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 110, "dur": 40,
+         "args": {"bytes": 4000, "stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 140, "dur": 30, "args": {"stream": 7}},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 150},
+    ]}
+    ev, marks, prompt = device_events(tr)
+    assert prompt == (100.0, 200.0) and marks == [130.0, 165.0] and len(ev) == 2
+    r = timeline(ev, marks, *prompt)
+    assert [s["name"] for s in r["stretches"]] == ["pre", "MoE 0", "MoE 1 + tail"]
+    assert (r["both"], r["copy"], r["compute"], r["neither"]) == (10, 30, 20, 40)
+    assert r["h2d_bytes"] == 4000
+    pre, m0, m1 = r["stretches"]
+    assert (pre["wall"], pre["copy"], pre["neither"]) == (30, 20, 10)
+    assert (m0["copy"], m0["both"], m0["compute"]) == (10, 10, 15)
+    assert (m1["compute"], m1["neither"]) == (5, 30)
