@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline"
+#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with the env),
@@ -88,6 +88,13 @@ PY
     timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 -m bench.prefill_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1
       grep -v "^\s*$" "$OUT/prefill_timeline.log" | grep -v Warning | tail -${TIMELINE_TAIL:-40} | cut -c1-200;;
+    # session 14: eager copies (MOESTREAM_PREFILL_EAGER) A/B in one engine, RAM, with and without the 2,048-token gate
+    eager) timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_prefill_ahead.py -k "gpu" > "$OUT/pytest_eager.log" 2>&1; tail -2 "$OUT/pytest_eager.log"
+      timeout ${PREFILL_TIMEOUT:-200} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+           --skip kernel,sweep,disk --sizes ${EAGER_SIZES:-128,1000,4000,16000} --budget-mb 0 --brief \
+           --paths ${EAGER_PATHS:-staged,staged|MOESTREAM_PREFILL_EAGER=1,staged~0|MOESTREAM_PREFILL_EAGER=1,staged#2,staged|MOESTREAM_PREFILL_EAGER=1#2,staged~0|MOESTREAM_PREFILL_EAGER=1#2} \
+           --out "$OUT/prefill_eager.json" > "$OUT/prefill_eager.log" 2>&1; cp "$OUT/prefill_eager.json" $W/prefill.json 2>/dev/null
+      grep -v "^\s*$" "$OUT/prefill_eager.log" | tail -${EAGER_TAIL:-30} | cut -c1-220;;
     # issue 15: the same model on a store of down sub-groups of SUB_N (default 8): prefill (never measured there) and
     # the RAM regime's decode, beside the default store's rows of this call
     sub8) mkdir -p $W/super8; ln -sfn $W/super/model $W/super8/model

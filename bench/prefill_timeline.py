@@ -20,6 +20,7 @@ wall − max(copy busy, compute busy) is what a perfect overlap of the two would
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -132,7 +133,8 @@ def main(argv=None):
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--sizes", default="4000,16000")
     ap.add_argument("--env", default="none", help="comma list of settings to compare in one engine: 'none' or "
-                    "KEY=VAL (set while that row runs; read per prompt by the switch)")
+                    "KEY=VAL[+KEY=VAL...] (set while that row runs; read per prompt by the switch); gate=G: copies "
+                    "ahead for prompts of G tokens and more (the engine's ahead_min_tokens)")
     ap.add_argument("--out", default="prefill_timeline.json")
     a = ap.parse_args(argv)
     import torch
@@ -158,13 +160,16 @@ def main(argv=None):
             with torch.profiler.record_function("moe_router_sync"):
                 return plain_sync(counts, guess)
         src._router_sync = marked_sync
+        default_gate = src.ahead_min_tokens
         vocab = eng.model.config.vocab_size
         for n in [int(s) for s in a.sizes.split(",") if s]:
             for setting in a.env.split(","):
-                key, _, val = setting.partition("=")
-                old = os.environ.get(key) if setting != "none" else None
-                if setting != "none":
-                    os.environ[key] = val
+                env = dict(p.partition("=")[::2] for p in setting.split("+") if p != "none")
+                gate = env.pop("gate", None)             # gate=G: copies ahead for prompts of G tokens and more
+                old = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                if gate is not None:
+                    src.ahead_min_tokens = int(gate)
                 try:
                     prefill(eng.model, text_ids(tok, corpus, vocab, n, 7), eng.model.new_state())   # compiles
                     ids = text_ids(tok, corpus, vocab, n, 8)
@@ -183,19 +188,24 @@ def main(argv=None):
                         p = os.path.join(d, "trace.json")
                         prof.export_chrome_trace(p)
                         trace = json.loads(Path(p).read_text())
+                    pa = dataclasses.asdict(src.prefill_acct.last)
                 finally:
-                    if setting != "none":
-                        if old is None:
-                            os.environ.pop(key, None)
+                    src.ahead_min_tokens = default_gate
+                    for k, v in old.items():
+                        if v is None:
+                            os.environ.pop(k, None)
                         else:
-                            os.environ[key] = old
+                            os.environ[k] = v
                 ev, marks, prompt = device_events(trace)
                 if prompt is None:
                     raise SystemExit("the profile holds no 'prompt' range")
                 r = timeline(ev, marks, *prompt)
-                r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks))
+                r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa)
                 res["rows"].append(r)
-                print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms")
+                print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms; routed {pa['distinct_experts']}, "
+                      f"copied ahead {pa['ahead_copied']} (used {pa['ahead_used']}, wrong {pa['ahead_wrong']}), eager "
+                      f"{pa.get('eager_copied', 0)}, launches {pa['launches']}, guess right {pa['guess_right']} of "
+                      f"{pa['guess_named']} named / {pa['guess_layer_routed']} routed")
                 show(n, r)
                 Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -29,6 +29,8 @@ class PromptCost:
     ahead_read: int = 0                 # ... that its launches read from the ahead slots
     ahead_wrong: int = 0                # ... that the layer did not route to (wasted copies)
     ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)
+    eager_copied: int = 0               # a layer's own blocks not copied ahead, copied into the ahead slots at its sync
+                                        # (MOESTREAM_PREFILL_EAGER; in bytes_over_pcie on CUDA)
     ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)
     # how right the next layer's guess (its router on this layer's input) was, over the layers guessed for
     guess_named: int = 0                # experts the guess named (any token)

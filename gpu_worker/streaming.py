@@ -37,9 +37,9 @@ PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers 
                                     # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
 PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
-# device slots for the next MoE layer's experts copied ahead, at most (512: one Super layer's); the variable is a
-# measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
-PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "512"))
+# device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
+# without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
+PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "1024"))
 # On by default since session 8, for prompts of PREFILL_AHEAD_MIN_TOKENS and more: with the 4,096-token pieces the H200
 # measured 4,000 tokens 143 -> 129 ms and 16,000 248 -> 201 ms, but 128 and 1,000 tokens slower (70 -> 86, 110 -> 114
 # ms), first tokens equal at every size (bench/NOTES.md "Session 8"). Session 6's wrong 16k first token is gone since
@@ -47,6 +47,17 @@ PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "5
 # MOESTREAM_PREFILL_COPY_AHEAD=0 turns it off; bench.prefill's `staged_no_ahead` path runs without it.
 PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
 PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "2048"))
+
+
+def prefill_eager() -> bool:
+    """MOESTREAM_PREFILL_EAGER (read per prompt): at each MoE layer's sync, the layer's own blocks that were not copied
+    ahead (wrong or missing guesses, and every block of the first MoE layer) are copied at once into free ahead slots,
+    on the copies-ahead stream before the next layer's guesses, instead of through the staging ring of two launches,
+    whose copies wait for the launches before them; and the ahead slots hold two layers' blocks, so that the next
+    layer's copies never wait for this layer's kernels. The H200's timeline (bench.prefill_timeline, session 14) showed
+    the copy engine idle while a layer's launches ran, and the kernels idle while the next layer's copies waited for
+    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt."""
+    return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
 # The copies ahead issued in runs (adjacent slab rows into adjacent slots as one copy, the rest by the driver's
 # cuMemcpyAsync) with one ready event per AHEAD_EVENT_EVERY blocks, instead of a torch copy and an event per block:
 # session 8 measured 18-31 ms of host time a prompt issuing them (~25 µs a block), about what the copies ahead lost
@@ -791,7 +802,11 @@ class StreamingExperts(ExpertSource):
         the prompt's `tokens` are fewer than `ahead_min_tokens`."""
         if not self._copies_ahead() or (tokens is not None and tokens < self.ahead_min_tokens):
             return 0
-        return min(self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX) * self.store.block_stride
+        return self._ahead_cap() * self.store.block_stride
+
+    def _ahead_cap(self) -> int:
+        """Ahead slots at most: one layer's experts, two with eager copies (`prefill_eager`)."""
+        return min((2 if prefill_eager() else 1) * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
 
     def _copies_ahead(self) -> bool:
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
@@ -834,6 +849,8 @@ class StreamingExperts(ExpertSource):
         pa.routed(j, uniq, T * k)
         nj, guess_list = (j + 1) % self.n_moe, []
         hits = self.client.lookup(j, uniq)
+        ahead_found = sum(1 for e in hits if e in ahead)
+        ahead = self._eager_copies(j, hits, ahead)
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
             soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
             absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
@@ -855,7 +872,7 @@ class StreamingExperts(ExpertSource):
             n_rows += seg[e][1]
         if batch:
             self._prefill_batch(j, batch, seg, rows, acc, ahead)
-        pa.last.ahead_used += sum(1 for e in hits if e in ahead)
+        pa.last.ahead_used += ahead_found
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
         # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
@@ -894,6 +911,39 @@ class StreamingExperts(ExpertSource):
         """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer."""
         return (torch.cat([counts, guess]) if guess is not None else counts).cpu()
 
+    def _ahead_slots(self, n: int) -> "_AheadSlots":
+        """The ahead slots, n of them (made anew where a span's budget changed n)."""
+        if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
+            pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
+            self._ahead = None           # the old slots go before the new ones are allocated
+            from cache_shm.cuda_map import chunk_slots
+            self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
+            self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
+        return self._ahead
+
+    def _eager_copies(self, j: int, hits: dict, ahead: dict) -> dict:
+        """`prefill_eager`: layer j's hits not copied ahead, copied now into the ahead slots that hold none of this
+        layer's blocks, in expert order (the launches' order); returns `ahead` with them. Their slab slots stay
+        pinned by the lookup until the launches that read them have run (`_defer`), which wait for the copies."""
+        if not (prefill_eager() and self._copies_ahead() and hits):
+            return ahead
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
+        if n <= 0:
+            return ahead
+        late = [(e, s) for e, s in hits.items() if e not in ahead]
+        if not late:
+            return ahead
+        a = self._ahead_slots(n)
+        got = a.copy_now([e for e, _ in late], [s for _, s in late], taken=set(ahead.values()))
+        if not got:
+            return ahead
+        pa = self.prefill_acct.last
+        pa.eager_copied += len(got)
+        if self._cuda:
+            pa.bytes_over_pcie += len(got) * self.block_bytes
+        return {**ahead, **got}
+
     def _copy_ahead(self, nj: int, g) -> None:
         """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
         many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
@@ -902,22 +952,16 @@ class StreamingExperts(ExpertSource):
         self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
         if not self._copies_ahead():
             return
-        n = min(self.ahead_bytes // self.store.block_stride, self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
         if n <= 0:
             return
-        # the most used n, copied in expert order: the order the next layer launches them in
-        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:n] if g[e] > 0)
+        # the most used (at most a layer's experts), copied in expert order: the order the next layer launches them in
+        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(n, self.store.n_experts)] if g[e] > 0)
         slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
         pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
         if not pairs:
             return
-        if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
-            pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
-            self._ahead = None           # the old slots go before the new ones are allocated
-            from cache_shm.cuda_map import chunk_slots
-            self._ahead = _AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
-                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
-            self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
+        self._ahead_slots(n)
         after = None
         if self._cuda and self._ring is not None:    # this layer's own copies first: the needed blocks are never
             after = torch.cuda.Event()               # queued behind guessed ones
@@ -1321,6 +1365,37 @@ class _AheadSlots:
         if events is not None:
             events[1].record(cs)
         self.pins.add(self.ready[rs[-1]], slab_slots)
+
+    def copy_now(self, experts, sources, taken=frozenset()) -> dict:
+        """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at the
+        first slot in `taken` (the slots that layer still reads) or after n: {expert: slot} of those copied. The
+        slab slots are the caller's to keep pinned; the table of blocks copied ahead is left as it is."""
+        rs = []
+        for i in range(min(len(experts), self.n)):
+            r = (self.next + i) % self.n
+            if r in taken:
+                break
+            rs.append(r)
+        if not rs:
+            return {}
+        self.next = (self.next + len(rs)) % self.n
+        sources = list(sources)[:len(rs)]
+        if not self.cuda:
+            self.rows.copy(self.buf, rs, sources, self.block_bytes, None, "eager copies")
+            return dict(zip(experts, rs))
+        cs = self.stream
+        for r in rs:
+            if self.free[r] is not None:
+                cs.wait_event(self.free[r])
+        if ahead_runs():
+            self._copy_runs(rs, sources)
+        else:
+            for r, src in zip(rs, sources):
+                self.rows.copy(self.buf, [r], [src], self.block_bytes, cs, "eager copies")
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                self.ready[r] = ev
+        return dict(zip(experts, rs))
 
     def _copy_runs(self, rs, sources) -> None:
         """MOESTREAM_AHEAD_RUNS: the copies in runs on the copy stream, an event after each group of at least

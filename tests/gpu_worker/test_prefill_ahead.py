@@ -175,6 +175,97 @@ def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
     assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
 
 
+# ------------------------------------------------------------------------------------------------ eager copies
+class StageSpy:
+    """Counts the blocks a prefill staged through the ring (the CPU path's `_blocks`, CUDA's `_stage`)."""
+
+    def __init__(self, monkeypatch):
+        self.staged = 0
+        for name in ("_blocks", "_stage"):
+            real = getattr(streaming.StreamingExperts, name)
+
+            def spy(src, slots, *a, _real=real, **kw):
+                self.staged += len(slots)
+                return _real(src, slots, *a, **kw)
+            monkeypatch.setattr(streaming.StreamingExperts, name, spy)
+
+
+@pytest.mark.parametrize("n", [6, 300])
+def test_eager_copies_take_every_hit_off_the_ring(tiny, refs, n, monkeypatch):
+    """MOESTREAM_PREFILL_EAGER=1, RAM: every routed block is read from the ahead slots — copied ahead (the next layer's
+    guess) or copied at its layer's sync (the rest, the first MoE layer's all) — none through the staging ring; the
+    logits are unchanged and no pin is left."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
+    model_dir, store = tiny
+    stage = StageSpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead = True
+        src.ahead_min_tokens = 0
+        run(eng, n)
+        stage.staged = 0
+        out = run(eng, n)
+        last = src.prefill_acct.last
+        assert int(eng.sup.shm.slot_pins.sum()) == 0, "pins of the eager copies were left behind"
+    torch.testing.assert_close(out, refs[n], rtol=1e-5, atol=1e-4)
+    print(f"{n} tokens: {last.ahead_used} copied ahead and used, {last.eager_copied} eager, "
+          f"{last.distinct_experts} routed")
+    assert stage.staged == 0
+    assert last.eager_copied > 0 and last.ahead_used + last.eager_copied == last.distinct_experts
+    assert last.ahead_read == last.distinct_experts
+
+
+def test_eager_copies_never_overwrite_the_layers_own_slots(tiny, refs, monkeypatch):
+    """With fewer ahead slots than a layer's blocks plus the ones copied ahead for it, the eager copies stop at the
+    first slot the layer still reads and the rest go through the ring: the logits are unchanged. Must-fail twin: the
+    same copies told that no slot is taken overwrite blocks the layer's launches read."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
+    model_dir, store = tiny
+    from expert_store.reader import ExpertStore
+    st = ExpertStore.open(store)
+    monkeypatch.setattr(streaming, "PREFILL_AHEAD_SLOTS_MAX", max(2, st.n_experts // 2))
+    outs, real = {}, streaming._AheadSlots.copy_now
+    for twin in (False, True):
+        if twin:
+            monkeypatch.setattr(streaming._AheadSlots, "copy_now",
+                                lambda a, ex, src, taken=frozenset(): real(a, ex, src, taken=frozenset()))
+        stage = StageSpy(monkeypatch)
+        with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+            src = eng.experts
+            src.copy_ahead = True
+            src.ahead_min_tokens = 0
+            run(eng, 300)
+            stage.staged = 0
+            outs[twin] = run(eng, 300)
+            last = src.prefill_acct.last
+        if not twin:
+            assert last.eager_copied > 0 and stage.staged > 0, "the slots were not short: nothing was tested"
+    torch.testing.assert_close(outs[False], refs[300], rtol=1e-5, atol=1e-4)
+    assert (outs[True] - refs[300]).abs().max() > 1e-2
+
+
+def test_eager_copies_with_a_cache_of_one_layer_read_each_block_once(tiny, monkeypatch):
+    """The disk regime with eager copies: a cache of one layer's experts, 1,500 tokens; misses still go through the
+    ring as they land, each routed block is read at most once, the logits are the RAM engine's."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
+    from expert_store.reader import ExpertStore
+    model_dir, store = tiny
+    st = ExpertStore.open(store)
+    ids = prompt(1500, seed=4)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state())
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
+        eng.experts.copy_ahead = True
+        eng.experts.ahead_min_tokens = 0
+        m = eng.model
+        out = prefill(m, ids, m.new_state())
+        last = eng.experts.prefill_acct.last
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    assert last.eager_copied > 0
+    assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
+
+
 # ------------------------------------------------------------------------------------------------ the span model
 def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
     model_dir, _ = tiny
@@ -204,6 +295,11 @@ def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
         src.copy_ahead = True
         src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
         assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
+        os.environ["MOESTREAM_PREFILL_EAGER"] = "1"          # eager copies: two layers' slots
+        try:
+            assert src.ahead_wish() == 2 * src.store.n_experts * src.store.block_stride
+        finally:
+            del os.environ["MOESTREAM_PREFILL_EAGER"]
         src._cuda = True                 # (the wish alone: nothing runs)
         src.prefill_weights = "zero_copy"
         assert src.ahead_wish() == 0
@@ -241,6 +337,33 @@ def test_gpu_copies_ahead_read_by_the_next_layer(tiny, runs, monkeypatch):
     assert read == used > 0 and copied == used + wrong and before
     assert mean_kl(ref, lm) < 3e-3 and mean_kl(ref, got[False][0]) < 3e-3
     assert got[False][1] == 0 and not got[False][5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
+def test_gpu_eager_copies_read_from_the_ahead_slots(tiny, monkeypatch):
+    """On the GPU (bf16, staged, RAM), MOESTREAM_PREFILL_EAGER=1: every routed block read from the ahead slots (copied
+    ahead or at its layer's sync, on the copies-ahead stream), nothing through the ring, the CPU engine's logits."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
+    from tests.nemotron.test_model_vs_transformers import mean_kl
+    model_dir, store = tiny
+    ids = prompt(700, seed=8)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
+    stage = StageSpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        src, m = eng.experts, eng.model
+        src.ahead_min_tokens = 0
+        prefill(m, ids, m.new_state())
+        stage.staged = 0
+        out = prefill(m, ids, m.new_state(), all_logits=True).float().cpu().numpy()
+        last = src.prefill_acct.last
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    print(f"GPU eager: {last.ahead_used} ahead, {last.eager_copied} eager of {last.distinct_experts}; "
+          f"KL {mean_kl(ref, out):.2e}")
+    assert stage.staged == 0 and last.eager_copied > 0
+    assert last.ahead_read == last.distinct_experts == last.ahead_used + last.eager_copied
+    assert mean_kl(ref, out) < 3e-3
 
 
 def test_short_prompts_wish_no_slots():
