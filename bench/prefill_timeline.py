@@ -94,6 +94,23 @@ def timeline(events: list[dict], marks: list[float], lo: float, hi: float) -> di
                 h2d_bytes=h2d, **split(copies, kernels, lo, hi), stretches=stretches)
 
 
+def host_calls(trace: dict, lo: float, hi: float, top: int = 8) -> list[dict]:
+    """The host's CUDA runtime and driver calls inside [lo, hi), by total time: where the host blocks (a stream or
+    event synchronize, a pageable copy, a pinned allocation) shows as a call far longer than its ~µs of issue."""
+    by: dict = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        t = float(e["ts"])
+        if not lo <= t < hi:
+            continue
+        d = by.setdefault(e.get("name", "?"), dict(name=e.get("name", "?"), calls=0, us=0.0, longest_us=0.0))
+        d["calls"] += 1
+        d["us"] += float(e.get("dur", 0))
+        d["longest_us"] = max(d["longest_us"], float(e.get("dur", 0)))
+    return sorted(by.values(), key=lambda d: -d["us"])[:top]
+
+
 def device_events(trace: dict) -> tuple[list[dict], list[float], tuple[float, float] | None]:
     """From a chrome trace (torch.profiler's export): the device's copies and kernels, the host's router-sync marks
     and the prompt's (start, end) on the host (record_function 'prompt')."""
@@ -125,6 +142,9 @@ def show(n: int, r: dict) -> None:
     print("stretch | start ms | wall ms | both | copy only | compute only | neither")
     for s in r["stretches"] + [dict(name="prompt", start=0.0, **{k: r[k] for k in ("wall",) + KINDS})]:
         print(f"{s['name']} | {ms(s['start'])} | {ms(s['wall'])} | " + " | ".join(ms(s[k]) for k in KINDS))
+    if r.get("host_calls"):
+        print("host calls: " + "; ".join(f"{d['name']} {d['us'] / 1e3:.1f} ms / {d['calls']} (longest "
+                                         f"{d['longest_us'] / 1e3:.2f})" for d in r["host_calls"]))
 
 
 def main(argv=None):
@@ -200,6 +220,7 @@ def main(argv=None):
                 if prompt is None:
                     raise SystemExit("the profile holds no 'prompt' range")
                 r = timeline(ev, marks, *prompt)
+                r["host_calls"] = host_calls(trace, *prompt)
                 r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa)
                 res["rows"].append(r)
                 print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms; routed {pa['distinct_experts']}, "

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from bench.prefill_timeline import KINDS, device_events, split, timeline, union
+from bench.prefill_timeline import KINDS, device_events, host_calls, split, timeline, union
 
 
 def grid_split(copies, kernels, lo, hi):
@@ -63,3 +63,16 @@ def test_trace_reading_and_stretches():
     assert (pre["wall"], pre["copy"], pre["neither"]) == (30, 20, 10)
     assert (m0["copy"], m0["both"], m0["compute"]) == (10, 10, 15)
     assert (m1["compute"], m1["neither"]) == (5, 30)
+
+
+def test_host_calls_sum_inside_the_prompt():
+    tr = {"traceEvents": [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 110, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 150, "dur": 5},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuMemcpyAsync", "ts": 120, "dur": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 90, "dur": 99},    # before the prompt
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 120, "dur": 50},
+    ]}
+    got = host_calls(tr, 100, 200)
+    assert [(d["name"], d["calls"], d["us"], d["longest_us"]) for d in got] == [
+        ("cudaStreamSynchronize", 2, 35.0, 30.0), ("cuMemcpyAsync", 1, 2.0, 2.0)]
