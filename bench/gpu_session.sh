@@ -88,11 +88,12 @@ PY
     timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 -m bench.prefill_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1
       grep -v "^\s*$" "$OUT/prefill_timeline.log" | grep -v Warning | tail -${TIMELINE_TAIL:-40} | cut -c1-200;;
-    # session 14: eager copies (MOESTREAM_PREFILL_EAGER) A/B in one engine, RAM, with and without the 2,048-token gate
+    # session 14: the copies ahead in runs of 8 against unbounded runs, with the gate at 0, and eager copies
+    # (MOESTREAM_PREFILL_EAGER): an A/B in one engine, RAM, two rounds
     eager) timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_prefill_ahead.py -k "gpu" > "$OUT/pytest_eager.log" 2>&1; tail -2 "$OUT/pytest_eager.log"
       timeout ${PREFILL_TIMEOUT:-200} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            --skip kernel,sweep,disk --sizes ${EAGER_SIZES:-128,1000,4000,16000} --budget-mb 0 --brief \
-           --paths ${EAGER_PATHS:-staged,staged|MOESTREAM_PREFILL_EAGER=1,staged~0|MOESTREAM_PREFILL_EAGER=1,staged#2,staged|MOESTREAM_PREFILL_EAGER=1#2,staged~0|MOESTREAM_PREFILL_EAGER=1#2} \
+           --paths ${EAGER_PATHS:-staged|MOESTREAM_AHEAD_RUN_MAX=0,staged,staged~0,staged~0|MOESTREAM_PREFILL_EAGER=1,staged|MOESTREAM_AHEAD_RUN_MAX=0#2,staged#2,staged~0#2,staged~0|MOESTREAM_PREFILL_EAGER=1#2} \
            --out "$OUT/prefill_eager.json" > "$OUT/prefill_eager.log" 2>&1; cp "$OUT/prefill_eager.json" $W/prefill.json 2>/dev/null
       grep -v "^\s*$" "$OUT/prefill_eager.log" | tail -${EAGER_TAIL:-30} | cut -c1-220;;
     # issue 15: the same model on a store of down sub-groups of SUB_N (default 8): prefill (never measured there) and

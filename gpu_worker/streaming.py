@@ -67,6 +67,23 @@ def prefill_eager() -> bool:
 AHEAD_EVENT_EVERY = 8
 
 
+def ahead_run_max() -> int:
+    """The longest run of blocks one copy ahead moves (MOESTREAM_AHEAD_RUN_MAX, read per layer; 0: unbounded, as
+    before session 14). In the RAM regime a layer's blocks lie in adjacent slab slots (warmed in expert order), so an
+    unbounded run was the whole layer — one copy of ~1.3 GB on Super's shape with one ready event after it — and the
+    layer's first launch waited for all of it: the H200's timeline (bench.prefill_timeline, session 14) showed each
+    layer's copies alone, then its kernels alone. Runs of AHEAD_EVENT_EVERY blocks (~25 MB, 0.5 ms at 54 GB/s) give
+    each group its event, so a launch waits only for its own blocks' groups."""
+    return int(os.environ.get("MOESTREAM_AHEAD_RUN_MAX", str(AHEAD_EVENT_EVERY)))
+
+
+def split_runs(runs: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
+    """Runs (first index, length) cut into pieces of at most `most` blocks, in order (most <= 0: as they are)."""
+    if most <= 0:
+        return list(runs)
+    return [(i + k, min(most, n - k)) for i, n in runs for k in range(0, n, most)]
+
+
 def ahead_runs() -> bool:
     return os.environ.get("MOESTREAM_AHEAD_RUNS", "1") != "0"
 
@@ -1402,7 +1419,7 @@ class _AheadSlots:
         AHEAD_EVENT_EVERY blocks (`ahead_copy_plan`)."""
         cs = self.stream
         runs = copy_runs(sources, rs, self.rows.chunk) if self.rows.runs_ok else [(i, 1) for i in range(len(rs))]
-        for group in ahead_copy_plan(runs, AHEAD_EVENT_EVERY):
+        for group in ahead_copy_plan(split_runs(runs, ahead_run_max()), AHEAD_EVENT_EVERY):
             for i, k in group:
                 self.rows.copy(self.buf, rs[i:i + k], sources[i:i + k], self.block_bytes, cs, "copies ahead")
             ev = torch.cuda.Event()

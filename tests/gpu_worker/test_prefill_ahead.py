@@ -413,3 +413,22 @@ def test_ahead_copy_plan_groups_runs_for_one_event_each(every):
     with pytest.raises(ValueError, match="every"):
         ahead_copy_plan(runs, 0)
     assert ahead_runs() == (os.environ.get("MOESTREAM_AHEAD_RUNS") != "0")     # on unless turned off
+
+
+@pytest.mark.parametrize("most", [0, 1, 3, 8])
+def test_split_runs_cut_long_runs_in_order(most):
+    """The copies ahead in runs of at most `most` blocks (MOESTREAM_AHEAD_RUN_MAX): every block once, in order, no
+    piece longer than `most` (0: the runs as they are); then grouped for events as before. Must-fail twin: a layer in
+    one run (the RAM regime's slab) left whole is one copy with one event."""
+    from gpu_worker.streaming import ahead_copy_plan, split_runs
+    runs = [(0, 20), (20, 1), (21, 7), (28, 9)]
+    got = split_runs(runs, most)
+    flat = [i + q for i, n in got for q in range(n)]
+    assert flat == list(range(37))
+    if most:
+        assert max(n for _, n in got) <= most and len(got) >= len(runs)
+        assert all(len(g) >= 1 for g in ahead_copy_plan(got, 8))
+        assert len(ahead_copy_plan(split_runs([(0, 415)], most), 8)) >= 415 // 15      # groups of < 8 + most
+    else:
+        assert got == runs
+        assert len(ahead_copy_plan([(0, 415)], 8)) == 1
