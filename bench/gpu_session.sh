@@ -86,7 +86,7 @@ PY
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
     # session 14: the prefill's device timeline, copy engine beside compute, per MoE layer (bench.prefill_timeline)
     timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 -m bench.prefill_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
-           --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1
+           --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} ${TIMELINE_ARGS:-} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1
       grep -v "^\s*$" "$OUT/prefill_timeline.log" | grep -v Warning | tail -${TIMELINE_TAIL:-40} | cut -c1-200;;
     # session 14: the copies ahead in runs of 8 against unbounded runs, with the gate at 0, and eager copies
     # (MOESTREAM_PREFILL_EAGER): an A/B in one engine, RAM, two rounds

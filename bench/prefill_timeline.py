@@ -147,6 +147,38 @@ def show(n: int, r: dict) -> None:
                                          f"{d['longest_us'] / 1e3:.2f})" for d in r["host_calls"]))
 
 
+def ranged(fn, name: str):
+    """fn inside a profiler range of its name (the host's side of the timeline)."""
+    import torch
+
+    def inner(*a, **kw):
+        with torch.profiler.record_function(name):
+            return fn(*a, **kw)
+    return inner
+
+
+RAW_RANGES = ("moe_router_sync", "_prefill_batch", "_copy_ahead", "_eager_copies", "_stage")
+
+
+def raw_events(trace: dict, lo: float, hi: float) -> list[list]:
+    """The prompt's device events and the host's ranges, compact: [what, stream or -1, start µs from the prompt's
+    start, µs, bytes, name[:48]] — what: 'k' kernel, 'c' copy, 'h' a host range (RAW_RANGES)."""
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat, name, t = e.get("cat", ""), e.get("name", ""), float(e.get("ts", 0))
+        if not lo <= t < hi:
+            continue
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            args = e.get("args", {})
+            out.append(["k" if cat == "kernel" else "c", int(args.get("stream", -1)), round(t - lo, 1),
+                        round(float(e.get("dur", 0)), 1), int(args.get("bytes", 0)), name[:48]])
+        elif cat == "user_annotation" and name in RAW_RANGES:
+            out.append(["h", -1, round(t - lo, 1), round(float(e.get("dur", 0)), 1), 0, name])
+    return sorted(out, key=lambda r: r[2])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
@@ -155,6 +187,7 @@ def main(argv=None):
     ap.add_argument("--env", default="none", help="comma list of settings to compare in one engine: 'none' or "
                     "KEY=VAL[+KEY=VAL...] (set while that row runs; read per prompt by the switch); gate=G: copies "
                     "ahead for prompts of G tokens and more (the engine's ahead_min_tokens)")
+    ap.add_argument("--raw", action="store_true", help="keep every device event and the host's ranges in the JSON")
     ap.add_argument("--out", default="prefill_timeline.json")
     a = ap.parse_args(argv)
     import torch
@@ -180,6 +213,8 @@ def main(argv=None):
             with torch.profiler.record_function("moe_router_sync"):
                 return plain_sync(counts, guess)
         src._router_sync = marked_sync
+        for name in ("_prefill_batch", "_copy_ahead", "_eager_copies", "_stage"):     # the host's ranges (--raw)
+            setattr(src, name, ranged(getattr(src, name), name))
         default_gate = src.ahead_min_tokens
         vocab = eng.model.config.vocab_size
         for n in [int(s) for s in a.sizes.split(",") if s]:
@@ -221,6 +256,8 @@ def main(argv=None):
                     raise SystemExit("the profile holds no 'prompt' range")
                 r = timeline(ev, marks, *prompt)
                 r["host_calls"] = host_calls(trace, *prompt)
+                if a.raw:
+                    r["raw"] = raw_events(trace, *prompt)
                 r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa)
                 res["rows"].append(r)
                 print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms; routed {pa['distinct_experts']}, "

@@ -77,6 +77,14 @@ def ahead_run_max() -> int:
     return int(os.environ.get("MOESTREAM_AHEAD_RUN_MAX", str(AHEAD_EVENT_EVERY)))
 
 
+def ahead_layers() -> int:
+    """How many MoE layers' experts the ahead slots hold at most (MOESTREAM_PREFILL_AHEAD_LAYERS, read per prompt): 1,
+    or 2 with eager copies (`prefill_eager`). With one layer's slots the next layer's copies reuse the slots this
+    layer's launches read, so they wait for those launches; with two they wait for nothing of this layer."""
+    v = os.environ.get("MOESTREAM_PREFILL_AHEAD_LAYERS")
+    return max(1, int(v)) if v else (2 if prefill_eager() else 1)
+
+
 def split_runs(runs: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
     """Runs (first index, length) cut into pieces of at most `most` blocks, in order (most <= 0: as they are)."""
     if most <= 0:
@@ -822,8 +830,8 @@ class StreamingExperts(ExpertSource):
         return self._ahead_cap() * self.store.block_stride
 
     def _ahead_cap(self) -> int:
-        """Ahead slots at most: one layer's experts, two with eager copies (`prefill_eager`)."""
-        return min((2 if prefill_eager() else 1) * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
+        """Ahead slots at most: `ahead_layers()` layers' experts."""
+        return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
 
     def _copies_ahead(self) -> bool:
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from bench.prefill_timeline import KINDS, device_events, host_calls, split, timeline, union
+from bench.prefill_timeline import KINDS, device_events, host_calls, raw_events, split, timeline, union
 
 
 def grid_split(copies, kernels, lo, hi):
@@ -76,3 +76,15 @@ def test_host_calls_sum_inside_the_prompt():
     got = host_calls(tr, 100, 200)
     assert [(d["name"], d["calls"], d["us"], d["longest_us"]) for d in got] == [
         ("cudaStreamSynchronize", 2, 35.0, 30.0), ("cuMemcpyAsync", 1, 2.0, 2.0)]
+
+
+def test_raw_events_keep_the_prompt_in_order():
+    tr = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 150, "dur": 4, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 120, "dur": 9, "args": {"stream": 9, "bytes": 64}},
+        {"ph": "X", "cat": "user_annotation", "name": "_prefill_batch", "ts": 110, "dur": 3},
+        {"ph": "X", "cat": "user_annotation", "name": "prompt", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "late", "ts": 250, "dur": 4, "args": {"stream": 7}},
+    ]}
+    assert raw_events(tr, 100, 200) == [["h", -1, 10.0, 3.0, 0, "_prefill_batch"],
+                                        ["c", 9, 20.0, 9.0, 64, "Memcpy HtoD"], ["k", 7, 50.0, 4.0, 0, "k2"]]
