@@ -68,13 +68,11 @@ AHEAD_EVENT_EVERY = 8
 
 
 def ahead_run_max() -> int:
-    """The longest run of blocks one copy ahead moves (MOESTREAM_AHEAD_RUN_MAX, read per layer; 0: unbounded, as
-    before session 14). In the RAM regime a layer's blocks lie in adjacent slab slots (warmed in expert order), so an
-    unbounded run was the whole layer — one copy of ~1.3 GB on Super's shape with one ready event after it — and the
-    layer's first launch waited for all of it: the H200's timeline (bench.prefill_timeline, session 14) showed each
-    layer's copies alone, then its kernels alone. Runs of AHEAD_EVENT_EVERY blocks (~25 MB, 0.5 ms at 54 GB/s) give
-    each group its event, so a launch waits only for its own blocks' groups."""
-    return int(os.environ.get("MOESTREAM_AHEAD_RUN_MAX", str(AHEAD_EVENT_EVERY)))
+    """The longest run of blocks one copy ahead moves (MOESTREAM_AHEAD_RUN_MAX, read per layer; 0, the default:
+    unbounded). Built in session 14 on the guess that a layer lying in adjacent slab slots was copied ahead as one
+    run with one ready event, so that its first launch waited for all of it; runs of 8 measured equal on the H200
+    (16k 195-200 ms either way, 4k 121-127), so the guess was wrong and the default stays unbounded."""
+    return int(os.environ.get("MOESTREAM_AHEAD_RUN_MAX", "0"))
 
 
 def ahead_layers() -> int:
