@@ -21,9 +21,10 @@ T0=$(date +%s); K=0
 pack() { local f; f=$(find "$OUT" -maxdepth 1 -type f ! -name 'steps_*.tgz' ! -name env.txt -printf '%f\n')
   [ -z "$f" ] && return; K=$((K+1)); (cd "$OUT" && tar -czf "steps_$K.tgz" $f && rm -f $f); }
 # bench.api_ttft with this call's ceilings ($W's copy of bench.prefill's JSON: pack() may have moved $OUT's into an
-# archive; without it the API bench measures its own): api_run NAME ARGS... writes $OUT/NAME.{json,log}
+# archive; without it the API bench measures its own): api_run NAME ARGS... writes $OUT/NAME.{json,log}; API_ENV:
+# KEY=VAL ... set for the bench and the server it starts
 api_run() { local name=$1; shift; local ceil=(); [ -f $W/prefill.json ] && ceil=(--ceilings-from $W/prefill.json)
-  timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+  env ${API_ENV:-} timeout ${API_TIMEOUT:-240} python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
     ${ceil[@]+"${ceil[@]}"} "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; tail -6 "$OUT/$name.log"; }
 for s in $STEPS; do
   t=$(date +%s)
@@ -90,7 +91,7 @@ PY
       grep -v "^\s*$" "$OUT/prefill_timeline.log" | grep -v Warning | tail -${TIMELINE_TAIL:-40} | cut -c1-200;;
     # session 14: the copies ahead in runs of 8 against unbounded runs, with the gate at 0, and eager copies
     # (MOESTREAM_PREFILL_EAGER): an A/B in one engine, RAM, two rounds
-    eager) timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_prefill_ahead.py -k "gpu" > "$OUT/pytest_eager.log" 2>&1; tail -2 "$OUT/pytest_eager.log"
+    eager) timeout 70 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_worker/test_prefill_ahead.py -k "gpu" > "$OUT/pytest_eager.log" 2>&1; tail -2 "$OUT/pytest_eager.log"
       timeout ${PREFILL_TIMEOUT:-200} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            --skip kernel,sweep,disk --sizes ${EAGER_SIZES:-128,1000,4000,16000} --budget-mb 0 --brief \
            --paths ${EAGER_PATHS:-staged|MOESTREAM_AHEAD_RUN_MAX=0,staged,staged~0,staged~0|MOESTREAM_PREFILL_EAGER=1,staged|MOESTREAM_AHEAD_RUN_MAX=0#2,staged#2,staged~0#2,staged~0|MOESTREAM_PREFILL_EAGER=1#2} \

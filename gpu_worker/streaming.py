@@ -83,6 +83,18 @@ def ahead_layers() -> int:
     return max(1, int(v)) if v else (2 if prefill_eager() else 1)
 
 
+def ahead_early() -> bool:
+    """MOESTREAM_PREFILL_AHEAD_EARLY (read per layer): the next MoE layer's copies ahead queued as soon as this layer's
+    router has synced, before this layer's launches, instead of after them. The host issues a layer's launches at
+    ~1-2 ms each in Python (~11-25 ms a layer on the H200's host, session 14's raw timeline), and the copies ahead
+    waited behind that loop: at 1,000 tokens they began ~22 ms after the sync that named them, so the next layer's
+    kernels waited for them; at 16,000 the first MoE layer's loop held them back ~31 ms. Queued early, they share
+    the bus with this layer's own staging copies (no `after` event), into slots that none of this layer's blocks
+    copied ahead occupy (the copies stop at the first such slot: with one layer's slots a few are copied, with two,
+    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all)."""
+    return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "0") == "1"
+
+
 def split_runs(runs: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
     """Runs (first index, length) cut into pieces of at most `most` blocks, in order (most <= 0: as they are)."""
     if most <= 0:
@@ -880,6 +892,9 @@ class StreamingExperts(ExpertSource):
             guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+        early = guess is not None and j + 1 < self.n_moe and ahead_early()
+        if early:                        # queued before this layer's launches; the slots it reads stay untouched
+            early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()))
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         n_cap, rows_cap = self._launch_limits(x.element_size())
         # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
@@ -926,7 +941,7 @@ class StreamingExperts(ExpertSource):
             pa.last.ms_waiting_for_disk += waited * 1e3
         if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
             self.client.done_prefill(j, used)
-        if guess is not None and j + 1 < self.n_moe:
+        if guess is not None and j + 1 < self.n_moe and not early:
             self._copy_ahead(nj, host[E:].numpy())
         return acc
 
@@ -967,31 +982,38 @@ class StreamingExperts(ExpertSource):
             pa.bytes_over_pcie += len(got) * self.block_bytes
         return {**ahead, **got}
 
-    def _copy_ahead(self, nj: int, g) -> None:
+    def _copy_ahead(self, nj: int, g, taken: frozenset | None = None) -> bool:
         """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
         many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
-        ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them)."""
+        ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them).
+        taken: queued before this layer's launches (`ahead_early`): the slots this layer reads (left untouched, the
+        copies stop before the first of them) and no wait for this layer's staging copies; False where the slots would
+        have to be made anew (a span's budget changed them under this layer's blocks): the caller copies after the
+        launches instead. True otherwise."""
         t0 = time.perf_counter()
-        self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
-        if not self._copies_ahead():
-            return
         n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
-        if n <= 0:
-            return
+        if taken and self._ahead is not None and self._ahead.n != n:
+            return False
+        self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
+        if not self._copies_ahead() or n <= 0:
+            return True
         # the most used (at most a layer's experts), copied in expert order: the order the next layer launches them in
         ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(n, self.store.n_experts)] if g[e] > 0)
         slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
         pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
         if not pairs:
-            return
+            return True
         self._ahead_slots(n)
         after = None
-        if self._cuda and self._ring is not None:    # this layer's own copies first: the needed blocks are never
-            after = torch.cuda.Event()               # queued behind guessed ones
+        if self._cuda and self._ring is not None and taken is None:   # this layer's own copies first: the needed
+            after = torch.cuda.Event()                                # blocks are never queued behind guessed ones
             after.record(self._ring.stream)
         events = self.prefill_profile.copy_events(ahead=True) if self.prefill_profile is not None else None
         ss = [s for _, s in pairs]
-        self._ahead.copy(nj, [e for e, _ in pairs], ss, ss, after, events)
+        k = self._ahead.copy(nj, [e for e, _ in pairs], ss, ss, after, events, taken=taken or frozenset())
+        if k < len(pairs):               # no slot left beside this layer's blocks: their pins go back now
+            self.client.release(ss[k:])
+            pairs = pairs[:k]
         if not self._cuda:
             self.client.release(self._ahead.releasable(wait=True))
         pa = self.prefill_acct.last
@@ -1000,6 +1022,7 @@ class StreamingExperts(ExpertSource):
         if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
             pa.bytes_over_pcie += len(pairs) * self.block_bytes
         pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
+        return True
 
     def _ahead_settle(self, j: int | None, uniq=()) -> dict:
         """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
@@ -1355,20 +1378,30 @@ class _AheadSlots:
     def runs_ok(self) -> bool:
         return self.rows.runs_ok
 
-    def copy(self, layer: int, experts, sources, slab_slots, after=None, events=None) -> None:
-        """Copy the blocks of slab slots `sources` into the next slots for `layer`'s `experts` (at most n); `slab_slots`
-        stay pinned until the copies are done. after: an event the copies wait for; events: (start, end) recorded
-        around the copies alone (a profile)."""
+    def copy(self, layer: int, experts, sources, slab_slots, after=None, events=None, taken=frozenset()) -> int:
+        """Copy the blocks of slab slots `sources` into the next slots for `layer`'s `experts` (at most n), stopping
+        before the first slot in `taken` (slots another layer still reads); `slab_slots` of those copied stay pinned
+        until their copies are done. after: an event the copies wait for; events: (start, end) recorded around the
+        copies alone (a profile). Returns how many (the first ones) were copied."""
         if len(experts) > self.n:
             raise ValueError(f"{len(experts)} blocks copied ahead into {self.n} slots")
-        rs = [(self.next + i) % self.n for i in range(len(experts))]
-        self.next = (self.next + len(experts)) % self.n
+        rs = []
+        for i in range(len(experts)):
+            r = (self.next + i) % self.n
+            if r in taken:
+                break
+            rs.append(r)
+        k = len(rs)
+        experts, sources, slab_slots = list(experts)[:k], list(sources)[:k], list(slab_slots)[:k]
+        self.next = (self.next + k) % self.n
         self.layer, self.table = layer, dict(zip(experts, rs))
+        if not k:
+            return 0
         bb = self.block_bytes
         if not self.cuda:
             self.rows.copy(self.buf, rs, list(sources), bb, None, "copies ahead")
             self.pins.add(None, slab_slots)
-            return
+            return k
         cs = self.stream
         if after is not None:
             cs.wait_event(after)
@@ -1388,6 +1421,7 @@ class _AheadSlots:
         if events is not None:
             events[1].record(cs)
         self.pins.add(self.ready[rs[-1]], slab_slots)
+        return k
 
     def copy_now(self, experts, sources, taken=frozenset()) -> dict:
         """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at the
