@@ -244,28 +244,6 @@ def test_eager_copies_never_overwrite_the_layers_own_slots(tiny, refs, monkeypat
     assert (outs[True] - refs[300]).abs().max() > 1e-2
 
 
-def test_eager_copies_with_a_cache_of_one_layer_read_each_block_once(tiny, monkeypatch):
-    """The disk regime with eager copies: a cache of one layer's experts, 1,500 tokens; misses still go through the
-    ring as they land, each routed block is read at most once, the logits are the RAM engine's."""
-    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
-    from expert_store.reader import ExpertStore
-    model_dir, store = tiny
-    st = ExpertStore.open(store)
-    ids = prompt(1500, seed=4)
-    m0 = NemotronH(model_dir)
-    ref = prefill(m0, ids, m0.new_state())
-    with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
-        eng.experts.copy_ahead = True
-        eng.experts.ahead_min_tokens = 0
-        m = eng.model
-        out = prefill(m, ids, m.new_state())
-        last = eng.experts.prefill_acct.last
-        assert int(eng.sup.shm.slot_pins.sum()) == 0
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-    # (how many hits were copied at the syncs depends on what the prefetch had landed by then: not asserted)
-    assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
-
-
 # ------------------------------------------------------------------------------------------------ early copies ahead
 @pytest.mark.parametrize("layers", ["1", "2"])
 def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, monkeypatch):
@@ -306,9 +284,16 @@ def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, mo
             assert eng.experts.prefill_acct.last.ahead_copied == last.ahead_copied
 
 
-def test_early_copies_with_a_cache_of_one_layer_read_each_block_once(tiny, monkeypatch):
-    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
-    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", "2")
+@pytest.mark.parametrize("switches", ["MOESTREAM_PREFILL_EAGER=1",
+                                      "MOESTREAM_PREFILL_AHEAD_EARLY=1,MOESTREAM_PREFILL_AHEAD_LAYERS=2",
+                                      "MOESTREAM_PREFILL_EAGER=1,MOESTREAM_PREFILL_AHEAD_EARLY=1"])
+def test_schedule_switches_with_a_cache_of_one_layer_read_each_block_once(tiny, switches, monkeypatch):
+    """The disk regime under each schedule switch (eager copies, early copies ahead, both): a cache of one layer's
+    experts, 1,500 tokens; misses still go through the ring as they land, each routed block is read at most once,
+    the logits are the RAM engine's, no pin is left. (How many blocks were copied at the syncs depends on what the
+    prefetch had landed by then: not asserted.)"""
+    for kv in switches.split(","):
+        monkeypatch.setenv(*kv.split("="))
     from expert_store.reader import ExpertStore
     model_dir, store = tiny
     st = ExpertStore.open(store)
@@ -323,7 +308,6 @@ def test_early_copies_with_a_cache_of_one_layer_read_each_block_once(tiny, monke
         last = eng.experts.prefill_acct.last
         assert int(eng.sup.shm.slot_pins.sum()) == 0
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-    # (queued at the sync, the copies ahead find only what the prefetch had landed by then: a count is not asserted)
     assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
 
 
