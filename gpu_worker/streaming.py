@@ -56,8 +56,11 @@ def prefill_eager() -> bool:
     whose copies wait for the launches before them; and the ahead slots hold two layers' blocks, so that the next
     layer's copies never wait for this layer's kernels. The H200's timeline (bench.prefill_timeline, session 14) showed
     the copy engine idle while a layer's launches ran, and the kernels idle while the next layer's copies waited for
-    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt."""
+    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt. Off: it lost on the H200
+    (session 14: 16k +12 to +38 ms, 1k +4 to +22; with early copies ahead too, 16k +17, 4k +10, 1k +3)."""
     return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
+
+
 # The copies ahead issued in runs (adjacent slab rows into adjacent slots as one copy, the rest by the driver's
 # cuMemcpyAsync) with one ready event per AHEAD_EVENT_EVERY blocks, instead of a torch copy and an event per block:
 # session 8 measured 18-31 ms of host time a prompt issuing them (~25 µs a block), about what the copies ahead lost
@@ -91,7 +94,9 @@ def ahead_early() -> bool:
     kernels waited for them; at 16,000 the first MoE layer's loop held them back ~31 ms. Queued early, they share
     the bus with this layer's own staging copies (no `after` event), into slots that none of this layer's blocks
     copied ahead occupy (the copies stop at the first such slot: with one layer's slots a few are copied, with two,
-    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all)."""
+    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all). Off: it lost on the H200 (session 14: 16k +15 to +40 ms, 4k +12 to
+    +18), because the H2D copies run in the order queued, whatever their stream: the next layer's copies, queued
+    first, ran before this layer's own staging copies, and this layer's kernels waited for both."""
     return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "0") == "1"
 
 
