@@ -1390,23 +1390,41 @@ class _AheadSlots:
         copies alone (a profile). Returns how many (the first ones) were copied."""
         if len(experts) > self.n:
             raise ValueError(f"{len(experts)} blocks copied ahead into {self.n} slots")
+        rs = self._take(len(experts), taken)
+        k = len(rs)
+        experts, slab_slots = list(experts)[:k], list(slab_slots)[:k]
+        self.layer, self.table = layer, dict(zip(experts, rs))
+        if k:
+            self._put(rs, list(sources)[:k], after, events, "copies ahead")
+            self.pins.add(self.ready[rs[-1]] if self.cuda else None, slab_slots)
+        return k
+
+    def copy_now(self, experts, sources, taken=frozenset()) -> dict:
+        """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at the
+        first slot in `taken` (the slots that layer still reads) or after n: {expert: slot} of those copied. The
+        slab slots are the caller's to keep pinned; the table of blocks copied ahead is left as it is."""
+        rs = self._take(min(len(experts), self.n), taken)
+        if rs:
+            self._put(rs, list(sources)[:len(rs)], None, None, "eager copies")
+        return dict(zip(experts, rs))
+
+    def _take(self, k: int, taken) -> list[int]:
+        """The next k slots of the ring, up to the first one in `taken`; the ring moves past those."""
         rs = []
-        for i in range(len(experts)):
+        for i in range(k):
             r = (self.next + i) % self.n
             if r in taken:
                 break
             rs.append(r)
-        k = len(rs)
-        experts, sources, slab_slots = list(experts)[:k], list(sources)[:k], list(slab_slots)[:k]
-        self.next = (self.next + k) % self.n
-        self.layer, self.table = layer, dict(zip(experts, rs))
-        if not k:
-            return 0
-        bb = self.block_bytes
+        self.next = (self.next + len(rs)) % self.n
+        return rs
+
+    def _put(self, rs, sources, after, events, what: str) -> None:
+        """The blocks of slab slots `sources` into slots rs: on the CPU at once; on CUDA on this stream, after `after`
+        and the kernels that read each slot last, with ready events (per run group or per block)."""
         if not self.cuda:
-            self.rows.copy(self.buf, rs, list(sources), bb, None, "copies ahead")
-            self.pins.add(None, slab_slots)
-            return k
+            self.rows.copy(self.buf, rs, sources, self.block_bytes, None, what)
+            return
         cs = self.stream
         if after is not None:
             cs.wait_event(after)
@@ -1416,48 +1434,15 @@ class _AheadSlots:
         if events is not None:
             events[0].record(cs)
         if ahead_runs():
-            self._copy_runs(rs, list(sources))
+            self._copy_runs(rs, sources)
         else:
             for r, src in zip(rs, sources):
-                self.rows.copy(self.buf, [r], [src], bb, cs, "copies ahead")
+                self.rows.copy(self.buf, [r], [src], self.block_bytes, cs, what)
                 ev = torch.cuda.Event()
                 ev.record(cs)
                 self.ready[r] = ev
         if events is not None:
             events[1].record(cs)
-        self.pins.add(self.ready[rs[-1]], slab_slots)
-        return k
-
-    def copy_now(self, experts, sources, taken=frozenset()) -> dict:
-        """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at the
-        first slot in `taken` (the slots that layer still reads) or after n: {expert: slot} of those copied. The
-        slab slots are the caller's to keep pinned; the table of blocks copied ahead is left as it is."""
-        rs = []
-        for i in range(min(len(experts), self.n)):
-            r = (self.next + i) % self.n
-            if r in taken:
-                break
-            rs.append(r)
-        if not rs:
-            return {}
-        self.next = (self.next + len(rs)) % self.n
-        sources = list(sources)[:len(rs)]
-        if not self.cuda:
-            self.rows.copy(self.buf, rs, sources, self.block_bytes, None, "eager copies")
-            return dict(zip(experts, rs))
-        cs = self.stream
-        for r in rs:
-            if self.free[r] is not None:
-                cs.wait_event(self.free[r])
-        if ahead_runs():
-            self._copy_runs(rs, sources)
-        else:
-            for r, src in zip(rs, sources):
-                self.rows.copy(self.buf, [r], [src], self.block_bytes, cs, "eager copies")
-                ev = torch.cuda.Event()
-                ev.record(cs)
-                self.ready[r] = ev
-        return dict(zip(experts, rs))
 
     def _copy_runs(self, rs, sources) -> None:
         """MOESTREAM_AHEAD_RUNS: the copies in runs on the copy stream, an event after each group of at least
