@@ -179,6 +179,30 @@ def raw_events(trace: dict, lo: float, hi: float) -> list[list]:
     return sorted(out, key=lambda r: r[2])
 
 
+def host_profile(fn, sync=None, top: int = 60) -> tuple[list[dict], float]:
+    """One call of fn under cProfile (then `sync`): the functions by their own time, [{function, calls, own_ms,
+    cum_ms}] (at most `top`), and the whole call's ms. Where the host's time a prompt goes, Python line by line: the
+    torch profiler's host ranges say which phase, this says which function."""
+    import cProfile
+    import pstats
+    import time as _time
+    prof = cProfile.Profile()
+    t = _time.perf_counter()
+    prof.enable()
+    fn()
+    if sync is not None:
+        sync()
+    prof.disable()
+    total = (_time.perf_counter() - t) * 1e3
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append(dict(function=f"{Path(file).name}:{line}({name})", calls=int(nc), own_ms=tt * 1e3,
+                         cum_ms=ct * 1e3))
+    rows.sort(key=lambda r: -r["own_ms"])
+    return rows[:top], total
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
@@ -188,6 +212,9 @@ def main(argv=None):
                     "KEY=VAL[+KEY=VAL...] (set while that row runs; read per prompt by the switch); gate=G: copies "
                     "ahead for prompts of G tokens and more (the engine's ahead_min_tokens)")
     ap.add_argument("--raw", action="store_true", help="keep every device event and the host's ranges in the JSON")
+    ap.add_argument("--cprofile", default="", help="comma list of prompt sizes run once more under cProfile (the "
+                    "engine's defaults): the host's Python by function")
+    ap.add_argument("--cprofile-top", type=int, default=25)
     ap.add_argument("--out", default="prefill_timeline.json")
     a = ap.parse_args(argv)
     import torch
@@ -266,6 +293,16 @@ def main(argv=None):
                       f"{pa['guess_named']} named / {pa['guess_layer_routed']} routed")
                 show(n, r)
                 Path(a.out).write_text(json.dumps(res, indent=1))
+        for n in [int(s) for s in a.cprofile.split(",") if s]:      # the host's Python, by function
+            ids = text_ids(tok, corpus, vocab, n, 10)
+            rows, total_ms = host_profile(lambda: prefill(eng.model, ids, eng.model.new_state()),
+                                          torch.cuda.synchronize)
+            res.setdefault("cprofile", []).append(dict(tokens=n, total_ms=total_ms, top=rows))
+            print(f"\n== host Python, {n} tokens (cProfile, the device synchronized at the end): {total_ms:.1f} ms")
+            print("function | calls | own ms | with callees ms")
+            for f in rows[:a.cprofile_top]:
+                print(f"{f['function']} | {f['calls']} | {f['own_ms']:.2f} | {f['cum_ms']:.2f}")
+            Path(a.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from bench.prefill_timeline import KINDS, device_events, host_calls, raw_events, split, timeline, union
+from bench.prefill_timeline import KINDS, device_events, host_calls, host_profile, raw_events, split, timeline, union
 
 
 def grid_split(copies, kernels, lo, hi):
@@ -88,3 +88,26 @@ def test_raw_events_keep_the_prompt_in_order():
     ]}
     assert raw_events(tr, 100, 200) == [["h", -1, 10.0, 3.0, 0, "_prefill_batch"],
                                         ["c", 9, 20.0, 9.0, 64, "Memcpy HtoD"], ["k", 7, 50.0, 4.0, 0, "k2"]]
+
+
+def test_host_profile_names_the_function_that_spends_the_time():
+    import time
+
+    def busy():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.02:
+            pass
+
+    def light():
+        return sum(range(100))
+
+    def both():
+        busy()
+        light()
+    synced = []
+    rows, total = host_profile(both, sync=lambda: synced.append(1))
+    assert synced == [1] and total >= 20
+    mine = {r["function"].split("(")[-1].rstrip(")"): r for r in rows}
+    assert mine["both"]["cum_ms"] >= 20 and mine["both"]["cum_ms"] >= mine["busy"]["cum_ms"]
+    assert mine["light"]["cum_ms"] < mine["busy"]["cum_ms"]
+    assert [r["own_ms"] for r in rows] == sorted((r["own_ms"] for r in rows), reverse=True)
