@@ -38,7 +38,8 @@ PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers 
 PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 # device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
-# without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several caps; 0: no copies ahead), read once
+# without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several
+# caps; 0: no copies ahead), read once
 PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "1024"))
 # On by default since session 8, for prompts of PREFILL_AHEAD_MIN_TOKENS and more: with the 4,096-token pieces the H200
 # measured 4,000 tokens 143 -> 129 ms and 16,000 248 -> 201 ms, but 128 and 1,000 tokens slower (70 -> 86, 110 -> 114
@@ -1400,8 +1401,8 @@ class _AheadSlots:
         return k
 
     def copy_now(self, experts, sources, taken=frozenset()) -> dict:
-        """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at the
-        first slot in `taken` (the slots that layer still reads) or after n: {expert: slot} of those copied. The
+        """Copy the blocks of slab slots `sources` for the current layer's `experts` into the next slots, stopping at
+        the first slot in `taken` (the slots that layer still reads) or after n: {expert: slot} of those copied. The
         slab slots are the caller's to keep pinned; the table of blocks copied ahead is left as it is."""
         rs = self._take(min(len(experts), self.n), taken)
         if rs:

@@ -81,7 +81,8 @@ def test_host_calls_sum_inside_the_prompt():
 def test_raw_events_keep_the_prompt_in_order():
     tr = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "k2", "ts": 150, "dur": 4, "args": {"stream": 7}},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 120, "dur": 9, "args": {"stream": 9, "bytes": 64}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 120, "dur": 9,
+         "args": {"stream": 9, "bytes": 64}},
         {"ph": "X", "cat": "user_annotation", "name": "_prefill_batch", "ts": 110, "dur": 3},
         {"ph": "X", "cat": "user_annotation", "name": "prompt", "ts": 100, "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "late", "ts": 250, "dur": 4, "args": {"stream": 7}},

@@ -192,8 +192,8 @@ class StageSpy:
 
 @pytest.mark.parametrize("n", [6, 300])
 def test_eager_copies_take_every_hit_off_the_ring(tiny, refs, n, monkeypatch):
-    """MOESTREAM_PREFILL_EAGER=1, RAM: every routed block is read from the ahead slots — copied ahead (the next layer's
-    guess) or copied at its layer's sync (the rest, the first MoE layer's all) — none through the staging ring; the
+    """MOESTREAM_PREFILL_EAGER=1, RAM: every routed block is read from the ahead slots — copied ahead (the next
+    layer's guess) or copied at its layer's sync (the rest, the first MoE layer's all) — none through the staging ring; the
     logits are unchanged and no pin is left."""
     monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1")
     model_dir, store = tiny
