@@ -35,7 +35,7 @@ from nemotron.moe import DecodeRoute, ExpertSource
 
 PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers at most (`launch_limits`); a prefill
                                     # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
-PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most
+PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most (`launch_experts`)
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 # device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
 # without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several
@@ -144,14 +144,27 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
         chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes)[0]
     if chunk > 0:
         scratch = chunk * 4 * L * I
-        experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes - scratch) // 2 // (2 * block_stride)))
+        experts = max(1, min(launch_experts(), (launch_bytes - scratch) // 2 // (2 * block_stride)))
         rest = launch_bytes - scratch - experts * 2 * block_stride
     else:
         per_expert = 2 * block_stride + 4 * L * I
-        experts = max(1, min(PREFILL_LAUNCH_EXPERTS, (launch_bytes // 2) // per_expert))
+        experts = max(1, min(launch_experts(), (launch_bytes // 2) // per_expert))
         rest = launch_bytes - experts * per_expert
     per_row = 2 * I + act_bytes * L + 20
     return experts, max(64, rest // per_row)
+
+
+def launch_experts() -> int:
+    """Experts per grouped prefill launch at most: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per call, a measuring knob
+    for an A/B of fewer, larger launches per layer), else PREFILL_LAUNCH_EXPERTS."""
+    raw = os.environ.get("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "")
+    try:
+        n = int(raw) if raw else PREFILL_LAUNCH_EXPERTS
+    except ValueError:
+        raise ValueError(f"MOESTREAM_PREFILL_LAUNCH_EXPERTS={raw!r}: expected a whole number of experts") from None
+    if n < 1:
+        raise ValueError(f"MOESTREAM_PREFILL_LAUNCH_EXPERTS={raw!r}: expected 1 or more experts")
+    return n
 
 
 def launch_chunk() -> int:
