@@ -313,7 +313,9 @@ def ahead_figures(last) -> dict:
     the guess's experts the layer routed to; recall, the layer's routed experts the guess named."""
     return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
                 ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
-                ms_issuing_ahead=last.ms_issuing_ahead,
+                ms_issuing_ahead=last.ms_issuing_ahead, ms_host_moe=last.ms_host_moe,
+                ms_host_launching=last.ms_host_launching, ms_host_staging=last.ms_host_staging,
+                ms_router_sync=last.ms_router_sync,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
@@ -434,7 +436,9 @@ def brief(res) -> None:
                                              f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
                 print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
                       f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
-                      f"{r['ahead_used']}/{r['ahead_wrong']} host {r['ms_issuing_ahead']:.1f} p/r "
+                      f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
+                      f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"
+                      f"{r['ms_router_sync']:.1f} p/r "
                       f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} peak/est {r['peak_bytes'] >> 20}/"
                       f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
     for r in res.get("budget", []):

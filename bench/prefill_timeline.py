@@ -260,6 +260,7 @@ def main(argv=None):
                     prefill(eng.model, ids, eng.model.new_state())
                     torch.cuda.synchronize()
                     plain_ms = (time.perf_counter() - t) * 1e3
+                    plain = dataclasses.asdict(src.prefill_acct.last)     # the host's figures without a profiler
                     ids = text_ids(tok, corpus, vocab, n, 9)
                     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                     with torch.profiler.profile(activities=acts) as prof:
@@ -285,12 +286,16 @@ def main(argv=None):
                 r["host_calls"] = host_calls(trace, *prompt)
                 if a.raw:
                     r["raw"] = raw_events(trace, *prompt)
-                r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa)
+                r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa,
+                         accounting_plain=plain)
                 res["rows"].append(r)
                 print(f"\n[{setting}] TTFT without the profiler {plain_ms:.1f} ms; routed {pa['distinct_experts']}, "
                       f"copied ahead {pa['ahead_copied']} (used {pa['ahead_used']}, wrong {pa['ahead_wrong']}), eager "
                       f"{pa.get('eager_copied', 0)}, launches {pa['launches']}, guess right {pa['guess_right']} of "
-                      f"{pa['guess_named']} named / {pa['guess_layer_routed']} routed")
+                      f"{pa['guess_named']} named / {pa['guess_layer_routed']} routed; host ms without the profiler: "
+                      f"MoE steps {plain['ms_host_moe']:.1f}, launching {plain['ms_host_launching']:.1f} (staging "
+                      f"{plain['ms_host_staging']:.1f}), ahead {plain['ms_issuing_ahead']:.1f}, router syncs "
+                      f"{plain['ms_router_sync']:.1f}")
                 show(n, r)
                 Path(a.out).write_text(json.dumps(res, indent=1))
         for n in [int(s) for s in a.cprofile.split(",") if s]:      # the host's Python, by function

@@ -32,6 +32,12 @@ class PromptCost:
     eager_copied: int = 0               # a layer's own blocks not copied ahead, copied into the ahead slots at its sync
                                         # (MOESTREAM_PREFILL_EAGER; in bytes_over_pcie on CUDA)
     ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)
+    # where the host's time goes in the MoE layers (perf_counter, always on; no profiler): the device idles whenever
+    # the host is late, so these beside the device timeline (bench.prefill_timeline) say who paces a prompt
+    ms_host_moe: float = 0.0            # inside the MoE layers' expert step, less the router syncs' waits
+    ms_router_sync: float = 0.0         # waiting for the router's counts (the device's queue up to the router)
+    ms_host_launching: float = 0.0      # inside the grouped launches (`_prefill_batch`), their staging included
+    ms_host_staging: float = 0.0        # ... of which queueing the staging ring's copies and events (`_stage`)
     # how right the next layer's guess (its router on this layer's input) was, over the layers guessed for
     guess_named: int = 0                # experts the guess named (any token)
     guess_right: int = 0                # ... that the layer routed to

@@ -29,7 +29,7 @@ from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
-from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch
+from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.expert_layer import FUSED_SUBS
 from nemotron.moe import DecodeRoute, ExpertSource
 
@@ -181,6 +181,20 @@ def launch_chunk() -> int:
     if n < 0:
         raise ValueError(f"MOESTREAM_LAUNCH_CHUNK={raw!r}: expected 0 (off) or more experts")
     return n
+
+
+@dataclass
+class _LayerLaunch:
+    """What every grouped launch of one MoE layer shares, worked out once at the layer's sync rather than per launch:
+    with a layer's blocks already on the device the host's cost per launch is what paces the prompt (~1.2 ms a launch
+    on the H200's host, 11 launches a layer at 1,000 tokens; bench/NOTES.md session 15)."""
+    j: int
+    rows_cap: int                        # rows one launch takes at most (`launch_limits`)
+    chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved)
+    staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
+    cur: object                          # the compute stream (CUDA), or None
+    ug: torch.Tensor                     # the layer's global scales by expert: the dequantized path's kernels index
+    dg: torch.Tensor                     # them through the launch's table (no gather per launch)
 
 
 @dataclass
@@ -882,6 +896,7 @@ class StreamingExperts(ExpertSource):
         layer's router sends to each expert on this layer's input: the absent ones are requested as prefetch reads,
         the most used first, as many as the cache holds beside this layer's experts (more would evict blocks
         before their use, and the prompt would read them twice)."""
+        t_in = time.perf_counter()
         T, k = experts.shape
         E, pa = self.store.n_experts, self.prefill_acct
         flat = experts.reshape(-1)
@@ -889,7 +904,10 @@ class StreamingExperts(ExpertSource):
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         a = self._ahead                  # blocks copied ahead for this layer by the time its router syncs
         self.ahead_at_sync.append((j, len(a.table) if a is not None and a.layer == j else 0))
+        t_sync = time.perf_counter()
         host = self._router_sync(counts, guess)   # the one sync of the layer
+        t_sync = time.perf_counter() - t_sync
+        pa.last.ms_router_sync += t_sync * 1e3
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
         counts = host[:E].tolist()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
@@ -915,7 +933,15 @@ class StreamingExperts(ExpertSource):
         if early:                        # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()))
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
-        n_cap, rows_cap = self._launch_limits(x.element_size())
+        chunk = launch_chunk()
+        n_cap, rows_cap = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
+                                        self.launch_bytes, chunk)
+        if chunk < 0:
+            chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
+                                  self.launch_bytes)[0]
+        lay = _LayerLaunch(j, rows_cap, chunk, self.prefill_weights == "staged" and self._cuda,
+                           torch.cuda.current_stream(self.device) if self._cuda else None,
+                           self.up_global[j], self.down_global[j])
         # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
         # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
         # launch reading its blocks copied ahead from their slots and staging the others through the ring
@@ -923,12 +949,12 @@ class StreamingExperts(ExpertSource):
         n_rows = 0
         for e, s in hits.items():
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
-                self._prefill_batch(j, batch, seg, rows, acc, ahead)
+                self._prefill_batch(lay, batch, seg, rows, acc, ahead)
                 batch, n_rows = [], 0
             batch.append((e, s))
             n_rows += seg[e][1]
         if batch:
-            self._prefill_batch(j, batch, seg, rows, acc, ahead)
+            self._prefill_batch(lay, batch, seg, rows, acc, ahead)
         pa.last.ahead_used += ahead_found
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
@@ -951,7 +977,7 @@ class StreamingExperts(ExpertSource):
             waited = 0.0
             for e, s in self.client.wait_any(j, misses, idle=give_back):
                 waited += time.perf_counter() - tw
-                self._prefill_batch(j, [(e, s)], seg, rows, acc)
+                self._prefill_batch(lay, [(e, s)], seg, rows, acc)
                 used.append(e)
                 if len(used) >= flush_every:
                     give_back()
@@ -962,6 +988,8 @@ class StreamingExperts(ExpertSource):
             self.client.done_prefill(j, used)
         if guess is not None and j + 1 < self.n_moe and not early:
             self._copy_ahead(nj, host[E:].numpy())
+        waited_disk = waited if misses else 0.0
+        pa.last.ms_host_moe += (time.perf_counter() - t_in - t_sync - waited_disk) * 1e3
         return acc
 
     def _router_sync(self, counts, guess):
@@ -1076,52 +1104,53 @@ class StreamingExperts(ExpertSource):
         done &= (held // self.store.n_experts) < j
         return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
-    def _prefill_batch(self, j, batch, seg, rows: "_SortedRows", acc, ahead: dict | None = None) -> None:
-        """One grouped launch over the experts of `batch` [(expert, slab slot)], on their rows gathered from x (an
-        expert with more rows than a launch may hold: several launches over the one staged block); their pins are
-        deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then, counted
-        there): the launch waits for their copies and reads them from their slots, the others are staged."""
-        ex, slots = [e for e, _ in batch], [s for _, s in batch]
+    def _prefill_batch(self, lay: _LayerLaunch, batch, seg, rows: "_SortedRows", acc, ahead: dict | None = None) -> None:
+        """One grouped launch over the experts of `batch` [(expert, slab slot)] of layer lay.j, on their rows gathered
+        from x (an expert with more rows than a launch may hold: several launches over the one staged block); their
+        pins are deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then,
+        counted there): the launch waits for their copies and reads them from their slots, the others are staged."""
+        t0 = time.perf_counter()
+        j, ex, slots = lay.j, [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
-        rows_cap = self._launch_limits(rows.x.element_size())[1]
-        chunk = launch_chunk()
-        if chunk < 0:
-            chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, rows.x.element_size(),
-                                  self.launch_bytes)[0]
         at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
         from_ahead = [r for r in at if r is not None]
         to_stage = [s for s, r in zip(slots, at) if r is None]
         pa = self.prefill_acct.last
         try:
             if from_ahead:
-                self._ahead.wait(from_ahead)
+                self._ahead.wait(from_ahead, lay.cur)
             if self._addressed:
-                idx = self._dev(ex)
-                ug, dg = self.up_global[j, idx], self.down_global[j, idx]
-                staged = self.prefill_weights == "staged" and self._cuda   # (tests run addresses on the CPU too)
-                if staged:
-                    got = iter(self._stage(to_stage) if to_stage else ())
+                if lay.staged:
+                    got = iter(self._stage(to_stage, lay.cur) if to_stage else ())
                     addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
                 else:
                     base = self.slab.data_ptr()
                     addrs = [base + s * self.slot_bytes for s in slots]
-                for part in _windows(segments, rows_cap):
+                cfg = {"CHUNK": lay.chunk} if lay.chunk else None
+                gathered = None
+                for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
+                    if grouped_path(xs, local, self.geom) == "dequant":    # the layer's scales, indexed by expert
+                        ug, dg, gs_index = lay.ug, lay.dg, ex
+                    else:                                                  # the fused path's, gathered once
+                        if gathered is None:
+                            idx = self._dev(ex)
+                            gathered = lay.ug[idx], lay.dg[idx]
+                        (ug, dg), gs_index = gathered, None
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
-                    cfg = {"CHUNK": chunk} if chunk else None
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
-                                                                config=cfg))
+                                                                config=cfg, gs_index=gs_index))
                     pa.launches += 1
-                    if not staged:      # zero-copy: each read of a block crosses the bus
+                    if not lay.staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes
-                if staged and to_stage:
-                    self._ring_used()
+                if lay.staged and to_stage:
+                    self._ring.read_by_current_stream(lay.cur)
                     pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
             else:
                 got = iter(self._blocks(to_stage) if to_stage else ())
                 blocks = [self._ahead.view(r) if r is not None else next(got) for r in at]
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
-                for part in _windows(segments, rows_cap):
+                for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
                     self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok,
                                                                       acc))
@@ -1129,10 +1158,11 @@ class StreamingExperts(ExpertSource):
                 if self._cuda:
                     pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
             if from_ahead:
-                self._ahead.read_by_current_stream(from_ahead)
+                self._ahead.read_by_current_stream(from_ahead, lay.cur)
                 pa.ahead_read += len(from_ahead)
         finally:
             self._defer(slots)
+            pa.ms_host_launching += (time.perf_counter() - t0) * 1e3
 
     def _launch(self, fn) -> None:
         if self.prefill_profile is None:
@@ -1140,7 +1170,7 @@ class StreamingExperts(ExpertSource):
         else:
             self.prefill_profile.launch(fn)
 
-    def _stage(self, slots) -> list[int]:
+    def _stage(self, slots, cur=None) -> list[int]:
         n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
         if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
@@ -1148,10 +1178,11 @@ class StreamingExperts(ExpertSource):
             self._ring = _StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,
                                       SlabRows(self.slab, chunk_slots(self.slot_bytes)))
         events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
-        return self._ring.stage(slots, events)
-
-    def _ring_used(self) -> None:
-        self._ring.read_by_current_stream()
+        t0 = time.perf_counter()
+        try:
+            return self._ring.stage(slots, events, cur)
+        finally:
+            self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
 
 
 _NO_WAITS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -1330,11 +1361,11 @@ class _StagingRing:
     def runs_ok(self) -> bool:
         return self.rows.runs_ok
 
-    def stage(self, slab_slots: list[int], events=None) -> list[int]:
+    def stage(self, slab_slots: list[int], events=None, cur=None) -> list[int]:
         """The blocks in `slab_slots` into the next ring slots; their device addresses. events: (start, end) CUDA
         events recorded on the copy stream around the copies (a profile), or None. Adjacent slab slots bound for
         adjacent ring slots within one of the slab's CUDA registrations go as one copy of whole rows (unless
-        MOESTREAM_COPY_RUNS=0, on by default since session 8)."""
+        MOESTREAM_COPY_RUNS=0, on by default since session 8). cur: the compute stream (None: the current one)."""
         cs, n = self.stream, len(self.free)
         two = stage_streams() == 2
         self.used = used = [(self.next + i) % n for i in range(len(slab_slots))]
@@ -1358,12 +1389,12 @@ class _StagingRing:
             events[1].record(cs)
         done = torch.cuda.Event()
         done.record(cs)
-        torch.cuda.current_stream(self.device).wait_event(done)
+        (cur if cur is not None else torch.cuda.current_stream(self.device)).wait_event(done)
         return [self._address[r] for r in used]
 
-    def read_by_current_stream(self) -> None:
+    def read_by_current_stream(self, cur=None) -> None:
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(cur if cur is not None else torch.cuda.current_stream(self.device))
         for r in self.used:
             self.free[r] = ev
 
@@ -1381,6 +1412,8 @@ class _AheadSlots:
         self.rows = rows                            # the slab and how its blocks are copied
         self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
         self.next = 0
+        base, st = self.buf.data_ptr(), self.buf.stride(0)
+        self._address = [base + r * st for r in range(n)]   # (a torch select per call cost ~2 µs a block)
         self.pins = CopyPins()                     # slab slots pinned for the copies
         self.stream = None
         if cuda:
@@ -1473,14 +1506,14 @@ class _AheadSlots:
                     self.ready[rs[q]] = ev
 
     def address(self, r: int) -> int:
-        return self.buf[r].data_ptr()
+        return self._address[r]
 
     def view(self, r: int) -> torch.Tensor:
         return self.buf[r, :self.block_bytes]
 
-    def wait(self, slots) -> None:
+    def wait(self, slots, cur=None) -> None:
         if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
+            cur = cur if cur is not None else torch.cuda.current_stream(self.device)
             seen = set()
             for r in slots:              # slots that share a ready event (MOESTREAM_AHEAD_RUNS) wait once
                 ev = self.ready[r]
@@ -1488,10 +1521,10 @@ class _AheadSlots:
                     seen.add(id(ev))
                     cur.wait_event(ev)
 
-    def read_by_current_stream(self, slots) -> None:
+    def read_by_current_stream(self, slots, cur=None) -> None:
         if self.cuda:
             ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+            ev.record(cur if cur is not None else torch.cuda.current_stream(self.device))
             for r in slots:
                 self.free[r] = ev
 

@@ -28,6 +28,7 @@ A store split into down sub-groups (`--down-group-neurons` < 16) has its expert'
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -300,16 +301,23 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
                            geom: ExpertGeometry, up_global: torch.Tensor, down_global: torch.Tensor,
                            w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
                            config: dict | None = None, h: torch.Tensor | None = None,
-                           path: str = "auto") -> torch.Tensor:
+                           path: str = "auto", gs_index: list[int] | None = None) -> torch.Tensor:
     """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
     segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
     up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
     acc fp32 [T, L]. h: optional fp16 buffer of at least (rows of the segments) x I. No host sync.
     path (`grouped_path`): "fused" decodes NVFP4 in the GEMM's tile loop (two launches); "dequant" decodes each
-    chunk of experts into a scratch first, then two GEMMs over plain loads (three or four launches a chunk)."""
+    chunk of experts into a scratch first, then two GEMMs over plain loads (three or four launches a chunk).
+    gs_index: where each expert's global scales lie in up/down_global (e.g. its expert id, with the layer's whole
+    row given: no gather per launch); None: up/down_global hold the launch's experts in order."""
     assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
     L = geom.L
-    assert len(segments) == len(addrs) == up_global.numel() == down_global.numel()
+    assert len(segments) == len(addrs)
+    if gs_index is None:
+        assert up_global.numel() == down_global.numel() == len(segments)
+    else:
+        assert len(gs_index) == len(segments) and up_global.numel() == down_global.numel()
+        assert all(0 <= g < up_global.numel() for g in gs_index), "a global-scale index out of range"
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
     if grouped_path(x_sorted, segments, geom, path) == "dequant":
@@ -317,7 +325,11 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
                **{k: v for k, v in (config or {}).items() if k in _DEQUANT_KEYS + ("CHUNK", "TMA", "EPI_BLOCK_N")}}
         cfg["GEMM"] = expert_gemm(config) if gmm_able(x_sorted, geom) else "triton"
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
-                                cfg, h)
+                                cfg, h, gs_index)
+    if gs_index is not None:        # the fused kernels index the scales by the launch's order
+        idx = torch.tensor(gs_index, dtype=torch.int64, pin_memory=up_global.is_cuda).to(up_global.device,
+                                                                                           non_blocking=True)
+        up_global, down_global = up_global[idx], down_global[idx]
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
     return _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h)
 
@@ -569,12 +581,13 @@ def _tma_able(*tensors) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
-def chunk_table(segments, live: list[int], addrs, block_m: int, lo: int) -> list[int]:
+def chunk_table(segments, live: list[int], addrs, block_m: int, lo: int, gs_index=None) -> list[int]:
     """One chunk's table: (scratch slot, first row - lo, end row - lo) per BLOCK_M tile of its live experts, then
-    their block addresses (by slot), then their indexes into the launch (by slot, for the global scales)."""
+    their block addresses (by slot), then where their global scales lie (by slot: their indexes into the launch, or
+    gs_index[i] where given)."""
     tiles = tile_table([segments[i] for i in live], block_m)
     return ([v for (c, m0, m1) in tiles for v in (c, m0 - lo, m1 - lo)] + [int(addrs[i]) for i in live]
-            + list(live))
+            + (list(live) if gs_index is None else [int(gs_index[i]) for i in live]))
 
 
 def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_global, down_global, w_sorted,
@@ -606,7 +619,8 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
     return h
 
 
-def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h):
+def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h,
+                     gs_index=None):
     """Chunks of experts (the scratch within DEQUANT_SCRATCH_BYTES, or cfg CHUNK experts): decode their blocks,
     then the two GEMMs. One pinned table per chunk, copied without a sync (a pageable copy would wait for the
     stream, the run-1 variant's cost per chunk)."""
@@ -616,7 +630,7 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
         return acc
     if cfg.get("GEMM", "triton") != "triton":
         return _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
-                            cfg)
+                            cfg, gs_index)
     C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
     C = min(C, len(live))
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
@@ -625,7 +639,7 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
         part = live[c0:c0 + C]
         lo = min(segments[i][0] for i in part)
         hi = max(segments[i][0] + segments[i][1] for i in part)
-        flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo)
+        flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo, gs_index)
         tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         n_tiles = (len(flat) - 2 * len(part)) // 3
         dequantize(tab[3 * n_tiles:3 * n_tiles + len(part)], geom, up_w, down_w)
@@ -654,13 +668,19 @@ def expert_gemm(config: dict | None = None) -> str:
     return g
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """The device's compute capability, asked once (a launch asks for it every time)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def gmm_able(x_sorted: torch.Tensor, geom: ExpertGeometry) -> bool:
     """Whether torch._grouped_mm's fast path takes this launch: the op exists; on CUDA an sm90/sm100 device (any
     other runs torch's fallback, which syncs the host on offs); bf16 x; every operand's base and row stride 16-byte
     aligned (x's rows and the scratch's [I, L] / [L, I] matrices: L and I multiples of 8). Else the Triton GEMMs."""
     if not hasattr(torch, "_grouped_mm") or x_sorted.dtype != torch.bfloat16:
         return False
-    if x_sorted.is_cuda and torch.cuda.get_device_capability(x_sorted.device)[0] not in (9, 10):
+    if x_sorted.is_cuda and _capability(x_sorted.device.index)[0] not in (9, 10):
         return False
     return (geom.L % 8 == 0 and geom.I % 8 == 0 and x_sorted.stride(0) % 8 == 0
             and x_sorted.data_ptr() % 16 == 0)
@@ -703,7 +723,8 @@ def _gmm_scatter_kernel(y_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m)
 
 
-def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
+def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg,
+                 gs_index=None):
     """`_grouped_dequant` with torch._grouped_mm for the down GEMM, and for the up unless cfg GEMM is
     "grouped_mm_down" (then the Triton up, its epilogue writing bf16 h). Per chunk: one pinned table (tiles, block
     addresses, launch indexes, then the int32 offs packed two to an int64), the decode (both matrices bf16, global
@@ -723,7 +744,7 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
         n = len(part)
         lo = segments[part[0]][0]
         hi = max(segments[i][0] + segments[i][1] for i in part)
-        flat = chunk_table(segments, part, addrs, bm, lo)
+        flat = chunk_table(segments, part, addrs, bm, lo, gs_index)
         n_tiles = (len(flat) - 2 * n) // 3
         ends = gmm_group_ends(segments, part, lo, hi)
         packed = torch.tensor(ends + [0] * (n % 2), dtype=torch.int32).view(torch.int64).tolist()

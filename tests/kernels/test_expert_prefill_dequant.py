@@ -74,6 +74,46 @@ def test_dequant_path_subset_launches_and_scratch_bound(device, monkeypatch):
     assert_close(acc, full, 1e-3, "two dequantized launches vs the twin over all experts")
 
 
+def _scales_by_id(E, ug, dg, part):
+    """The layer's whole row of scales (the launch's experts at their ids `part`, fresh random values elsewhere)."""
+    rows = torch.rand(2, 3 * E, device=ug.device) + 0.5
+    rows[0, part], rows[1, part] = ug[:len(part)], dg[:len(part)]
+    return rows[0], rows[1]
+
+
+@pytest.mark.parametrize("path", ["dequant", "fused"])
+def test_scales_indexed_by_expert_id(path, device):
+    """gs_index: the launch reads its experts' global scales from the layer's whole row (as the engine passes
+    up_global[j] with the expert ids) and equals the launch given the gathered scales in order."""
+    E, T, k = 5, 33, 2
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ids = [11, 2, 7, 13, 4]
+    up_row, down_row = _scales_by_id(E, ug, dg, ids)
+    addrs = [b.data_ptr() for b in blocks]
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    got = ep.expert_prefill_grouped(xs, segments, addrs, geom, up_row, down_row, w, tok,
+                                    torch.zeros(T, L, device=device), config=CFG, path=path, gs_index=ids)
+    assert_close(got, ref, 1e-3, f"{path} launch with scales by expert id vs twin")
+
+
+def test_must_fail_scales_indexed_in_launch_order(device):
+    """The twin that must fail: the same whole row read by the launch's order (the indexes a launch without
+    gs_index writes) gives the wrong experts' scales."""
+    E, T, k = 5, 33, 2
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ids = [11, 2, 7, 13, 4]
+    up_row, down_row = _scales_by_id(E, ug, dg, ids)
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, up_row, down_row, w, tok,
+                                    torch.zeros(T, L, device=device), config=CFG, path="dequant",
+                                    gs_index=list(range(E)))
+    assert rel_err(got, ref) > 1e-2
+
+
 def test_must_fail_dequant_tile_table_missing_last_tiles(device, monkeypatch):
     E, T, k = 5, 37, 2
     geom, blocks, ug, dg, _, _ = _layer(E, device)
