@@ -31,6 +31,7 @@ from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.expert_layer import FUSED_SUBS
+from kernels.launch_tables import device_table
 from nemotron.moe import DecodeRoute, ExpertSource
 
 PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers at most (`launch_limits`); a prefill
@@ -386,10 +387,15 @@ class StreamingExperts(ExpertSource):
     # ------------------------------------------------------------------ block handles
     def _dev(self, values: list[int]) -> torch.Tensor:
         """A small int64 tensor on the device without a host sync: staged in pinned memory, copied
-        asynchronously (a plain torch.tensor(..., device='cuda') from a list waits for the stream)."""
+        asynchronously (a plain torch.tensor(..., device='cuda') from a list waits for the stream). Decode's."""
         if not self._cuda:
             return torch.tensor(values, dtype=torch.int64)
         return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _table(self, values: list[int]) -> torch.Tensor:
+        """Prefill's: a small int64 tensor on the device without a host sync and without the copy engine, where a
+        copy can wait behind the bulk copies queued on the copy streams (kernels/launch_tables.py)."""
+        return device_table(values, self.device if self._cuda else "cpu")
 
     def _blocks(self, slots: list[int]):
         """NVFP4 on CUDA: int64 addresses of the mapped slots (zero-copy); CPU: U8 views of the slots; other
@@ -1134,7 +1140,7 @@ class StreamingExperts(ExpertSource):
                         ug, dg, gs_index = lay.ug, lay.dg, ex
                     else:                                                  # the fused path's, gathered once
                         if gathered is None:
-                            idx = self._dev(ex)
+                            idx = self._table(ex)
                             gathered = lay.ug[idx], lay.dg[idx]
                         (ug, dg), gs_index = gathered, None
                     n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
@@ -1266,8 +1272,7 @@ class _SortedRows:
             tok, ws = self.tok[lo:hi], self.ws[lo:hi]
             local = [(a - lo, n) if n > 0 else (0, 0) for a, n in segments]
         else:
-            idx = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in live]))
-            idx = (idx.pin_memory() if self.cuda else idx).to(self.tok.device, non_blocking=True)
+            idx = device_table(np.concatenate([np.arange(a, a + n) for a, n in live]), self.tok.device)
             tok, ws = self.tok[idx], self.ws[idx]
             local, at = [], 0
             for a, n in segments:

@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels.backend import varying
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import up_weight_torch
+from kernels.launch_tables import device_table
 from kernels.gemv_nvfp4 import _X_PRESCALE, _nvfp4_gemm_body, _nvfp4_tile_split
 from kernels.sparse_down import down_group_weights_torch
 
@@ -327,8 +328,7 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h, gs_index)
     if gs_index is not None:        # the fused kernels index the scales by the launch's order
-        idx = torch.tensor(gs_index, dtype=torch.int64, pin_memory=up_global.is_cuda).to(up_global.device,
-                                                                                           non_blocking=True)
+        idx = device_table(gs_index, up_global.device)
         up_global, down_global = up_global[idx], down_global[idx]
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
     return _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h)
@@ -351,7 +351,7 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
     # the rows of this launch, re-based so that h holds only them
     flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
     dev = x_sorted.device
-    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    tab = device_table(flat, dev)
     rows = hi - lo
     if h is None or h.numel() < rows * I:
         h = torch.empty(rows * I, dtype=torch.float16, device=dev)
@@ -363,7 +363,7 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
         regrouped = regroup_downs(tab[3 * len(table):], geom)     # alive until the GEMM is queued (stream order)
         nb = regrouped.shape[1]
         flat[3 * len(table):] = [regrouped.data_ptr() + i * nb for i in range(len(addrs))]
-        down_tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        down_tab = device_table(flat, dev)
         down_off = 0
     grid = (triton.cdiv(L, cfg["BLOCK_N"]), len(table))
     _grouped_down_kernel[grid](h, down_tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
@@ -640,7 +640,7 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
         lo = min(segments[i][0] for i in part)
         hi = max(segments[i][0] + segments[i][1] for i in part)
         flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo, gs_index)
-        tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        tab = device_table(flat, dev)
         n_tiles = (len(flat) - 2 * len(part)) // 3
         dequantize(tab[3 * n_tiles:3 * n_tiles + len(part)], geom, up_w, down_w)
         h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
@@ -748,7 +748,7 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
         n_tiles = (len(flat) - 2 * n) // 3
         ends = gmm_group_ends(segments, part, lo, hi)
         packed = torch.tensor(ends + [0] * (n % 2), dtype=torch.int32).view(torch.int64).tolist()
-        tab = torch.tensor(flat + packed, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        tab = device_table(flat + packed, dev)
         offs = tab[len(flat):].view(torch.int32)[:n]
         dequantize(tab[3 * n_tiles:3 * n_tiles + n], geom, up_w, down_w, down_bf16=True)
         x = x_sorted[lo:hi]

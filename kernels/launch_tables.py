@@ -1,0 +1,115 @@
+"""Small int64 tables for kernel launches (tile tables, block addresses, row indexes) moved host -> device by the SMs,
+never by the copy engine.
+
+A launch's table used to go as `torch.tensor(..., pin_memory=True).to(device, non_blocking=True)`: a cudaMemcpyAsync of
+a few KB on the compute stream. While the copy streams hold a layer's worth of bulk copies (1-2 GB of expert blocks
+copied ahead), such a copy can wait behind all of them: on the H200 (bench/NOTES.md, session 15 calls 1-2) the table
+of a layer's third launch, queued at 24 ms, ran at 62 ms, when 2.4 GB of copies queued before it had landed, and
+every kernel of the layer after it waited too. The copies ahead were meant to overlap the layer's kernels; instead
+kernels and copies ran one after the other (16k tokens: 2 ms of a 218 ms prompt with both at once).
+
+Here the values are written into a pinned host ring and one small kernel on the current stream reads them over the
+bus into a device ring at the same offset (loads by the SMs, which no copy queue orders). The consuming kernels then
+read device memory as before. A host region is rewritten only after the fetch that read it has run (an event per
+fetch, waited for when the ring comes round to it: at 1 Mi words, once in many prompts, by then long done); a device
+region is rewritten by a later fetch on the same stream, so in stream order after the kernels that read it (a fetch
+on another stream first waits for the last one's stream).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import varying
+
+FETCH_BLOCK = 1024
+TABLE_WORDS = 1 << 20               # the rings' size in int64 words (8 MiB pinned + 8 MiB on the device)
+
+
+@triton.jit(**varying("src", "dst_ptr", "n"))
+def _fetch_kernel(src, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[i] = src[i] for i < n; src: the address of pinned host int64 words (read over the bus by the SMs)."""
+    p = src.to(tl.pointer_type(tl.int64))
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(dst_ptr + o, tl.load(p + o, mask=m), mask=m)
+
+
+def fetch_torch(host: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Twin of the fetch: the host words copied into dst."""
+    dst.copy_(host.to(dst.device))
+    return dst
+
+
+class LaunchTables:
+    """A pinned host ring and a device ring of `words` int64 each; `put(values)` -> a device tensor holding them."""
+
+    def __init__(self, device, words: int = TABLE_WORDS, event=None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.host = torch.empty(words, dtype=torch.int64, pin_memory=self.cuda)
+        self.np = self.host.numpy()
+        self.dev = torch.empty(words, dtype=torch.int64, device=self.device)
+        self.base = self.host.data_ptr()
+        self.at, self.cycle = 0, 0
+        self.inflight: collections.deque = collections.deque()   # (cycle, start, end, event), in the order put
+        self._event = event or ((lambda: _record()) if self.cuda else (lambda: None))
+        self._stream = None
+        self.waited = 0                     # fetches waited for before their host region was rewritten (a count)
+
+    def put(self, values) -> torch.Tensor:
+        """The values (ints) on the device, in a slice of the device ring, valid for kernels queued on the current
+        stream after this call (and until TABLE_WORDS more words have been put)."""
+        k = len(values)
+        if k == 0:
+            return self.dev[:0]
+        if k > len(self.np):
+            raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
+        if self.at + k > len(self.np):     # round the ring: the last round's fetches still listed (past the cursor)
+            self._drain(lambda c, s: c < self.cycle)
+            self.at, self.cycle = 0, self.cycle + 1
+        a, b = self.at, self.at + k
+        self._drain(lambda c, s: c < self.cycle and s < b)       # the last round's fetches in [a, b)
+        self.np[a:b] = values
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            if self._stream is not None and self._stream != cur:
+                cur.wait_stream(self._stream)           # the device ring's earlier readers, on the other stream
+            self._stream = cur
+        _fetch_kernel[(triton.cdiv(k, FETCH_BLOCK),)](self.base + 8 * a, self.dev[a:b], k, BLOCK=FETCH_BLOCK)
+        self.inflight.append((self.cycle, a, b, self._event()))
+        self.at = b
+        return self.dev[a:b]
+
+    def _drain(self, overlaps) -> None:
+        q = self.inflight
+        while q and overlaps(q[0][0], q[0][1]):
+            ev = q.popleft()[3]
+            if ev is not None:
+                ev.synchronize()
+                self.waited += 1
+
+
+def _record():
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+_TABLES: dict = {}
+
+
+def device_table(values, device) -> torch.Tensor:
+    """An int64 launch table on `device`: through the device's LaunchTables on CUDA (no copy engine), a plain tensor
+    on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = LaunchTables(torch.device("cuda", key))
+    return t.put(values)
