@@ -71,7 +71,6 @@ model's own forward.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from abc import ABC, abstractmethod
 import time
@@ -79,7 +78,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from gpu_worker.up_staging import driver_memcpy_async
 from kernels.linear import linear
@@ -155,10 +153,6 @@ class ExpertInputs:
         # a torch copy_ costs ~10 (bench/host_bookkeeping.py's "staging" column on the H200 host: 11.4 µs per layer)
         self._memcpy = driver_memcpy_async() if self.addresses.is_cuda else None
         self._nbytes = self.addresses.numel() * self.addresses.element_size()
-        # MOESTREAM_DECODE_ADDR_FETCH=1 (read once, an A/B knob): the addresses read over the bus by a one-program
-        # kernel (kernels/launch_tables.py) instead of a cuMemcpyAsync, which may wait behind the staged ups' bulk
-        # copies queued on the copy streams (the prefill's launch tables did, session 15); costs a Triton launch
-        self._fetch = self.addresses.is_cuda and os.environ.get("MOESTREAM_DECODE_ADDR_FETCH", "0") == "1"
         # rows 0-3 (or 0-1) of two lists written by one Struct's pack_into: ~1.1 µs for four rows of 22 where numpy's
         # conversion of each list costs ~0.5 (of a nested list of them, ~3), warm on the VM
         self._k = k = self._addresses_np.shape[1]
@@ -222,12 +216,6 @@ class ExpertInputs:
                 a[4] = order
                 self._order_row = order
             self._no_waits = False
-        if self._fetch:
-            from kernels.launch_tables import FETCH_BLOCK, _fetch_kernel
-            n = self.addresses.numel()
-            _fetch_kernel[(triton.cdiv(n, FETCH_BLOCK),)](self.addresses_host.data_ptr(), self.addresses, n,
-                                                         BLOCK=FETCH_BLOCK)
-            return
         if self._memcpy is None:
             self.addresses.copy_(self.addresses_host, non_blocking=True)
             return

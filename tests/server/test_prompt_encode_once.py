@@ -110,3 +110,36 @@ def test_no_messages_end_without_cache_prompt_costs_one_encode(tok):
     p = encode_prompt(lambda gen: tok.render_chat(msgs, gen), encode, None, True, messages_end=False,
                       encode_split=split)
     assert calls == {"encode": 1, "split": 0} and p.messages_end is None and p.ids == slow(tok, msgs).ids
+
+
+def _split_by_offsets(tok, text: str, n_chars: int):
+    """Twin of `encode_split` over the encoding's whole offsets list (session 13's way, before char_to_token)."""
+    enc = tok.backend.encode(text, add_special_tokens=False)
+    ids, offsets = enc.ids, enc.offsets
+    added = tok._added_ids()
+    n = next((i for i, (a, _) in enumerate(offsets) if a >= n_chars), None)
+    if n is None or n == 0 or offsets[n][0] != n_chars or ids[n] not in added or offsets[n - 1][1] > n_chars:
+        return ids, None
+    p = next((i for i in range(n - 1, -1, -1) if ids[i] in added), None)
+    if p is None:
+        return ids, None
+    start = offsets[p][1]
+    tail = tok.backend.encode(text[start:n_chars], add_special_tokens=False).ids if start < n_chars else []
+    return (ids, n) if tail == ids[p + 1:n] else (ids, None)
+
+
+def test_split_equals_the_offsets_twin_at_every_cut(tok):
+    """The split asks the encoding for the token at the cut: the same answer as the whole offsets list gives, at the
+    start of every added token, inside words, at both ends and past them, on varied chats."""
+    rng = random.Random(5)
+    checked = proven = 0
+    for msgs in conversations(11, n=6):
+        text = tok.render_chat(msgs, True)
+        enc = tok.backend.encode(text, add_special_tokens=False)
+        marks = [a for (a, _), i in zip(enc.offsets, enc.ids) if i in tok._added_ids()]
+        for cut in marks + [rng.randrange(len(text)) for _ in range(8)] + [0, 1, len(text) - 1, len(text)]:
+            got = tok.encode_split(text, cut)
+            assert got == _split_by_offsets(tok, text, cut), cut
+            checked += 1
+            proven += got[1] is not None
+    assert checked > 50 and proven > 10           # both answers exercised
