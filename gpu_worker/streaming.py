@@ -51,6 +51,19 @@ PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
 PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "2048"))
 
 
+# The first MoE layer's guess (`StreamingExperts.guess_first_layer`): its most used experts by the prompts before,
+# copied ahead while the layers before it run, when the bus has nothing else to do (H200, session 15: 16k tokens spend
+# ~10.6 ms there, 1k ~1 ms of kernels and a few of host setup). As many as the bus moves in that time: ~12 blocks
+# (3 MB, Super) a 1,000 tokens, plus a few for the host's setup; more would queue in front of the layer's own blocks.
+FIRST_GUESS_BLOCKS_PER_1K = 12
+FIRST_GUESS_MIN_BLOCKS = 8
+
+
+def first_guess() -> bool:
+    """MOESTREAM_PREFILL_FIRST_GUESS (read per prompt; on by default): the first MoE layer's guess copied ahead."""
+    return os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS", "1") != "0"
+
+
 def prefill_eager() -> bool:
     """MOESTREAM_PREFILL_EAGER (read per prompt): at each MoE layer's sync, the layer's own blocks that were not copied
     ahead (wrong or missing guesses, and every block of the first MoE layer) are copied at once into free ahead slots,
@@ -355,6 +368,7 @@ class StreamingExperts(ExpertSource):
         self._ahead: _AheadSlots | None = None
         self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
         self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
+        self.route_hist: np.ndarray | None = None   # [n_moe, E]: decayed tokens-per-expert share of the prompts before
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
         # and booked here after their token: `decode_routed`, `decode_token_end`, `decode_settle`
         self.device_routing = True
@@ -870,6 +884,27 @@ class StreamingExperts(ExpertSource):
         self.ahead_at_sync, self._guessed = [], None
         self.prefill_acct.begin()
 
+    def guess_first_layer(self, tokens: int) -> int:
+        """Before a span's layers run: the first MoE layer's experts most used by the prompts before (`route_hist`),
+        FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K per 1,000 tokens of them, copied ahead as a later layer's
+        guess is (`_copy_ahead`: those in the slab, into the ahead slots the span was given). Nothing without history
+        or slots. Returns how many were named."""
+        h = self.route_hist
+        if h is None or not first_guess() or self.ahead_bytes <= 0 or not h[0].any():
+            return 0
+        n = FIRST_GUESS_MIN_BLOCKS + tokens * FIRST_GUESS_BLOCKS_PER_1K // 1000
+        top = [e for e in np.argsort(-h[0], kind="stable")[:n].tolist() if h[0, e] > 0]
+        g = np.zeros(h.shape[1], dtype=np.float64)
+        g[top] = h[0, top]
+        self._copy_ahead(0, g)
+        return len(top)
+
+    def _learn_routes(self, j: int, counts: np.ndarray, tokens: int) -> None:
+        """Layer j's tokens per expert, folded into `route_hist` (the older prompts' share halved each time)."""
+        if self.route_hist is None:
+            self.route_hist = np.zeros((self.n_moe, self.store.n_experts), dtype=np.float64)
+        self.route_hist[j] = 0.5 * self.route_hist[j] + counts / max(tokens, 1)
+
     def ahead_wish(self, tokens: int | None = None) -> int:
         """Bytes of device slots this source would copy the next MoE layer's experts ahead into (gpu_worker/prefill.py
         grants them from what a span leaves of the budget): one layer's experts, or 0 where it copies none — or where
@@ -915,6 +950,7 @@ class StreamingExperts(ExpertSource):
         t_sync = time.perf_counter() - t_sync
         pa.last.ms_router_sync += t_sync * 1e3
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
+        self._learn_routes(j, host[:E].numpy(), T)
         counts = host[:E].tolist()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         uniq = [e for e in range(E) if counts[e]]

@@ -435,6 +435,75 @@ def test_gpu_early_copies_ahead(tiny, monkeypatch):
     assert mean_kl(ref, out) < 3e-3
 
 
+# ------------------------------------------------------------------------------------------------ the first layer's guess
+def _first_layer_at_sync(src) -> list[int]:
+    return [n for j, n in src.ahead_at_sync if j == 0]
+
+
+def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
+    """After one prompt (the history), the next prompt's first MoE layer finds its most used experts copied ahead
+    before its router synced, reads them from their slots, and the logits are unchanged; the guess names at most
+    FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K per 1,000 tokens, the most used first; no pin is left."""
+    model_dir, store = tiny
+    spy = CopySpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        run(eng, 300)                    # no history yet: no first-layer guess
+        assert _first_layer_at_sync(src) == [0] and all(j != 0 for j, _ in spy.copied)
+        hist = src.route_hist[0].copy()
+        spy.copied.clear()
+        out = run(eng, 300)
+        last = src.prefill_acct.last
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    first = [ex for j, ex in spy.copied if j == 0]
+    n = streaming.FIRST_GUESS_MIN_BLOCKS + 300 * streaming.FIRST_GUESS_BLOCKS_PER_1K // 1000
+    assert len(first) == 1 and 0 < len(first[0]) <= n
+    assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
+    assert _first_layer_at_sync(src)[0] == len(first[0])
+    assert last.ahead_read == last.ahead_used > 0
+
+
+def test_must_fail_first_layer_guess_of_unused_experts_is_counted_wrong(tiny, monkeypatch):
+    """The twin: a history pointing at experts the first layer never routes to. Every block it copies is counted
+    wrong and none is read (the accounting that says how good the guess was cannot be fooled)."""
+    model_dir, store = tiny
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        from bench.workdir import warm_all
+        from expert_store.reader import ExpertStore
+        warm_all(eng, ExpertStore.open(store))          # every block in the slab: the guess is only ever copied
+        run(eng, 300)
+        used = src.route_hist[0] > 0
+        assert not used.all(), "the prompt used every expert of the first layer: nothing to point the twin at"
+        twin = np.where(used, 0.0, 1.0)                   # only the experts this prompt does not route to
+        monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS", "0")
+        run(eng, 300)                                     # the later layers' guesses alone, for the difference
+        base = dataclasses.replace(src.prefill_acct.last)
+        monkeypatch.delenv("MOESTREAM_PREFILL_FIRST_GUESS")
+        src.route_hist[0] = twin
+        run(eng, 300)
+        last = src.prefill_acct.last
+        layer0 = _first_layer_at_sync(src)[0]
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    assert layer0 > 0 and last.ahead_wrong - base.ahead_wrong == layer0
+    assert last.ahead_used == base.ahead_used and last.ahead_read == base.ahead_read
+
+
+def test_first_layer_guess_off(tiny, monkeypatch):
+    """MOESTREAM_PREFILL_FIRST_GUESS=0: the first MoE layer has nothing copied ahead at its sync, history or not."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS", "0")
+    model_dir, store = tiny
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        run(eng, 300)
+        run(eng, 300)
+        assert src.route_hist is not None and all(n == 0 for n in _first_layer_at_sync(src))
+
+
 def test_short_prompts_wish_no_slots():
     """The CUDA default copies ahead only for prompts of `ahead_min_tokens` and more (H200 session 8: shorter ones
     lost); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
