@@ -462,7 +462,6 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
                 source.launch_bytes = launch_bytes_for(cfg, model.dtype, budget, span,
                                                        dataclasses.replace(plan, ahead_bytes=ahead), state.position,
                                                        all_logits, kv_rows(state))
-                source.guess_first_layer(min(end, pos + span) - pos)   # copied while the layers before it run
             e = min(end, pos + span)
             kw = images.within(pos, e) if images is not None else {}
             inside = [k - pos for k in capture_at if pos < k < e]

@@ -301,6 +301,7 @@ class NemotronH:
                                 or pos.unique().numel() != pos.numel()):
                 raise ValueError(f"image_positions must be distinct indices into the {ids.numel()} ids")
             x[pos] = image_embeds.to(device=self.device, dtype=self.dtype)
+        self.experts.inputs_ready(T)
         for i, mixer in enumerate(self.mixers):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"cancelled before layer {i}")

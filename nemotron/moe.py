@@ -51,6 +51,11 @@ class ExpertSource(ABC):
         """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]. `guess`: the
         experts the next MoE layer's router picks on this layer's input (a prefetch hint)."""
 
+    def inputs_ready(self, tokens: int) -> None:
+        """A call of `tokens` (> 1) tokens has its inputs on the device and is about to run its first layer (the
+        streaming source starts its first MoE layer's guessed copies here, queued after the inputs' own copy).
+        Default: nothing."""
+
     def set_trace(self, fn: Callable | None) -> None:
         """fn('relu2', layer=, zeros=, total=) where the source can count zeros cheaply (default: never)."""
 
