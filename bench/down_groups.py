@@ -21,11 +21,12 @@ import torch
 
 from bench.report import emit
 from kernels.expert_block import DOWN_GROUP_NEURONS, ExpertGeometry
+from nemotron.moe import ExpertSource
 
 FMT_OF_DTYPE = {torch.uint8: "nvfp4", torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
 
 
-class CountingExperts:
+class CountingExperts(ExpertSource):
     """An ExpertSource over the checkpoint's experts that also counts, per sub-group size, the down groups
     each (token, expert) pair has to read. The routed output is the inner source's, untouched."""
     wants_guess = False

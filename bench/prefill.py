@@ -395,7 +395,7 @@ def path_parts(path: str) -> tuple[str, str, str, bool]:
 
 def ahead_gate(path: str) -> int | None:
     """A --paths entry's "~G": the copies ahead for prompts of G tokens and more (the engine's
-    `ahead_min_tokens`, MOESTREAM_PREFILL_AHEAD_MIN_TOKENS; 2,048 by default); None without one."""
+    `ahead_min_tokens`, MOESTREAM_PREFILL_AHEAD_MIN_TOKENS; 0 by default since session 15); None without one."""
     g = path.split("#")[0].split("|")[0].partition("~")[2]
     return int(g) if g else None
 
@@ -490,7 +490,7 @@ def main(argv=None):
                          "default, 4,096 since session 8; 512: the old plan)")
     ap.add_argument("--disk-paths", default="staged_no_ahead",
                     help="the disk regime's weight paths, each in a fresh engine (staged: the engine's default since "
-                         "session 8, the copies ahead for prompts of 2,048 tokens and more; staged_no_ahead: none)")
+                         "session 8, the copies ahead (at every size since session 15); staged_no_ahead: none)")
     ap.add_argument("--paths", default="staged_no_ahead,staged,zero_copy",
                     help="the RAM regime's weight paths (CUDA): staged, staged_no_ahead (the copies ahead off), "
                          "zero_copy; a path again as PATH#2; PATH@N: with pieces of at most N tokens "
@@ -498,7 +498,7 @@ def main(argv=None):
                     "(or PATH@N+): session 7's glue / the old glue (the Mamba carry in one launch, adjacent staging "
                     "copies merged; on by default since session 8); PATH! (e.g. staged!): the copies ahead a block "
                     "at a time (MOESTREAM_AHEAD_RUNS=0; in runs by default since session 9); PATH~G: the copies ahead for prompts "
-                    "of G tokens and more (2,048 by default; staged~0: at every size); PATH|KEY=VAL: an environment "
+                    "of G tokens and more (0 by default since session 15; staged~2048: session 8-14's gate); PATH|KEY=VAL: an environment "
                          "switch for that path's prompts (e.g. staged|MOESTREAM_MAMBA_SSD=1)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
     a = ap.parse_args(argv)

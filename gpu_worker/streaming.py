@@ -11,7 +11,7 @@ misses in grouped launches as they land (kernels/expert_prefill.py). With staged
 experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
 device slots (`_AheadSlots`) on their own stream, after this layer's own copies, while this layer's last kernels and
 the dense layers run: the next layer's launches then find them on the device (on for prompts of
-PREFILL_AHEAD_MIN_TOKENS and more since session 8; PREFILL_COPY_AHEAD).
+PREFILL_AHEAD_MIN_TOKENS and more: every prompt since session 15; PREFILL_COPY_AHEAD).
 """
 from __future__ import annotations
 
@@ -47,8 +47,12 @@ PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "1
 # ms), first tokens equal at every size (bench/NOTES.md "Session 8"). Session 6's wrong 16k first token is gone since
 # the slots buffer waits for the compute stream's queued readers of its recycled memory (session 7's fix).
 # MOESTREAM_PREFILL_COPY_AHEAD=0 turns it off; bench.prefill's `staged_no_ahead` path runs without it.
+# The gate was 2,048 tokens until session 15: once the launch tables stopped riding the copy engine
+# (kernels/launch_tables.py) copies ahead at every size won or tied on the H200 in three calls (1k −1 to −3 ms, 128
+# ±1, 16k 0 to −5 with the first layer's guess; bench/NOTES.md session 15 calls 3, 5, 6), so it is 0 now.
+# MOESTREAM_PREFILL_AHEAD_MIN_TOKENS sets it (bench.prefill's `~G` paths too).
 PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
-PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "2048"))
+PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "0"))
 
 
 # The first MoE layer's guess (`StreamingExperts.guess_first_layer`): its most used experts by the prompts before,

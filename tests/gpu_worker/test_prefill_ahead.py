@@ -73,7 +73,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monk
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
-        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         run(eng, n)                      # reads every routed block once: the next run finds them all in RAM
         spy.copied.clear()
         out = run(eng, n)
@@ -115,7 +115,7 @@ def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
-        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         run(eng, 300)
         out = run(eng, 300)
         last = src.prefill_acct.last
@@ -135,7 +135,7 @@ def test_twin_wrong_block_in_a_slot_is_caught(tiny, refs, monkeypatch):
     monkeypatch.setattr(streaming._AheadSlots, "copy", rotated)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         eng.experts.copy_ahead = True
-        eng.experts.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        eng.experts.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         run(eng, 300)
         out = run(eng, 300)
     assert (out - refs[300]).abs().max() > 1e-2
@@ -147,7 +147,7 @@ def test_cache_at_a_tenth_with_copies_ahead(tiny, refs):
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         src = eng.experts
         src.copy_ahead = True
-        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         out = run(eng, 300)
         stats = eng.cache_stats()
         last = src.prefill_acct.last
@@ -165,7 +165,7 @@ def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
     st = ExpertStore.open(store)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
         eng.experts.copy_ahead = True
-        eng.experts.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        eng.experts.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         m = eng.model
         prefill(m, prompt(1500, seed=4), m.new_state())
         last = eng.experts.prefill_acct.last
@@ -338,7 +338,7 @@ def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
         src = eng.experts
         assert src.ahead_wish() == 0, "on the CPU copies ahead are a test's choice"
         src.copy_ahead = True
-        src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+        src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
         assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
         os.environ["MOESTREAM_PREFILL_EAGER"] = "1"          # eager copies: two layers' slots
         try:
@@ -370,7 +370,7 @@ def test_gpu_copies_ahead_read_by_the_next_layer(tiny, runs, monkeypatch):
         src, m = eng.experts, eng.model
         for ahead in (True, False):
             src.copy_ahead = ahead
-            src.ahead_min_tokens = 0      # short prompts copy ahead here too (the CUDA default gates them)
+            src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
             prefill(m, ids, m.new_state())                  # every block in RAM for the timed-like second run
             out = prefill(m, ids, m.new_state(), all_logits=True)
             last = src.prefill_acct.last
@@ -505,13 +505,13 @@ def test_first_layer_guess_off(tiny, monkeypatch):
 
 
 def test_short_prompts_wish_no_slots():
-    """The CUDA default copies ahead only for prompts of `ahead_min_tokens` and more (H200 session 8: shorter ones
-    lost); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
+    """Copies ahead only for prompts of `ahead_min_tokens` and more (a gate of 2,048 until session 15, 0 since: every
+    prompt); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
     from gpu_worker.streaming import PREFILL_AHEAD_MIN_TOKENS, StreamingExperts
     src = StreamingExperts.__new__(StreamingExperts)
     src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
     src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
-    assert PREFILL_AHEAD_MIN_TOKENS == 2048
+    assert PREFILL_AHEAD_MIN_TOKENS == 0 or os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS")
     assert src.ahead_wish(2048) == 8 * 1000 and src.ahead_wish() == 8 * 1000
     assert src.ahead_wish(2047) == 0
     src.copy_ahead = False
