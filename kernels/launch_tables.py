@@ -104,10 +104,13 @@ _TABLES: dict = {}
 
 def device_table(values, device) -> torch.Tensor:
     """An int64 launch table on `device`: through the device's LaunchTables on CUDA (no copy engine), a plain tensor
-    on the CPU."""
+    on the CPU. A table larger than the ring (never seen: a launch's row index is bounded by its rows) goes as a
+    pinned copy, as before the ring."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.int64, device=device)
+    if len(values) > TABLE_WORDS:
+        return torch.as_tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     key = device.index if device.index is not None else torch.cuda.current_device()
     t = _TABLES.get(key)
     if t is None:
