@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.knobs import env_count
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
@@ -199,14 +200,7 @@ def piece_tokens_max() -> int:
     default since session 8's H200 run, where a 16k prompt went 303 -> 250 ms and every size was faster with equal
     first tokens, bench/NOTES.md "Session 8"; `MOESTREAM_PIECE_TOKENS=512` gives the old plan exactly); never above
     MAX_PIECE_TOKENS (a Mamba mixer cuts longer calls itself)."""
-    raw = os.environ.get("MOESTREAM_PIECE_TOKENS", "")
-    try:
-        n = int(raw) if raw else MAX_PIECE_TOKENS
-    except ValueError:
-        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: expected a whole number of tokens") from None
-    if n < 1:
-        raise ValueError(f"MOESTREAM_PIECE_TOKENS={raw!r}: pieces need at least one token")
-    return min(n, MAX_PIECE_TOKENS)
+    return min(env_count("MOESTREAM_PIECE_TOKENS", MAX_PIECE_TOKENS, "tokens"), MAX_PIECE_TOKENS)
 
 
 def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:

@@ -25,6 +25,7 @@ import torch
 
 from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
+from gpu_worker.knobs import env_count
 from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env
 from gpu_worker.up_staging import UpStaging
@@ -175,14 +176,7 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
 def launch_experts() -> int:
     """Experts per grouped prefill launch at most: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per call, a measuring knob
     for an A/B of fewer, larger launches per layer), else PREFILL_LAUNCH_EXPERTS."""
-    raw = os.environ.get("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "")
-    try:
-        n = int(raw) if raw else PREFILL_LAUNCH_EXPERTS
-    except ValueError:
-        raise ValueError(f"MOESTREAM_PREFILL_LAUNCH_EXPERTS={raw!r}: expected a whole number of experts") from None
-    if n < 1:
-        raise ValueError(f"MOESTREAM_PREFILL_LAUNCH_EXPERTS={raw!r}: expected 1 or more experts")
-    return n
+    return env_count("MOESTREAM_PREFILL_LAUNCH_EXPERTS", PREFILL_LAUNCH_EXPERTS, "experts")
 
 
 def launch_chunk() -> int:

@@ -81,36 +81,32 @@ def _scales_by_id(E, ug, dg, part):
     return rows[0], rows[1]
 
 
-@pytest.mark.parametrize("path", ["dequant", "fused"])
-def test_scales_indexed_by_expert_id(path, device):
-    """gs_index: the launch reads its experts' global scales from the layer's whole row (as the engine passes
-    up_global[j] with the expert ids) and equals the launch given the gathered scales in order."""
+def _launch_with_scale_row(device, path, gs_index):
+    """One launch given the layer's whole row of scales (the experts at ids 11, 2, 7, 13, 4) and `gs_index`; and the
+    twin's output on the scales in launch order."""
     E, T, k = 5, 33, 2
     geom, blocks, ug, dg, _, _ = _layer(E, device)
     _, _, tok, w, segments = _routed(T, k, E, device)
     xs = torch.randn(T, L, device=device).bfloat16()[tok]
-    ids = [11, 2, 7, 13, 4]
-    up_row, down_row = _scales_by_id(E, ug, dg, ids)
-    addrs = [b.data_ptr() for b in blocks]
+    up_row, down_row = _scales_by_id(E, ug, dg, [11, 2, 7, 13, 4])
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    got = ep.expert_prefill_grouped(xs, segments, addrs, geom, up_row, down_row, w, tok,
-                                    torch.zeros(T, L, device=device), config=CFG, path=path, gs_index=ids)
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, up_row, down_row, w, tok,
+                                    torch.zeros(T, L, device=device), config=CFG, path=path, gs_index=gs_index)
+    return got, ref
+
+
+@pytest.mark.parametrize("path", ["dequant", "fused"])
+def test_scales_indexed_by_expert_id(path, device):
+    """gs_index: the launch reads its experts' global scales from the layer's whole row (as the engine passes
+    up_global[j] with the expert ids) and equals the launch given the gathered scales in order."""
+    got, ref = _launch_with_scale_row(device, path, [11, 2, 7, 13, 4])
     assert_close(got, ref, 1e-3, f"{path} launch with scales by expert id vs twin")
 
 
 def test_must_fail_scales_indexed_in_launch_order(device):
     """The twin that must fail: the same whole row read by the launch's order (the indexes a launch without
     gs_index writes) gives the wrong experts' scales."""
-    E, T, k = 5, 33, 2
-    geom, blocks, ug, dg, _, _ = _layer(E, device)
-    _, _, tok, w, segments = _routed(T, k, E, device)
-    xs = torch.randn(T, L, device=device).bfloat16()[tok]
-    ids = [11, 2, 7, 13, 4]
-    up_row, down_row = _scales_by_id(E, ug, dg, ids)
-    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, up_row, down_row, w, tok,
-                                    torch.zeros(T, L, device=device), config=CFG, path="dequant",
-                                    gs_index=list(range(E)))
+    got, ref = _launch_with_scale_row(device, "dequant", list(range(5)))
     assert rel_err(got, ref) > 1e-2
 
 
