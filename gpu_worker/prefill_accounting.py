@@ -81,6 +81,11 @@ class PrefillAccounting:
             self._resident0 = m
         self._open = True
 
+    @property
+    def in_prompt(self) -> bool:
+        """Between `begin` and `end`: a prompt of `gpu_worker.prefill.prefill` is running."""
+        return self._open
+
     def routed(self, layer: int, experts, uses: int) -> None:
         if not self._open:          # a forward outside prefill() (tests, benches): not a prompt
             return

@@ -197,9 +197,9 @@ def launch_chunk() -> int:
 
 @dataclass
 class _LayerLaunch:
-    """What every grouped launch of one MoE layer shares, worked out once at the layer's sync rather than per launch:
-    with a layer's blocks already on the device the host's cost per launch is what paces the prompt (~1.2 ms a launch
-    on the H200's host, 11 launches a layer at 1,000 tokens; bench/NOTES.md session 15)."""
+    """What every grouped launch of one MoE layer shares, worked out once at the layer's sync rather than per launch
+    (the host's cost a launch was ~1.2 ms profiled on the H200's host, 11 launches a layer at 1,000 tokens; ~0.45 ms
+    without a profiler after this; bench/NOTES.md session 15)."""
     j: int
     rows_cap: int                        # rows one launch takes at most (`launch_limits`)
     chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved)
@@ -891,9 +891,11 @@ class StreamingExperts(ExpertSource):
         late): the first MoE layer's experts most used by the prompts before (`route_hist`),
         FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K per 1,000 tokens of them, copied ahead as a later layer's
         guess is (`_copy_ahead`: those in the slab, into the ahead slots the span was given). Nothing without history
-        or slots. Returns how many were named."""
+        or slots, or outside a prompt (a forward of several tokens that `prefill` did not start: its slots would
+        outlive it). Returns how many were named."""
         h = self.route_hist
-        if h is None or not first_guess() or self.ahead_bytes <= 0 or not h[0].any():
+        if (h is None or not first_guess() or self.ahead_bytes <= 0 or not self.prefill_acct.in_prompt
+                or not h[0].any()):
             return 0
         n = FIRST_GUESS_MIN_BLOCKS + tokens * FIRST_GUESS_BLOCKS_PER_1K // 1000
         top = [e for e in np.argsort(-h[0], kind="stable")[:n].tolist() if h[0, e] > 0]

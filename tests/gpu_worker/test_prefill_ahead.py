@@ -492,6 +492,20 @@ def test_must_fail_first_layer_guess_of_unused_experts_is_counted_wrong(tiny, mo
     assert last.ahead_used == base.ahead_used and last.ahead_read == base.ahead_read
 
 
+def test_no_first_layer_guess_outside_a_prompt(tiny, monkeypatch):
+    """A forward of several tokens that `prefill` did not start (no prompt open) copies nothing ahead for the first
+    MoE layer, history or not: the slots would outlive it."""
+    model_dir, store = tiny
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src, m = eng.experts, eng.model
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        run(eng, 300)
+        assert src.route_hist is not None and src.ahead_bytes > 0
+        src.ahead_at_sync = []
+        m.forward(prompt(40, seed=2), m.new_state())
+        assert _first_layer_at_sync(src) == [0] and src.guess_first_layer(40) == 0
+
+
 def test_first_layer_guess_off(tiny, monkeypatch):
     """MOESTREAM_PREFILL_FIRST_GUESS=0: the first MoE layer has nothing copied ahead at its sync, history or not."""
     monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS", "0")
