@@ -18,6 +18,7 @@ on another stream first waits for the last one's stream).
 from __future__ import annotations
 
 import collections
+import threading
 
 import torch
 import triton
@@ -59,6 +60,7 @@ class LaunchTables:
         self._event = event or ((lambda: _record()) if self.cuda else (lambda: None))
         self._stream = None
         self.waited = 0                     # fetches waited for before their host region was rewritten (a count)
+        self._lock = threading.Lock()       # one cursor: two threads putting at once would share a region
 
     def put(self, values) -> torch.Tensor:
         """The values (ints) on the device, in a slice of the device ring, valid for kernels queued on the current
@@ -68,6 +70,10 @@ class LaunchTables:
             return self.dev[:0]
         if k > len(self.np):
             raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
+        with self._lock:
+            return self._put(values, k)
+
+    def _put(self, values, k: int) -> torch.Tensor:
         if self.at + k > len(self.np):     # round the ring: the last round's fetches still listed (past the cursor)
             self._drain(lambda c, s: c < self.cycle)
             self.at, self.cycle = 0, self.cycle + 1
