@@ -1151,7 +1151,8 @@ class StreamingExperts(ExpertSource):
         done &= (held // self.store.n_experts) < j
         return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
-    def _prefill_batch(self, lay: _LayerLaunch, batch, seg, rows: "_SortedRows", acc, ahead: dict | None = None) -> None:
+    def _prefill_batch(self, lay: _LayerLaunch, batch, seg, rows: "_SortedRows", acc,
+                       ahead: dict | None = None) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)] of layer lay.j, on their rows gathered
         from x (an expert with more rows than a launch may hold: several launches over the one staged block); their
         pins are deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then,
@@ -1177,16 +1178,17 @@ class StreamingExperts(ExpertSource):
                 gathered = None
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
-                    if grouped_path(xs, local, self.geom) == "dequant":    # the layer's scales, indexed by expert
+                    path = grouped_path(xs, local, self.geom)       # decided once for the launch and its count
+                    if path == "dequant":                           # the layer's scales, indexed by expert
                         ug, dg, gs_index = lay.ug, lay.dg, ex
-                    else:                                                  # the fused path's, gathered once
+                    else:                                           # the fused path's, gathered once
                         if gathered is None:
                             idx = self._table(ex)
                             gathered = lay.ug[idx], lay.dg[idx]
                         (ug, dg), gs_index = gathered, None
-                    n_reads = block_reads(local, self.geom, xs)     # per BLOCK_M tile fused, once dequantized
+                    n_reads = block_reads(local, self.geom, xs, path=path)   # per tile fused, once dequantized
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
-                                                                config=cfg, gs_index=gs_index))
+                                                                config=cfg, gs_index=gs_index, path=path))
                     pa.launches += 1
                     if not lay.staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes

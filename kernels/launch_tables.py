@@ -57,7 +57,7 @@ class LaunchTables:
         self.base = self.host.data_ptr()
         self.at, self.cycle = 0, 0
         self.inflight: collections.deque = collections.deque()   # (cycle, start, end, event), in the order put
-        self._event = event or ((lambda: _record()) if self.cuda else (lambda: None))
+        self._event = event or (_record if self.cuda else (lambda: None))
         self._stream = None
         self.waited = 0                     # fetches waited for before their host region was rewritten (a count)
         self._lock = threading.Lock()       # one cursor: two threads putting at once would share a region
