@@ -463,6 +463,8 @@ def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
     assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
     assert _first_layer_at_sync(src)[0] == len(first[0])
     assert last.ahead_read == last.ahead_used > 0
+    # the host's figures nest: the launches inside the MoE steps, the staging inside the launches
+    assert 0 <= last.ms_host_staging <= last.ms_host_launching <= last.ms_host_moe and last.ms_router_sync >= 0
 
 
 def test_must_fail_first_layer_guess_of_unused_experts_is_counted_wrong(tiny, monkeypatch):

@@ -143,3 +143,18 @@ def test_split_equals_the_offsets_twin_at_every_cut(tok):
             checked += 1
             proven += got[1] is not None
     assert checked > 50 and proven > 10           # both answers exercised
+
+
+def test_must_fail_split_a_token_late_is_caught(tok, monkeypatch):
+    """The twin: a split that asks for the token one character past the cut answers otherwise than the offsets twin
+    at some cut (the equality test above can fail)."""
+    real = tok.encode_split
+    monkeypatch.setattr(tok, "encode_split", lambda text, n: real(text, n + 1))
+    differs = 0
+    for msgs in conversations(11, n=3):
+        text = tok.render_chat(msgs, True)
+        enc = tok.backend.encode(text, add_special_tokens=False)
+        for (a, _), i in zip(enc.offsets, enc.ids):
+            if i in tok._added_ids():
+                differs += tok.encode_split(text, a) != _split_by_offsets(tok, text, a)
+    assert differs > 0
