@@ -85,6 +85,9 @@ PY
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
            --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
+    # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
+    sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \
+           > "$OUT/sweep.log" 2>&1; grep -v "^\s*$" "$OUT/sweep.log" | tail -${SWEEP_TAIL:-30} | cut -c1-220;;
     # session 14: the prefill's device timeline, copy engine beside compute, per MoE layer (bench.prefill_timeline)
     timeline) timeout ${TIMELINE_TIMEOUT:-150} python3 -m bench.prefill_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --sizes ${TIMELINE_SIZES:-1000,4000,16000} --env ${TIMELINE_ENV:-none} ${TIMELINE_ARGS:-} --out "$OUT/prefill_timeline.json" > "$OUT/prefill_timeline.log" 2>&1

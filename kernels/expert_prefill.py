@@ -10,8 +10,8 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
   blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
   which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2). Its two
   GEMMs may instead run as torch._grouped_mm (CUTLASS on sm90; bf16 h and y): MOESTREAM_EXPERT_GEMM (`expert_gemm`).
-Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (so the sum order over
-experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
+Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (relaxed: `atomic_sem`; the
+sum order over experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
 Both read 16-neuron down groups: a store split into sub-groups (`--down-group-neurons` < 16) has the launch's down
 sections regrouped into 16-neuron groups on the device first (`regroup_downs`, one launch, exact), then runs as an
@@ -216,6 +216,7 @@ def _grouped_down_kernel(
     n_tiles, L, I, down_off,
     # config
     X_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEM: tl.constexpr = "relaxed",
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -230,7 +231,7 @@ def _grouped_down_kernel(
     b_y = _tile_dot(h_ptr, I, o_m, m_m, base, base, o_n, m_n, L, I, 1, True, X_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
     b_y = b_y * tl.load(gs_ptr + i) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
-    tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
+    tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem=SEM)
 
 
 # bench/prefill.py's sweep (H200, 32 experts, weights in VRAM): this shape 117 / 139 TFLOP/s at 256 / 1,024 tokens
@@ -250,6 +251,24 @@ DEQUANT_SCRATCH_BYTES = 384 << 20
 # a sub-grouped store's fused launch regroups its experts' down sections (1.5 MB per Super expert) into one
 # scratch of at most this; more experts run as several launches
 REGROUP_SCRATCH_BYTES = 384 << 20
+# The down launches add into the layer's accumulator with fp32 atomics. Triton's default for tl.atomic_add is
+# sem="acq_rel", which on sm_90 compiles each of a thread's 16 vector atomics of a 128 x 128 tile to ATOMG behind a
+# MEMBAR.ALL.GPU and an L1 invalidate (CCTL.IVALL): the epilogue waits for every memory operation in flight, 16 times.
+# Nothing reads the accumulator before the launch ends (the kernel boundary orders it), so atomicity is all the sum
+# needs: "relaxed" compiles to REDG without barriers (bench/kernels/sass_probe.py --atomics shows both).
+# MOESTREAM_PREFILL_ATOMIC_SEM (read per call): "acq_rel" brings the old epilogue back for an A/B.
+ATOMIC_SEM_ENV = "MOESTREAM_PREFILL_ATOMIC_SEM"
+ATOMIC_SEMS = ("relaxed", "acq_rel")
+
+
+def atomic_sem() -> str:
+    """The down launches' atomic semantics: $MOESTREAM_PREFILL_ATOMIC_SEM, else "relaxed"."""
+    sem = os.environ.get(ATOMIC_SEM_ENV) or "relaxed"
+    if sem not in ATOMIC_SEMS:
+        raise ValueError(f"{ATOMIC_SEM_ENV}={sem!r}: one of {', '.join(ATOMIC_SEMS)}")
+    return sem
+
+
 _FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _DEQUANT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
@@ -367,7 +386,7 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
         down_off = 0
     grid = (triton.cdiv(L, cfg["BLOCK_N"]), len(table))
     _grouped_down_kernel[grid](h, down_tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
-                               down_off, **cfg)
+                               down_off, SEM=atomic_sem(), **cfg)
     return acc
 
 
@@ -508,7 +527,8 @@ def _dense_up_kernel(x_ptr, table_ptr, gs_ptr, w_ptr, h_ptr, n_tiles, n_slots, I
 @triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
 def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr, n_tiles, n_slots, L, I,
                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SEM: tl.constexpr = "relaxed"):
     """acc[tok[m], n] += w[m] · gs · 2^8 · Σ_k h[m, k] D_c[n, k]; D_c = wd[c] fp16 [L, I], h fp16 (· 2^-8)."""
     c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -521,7 +541,7 @@ def _dense_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_ptr, acc_ptr
     b_acc = _dense_dot(p_h, p_w, m_m, m_n, I, o_k, EVEN_K, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
-    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :])
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & m_n[None, :], sem=SEM)
 
 
 @triton.jit(**varying("n_tiles", "n_slots"))
@@ -552,7 +572,8 @@ def _tma_up_kernel(x_desc, table_ptr, gs_ptr, w_desc, h_ptr, n_tiles, n_slots, I
 
 @triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
 def _tma_down_kernel(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_desc, acc_ptr, n_tiles, n_slots, L, I,
-                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SEM: tl.constexpr = "relaxed"):
     """`_dense_down_kernel` with both operands through TMA descriptors: h [rows, I], D [C·L, I]."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -573,7 +594,7 @@ def _tma_down_kernel(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, wd_desc, acc_ptr
     m_m = o_m < m1
     b_y = b_acc * (gs * 256.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[:, None]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
-    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & (o_n < L)[None, :])
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m_m[:, None] & (o_n < L)[None, :], sem=SEM)
 
 
 def _tma_able(*tensors) -> bool:
@@ -608,14 +629,15 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
             n_slots, I, L, UPCAST=_UPCAST, **kcfg)
         _tma_down_kernel[(triton.cdiv(L, bn), n_tiles)](
             TD.from_tensor(h2, [bm, bk]), tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
-            TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST, **kcfg)
+            TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST,
+            SEM=atomic_sem(), **kcfg)
         return h
     _dense_up_kernel[(triton.cdiv(I, bn), n_tiles)](
         x, tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
         EVEN_K=L % bk == 0, UPCAST=_UPCAST, **kcfg)
     _dense_down_kernel[(triton.cdiv(L, bn), n_tiles)](
         h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], down_w, acc, n_tiles, n_slots, L, I,
-        EVEN_K=I % bk == 0, UPCAST=_UPCAST, **kcfg)
+        EVEN_K=I % bk == 0, UPCAST=_UPCAST, SEM=atomic_sem(), **kcfg)
     return h
 
 
@@ -709,7 +731,7 @@ def _gmm_relu2_kernel(u_ptr, table_ptr, gs_ptr, n_tiles, n_slots, I, stride_um, 
 
 @triton.jit(**varying("w_ptr", "tok_ptr", "n_tiles", "n_slots"))
 def _gmm_scatter_kernel(y_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, n_slots, L, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEM: tl.constexpr = "relaxed"):
     """acc[tok[m], n] += w[m] · gs · y[m, n] with fp32 atomics, y = h D_c^T as torch._grouped_mm gave it (bf16):
     y read once; the rows between segments (not in the tile table) never reach acc."""
     c, m0, m1, gs = _dense_tile(table_ptr, gs_ptr, n_tiles, n_slots)
@@ -720,7 +742,7 @@ def _gmm_scatter_kernel(y_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     b_y = tl.load(y_ptr + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :], mask=m, other=0.0).to(tl.float32)
     b_y = b_y * (gs * tl.load(w_ptr + o_m, mask=m_m, other=0.0))[:, None]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
-    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m)
+    tl.atomic_add(acc_ptr + tok[:, None] * L + o_n[None, :], b_y, mask=m, sem=SEM)
 
 
 def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg,
@@ -772,7 +794,7 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
         y = torch._grouped_mm(h, down_w[:n].transpose(1, 2), offs=offs)              # [rows, L] bf16
         _gmm_scatter_kernel[(triton.cdiv(L, bn), n_tiles)](y, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
                                                            acc, n_tiles, n, L, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                                           num_warps=4)
+                                                           SEM=atomic_sem(), num_warps=4)
     return acc
 
 

@@ -417,7 +417,7 @@ def _nvfp4_gemv_kernel(
     if SPLIT_K == 1:
         tl.store(p_y, b_y, mask=m_y)
     elif SPLIT_REDUCE == 0:
-        tl.atomic_add(p_y, b_y, mask=m_y)
+        tl.atomic_add(p_y, b_y, mask=m_y, sem="relaxed")     # atomicity only: see kernels/expert_prefill.atomic_sem
     else:
         _split_reduce_last(b_y, part_ptr, cnt_ptr, p_y, m_y, o_n, o_m, pid_n, pid_k, M, N, n_split)
 

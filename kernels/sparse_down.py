@@ -6,7 +6,7 @@ Each group is 9·L contiguous bytes in the block (values U8 [L, 8]: byte t of ro
 nibble) and 2t+1 (high), then scales e4m3 [L]; docs/block-layout.md), so an active group is one contiguous
 read, straight from the pinned slab (zero-copy over the bus) or from VRAM. A group whose mask is 0 is never
 touched. One program takes GROUPS_PER_PROG groups of one expert, sums them in registers, and adds into acc
-with fp32 atomics only if one of them was active. A store may split each group into sub-groups of 8, 4, 2
+with fp32 atomics (relaxed: no barrier, kernels/expert_prefill.atomic_sem says why) only if one was active. A store may split each group into sub-groups of 8, 4, 2
 or 1 neurons, each with a copy of the group's scales (`ExpertGeometry.down_group_neurons`); the kernel then
 reads only the sub-groups that hold a non-zero activation.
 """
@@ -56,10 +56,10 @@ def _sparse_down_kernel(
             n_active += 1
     if n_active > 0:
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0   # 2^14 undoes the fp16 decode
-        tl.atomic_add(acc_ptr + o_l, b_acc * coef, mask=m_l)
+        tl.atomic_add(acc_ptr + o_l, b_acc * coef, mask=m_l, sem="relaxed")
         if COUNT:
             if pid_l == 0:          # groups read (accounting of bytes over the bus): once per group, not per L tile
-                tl.atomic_add(count_ptr, n_active)
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
 
 
 @triton.jit
@@ -97,10 +97,10 @@ def _sparse_down_sub_kernel(
                 n_active += 1
     if n_active > 0:
         coef = tl.load(w_ptr + j) * tl.load(gdown_ptr + j) * 16384.0   # 2^14 undoes the fp16 decode
-        tl.atomic_add(acc_ptr + o_l, b_acc * coef, mask=m_l)
+        tl.atomic_add(acc_ptr + o_l, b_acc * coef, mask=m_l, sem="relaxed")
         if COUNT:
             if pid_l == 0:
-                tl.atomic_add(count_ptr, n_active)
+                tl.atomic_add(count_ptr, n_active, sem="relaxed")
 
 
 def sparse_down(act: torch.Tensor, mask: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry,

@@ -282,14 +282,17 @@ def parts(geom, vram, ug, dg, cases, E, n_sets, d2d, gemm) -> list[dict]:
             ep._dense_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n_tiles)](
                 xs, tab, ug, up_w, h, n_tiles, E, I, L, xs.stride(0), EVEN_K=True, UPCAST=False, **kcfg)
 
-        def down(i):
+        def down(i, sem="relaxed"):
             ep._dense_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_tiles)](
-                h, tab, dg, ws, tok, down_w, acc, n_tiles, E, L, I, EVEN_K=True, UPCAST=False, **kcfg)
+                h, tab, dg, ws, tok, down_w, acc, n_tiles, E, L, I, EVEN_K=True, UPCAST=False, SEM=sem, **kcfg)
+
+        def down_acq_rel(i):     # Triton's default atomics (a GPU-scope barrier each): the epilogue before session 16
+            down(i, "acq_rel")
         def both_tma(i):
             ep.dense_gemms(xs, n_tiles, E, geom, up_w, down_w, tab, 0, T * E, ug, dg, ws, tok, acc,
                            dict(cfg, TMA=True), h)
         for name, fn, flops in (("gemms", both, 2 * fl), ("up gemm", up, fl), ("down gemm", down, fl),
-                                ("gemms tma", both_tma, 2 * fl)):
+                                ("down gemm acq_rel", down_acq_rel, fl), ("gemms tma", both_tma, 2 * fl)):
             try:
                 sec = median_seconds(fn, 6)
                 out.append(dict(part=name, tokens_per_expert=T, us=sec * 1e6, tflops=flops / sec / 1e12,

@@ -1,6 +1,7 @@
 """Compile a kernel for sm_90 on a machine without a GPU and count the SASS of its main loop (no device time).
 
     python -m bench.kernels.sass_probe 8:1:256:64:4      # the NVFP4 GEMV at LOAD_MODE:M_PAD:BLOCK_K:BLOCK_N:num_warps[:X_INLINE]
+    python -m bench.kernels.sass_probe --atomics         # the prefill's down launches: barriers around their atomics
 
 Triton compiles for a named target without a device; its bundled cuobjdump disassembles the cubin. The loop body
 (the largest backward branch) over the weights one thread handles per iteration is the instruction count per weight
@@ -68,7 +69,39 @@ def loop_body(text: str) -> Counter:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in best)
 
 
+def memory_order_ops(text: str) -> Counter:
+    """Counts of the SASS that orders or accumulates memory: ATOMG (an atomic that returns), REDG (one that does
+    not), MEMBAR by scope (MEMBAR.ALL.GPU waits for every memory operation of the thread to reach the GPU's scope;
+    .CTA ones come with barriers), CCTL (cache control, e.g. the L1 invalidate an acquire brings)."""
+    return Counter(m.group(1) for m in re.finditer(r"\b(ATOMG|REDG|MEMBAR\.\w+\.\w+|CCTL)\b", text))
+
+
+# the prefill's down launches, each compiled as the engine launches it at 16k tokens (bench/NOTES.md, session 16)
+_PREFILL_DOWNS = {
+    "_dense_down_kernel": (dict(h_ptr="*fp16", table_ptr="*i64", gs_ptr="*fp32", w_ptr="*fp32", tok_ptr="*i64",
+                                wd_ptr="*fp16", acc_ptr="*fp32", n_tiles="i32", n_slots="i32", L="i32", I="i32"),
+                           dict(EVEN_K=True, UPCAST=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), 4),
+    "_grouped_down_kernel": (dict(h_ptr="*fp16", table_ptr="*i64", gs_ptr="*fp32", w_ptr="*fp32", tok_ptr="*i64",
+                                  acc_ptr="*fp32", n_tiles="i32", L="i32", I="i32", down_off="i64"),
+                             dict(X_LOAD=1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), 3),
+}
+
+
+def prefill_down_ops(name: str, sem: str) -> Counter:
+    """memory_order_ops of kernels.expert_prefill's down launch `name` compiled for sm_90 with atomics of `sem`."""
+    from kernels import expert_prefill as ep
+    sig, consts, stages = _PREFILL_DOWNS[name]
+    div16 = [n for n, t in sig.items() if t.startswith("*") or n in ("L", "I")]
+    k = compile_sm90(getattr(ep, name), sig, dict(consts, SEM=sem), num_warps=8, num_stages=stages, div16=div16)
+    return memory_order_ops(sass(k))
+
+
 def main(argv):
+    if argv[1:] == ["--atomics"]:
+        for name in _PREFILL_DOWNS:
+            for sem in ("relaxed", "acq_rel"):
+                print(f"{name} sem={sem}: {dict(sorted(prefill_down_ops(name, sem).items()))}")
+        return
     from kernels import gemv_nvfp4 as g
     sig = dict(x_ptr="*fp16", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_ym="i32", row_q="i32", row_s="i32")
