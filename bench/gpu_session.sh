@@ -85,6 +85,14 @@ PY
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
            --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
+    # session 16: where the prefill's host time goes, py-spy's samples (carried in .whl/py-spy) of bench.prefill RAM
+    # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward
+    spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-1000} -f raw -o "$OUT/spy.txt" -- python3 -m bench.prefill \
+           --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes ${SPY_SIZES:-16000} \
+           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
+      tail -4 "$OUT/spy.log" | cut -c1-200
+      for u in _prefill forward; do python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
+      cat "$OUT/spy__prefill.txt" | cut -c1-150;;
     # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
     sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \
            > "$OUT/sweep.log" 2>&1; grep -v "^\s*$" "$OUT/sweep.log" | tail -${SWEEP_TAIL:-30} | cut -c1-220;;

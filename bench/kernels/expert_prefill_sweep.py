@@ -43,6 +43,7 @@ P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
     ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
+    ("dequant/ptr", "dequant", dict(P128)),                  # pointer loads at every T (the default below 256)
     ("dequant/tma", "dequant", dict(P128, TMA=True)),
     ("dequant/tma-n256", "dequant", dict(P128, BLOCK_N=256, num_stages=3, TMA=True)),
     ("dequant/tma-m256", "dequant", dict(P128, BLOCK_M=256, num_stages=3, TMA=True)),

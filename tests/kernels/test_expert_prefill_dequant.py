@@ -141,8 +141,16 @@ def test_size_switch_and_block_reads():
     assert ep.block_reads(few, geom, xb, config=dict(BLOCK_M=16)) == 2 + 2   # one read per 16-row tile
 
 
-def test_dequant_config_switch():
-    """TMA operands only where run 2 measured them faster (1,024 rows per routed expert), pointer loads below."""
-    assert ep.dequant_config([(0, 1024), (1024, 0), (1024, 1100)]).get("TMA")
-    assert not ep.dequant_config([(0, 1000), (1000, 900)]).get("TMA")
+def test_dequant_config_switch(monkeypatch):
+    """TMA operands where session 16 measured them faster (from 256 mean rows per routed expert), pointer loads
+    below; the knob moves the threshold (an A/B) and refuses what is not a row count."""
+    monkeypatch.delenv(ep.DEQUANT_TMA_ENV, raising=False)
+    assert ep.dequant_config([(0, 256), (256, 0), (256, 300)]).get("TMA")
+    assert not ep.dequant_config([(0, 250), (250, 200)]).get("TMA")
     assert ep.dequant_config([]) == ep.DEQUANT_CONFIG
+    monkeypatch.setenv(ep.DEQUANT_TMA_ENV, "1024")
+    assert not ep.dequant_config([(0, 1000), (1000, 900)]).get("TMA")
+    assert ep.dequant_config([(0, 1024), (1024, 1100)]).get("TMA")
+    monkeypatch.setenv(ep.DEQUANT_TMA_ENV, "lots")
+    with pytest.raises(ValueError, match=ep.DEQUANT_TMA_ENV):
+        ep.dequant_config([(0, 1024)])
