@@ -158,3 +158,47 @@ def test_must_fail_split_a_token_late_is_caught(tok, monkeypatch):
             if i in tok._added_ids():
                 differs += tok.encode_split(text, a) != _split_by_offsets(tok, text, a)
     assert differs > 0
+
+
+def _transformers_encode(tok, text: str, add_special_tokens: bool = False) -> list[int]:
+    return tok.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_the_fast_encode_equals_transformers_encode(tok):
+    """`Tokenizer.encode` runs the backend's `encode_batch_fast` (no offsets) where the backend is set as
+    transformers' encode sets it: the same ids on varied chats, special tokens, empty and odd texts."""
+    from tools.synth_tokenizer import CORPUS
+    texts = [tok.render_chat(msgs, True) for msgs in conversations(13, n=8)]
+    texts += ["", " ", "\n\n", "a", "<|im_end|>", "x<think>y</think>\n", CORPUS * 12, "é" * 1001 + " ß\u200b"]
+    for text in texts:
+        for special in (False, True):
+            assert tok.encode(text, add_special_tokens=special) == _transformers_encode(tok, text, special)
+    assert type(tok.encode("abc")) is list
+
+
+def test_a_backend_set_otherwise_takes_transformers_encode(tok, monkeypatch):
+    """A backend left with truncation (a tokenizer.json may carry one) or a tokenizer that splits special tokens is
+    not the fast path's case: `encode` then asks transformers, and the ids stay transformers' ids."""
+    text = tok.render_chat([{"role": "user", "content": "a message long enough to be cut " * 20}], True)
+    want = _transformers_encode(tok, text)
+    tok.backend.enable_truncation(max_length=8)
+    try:
+        assert tok.encode(text) == want and len(want) > 8
+    finally:
+        tok.backend.no_truncation()
+    monkeypatch.setattr(tok.tok, "split_special_tokens", True)
+    assert tok.encode("<|im_end|>") == _transformers_encode(tok, "<|im_end|>") != [tok.tok.convert_tokens_to_ids(
+        "<|im_end|>")]
+
+
+def test_must_fail_a_fast_path_taken_regardless_is_caught(tok):
+    """The twin: the backend's fast encode taken with the backend's truncation still on gives other ids, which the
+    equality above would catch."""
+    text = tok.render_chat([{"role": "user", "content": "a message long enough to be cut " * 20}], True)
+    want = _transformers_encode(tok, text)
+    tok.backend.enable_truncation(max_length=8)
+    try:
+        forced = tok.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    finally:
+        tok.backend.no_truncation()
+    assert forced != want
