@@ -72,10 +72,12 @@ def vram_floor_from_log(text: str) -> float | None:
 class MoestreamServer:
     def __init__(self, model: Path, store: Path, *, cache_gb: float, device: str, vram_gb: float | None,
                  io_workers: int = 8, log_path: Path | None = None, extra: list[str] | None = None,
-                 cpus: list[int] | None = None, pid_dir: Path | None = None):
-        self.port = _free_port()
+                 cpus: list[int] | None = None, pid_dir: Path | None = None, port: int = 0,
+                 checkout: Path = ROOT):
+        """port 0: a free one; checkout: whose launcher.py runs (an A/B of two checkouts on one machine)."""
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, str(ROOT / "launcher.py"), "--model", str(model), "--store", str(store),
+        argv = [sys.executable, str(Path(checkout) / "launcher.py"), "--model", str(model), "--store", str(store),
                 "--cache-gb", str(cache_gb), "--device", device, "--io-workers", str(io_workers),
                 "--port", str(self.port), "--log-level", "warning", *(extra or [])]
         if vram_gb is not None:
@@ -83,7 +85,7 @@ class MoestreamServer:
         self.log_path = log_path
         self._log = open(log_path or os.devnull, "ab")
         pin = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None       # its children inherit it
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, cwd=checkout, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=pin)
         # its own session outlives a harness that is killed: the pid file lets the caller's shell end it
         self.pid_file = Path(pid_dir) / str(self.proc.pid) if pid_dir else None
