@@ -40,11 +40,17 @@ def parse(lines) -> list[tuple[list[str], int]]:
     return out
 
 
+def _is(frame: str, name: str) -> bool:
+    """frame 'file.py:function' is of function `name` (py-spy names methods Class.method: either form matches)."""
+    fn = frame.rsplit(":", 1)[-1]
+    return fn == name or fn.endswith("." + name)
+
+
 def summarize(samples, under: str) -> dict:
     """Inclusive and self counts of the samples with a frame of function `under` (from that frame inward)."""
     incl, self_, total = Counter(), Counter(), 0
     for frames, n in samples:
-        at = next((i for i, f in enumerate(frames) if f.rsplit(":", 1)[-1] == under), None)
+        at = next((i for i, f in enumerate(frames) if _is(f, under)), None)
         if at is None:
             continue
         inner = frames[at:]

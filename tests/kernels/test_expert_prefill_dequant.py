@@ -116,8 +116,8 @@ def test_must_fail_dequant_tile_table_missing_last_tiles(device, monkeypatch):
     _, _, tok, w, segments = _routed(T, k, E, device)
     xs = torch.randn(T, L, device=device).bfloat16()[tok]
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    good = ep.tile_table
-    monkeypatch.setattr(ep, "tile_table", lambda segs, bm: [t for t in good(segs, bm) if t[2] - t[1] > bm])
+    good = ep.tile_array
+    monkeypatch.setattr(ep, "tile_array", lambda segs, bm: (lambda t: t[t[:, 2] - t[:, 1] > bm])(good(segs, bm)))
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
                                     torch.zeros(T, L, device=device), config=CFG, path="dequant")
     assert rel_err(got, ref) > 1e-2
