@@ -62,8 +62,13 @@ PY
     # engine per budget: what a larger reserve buys a long prompt (the VRAM tier gives up as much)
     budgets) for b in ${BUDGETS:-512 1024 2048}; do
         timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --budget-env ${BUDGET_ENV:-none} --profile \
+          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --budget-env ${BUDGET_ENV:-none} ${BUDGET_PROFILE---profile} \
           --out "$OUT/budget_$b.json" > "$OUT/budget_$b.log" 2>&1; grep -E "^budget [0-9]* MiB|^profile" "$OUT/budget_$b.log" | cut -c1-220
+        # session 16: each budget row with its env (an A/B in one engine: BUDGET_ENV="none,KEY=VAL,...")
+        grep "^budget {" "$OUT/budget_$b.log" | python3 -c "import sys, json
+for r in (json.loads(l[7:]) for l in sys.stdin):
+    print(r.get('env') or 'default', r.get('tokens'), 'TTFT ms', round(r.get('ttft_s', 0) * 1e3, 1), 'launches', r.get('launches'),
+          'host launching ms', round(r.get('ms_host_launching', 0), 1), 'router sync ms', round(r.get('ms_router_sync', 0), 1), 'first', r.get('first_token'))"
       done;;
     api_ttft) api_run api_ttft ${API_ARGS:-};;
     # session 13: long prompts through the server with a --vram-gb budget (the prefill reserve of

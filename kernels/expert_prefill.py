@@ -245,9 +245,13 @@ DEQUANT_MIN_TOKENS = 32          # mean rows per routed expert of a launch from 
 # both GEMM operands through TMA descriptors, 3 stages: 389 TFLOP/s at 1,024 tokens per expert against 309 with
 # pointer loads (every TMA config of run 2 won there, 322-389), but 162 against 207 at 256 (session 12, run 2, with
 # the barriered atomics); with relaxed atomics (session 16, call 2) 219 against 155 at 256 and 387 against 305 at 688:
-# from 256 on. MOESTREAM_DEQUANT_TMA_MIN_TOKENS (read per call) moves the threshold for an A/B.
+# from 256 on. MOESTREAM_DEQUANT_TMA_MIN_TOKENS (read per call) moves the threshold for an A/B. Only in a launch of
+# DEQUANT_TMA_MIN_EXPERTS experts or more: each chunk builds four tensor descriptors on the host, and under a
+# prefill budget (launches of ~5-12 experts, 335 launches at 16k under 512 MiB) that host time lost more than the
+# GEMMs won (session 16, call 5: 16k 515 / 595 ms against 475 / 411 with pointer loads, a host-bound H200).
 DEQUANT_TMA_CONFIG = dict(DEQUANT_CONFIG, num_stages=3, TMA=True)
 DEQUANT_TMA_MIN_TOKENS = 256
+DEQUANT_TMA_MIN_EXPERTS = 16
 DEQUANT_TMA_ENV = "MOESTREAM_DEQUANT_TMA_MIN_TOKENS"
 # the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, 4 % of an
 # 8 GB card; the sweep lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
@@ -316,12 +320,13 @@ def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: 
 
 def dequant_config(segments: list[tuple[int, int]]) -> dict:
     """The dequantized path's GEMM config for a launch: TMA operands from DEQUANT_TMA_MIN_TOKENS mean rows per
-    routed expert on, pointer loads below."""
+    routed expert on in a launch of DEQUANT_TMA_MIN_EXPERTS routed experts or more, pointer loads otherwise."""
     live = [n for _, n in segments if n > 0]
     raw = os.environ.get(DEQUANT_TMA_ENV, "")
     if raw and not raw.isdigit():
         raise ValueError(f"{DEQUANT_TMA_ENV}={raw!r}: a whole number of rows per expert")
-    big = live and sum(live) >= (int(raw) if raw else DEQUANT_TMA_MIN_TOKENS) * len(live)
+    big = (len(live) >= DEQUANT_TMA_MIN_EXPERTS
+           and sum(live) >= (int(raw) if raw else DEQUANT_TMA_MIN_TOKENS) * len(live))
     return dict(DEQUANT_TMA_CONFIG if big else DEQUANT_CONFIG)
 
 

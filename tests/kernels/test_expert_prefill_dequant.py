@@ -142,15 +142,22 @@ def test_size_switch_and_block_reads():
 
 
 def test_dequant_config_switch(monkeypatch):
-    """TMA operands where session 16 measured them faster (from 256 mean rows per routed expert), pointer loads
-    below; the knob moves the threshold (an A/B) and refuses what is not a row count."""
+    """TMA operands where session 16 measured them faster (from 256 mean rows per routed expert, in launches of 16
+    experts or more), pointer loads otherwise; the knob moves the row threshold (an A/B) and refuses what is not a
+    row count."""
     monkeypatch.delenv(ep.DEQUANT_TMA_ENV, raising=False)
-    assert ep.dequant_config([(0, 256), (256, 0), (256, 300)]).get("TMA")
-    assert not ep.dequant_config([(0, 250), (250, 200)]).get("TMA")
+
+    def segs(counts):
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return list(zip(starts, counts))
+    n = ep.DEQUANT_TMA_MIN_EXPERTS
+    assert ep.dequant_config(segs([256] * n + [0, 300])).get("TMA")
+    assert not ep.dequant_config(segs([250, 200] * n)).get("TMA")
+    assert not ep.dequant_config(segs([700] * (n - 1) + [0] * 5)).get("TMA")   # a budget's small launch: pointers
     assert ep.dequant_config([]) == ep.DEQUANT_CONFIG
     monkeypatch.setenv(ep.DEQUANT_TMA_ENV, "1024")
-    assert not ep.dequant_config([(0, 1000), (1000, 900)]).get("TMA")
-    assert ep.dequant_config([(0, 1024), (1024, 1100)]).get("TMA")
+    assert not ep.dequant_config(segs([1000, 900] * n)).get("TMA")
+    assert ep.dequant_config(segs([1024, 1100] * n)).get("TMA")
     monkeypatch.setenv(ep.DEQUANT_TMA_ENV, "lots")
     with pytest.raises(ValueError, match=ep.DEQUANT_TMA_ENV):
-        ep.dequant_config([(0, 1024)])
+        ep.dequant_config(segs([1024] * n))
