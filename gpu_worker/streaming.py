@@ -961,8 +961,8 @@ class StreamingExperts(ExpertSource):
         uniq = [e for e in range(E) if counts[e]]
         ahead = self._ahead_settle(j, uniq)         # {expert: device slot} of this layer's blocks copied ahead
         seg = {e: (starts[e], counts[e]) for e in uniq}
-        tok = order // k
-        ws = weights.reshape(-1)[order].float().contiguous()
+        tok = torch.div(order, k, rounding_mode="floor")     # (the direct ops: `//` and `[order]` go through
+        ws = weights.reshape(-1).index_select(0, order).float()  # torch's Python operator and indexing layers)
         del order
         rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
         pa.routed(j, uniq, T * k)
@@ -1316,12 +1316,12 @@ class _SortedRows:
             local = [(a - lo, n) if n > 0 else (0, 0) for a, n in segments]
         else:
             idx = device_table(np.concatenate([np.arange(a, a + n) for a, n in live]), self.tok.device)
-            tok, ws = self.tok[idx], self.ws[idx]
+            tok, ws = self.tok.index_select(0, idx), self.ws.index_select(0, idx)
             local, at = [], 0
             for a, n in segments:
                 local.append((at, n) if n > 0 else (0, 0))
                 at += n
-        return self.x[tok], ws, tok, local
+        return self.x.index_select(0, tok), ws, tok, local
 
 
 class SlabRows:
