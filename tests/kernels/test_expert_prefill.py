@@ -1,7 +1,6 @@
 """Expert prefill: the grouped launch (all of a layer's experts over their expert-sorted tokens) against its twin,
 on odd shapes, fresh random inputs, with a must-fail twin (a tile table that drops each expert's last tile); and
 the one-expert GEMMs against their twin, the twin against dense weights."""
-import numpy as np
 import pytest
 import torch
 
@@ -87,8 +86,8 @@ def test_must_fail_tile_table_missing_last_tiles(device, monkeypatch):
     x = torch.randn(T, L, device=device).bfloat16()
     xs = x[tok].contiguous()
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    good = ep.tile_array
-    monkeypatch.setattr(ep, "tile_array", lambda segs, bm: (lambda t: t[t[:, 2] - t[:, 1] > bm])(good(segs, bm)))
+    good = ep.tile_table
+    monkeypatch.setattr(ep, "tile_table", lambda segs, bm: [t for t in good(segs, bm) if t[2] - t[1] > bm])
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
                                     torch.zeros(T, L, device=device), config=CFG, path="fused")
     assert rel_err(got, ref) > 1e-2
@@ -107,21 +106,3 @@ def test_expert_prefill_matches_twin(T, device):
     dense = (torch.relu(x.float().cpu() @ ups[1].t()) ** 2 @ downs[1].t()) * tw.cpu()[:, None]
     assert_close(ref.cpu(), dense, 1e-5, "prefill twin vs dense")
 
-
-@pytest.mark.parametrize("block_m", [1, 16, 64, 128])
-def test_tile_array_equals_the_tile_table(block_m):
-    """The launches' numpy tile tables against the list they replace, on random segments with empty experts and
-    counts around the tile size."""
-    g = np.random.default_rng(block_m)
-    counts = g.choice([0, 1, block_m - 1, block_m, block_m + 1, 3 * block_m + 5, 7], size=37)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) + 11
-    segs = [(int(a), int(n)) for a, n in zip(starts, counts)]
-    assert ep.tile_array(segs, block_m).tolist() == [list(t) for t in ep.tile_table(segs, block_m)]
-    assert ep.tile_array([], block_m).shape == (0, 3)
-
-
-def test_must_fail_twin_a_tile_array_that_drops_the_short_tiles_differs():
-    segs = [(0, 130), (130, 0), (130, 5)]
-    full = ep.tile_array(segs, 64)
-    short = full[full[:, 2] - full[:, 1] > 64]
-    assert short.tolist() != [list(t) for t in ep.tile_table(segs, 64)]

@@ -116,8 +116,8 @@ def test_must_fail_dequant_tile_table_missing_last_tiles(device, monkeypatch):
     _, _, tok, w, segments = _routed(T, k, E, device)
     xs = torch.randn(T, L, device=device).bfloat16()[tok]
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    good = ep.tile_array
-    monkeypatch.setattr(ep, "tile_array", lambda segs, bm: (lambda t: t[t[:, 2] - t[:, 1] > bm])(good(segs, bm)))
+    good = ep.tile_table
+    monkeypatch.setattr(ep, "tile_table", lambda segs, bm: [t for t in good(segs, bm) if t[2] - t[1] > bm])
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
                                     torch.zeros(T, L, device=device), config=CFG, path="dequant")
     assert rel_err(got, ref) > 1e-2
@@ -161,3 +161,32 @@ def test_dequant_config_switch(monkeypatch):
     monkeypatch.setenv(ep.DEQUANT_TMA_ENV, "lots")
     with pytest.raises(ValueError, match=ep.DEQUANT_TMA_ENV):
         ep.dequant_config(segs([1024] * n))
+
+
+def _chunk_table_reference(segments, live, addrs, block_m, lo, gs_index):
+    """The layout chunk_table documents, by explicit loops: (slot, first row - lo, end row - lo) per tile of each live
+    expert in order, then their addresses, then their global-scale indexes."""
+    out = []
+    for c, i in enumerate(live):
+        start, n = segments[i]
+        for m0 in range(start, start + n, block_m):
+            out += [c, m0 - lo, start + n - lo]
+    return out + [addrs[i] for i in live] + [gs_index[i] if gs_index is not None else i for i in live]
+
+
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+def test_chunk_table_layout(block_m):
+    g = torch.Generator().manual_seed(block_m)
+    counts = [int(v) for v in torch.randint(0, 3 * block_m + 7, (23,), generator=g)]
+    counts[3] = counts[9] = 0
+    starts = [100 + sum(counts[:i]) for i in range(len(counts))]
+    segments = list(zip(starts, counts))
+    live = [i for i, n in enumerate(counts) if n][2:17]
+    lo = segments[live[0]][0]
+    addrs = [(1 << 40) + 4096 * i for i in range(len(counts))]
+    gs = [500 + 3 * i for i in range(len(counts))]
+    for gs_index in (None, gs):
+        want = _chunk_table_reference(segments, live, addrs, block_m, lo, gs_index)
+        assert ep.chunk_table(segments, live, addrs, block_m, lo, gs_index) == want
+        # must-fail twin: the rows not re-based onto the launch's first row
+        assert ep.chunk_table(segments, live, addrs, block_m, 0, gs_index) != want
