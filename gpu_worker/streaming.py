@@ -961,8 +961,9 @@ class StreamingExperts(ExpertSource):
         uniq = [e for e in range(E) if counts[e]]
         ahead = self._ahead_settle(j, uniq)         # {expert: device slot} of this layer's blocks copied ahead
         seg = {e: (starts[e], counts[e]) for e in uniq}
-        tok = torch.div(order, k, rounding_mode="floor")     # (the direct ops: `//` and `[order]` go through
-        ws = weights.reshape(-1).index_select(0, order).float()  # torch's Python operator and indexing layers)
+        # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
+        tok = torch.div(order, k, rounding_mode="floor")
+        ws = weights.reshape(-1).index_select(0, order).float()
         del order
         rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
         pa.routed(j, uniq, T * k)

@@ -10,9 +10,9 @@ takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed
   blocks (read once, wherever they lie) into a bf16/fp16 scratch, then an up and a down GEMM over plain loads,
   which Triton pipelines far better than a tile decoded in registers (bench/NOTES.md, issue 13 part 2). Its two
   GEMMs may instead run as torch._grouped_mm (CUTLASS on sm90; bf16 h and y): MOESTREAM_EXPERT_GEMM (`expert_gemm`).
-Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (relaxed: `atomic_sem`; the
-sum order over experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are stored as fp16
-already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
+Either way the down launch adds w[t] · y into the layer's accumulator with fp32 atomics (relaxed: `atomic_sem`;
+the sum order over experts varies from run to run), no host sync per expert, and the intermediate ReLU² rows are
+stored as fp16 already multiplied by 2^-8: exactly what the fused down GEMM would have converted them to on loading.
 Both read 16-neuron down groups: a store split into sub-groups (`--down-group-neurons` < 16) has the launch's down
 sections regrouped into 16-neuron groups on the device first (`regroup_downs`, one launch, exact), then runs as an
 unsplit store does.
@@ -380,8 +380,6 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
     lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
     # the rows of this launch, re-based so that h holds only them
     table = tile_table([(s - lo, n) for s, n in segments], cfg["BLOCK_M"])
-    if not table:
-        return acc
     flat = list(chain.from_iterable(table)) + [int(a) for a in addrs]
     dev = x_sorted.device
     tab = device_table(flat, dev)
