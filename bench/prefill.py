@@ -310,7 +310,9 @@ def ttft(eng, ids, device) -> dict:
 
 def ahead_figures(last) -> dict:
     """The copies ahead of one prompt (gpu_worker/streaming.py `_copy_ahead`) and how right the guess was: precision,
-    the guess's experts the layer routed to; recall, the layer's routed experts the guess named."""
+    the guess's experts the layer routed to; recall, the layer's routed experts the guess named; the next layers'
+    guesses' precision by how many tokens they guessed for an expert, and how many they named so."""
+    from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS
     return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
                 ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
                 ms_issuing_ahead=last.ms_issuing_ahead, ms_host_moe=last.ms_host_moe,
@@ -318,7 +320,9 @@ def ahead_figures(last) -> dict:
                 ms_router_sync=last.ms_router_sync,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
-                guess_recall=last.guess_right / max(last.guess_layer_routed, 1))
+                guess_recall=last.guess_right / max(last.guess_layer_routed, 1),
+                guess_precision_by_tokens=last.guess_precision_by_tokens(),
+                guess_named_by_tokens={b: getattr(last, f"guess_named_t{b}") for b in GUESS_TOKEN_BUCKETS})
 
 
 def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
@@ -439,7 +443,10 @@ def brief(res) -> None:
                       f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
                       f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"
                       f"{r['ms_router_sync']:.1f} p/r "
-                      f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} peak/est {r['peak_bytes'] >> 20}/"
+                      f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} by tokens "
+                      + " ".join(f"{k}:{'-' if v is None else f'{v:.2f}'}" for k, v in
+                                 r.get('guess_precision_by_tokens', {}).items())
+                      + f" peak/est {r['peak_bytes'] >> 20}/"
                       f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "

@@ -10,6 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GUESS_TOKEN_BUCKETS = (1, 2, 3, 5)     # lower edges of PromptCost's guess_{named,right}_t* buckets
+
+
+def guess_bucket(tokens: int) -> int:
+    """The lower edge of the bucket that `tokens` guessed tokens fall in (0 for none)."""
+    return max((b for b in GUESS_TOKEN_BUCKETS if tokens >= b), default=0)
+
+
 @dataclass
 class PromptCost:
     tokens: int = 0
@@ -42,11 +50,40 @@ class PromptCost:
     guess_named: int = 0                # experts the guess named (any token)
     guess_right: int = 0                # ... that the layer routed to
     guess_layer_routed: int = 0         # experts those layers routed to
+    # ... by how many of the span's tokens the guess sent to the expert (the next layer's guesses only: the first
+    # layer's is from the prompts before, not a count): 1, 2, 3-4, 5 and more (`GUESS_TOKEN_BUCKETS`)
+    guess_named_t1: int = 0
+    guess_right_t1: int = 0
+    guess_named_t2: int = 0
+    guess_right_t2: int = 0
+    guess_named_t3: int = 0
+    guess_right_t3: int = 0
+    guess_named_t5: int = 0
+    guess_right_t5: int = 0
     ms_waiting_for_disk: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def count_guess(self, tokens: int, right: bool) -> None:
+        """One expert of a next-layer guess, named for `tokens` of the span's tokens, and whether the layer routed to
+        it, into its bucket."""
+        b = guess_bucket(tokens)
+        if b:
+            setattr(self, f"guess_named_t{b}", getattr(self, f"guess_named_t{b}") + 1)
+            setattr(self, f"guess_right_t{b}", getattr(self, f"guess_right_t{b}") + int(right))
+
+    def guess_precision_by_tokens(self) -> dict[str, float | None]:
+        """{"1": p, "2": p, "3-4": p, "5+": p}: the next-layer guesses' precision by guessed tokens (None: none)."""
+        edges = GUESS_TOKEN_BUCKETS
+        out = {}
+        for i, b in enumerate(edges):
+            label = str(b) if i + 1 == len(edges) or edges[i + 1] == b + 1 else f"{b}-{edges[i + 1] - 1}"
+            label = label + "+" if i + 1 == len(edges) else label
+            named = getattr(self, f"guess_named_t{b}")
+            out[label] = getattr(self, f"guess_right_t{b}") / named if named else None
+        return out
 
 
 @dataclass

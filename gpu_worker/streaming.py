@@ -64,6 +64,31 @@ FIRST_GUESS_BLOCKS_PER_1K = 12
 FIRST_GUESS_MIN_BLOCKS = 8
 
 
+def first_guess_expected() -> float:
+    """MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED (read per prompt; 0, the default: off): the first MoE layer's guess
+    also names every expert the prompt is expected to send at least this many tokens (its share of the prompts
+    before, `route_hist`, times the prompt's tokens; a Poisson count that large is rarely 0), where those are more
+    than the fixed count (FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K a 1,000 tokens). A measuring knob: the
+    fixed count leaves the bus idle for most of the layers before the first router at 128 and 1,000 tokens, where
+    the host's setup, not the kernels, sets that stretch (H200, session 15: 1k ~4.4 ms, 20 blocks ~1.1 ms of it)."""
+    raw = os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "")
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED={raw!r}: expected a number of tokens") from None
+    if v < 0 or v != v:
+        raise ValueError(f"MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED={raw!r}: expected 0 or more tokens")
+    return v
+
+
+def ahead_min_guess() -> int:
+    """MOESTREAM_PREFILL_AHEAD_MIN_GUESS (read per layer; 1, the default: every guessed expert): the next MoE layer's
+    guessed experts are copied ahead only where its router, on this layer's input, sends them at least this many of
+    the span's tokens. A measuring knob: a guess of one token is the least likely to be routed (the accounting's
+    guess_{named,right}_t* buckets), and where the bus paces the prompt a wrong copy costs its whole block."""
+    return env_count("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", 1, "guessed tokens")
+
+
 def first_guess() -> bool:
     """MOESTREAM_PREFILL_FIRST_GUESS (read per prompt; on by default): the first MoE layer's guess copied ahead."""
     return os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS", "1") != "0"
@@ -364,7 +389,7 @@ class StreamingExperts(ExpertSource):
         self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
         self.ahead_bytes = 0
         self._ahead: _AheadSlots | None = None
-        self._guessed: tuple | None = None   # (next MoE layer, the experts its guess named) for the guess's accuracy
+        self._guessed: tuple | None = None   # (next MoE layer, {expert its guess named: tokens, 0 where not a count})
         self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
         self.route_hist: np.ndarray | None = None   # [n_moe, E]: decayed tokens-per-expert share of the prompts before
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
@@ -898,6 +923,9 @@ class StreamingExperts(ExpertSource):
                 or not h[0].any()):
             return 0
         n = FIRST_GUESS_MIN_BLOCKS + tokens * FIRST_GUESS_BLOCKS_PER_1K // 1000
+        lam = first_guess_expected()
+        if lam > 0:
+            n = max(n, int(np.count_nonzero(h[0] * tokens >= lam)))
         top = [e for e in np.argsort(-h[0], kind="stable")[:n].tolist() if h[0, e] > 0]
         g = np.zeros(h.shape[1], dtype=np.float64)
         g[top] = h[0, top]
@@ -979,7 +1007,7 @@ class StreamingExperts(ExpertSource):
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
         early = guess is not None and j + 1 < self.n_moe and ahead_early()
         if early:                        # queued before this layer's launches; the slots it reads stay untouched
-            early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()))
+            early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         chunk = launch_chunk()
         n_cap, rows_cap = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
@@ -1035,7 +1063,7 @@ class StreamingExperts(ExpertSource):
         if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
             self.client.done_prefill(j, used)
         if guess is not None and j + 1 < self.n_moe and not early:
-            self._copy_ahead(nj, host[E:].numpy())
+            self._copy_ahead(nj, host[E:].numpy(), counted=True)
         waited_disk = waited if misses else 0.0
         pa.last.ms_host_moe += (time.perf_counter() - t_in - t_sync - waited_disk) * 1e3
         return acc
@@ -1077,10 +1105,13 @@ class StreamingExperts(ExpertSource):
             pa.bytes_over_pcie += len(got) * self.block_bytes
         return {**ahead, **got}
 
-    def _copy_ahead(self, nj: int, g, taken: frozenset | None = None) -> bool:
+    def _copy_ahead(self, nj: int, g, taken: frozenset | None = None, counted: bool = False) -> bool:
         """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
         many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
         ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them).
+        counted: g is a token count (the next layer's router; not the first layer's shares of the prompts before):
+        the guess's precision is kept by count, and experts guessed fewer than `ahead_min_guess()` tokens are named
+        but not copied.
         taken: queued before this layer's launches (`ahead_early`): the slots this layer reads (left untouched, the
         copies stop before the first of them) and no wait for this layer's staging copies; False where the slots would
         have to be made anew (a span's budget changed them under this layer's blocks): the caller copies after the
@@ -1089,11 +1120,15 @@ class StreamingExperts(ExpertSource):
         n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
         if taken and self._ahead is not None and self._ahead.n != n:
             return False
-        self._guessed = (nj, set(np.flatnonzero(g > 0).tolist()))
+        named = np.flatnonzero(g > 0)
+        self._guessed = (nj, dict(zip(named.tolist(), g[named].astype(np.int64).tolist() if counted
+                                      else [0] * len(named))))
         if not self._copies_ahead() or n <= 0:
             return True
+        least = ahead_min_guess() if counted else 0
         # the most used (at most a layer's experts), copied in expert order: the order the next layer launches them in
-        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(n, self.store.n_experts)] if g[e] > 0)
+        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(n, self.store.n_experts)]
+                        if g[e] > 0 and g[e] >= least)
         slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
         pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
         if not pairs:
@@ -1127,8 +1162,10 @@ class StreamingExperts(ExpertSource):
         if j is not None and self._guessed is not None and self._guessed[0] == j:
             named = self._guessed[1]
             pa.guess_named += len(named)
-            pa.guess_right += len(named & routed)
+            pa.guess_right += len(named.keys() & routed)
             pa.guess_layer_routed += len(routed)
+            for e, t in named.items():
+                pa.count_guess(t, e in routed)
         self._guessed = None
         a = self._ahead
         if a is None or a.layer < 0 or a.layer != j:

@@ -102,8 +102,8 @@ def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     model_dir, store = tiny
     pending, real_copy, real_sync = [], streaming.StreamingExperts._copy_ahead, streaming.StreamingExperts._router_sync
 
-    def late_copy(self, nj, g):
-        pending.append((nj, g.copy()))
+    def late_copy(self, nj, g, counted=False):
+        pending.append((nj, g.copy(), None, counted))
 
     def late_sync(self, counts, guess):
         host = real_sync(self, counts, guess)
@@ -586,3 +586,110 @@ def test_split_runs_cut_long_runs_in_order(most):
     else:
         assert got == runs
         assert len(ahead_copy_plan([(0, 415)], 8)) == 1
+
+
+class GuessSpy:
+    """Records the next layers' guesses handed to `_copy_ahead`: [(MoE layer, tokens per expert)] (counted ones only)."""
+
+    def __init__(self, monkeypatch):
+        self.guesses, real = [], streaming.StreamingExperts._copy_ahead
+
+        def copy_ahead(src, nj, g, taken=None, counted=False):
+            if counted:
+                self.guesses.append((nj, np.asarray(g).copy()))
+            return real(src, nj, g, taken, counted)
+        monkeypatch.setattr(streaming.StreamingExperts, "_copy_ahead", copy_ahead)
+
+
+def _guessed_and_copied(tiny, monkeypatch, n: int, least: int | None):
+    """One prompt of n tokens after a first one (the blocks in RAM), with MOESTREAM_PREFILL_AHEAD_MIN_GUESS=least
+    (None: unset); returns (its logits, the next layers' guesses, the blocks copied ahead, the prompt's cost, the
+    (layer, expert) pairs it routed to)."""
+    model_dir, store = tiny
+    if least is None:
+        monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", raising=False)
+    else:
+        monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", str(least))
+    monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS", "0")     # the next layers' guesses alone
+    copies, guesses = CopySpy(monkeypatch), GuessSpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        run(eng, n)
+        copies.copied.clear()
+        guesses.guesses.clear()
+        out = run(eng, n)
+        last = dataclasses.replace(src.prefill_acct.last)
+        routed = src.prefill_acct.routed_keys()
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    return out, guesses.guesses, copies.copied, last, routed
+
+
+def _copied_below(guesses, copied, least: int) -> int:
+    """Blocks copied ahead for an expert that the guess sent fewer than `least` tokens."""
+    g = dict(guesses)
+    return sum(1 for j, ex in copied for e in ex if g[j][e] < least)
+
+
+def test_min_guess_copies_only_experts_guessed_that_many_tokens(tiny, refs, monkeypatch):
+    """MOESTREAM_PREFILL_AHEAD_MIN_GUESS=2 on 6 tokens (most guesses one token): no block is copied ahead for an expert
+    the next layer's router sent fewer than 2 tokens, some are copied, the logits are unchanged. The accounting's
+    buckets hold every expert the guesses named, and the right ones are those the layer routed to."""
+    out, guesses, copied, last, routed = _guessed_and_copied(tiny, monkeypatch, 6, 2)
+    torch.testing.assert_close(out, refs[6], rtol=1e-5, atol=1e-4)
+    assert copied and _copied_below(guesses, copied, 2) == 0
+    from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS, guess_bucket
+    named = {b: 0 for b in GUESS_TOKEN_BUCKETS}
+    right = dict(named)
+    for j, g in guesses:
+        for e in np.flatnonzero(g > 0).tolist():
+            named[guess_bucket(int(g[e]))] += 1
+            right[guess_bucket(int(g[e]))] += (j, e) in routed
+    assert named[1] > 0 and sum(named.values()) == last.guess_named
+    assert {b: getattr(last, f"guess_named_t{b}") for b in GUESS_TOKEN_BUCKETS} == named
+    assert {b: getattr(last, f"guess_right_t{b}") for b in GUESS_TOKEN_BUCKETS} == right
+    p = last.guess_precision_by_tokens()
+    assert list(p) == ["1", "2", "3-4", "5+"] and p["1"] == right[1] / named[1]
+
+
+def test_must_fail_min_guess_unset_copies_one_token_guesses(tiny, refs, monkeypatch):
+    """The twin: without the knob (every guessed expert copied) the same prompt copies blocks for experts guessed one
+    token, so the check above can fail."""
+    out, guesses, copied, _, _ = _guessed_and_copied(tiny, monkeypatch, 6, None)
+    torch.testing.assert_close(out, refs[6], rtol=1e-5, atol=1e-4)
+    assert _copied_below(guesses, copied, 2) > 0
+
+
+def test_min_guess_knob_refuses_nonsense(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", "0")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_AHEAD_MIN_GUESS"):
+        streaming.ahead_min_guess()
+    monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "-1")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED"):
+        streaming.first_guess_expected()
+
+
+@pytest.mark.parametrize("lam", [0.0, 4.0])
+def test_first_guess_names_the_experts_expected_lam_tokens(tiny, refs, lam, monkeypatch):
+    """MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED=4: the first MoE layer's guess names every expert the history expects 4
+    or more of the prompt's 300 tokens at (more than the fixed count of 11 here), the most used first; 0 (off, the
+    twin): the fixed count. The logits are unchanged either way."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", str(lam))
+    model_dir, store = tiny
+    spy = CopySpy(monkeypatch)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        run(eng, 300)
+        hist = src.route_hist[0].copy()
+        spy.copied.clear()
+        out = run(eng, 300)
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    first = [ex for j, ex in spy.copied if j == 0]
+    fixed = streaming.FIRST_GUESS_MIN_BLOCKS + 300 * streaming.FIRST_GUESS_BLOCKS_PER_1K // 1000
+    expected = int(np.count_nonzero(hist * 300 >= 4.0))
+    assert expected > fixed, "the history expects too few experts for the knob to name more than the fixed count"
+    assert len(first) == 1
+    assert len(first[0]) == (expected if lam else fixed)
+    assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
