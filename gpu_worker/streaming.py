@@ -62,18 +62,30 @@ PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKEN
 # (3 MB, Super) a 1,000 tokens, plus a few for the host's setup; more would queue in front of the layer's own blocks.
 FIRST_GUESS_BLOCKS_PER_1K = 12
 FIRST_GUESS_MIN_BLOCKS = 8
+# ... and every expert the prompts before expect FIRST_GUESS_EXPECTED or more of this prompt's tokens at, where those are
+# more (`first_guess_expected`). The fixed count left the bus idle for most of the stretch before the first router at
+# 128 and 1,000 tokens, which the host's setup sets there, not the kernels (timeline, 128 tokens: 8 ms with 0.4 of
+# copies, H200 session 17 call 1). Measured with AHEAD_MIN_GUESS (one engine, two rounds, ms): 128 tokens 68.7 / 67.9
+# -> 62.0 / 61.9, 1k 90.3 / 87.5 -> 82.7 / 83.0, 4k 100.6 / 100.1 -> 95.6 / 96.0, 16k 127.8 (round 2) -> 129.3 /
+# 130.3 (within that host's noise); first tokens equal (bench/NOTES.md session 17).
+FIRST_GUESS_EXPECTED = 4.0
+# The next MoE layer's guessed experts copied ahead only where its router, on this layer's input, sends them
+# AHEAD_MIN_GUESS or more of the span's tokens (`ahead_min_guess`). At 128 tokens the bus paces the prompt, so each
+# wrong block copied ahead costs its 3 MB of bus time: the guesses of one token were right 0.58-0.71 of the time, of
+# two 0.77-0.80, of five and more 0.99-1.00 (H200 session 17 call 1, the accounting's guess_{named,right}_t*), and the
+# wrong copies ahead 260 MB at 128 tokens (4.7 ms of bus) -> 62 MB with this, 128 tokens 68.7 / 67.9 -> 64.6 / 63.6 ms
+# alone; 1k 90.3 / 87.5 -> 83.9 / 84.2, 4k 100.6 / 100.1 -> 95.7 / 96.2.
+AHEAD_MIN_GUESS = 2
 
 
 def first_guess_expected() -> float:
-    """MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED (read per prompt; 0, the default: off): the first MoE layer's guess
-    also names every expert the prompt is expected to send at least this many tokens (its share of the prompts
-    before, `route_hist`, times the prompt's tokens; a Poisson count that large is rarely 0), where those are more
-    than the fixed count (FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K a 1,000 tokens). A measuring knob: the
-    fixed count leaves the bus idle for most of the layers before the first router at 128 and 1,000 tokens, where
-    the host's setup, not the kernels, sets that stretch (H200, session 15: 1k ~4.4 ms, 20 blocks ~1.1 ms of it)."""
+    """MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED (read per prompt; FIRST_GUESS_EXPECTED by default, 0: off): the first MoE
+    layer's guess also names every expert the prompt is expected to send at least this many tokens (its share of the
+    prompts before, `route_hist`, times the prompt's tokens; a Poisson count that large is rarely 0), where those are
+    more than the fixed count (FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K a 1,000 tokens)."""
     raw = os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "")
     try:
-        v = float(raw) if raw else 0.0
+        v = float(raw) if raw else FIRST_GUESS_EXPECTED
     except ValueError:
         raise ValueError(f"MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED={raw!r}: expected a number of tokens") from None
     if v < 0 or v != v:
@@ -82,11 +94,10 @@ def first_guess_expected() -> float:
 
 
 def ahead_min_guess() -> int:
-    """MOESTREAM_PREFILL_AHEAD_MIN_GUESS (read per layer; 1, the default: every guessed expert): the next MoE layer's
-    guessed experts are copied ahead only where its router, on this layer's input, sends them at least this many of
-    the span's tokens. A measuring knob: a guess of one token is the least likely to be routed (the accounting's
-    guess_{named,right}_t* buckets), and where the bus paces the prompt a wrong copy costs its whole block."""
-    return env_count("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", 1, "guessed tokens")
+    """MOESTREAM_PREFILL_AHEAD_MIN_GUESS (read per layer; AHEAD_MIN_GUESS by default, 1: every guessed expert): the next
+    MoE layer's guessed experts are copied ahead only where its router, on this layer's input, sends them at least this
+    many of the span's tokens."""
+    return env_count("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", AHEAD_MIN_GUESS, "guessed tokens")
 
 
 def first_guess() -> bool:
