@@ -98,13 +98,6 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       tail -4 "$OUT/spy.log" | cut -c1-200
       for u in _prefill forward; do python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
       cat "$OUT/spy__prefill.txt" | cut -c1-150;;
-    # session 17: the same through the server (bench.api_ttft, no budget, API_SPY_SIZE tokens): py-spy's samples of every
-    # process (the compute process's `prefill` beside bench.prefill's in the `spy` step of the same call)
-    api_spy) timeout ${SPY_TIMEOUT:-200} .whl/py-spy record -r ${SPY_RATE:-1000} -f raw --subprocesses -o "$OUT/api_spy.txt" -- \
-           python3 -m bench.api_ttft --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --regimes ram \
-           --tokens ${API_SPY_SIZE:-16000} --repeats 3 --out "$OUT/api_spy.json" > "$OUT/api_spy.log" 2>&1; tail -3 "$OUT/api_spy.log"
-      python3 -m bench.host_samples "$OUT/api_spy.txt" --under prefill --top ${SPY_TOP:-22} > "$OUT/api_spy_prefill.txt" 2>&1
-      head -30 "$OUT/api_spy_prefill.txt" | cut -c1-150;;
     # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
     sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \
            > "$OUT/sweep.log" 2>&1; grep -v "^\s*$" "$OUT/sweep.log" | tail -${SWEEP_TAIL:-30} | cut -c1-220;;
