@@ -49,6 +49,7 @@ import torch
 from gpu_worker.knobs import env_count
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
+from nemotron.mamba import PIECE_TOKENS_CAP
 from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
@@ -199,8 +200,8 @@ def piece_tokens_max() -> int:
     """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else MAX_PIECE_TOKENS (4,096: on by
     default since session 8's H200 run, where a 16k prompt went 303 -> 250 ms and every size was faster with equal
     first tokens, bench/NOTES.md "Session 8"; `MOESTREAM_PIECE_TOKENS=512` gives the old plan exactly); never above
-    MAX_PIECE_TOKENS (a Mamba mixer cuts longer calls itself)."""
-    return min(env_count("MOESTREAM_PIECE_TOKENS", MAX_PIECE_TOKENS, "tokens"), MAX_PIECE_TOKENS)
+    PIECE_TOKENS_CAP (16,384: a Mamba mixer cuts longer calls itself)."""
+    return min(env_count("MOESTREAM_PIECE_TOKENS", MAX_PIECE_TOKENS, "tokens"), PIECE_TOKENS_CAP)
 
 
 def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:

@@ -93,7 +93,13 @@ def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
     assert P.span_plan(cfg, BF, 60 << 30, "cuda") == P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
     assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512
     monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "99999")
-    assert P.piece_tokens_max() == MAX_PIECE_TOKENS      # a Mamba mixer cuts longer calls itself
+    assert P.piece_tokens_max() == mamba.PIECE_TOKENS_CAP == 16384     # a Mamba mixer cuts longer calls itself
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "16384")     # above the default's 4,096: a large budget takes it
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 16384
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.mamba_tokens == 16384
+    at_512 = P.span_plan(cfg, BF, 512 << 20, "cuda")          # a small budget grows its pieces no further than before
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "4096")
+    assert at_512 == P.span_plan(cfg, BF, 512 << 20, "cuda")
     for bad in ("lots", "0", "-4"):
         monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", bad)
         with pytest.raises(ValueError, match="MOESTREAM_PIECE_TOKENS"):
@@ -134,6 +140,21 @@ def test_large_pieces_equal_small_and_a_lost_carry_is_caught(tiny_model, monkeyp
     monkeypatch.setattr(mamba, "chunk_scan", lambda x, dt, A, B, C, S, q: real(x, dt, A, B, C, torch.zeros_like(S), q))
     lost = _prefill(model, ids, 128, monkeypatch)
     assert (lost - small).abs().max() > 1e-2
+
+
+def test_pieces_above_the_default_equal_it_and_a_lost_carry_is_caught(tiny_model, monkeypatch):
+    """MOESTREAM_PIECE_TOKENS=16384 (one piece for a 4,500-token prompt) gives the logits of the default's 4,096 (two
+    pieces, the Mamba state carried between them); the twin drops the carry at the default's cut."""
+    model = NemotronH(tiny_model)
+    ids = [int(t) for t in np.random.default_rng(9).integers(14, 1000, size=4500)]
+    whole, two = _prefill(model, ids, 16384, monkeypatch), _prefill(model, ids, 4096, monkeypatch)
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "16384")
+    assert P.span_plan(model.config, model.dtype, 1 << 30, model.device).pieces.mamba_tokens == 16384
+    torch.testing.assert_close(whole[-64:], two[-64:], rtol=1e-4, atol=1e-4)
+    real = mamba.chunk_scan
+    monkeypatch.setattr(mamba, "chunk_scan", lambda x, dt, A, B, C, S, q: real(x, dt, A, B, C, torch.zeros_like(S), q))
+    lost = _prefill(model, ids, 4096, monkeypatch)
+    assert (lost[-64:] - whole[-64:]).abs().max() > 1e-2
 
 
 def test_launch_count_falls_with_large_pieces(tmp_path):
