@@ -20,8 +20,8 @@ is per token of the span:
                     (`SpanPlan.ahead_bytes`): they live across the layers; they take at most half of what the chosen
                     span leaves of the budget (`ahead_bytes_for`), so they never shorten a span
 Everything else a layer computes runs a piece of tokens at a time (`nemotron.model.Pieces`, which `span_plan` picks
-from the budget: up to MAX_PIECE_TOKENS (4,096) for a large one by default, 512 with MOESTREAM_PIECE_TOKENS=512, down to
-one Mamba scan chunk; Mamba layers their own): the normed
+from the budget: up to MAX_PIECE_TOKENS (16,384) for a large one by default, 512 with MOESTREAM_PIECE_TOKENS=512, down
+to one Mamba scan chunk; Mamba layers their own): the normed
 input and rms_norm's fp32 copies, the mixer's output, the MoE's router scores, latent projections and shared
 expert, and one piece of a Mamba2 mixer (in_proj output, the conv, the gated norm's fp32 temporaries, and the
 chunked scan, which holds all of the piece's chunks at once: `kernels.mamba_scan.scan_bytes`, exact; priced for the
@@ -49,7 +49,6 @@ import torch
 from gpu_worker.knobs import env_count
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
-from nemotron.mamba import PIECE_TOKENS_CAP
 from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
 
 CPU_BUDGET_BYTES = 4 << 30
@@ -197,11 +196,12 @@ def dequant_terms(cfg, e: int) -> dict:
 
 
 def piece_tokens_max() -> int:
-    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else MAX_PIECE_TOKENS (4,096: on by
-    default since session 8's H200 run, where a 16k prompt went 303 -> 250 ms and every size was faster with equal
-    first tokens, bench/NOTES.md "Session 8"; `MOESTREAM_PIECE_TOKENS=512` gives the old plan exactly); never above
-    PIECE_TOKENS_CAP (16,384: a Mamba mixer cuts longer calls itself)."""
-    return min(env_count("MOESTREAM_PIECE_TOKENS", MAX_PIECE_TOKENS, "tokens"), PIECE_TOKENS_CAP)
+    """The largest piece `span_plan` grows pieces to: MOESTREAM_PIECE_TOKENS, else MAX_PIECE_TOKENS (16,384 since
+    session 17: 16k-token prompts 3-6 ms faster than with 4,096, the default since session 8's H200 run, where a 16k
+    prompt went 303 -> 250 ms against 512 and every size was faster with equal first tokens, bench/NOTES.md "Session 8";
+    `MOESTREAM_PIECE_TOKENS=512` gives the old plan exactly); never above MAX_PIECE_TOKENS (a Mamba mixer cuts longer
+    calls itself)."""
+    return min(env_count("MOESTREAM_PIECE_TOKENS", MAX_PIECE_TOKENS, "tokens"), MAX_PIECE_TOKENS)
 
 
 def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:
@@ -215,8 +215,9 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None 
     weights are kept. Then the Mamba pieces, and after
     them the others, each the largest of `max_piece` (piece_tokens_max()) halved down to the old plan's that leaves
     the longest span as long: layers run one after the other, so a piece may grow until its layer's peak reaches the
-    heaviest layer's at that span (with `max_piece` 4,096, on Super at the server's 512 MiB, the MoE layer's launches
-    decide: Mamba pieces 1,024 where the kernels run, the others 1,024), and a large budget takes `max_piece`. A piece's
+    heaviest layer's at that span (with `max_piece` 4,096 or 16,384, on Super at the server's 512 MiB, the MoE layer's
+    launches decide: Mamba pieces 1,024 where the kernels run, the others 1,024), and a large budget takes `max_piece`.
+    A piece's
     launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group, H200
     session 6). By default `max_piece` is MAX_PIECE_TOKENS (piece_tokens_max; MOESTREAM_PIECE_TOKENS=512: the old plan)."""
     top = piece_tokens_max() if max_piece is None else max_piece

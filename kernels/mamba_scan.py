@@ -11,7 +11,7 @@ heads and chunks as one tensor, the chunk-end states as one batched GEMM, then t
 chunk (c small launches, or one with kernels/mamba_carry.py switched on) and the state contributions as one more
 GEMM — about 20 + c launches for c chunks (21 with the carry kernel), where the loop
 (`chunk_scan_loop`, the reference twin) takes 27 a chunk. Its memory grows with the input (c chunks' [Q, Q, heads]
-matrices at once, `scan_bytes`): callers bound it by the piece they pass (nemotron/mamba.py's PIECE_TOKENS_CAP, forward's Pieces).
+matrices at once, `scan_bytes`): callers bound it by the piece they pass (nemotron/mamba.py's MAX_PIECE_TOKENS, forward's Pieces).
 B and C stay per group: widened to heads they would be [T, heads, N] each, 16x their size on Super.
 """
 from __future__ import annotations

@@ -18,12 +18,11 @@ from kernels.mamba_scan import chunk_scan
 from nemotron.norms import gated_group_rms_norm
 
 
-# the largest piece gpu_worker/prefill.py's span_plan gives a large budget by default; forward passes its own pieces
-# (nemotron.model.Pieces.mamba_tokens)
-MAX_PIECE_TOKENS = 4096
-# the largest piece MOESTREAM_PIECE_TOKENS may ask for; a longer call runs through the mixer in pieces of at most this
-# many tokens (see __call__)
-PIECE_TOKENS_CAP = 16384
+# a longer call runs through the mixer in pieces of at most this many tokens (see __call__); forward passes its own
+# pieces (nemotron.model.Pieces.mamba_tokens), which gpu_worker/prefill.py's span_plan keeps within this. 4,096 until
+# session 17, where 16,384 measured 16k-token prompts 3-6 ms faster on the H200 (host-bound there: a piece's ops cost
+# the host the same whatever its length) for 1.6 GB more at the peak where the budget allows it (bench/NOTES.md)
+MAX_PIECE_TOKENS = 16384
 
 
 class MambaState:
@@ -78,7 +77,7 @@ class Mamba2Mixer:
         self.norm_w = ckpt.get_float(p + "norm.weight", (self.I,)).to(device)
         self.dtype = dtype
         # a whole number of scan chunks, so that the pieces cut the scan where it cuts itself
-        self.piece = self.chunk_size * max(1, PIECE_TOKENS_CAP // self.chunk_size)
+        self.piece = self.chunk_size * max(1, MAX_PIECE_TOKENS // self.chunk_size)
 
     def new_state(self, device) -> MambaState:
         return MambaState(torch.zeros(self.K - 1, self.conv_dim, device=device, dtype=self.dtype),

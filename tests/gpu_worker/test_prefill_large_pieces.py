@@ -1,7 +1,7 @@
-"""With MOESTREAM_PIECE_TOKENS=4096 (off by default: the old plan until a GPU run measures them) a large budget takes
-pieces of up to MAX_PIECE_TOKENS (gpu_worker/prefill.py `span_plan`), a small one grows its pieces only as far as its
-longest span and decoded weights allow; large pieces give the logits of small ones, and the launches they save are
-counted (bench/launch_count.py). Twins: pieces one step larger than chosen, and a Mamba carry dropped between
+"""A large budget takes pieces of up to MAX_PIECE_TOKENS (16,384 since session 17, 4,096 from session 8; 512 before,
+MOESTREAM_PIECE_TOKENS=512 gives that plan; gpu_worker/prefill.py `span_plan`), a small one grows its pieces only as
+far as its longest span and decoded weights allow; large pieces give the logits of small ones, and the launches they
+save are counted (bench/launch_count.py). Twins: pieces one step larger than chosen, and a Mamba carry dropped between
 pieces."""
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ def _large_pieces(monkeypatch):
 
 
 def test_on_by_default_and_512_is_the_old_plan(monkeypatch):
-    """Large pieces are the default since session 8's H200 run; MOESTREAM_PIECE_TOKENS=512 gives session 6's plan."""
+    """Large pieces are the default since session 8's H200 run (16,384 since session 17's); MOESTREAM_PIECE_TOKENS=512
+    gives session 6's plan."""
     monkeypatch.delenv("MOESTREAM_PIECE_TOKENS")
     cfg = _super(4)
-    assert P.piece_tokens_max() == MAX_PIECE_TOKENS == 4096 and PIECE_TOKENS == 512
-    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 4096
+    assert P.piece_tokens_max() == MAX_PIECE_TOKENS == 16384 and PIECE_TOKENS == 512
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 16384
     monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "512")
     for budget in (512 << 20, 60 << 30):
         assert P.span_plan(cfg, BF, budget, "cuda") == P._with_dequant(*_old(cfg, budget))
@@ -54,7 +55,7 @@ def _old(cfg, budget):
 def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers):
     cfg = _super(moe_layers)
     big = P.span_plan(cfg, BF, 60 << 30, "cuda")
-    assert big.pieces.tokens == big.pieces.mamba_tokens == MAX_PIECE_TOKENS == 4096
+    assert big.pieces.tokens == big.pieces.mamba_tokens == MAX_PIECE_TOKENS == 16384
     for budget in (512 << 20, 1 << 30, 3 << 29):
         new, old = P.span_plan(cfg, BF, budget, "cuda"), P.span_plan(cfg, BF, budget, "cuda", max_piece=PIECE_TOKENS)
         assert new.pieces.tokens >= old.pieces.tokens and new.pieces.mamba_tokens >= old.pieces.mamba_tokens
@@ -75,7 +76,7 @@ def test_large_budget_takes_large_pieces_small_keeps_its_span(moe_layers):
 
 def test_twins_one_step_larger_shorten_the_span():
     """Must-fail twins: at the server's 512 MiB, the pieces one step larger than chosen (Mamba 512, or the others
-    2,048), or 4,096 everywhere, would shorten the span: the search stops where it must."""
+    2,048), or 16,384 everywhere, would shorten the span: the search stops where it must."""
     cfg, budget = _super(), 512 << 20
     kept = P.span_plan(cfg, BF, budget, "cuda")
     p = kept.pieces
@@ -93,12 +94,11 @@ def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
     assert P.span_plan(cfg, BF, 60 << 30, "cuda") == P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
     assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 512
     monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "99999")
-    assert P.piece_tokens_max() == mamba.PIECE_TOKENS_CAP == 16384     # a Mamba mixer cuts longer calls itself
-    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "16384")     # above the default's 4,096: a large budget takes it
-    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 16384
-    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.mamba_tokens == 16384
-    at_512 = P.span_plan(cfg, BF, 512 << 20, "cuda")          # a small budget grows its pieces no further than before
-    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "4096")
+    assert P.piece_tokens_max() == MAX_PIECE_TOKENS      # a Mamba mixer cuts longer calls itself
+    monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", "4096")      # session 8-16's default
+    assert P.span_plan(cfg, BF, 60 << 30, "cuda").pieces.tokens == 4096
+    at_512 = P.span_plan(cfg, BF, 512 << 20, "cuda")
+    monkeypatch.delenv("MOESTREAM_PIECE_TOKENS")              # a small budget grows its pieces no further than before
     assert at_512 == P.span_plan(cfg, BF, 512 << 20, "cuda")
     for bad in ("lots", "0", "-4"):
         monkeypatch.setenv("MOESTREAM_PIECE_TOKENS", bad)
@@ -108,14 +108,13 @@ def test_env_switch_gives_the_old_plan_and_names_bad_values(monkeypatch):
 
 def test_span_bytes_grows_with_the_pieces():
     """The estimate prices the pieces it is given (bench/prefill.py holds it against the device peak): at 16k a
-    Mamba piece of 4,096 tokens holds its 32 chunks' states."""
+    16,000-token Mamba piece (the default pieces of 16,384) holds its 125 chunks' states."""
     cfg = _super(4)
     big, old = P.span_plan(cfg, BF, 60 << 30, "cuda"), P.span_plan(cfg, BF, 60 << 30, "cuda", max_piece=512)
     t_big, t_old = P.span_terms(cfg, BF, 16000, plan=big), P.span_terms(cfg, BF, 16000, plan=old)
     from kernels.mamba_ssd import ssd_bytes
     assert big.mamba_path == "ssd"       # on CUDA in bf16 the scan runs on the tensor cores
-    assert t_big["mamba"] - t_old["mamba"] >= ssd_bytes(4096, 128, 64, 128, 128) - ssd_bytes(512, 128, 64, 128, 128)
-    # (with the kernels priced, the 4,096-token Mamba piece is no longer the heaviest layer at 16k)
+    assert t_big["mamba"] - t_old["mamba"] >= ssd_bytes(16000, 128, 64, 128, 128) - ssd_bytes(512, 128, 64, 128, 128)
     assert P.span_bytes(cfg, BF, 16000, plan=big) >= P.span_bytes(cfg, BF, 16000, plan=old)
 
 
@@ -143,8 +142,8 @@ def test_large_pieces_equal_small_and_a_lost_carry_is_caught(tiny_model, monkeyp
 
 
 def test_pieces_above_the_default_equal_it_and_a_lost_carry_is_caught(tiny_model, monkeypatch):
-    """MOESTREAM_PIECE_TOKENS=16384 (one piece for a 4,500-token prompt) gives the logits of the default's 4,096 (two
-    pieces, the Mamba state carried between them); the twin drops the carry at the default's cut."""
+    """The default's 16,384 (one piece for a 4,500-token prompt) gives the logits of session 8-16's 4,096 (two pieces,
+    the Mamba state carried between them); the twin drops the carry at the 4,096 cut."""
     model = NemotronH(tiny_model)
     ids = [int(t) for t in np.random.default_rng(9).integers(14, 1000, size=4500)]
     whole, two = _prefill(model, ids, 16384, monkeypatch), _prefill(model, ids, 4096, monkeypatch)
