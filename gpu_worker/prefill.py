@@ -84,7 +84,7 @@ def _act_bytes(dtype) -> int:
 @dataclass(frozen=True)
 class SpanPlan:
     """What a budget buys beside the span's length: forward's pieces, and the bytes one grouped expert launch may
-    hold (0: gpu_worker.streaming.PREFILL_BATCH_BYTES)."""
+    hold (0: gpu_worker.streaming.prefill_batch_bytes())."""
     pieces: Pieces = Pieces()
     launch_bytes: int = 0
     fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
@@ -92,8 +92,8 @@ class SpanPlan:
     mamba_path: str = "twin"        # which Mamba2 prefill path the forward runs (`mamba_path`), as it is priced
 
     def launch(self) -> int:
-        from gpu_worker.streaming import PREFILL_BATCH_BYTES
-        return self.launch_bytes or PREFILL_BATCH_BYTES
+        from gpu_worker.streaming import prefill_batch_bytes
+        return self.launch_bytes or prefill_batch_bytes()
 
 
 def _mamba_piece_per_token(cfg, e: int) -> int:
@@ -205,7 +205,7 @@ def piece_tokens_max() -> int:
 
 
 def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None = None) -> SpanPlan:
-    """The pieces and launch buffers for a budget: launches within a quarter of it (PREFILL_BATCH_BYTES at most),
+    """The pieces and launch buffers for a budget: launches within a quarter of it (`prefill_batch_bytes()` at most),
     attention scores within a quarter (SCORE_BYTES at most), pieces as large as keep the longest span, and a layer's
     decoded weights within what the other terms leave at the longest span (`dequant_bound`). `device`: where the
     forward runs (on CUDA attention holds no scores).
@@ -255,14 +255,14 @@ _PLANS: dict = {}    # span_plan's plans: the server plans every prompt with the
 
 def _knobs() -> tuple:
     """What else a plan depends on (module settings the tests change)."""
-    from gpu_worker.streaming import PREFILL_BATCH_BYTES
-    return PREFILL_BATCH_BYTES, PARTIAL_DEQUANT, SCORE_BYTES
+    from gpu_worker.streaming import prefill_batch_bytes
+    return prefill_batch_bytes(), PARTIAL_DEQUANT, SCORE_BYTES
 
 
 def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
     """The plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top` while one piece takes
     more than an eighth of the budget; no decoded weights (`dequant_bound` gives them)."""
-    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    from gpu_worker.streaming import prefill_batch_bytes
     e = _act_bytes(dtype)
 
     def halved(top, piece_bytes) -> int:
@@ -275,7 +275,7 @@ def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top:
     per = _piece_per_token(cfg, e)
     return SpanPlan(Pieces(tokens=halved(other_top, lambda n: n * per), mamba_tokens=mamba,
                            score_bytes=max(1, min(SCORE_BYTES, budget_bytes // 4)), dequant_bytes=0),
-                    launch_bytes=max(1, min(PREFILL_BATCH_BYTES, budget_bytes // 4)),
+                    launch_bytes=max(1, min(prefill_batch_bytes(), budget_bytes // 4)),
                     fused_attention=device is not None and torch.device(device).type == "cuda", mamba_path=path)
 
 
@@ -378,14 +378,14 @@ def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, 
 
 def launch_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, past: int = 0,
                      all_logits: bool = False, kv_rows: list[int] | None = None) -> int:
-    """The plan's launch bytes grown by what the chosen span leaves of the budget (PREFILL_BATCH_BYTES at most).
+    """The plan's launch bytes grown by what the chosen span leaves of the budget (`prefill_batch_bytes()` at most).
     The plan gives launches a quarter of the budget whatever the span; a short prompt under the server's 512 MiB
     reserve then ran 3 Super experts a launch (H200, session 5: a 126-token chat turn 223 ms in the server, 70 ms
     without the budget). Growing the launch by the slack keeps `span_bytes` within the budget: the MoE term grows
     by at most the slack."""
-    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    from gpu_worker.streaming import prefill_batch_bytes
     slack = budget_bytes - span_bytes(cfg, dtype, span, past, all_logits, plan, kv_rows)
-    return max(plan.launch(), min(PREFILL_BATCH_BYTES, plan.launch() + max(slack, 0)))
+    return max(plan.launch(), min(prefill_batch_bytes(), plan.launch() + max(slack, 0)))
 
 
 def ahead_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, wish: int, past: int = 0,

@@ -209,6 +209,15 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     return experts, max(64, rest // per_row)
 
 
+def prefill_batch_bytes() -> int:
+    """A grouped prefill launch's device buffers at most: MOESTREAM_PREFILL_BATCH_MB (MiB, read per call; a measuring
+    knob, with MOESTREAM_PREFILL_LAUNCH_EXPERTS and MOESTREAM_DEQUANT_SCRATCH_MB, for fewer and larger launches),
+    else PREFILL_BATCH_BYTES."""
+    if not os.environ.get("MOESTREAM_PREFILL_BATCH_MB"):
+        return PREFILL_BATCH_BYTES
+    return env_count("MOESTREAM_PREFILL_BATCH_MB", 1, "MiB") << 20
+
+
 def launch_experts() -> int:
     """Experts per grouped prefill launch at most: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per call, a measuring knob
     for an A/B of fewer, larger launches per layer), else PREFILL_LAUNCH_EXPERTS."""
@@ -373,7 +382,7 @@ class StreamingExperts(ExpertSource):
         # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
         self.prefill_weights = "staged"
         self._ring = None
-        self.launch_bytes = PREFILL_BATCH_BYTES     # set per prompt by begin_prompt
+        self.launch_bytes = prefill_batch_bytes()   # set per prompt by begin_prompt
         # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
         # the fused kernel reads them, so only where it runs (NVFP4 by address, down groups of 16, 8, 4 or 2 neurons)
         self.stage_ups = self._addressed and self.geom.down_group_neurons in FUSED_SUBS
@@ -912,8 +921,8 @@ class StreamingExperts(ExpertSource):
 
     def begin_prompt(self, launch_bytes: int | None = None, ahead_bytes: int = 0) -> None:
         """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
-        PREFILL_BATCH_BYTES), its slots for experts copied ahead within `ahead_bytes`."""
-        self.launch_bytes = PREFILL_BATCH_BYTES if launch_bytes is None else int(launch_bytes)
+        `prefill_batch_bytes()`), its slots for experts copied ahead within `ahead_bytes`."""
+        self.launch_bytes = prefill_batch_bytes() if launch_bytes is None else int(launch_bytes)
         self.ahead_bytes = int(ahead_bytes)
         self.ahead_at_sync, self._guessed = [], None
         self.prefill_acct.begin()

@@ -256,6 +256,21 @@ DEQUANT_TMA_ENV = "MOESTREAM_DEQUANT_TMA_MIN_TOKENS"
 # the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, 4 % of an
 # 8 GB card; the sweep lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
 DEQUANT_SCRATCH_BYTES = 384 << 20
+
+
+def dequant_scratch_bytes() -> int:
+    """The decoded scratch at most: MOESTREAM_DEQUANT_SCRATCH_MB (MiB, read per call; a measuring knob for fewer,
+    larger chunks), else DEQUANT_SCRATCH_BYTES."""
+    raw = os.environ.get("MOESTREAM_DEQUANT_SCRATCH_MB", "")
+    if not raw:
+        return DEQUANT_SCRATCH_BYTES
+    try:
+        mb = int(raw)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected a whole number of MiB") from None
+    if mb < 1:
+        raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected 1 or more MiB")
+    return mb << 20
 # a sub-grouped store's fused launch regroups its experts' down sections (1.5 MB per Super expert) into one
 # scratch of at most this; more experts run as several launches
 REGROUP_SCRATCH_BYTES = 384 << 20
@@ -659,7 +674,7 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
 
 def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h,
                      gs_index=None):
-    """Chunks of experts (the scratch within DEQUANT_SCRATCH_BYTES, or cfg CHUNK experts): decode their blocks,
+    """Chunks of experts (the scratch within `dequant_scratch_bytes()`, or cfg CHUNK experts): decode their blocks,
     then the two GEMMs. One pinned table per chunk, copied without a sync (a pageable copy would wait for the
     stream, the run-1 variant's cost per chunk)."""
     L, I, dev = geom.L, geom.I, x_sorted.device
@@ -669,7 +684,7 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     if cfg.get("GEMM", "triton") != "triton":
         return _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                             cfg, gs_index)
-    C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
+    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
     C = min(C, len(live))
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
     down_w = torch.empty((C, L, I), dtype=torch.float16, device=dev)
@@ -771,7 +786,7 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
     to bf16, an error as large as the up's output rounding."""
     L, I, dev = geom.L, geom.I, x_sorted.device
     live = sorted(live, key=lambda i: segments[i][0])       # _grouped_mm's groups follow the rows
-    C = cfg.get("CHUNK") or max(1, DEQUANT_SCRATCH_BYTES // (4 * L * I))
+    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
     C = min(C, len(live))
     triton_up = cfg["GEMM"] == "grouped_mm_down"
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)

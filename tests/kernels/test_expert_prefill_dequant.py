@@ -190,3 +190,16 @@ def test_chunk_table_layout(block_m):
         assert ep.chunk_table(segments, live, addrs, block_m, lo, gs_index) == want
         # must-fail twin: the rows not re-based onto the launch's first row
         assert ep.chunk_table(segments, live, addrs, block_m, 0, gs_index) != want
+
+
+def test_scratch_knob_sets_the_chunk_and_names_bad_values(monkeypatch):
+    """MOESTREAM_DEQUANT_SCRATCH_MB (a measuring knob for fewer, larger decode chunks): the scratch in MiB, else
+    DEQUANT_SCRATCH_BYTES; nonsense is a clear error naming the variable."""
+    monkeypatch.delenv("MOESTREAM_DEQUANT_SCRATCH_MB", raising=False)
+    assert ep.dequant_scratch_bytes() == ep.DEQUANT_SCRATCH_BYTES == 384 << 20
+    monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", "720")
+    assert ep.dequant_scratch_bytes() == 720 << 20
+    for bad in ("lots", "0", "-3"):
+        monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_DEQUANT_SCRATCH_MB"):
+            ep.dequant_scratch_bytes()
