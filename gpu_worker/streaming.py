@@ -35,9 +35,14 @@ from kernels.expert_layer import FUSED_SUBS
 from kernels.launch_tables import device_table
 from nemotron.moe import DecodeRoute, ExpertSource
 
-PREFILL_BATCH_BYTES = 1 << 30       # a grouped prefill launch's device buffers at most (`launch_limits`); a prefill
-                                    # with a small budget asks for less (gpu_worker/prefill.py: a quarter of it)
-PREFILL_LAUNCH_EXPERTS = 32         # experts per grouped launch at most (`launch_experts`)
+# A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
+# gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`): 2,304 MiB and 64 Super experts
+# decoded at once (kernels/expert_prefill.py DEQUANT_SCRATCH_BYTES) since session 17, 1 GiB and 32 before. On the
+# H200 (three rounds, one engine) the 16k prompt's 55 launches became 28 and its host time in the MoE steps fell
+# 51 / 82 / 51 -> 42 / 47 / 56 ms; the wall was equal where the host was fast (127.2 / 127.9 against 127.6 / 130.8 ms)
+# and held 127.6 where it slowed (the old launches 150.8); 1k and 4k equal; a 1k prompt's peak 1.90 -> 2.26 GB.
+PREFILL_BATCH_BYTES = 2304 << 20
+PREFILL_LAUNCH_EXPERTS = 64
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 # device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
 # without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several
