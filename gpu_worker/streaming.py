@@ -36,13 +36,13 @@ from kernels.launch_tables import device_table
 from nemotron.moe import DecodeRoute, ExpertSource
 
 # A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
-# gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`): 2,304 MiB and 64 Super experts
-# decoded at once (kernels/expert_prefill.py DEQUANT_SCRATCH_BYTES) since session 17, 1 GiB and 32 before. On the
-# H200 (three rounds, one engine) the 16k prompt's 55 launches became 28 and its host time in the MoE steps fell
-# 51 / 82 / 51 -> 42 / 47 / 56 ms; the wall was equal where the host was fast (127.2 / 127.9 against 127.6 / 130.8 ms)
-# and held 127.6 where it slowed (the old launches 150.8); 1k and 4k equal; a 1k prompt's peak 1.90 -> 2.26 GB.
-PREFILL_BATCH_BYTES = 2304 << 20
-PREFILL_LAUNCH_EXPERTS = 64
+# gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`). 64 Super experts decoded at once
+# (MOESTREAM_PREFILL_LAUNCH_EXPERTS=64 MOESTREAM_PREFILL_BATCH_MB=2304 MOESTREAM_DEQUANT_SCRATCH_MB=720) made the 16k
+# prompt's 55 launches 28 and cut its host time in the MoE steps 10-20 %, with the wall equal on a fast host (H200
+# session 17 call 5); as the default (call 6) the disk regime's prompts waited 15-28 % longer for the same blocks,
+# not explained and not separated from the disk's own speed, so the defaults stay (bench/NOTES.md session 17).
+PREFILL_BATCH_BYTES = 1 << 30
+PREFILL_LAUNCH_EXPERTS = 32
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 # device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
 # without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several

@@ -72,17 +72,18 @@ def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
     assert streaming.launch_chunk() == -1
 
 
-def test_batch_default_takes_64_experts_a_launch(monkeypatch):
-    """The default launch (2,304 MiB, 64 experts, since session 17) takes 64 Super experts within its bytes, where
-    MOESTREAM_PREFILL_BATCH_MB=1024 (the old 1 GiB, the twin) takes 31; nonsense names the variable."""
-    monkeypatch.delenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", raising=False)
+def test_batch_knob_with_64_experts_a_launch(monkeypatch):
+    """MOESTREAM_PREFILL_BATCH_MB=2304 with MOESTREAM_PREFILL_LAUNCH_EXPERTS=64 (the measuring knobs for fewer, larger
+    launches) takes 64 Super experts a launch within its bytes, where the default's 1 GiB takes 31 (the twin);
+    nonsense names the variable."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "64")
     monkeypatch.delenv("MOESTREAM_PREFILL_BATCH_MB", raising=False)
+    assert streaming.prefill_batch_bytes() == streaming.PREFILL_BATCH_BYTES == 1 << 30
+    small, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, streaming.prefill_batch_bytes())
+    monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "2304")
     b = streaming.prefill_batch_bytes()
     experts, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
-    monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "1024")
-    small, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, streaming.prefill_batch_bytes())
-    assert b == streaming.PREFILL_BATCH_BYTES == 2304 << 20 and streaming.PREFILL_LAUNCH_EXPERTS == 64
-    assert experts == 64 > small == 31 and used(experts, rows, 0, **SUPER) <= b
+    assert b == 2304 << 20 and experts == 64 > small == 31 and used(experts, rows, 0, **SUPER) <= b
     for bad in ("lots", "0"):
         monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", bad)
         with pytest.raises(ValueError, match="MOESTREAM_PREFILL_BATCH_MB"):

@@ -196,9 +196,9 @@ def test_scratch_knob_sets_the_chunk_and_names_bad_values(monkeypatch):
     """MOESTREAM_DEQUANT_SCRATCH_MB (a measuring knob for fewer, larger decode chunks): the scratch in MiB, else
     DEQUANT_SCRATCH_BYTES; nonsense is a clear error naming the variable."""
     monkeypatch.delenv("MOESTREAM_DEQUANT_SCRATCH_MB", raising=False)
-    assert ep.dequant_scratch_bytes() == ep.DEQUANT_SCRATCH_BYTES == 720 << 20
-    monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", "384")
-    assert ep.dequant_scratch_bytes() == 384 << 20
+    assert ep.dequant_scratch_bytes() == ep.DEQUANT_SCRATCH_BYTES == 384 << 20
+    monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", "720")
+    assert ep.dequant_scratch_bytes() == 720 << 20
     for bad in ("lots", "0", "-3"):
         monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", bad)
         with pytest.raises(ValueError, match="MOESTREAM_DEQUANT_SCRATCH_MB"):
