@@ -264,15 +264,11 @@ def dequant_scratch_bytes() -> int:
     """The decoded scratch at most: MOESTREAM_DEQUANT_SCRATCH_MB (MiB, read per call; a measuring knob for fewer,
     larger chunks), else DEQUANT_SCRATCH_BYTES."""
     raw = os.environ.get("MOESTREAM_DEQUANT_SCRATCH_MB", "")
-    if not raw:
-        return DEQUANT_SCRATCH_BYTES
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected a whole number of MiB") from None
-    if mb < 1:
-        raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected 1 or more MiB")
-    return mb << 20
+    if raw and (not raw.isdigit() or int(raw) < 1):
+        raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected a whole number of MiB, 1 or more")
+    return int(raw) << 20 if raw else DEQUANT_SCRATCH_BYTES
+
+
 # a sub-grouped store's fused launch regroups its experts' down sections (1.5 MB per Super expert) into one
 # scratch of at most this; more experts run as several launches
 REGROUP_SCRATCH_BYTES = 384 << 20
