@@ -13,11 +13,6 @@ from dataclasses import dataclass, field
 GUESS_TOKEN_BUCKETS = (1, 2, 3, 5)     # lower edges of PromptCost's guess_{named,right}_t* buckets
 
 
-def guess_bucket(tokens: int) -> int:
-    """The lower edge of the bucket that `tokens` guessed tokens fall in (0 for none)."""
-    return max((b for b in GUESS_TOKEN_BUCKETS if tokens >= b), default=0)
-
-
 @dataclass
 class PromptCost:
     tokens: int = 0
@@ -66,13 +61,16 @@ class PromptCost:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def count_guess(self, tokens: int, right: bool) -> None:
-        """One expert of a next-layer guess, named for `tokens` of the span's tokens, and whether the layer routed to
-        it, into its bucket."""
-        b = guess_bucket(tokens)
-        if b:
-            setattr(self, f"guess_named_t{b}", getattr(self, f"guess_named_t{b}") + 1)
-            setattr(self, f"guess_right_t{b}", getattr(self, f"guess_right_t{b}") + int(right))
+    def count_guesses(self, tokens, right) -> None:
+        """A next-layer guess's experts into their buckets: `tokens` (ints) how many of the span's tokens the guess
+        sent to each, `right` (bools) whether the layer routed to it. One pass per layer, not per expert."""
+        import numpy as np
+        tokens, right = np.asarray(tokens), np.asarray(right, dtype=bool)
+        at = np.searchsorted(GUESS_TOKEN_BUCKETS, tokens, side="right") - 1      # -1: fewer than the first edge
+        for i, b in enumerate(GUESS_TOKEN_BUCKETS):
+            m = at == i
+            setattr(self, f"guess_named_t{b}", getattr(self, f"guess_named_t{b}") + int(m.sum()))
+            setattr(self, f"guess_right_t{b}", getattr(self, f"guess_right_t{b}") + int(right[m].sum()))
 
     def guess_precision_by_tokens(self) -> dict[str, float | None]:
         """{"1": p, "2": p, "3-4": p, "5+": p}: the next-layer guesses' precision by guessed tokens (None: none)."""

@@ -414,7 +414,7 @@ class StreamingExperts(ExpertSource):
         self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
         self.ahead_bytes = 0
         self._ahead: _AheadSlots | None = None
-        self._guessed: tuple | None = None   # (next MoE layer, {expert its guess named: tokens, 0 where not a count})
+        self._guessed: tuple | None = None   # (next MoE layer, experts its guess named, their tokens or None)
         self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
         self.route_hist: np.ndarray | None = None   # [n_moe, E]: decayed tokens-per-expert share of the prompts before
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
@@ -1146,8 +1146,7 @@ class StreamingExperts(ExpertSource):
         if taken and self._ahead is not None and self._ahead.n != n:
             return False
         named = np.flatnonzero(g > 0)
-        self._guessed = (nj, dict(zip(named.tolist(), g[named].astype(np.int64).tolist() if counted
-                                      else [0] * len(named))))
+        self._guessed = (nj, named, g[named].astype(np.int64) if counted else None)
         if not self._copies_ahead() or n <= 0:
             return True
         least = ahead_min_guess() if counted else 0
@@ -1185,12 +1184,15 @@ class StreamingExperts(ExpertSource):
         prompt ends, nothing copied ahead is used any more."""
         pa, routed = self.prefill_acct.last, set(uniq)
         if j is not None and self._guessed is not None and self._guessed[0] == j:
-            named = self._guessed[1]
+            _, named, tokens = self._guessed
+            mask = np.zeros(self.store.n_experts, dtype=bool)
+            mask[list(routed)] = True
+            right = mask[named]
             pa.guess_named += len(named)
-            pa.guess_right += len(named.keys() & routed)
+            pa.guess_right += int(right.sum())
             pa.guess_layer_routed += len(routed)
-            for e, t in named.items():
-                pa.count_guess(t, e in routed)
+            if tokens is not None:
+                pa.count_guesses(tokens, right)
         self._guessed = None
         a = self._ahead
         if a is None or a.layer < 0 or a.layer != j:

@@ -645,7 +645,10 @@ def test_min_guess_copies_only_experts_guessed_that_many_tokens(tiny, refs, leas
     assert m >= 2
     torch.testing.assert_close(out, refs[6], rtol=1e-5, atol=1e-4)
     assert copied and _copied_below(guesses, copied, m) == 0
-    from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS, guess_bucket
+    from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS
+
+    def guess_bucket(tokens: int) -> int:      # the buckets' reference: the largest lower edge at most `tokens`
+        return max(b for b in GUESS_TOKEN_BUCKETS if tokens >= b)
     named = {b: 0 for b in GUESS_TOKEN_BUCKETS}
     right = dict(named)
     for j, g in guesses:
@@ -700,3 +703,19 @@ def test_first_guess_names_the_experts_expected_lam_tokens(tiny, refs, lam, monk
     assert len(first) == 1
     assert len(first[0]) == (expected if lam else fixed)
     assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
+
+
+def test_guess_buckets_count_by_tokens_and_a_shifted_edge_is_caught():
+    """PromptCost.count_guesses on known guesses: 1, 2, 3-4 and 5+ guessed tokens, right or not; the twin (the edges
+    searched from the left, so an expert guessed exactly 2 tokens falls in the 1-token bucket) gives other counts."""
+    from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS, PromptCost
+    tokens = [1, 1, 2, 3, 4, 5, 9, 2]
+    right = [True, False, True, True, False, True, True, False]
+    c = PromptCost()
+    c.count_guesses(tokens, right)
+    got = {b: (getattr(c, f"guess_named_t{b}"), getattr(c, f"guess_right_t{b}")) for b in GUESS_TOKEN_BUCKETS}
+    assert got == {1: (2, 1), 2: (2, 1), 3: (2, 1), 5: (2, 2)}
+    assert c.guess_precision_by_tokens() == {"1": 0.5, "2": 0.5, "3-4": 0.5, "5+": 1.0}
+    at = np.searchsorted(GUESS_TOKEN_BUCKETS, tokens, side="left") - 1          # the twin's edges
+    twin = {b: int((at == i).sum()) for i, b in enumerate(GUESS_TOKEN_BUCKETS)}
+    assert twin != {b: n for b, (n, _) in got.items()}
