@@ -533,7 +533,10 @@ def _nvfp4_gemm_body(x_ptr, w_ptr, s_ptr, gs, y_ptr, row_scale_ptr, M, N, K, str
     tl.store(y_ptr + o_m[None, :] * stride_ym + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :])
 
 
-@triton.jit
+# M is a prompt's length (9-127 rows: below kernels.dense_prefill's DEQUANT_MIN_ROWS a prefill's projections run here):
+# not specialized, so that a prompt of a new length class does not stop on a compile in the middle of serving (H200
+# session 17: the API's first 126-token turn after a 128-token one took 1.9-2.6 s, the later ones 0.07)
+@triton.jit(**backend.varying("M"))
 def _nvfp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
@@ -543,7 +546,7 @@ def _nvfp4_gemm_kernel(
                      0, False, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-@triton.jit
+@triton.jit(**backend.varying("M"))     # as _nvfp4_gemm_kernel's
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
