@@ -48,6 +48,9 @@ def is_token_event(ev: dict) -> bool:
     return bool(ch) and bool(ch[0].get("logprobs") or ch[0].get("delta", {}).get("content"))
 
 
+FIRST_SHORT_LESS = 8       # tokens the unmeasured first short turn is shorter than the measured ones (`run_regime`)
+
+
 def chat_turn(server: MoestreamServer, text: str, max_tokens: int = 2, cache_prompt: bool = False) -> dict:
     """One streamed chat request; the client's time to the first token event and the server's figures."""
     body = {"model": server.model_id, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
@@ -101,11 +104,14 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
                 shared["template_tokens"] = w["prompt_tokens"] - len(tok.encode(wt, add_special_tokens=False).ids)
             if name != "ram" or w["blocks_read"] == 0:
                 break
-        # one turn of the measured length: the long warm-up prompts take other kernel paths, so the first short turn
-        # compiles (or loads) the short prompts' Triton variants (577 ms in H200 session 9's call 4) — a user's
-        # first turn after a start, reported apart, not one of the measured turns
-        first = chat_turn(srv, user_text(text, tok, a.tokens - shared["template_tokens"], seed=800),
-                          cache_prompt=a.cache_prompt == "on")
+        # one turn of about the measured length: the long warm-up prompts take other kernel paths, so the first short
+        # turn compiles (or loads) the short prompts' Triton variants (577 ms in H200 session 9's call 4) — a user's
+        # first turn after a start, reported apart, not one of the measured turns. A few tokens short of it: the texts
+        # vary by a few tokens, and a 128-token first turn took the decoded projections' cuBLAS path where the 126-token
+        # turns after it compiled the tile-decoding GEMM (kernels/dense_prefill.py DEQUANT_MIN_ROWS; H200 session 17:
+        # the first measured turn 1.9-2.6 s)
+        n_first = max(1, a.tokens - shared["template_tokens"] - FIRST_SHORT_LESS)
+        first = chat_turn(srv, user_text(text, tok, n_first, seed=800), cache_prompt=a.cache_prompt == "on")
         out["first_short_turn"] = first
         print(name, "first short turn", json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                                     for k, v in first.items()}), flush=True)
