@@ -218,7 +218,8 @@ def span_plan(cfg, dtype, budget_bytes: int, device=None, max_piece: int | None 
     heaviest layer's at that span (with `max_piece` 4,096 or 16,384, on Super at the server's 512 MiB, the MoE layer's
     launches decide: Mamba pieces 1,024 where the kernels run, the others 1,024), and a large budget takes `max_piece`.
     A piece's launches cost the host ~20 µs each whatever its length (~400 per 512-token piece across a layer group,
-    H200 session 6). By default `max_piece` is MAX_PIECE_TOKENS (piece_tokens_max; MOESTREAM_PIECE_TOKENS=512: the old plan)."""
+    H200 session 6). By default `max_piece` is MAX_PIECE_TOKENS (piece_tokens_max; MOESTREAM_PIECE_TOKENS=512: the
+    old plan)."""
     top = piece_tokens_max() if max_piece is None else max_piece
     key = (id(cfg), dtype, budget_bytes, None if device is None else torch.device(device).type, top,
            _knobs(), mamba_path(device, dtype))

@@ -74,11 +74,9 @@ class PromptCost:
 
     def guess_precision_by_tokens(self) -> dict[str, float | None]:
         """{"1": p, "2": p, "3-4": p, "5+": p}: the next-layer guesses' precision by guessed tokens (None: none)."""
-        edges = GUESS_TOKEN_BUCKETS
         out = {}
-        for i, b in enumerate(edges):
-            label = str(b) if i + 1 == len(edges) or edges[i + 1] == b + 1 else f"{b}-{edges[i + 1] - 1}"
-            label = label + "+" if i + 1 == len(edges) else label
+        for b, nxt in zip(GUESS_TOKEN_BUCKETS, GUESS_TOKEN_BUCKETS[1:] + (None,)):
+            label = f"{b}+" if nxt is None else str(b) if nxt == b + 1 else f"{b}-{nxt - 1}"
             named = getattr(self, f"guess_named_t{b}")
             out[label] = getattr(self, f"guess_right_t{b}") / named if named else None
         return out

@@ -67,9 +67,9 @@ PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKEN
 # (3 MB, Super) a 1,000 tokens, plus a few for the host's setup; more would queue in front of the layer's own blocks.
 FIRST_GUESS_BLOCKS_PER_1K = 12
 FIRST_GUESS_MIN_BLOCKS = 8
-# ... and every expert the prompts before expect FIRST_GUESS_EXPECTED or more of this prompt's tokens at, where those are
-# more (`first_guess_expected`). The fixed count left the bus idle for most of the stretch before the first router at
-# 128 and 1,000 tokens, which the host's setup sets there, not the kernels (timeline, 128 tokens: 8 ms with 0.4 of
+# ... and every expert the prompts before expect FIRST_GUESS_EXPECTED or more of this prompt's tokens at, where those
+# are more (`first_guess_expected`). The fixed count left the bus idle for most of the stretch before the first router
+# at 128 and 1,000 tokens, which the host's setup sets there, not the kernels (timeline, 128 tokens: 8 ms with 0.4 of
 # copies, H200 session 17 call 1). Measured with AHEAD_MIN_GUESS (one engine, two rounds, ms): 128 tokens 68.7 / 67.9
 # -> 62.0 / 61.9, 1k 90.3 / 87.5 -> 82.7 / 83.0, 4k 100.6 / 100.1 -> 95.6 / 96.0, 16k 127.8 (round 2) -> 129.3 /
 # 130.3 (within that host's noise); first tokens equal (bench/NOTES.md session 17).

@@ -6,9 +6,9 @@ Each group is 9·L contiguous bytes in the block (values U8 [L, 8]: byte t of ro
 nibble) and 2t+1 (high), then scales e4m3 [L]; docs/block-layout.md), so an active group is one contiguous
 read, straight from the pinned slab (zero-copy over the bus) or from VRAM. A group whose mask is 0 is never
 touched. One program takes GROUPS_PER_PROG groups of one expert, sums them in registers, and adds into acc
-with fp32 atomics (relaxed: no barrier, kernels/expert_prefill.atomic_sem says why) only if one was active. A store may split each group into sub-groups of 8, 4, 2
-or 1 neurons, each with a copy of the group's scales (`ExpertGeometry.down_group_neurons`); the kernel then
-reads only the sub-groups that hold a non-zero activation.
+with fp32 atomics (relaxed: no barrier, kernels/expert_prefill.atomic_sem says why) only if one was active. A
+store may split each group into sub-groups of 8, 4, 2 or 1 neurons, each with a copy of the group's scales
+(`ExpertGeometry.down_group_neurons`); the kernel then reads only the sub-groups that hold a non-zero activation.
 """
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_batch_knob_with_64_experts_a_launch(monkeypatch):
     monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "64")
     monkeypatch.delenv("MOESTREAM_PREFILL_BATCH_MB", raising=False)
     assert streaming.prefill_batch_bytes() == streaming.PREFILL_BATCH_BYTES == 1 << 30
-    small, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, streaming.prefill_batch_bytes())
+    small, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2,
+                                       streaming.prefill_batch_bytes())
     monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "2304")
     b = streaming.prefill_batch_bytes()
     experts, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)

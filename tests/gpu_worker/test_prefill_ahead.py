@@ -592,7 +592,7 @@ def test_split_runs_cut_long_runs_in_order(most):
 
 
 class GuessSpy:
-    """Records the next layers' guesses handed to `_copy_ahead`: [(MoE layer, tokens per expert)] (counted ones only)."""
+    """Records the next layers' guesses handed to `_copy_ahead`: [(MoE layer, tokens per expert)], counted ones only."""
 
     def __init__(self, monkeypatch):
         self.guesses, real = [], streaming.StreamingExperts._copy_ahead
