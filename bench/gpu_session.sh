@@ -123,6 +123,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       timeout 120 python3 -m bench.e2e_stream --work $W/super8 --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
         --skip disk,prefill,vram,ram_nostage --out "$OUT/e2e_sub8.json" >> "$OUT/sub8.log" 2>&1
       grep -E "^ram staged|^RAM|^regime" "$OUT/sub8.log" | cut -c1-150;;
+    # session 18: the SMs' reads of registered host memory (plain loads, TMA) beside the copy engine
+    pinned) timeout ${PINNED_TIMEOUT:-120} python3 -m bench.kernels.pinned_read --out "$OUT/pinned_read.json" > "$OUT/pinned_read.log" 2>&1
+      tail -16 "$OUT/pinned_read.log";;
     h2d) timeout 90 python3 -m bench.h2d_blocks --out "$OUT/h2d_blocks.json" > "$OUT/h2d_blocks.log" 2>&1; tail -7 "$OUT/h2d_blocks.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
