@@ -107,3 +107,69 @@ def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> d
     del ring
     return dict(gbps=max(runs), runs_gbps=runs, blocks=n_blocks, blocks_per_batch=per,
                 bytes_per_block=source.geom.block_bytes)
+
+
+def slab_readers_gbps(slab, up_bytes: int, n_blocks: int | None = None, repeats: int = 3) -> dict:
+    """The decode's two readers of the engine's own pinned, CUDA-registered slab (every block in it), GB/s:
+    - `zero_copy`: the SMs' loads in place, as the fused expert kernel reads the chosen experts (16-byte loads over
+      `n_blocks` whole slab rows, best of bench.kernels.common's grids). On the H200 (session 18,
+      bench.kernels.pinned_read) plain loads and TMA tiles alike top out at ~92 % of one 2 GiB copy: the link's limit
+      for SM reads, not the kernel's;
+    - `up_copy`: the copy engine moving one up section per copy through the driver's cuMemcpyAsync, as the staging
+      moves the guessed ups (gpu_worker/up_staging.py), into a 64-row device ring on one stream.
+    A decode floor prices each byte at the rate of the reader that moves it. {} off CUDA."""
+    import torch
+    if not slab.is_cuda and not slab.is_pinned():
+        return {}
+    from bench.kernels.common import READ_CONFIGS, read_sum, time_graph
+    from gpu_worker.up_staging import driver_memcpy_async
+    dev = torch.device("cuda", torch.cuda.current_device())
+    slot = slab.shape[1]
+    n = min(n_blocks or slab.shape[0], slab.shape[0], max(1, (2 << 30) // slot))
+    region = slab[:n].view(-1)
+    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    zc = []
+    for block, warps, pps in READ_CONFIGS:
+        programs = n_sm * pps
+        part = torch.empty(programs, dtype=torch.int32, device=dev)
+        _, nb = read_sum(region, block, warps, programs, part)
+        zc.append(nb / time_graph(lambda i: read_sum(region, block, warps, programs, part), 2, repeats) / 1e9)
+    memcpy = driver_memcpy_async()
+    ring_rows = 64
+    ring = torch.empty(ring_rows, up_bytes, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream(dev)
+    runs = []
+    for r in range(repeats + 1):                 # the first pass warms the driver's mappings: untimed
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dev)
+        a.record(stream)
+        for s in range(n):
+            dst, src = ring.data_ptr() + (s % ring_rows) * up_bytes, slab.data_ptr() + s * slot
+            if memcpy is not None:
+                rc = memcpy(dst, src, up_bytes, stream.cuda_stream)
+                if rc != 0:
+                    raise RuntimeError(f"cuMemcpyAsync of an up section failed: CUDA error {rc}")
+            else:
+                with torch.cuda.stream(stream):
+                    ring[s % ring_rows].copy_(slab[s, :up_bytes], non_blocking=True)
+        b.record(stream)
+        b.synchronize()
+        if r:
+            runs.append(n * up_bytes / (a.elapsed_time(b) / 1e3) / 1e9)
+    del ring
+    return dict(zero_copy=max(zc), zero_copy_by_grid=zc, up_copy=max(runs), up_copy_runs=runs, blocks=n,
+                up_bytes=up_bytes, driver=memcpy is not None)
+
+
+def ram_decode_floor_ms(moved: float, copied: float, ceilings: dict, h2d_gbps: float, dense_ms: float = 0.0) -> dict:
+    """A RAM-regime token's floor, ms, two ways, for `moved` bytes that must cross per token of which `copied` crossed
+    by the copy engine (the staged ups the kernels read; the chosen ups' DMA):
+    - `copy_engine`: every byte at the 1 GiB pinned copy's rate (`h2d_gbps`), the floor issue 19 was filed against;
+    - `readers`: the copied bytes at the up-section copies' rate, the rest at the SMs' zero-copy rate
+      (`slab_readers_gbps`' two figures): each byte at the ceiling of the reader that moves it.
+    Neither is below the dense part's own floor."""
+    out = dict(copy_engine=max(moved / (h2d_gbps * 1e9) * 1e3, dense_ms))
+    if ceilings.get("zero_copy") and ceilings.get("up_copy"):
+        copied = min(copied, moved)
+        out["readers"] = max((copied / ceilings["up_copy"] + (moved - copied) / ceilings["zero_copy"]) / 1e6, dense_ms)
+    return out

@@ -371,6 +371,10 @@ def main(argv=None):
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
             r.update(r0)
+            if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
+                from bench.ceilings import slab_readers_gbps
+                g = eng.experts.geom
+                res["slab_readers"] = slab_readers_gbps(eng.experts.slab, g.up_scales_off + g.up_scales_bytes)
             vt = eng.experts.vram
             if vt is not None:    # whether the device routing was on for the layers, as the timed tokens ended
                 r["tier_complete_layers"] = [j for j in range(len(store.moe_layers)) if vt.complete(j)]
@@ -453,9 +457,21 @@ def main(argv=None):
         # the bytes that must move once: each chosen expert's up + the down groups the kernel read (measured),
         # less the staged ups of wrong guesses (moved in idle bus time, not needed)
         moved = (r.get("pcie_bytes_per_token") or pcie_lo) - r.get("pcie_wasted_bytes_per_token", 0.0)
-        floor = max(moved / (h2d * 1e9) * 1e3, dense_ms)
+        # each byte at its reader's ceiling (bench.ceilings.ram_decode_floor_ms): the ups the kernels read from the
+        # staging buffers and the chosen ups' DMA crossed by the copy engine, the rest by the SMs' zero-copy loads
+        from bench.ceilings import ram_decode_floor_ms
+        acc = r.get("accounting", {})
+        g = store.geometry
+        copied = ((acc.get("ups_staged_used_per_token") or 0.0) + (acc.get("ups_dma_per_token") or 0.0)) \
+            * (g.up_scales_off + g.up_scales_bytes)
+        floors = ram_decode_floor_ms(moved, copied, res.get("slab_readers") or {}, h2d, dense_ms)
+        res["ram_floors_ms"] = dict(floors, copied_bytes_per_token=copied, moved_bytes_per_token=moved)
+        floor = floors.get("readers", floors["copy_engine"])
         rows.append(("RAM", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                      moved / 1e6, floor, r["ms_per_token"] / floor if floor else float("nan")))
+        if "readers" in floors:
+            rows.append(("RAM (vs copy engine)", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                         moved / 1e6, floors["copy_engine"], r["ms_per_token"] / floors["copy_engine"]))
         res["ram_floor_ms"] = floor
         res["ram_floor_ms_up_only"] = max(pcie_lo / (h2d * 1e9) * 1e3, dense_ms)
         res["ram_floor_ms_all_down"] = max(pcie_hi / (h2d * 1e9) * 1e3, dense_ms)
@@ -525,6 +541,12 @@ def main(argv=None):
           f"{res.get('disk_ceiling_after', {}).get('gbps')}, "
           f"thread pool {res['odirect_gbps_threads']:.2f}), H2D {res['h2d_gbps']} GB/s, D2D {res['d2d_gbps']} GB/s;"
           f" dense floor {dense_ms:.2f} ms/token ({res.get('dense_bytes_per_token', 0) / 1e9:.2f} GB)")
+    if res.get("slab_readers"):
+        sr, fl = res["slab_readers"], res.get("ram_floors_ms", {})
+        print(f"decode's readers on the slab: SM zero-copy loads {sr['zero_copy']:.1f} GB/s, up-section copies "
+              f"{sr['up_copy']:.1f} GB/s; RAM floor {fl.get('readers', float('nan')):.3f} ms/token with "
+              f"{fl.get('copied_bytes_per_token', 0) / 1e6:.1f} of {fl.get('moved_bytes_per_token', 0) / 1e6:.1f} MB "
+              f"by the copy engine ({fl.get('copy_engine', float('nan')):.3f} with every byte at the 1 GiB copy's rate)")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
