@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -128,8 +129,7 @@ def main(argv=None) -> dict:
     res = dict(device=torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu", copy_ceiling_GBps=ceiling,
                rows=rows, when=time.strftime("%Y-%m-%d %H:%M:%S"))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        Path(a.out).write_text(json.dumps(res, indent=1))
     return res
 
 
