@@ -459,6 +459,7 @@ def main(argv=None):
         moved = (r.get("pcie_bytes_per_token") or pcie_lo) - r.get("pcie_wasted_bytes_per_token", 0.0)
         # each byte at its reader's ceiling (bench.ceilings.ram_decode_floor_ms): the ups the kernels read from the
         # staging buffers and the chosen ups' DMA crossed by the copy engine, the rest by the SMs' zero-copy loads
+        # (the staged-and-read count is the accounting's per token, warm-up tokens included: a share, not a total)
         from bench.ceilings import ram_decode_floor_ms
         acc = r.get("accounting", {})
         g = store.geometry
@@ -546,7 +547,8 @@ def main(argv=None):
         print(f"decode's readers on the slab: SM zero-copy loads {sr['zero_copy']:.1f} GB/s, up-section copies "
               f"{sr['up_copy']:.1f} GB/s; RAM floor {fl.get('readers', float('nan')):.3f} ms/token with "
               f"{fl.get('copied_bytes_per_token', 0) / 1e6:.1f} of {fl.get('moved_bytes_per_token', 0) / 1e6:.1f} MB "
-              f"by the copy engine ({fl.get('copy_engine', float('nan')):.3f} with every byte at the 1 GiB copy's rate)")
+              f"by the copy engine ({fl.get('copy_engine', float('nan')):.3f} with every byte at the 1 GiB copy's "
+              f"rate)")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
