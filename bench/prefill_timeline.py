@@ -179,10 +179,11 @@ def raw_events(trace: dict, lo: float, hi: float) -> list[list]:
     return sorted(out, key=lambda r: r[2])
 
 
-def host_profile(fn, sync=None, top: int = 60) -> tuple[list[dict], float]:
+def host_profile(fn, sync=None, top: int = 60, callers_of=()) -> tuple[list[dict], float]:
     """One call of fn under cProfile (then `sync`): the functions by their own time, [{function, calls, own_ms,
     cum_ms}] (at most `top`), and the whole call's ms. Where the host's time a prompt goes, Python line by line: the
-    torch profiler's host ranges say which phase, this says which function."""
+    torch profiler's host ranges say which phase, this says which function. callers_of: substrings of function names
+    whose rows also list who called them ({caller, calls, ms}: the time spent in the function from that caller)."""
     import cProfile
     import pstats
     import time as _time
@@ -196,11 +197,15 @@ def host_profile(fn, sync=None, top: int = 60) -> tuple[list[dict], float]:
     total = (_time.perf_counter() - t) * 1e3
     st = pstats.Stats(prof)
     rows = []
-    for (file, line, name), (cc, nc, tt, ct, _) in st.stats.items():
-        rows.append(dict(function=f"{Path(file).name}:{line}({name})", calls=int(nc), own_ms=tt * 1e3,
-                         cum_ms=ct * 1e3))
+    label = (lambda f: f"{Path(f[0]).name}:{f[1]}({f[2]})")
+    for f, (cc, nc, tt, ct, callers) in st.stats.items():
+        row = dict(function=label(f), calls=int(nc), own_ms=tt * 1e3, cum_ms=ct * 1e3)
+        if any(c and c in row["function"] for c in callers_of):
+            row["callers"] = sorted((dict(caller=label(g), calls=int(v[1]), ms=v[3] * 1e3) for g, v in callers.items()),
+                                    key=lambda c: -c["ms"])
+        rows.append(row)
     rows.sort(key=lambda r: -r["own_ms"])
-    return rows[:top], total
+    return rows[:top] + [r for r in rows[top:] if "callers" in r], total
 
 
 def main(argv=None):
@@ -215,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--cprofile", default="", help="comma list of prompt sizes run once more under cProfile (the "
                     "engine's defaults): the host's Python by function")
     ap.add_argument("--cprofile-top", type=int, default=25)
+    ap.add_argument("--cprofile-callers", default="acquire,<frozen os>,JITFunction.run,jit.py:695",
+                    help="comma list of substrings: those functions' callers are printed too")
     ap.add_argument("--out", default="prefill_timeline.json")
     a = ap.parse_args(argv)
     import torch
@@ -301,12 +308,16 @@ def main(argv=None):
         for n in [int(s) for s in a.cprofile.split(",") if s]:      # the host's Python, by function
             ids = text_ids(tok, corpus, vocab, n, 10)
             rows, total_ms = host_profile(lambda: prefill(eng.model, ids, eng.model.new_state()),
-                                          torch.cuda.synchronize)
+                                          torch.cuda.synchronize, callers_of=a.cprofile_callers.split(","))
             res.setdefault("cprofile", []).append(dict(tokens=n, total_ms=total_ms, top=rows))
             print(f"\n== host Python, {n} tokens (cProfile, the device synchronized at the end): {total_ms:.1f} ms")
             print("function | calls | own ms | with callees ms")
             for f in rows[:a.cprofile_top]:
                 print(f"{f['function']} | {f['calls']} | {f['own_ms']:.2f} | {f['cum_ms']:.2f}")
+            for f in rows:
+                if f.get("callers"):
+                    print(f"  {f['function']} called from: " + "; ".join(
+                        f"{c['caller']} {c['calls']} x {c['ms']:.2f} ms" for c in f["callers"][:6]))
             Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -112,3 +112,25 @@ def test_host_profile_names_the_function_that_spends_the_time():
     assert mine["both"]["cum_ms"] >= 20 and mine["both"]["cum_ms"] >= mine["busy"]["cum_ms"]
     assert mine["light"]["cum_ms"] < mine["busy"]["cum_ms"]
     assert [r["own_ms"] for r in rows] == sorted((r["own_ms"] for r in rows), reverse=True)
+
+
+def test_host_profile_names_who_called_a_function():
+    def leaf():
+        return sum(range(50))
+
+    def first():
+        for _ in range(3):
+            leaf()
+
+    def second():
+        leaf()
+
+    def both():
+        first()
+        second()
+    rows, _ = host_profile(both, top=1, callers_of=["(leaf)"])
+    leaf_row = [r for r in rows if r["function"].endswith("(leaf)")]
+    assert len(leaf_row) == 1, "a function asked for stays listed beyond the top rows"
+    callers = {c["caller"].split("(")[-1].rstrip(")"): c["calls"] for c in leaf_row[0]["callers"]}
+    assert callers == {"first": 3, "second": 1}
+    assert all("callers" not in r for r in rows if not r["function"].endswith("(leaf)"))   # only those asked for
