@@ -129,6 +129,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     # session 18: a Triton launch's host cost through the JIT and straight to the compiled kernel
     launch) timeout 60 python3 -m bench.kernels.launch_overhead --out "$OUT/launch_overhead.json" > "$OUT/launch_overhead.log" 2>&1
       tail -6 "$OUT/launch_overhead.log";;
+    # session 18: a decode token on the device's timeline, the bus's readers against the dense kernels
+    dtimeline) timeout ${DTIMELINE_TIMEOUT:-150} python3 -m bench.decode_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+           ${DTIMELINE_ARGS:-} --out "$OUT/decode_timeline.json" > "$OUT/decode_timeline.log" 2>&1; grep -v Warning "$OUT/decode_timeline.log" | tail -22;;
     h2d) timeout 90 python3 -m bench.h2d_blocks --out "$OUT/h2d_blocks.json" > "$OUT/h2d_blocks.log" 2>&1; tail -7 "$OUT/h2d_blocks.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \

@@ -1,0 +1,129 @@
+"""Where a decode token's wall time goes on the device: the bus's readers against everything else (issue 19).
+
+    python -m bench.decode_timeline --work DIR [--moe-layers 4] [--tokens 12] [--out OUT.json]
+
+The RAM regime (every expert cached, the engine's defaults: CUDA graphs, staged ups). A token's expert bytes cross
+the bus two ways, and both count as the bus at work: the expert kernels' zero-copy reads of the pinned slab (a
+kernel whose name is in EXPERT_KERNELS) and the copy engine's staging copies (every host-to-device copy). All other
+kernels are the dense part. Each token (its host step, which ends on the sampled token, so the device's work for it
+is inside) is cut into what ran at each instant:
+
+  both      the bus's readers and a dense kernel at once (the staging's overlap)
+  bus       only the bus's readers (expert kernels, staging copies)
+  dense     only dense kernels: the bus idles
+  neither   the device idles: the host's decision per MoE layer, launches, the sampled token's sync
+
+bench/NOTES.md's model of a token, wall ≈ D + (B − s) / r: D is everything but the expert kernels. `bus idle` (dense
++ neither) is the time D leaves the bus unused: what the staging could still fill. torch.profiler (CUPTI) records
+the kernels inside the CUDA graphs' replays by name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench.prefill_timeline import intersect, length, union
+
+EXPERT_KERNELS = ("_expert_layer_kernel", "_expert_up_kernel", "_sparse_down_kernel", "_sparse_down_sub_kernel",
+                  "_vram_up_kernel", "_vram_down_compact_kernel")
+KINDS = ("both", "bus", "dense", "neither")
+
+
+def is_expert(name: str) -> bool:
+    return any(k in name for k in EXPERT_KERNELS)
+
+
+def token_split(events: list[dict], lo: float, hi: float) -> dict:
+    """events: the device's [{kind: 'copy'|'kernel', ts, dur, name, h2d}] (µs). Over [lo, hi): the KINDS split, the
+    expert kernels' and the host-to-device copies' busy time, and the bus's idle time."""
+    experts = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "kernel" and is_expert(e["name"]))
+    copies = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "copy" and e.get("h2d", True))
+    dense = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "kernel" and not is_expert(e["name"]))
+    bus = union(experts + copies)
+    b, d = length(bus, lo, hi), length(dense, lo, hi)
+    both = length(intersect(bus, dense), lo, hi)
+    wall = hi - lo
+    return dict(wall=wall, both=both, bus=b - both, dense=d - both, neither=wall - (b + d - both),
+                expert_kernels=length(experts, lo, hi), copies=length(copies, lo, hi),
+                copies_beside_experts=length(intersect(copies, experts), lo, hi), bus_idle=wall - b)
+
+
+def mean_split(rows: list[dict]) -> dict:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def main(argv=None) -> dict:
+    import torch
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--out", default="decode_timeline.json")
+    a = ap.parse_args(argv)
+    from bench.prefill_timeline import device_events
+    from bench.workdir import all_experts_bytes, super_store, warm_all
+    from gpu_worker.engine import StreamingEngine
+    _, store_dir, store = super_store(a.work, a.moe_layers)
+    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        warm_all(eng, store)
+        m = eng.model
+        st = m.new_state()
+        tok = int(m.forward(list(range(100, 164)), st, last_only=True)[-1].argmax())
+        for _ in range(8):                     # graph captures, the staging's limits settle
+            tok = int(eng.step(tok, st)[-1].argmax())
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(a.tokens):
+            tok = int(eng.step(tok, st)[-1].argmax())
+        torch.cuda.synchronize()
+        wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(a.tokens):
+                with torch.profiler.record_function("token"):
+                    tok = int(eng.step(tok, st)[-1].argmax())
+            torch.cuda.synchronize()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            trace = json.loads(Path(path).read_text())
+        finally:
+            os.unlink(path)
+    events, _, _ = device_events(trace)
+    tokens = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in trace.get("traceEvents", [])
+                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == "token")
+    rows = [token_split(events, lo, hi) for lo, hi in tokens]
+    mean = mean_split(rows)
+    names: dict = {}
+    for e in events:
+        if e["kind"] == "kernel":
+            d = names.setdefault(e["name"][:60], [0, 0.0])
+            d[0] += 1
+            d[1] += e["dur"]
+    top = sorted(([n, c / max(len(rows), 1), us / max(len(rows), 1)] for n, (c, us) in names.items()),
+                 key=lambda r: -r[2])[:15]
+    res = dict(moe_layers=len(store.moe_layers), tokens=len(rows), wall_ms_noprof=wall_noprof,
+               mean_us=mean, per_token=rows, kernels_per_token_top=top)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    ms = lambda us: f"{us / 1e3:.3f}"      # noqa: E731
+    print(f"decode, RAM regime, {len(store.moe_layers)} MoE layers: {wall_noprof:.3f} ms/token without the profiler, "
+          f"{ms(mean.get('wall', 0))} with it ({len(rows)} tokens)")
+    print("ms a token | wall | both | bus only | dense only | neither | expert kernels | H2D copies (beside experts) "
+          "| bus idle")
+    print(" | ".join([""] + [ms(mean.get(k, 0)) for k in ("wall",) + KINDS + ("expert_kernels",)])
+          + f" | {ms(mean.get('copies', 0))} ({ms(mean.get('copies_beside_experts', 0))}) | "
+          f"{ms(mean.get('bus_idle', 0))}")
+    print("kernels a token, by device time (name | launches | µs):")
+    for n, c, us in top:
+        print(f"  {n} | {c:.1f} | {us:.1f}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
