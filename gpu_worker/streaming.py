@@ -27,7 +27,7 @@ from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.knobs import env_count
 from gpu_worker.prefill_accounting import PrefillAccounting
-from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env
+from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env, stage_min_precision_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
@@ -403,6 +403,7 @@ class StreamingExperts(ExpertSource):
         # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). 3 by
         # default: RAM regime 5.99 -> 5.71 ms/token on the H200, session 8 (6: 5.73); MOESTREAM_STAGE_EXTRA=0 is off
         self.stage_extra = stage_extra_from_env()
+        self.stage_min_precision = stage_min_precision_from_env()     # off by default (bench/NOTES.md session 18)
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
@@ -653,6 +654,7 @@ class StreamingExperts(ExpertSource):
     def _new_staging(self, n: int) -> UpStaging:
         ups = UpStaging(n, self._up_span, self.device)
         ups.extra = self.stage_extra if self._stage_nowait() and (ups.by_address or not self._cuda) else 0
+        ups.min_precision = self.stage_min_precision
         return ups
 
     # ------------------------------------------------------------------ device routing (gpu_worker/decode_graphs.py)

@@ -60,6 +60,20 @@ def stage_extra_from_env() -> int:
     return _count_from_env("MOESTREAM_STAGE_EXTRA", "3", "guessed ups")
 
 
+def stage_min_precision_from_env() -> float:
+    """MOESTREAM_STAGE_MIN_PRECISION: the non-blocking extras (`MOESTREAM_STAGE_EXTRA`) stop at the first rank whose
+    guesses were read less often than this share of the times they were staged (gpu_worker/up_staging.py
+    `how_many`); 0 (the default): every extra is staged."""
+    v = os.environ.get("MOESTREAM_STAGE_MIN_PRECISION", "0")
+    try:
+        p = float(v)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_STAGE_MIN_PRECISION={v!r}: a share of staged guesses read, 0 to 1") from None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"MOESTREAM_STAGE_MIN_PRECISION={p}: must be within 0 and 1")
+    return p
+
+
 class ChosenUpDMA:
     def __init__(self, k: int, up_bytes: int, device, batch: int = 2):
         """k: the router's top-k (ring slots, one per position); up_bytes: the bytes copied per expert; batch:

@@ -47,6 +47,7 @@ EPOCHS = 4096       # pinned flag values in flight at most (the host waits for e
 FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter sits at flags[k])
 
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
+PRECISION_SAMPLES = 32      # copies of a rank before its share read gates the extras (`min_precision`)
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
 
 
@@ -103,6 +104,8 @@ class UpStaging:
         # top-k, >= n_slots: the guess may be filtered): the room past the slots is for that count alone.
         self.extra = 0
         self.batch = 2
+        # the extras stop at the first rank read less than this share of its copies (0: off; `how_many`)
+        self.min_precision = 0.0
         self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)
         self._epochs_np = self._epochs.numpy()
@@ -156,8 +159,21 @@ class UpStaging:
         return self._count_taken()
 
     def how_many(self, layer: int) -> int:
-        """Copies to issue for `layer` now (its adapted limit)."""
-        return min(self.limit.setdefault(layer, len(self._address)) + self.extra, len(self._address))
+        """Copies to issue for `layer` now: its adapted limit and `extra` more. With `min_precision`, the extras stop at
+        the first rank whose guesses were read less than that share of the times they were staged (a rank staged
+        fewer than PRECISION_SAMPLES times counts as read): past the dense stretch the bus is busy, so a copy there
+        costs its bytes, and a guess that is seldom read costs more than it saves."""
+        n = len(self._address)
+        lim = min(self.limit.setdefault(layer, n), n)
+        extra = min(self.extra, n - lim)
+        if extra and self.min_precision > 0:
+            used, staged = self.used_by_rank, self.staged_by_rank
+            k = 0
+            while k < extra and (staged[lim + k] < PRECISION_SAMPLES
+                                 or used[lim + k] >= self.min_precision * staged[lim + k]):
+                k += 1
+            extra = k
+        return lim + extra
 
     def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None) -> None:
         """Copy the up sections of `experts` (their blocks at `addresses` in the registered slab; `views`: the

@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
 from expert_cases import TOL, experts  # noqa: E402
 
-from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env  # noqa: E402
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_extra_from_env,  # noqa: E402
+                               stage_min_precision_from_env)
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
@@ -125,6 +126,35 @@ def test_stage_extra_from_env(monkeypatch):
         monkeypatch.setenv("MOESTREAM_STAGE_EXTRA", bad)
         with pytest.raises(ValueError, match="MOESTREAM_STAGE_EXTRA"):
             stage_extra_from_env()
+
+
+def test_stage_min_precision_from_env(monkeypatch):
+    """Off (0) by default; a share within 0 and 1; bad values are named."""
+    monkeypatch.delenv("MOESTREAM_STAGE_MIN_PRECISION", raising=False)
+    assert stage_min_precision_from_env() == 0.0
+    monkeypatch.setenv("MOESTREAM_STAGE_MIN_PRECISION", "0.55")
+    assert stage_min_precision_from_env() == 0.55
+    for bad in ("half", "-0.1", "1.5"):
+        monkeypatch.setenv("MOESTREAM_STAGE_MIN_PRECISION", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_STAGE_MIN_PRECISION"):
+            stage_min_precision_from_env()
+
+
+@pytest.mark.parametrize("gate", [0.5, 0.0])
+def test_extras_stop_at_the_first_rank_seldom_read(gate):
+    """With a minimum precision the extras beyond a layer's limit run on only through ranks read at least that share
+    of their copies (or copied too few times to tell). Twin (gate 0): every extra is staged."""
+    from gpu_worker.up_staging import PRECISION_SAMPLES, UpStaging
+    ups = UpStaging(8, 64, "cpu")
+    ups.extra, ups.min_precision = 3, gate
+    ups.limit[2] = 3
+    ups.staged_by_rank = [100] * 5 + [PRECISION_SAMPLES - 1] * 3
+    ups._used_by_rank = [95, 90, 80, 70, 30, 0, 0, 0]         # rank 3 read 0.70, rank 4 0.30
+    assert ups.how_many(2) == (3 + 1 if gate else 3 + 3)
+    ups.limit[2] = 5                                            # the next ranks: too few copies to tell, staged
+    assert ups.how_many(2) == 8
+    ups.limit[2] = 7                                            # the buffer's end bounds the extras
+    assert ups.how_many(2) == 8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
