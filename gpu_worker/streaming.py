@@ -403,7 +403,7 @@ class StreamingExperts(ExpertSource):
         # the copies' event (gpu_worker/up_staging.py, non-blocking mode; with the chosen ups' DMA off only). 3 by
         # default: RAM regime 5.99 -> 5.71 ms/token on the H200, session 8 (6: 5.73); MOESTREAM_STAGE_EXTRA=0 is off
         self.stage_extra = stage_extra_from_env()
-        self.stage_min_precision = stage_min_precision_from_env()     # off by default (bench/NOTES.md session 18)
+        self.stage_min_precision = stage_min_precision_from_env()     # 0.5 (bench/NOTES.md session 18, call 6)
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures

@@ -104,7 +104,8 @@ class UpStaging:
         # top-k, >= n_slots: the guess may be filtered): the room past the slots is for that count alone.
         self.extra = 0
         self.batch = 2
-        # the extras stop at the first rank read less than this share of its copies (0: off; `how_many`)
+        # the extras stop at the first rank read less than this share of its copies (0: off; `how_many`; the
+        # engine sets MOESTREAM_STAGE_MIN_PRECISION's, 0.5 by default)
         self.min_precision = 0.0
         self.flags = torch.zeros(n_slots + 1 + FLAG_ROOM, dtype=torch.int64, device=self.device)
         self._epochs = torch.zeros(EPOCHS, dtype=torch.int64, pin_memory=self.cuda)

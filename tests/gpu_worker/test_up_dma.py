@@ -129,8 +129,10 @@ def test_stage_extra_from_env(monkeypatch):
 
 
 def test_stage_min_precision_from_env(monkeypatch):
-    """Off (0) by default; a share within 0 and 1; bad values are named."""
+    """0.5 by default (session 18's A/B); 0 turns the gate off; a share within 0 and 1; bad values are named."""
     monkeypatch.delenv("MOESTREAM_STAGE_MIN_PRECISION", raising=False)
+    assert stage_min_precision_from_env() == 0.5
+    monkeypatch.setenv("MOESTREAM_STAGE_MIN_PRECISION", "0")
     assert stage_min_precision_from_env() == 0.0
     monkeypatch.setenv("MOESTREAM_STAGE_MIN_PRECISION", "0.55")
     assert stage_min_precision_from_env() == 0.55
