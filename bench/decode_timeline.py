@@ -19,7 +19,6 @@ the kernels inside the CUDA graphs' replays by name.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -58,25 +57,12 @@ def mean_split(rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     import torch
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--moe-layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--out", default="decode_timeline.json")
-    a = ap.parse_args(argv)
     from bench.prefill_timeline import device_events
-    from bench.workdir import all_experts_bytes, super_store, warm_all
-    from gpu_worker.engine import StreamingEngine
-    _, store_dir, store = super_store(a.work, a.moe_layers)
-    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8, device="cuda",
-                         dtype=torch.bfloat16) as eng:
-        warm_all(eng, store)
-        m = eng.model
-        st = m.new_state()
-        tok = int(m.forward(list(range(100, 164)), st, last_only=True)[-1].argmax())
-        for _ in range(8):                     # graph captures, the staging's limits settle
-            tok = int(eng.step(tok, st)[-1].argmax())
-        torch.cuda.synchronize()
+    from bench.workdir import ram_bench_args, ram_engine, warm_decode
+    a = ram_bench_args(argv, __doc__.split("\n")[0], 12, "decode_timeline.json")
+    store, engine = ram_engine(a.work, a.moe_layers)
+    with engine as eng:
+        st, tok = warm_decode(eng, 64, 8)
         t = time.perf_counter()
         for _ in range(a.tokens):
             tok = int(eng.step(tok, st)[-1].argmax())

@@ -7,7 +7,6 @@ GPU-busy ms per token (sum of kernel time), the gap, and the top ops by host and
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -74,24 +73,11 @@ def m_state(m):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--moe-layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--out", default="profile_decode.json")
-    a = ap.parse_args(argv)
-    from bench.workdir import all_experts_bytes, super_store, warm_all
-    from gpu_worker.engine import StreamingEngine
-    _, store_dir, store = super_store(a.work, a.moe_layers)
-    with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8,
-                         device="cuda", dtype=torch.bfloat16) as eng:
-        warm_all(eng, store)
-        m = eng.model
-        st = m.new_state()
-        tok = int(m.forward(list(range(100, 124)), st, last_only=True)[-1].argmax())
-        for _ in range(3):
-            tok = int(eng.step(tok, st)[-1].argmax())
-        torch.cuda.synchronize()
+    from bench.workdir import ram_bench_args, ram_engine, warm_decode
+    a = ram_bench_args(argv, __doc__.split("\n")[0], 8, "profile_decode.json")
+    store, engine = ram_engine(a.work, a.moe_layers)
+    with engine as eng:
+        st, tok = warm_decode(eng, 24, 3)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             t = time.perf_counter()
