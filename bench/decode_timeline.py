@@ -51,6 +51,23 @@ def token_split(events: list[dict], lo: float, hi: float) -> dict:
                 copies_beside_experts=length(intersect(copies, experts), lo, hi), bus_idle=wall - b)
 
 
+def layer_stretches(events: list[dict], lo: float, hi: float) -> list[dict]:
+    """A token [lo, hi) cut at its expert kernels: for each, the stretch before it (from the previous expert kernel's
+    end, or the token's start: the dense layers, the router, the host's decision) and the kernel itself, each with the
+    bus's idle time in it and its host-to-device copies; the last entry is the tail after the last expert kernel (the
+    head, the sampled token). µs."""
+    ks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                if e["kind"] == "kernel" and is_expert(e["name"]) and lo <= e["ts"] < hi)
+    out, at = [], lo
+    for s0, e0 in ks + [(hi, hi)]:
+        d = token_split(events, at, max(s0, at))
+        k = token_split(events, s0, min(e0, hi)) if e0 > s0 else None
+        out.append(dict(before=d["wall"], before_bus_idle=d["bus_idle"], before_copies=d["copies"],
+                        kernel=k["wall"] if k else 0.0, kernel_copies=k["copies"] if k else 0.0))
+        at = max(at, min(e0, hi))
+    return out
+
+
 def mean_split(rows: list[dict]) -> dict:
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
@@ -86,6 +103,9 @@ def main(argv=None) -> dict:
                     if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == "token")
     rows = [token_split(events, lo, hi) for lo, hi in tokens]
     mean = mean_split(rows)
+    layers = [layer_stretches(events, lo, hi) for lo, hi in tokens]
+    n_layers = min((len(x) for x in layers), default=0)          # a token cut short by the profiler: fewer entries
+    by_layer = [mean_split([x[i] for x in layers]) for i in range(n_layers)]
     names: dict = {}
     for e in events:
         if e["kind"] == "kernel":
@@ -95,7 +115,7 @@ def main(argv=None) -> dict:
     top = sorted(([n, c / max(len(rows), 1), us / max(len(rows), 1)] for n, (c, us) in names.items()),
                  key=lambda r: -r[2])[:15]
     res = dict(moe_layers=len(store.moe_layers), tokens=len(rows), wall_ms_noprof=wall_noprof,
-               mean_us=mean, per_token=rows, kernels_per_token_top=top)
+               mean_us=mean, per_token=rows, by_layer_us=by_layer, kernels_per_token_top=top)
     Path(a.out).write_text(json.dumps(res, indent=1))
     ms = lambda us: f"{us / 1e3:.3f}"      # noqa: E731
     print(f"decode, RAM regime, {len(store.moe_layers)} MoE layers: {wall_noprof:.3f} ms/token without the profiler, "
@@ -105,6 +125,12 @@ def main(argv=None) -> dict:
     print(" | ".join([""] + [ms(mean.get(k, 0)) for k in ("wall",) + KINDS + ("expert_kernels",)])
           + f" | {ms(mean.get('copies', 0))} ({ms(mean.get('copies_beside_experts', 0))}) | "
           f"{ms(mean.get('bus_idle', 0))}")
+    print("by MoE layer, ms a token | stretch before its experts | bus idle in it | copies in it | expert kernel | "
+          "copies beside it")
+    for i, r in enumerate(by_layer):
+        name = f"MoE {i}" if i < len(by_layer) - 1 else "tail (head, sampling)"
+        print(f"  {name} | " + " | ".join(ms(r[k]) for k in ("before", "before_bus_idle", "before_copies", "kernel",
+                                                             "kernel_copies")))
     print("kernels a token, by device time (name | launches | µs):")
     for n, c, us in top:
         print(f"  {n} | {c:.1f} | {us:.1f}")

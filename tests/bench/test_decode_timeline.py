@@ -37,3 +37,23 @@ def test_only_the_window_counts_and_the_twin_kernel_is_dense():
 def test_mean_of_tokens():
     rows = [token_split([k("_vram_up_kernel", 0, 10)], 0, 20), token_split([k("_vram_up_kernel", 0, 30)], 0, 40)]
     assert mean_split(rows)["expert_kernels"] == 20 and mean_split([]) == {}
+
+
+def test_a_token_cut_at_its_expert_kernels():
+    from bench.decode_timeline import layer_stretches
+    ev = [k("gemv", 0, 20), c(5, 10), k("_expert_layer_kernel", 30, 20), c(45, 10),
+          k("rms_norm", 55, 5), k("_expert_layer_kernel", 70, 20), k("lm_head_gemm", 92, 6)]
+    st = layer_stretches(ev, 0, 100)
+    assert len(st) == 3                                       # two MoE layers and the tail
+    assert st[0]["before"] == 30 and st[0]["before_bus_idle"] == 20 and st[0]["before_copies"] == 10
+    assert st[0]["kernel"] == 20 and st[0]["kernel_copies"] == 5          # the copy 45-55 overlaps it 45-50
+    assert st[1]["before"] == 20 and st[1]["before_copies"] == 5 and st[1]["before_bus_idle"] == 15
+    assert st[2]["before"] == 10 and st[2]["kernel"] == 0 and st[2]["before_bus_idle"] == 10
+    assert sum(x["before"] + x["kernel"] for x in st) == pytest.approx(100)
+
+
+def test_the_cut_ignores_kernels_outside_the_token():
+    from bench.decode_timeline import layer_stretches
+    ev = [k("_expert_layer_kernel", 120, 10), k("_expert_layer_kernel", 40, 10)]
+    st = layer_stretches(ev, 0, 100)
+    assert len(st) == 2 and st[0]["before"] == 40 and st[1]["before"] == 50
