@@ -461,10 +461,9 @@ def main(argv=None):
         # staging buffers and the chosen ups' DMA crossed by the copy engine, the rest by the SMs' zero-copy loads
         # (the staged-and-read count is the accounting's per token, warm-up tokens included: a share, not a total)
         from bench.ceilings import ram_decode_floor_ms
+        # (each up counted at up_b, as the accounting counts a staged up's bus bytes: padding excluded)
         acc = r.get("accounting", {})
-        g = store.geometry
-        copied = ((acc.get("ups_staged_used_per_token") or 0.0) + (acc.get("ups_dma_per_token") or 0.0)) \
-            * (g.up_scales_off + g.up_scales_bytes)
+        copied = ((acc.get("ups_staged_used_per_token") or 0.0) + (acc.get("ups_dma_per_token") or 0.0)) * up_b
         floors = ram_decode_floor_ms(moved, copied, res.get("slab_readers") or {}, h2d, dense_ms)
         res["ram_floors_ms"] = dict(floors, copied_bytes_per_token=copied, moved_bytes_per_token=moved)
         floor = floors.get("readers", floors["copy_engine"])
