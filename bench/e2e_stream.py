@@ -463,7 +463,9 @@ def main(argv=None):
         from bench.ceilings import ram_decode_floor_ms
         # (each up counted at up_b, as the accounting counts a staged up's bus bytes: padding excluded)
         acc = r.get("accounting", {})
-        copied = ((acc.get("ups_staged_used_per_token") or 0.0) + (acc.get("ups_dma_per_token") or 0.0)) * up_b
+        # (ups staged by the device's kernel for slab-routed layers crossed by the SMs: at the zero-copy rate)
+        copied = ((acc.get("ups_staged_used_per_token") or 0.0) - (acc.get("ups_staged_used_by_sms_per_token") or 0.0)
+                  + (acc.get("ups_dma_per_token") or 0.0)) * up_b
         floors = ram_decode_floor_ms(moved, copied, res.get("slab_readers") or {}, h2d, dense_ms)
         res["ram_floors_ms"] = dict(floors, copied_bytes_per_token=copied, moved_bytes_per_token=moved)
         floor = floors.get("readers", floors["copy_engine"])

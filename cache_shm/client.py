@@ -135,6 +135,13 @@ class CacheClient:
         slots = [gather(row)] if len(experts) == 1 else list(gather(row))
         return self._pin(row, gather, slots, count)
 
+    def count_lookup(self, hits: int) -> None:
+        """Count a lookup of `hits` experts that all hit, made without pins (blocks the caller holds pinned already:
+        a layer routed on the device from the slab, gpu_worker/slab_routing.py)."""
+        cc = self._cc
+        cc[LOOKUPS] += 1
+        cc[LOOKUP_HITS] += hits
+
     def lookup_all(self, layer: int, experts: list[int]) -> tuple[list[int], bool]:
         """`lookup_slots` if every expert is ready now: (slots, True), pinned and counted (a block unpublished before
         its pin is still a miss, -1). Otherwise nothing is pinned or counted: (the slots read, -1 where not ready,

@@ -94,6 +94,7 @@ KV_GROW = 2         # a buffer that must grow is reallocated at this times the r
 # VRAM tier.
 EAGER, SLAB, MIXED = "eager", "slab", "mixed"
 DEVICE = "device"       # routed on the device: its experts' addresses gathered from the VRAM tier's table in the graph
+DEVICE_SLAB = "device slab"     # ... from the table of the layers held whole in the pinned slab (gpu_worker/slab_routing.py)
 
 
 # ------------------------------------------------------------------ static buffers
@@ -383,19 +384,42 @@ class Route:
 
 class DeviceExperts:
     """S_j and K_j of a device-routed layer, inside the stretch: the latent projection, the shared expert and the
-    scales as S_j has them, the block addresses gathered from the VRAM tier's table by the router's top-k, the expert
-    kernels and the combine."""
+    scales as S_j has them, the block addresses gathered from the source's table by the router's top-k, the expert
+    kernels and the combine. From the slab (`stage`: the layer's StageUps op, or None): the fused kernel, counting the
+    down groups it reads over the bus, each up read from its staged row where the staging named it."""
 
-    def __init__(self, moe: MoEStep):
-        self.moe = moe
+    def __init__(self, moe: MoEStep, stage: "StageUps | None" = None, slab: bool = False):
+        self.moe, self.stage, self.slab = moe, stage, slab
 
     def __call__(self, x, variant):
         moe = self.moe
         moe.prepare.body(EAGER)
-        mixer = moe.mixer
-        torch.index_select(mixer.experts.decode_table(mixer.moe_index), 0, moe.out.experts[0],
-                           out=moe.inp.addresses[0])
-        return moe.combine(x, DEVICE)
+        mixer, inp = moe.mixer, moe.inp
+        src, j, chosen = mixer.experts, mixer.moe_index, moe.out.experts[0]
+        blocks = inp.addresses[0]
+        torch.index_select(src.decode_table(j), 0, chosen, out=blocks)
+        if not self.slab:
+            return moe.combine(x, DEVICE)
+        ups = None
+        if self.stage is not None and self.stage.staged:
+            ups = src.decode_up_addresses(j, chosen, self.moe.dec.guess_of(moe), blocks, inp.addresses[1])
+        src.decode_kernels(j, inp.lat[0], blocks, inp.scales, inp.weights, inp.acc, count_down_groups=True,
+                           up_addresses=ups)
+        return x + mixer.tail(inp.acc[None], inp.shared)
+
+
+class StageUps:
+    """After the last expert kernels queued (or at the token's start), a slab-routed layer's guessed ups staged by the
+    source on a side stream while the dense layers run; its DeviceExperts joins them."""
+
+    def __init__(self, moe: MoEStep):
+        self.moe, self.staged = moe, False
+
+    def __call__(self, x, variant):
+        dec = self.moe.dec
+        if dec.routed is not None:       # (the first decode body may run before any router: nothing guessed yet)
+            self.staged = self.moe.mixer.experts.decode_stage_device(self.moe.mixer.moe_index, dec.guess_of(self.moe))
+        return x
 
 
 class Report:
@@ -533,42 +557,50 @@ class DecodeGraphs:
         self.routed: torch.Tensor | None = None
         self.routed_host: torch.Tensor | None = None
         self.sources = list({id(moe.mixer.experts): moe.mixer.experts for moe in self.moe.values()}.values())
-        # plans: device-routed layers -> (segments, the device-routed layers after the last host decision)
-        self.plans: dict[frozenset, tuple[list, list]] = {}
+        # plans: (device-routed layers, those of them routed from the slab) -> (segments, the device-routed layers
+        # after the last host decision)
+        self.plans: dict[tuple[frozenset, frozenset], tuple[list, list]] = {}
         self.segments = self._plan(frozenset())[0]        # the host-routed step (every layer decided on the host)
         self.device_layers: frozenset = frozenset()       # the layers routed on the device at the last step
 
-    def _plan(self, device: frozenset) -> tuple[list, list]:
-        got = self.plans.get(device)
+    def _plan(self, device: frozenset, slab: frozenset = frozenset()) -> tuple[list, list]:
+        got = self.plans.get((device, slab))
         if got is None:
-            got = self.plans[device] = self._build(device)
+            got = self.plans[(device, slab)] = self._build(device, slab)
         return got
 
-    def _build(self, device: frozenset) -> tuple[list, list]:
+    def _build(self, device: frozenset, slab: frozenset = frozenset()) -> tuple[list, list]:
         """The segments of a step whose MoE layers in `device` (layer indices) are routed on the device: each
         joins the stretch it is in (router, S_j, addresses from the table, K_j); every other one ends its stretch
-        at a host decision."""
+        at a host decision. A layer in `slab` (a subset) has its guessed ups staged from the point after the last
+        expert kernels before it (the token's start for the first MoE layer), in its stretch."""
         m, segments = self.m, []
         ops, pending = [Embed(self)], []
+        stage_at = 0        # where in `ops` the next MoE layer's staging goes: after the last expert kernels
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
                 moe = self.moe[i]
                 if i in device:
-                    ops += [Route(moe), DeviceExperts(moe)]
+                    stage = None
+                    if i in slab:
+                        stage = StageUps(moe)
+                        ops.insert(stage_at, stage)
+                    ops += [Route(moe), DeviceExperts(moe, stage, slab=i in slab)]
                     pending.append(moe)
+                    stage_at = len(ops)
                     continue
                 first = pending[0].row if pending else moe.row       # MoE rows are consecutive in layer order
                 # K_j apart from R_{j+1}: the source's early copies are queued between the two (decode_stage)
                 segments += [Stretch(self, ops + [Route(moe, (first, moe.row + 1))], None), HostDecision(moe, pending),
                              Stretch(self, [Combine(moe)], moe)]
-                ops, pending = [], []
+                ops, pending, stage_at = [], [], 0
             elif isinstance(mixer, Attention) and self.graph_attention:
                 ops.append(Attn(self, i, self._kv_row[i]))
             elif isinstance(mixer, Attention):
                 if ops:
                     segments.append(Stretch(self, ops, None))
                 segments.append(AttentionLayer(self, i))
-                ops = []
+                ops, stage_at = [], 0
             else:
                 ops.append(Layer(self, i))
         tail = [Head(self)] + ([Report(self, pending[0].row)] if pending else [])
@@ -583,6 +615,12 @@ class DecodeGraphs:
         if self.routed.shape[1] != n:
             raise ValueError(f"MoE layer row {row}: {n} choices + guesses, where the others have {self.routed.shape[1]}")
         return self.routed[row], self.routed_host[row]
+
+    def guess_of(self, moe: MoEStep) -> torch.Tensor:
+        """The guess for `moe` (int64 [guesses] on the device): the rest of the previous MoE layer's choice row (for the
+        first MoE layer, the last one's, made in the token before)."""
+        k = moe.mixer.router.k
+        return self.routed[(moe.row - 1) % len(self.moe), k:]
 
     def report_rows(self, a: int, b: int) -> None:
         self.routed_host[a:b].copy_(self.routed[a:b], non_blocking=True)
@@ -664,14 +702,19 @@ class DecodeGraphs:
             self.kv_pos.copy_(host, non_blocking=True)
 
     # ------------------------------------------------------------------ device routing
-    def _device_layers(self) -> frozenset:
-        """Layer indices this token routes on the device: each source names its MoE layers (and holds them)."""
-        device = set()
+    def _device_layers(self) -> tuple[frozenset, frozenset]:
+        """(layer indices this token routes on the device, those of them routed from the slab): each source names its
+        MoE layers (and holds them)."""
+        device, slab = set(), set()
         for src in self.sources:
             got = src.decode_device_layers()
-            if got:
-                device |= {i for i, moe in self.moe.items() if moe.mixer.experts is src and moe.mixer.moe_index in got}
-        return frozenset(device)
+            held = src.decode_slab_layers(got)
+            for i, moe in self.moe.items():
+                if moe.mixer.experts is src and moe.mixer.moe_index in got | held:
+                    device.add(i)
+                    if moe.mixer.moe_index in held:
+                        slab.add(i)
+        return frozenset(device), frozenset(slab)
 
     def _reader(self, moes: list, ev):
         """What the source calls once the token has run: the trailing device-routed layers' records."""
@@ -696,10 +739,10 @@ class DecodeGraphs:
         self.tok.copy_(token.reshape(1), non_blocking=True)
         for src in self.sources:            # the last token's trailing choices, before this token's graphs rewrite them
             src.decode_settle(book=False)
-        device = self._device_layers()
-        segments, trailing = self._plan(device)
+        device, slab = self._device_layers()
+        segments, trailing = self._plan(device, slab)
         for i in device:
-            self.moe[i].variant = DEVICE
+            self.moe[i].variant = DEVICE_SLAB if i in slab else DEVICE
         for n, seg in enumerate(segments):
             seg.run(state)
             if n == 0:                      # their host work while the device runs this token's first graph

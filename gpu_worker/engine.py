@@ -141,6 +141,8 @@ class StreamingEngine:
             self.graphs = None      # the segments and the graphs object form cycles: let the device memory go now
             import gc
             gc.collect()
+        if getattr(self, "experts", None) is not None:
+            self.experts.release_holds()     # the slab layers' pins (the graphs are gone: nothing reads them)
         if self.reg is not None:
             self.reg.unregister()
             self.reg = None

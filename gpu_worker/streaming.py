@@ -27,6 +27,7 @@ from cache_shm.shm import READY
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.knobs import env_count
 from gpu_worker.prefill_accounting import PrefillAccounting
+from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env, stage_min_precision_from_env
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
@@ -277,13 +278,15 @@ class Accounting:
     bytes_from_vram: int = 0
     ups_staged: int = 0                  # guessed ups copied into VRAM during the dense layers (gpu_worker/up_staging)
     ups_staged_used: int = 0             # ... that the layer's kernel then read instead of the slab's
+    ups_staged_by_sms: int = 0           # ... of ups_staged: by the device's kernel, for slab-routed layers
+    ups_staged_used_by_sms: int = 0      # ... of ups_staged_used: those (gpu_worker/slab_routing.py)
     ups_dma: int = 0                     # chosen ups moved by the copy engine while their kernel ran (gpu_worker/up_dma)
     ups_dma_gave_up: int = 0             # ... kernel programs that stopped waiting for one (a fault: never expected)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
     _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
                "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used",
-               "ups_dma")
+               "ups_staged_by_sms", "ups_staged_used_by_sms", "ups_dma")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -424,6 +427,16 @@ class StreamingExperts(ExpertSource):
         self._unread = None              # callable -> [(moe_index, chosen, guess)] once the last token has run
         self._unbooked: list = []        # ... read, not yet booked
         self._fill_held = CopyPins()     # slab slots pinned for a whole-layer fill's copies
+        # decode: where the cache holds the whole store, layers held whole in the slab are routed on the device too,
+        # their guessed ups staged by a kernel (gpu_worker/slab_routing.py); MOESTREAM_SLAB_ROUTING=0 turns it off
+        self.slab_routing = slab_routing_from_env()
+        self.stage_programs = stage_programs_from_env()
+        self.slab_layers: SlabLayers | None = None
+        self.dstage: DeviceStaging | None = None
+        self._slab_now: frozenset = frozenset()    # the layers this token routes on the device from the slab
+        self._n_now: list[int] = []                # ... and the ups each stages
+        self._unread_slab = (frozenset(), [])       # the same of the token whose trailing layers are unread
+        self._guess_of: dict[int, list[int]] = {}  # MoE layer -> the last guess made for it (as sent)
 
     def _refresh(self):
         self.decode_settle()
@@ -633,6 +646,8 @@ class StreamingExperts(ExpertSource):
         t0 = time.perf_counter()
         nj, guess = self._next_guess
         self._next_guess = None
+        if nj in self._slab_now:         # routed on the device this token: the device stages its ups
+            return
         if self.vram is not None and self.vram.row(nj):
             # a layer with any chosen expert in the VRAM tier runs the two-launch kernels, which read every up
             # from its block: staged ups would cross for nothing (H200 session 11, --vram-gb 4: 98 % unread,
@@ -666,15 +681,51 @@ class StreamingExperts(ExpertSource):
             return frozenset()
         return vt.hold(vt.routable())
 
+    def decode_slab_layers(self, taken: frozenset = frozenset()) -> frozenset[int]:
+        """The MoE layers this token routes on the device from the slab (held whole there, none of their experts in
+        the VRAM tier, none in `taken`: the tier's device-routed layers), where the cache holds the whole store."""
+        self._slab_now = frozenset()
+        if not (self.slab_routing and self.device_routing and self._addressed and self.stage_ups):
+            return self._slab_now
+        if self.slab_layers is None:
+            if self._n_slots < self.n_moe * self.store.n_experts:
+                return self._slab_now
+            self.slab_layers = SlabLayers(self.client, self.n_moe, self.store.n_experts, self._slot_address,
+                                          self.device)
+        self.slab_layers.try_hold()
+        vt = self.vram
+        self._slab_now = frozenset(j for j in self.slab_layers.held
+                                   if j not in taken and (vt is None or not vt.row(j)))
+        self._n_now = self.dstage.counts(self._slab_now) if self.dstage is not None else [0] * self.n_moe
+        return self._slab_now
+
     def decode_table(self, moe_index: int) -> torch.Tensor:
+        if moe_index in self._slab_now:
+            return self.slab_layers.table[moe_index]
         return self.vram.table[moe_index]
+
+    def decode_stage_device(self, moe_index: int, guess: torch.Tensor) -> bool:
+        """Queue the staging of a slab-routed layer's guessed ups (in a graph body; kernels/stage_ups.py). False where
+        nothing is staged (MOESTREAM_DEVICE_STAGE_PROGRAMS=0)."""
+        if not self.stage_programs:
+            return False
+        if self.dstage is None:          # a body's first run is never captured: the buffers are allocated outside
+            self.dstage = DeviceStaging(self.n_moe, guess.numel(), self._up_span, self.device, self.stage_programs)
+            self._n_now = self.dstage.counts(self._slab_now)
+        self.dstage.stage(moe_index, guess, self.slab_layers.table[moe_index])
+        return True
+
+    def decode_up_addresses(self, moe_index: int, chosen, guess, blocks, out) -> torch.Tensor:
+        """A slab-routed layer's chosen experts' up addresses (staged or in their blocks), the stream then waiting
+        for the staging's copies (in a graph body)."""
+        return self.dstage.up_addresses(moe_index, chosen, guess, blocks, out)
 
     def decode_routed(self, records) -> None:
         """Book device-routed layers now: [(moe_index, chosen, guess)], in layer order, read from the host copy of
         their choice after an event that follows them (the host decision of a later layer in the same token)."""
         self.decode_settle()
         for j, chosen, guess in records:
-            self._book_device(j, chosen, guess)
+            self._book_device(j, chosen, guess, j in self._slab_now, self._n_now)
 
     def decode_token_end(self, read=None) -> None:
         """The token's last graph is queued: the tier's hold ends (an eviction from now on is ordered after every
@@ -686,6 +737,9 @@ class StreamingExperts(ExpertSource):
             raise RuntimeError("the last token's device-routed choices were not read before this token's graphs "
                                "were queued (decode_settle(book=False) first)")
         self._unread = read
+        self._unread_slab = (self._slab_now, self._n_now)
+        if self.dstage is not None:
+            self.dstage.token_end(self._slab_now)
 
     def decode_settle(self, book: bool = True) -> None:
         """Read the last token's pending device-routed choices (waits for its event: free once its logits were
@@ -693,15 +747,19 @@ class StreamingExperts(ExpertSource):
         and by the decode graphs once the next token's first graph is queued, so it runs while the device works."""
         if self._unread is not None:
             read, self._unread = self._unread, None
-            self._unbooked.extend(read())
+            slab, n = self._unread_slab
+            self._unbooked.extend((j, chosen, guess, j in slab, n) for j, chosen, guess in read())
         if book and self._unbooked:
             records, self._unbooked = self._unbooked, []
-            for j, chosen, guess in records:
-                self._book_device(j, chosen, guess)
+            for j, chosen, guess, slab, n in records:
+                self._book_device(j, chosen, guess, slab, n)
 
-    def _book_device(self, j, chosen, guess) -> None:
+    def _book_device(self, j, chosen, guess, slab: bool = False, n: list[int] = ()) -> None:
         """A device-routed layer's host work, the same as `decode_route` + `decode_launched` do for a layer whose
-        every expert is in the VRAM tier: the tier's use counts, the one message, the counts, the record."""
+        every expert is in the VRAM tier: the tier's use counts, the one message, the counts, the record. slab: the
+        layer was routed from the slab (n: the ups each layer staged that token)."""
+        if slab:
+            return self._book_slab(j, chosen, guess, n[j] if n else 0)
         t0 = time.perf_counter()
         self.decode_launched()
         on_dev = self.vram.lookup(j, chosen)
@@ -715,6 +773,35 @@ class StreamingExperts(ExpertSource):
         self._next_guess = next_guess
         self.acct.bytes_from_vram += len(on_dev) * self.block_bytes
         self.acct.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
+
+    def _book_slab(self, j, chosen, guess, n: int) -> None:
+        """A slab-routed layer's host work, the same as `decode_route` + `decode_launched` do for a layer whose every
+        expert hit in the slab: the lookup's counts, the one message, the counts, the record, the staging's counts
+        (its first n guessed ups, staged by the device), the VRAM tier's admissions."""
+        t0 = time.perf_counter()
+        self.decode_launched()
+        self.client.count_lookup(len(chosen))
+        self._flush(sync=False)
+        staged = self._guess_of.get(j, [])[:n]
+        next_guess = self._next_guess    # a device-routed layer's guess is staged by the device or not at all
+        self._request(j, None, chosen, guess, {}, chosen, chosen, 0.0, None)
+        self._next_guess = next_guess
+        used = self.dstage.book(staged, chosen) if staged else 0
+        a = self.acct
+        a.ups_staged += len(staged)
+        a.ups_staged_used += used
+        a.ups_staged_by_sms += len(staged)
+        a.ups_staged_used_by_sms += used
+        a.bytes_over_pcie += (len(chosen) - used + len(staged)) * self.up_bytes
+        slots = self.slab_layers.slots[j]
+        self._admit(j, [(e, slots[e]) for e in chosen])
+        a.ms_bookkeeping_after_launch += (time.perf_counter() - t0) * 1e3
+
+    def release_holds(self) -> None:
+        """The slab layers' pins back (the engine's close)."""
+        if self.slab_layers is not None:
+            self.slab_layers.release()
+            self._slab_now = frozenset()
 
     def _fill_vram(self) -> None:
         """Once per token: a layer whose missing experts all fit in the tier's free slots gets up to
@@ -805,6 +892,7 @@ class StreamingExperts(ExpertSource):
             guess_list = [e for e in guess_list if e not in row]
         self.client.request(j, rest, guess=guess_list)
         self._next_guess = ((j + 1) % self.n_moe, guess_list)
+        self._guess_of[(j + 1) % self.n_moe] = guess_list
         return guess_list
 
     def _count(self, j, layer, ex, guess_list, on_dev, rest, hits, waited_s, tr) -> "_Ticket | None":

@@ -148,6 +148,7 @@ def engine(store, blocks: int, addressed: bool):
     from gpu_worker.engine import StreamingEngine
     _, path, _, stride = store
     eng = StreamingEngine(path, cache_bytes=blocks * stride, io_workers=2)
+    eng.experts.slab_routing = False        # the host routes slab layers here (slab routing: test_slab_routing.py)
     if addressed:       # as on CUDA: the Triton kernels read blocks by address and count the down groups, and the
         eng.experts._addressed = True       # next layer's guessed ups are staged while the dense layers run
         eng.experts._down_groups = torch.zeros(1, dtype=torch.int32)
@@ -419,7 +420,7 @@ def test_device_routed_decode_equals_host_routed(store, plain_addressed, host_ro
     recorded routing as the host-routed run. Twin (booked=False): device-routed layers whose host work is dropped."""
     from gpu_worker.streaming import StreamingExperts
     if not booked:
-        monkeypatch.setattr(StreamingExperts, "_book_device", lambda self, j, chosen, guess: None)
+        monkeypatch.setattr(StreamingExperts, "_book_device", lambda self, j, chosen, guess, *a: None)
     out, plans, books, g = routed_run(store, device_routing=True)
     same = [k for k in ("counts", "tier", "cache", "records") if books[k] == host_routed[1][k]]
     if not booked:
@@ -430,7 +431,7 @@ def test_device_routed_decode_equals_host_routed(store, plain_addressed, host_ro
     moe_layers = frozenset(g.moe)
     assert plans[:3] == [frozenset(), frozenset({min(g.moe)}), moe_layers], plans
     assert all(p == moe_layers for p in plans[2:]), plans
-    assert len(g.plans[moe_layers][0]) == 1      # a token routed on the device alone: one graph
+    assert len(g.plans[(moe_layers, frozenset())][0]) == 1      # a token routed on the device alone: one graph
     assert torch.equal(out, host_routed[0]), (out - host_routed[0]).abs().max()
     assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
 
@@ -530,6 +531,7 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
     for device_routing in (True, False):
         with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda", dtype=torch.float32,
                              device_routing=device_routing) as eng:
+            eng.experts.slab_routing = False
             eng.experts.vram = eng._vram_tier(torch.cuda.memory_allocated() + (n + 8) * stride, 0, "cuda", 1)
             client = eng.sup.client()
             for j in range(eng.experts.n_moe):
@@ -547,7 +549,7 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
             every_layer = frozenset(g.moe)
             if device_routing:
                 assert plans.count(every_layer) >= 3, plans
-                (one,) = g.plans[every_layer][0]
+                (one,) = g.plans[(every_layer, frozenset())][0]
                 assert one.graphs, "the step routed on the device alone was not captured"
             else:
                 assert set(plans) == {frozenset()}, plans
@@ -601,3 +603,167 @@ def test_the_host_reads_the_choice_as_the_router_last_wrote_it(view):
     want = [([5, 1, 9], [2, 7, 0]), ([8, 3, 4], [6, 1, 2])]
     ok = seen == want and all(type(e) is int for c, g in seen for e in c + g)
     assert ok == view, seen
+
+
+# Slab routing (gpu_worker/slab_routing.py): where the cache holds the whole store, MoE layers held whole in the slab are
+# routed on the device too, their guessed ups staged by a kernel; the host books them after the fact.
+def slab_engine(store, slab_routing: bool, record=None, first: int | None = None):
+    """As on CUDA (blocks by address), the slab warmed with every expert; `first`: the only layer held at the start
+    (the others from the fourth token), else one more layer each token from the first."""
+    n = store[2]
+    eng = engine(store, n + 8, addressed=True)
+    ex = eng.experts
+    ex.slab_routing, ex.record = slab_routing, record
+    client = eng.sup.client()
+    for j in range(ex.n_moe):
+        every = list(range(eng.store.n_experts))
+        client.request(j, every)
+        for _, s in client.wait_any(j, every, timeout=60):
+            client.release(s)
+    if first is not None:
+        from gpu_worker.slab_routing import SlabLayers
+        ex.slab_layers = sl = SlabLayers(ex.client, ex.n_moe, eng.store.n_experts, ex._slot_address, ex.device)
+        assert sl.hold(first)
+        sl._retry_at = [4] * ex.n_moe
+    return eng
+
+
+def slab_run(store, slab_routing: bool, first: int | None = None):
+    """(logits of `run`, the device-routed layers of each step, the bookkeeping to compare, the accounting, the graphs,
+    the pins held before and after the holds' release)."""
+    records = []
+    with slab_engine(store, slab_routing, record=lambda *r: records.append(r), first=first) as eng:
+        g, ex = eng.graphs, eng.experts
+        plans = device_plans(g)
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        t = eng.accounting.totals()              # books the last token's device-routed layers
+        t = dict(t, ups_staged=ex.acct.ups_staged, ups_staged_used=ex.acct.ups_staged_used)
+        cs = eng.cache_stats()
+        books = dict(counts={k: t[k] for k in ("tokens", "hits_at_lookup", "misses_at_lookup", "vram_hits")},
+                     cache={k: cs[k] for k in ("lookups", "lookup_hits", "lookup_misses", "requests")},
+                     records=records)
+        pins = sum(ex.client._pins)
+        ex.release_holds()
+        pins = (pins, sum(ex.client._pins))
+    return out, plans, books, t, g, pins
+
+
+@pytest.fixture(scope="module")
+def slab_host_routed(store):
+    out, plans, books, _, _, _ = slab_run(store, slab_routing=False)
+    assert set(plans) == {frozenset()}, plans
+    return out, books
+
+
+@cpu_only
+@pytest.mark.parametrize("first", [None, 1])
+def test_slab_routed_decode_equals_host_routed(store, plain_addressed, slab_host_routed, first):
+    """Layers held one a token from the first (first=None: a slab-routed layer before a host decision, then the whole
+    token one graph), or the last layer alone first (a slab-routed layer after a host decision, its ups staged after
+    the host-routed layer's kernels): the logits of the host-routed run, which the plain forward's equal; the same
+    counts, cache lookups, messages and routing records; the guessed ups staged on the device and read; every held
+    pin given back."""
+    out, plans, books, t, g, pins = slab_run(store, slab_routing=True, first=first)
+    moe_layers = frozenset(g.moe)
+    last = max(g.moe)
+    if first is None:
+        assert plans[:2] == [frozenset({min(g.moe)}), moe_layers], plans
+    else:
+        assert plans[0] == frozenset({last}) and plans[-1] == moe_layers, plans
+    assert len(g.plans[(moe_layers, moe_layers)][0]) == 1     # a token routed on the device alone: one graph
+    assert set(g.variant.values()) == {"device slab"}
+    same = [k for k in ("counts", "cache", "records") if books[k] == slab_host_routed[1][k]]
+    assert same == ["counts", "cache", "records"], (books, slab_host_routed[1])
+    assert t["ups_staged"] > 0 and 0 < t["ups_staged_used"] <= t["ups_staged"], t
+    assert t["ups_staged_by_sms_total"] == t["ups_staged"] and t["ups_staged_used_by_sms_total"] == t["ups_staged_used"]
+    held = g.m.mixers[last].experts.n_moe * store[2] // g.m.mixers[last].experts.n_moe
+    assert pins[0] - pins[1] == held, pins
+    assert torch.allclose(out, slab_host_routed[0], atol=1e-5, rtol=1e-5), (out - slab_host_routed[0]).abs().max()
+    assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
+@cpu_only
+def test_twin_ups_staged_from_the_wrong_experts_is_caught(store, plain_addressed, monkeypatch):
+    """Must-fail twin: the device staging copies each guessed expert's up from another expert's block."""
+    from gpu_worker.slab_routing import DeviceStaging
+    real = DeviceStaging.stage
+    monkeypatch.setattr(DeviceStaging, "stage", lambda self, j, guess, table: real(self, j, guess, table.roll(1)))
+    out, _, _, t, _, _ = slab_run(store, slab_routing=True)
+    assert t["ups_staged_used"] > 0
+    assert (plain_addressed - out).abs().max() > 3e-2
+
+
+@cpu_only
+def test_twin_slab_layers_not_booked_is_caught(store, slab_host_routed, monkeypatch):
+    """Must-fail twin: slab-routed layers whose host work is dropped leave other counts, lookups and records."""
+    from gpu_worker.streaming import StreamingExperts
+    monkeypatch.setattr(StreamingExperts, "_book_slab", lambda self, j, chosen, guess, n: None)
+    _, _, books, _, _, _ = slab_run(store, slab_routing=True)
+    assert [k for k in ("counts", "cache", "records") if books[k] == slab_host_routed[1][k]] == []
+
+
+def test_no_slab_layers_where_the_cache_cannot_hold_the_store(store):
+    """A cache smaller than the store (the disk regime) holds no layer: every layer stays host-routed."""
+    with engine(store, store[2] // 2, addressed=True) as eng:
+        eng.experts.slab_routing = True
+        assert eng.experts.decode_slab_layers() == frozenset()
+        assert eng.experts.slab_layers is None and sum(eng.experts.client._pins) == 0
+
+
+def test_the_staged_count_follows_lateness():
+    """Each layer stages one up more after a token whose staging was done in time, one fewer after a late one."""
+    from gpu_worker.slab_routing import START_ROWS, DeviceStaging
+    ds = DeviceStaging(3, 8, 1000, "cpu", 2)
+    assert ds.counts(frozenset({0, 2})) == [START_ROWS, 0, START_ROWS]
+    ds.late[2] += 1
+    ds.token_end(frozenset({0, 2}))
+    assert ds.counts(frozenset({0, 1, 2})) == [START_ROWS + 1, START_ROWS, START_ROWS - 1]
+    assert ds.n.tolist() == [START_ROWS + 1, START_ROWS, START_ROWS - 1]
+    ds.token_end(frozenset({0, 1, 2}))
+    assert ds.counts(frozenset({1})) == [0, START_ROWS + 1, 0]
+    assert ds.limit == [START_ROWS + 2, START_ROWS + 1, START_ROWS]
+
+
+@pytest.mark.parametrize("name,value", [("MOESTREAM_SLAB_ROUTING", "yes"), ("MOESTREAM_DEVICE_STAGE_PROGRAMS", "-1"),
+                                        ("MOESTREAM_DEVICE_STAGE_PROGRAMS", "many")])
+def test_bad_slab_routing_knobs_are_named(monkeypatch, name, value):
+    from gpu_worker.slab_routing import slab_routing_from_env, stage_programs_from_env
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        slab_routing_from_env() if name == "MOESTREAM_SLAB_ROUTING" else stage_programs_from_env()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured graphs, the side stream's staging: CUDA")
+def test_gpu_slab_routing_changes_nothing_but_the_host_work(store):
+    """On CUDA, the cache holding every expert: the steps routed on the device from the slab (captured, the staging
+    on a side stream inside the graph) give the logits of the host-routed steps, with the same counts; the staging
+    is read and never late enough to go to zero."""
+    from gpu_worker.engine import StreamingEngine
+    _, path, n, stride = store
+    out, counts = {}, {}
+    for slab_routing in (True, False):
+        with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda",
+                             dtype=torch.float32) as eng:
+            ex = eng.experts
+            ex.slab_routing = slab_routing
+            client = eng.sup.client()
+            for j in range(ex.n_moe):
+                every = list(range(eng.store.n_experts))
+                client.request(j, every)
+                for _, s in client.wait_any(j, every, timeout=60):
+                    client.release(s)
+            g = eng.graphs
+            plans = device_plans(g)
+            out[slab_routing] = run(eng.model, eng.step, steps=PIPELINE_STEPS + 2, fixed=True)
+            t = eng.accounting.totals()
+            counts[slab_routing] = {k: t[k] for k in ("tokens", "hits_at_lookup", "misses_at_lookup")}
+            every_layer = frozenset(g.moe)
+            if slab_routing:
+                assert plans.count(every_layer) >= 3, plans
+                (one,) = g.plans[(every_layer, every_layer)][0]
+                assert one.graphs, "the step routed on the device alone was not captured"
+                assert t["ups_staged_used_by_sms_total"] > 0, t
+            else:
+                assert set(plans) == {frozenset()}, plans
+    assert counts[True] == counts[False]
+    assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4), (out[True] - out[False]).abs().max()
