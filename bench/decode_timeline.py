@@ -4,8 +4,9 @@
 
 The RAM regime (every expert cached, the engine's defaults: CUDA graphs, staged ups). A token's expert bytes cross
 the bus two ways, and both count as the bus at work: the expert kernels' zero-copy reads of the pinned slab (a
-kernel whose name is in EXPERT_KERNELS) and the copy engine's staging copies (every host-to-device copy). All other
-kernels are the dense part. Each token (its host step, which ends on the sampled token, so the device's work for it
+kernel whose name is in EXPERT_KERNELS) and the staging's copies (every host-to-device copy, and the SM copies of
+slab-routed layers' ups: a kernel whose name is in STAGING_KERNELS, gpu_worker/slab_routing.py). All other kernels are
+the dense part. Each token (its host step, which ends on the sampled token, so the device's work for it
 is inside) is cut into what ran at each instant:
 
   both      the bus's readers and a dense kernel at once (the staging's overlap)
@@ -29,6 +30,7 @@ from bench.prefill_timeline import intersect, length, union
 
 EXPERT_KERNELS = ("_expert_layer_kernel", "_expert_up_kernel", "_sparse_down_kernel", "_sparse_down_sub_kernel",
                   "_vram_up_kernel", "_vram_down_compact_kernel")
+STAGING_KERNELS = ("_stage_ups_kernel",)
 KINDS = ("both", "bus", "dense", "neither")
 
 
@@ -36,12 +38,20 @@ def is_expert(name: str) -> bool:
     return any(k in name for k in EXPERT_KERNELS)
 
 
+def is_staging(e: dict) -> bool:
+    """A staging copy: by the copy engine (host to device), or by the SMs' staging kernel."""
+    if e["kind"] == "copy":
+        return e.get("h2d", True)
+    return any(k in e["name"] for k in STAGING_KERNELS)
+
+
 def token_split(events: list[dict], lo: float, hi: float) -> dict:
     """events: the device's [{kind: 'copy'|'kernel', ts, dur, name, h2d}] (µs). Over [lo, hi): the KINDS split, the
     expert kernels' and the host-to-device copies' busy time, and the bus's idle time."""
     experts = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "kernel" and is_expert(e["name"]))
-    copies = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "copy" and e.get("h2d", True))
-    dense = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["kind"] == "kernel" and not is_expert(e["name"]))
+    copies = union((e["ts"], e["ts"] + e["dur"]) for e in events if is_staging(e))
+    dense = union((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e["kind"] == "kernel" and not is_expert(e["name"]) and not is_staging(e))
     bus = union(experts + copies)
     b, d = length(bus, lo, hi), length(dense, lo, hi)
     both = length(intersect(bus, dense), lo, hi)

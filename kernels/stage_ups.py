@@ -29,7 +29,7 @@ CHUNK_WORDS = 16384     # int32 words of one work item (64 KiB): a row of the su
 
 
 @triton.jit
-def _stage_kernel(guess_ptr, n_ptr, table_ptr, dst_ptr, progress_ptr, words, stride_words, rows, chunks, programs,
+def _stage_ups_kernel(guess_ptr, n_ptr, table_ptr, dst_ptr, progress_ptr, words, stride_words, rows, chunks, programs,
                   WORDS: tl.constexpr, CHUNK: tl.constexpr):
     """Program p moves work items p, p + programs, ...: item i is chunk i % chunks of row i // chunks. Row r < n
     copies `words` int32 words from the block of expert guess[r] (its address: table[guess[r]]) into dst row r."""
@@ -58,7 +58,7 @@ def stage_ups(guess: torch.Tensor, n: torch.Tensor, table: torch.Tensor, dst: to
     if stride % 16 or stride < 4 * words:
         raise ValueError(f"staging rows of {stride} bytes cannot take {span}-byte up sections 16-byte aligned")
     chunks = -(-words // CHUNK_WORDS)
-    _stage_kernel[(programs,)](guess, n, table, dst.view(torch.int32), progress, words, stride // 4, rows, chunks,
+    _stage_ups_kernel[(programs,)](guess, n, table, dst.view(torch.int32), progress, words, stride // 4, rows, chunks,
                                programs, WORDS=WORDS, CHUNK=CHUNK_WORDS, num_warps=4)
 
 

@@ -57,3 +57,12 @@ def test_the_cut_ignores_kernels_outside_the_token():
     ev = [k("_expert_layer_kernel", 120, 10), k("_expert_layer_kernel", 40, 10)]
     st = layer_stretches(ev, 0, 100)
     assert len(st) == 2 and st[0]["before"] == 40 and st[1]["before"] == 50
+
+
+def test_the_sms_staging_kernel_is_a_staging_copy_not_dense():
+    """The slab-routed layers' staging kernel moves bus bytes: it counts with the copies, beside a dense kernel as
+    `both`; twin: a kernel named short of it stays dense."""
+    ev = [k("gemv_dense", 0, 30), k("_stage_ups_kernel_0d1d2d", 10, 40), k("_stage_ups", 60, 10)]
+    s = token_split(ev, 0, 100)
+    assert s["copies"] == 40 and s["both"] == pytest.approx(20) and s["bus"] == pytest.approx(20)
+    assert s["dense"] == pytest.approx(10 + 10)      # 0-10, and the twin's 60-70
