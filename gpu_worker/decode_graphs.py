@@ -385,41 +385,79 @@ class Route:
 class DeviceExperts:
     """S_j and K_j of a device-routed layer, inside the stretch: the latent projection, the shared expert and the
     scales as S_j has them, the block addresses gathered from the source's table by the router's top-k, the expert
-    kernels and the combine. From the slab (`stage`: the layer's StageUps op, or None): the fused kernel, counting the
-    down groups it reads over the bus, each up read from its staged row where the staging named it."""
+    kernels and the combine. From the slab (`slab`): the fused kernel, counting the down groups it reads over the
+    bus, each up read from its staged row where the source's staging holds it. `part`: "route" (up to the addresses
+    and the staging's lateness check), "kernels" (the wait for the staging, the up addresses, the kernels, the
+    combine) or both; the first MoE layer's staging is queued between two graphs, so is the wait for it (`join`
+    False: the `JoinStage` segment's)."""
 
-    def __init__(self, moe: MoEStep, stage: "StageUps | None" = None, slab: bool = False):
-        self.moe, self.stage, self.slab = moe, stage, slab
+    def __init__(self, moe: MoEStep, slab: bool = False, part: str = "both", join: bool = True):
+        self.moe, self.slab, self.part, self.join = moe, slab, part, join
 
     def __call__(self, x, variant):
         moe = self.moe
-        moe.prepare.body(EAGER)
         mixer, inp = moe.mixer, moe.inp
-        src, j, chosen = mixer.experts, mixer.moe_index, moe.out.experts[0]
-        blocks = inp.addresses[0]
-        torch.index_select(src.decode_table(j), 0, chosen, out=blocks)
+        src, j = mixer.experts, mixer.moe_index
+        staging = moe.dec.staging(moe) if self.slab else None
+        if self.part != "kernels":
+            moe.prepare.body(EAGER)
+            mixer, inp = moe.mixer, moe.inp
+            torch.index_select(src.decode_table(j), 0, moe.out.experts[0], out=inp.addresses[0])
+            if staging is not None:
+                staging.check(j)
+        if self.part == "route":
+            return x
         if not self.slab:
             return moe.combine(x, DEVICE)
-        ups = None
-        if self.stage is not None and self.stage.staged:
-            ups = src.decode_up_addresses(j, chosen, self.moe.dec.guess_of(moe), blocks, inp.addresses[1])
+        blocks, ups = inp.addresses[0], None
+        if staging is not None:
+            if self.join:
+                staging.join(j)
+            ups = staging.up_addresses(j, moe.out.experts[0], blocks, inp.addresses[1])
         src.decode_kernels(j, inp.lat[0], blocks, inp.scales, inp.weights, inp.acc, count_down_groups=True,
                            up_addresses=ups)
         return x + mixer.tail(inp.acc[None], inp.shared)
 
 
 class StageUps:
-    """After the last expert kernels queued (or at the token's start), a slab-routed layer's guessed ups staged by the
-    source on a side stream while the dense layers run; its DeviceExperts joins them."""
+    """Op: a slab-routed layer's guessed ups staged by the source on a side stream while the dense layers run, queued
+    after the last expert kernels; its DeviceExperts waits for them."""
 
     def __init__(self, moe: MoEStep):
-        self.moe, self.staged = moe, False
+        self.moe = moe
 
     def __call__(self, x, variant):
-        dec = self.moe.dec
-        if dec.routed is not None:       # (the first decode body may run before any router: nothing guessed yet)
-            self.staged = self.moe.mixer.experts.decode_stage_device(self.moe.mixer.moe_index, dec.guess_of(self.moe))
+        moe = self.moe
+        staging = moe.dec.staging(moe)
+        if staging is not None:
+            staging.stage(moe.mixer.moe_index, moe.dec.guess_of(moe), moe.mixer.experts.decode_table(moe.mixer.moe_index))
         return x
+
+
+class StageSegment:
+    """Segment: the next token's first MoE layer's guessed ups staged (eagerly, between two graphs) right after this
+    token's last expert kernels: the staging then overlaps the head, the host's round trip and the next token's first
+    dense layers."""
+    kind = "stage"
+
+    def __init__(self, moe: MoEStep):
+        self.op = StageUps(moe)
+
+    def run(self, state) -> None:
+        self.op(None, EAGER)
+
+
+class JoinStage:
+    """Segment: the compute stream waits (eagerly, between two graphs) for the first MoE layer's staging."""
+    kind = "join"
+
+    def __init__(self, moe: MoEStep):
+        self.moe = moe
+
+    def run(self, state) -> None:
+        staging = self.moe.dec.staging(self.moe)
+        if staging is not None:
+            staging.join(self.moe.mixer.moe_index)
 
 
 class Report:
@@ -576,23 +614,32 @@ class DecodeGraphs:
         expert kernels before it (the token's start for the first MoE layer), in its stretch."""
         m, segments = self.m, []
         ops, pending = [Embed(self)], []
-        stage_at = 0        # where in `ops` the next MoE layer's staging goes: after the last expert kernels
+        first, last = min(self.moe), max(self.moe)
+        stage_at = None     # where in `ops` the next MoE layer's staging goes: after the last expert kernels
         for i, mixer in enumerate(m.mixers):
             if isinstance(mixer, MoEMixer):
                 moe = self.moe[i]
                 if i in device:
-                    stage = None
-                    if i in slab:
-                        stage = StageUps(moe)
-                        ops.insert(stage_at, stage)
-                    ops += [Route(moe), DeviceExperts(moe, stage, slab=i in slab)]
+                    if i == first and i in slab:      # its staging was queued by the last token: wait between graphs
+                        segments += [Stretch(self, ops + [Route(moe), DeviceExperts(moe, True, "route")], None),
+                                     JoinStage(moe)]
+                        ops = [DeviceExperts(moe, True, "kernels", join=False)]
+                    else:
+                        if i in slab and stage_at is not None:
+                            ops.insert(stage_at, StageUps(moe))
+                        ops += [Route(moe), DeviceExperts(moe, i in slab)]
                     pending.append(moe)
                     stage_at = len(ops)
+                    if i == last and first in slab:     # the next token's first layer: staged between two graphs
+                        segments += [Stretch(self, ops, None), StageSegment(self.moe[first])]
+                        ops, stage_at = [], None
                     continue
-                first = pending[0].row if pending else moe.row       # MoE rows are consecutive in layer order
                 # K_j apart from R_{j+1}: the source's early copies are queued between the two (decode_stage)
-                segments += [Stretch(self, ops + [Route(moe, (first, moe.row + 1))], None), HostDecision(moe, pending),
+                row0 = pending[0].row if pending else moe.row       # MoE rows are consecutive in layer order
+                segments += [Stretch(self, ops + [Route(moe, (row0, moe.row + 1))], None), HostDecision(moe, pending),
                              Stretch(self, [Combine(moe)], moe)]
+                if i == last and first in slab:
+                    segments.append(StageSegment(self.moe[first]))
                 ops, pending, stage_at = [], [], 0
             elif isinstance(mixer, Attention) and self.graph_attention:
                 ops.append(Attn(self, i, self._kv_row[i]))
@@ -600,7 +647,7 @@ class DecodeGraphs:
                 if ops:
                     segments.append(Stretch(self, ops, None))
                 segments.append(AttentionLayer(self, i))
-                ops, stage_at = [], 0
+                ops, stage_at = [], (0 if stage_at is not None else None)
             else:
                 ops.append(Layer(self, i))
         tail = [Head(self)] + ([Report(self, pending[0].row)] if pending else [])
@@ -615,6 +662,10 @@ class DecodeGraphs:
         if self.routed.shape[1] != n:
             raise ValueError(f"MoE layer row {row}: {n} choices + guesses, where the others have {self.routed.shape[1]}")
         return self.routed[row], self.routed_host[row]
+
+    def staging(self, moe: MoEStep):
+        """The source's device staging for `moe`'s layer (None: it stages nothing)."""
+        return moe.mixer.experts.decode_staging(self.routed.shape[1] - moe.mixer.router.k)
 
     def guess_of(self, moe: MoEStep) -> torch.Tensor:
         """The guess for `moe` (int64 [guesses] on the device): the rest of the previous MoE layer's choice row (for the

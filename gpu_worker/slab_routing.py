@@ -22,7 +22,9 @@ j-1's experts, a side stream copies the first n[j] guessed ups of layer j from t
 chosen expert's up from its row when staged. n[j] is adapted on the host per layer, as the host path's limit is: one
 more after a token whose staging was done when the layer needed it, one fewer after one whose staging was late
 (the lateness is counted on the device and read a token later). The last MoE layer's guess names the first layer's
-experts of the next token: that staging starts at the token's first graph.
+experts of the next token: that staging is queued eagerly right after the last layer's expert kernel (between two
+graphs), so that it overlaps the head, the sampled token's round trip and the next token's first dense layers, as the
+host path's copies of it do; the first layer's kernel waits for it between two graphs of the next token.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import os
 
 import torch
 
-from kernels.stage_ups import stage_ups, up_addresses
+from kernels.stage_ups import stage_late, stage_ups, up_addresses
 
 RETRY_TOKENS = 16           # tokens before a layer that could not be held is tried again
 START_ROWS = 4              # each layer's staged ups before its lateness is known
@@ -102,7 +104,9 @@ class SlabLayers:
 
 
 class DeviceStaging:
-    """The guessed ups of device-routed slab layers, staged by a kernel on a side stream into VRAM rows."""
+    """The guessed ups of device-routed slab layers, staged by a kernel on a side stream into VRAM rows. One set of
+    rows for every layer: each staging is queued after the expert kernel of the layer before it, the rows' last
+    reader, and says in `ids` / `owner` what the rows hold (kernels/stage_ups.py)."""
 
     def __init__(self, n_moe: int, rows: int, span: int, device, programs: int):
         """rows: guesses per layer (the next router's top-k); span: the bytes of an up section (values and scales)."""
@@ -111,9 +115,10 @@ class DeviceStaging:
         self.rows, self.span, self.programs = rows, span, programs
         stride = -(-span // SLOT_ALIGN) * SLOT_ALIGN
         self.buf = torch.empty(rows, stride, dtype=torch.uint8, device=self.device)
+        self.ids = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
+        self.owner = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self.n = torch.zeros(n_moe, dtype=torch.int32, device=self.device)      # rows staged per layer this token
         self.progress = torch.zeros(n_moe, dtype=torch.int64, device=self.device)
-        self.ticks = torch.zeros(n_moe, dtype=torch.int64, device=self.device)
         self.late = torch.zeros(n_moe, dtype=torch.int64, device=self.device)
         self.limit = [min(START_ROWS, rows)] * n_moe
         self._written: list[int] | None = None       # the n last written to the device
@@ -138,24 +143,29 @@ class DeviceStaging:
         return n
 
     def stage(self, j: int, guess: torch.Tensor, table: torch.Tensor) -> None:
-        """Queue layer j's staging (in a graph body): after the work queued so far, on the side stream."""
+        """Queue layer j's staging after the work queued so far, on the side stream (in a graph body, or eagerly)."""
+        args = (guess, self.n[j:j + 1], table, self.buf, self.ids, self.owner, self.progress[j:j + 1], j, self.span,
+                self.programs)
         if not self.cuda:
-            stage_ups(guess, self.n[j:j + 1], table, self.buf, self.progress[j:j + 1], self.span, self.programs)
+            stage_ups(*args)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            stage_ups(guess, self.n[j:j + 1], table, self.buf, self.progress[j:j + 1], self.span, self.programs)
+            stage_ups(*args)
             self._ready[j].record(self.stream)
 
-    def up_addresses(self, j: int, chosen: torch.Tensor, guess: torch.Tensor, blocks: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
-        """Layer j's chosen experts' up addresses into out (in a graph body), then the compute stream waits for the
-        staging's copies."""
-        up_addresses(chosen, guess, self.n[j:j + 1], blocks, self.buf, out, self.progress[j:j + 1],
-                     self.ticks[j:j + 1], self.late[j:j + 1], self.programs)
+    def check(self, j: int) -> None:
+        """Before the wait: count layer j's staging late if it has not finished (on the compute stream)."""
+        stage_late(self.progress[j:j + 1], self.late[j:j + 1], self.programs)
+
+    def join(self, j: int) -> None:
+        """The compute stream waits for layer j's last queued staging (none queued: nothing to wait for)."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self._ready[j])
-        return out
+
+    def up_addresses(self, j: int, chosen: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """After the wait: layer j's chosen experts' up addresses into out (staged rows where they hold them)."""
+        return up_addresses(chosen, self.ids, self.owner, blocks, self.buf, out, self.progress[j:j + 1], j)
 
     def token_end(self, layers: frozenset) -> None:
         """After a token's graphs: its lateness counts to the host (read at the next `counts`)."""

@@ -432,6 +432,8 @@ class StreamingExperts(ExpertSource):
         self.slab_routing = slab_routing_from_env()
         self.stage_programs = stage_programs_from_env()
         self.slab_layers: SlabLayers | None = None
+        self._slab_now_prev: frozenset = frozenset()
+        self._n0_queued = 0                        # the first MoE layer's count when its staging was last queued
         self.dstage: DeviceStaging | None = None
         self._slab_now: frozenset = frozenset()    # the layers this token routes on the device from the slab
         self._n_now: list[int] = []                # ... and the ups each stages
@@ -694,31 +696,35 @@ class StreamingExperts(ExpertSource):
                                           self.device)
         self.slab_layers.try_hold()
         vt = self.vram
+        was = self._slab_now_prev
         self._slab_now = frozenset(j for j in self.slab_layers.held
                                    if j not in taken and (vt is None or not vt.row(j)))
-        self._n_now = self.dstage.counts(self._slab_now) if self.dstage is not None else [0] * self.n_moe
+        self._slab_now_prev = self._slab_now
+        self._set_counts(0 in was)
         return self._slab_now
+
+    def _set_counts(self, first_staged: bool) -> None:
+        """This token's staged-ups counts (`DeviceStaging.counts`) and, for the bookings, the n each layer's staging
+        read: the first MoE layer's was queued at the end of the last token, with its counts (when it was staged)."""
+        n = self.dstage.counts(self._slab_now) if self.dstage is not None else [0] * self.n_moe
+        self._n_now = list(n)
+        self._n_now[0] = self._n0_queued if first_staged else 0
+        self._n0_queued = n[0]
 
     def decode_table(self, moe_index: int) -> torch.Tensor:
         if moe_index in self._slab_now:
             return self.slab_layers.table[moe_index]
         return self.vram.table[moe_index]
 
-    def decode_stage_device(self, moe_index: int, guess: torch.Tensor) -> bool:
-        """Queue the staging of a slab-routed layer's guessed ups (in a graph body; kernels/stage_ups.py). False where
-        nothing is staged (MOESTREAM_DEVICE_STAGE_PROGRAMS=0)."""
-        if not self.stage_programs:
-            return False
-        if self.dstage is None:          # a body's first run is never captured: the buffers are allocated outside
-            self.dstage = DeviceStaging(self.n_moe, guess.numel(), self._up_span, self.device, self.stage_programs)
-            self._n_now = self.dstage.counts(self._slab_now)
-        self.dstage.stage(moe_index, guess, self.slab_layers.table[moe_index])
-        return True
-
-    def decode_up_addresses(self, moe_index: int, chosen, guess, blocks, out) -> torch.Tensor:
-        """A slab-routed layer's chosen experts' up addresses (staged or in their blocks), the stream then waiting
-        for the staging's copies (in a graph body)."""
-        return self.dstage.up_addresses(moe_index, chosen, guess, blocks, out)
+    def decode_staging(self, rows: int) -> DeviceStaging | None:
+        """The device staging of slab-routed layers' guessed ups (`rows`: guesses per layer), made on first use (a
+        body's first run, never captured); None where nothing is staged (MOESTREAM_DEVICE_STAGE_PROGRAMS=0)."""
+        if not self.stage_programs or not rows:
+            return None
+        if self.dstage is None:
+            self.dstage = DeviceStaging(self.n_moe, rows, self._up_span, self.device, self.stage_programs)
+            self._set_counts(False)
+        return self.dstage
 
     def decode_routed(self, records) -> None:
         """Book device-routed layers now: [(moe_index, chosen, guess)], in layer order, read from the host copy of

@@ -101,17 +101,14 @@ class ExpertSource(ABC):
 
     def decode_slab_layers(self, taken: frozenset = frozenset()) -> frozenset:
         """Of the MoE layers not in `taken`, those whose experts this token gathers on the device from pinned host
-        memory, their guessed ups staged on the device (`decode_stage_device`, `decode_up_addresses`; default: none)."""
+        memory, their guessed ups staged on the device where `decode_staging` says how (default: none)."""
         return frozenset()
 
-    def decode_stage_device(self, moe_index: int, guess: torch.Tensor) -> bool:
-        """Queue the staging of a slab-routed layer's guessed ups (guess: int64 on the device); False: none staged."""
-        raise NotImplementedError(f"{type(self).__name__} routes no layer on the device from the slab")
-
-    def decode_up_addresses(self, moe_index: int, chosen: torch.Tensor, guess: torch.Tensor, blocks: torch.Tensor,
-                            out: torch.Tensor) -> torch.Tensor:
-        """A slab-routed layer's chosen experts' up addresses into out (staged or in their blocks)."""
-        raise NotImplementedError(f"{type(self).__name__} routes no layer on the device from the slab")
+    def decode_staging(self, rows: int):
+        """The staging of slab-routed layers' guessed ups on the device (`rows` guesses per layer): an object with
+        stage(j, guess, table), check(j), join(j) and up_addresses(j, chosen, blocks, out)
+        (gpu_worker/slab_routing.DeviceStaging), or None (default: none)."""
+        return None
 
     def decode_table(self, moe_index: int) -> torch.Tensor:
         """int64 [n_experts] on the device: each expert's block address (valid for the layers held)."""

@@ -670,7 +670,10 @@ def test_slab_routed_decode_equals_host_routed(store, plain_addressed, slab_host
         assert plans[:2] == [frozenset({min(g.moe)}), moe_layers], plans
     else:
         assert plans[0] == frozenset({last}) and plans[-1] == moe_layers, plans
-    assert len(g.plans[(moe_layers, moe_layers)][0]) == 1     # a token routed on the device alone: one graph
+    # a token routed on the device alone: no host decision; the first layer's staging queued and waited for between
+    # graphs (after the last layer's kernels, before the first layer's)
+    kinds = [seg.kind for seg in g.plans[(moe_layers, moe_layers)][0]]
+    assert kinds == ["graph", "join", "graph", "stage", "graph"], kinds
     assert set(g.variant.values()) == {"device slab"}
     same = [k for k in ("counts", "cache", "records") if books[k] == slab_host_routed[1][k]]
     assert same == ["counts", "cache", "records"], (books, slab_host_routed[1])
@@ -760,8 +763,9 @@ def test_gpu_slab_routing_changes_nothing_but_the_host_work(store):
             every_layer = frozenset(g.moe)
             if slab_routing:
                 assert plans.count(every_layer) >= 3, plans
-                (one,) = g.plans[(every_layer, every_layer)][0]
-                assert one.graphs, "the step routed on the device alone was not captured"
+                segs = g.plans[(every_layer, every_layer)][0]
+                assert [seg.kind for seg in segs] == ["graph", "join", "graph", "stage", "graph"]
+                assert all(seg.graphs for seg in segs if seg.kind == "graph"), "the slab-routed step was not captured"
                 assert t["ups_staged_used_by_sms_total"] > 0, t
             else:
                 assert set(plans) == {frozenset()}, plans
