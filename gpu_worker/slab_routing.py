@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from gpu_worker.knobs import env_count_or_off
 from kernels.stage_ups import stage_late, stage_ups, up_addresses
 
 RETRY_TOKENS = 16           # tokens before a layer that could not be held is tried again
@@ -50,14 +51,7 @@ def slab_routing_from_env() -> bool:
 def stage_programs_from_env() -> int:
     """MOESTREAM_DEVICE_STAGE_PROGRAMS: the programs of the device staging's copy kernel (its share of the SMs beside
     the dense kernels); 0 stages nothing."""
-    v = os.environ.get("MOESTREAM_DEVICE_STAGE_PROGRAMS", "48")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"MOESTREAM_DEVICE_STAGE_PROGRAMS={v!r}: expected a whole number of programs") from None
-    if n < 0:
-        raise ValueError(f"MOESTREAM_DEVICE_STAGE_PROGRAMS={v!r}: expected 0 or more programs")
-    return n
+    return env_count_or_off("MOESTREAM_DEVICE_STAGE_PROGRAMS", 48, "programs")
 
 
 class SlabLayers:

@@ -33,31 +33,21 @@ import os
 
 import torch
 
+from gpu_worker.knobs import env_count_or_off
 from gpu_worker.up_staging import SLOT_ALIGN, driver_memcpy_async
 
 EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
 
 
-def _count_from_env(name: str, default: str, what: str) -> int:
-    v = os.environ.get(name, default)
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r}: a count of {what} per layer (0: off)") from None
-    if n < 0:
-        raise ValueError(f"{name}={n}: must be >= 0")
-    return n
-
-
 def dma_limit_from_env() -> int:
     """MOESTREAM_UP_DMA: chosen-but-not-staged ups per layer moved by the copy engine (0: off, the zero-copy path)."""
-    return _count_from_env("MOESTREAM_UP_DMA", "0", "experts")
+    return env_count_or_off("MOESTREAM_UP_DMA", 0, "experts per layer")
 
 
 def stage_extra_from_env() -> int:
     """MOESTREAM_STAGE_EXTRA: guessed ups staged beyond the adapted limit, non-blocking (gpu_worker/up_staging.py);
     3 by default (measured, bench/NOTES.md "Session 8"), 0: off."""
-    return _count_from_env("MOESTREAM_STAGE_EXTRA", "3", "guessed ups")
+    return env_count_or_off("MOESTREAM_STAGE_EXTRA", 3, "guessed ups per layer")
 
 
 def stage_min_precision_from_env() -> float:

@@ -346,6 +346,16 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
     assert torch.allclose(out[False], out["nowait"], atol=1e-4, rtol=1e-4), (out[False] - out["nowait"]).abs().max()
 
 
+def warm_every_expert(eng) -> None:
+    """Every expert of the store read into the engine's cache (and released)."""
+    client = eng.sup.client()
+    for j in range(eng.experts.n_moe):
+        every = list(range(eng.store.n_experts))
+        client.request(j, every)
+        for _, s in client.wait_any(j, every, timeout=60):
+            client.release(s)
+
+
 # Device routing: every expert of a MoE layer in the VRAM tier, its block addresses gathered on the device from the
 # tier's table by the router's top-k, no host decision; the host does the layer's bookkeeping after the token.
 def vram_engine(store, device_routing: bool, record=None, tier_blocks: int | None = None):
@@ -356,12 +366,7 @@ def vram_engine(store, device_routing: bool, record=None, tier_blocks: int | Non
     ex = eng.experts
     ex.vram = eng._vram_tier(eng.model.dense_nbytes() + (tier_blocks or n) * stride, 0, "cpu", 1)
     ex.device_routing, ex.record = device_routing, record
-    client = eng.sup.client()
-    for j in range(ex.n_moe):
-        every = list(range(eng.store.n_experts))
-        client.request(j, every)
-        for _, s in client.wait_any(j, every, timeout=60):
-            client.release(s)
+    warm_every_expert(eng)
     return eng
 
 
@@ -533,12 +538,7 @@ def test_gpu_device_routing_changes_nothing_but_the_host_work(store):
                              device_routing=device_routing) as eng:
             eng.experts.slab_routing = False
             eng.experts.vram = eng._vram_tier(torch.cuda.memory_allocated() + (n + 8) * stride, 0, "cuda", 1)
-            client = eng.sup.client()
-            for j in range(eng.experts.n_moe):
-                every = list(range(eng.store.n_experts))
-                client.request(j, every)
-                for _, s in client.wait_any(j, every, timeout=60):
-                    client.release(s)
+            warm_every_expert(eng)
             g = eng.graphs
             plans = device_plans(g)
             out[device_routing] = run(eng.model, eng.step, steps=PIPELINE_STEPS + 1, fixed=True)
@@ -614,12 +614,7 @@ def slab_engine(store, slab_routing: bool, record=None, first: int | None = None
     eng = engine(store, n + 8, addressed=True)
     ex = eng.experts
     ex.slab_routing, ex.record = slab_routing, record
-    client = eng.sup.client()
-    for j in range(ex.n_moe):
-        every = list(range(eng.store.n_experts))
-        client.request(j, every)
-        for _, s in client.wait_any(j, every, timeout=60):
-            client.release(s)
+    warm_every_expert(eng)
     if first is not None:
         from gpu_worker.slab_routing import SlabLayers
         ex.slab_layers = sl = SlabLayers(ex.client, ex.n_moe, eng.store.n_experts, ex._slot_address, ex.device)
@@ -749,12 +744,7 @@ def test_gpu_slab_routing_changes_nothing_but_the_host_work(store):
                              dtype=torch.float32) as eng:
             ex = eng.experts
             ex.slab_routing = slab_routing
-            client = eng.sup.client()
-            for j in range(ex.n_moe):
-                every = list(range(eng.store.n_experts))
-                client.request(j, every)
-                for _, s in client.wait_any(j, every, timeout=60):
-                    client.release(s)
+            warm_every_expert(eng)
             g = eng.graphs
             plans = device_plans(g)
             out[slab_routing] = run(eng.model, eng.step, steps=PIPELINE_STEPS + 2, fixed=True)
