@@ -136,6 +136,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
+    # after `pytest`: a failed GPU test skips every later step (their figures would be of broken code)
+    gate) if grep -q -E "^(FAILED|ERROR)|[0-9] (failed|errors?)\b" "$OUT/pytest.log" 2>/dev/null; then
+            echo "== gate: the GPU tests failed, every later step skipped"; T0=0; fi;;
     host) timeout 150 python3 -m bench.host_bookkeeping --tag h200 --out-dir "$OUT" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log";;
     gemv) timeout ${GEMV_TIMEOUT:-150} python3 -m bench.kernels.gemv_nvfp4_sweep --budget-s $(( ${GEMV_TIMEOUT:-150} - 25 )) \
            --out "$OUT/gemv_sweep.json" > "$OUT/gemv_sweep.log" 2>&1; tail -40 "$OUT/gemv_sweep.log";;

@@ -26,11 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import varying
+
 WORDS = 2048            # int32 words a program moves per iteration (16 a thread at 4 warps: four 16-byte loads)
 CHUNK_WORDS = 16384     # int32 words of one work item (64 KiB): a row of the super shape's ups is ~22 of them
 
 
-@triton.jit
+@triton.jit(**varying("layer"))
 def _stage_ups_kernel(guess_ptr, n_ptr, table_ptr, dst_ptr, ids_ptr, owner_ptr, progress_ptr, layer, words,
                       stride_words, rows, chunks, programs, WORDS: tl.constexpr, CHUNK: tl.constexpr,
                       ROWS: tl.constexpr):
@@ -43,7 +45,7 @@ def _stage_ups_kernel(guess_ptr, n_ptr, table_ptr, dst_ptr, ids_ptr, owner_ptr, 
         o_r = tl.arange(0, ROWS)
         m_r = o_r < rows
         tl.store(ids_ptr + o_r, tl.where(o_r < n, tl.load(guess_ptr + o_r, mask=m_r, other=-1), -1), mask=m_r)
-        tl.store(owner_ptr, layer.to(tl.int64))
+        tl.store(owner_ptr, layer)      # (cast to int64 by the store; `layer` is never specialized: see `varying`)
     for i in range(pid, n * chunks, programs):
         r = i // chunks
         c = i - r * chunks
@@ -99,7 +101,7 @@ def stage_late(progress: torch.Tensor, late: torch.Tensor, programs: int) -> Non
     _stage_late_kernel[(1,)](progress, late, max(programs, 1), num_warps=1)
 
 
-@triton.jit
+@triton.jit(**varying("layer"))
 def _up_addresses_kernel(chosen_ptr, ids_ptr, owner_ptr, blocks_ptr, out_ptr, progress_ptr, layer, base, stride, k,
                          rows, G: tl.constexpr, K: tl.constexpr):
     """out[p] = base + r * stride where ids[r] == chosen[p] and the rows are this layer's, else blocks[p]; then the
