@@ -428,7 +428,7 @@ class StreamingExperts(ExpertSource):
         self._unbooked: list = []        # ... read, not yet booked
         self._fill_held = CopyPins()     # slab slots pinned for a whole-layer fill's copies
         # decode: where the cache holds the whole store, layers held whole in the slab are routed on the device too,
-        # their guessed ups staged by a kernel (gpu_worker/slab_routing.py); MOESTREAM_SLAB_ROUTING=0 turns it off
+        # their guessed ups staged by a kernel (gpu_worker/slab_routing.py); off until measured, MOESTREAM_SLAB_ROUTING=1 on
         self.slab_routing = slab_routing_from_env()
         self.stage_programs = stage_programs_from_env()
         self.slab_layers: SlabLayers | None = None
