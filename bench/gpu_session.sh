@@ -130,12 +130,15 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     launch) timeout 60 python3 -m bench.kernels.launch_overhead --out "$OUT/launch_overhead.json" > "$OUT/launch_overhead.log" 2>&1
       tail -6 "$OUT/launch_overhead.log";;
     # session 18: a decode token on the device's timeline, the bus's readers against the dense kernels
-    dtimeline) timeout ${DTIMELINE_TIMEOUT:-150} python3 -m bench.decode_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+    dtimeline) env ${DTIMELINE_ENV:-} timeout ${DTIMELINE_TIMEOUT:-150} python3 -m bench.decode_timeline --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            ${DTIMELINE_ARGS:-} --out "$OUT/decode_timeline.json" > "$OUT/decode_timeline.log" 2>&1; grep -v Warning "$OUT/decode_timeline.log" | tail -22;;
     h2d) timeout 90 python3 -m bench.h2d_blocks --out "$OUT/h2d_blocks.json" > "$OUT/h2d_blocks.log" 2>&1; tail -7 "$OUT/h2d_blocks.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
     pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
+    # session 19: the SM staging of slab-routed layers' ups against the copy engine, alone and beside a dense read
+    stageb) timeout ${STAGEB_TIMEOUT:-90} python3 -m bench.kernels.stage_ups --out "$OUT/stage_ups.json" > "$OUT/stage_ups.log" 2>&1
+      tail -12 "$OUT/stage_ups.log";;
     # after `pytest`: a failed GPU test skips every later step (their figures would be of broken code)
     gate) if grep -q -E "^(FAILED|ERROR)|[0-9] (failed|errors?)\b" "$OUT/pytest.log" 2>/dev/null; then
             echo "== gate: the GPU tests failed, every later step skipped"; T0=0; fi;;
