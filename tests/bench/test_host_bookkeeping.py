@@ -33,6 +33,18 @@ def test_each_scenario_takes_its_path(synth, tmp_path):
     assert hits["request_out"] != hits["request_out"] and vram["request_out"] != vram["request_out"]    # NaN
 
 
+def test_slab_booking_books_every_layer(synth, tmp_path):
+    """Slab routing's host work: every layer held and booked as the host route books a hit (the counts, the one
+    message each), the staging's counts read; the figure is positive."""
+    from expert_store.writer import repack
+    store = tmp_path / "store"
+    repack(synth("tiny", "nvfp4", 0, "--experts", "64", "--top-k", "22", "--n-group", "1", "--topk-group", "1"),
+           store, progress=False)
+    r = host_bookkeeping.run_slab_booking(store, 4, 0)
+    assert r["mean_us_per_layer"] > 0 and r["moe_layers"] >= 1
+    assert 0 < r["staged_read"] <= 1.0
+
+
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
