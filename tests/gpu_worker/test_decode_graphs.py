@@ -700,6 +700,32 @@ def test_twin_slab_layers_not_booked_is_caught(store, slab_host_routed, monkeypa
     assert [k for k in ("counts", "cache", "records") if books[k] == slab_host_routed[1][k]] == []
 
 
+@cpu_only
+def test_slab_routing_beside_a_vram_tier(store, plain_addressed):
+    """A VRAM tier of half the experts beside a cache of all of them: layers with no tier resident are routed from the
+    slab, complete ones from the tier, the others on the host, as the tier fills and admits; the logits stay the
+    plain forward's, every held pin comes back."""
+    with vram_engine(store, True, tier_blocks=store[2] // 2) as eng:
+        eng.experts.slab_routing = True
+        g, ex = eng.graphs, eng.experts
+        kinds = []
+        real = g.step
+
+        def step(token, state):
+            out = real(token, state)
+            kinds.append({m.variant for m in g.moe.values()})
+            return out
+        g.step = step
+        out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
+        eng.accounting.totals()
+        seen = set().union(*kinds)
+        n_held, pins = len(ex.slab_layers.slots), sum(ex.client._pins)
+        ex.release_holds()
+        assert n_held >= 1 and pins - sum(ex.client._pins) == n_held * eng.store.n_experts
+    assert "device slab" in seen and ("device" in seen or "slab" in seen or "mixed" in seen), kinds
+    assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
+
+
 def test_no_slab_layers_where_the_cache_cannot_hold_the_store(store):
     """A cache smaller than the store (the disk regime) holds no layer: every layer stays host-routed."""
     with engine(store, store[2] // 2, addressed=True) as eng:
