@@ -54,7 +54,16 @@ until the logits. Per token:
                 router wait and staging differ: a device-routed layer waits for nothing and stages no ups for the next
                 layer (its guess reaches the host after that layer's kernels are queued).
 
-The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`), each with
+Slab routing (the RAM regime: the cache holds the whole store; gpu_worker/slab_routing.py, off by default until
+measured). A layer held whole in the pinned slab is routed on the device the same way, from the source's table of slab
+addresses, its fused kernel reading them zero-copy. Its guessed ups, which the host staged after its decision, are
+staged by a kernel on a side stream (`StageUps`, after the last expert kernels before the layer) that the layer's
+kernel waits for; the first MoE layer's are staged between two graphs right after the last layer's kernels of the
+token before (`StageSegment`) and waited for between two graphs (`JoinStage`), so that they overlap the head and the
+sampled token's round trip, as the host's copies did.
+
+The step is a list of segments (`Stretch`: a graphed run of ops; `HostDecision`; `AttentionLayer`; the slab routing's
+`StageSegment` and `JoinStage`), each with
 `run(state)`. Graph inputs and outputs live in static buffers owned by this object (`RouterOutputs`,
 `ExpertInputs` per MoE layer, the residual stream, the logits), so each graph (segment, variant) can be
 captured alone. Each `Graphed` body is run eagerly the first time, which compiles its Triton kernels outside
@@ -610,8 +619,10 @@ class DecodeGraphs:
     def _build(self, device: frozenset, slab: frozenset = frozenset()) -> tuple[list, list]:
         """The segments of a step whose MoE layers in `device` (layer indices) are routed on the device: each
         joins the stretch it is in (router, S_j, addresses from the table, K_j); every other one ends its stretch
-        at a host decision. A layer in `slab` (a subset) has its guessed ups staged from the point after the last
-        expert kernels before it (the token's start for the first MoE layer), in its stretch."""
+        at a host decision. A layer in `slab` (a subset) is routed from the slab, its guessed ups staged on a side
+        stream from the point after the last expert kernels before it, in its stretch; the first MoE layer's are staged
+        between two graphs after the last MoE layer's kernels (for the next token), and waited for between two graphs
+        after its router."""
         m, segments = self.m, []
         ops, pending = [Embed(self)], []
         first, last = min(self.moe), max(self.moe)
