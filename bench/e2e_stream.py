@@ -402,6 +402,14 @@ def main(argv=None):
             if ups is not None:       # how often each guess rank was right, and what each layer's copies settled at
                 r["staged_ups"] = dict(staged_by_rank=ups.staged_by_rank, used_by_rank=ups.used_by_rank,
                                        limits=ups.limit)
+            ds = eng.experts.dstage
+            if ds is not None:        # slab routing's staging by the SMs (gpu_worker/slab_routing.py): the same, and
+                late = ds.late.tolist()      # how often each layer's staging was late when its router was done
+                r["device_staged_ups"] = dict(staged_by_rank=ds.staged_by_rank, used_by_rank=ds.used_by_rank,
+                                              limits=dict(enumerate(ds.limit)), late=late,
+                                              held_layers=sorted(eng.experts.slab_layers.held))
+                print(f"{name}: slab routing, {len(eng.experts.slab_layers.held)} layers held; device staging limits "
+                      f"{ds.limit}, late {late}")
             if cuda:     # what decoding added on the device: graph pools, static buffers, KV caches of live states
                 r["vram_after_load"] = mem0
                 r["vram_added_by_decode"] = torch.cuda.memory_allocated() - mem0
