@@ -4,27 +4,19 @@ from __future__ import annotations
 import os
 
 
-def env_count(name: str, default: int, unit: str) -> int:
-    """$name as a whole number of at least 1 (`unit`: what it counts, for the error), else `default` when unset or
-    empty; a clear ValueError naming the variable otherwise."""
-    raw = os.environ.get(name, "")
-    try:
-        n = int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number of {unit}") from None
-    if n < 1:
-        raise ValueError(f"{name}={raw!r}: expected 1 or more {unit}")
-    return n
-
-
-def env_count_or_off(name: str, default: int, unit: str) -> int:
-    """$name as a whole number of 0 or more (0: off; `unit`: what it counts, for the error), else `default` when unset
+def env_count(name: str, default: int, unit: str, least: int = 1) -> int:
+    """$name as a whole number of at least `least` (`unit`: what it counts, for the error), else `default` when unset
     or empty; a clear ValueError naming the variable otherwise."""
     raw = os.environ.get(name, "")
     try:
         n = int(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number of {unit} (0: off)") from None
-    if n < 0:
-        raise ValueError(f"{name}={raw!r}: expected 0 (off) or more {unit}")
+        raise ValueError(f"{name}={raw!r}: expected a whole number of {unit}") from None
+    if n < least:
+        raise ValueError(f"{name}={raw!r}: expected {least} or more {unit}" + (" (0: off)" if least == 0 else ""))
     return n
+
+
+def env_count_or_off(name: str, default: int, unit: str) -> int:
+    """`env_count` where 0 is allowed and turns the switch off."""
+    return env_count(name, default, unit, least=0)
