@@ -113,6 +113,11 @@ class DeviceStaging:
         self.ids = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
         self.owner = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         self.n = torch.zeros(n_moe, dtype=torch.int32, device=self.device)      # rows staged per layer this token
+        # each staging's own copy of its n, taken on the side stream just before its kernel: the first MoE layer's
+        # staging is queued at the end of a token and may still be starting when the next token's `counts` rewrites
+        # `n`; its programs read n at different times, and one that read a larger n than program 0 (which writes
+        # `ids`) would leave a row that `ids` names uncopied
+        self.n_snap = torch.zeros(n_moe, dtype=torch.int32, device=self.device)
         self.progress = torch.zeros(n_moe, dtype=torch.int64, device=self.device)
         self.late = torch.zeros(n_moe, dtype=torch.int64, device=self.device)
         self.limit = [min(START_ROWS, rows)] * n_moe
@@ -139,13 +144,15 @@ class DeviceStaging:
 
     def stage(self, j: int, guess: torch.Tensor, table: torch.Tensor) -> None:
         """Queue layer j's staging after the work queued so far, on the side stream (in a graph body, or eagerly)."""
-        args = (guess, self.n[j:j + 1], table, self.buf, self.ids, self.owner, self.progress[j:j + 1], j, self.span,
-                self.programs)
+        n = self.n_snap[j:j + 1]
+        args = (guess, n, table, self.buf, self.ids, self.owner, self.progress[j:j + 1], j, self.span, self.programs)
         if not self.cuda:
+            n.copy_(self.n[j:j + 1])
             stage_ups(*args)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            n.copy_(self.n[j:j + 1])
             stage_ups(*args)
             self._ready[j].record(self.stream)
 
