@@ -700,6 +700,10 @@ class StreamingExperts(ExpertSource):
         self._slab_now = frozenset(j for j in self.slab_layers.held
                                    if j not in taken and (vt is None or not vt.row(j)))
         self._slab_now_prev = self._slab_now
+        if 0 in was and 0 not in self._slab_now and self.dstage is not None:
+            # the first layer's staging, queued at the last token's end, is not waited for by this token's plan: the
+            # stream waits for it now, or a staging inside this token's graphs could rewrite the rows beside it
+            self.dstage.join(0)
         self._set_counts(0 in was)
         return self._slab_now
 

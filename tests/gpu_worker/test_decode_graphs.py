@@ -705,7 +705,15 @@ def test_slab_routing_beside_a_vram_tier(store, plain_addressed):
     """A VRAM tier of half the experts beside a cache of all of them: layers with no tier resident are routed from the
     slab, complete ones from the tier, the others on the host, as the tier fills and admits; the logits stay the
     plain forward's, every held pin comes back."""
-    with vram_engine(store, True, tier_blocks=store[2] // 2) as eng:
+    from gpu_worker.slab_routing import DeviceStaging
+    joins = []
+    real_join = DeviceStaging.join
+
+    def join(self, j):
+        joins.append(j)
+        real_join(self, j)
+    with vram_engine(store, True, tier_blocks=store[2] // 2) as eng, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeviceStaging, "join", join)
         eng.experts.slab_routing = True
         g, ex = eng.graphs, eng.experts
         kinds = []
@@ -714,11 +722,17 @@ def test_slab_routing_beside_a_vram_tier(store, plain_addressed):
         def step(token, state):
             out = real(token, state)
             kinds.append({m.variant for m in g.moe.values()})
+            firsts.append(g.moe[min(g.moe)].variant == "device slab")
             return out
+        firsts = []
         g.step = step
         out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
         eng.accounting.totals()
         seen = set().union(*kinds)
+        # the first layer's staging is waited for by every token that routes it from the slab (between two graphs),
+        # and at the start of a token after one that staged it but that does not
+        left = sum(a and not b for a, b in zip(firsts, firsts[1:]))
+        assert left >= 1 and joins.count(0) == sum(firsts) + left, (joins, firsts)
         n_held, pins = len(ex.slab_layers.slots), sum(ex.client._pins)
         ex.release_holds()
         assert n_held >= 1 and pins - sum(ex.client._pins) == n_held * eng.store.n_experts
