@@ -1,0 +1,97 @@
+"""tools.gpu_compile: launches recorded under Triton's interpreter, compiled for sm_90 as the GPU's JIT specializes
+them. The slab routing's kernels at the argument values that the decode gives them (the layer argument equal to 1
+broke the GPU compile in session 19), and a must-fail twin: the kernel of that bug, caught only at the value 1."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+triton = pytest.importorskip("triton")
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+HAVE_CUDA_BACKEND = os.access(PTXAS, os.X_OK)      # Triton's wheels carry it; without it there is nothing to compile with
+pytestmark = pytest.mark.skipif(not HAVE_CUDA_BACKEND, reason="Triton's NVIDIA backend (ptxas) is not installed")
+
+CAPTURE_SLAB_KERNELS = """
+import json, sys, torch
+from tools.gpu_compile import Capture
+from kernels import stage_ups as su
+torch.manual_seed(0)
+with Capture() as c:
+    for layer, rows, programs, k in ((0, 4, 48, 22), (1, 1, 1, 1), (3, 7, 2, 5)):
+        slab = torch.randint(0, 255, (9, 64), dtype=torch.uint8)
+        table = slab.data_ptr() + torch.arange(9, dtype=torch.int64) * 64
+        guess = torch.randperm(9)[:max(rows, 2)].to(torch.int64)
+        n = torch.tensor([rows], dtype=torch.int32)
+        dst = torch.zeros(rows, 64, dtype=torch.uint8)
+        ids, owner, progress = (torch.zeros(rows, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                torch.zeros(1, dtype=torch.int64))
+        su.stage_ups(guess, n, table, dst, ids, owner, progress, layer, 48, programs)
+        su.stage_late(progress, torch.zeros(1, dtype=torch.int64), programs)
+        chosen = torch.randperm(9)[:k].to(torch.int64)
+        su.up_addresses(chosen, ids, owner, table[chosen].clone(), dst, torch.zeros(k, dtype=torch.int64), progress,
+                        layer)
+json.dump(c.result(), open(sys.argv[1], "w"))
+"""
+
+CAPTURE_TWIN = """
+import json, sys, torch
+from tools.gpu_compile import Capture
+from tests.tools import gpu_compile_twin_kernels as t
+out = torch.zeros(1, dtype=torch.int64)
+with Capture() as c:
+    for layer in (0, 1, 2):
+        t._owner_cast_kernel[(1,)](out, layer)
+        t._owner_cast_varying_kernel[(1,)](out, layer)
+    assert int(out) == 2
+json.dump(c.result(), open(sys.argv[1], "w"))
+"""
+
+
+def _captured(tmp_path, script) -> dict:
+    path = tmp_path / "launches.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=ROOT, check=True, timeout=300)
+    return json.loads(path.read_text())
+
+
+def _compiled(tmp_path, captured) -> list[dict]:
+    src, out = tmp_path / "in.json", tmp_path / "rows.json"
+    src.write_text(json.dumps(captured))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--compile-from", str(src), "--out", str(out)],
+                   env=env, cwd=ROOT, check=True, timeout=600)
+    version, *rows = json.loads(out.read_text())
+    assert version["triton"]
+    return rows
+
+
+def test_slab_kernels_compile_for_sm90_as_the_jit_specializes_them(tmp_path):
+    captured = _captured(tmp_path, CAPTURE_SLAB_KERNELS)
+    assert captured["undescribed"] == {}
+    rows = _compiled(tmp_path, captured)
+    assert [r for r in rows if r["ok"] is not True] == []
+    kernels = {r["kernel"].split(":")[1] for r in rows}
+    assert kernels == {"_stage_ups_kernel", "_stage_late_kernel", "_up_addresses_kernel"}
+    # the launches with rows, programs and k equal to 1 made variants of their own (the JIT's constants)
+    ups = [r for r in rows if r["kernel"].endswith("_stage_ups_kernel")]
+    assert any(r["variant"].get("rows") == "('constexpr', 1)" for r in ups) and len(ups) >= 2
+    # layer is never specialized: no variant names it
+    assert not any("layer" in r["variant"] for r in rows)
+
+
+def test_twin_int_made_constant_by_the_jit_is_caught(tmp_path):
+    rows = _compiled(tmp_path, _captured(tmp_path, CAPTURE_TWIN))
+    plain = [r for r in rows if r["kernel"].endswith(":_owner_cast_kernel")]
+    varying = [r for r in rows if r["kernel"].endswith(":_owner_cast_varying_kernel")]
+    # the plain kernel: a variant a value class (0: divisible by 16, 1: the constant, 2: neither); only the constant's
+    # compile fails (an int constant has no .to), which the interpreter never sees
+    failed = [r for r in plain if not r["ok"]]
+    assert len(plain) == 3 and len(failed) == 1
+    assert failed[0]["variant"]["layer"] == "('constexpr', 1)" and "'to'" in failed[0]["error"]
+    assert [r["ok"] for r in varying] == [True]

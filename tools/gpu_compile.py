@@ -1,0 +1,252 @@
+"""Every Triton launch a CPU run makes, compiled for the GPU the way the GPU's JIT would specialize it: a compile
+error found on this machine instead of in a device call.
+
+Under Triton's interpreter (TRITON_INTERPRET=1, the CPU's and CI's mode) a kernel runs as Python with numpy
+semantics, and nothing of the GPU compiler runs: not the frontend's constexpr rules, not the backend. The JIT on the
+GPU specializes each launch on its arguments (an int equal to 1 becomes the constant 1, a pointer 16-byte aligned or
+not, an int divisible by 16) and compiles one variant per class, so a kernel that the interpreter ran on every test
+can still fail to compile for one class of argument. Session 19 lost a device call that way: `layer.to(...)` on an
+int that the JIT had made the constant 1.
+
+Two steps, in two processes (the compile needs `@triton.jit` to build JIT functions, i.e. no TRITON_INTERPRET):
+1. `capture`: run pytest on the given tests under the interpreter with `InterpretedFunction.run` wrapped, and write
+   each distinct launch (the kernel's module and name, each argument described: a tensor's dtype and alignment, an
+   int's or float's value, the launch's keywords) to a JSON file;
+2. `compile_launches`: rebuild each launch's arguments as stand-ins (a tensor stand-in has the dtype and a data
+   pointer of the same alignment), bind them with Triton's own binder for the target (`create_function_from_signature`
+   and `JITFunction._pack_args`, the code `JITFunction.run` calls), dedupe by the specialization key and compile each
+   variant for the target (sm_90 by default) through every stage to the cubin.
+
+With `--triton DIR` (the device's Triton: `pip download triton==3.6.0 --no-deps`, unzipped into DIR, `chmod +x` its
+backends/nvidia/bin) step 2 imports that Triton, and the compile is the device's own, minus the driver; step 1 keeps
+this environment's Triton, whose interpreter the tests are written for. Kernels whose launches take arguments the stand-ins cannot describe
+(tensor descriptors, host callables) are listed as skipped, never as passed.
+
+    python -m tools.gpu_compile tests/kernels/test_stage_ups.py [more pytest args] [--arch 90] [--triton DIR]
+                                [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                 "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2")
+
+
+# --- step 1: what the interpreter launched --------------------------------------------------------------------------
+
+def describe(value):
+    """One launch argument as JSON, or None where a stand-in cannot carry what the JIT specializes on."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "align16": value.data_ptr() % 16 == 0}
+    if isinstance(value, bool) or value is None:
+        return {"value": value}
+    if isinstance(value, (int, float, str)):
+        return {"value": value}
+    if type(value).__name__ == "dtype" and type(value).__module__.startswith("triton"):
+        return {"tl_dtype": str(value)}
+    if type(value).__name__ == "constexpr":
+        return describe(value.value)
+    return None
+
+
+class Capture:
+    """Records every interpreted launch (the first of each distinct argument description) while started: as a pytest
+    plugin around a test run, or around any code (`with Capture() as c: ...`)."""
+
+    def __init__(self):
+        self.launches: dict[str, dict] = {}
+        self.undescribed: dict[str, str] = {}
+        self._restore = None
+
+    def start(self):
+        from triton.runtime.interpreter import InterpretedFunction
+        capture, run = self, InterpretedFunction.run
+
+        def recording_run(fn_self, *args, grid, warmup, **kwargs):
+            capture.record(fn_self.fn, args, kwargs)
+            return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = recording_run
+        self._restore = (InterpretedFunction, run)
+
+    def stop(self):
+        if self._restore is not None:
+            cls, run = self._restore
+            cls.run, self._restore = run, None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def pytest_configure(self, config):
+        self.start()
+
+    def pytest_unconfigure(self, config):
+        self.stop()
+
+    def record(self, fn, args, kwargs):
+        name = f"{fn.__module__}:{fn.__qualname__}"
+        desc_args = [describe(a) for a in args]
+        desc_kw = {k: describe(v) for k, v in kwargs.items()}
+        bad = [i for i, d in enumerate(desc_args) if d is None] + [k for k, d in desc_kw.items() if d is None]
+        if bad:
+            self.undescribed.setdefault(name, f"arguments {bad} have no stand-in")
+            return
+        launch = {"kernel": name, "args": desc_args, "kwargs": desc_kw}
+        self.launches.setdefault(json.dumps(launch, sort_keys=True), launch)
+
+    def result(self) -> dict:
+        return {"launches": list(self.launches.values()), "undescribed": dict(self.undescribed)}
+
+
+def capture(pytest_args: list[str]) -> dict:
+    """Run pytest in this process under the interpreter; the distinct launches and the kernels left undescribed."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import pytest
+    plugin = Capture()
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[plugin])
+    return {"pytest_rc": int(rc), **plugin.result()}
+
+
+# --- step 2: the same launches through the GPU's JIT binder and compiler --------------------------------------------
+
+class TensorStandIn:
+    """What the JIT's specialization reads from a tensor argument: its dtype and its data pointer's alignment."""
+
+    def __init__(self, dtype, align16: bool):
+        self.dtype, self._ptr = dtype, 0 if align16 else 8
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def _rebuild(d):
+    import torch
+    if "tensor" in d:
+        if d["tensor"] not in _TORCH_DTYPES:
+            raise ValueError(f"no stand-in for a tensor of {d['tensor']}")
+        return TensorStandIn(getattr(torch, d["tensor"]), d["align16"])
+    if "tl_dtype" in d:
+        import triton.language as tl
+        return getattr(tl, d["tl_dtype"])
+    return d["value"]
+
+
+def _jit_function(name: str):
+    module, qualname = name.split(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def compile_launches(launches: list[dict], arch: int = 90, warp_size: int = 32) -> list[dict]:
+    """Each launch bound and specialized as `JITFunction.run` does for the target, one compile per distinct
+    specialization; a row per variant with its error, if any."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_launches needs TRITON_INTERPRET unset: under the interpreter @triton.jit builds "
+                           "no JIT functions")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    target = GPUTarget("cuda", arch, warp_size)
+    backend = make_backend(target)
+    binders, seen, rows = {}, set(), []
+    for launch in launches:
+        name = launch["kernel"]
+        try:
+            fn = _jit_function(name)
+            if not isinstance(fn, JITFunction):
+                rows.append({"kernel": name, "ok": None, "error": f"not a JIT function ({type(fn).__name__})"})
+                continue
+            if name not in binders:
+                binders[name] = create_function_from_signature(fn.signature, fn.params, backend)
+            args = [_rebuild(a) for a in launch["args"]]
+            kwargs = {k: _rebuild(v) for k, v in launch["kwargs"].items()}
+            kwargs.setdefault("debug", False)
+            bound, specialization, options = binders[name](*args, **kwargs)
+            key = (name, str(compute_cache_key({}, specialization, options)))
+        except Exception as e:                                  # a launch the binder refuses is a finding too
+            rows.append({"kernel": name, "ok": False, "stage": "bind", "error": f"{type(e).__name__}: {e}"})
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        variant = {k: v for k, v in zip(fn.arg_names, specialization) if v[0] == "constexpr" or v[1]}
+        row = {"kernel": name, "variant": {k: repr(v) for k, v in variant.items()}}
+        t0 = time.perf_counter()
+        try:
+            opts, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+            triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+            row.update(ok=True)
+        except Exception as e:
+            first = str(e).strip().splitlines()
+            row.update(ok=False, stage="compile", error=f"{type(e).__name__}: {' | '.join(first[-6:])}"[:2000])
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("pytest_args", nargs="*", help="tests whose interpreted launches to compile (pytest arguments)")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--triton", type=Path, help="a Triton package's parent folder, for the compile step only")
+    ap.add_argument("--out", type=Path, help="the rows as JSON")
+    ap.add_argument("--compile-from", type=Path, help=argparse.SUPPRESS)   # step 2, in a process of its own
+    a, rest = ap.parse_known_args(argv)
+    a.pytest_args += rest
+    if a.compile_from:
+        rows = compile_launches(json.loads(a.compile_from.read_text())["launches"], arch=a.arch)
+        import triton
+        a.out.write_text(json.dumps([{"triton": triton.__version__}] + rows, indent=1))
+        return 0
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="gpu-compile-") as tmp:
+        launches_path, rows_path = Path(tmp) / "launches.json", Path(tmp) / "rows.json"
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        cmd = [sys.executable, "-c", "import json, sys; from tools.gpu_compile import capture; "
+               "json.dump(capture(sys.argv[2:]), open(sys.argv[1], 'w'))", str(launches_path), *a.pytest_args]
+        if subprocess.run(cmd, env=env).returncode not in (0, 1):
+            print("the capture run failed before any test", file=sys.stderr)
+        captured = json.loads(launches_path.read_text())
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if a.triton:
+            env["PYTHONPATH"] = os.pathsep.join([str(a.triton), os.getcwd(), env.get("PYTHONPATH", "")])
+        subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--compile-from", str(launches_path),
+                        "--arch", str(a.arch), "--out", str(rows_path)], env=env, check=True)
+        version, *rows = json.loads(rows_path.read_text())
+    print(f"\nTriton {version['triton']}, sm_{a.arch}: "
+          f"{len(captured['launches'])} distinct launches from the tests (pytest rc {captured['pytest_rc']})")
+    failed = [r for r in rows if r["ok"] is False]
+    for r in rows:
+        mark = {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]]
+        print(f"  {mark:7} {r['kernel']} {r.get('variant', '')} {r.get('seconds', '')}")
+        if r["ok"] is not True:
+            print(f"          {r.get('error')}")
+    for name, why in captured["undescribed"].items():
+        print(f"  skipped {name}: {why}")
+    print(f"{sum(r['ok'] is True for r in rows)} variants compiled, {len(failed)} failed, "
+          f"{sum(r['ok'] is None for r in rows) + len(captured['undescribed'])} skipped")
+    if a.out:
+        a.out.write_text(json.dumps({"triton": version["triton"], "arch": a.arch, "rows": rows,
+                                     "undescribed": captured["undescribed"]}, indent=1))
+    return 1 if failed or captured["pytest_rc"] not in (0, 5) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
