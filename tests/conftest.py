@@ -22,6 +22,26 @@ ROOT = Path(__file__).resolve().parents[1]
 _made: dict[tuple, Path] = {}
 
 
+def pytest_configure(config):
+    """MOESTREAM_CAPTURE_LAUNCHES=F (CI's .ci/run): every kernel launch the interpreter runs is recorded, and written
+    to F at the end, for `tools.gpu_compile --compile-from F` to compile each variant as the GPU's JIT would."""
+    path = os.environ.get("MOESTREAM_CAPTURE_LAUNCHES")
+    if path and os.environ.get("TRITON_INTERPRET") == "1":
+        from tools.gpu_compile import Capture
+        capture = Capture()
+        capture.start()
+        config._moestream_launches = (capture, Path(path))
+
+
+def pytest_unconfigure(config):
+    recorded = getattr(config, "_moestream_launches", None)
+    if recorded is not None:
+        import json
+        capture, path = recorded
+        capture.stop()
+        path.write_text(json.dumps(capture.result()))
+
+
 def repo_env() -> dict:
     """The environment for a child Python that must import the repository: its root first on PYTHONPATH, what was
     there kept (on the GPU machine, gpu_session.sh's packages live on PYTHONPATH; replacing it lost posix_ipc)."""

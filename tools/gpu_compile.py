@@ -20,10 +20,15 @@ Two steps, in two processes (the compile needs `@triton.jit` to build JIT functi
 With `--triton DIR` (the device's Triton: `pip download triton==3.6.0 --no-deps`, unzipped into DIR, `chmod +x` its
 backends/nvidia/bin) step 2 imports that Triton, and the compile is the device's own, minus the driver; step 1 keeps
 this environment's Triton, whose interpreter the tests are written for. Kernels whose launches take arguments the stand-ins cannot describe
-(tensor descriptors, host callables) are listed as skipped, never as passed.
+(host callables, a descriptor over a tensor the stand-ins cannot carry) are listed as skipped, never as passed;
+a tensor descriptor is rebuilt around a tensor stand-in.
 
     python -m tools.gpu_compile tests/kernels/test_stage_ups.py [more pytest args] [--arch 90] [--triton DIR]
-                                [--out F.json]
+                                [--out F.json] [--quiet]
+    MOESTREAM_CAPTURE_LAUNCHES=L.json python -m pytest -q && python -m tools.gpu_compile --compile-from L.json
+
+The second form is CI's (.ci/run): the suite's own run records its launches (tests/conftest.py), and every variant
+is compiled with CI's Triton.
 """
 from __future__ import annotations
 
@@ -51,6 +56,10 @@ def describe(value):
         return {"value": value}
     if isinstance(value, (int, float, str)):
         return {"value": value}
+    if type(value).__name__ == "TensorDescriptor" and isinstance(getattr(value, "base", None), torch.Tensor):
+        return {"tensordesc": describe(value.base), "shape": [int(v) for v in value.shape],
+                "strides": [int(v) for v in value.strides], "block_shape": [int(v) for v in value.block_shape],
+                "padding": getattr(value, "padding", "zero")}
     if type(value).__name__ == "dtype" and type(value).__module__.startswith("triton"):
         return {"tl_dtype": str(value)}
     if type(value).__name__ == "constexpr":
@@ -128,6 +137,10 @@ class TensorStandIn:
     def __init__(self, dtype, align16: bool):
         self.dtype, self._ptr = dtype, 0 if align16 else 8
 
+    @property
+    def is_floating_point(self):     # read by TensorDescriptor's checks
+        return self.dtype.is_floating_point
+
     def data_ptr(self):
         return self._ptr
 
@@ -138,6 +151,9 @@ def _rebuild(d):
         if d["tensor"] not in _TORCH_DTYPES:
             raise ValueError(f"no stand-in for a tensor of {d['tensor']}")
         return TensorStandIn(getattr(torch, d["tensor"]), d["align16"])
+    if "tensordesc" in d:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor(_rebuild(d["tensordesc"]), d["shape"], d["strides"], d["block_shape"], d["padding"])
     if "tl_dtype" in d:
         import triton.language as tl
         return getattr(tl, d["tl_dtype"])
@@ -194,11 +210,59 @@ def compile_launches(launches: list[dict], arch: int = 90, warp_size: int = 32) 
             triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
             row.update(ok=True)
         except Exception as e:
-            first = str(e).strip().splitlines()
-            row.update(ok=False, stage="compile", error=f"{type(e).__name__}: {' | '.join(first[-6:])}"[:2000])
+            row.update(ok=False, stage="compile", error=_error_chain(e))
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
     return rows
+
+
+def _error_chain(e: BaseException, most: int = 3000) -> str:
+    """An exception and its causes, innermost first (a nested jit function's error is the cause of its caller's)."""
+    chain = []
+    while e is not None and len(chain) < 8:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        chain.append(f"{type(e).__name__}: {' | '.join(lines[-6:])}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(reversed(chain))[:most]
+
+
+def _compile_in_child(launches_path: Path, rows_path: Path, arch: int, triton_dir: Path | None) -> tuple[str, list]:
+    """Step 2 in a fresh process: no TRITON_INTERPRET, the chosen Triton first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_dir:
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), os.getcwd(), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--compile-child", str(launches_path),
+                    "--arch", str(arch), "--out", str(rows_path)], env=env, check=True)
+    version, *rows = json.loads(rows_path.read_text())
+    return version["triton"], rows
+
+
+def report(version: str, arch: int, captured: dict, rows: list, verbose: bool = True) -> int:
+    """The table; 1 if a variant failed to compile."""
+    failed = [r for r in rows if r["ok"] is False]
+    print(f"\nTriton {version}, sm_{arch}: {len(captured['launches'])} distinct launches"
+          + (f" (pytest rc {captured['pytest_rc']})" if "pytest_rc" in captured else ""))
+    for r in rows:
+        mark = {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]]
+        if verbose or r["ok"] is not True:
+            print(f"  {mark:7} {r['kernel']} {r.get('variant', '')} {r.get('seconds', '')}")
+        if r["ok"] is not True:
+            print(f"          {r.get('error')}")
+    for name, why in captured["undescribed"].items():
+        print(f"  skipped {name}: {why}")
+    print(f"{sum(r['ok'] is True for r in rows)} variants of {len({r['kernel'] for r in rows})} kernels compiled "
+          f"in {sum(r.get('seconds', 0) for r in rows):.0f} s, {len(failed)} failed, "
+          f"{sum(r['ok'] is None for r in rows) + len(captured['undescribed'])} skipped")
+    return 1 if failed else 0
+
+
+def has_cuda_backend() -> bool:
+    """Triton's wheels carry ptxas; without it (or the NVIDIA backend) nothing can be compiled here."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return os.access(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas", os.X_OK)
 
 
 def main(argv=None) -> int:
@@ -207,45 +271,39 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--triton", type=Path, help="a Triton package's parent folder, for the compile step only")
     ap.add_argument("--out", type=Path, help="the rows as JSON")
-    ap.add_argument("--compile-from", type=Path, help=argparse.SUPPRESS)   # step 2, in a process of its own
+    ap.add_argument("--compile-from", type=Path,
+                    help="compile the launches a test run recorded (MOESTREAM_CAPTURE_LAUNCHES=F python -m pytest: "
+                         "tests/conftest.py) instead of running tests")
+    ap.add_argument("--quiet", action="store_true", help="list only the variants that did not compile")
+    ap.add_argument("--compile-child", type=Path, help=argparse.SUPPRESS)   # step 2, in a process of its own
     a, rest = ap.parse_known_args(argv)
     a.pytest_args += rest
-    if a.compile_from:
-        rows = compile_launches(json.loads(a.compile_from.read_text())["launches"], arch=a.arch)
+    if a.compile_child:
+        rows = compile_launches(json.loads(a.compile_child.read_text())["launches"], arch=a.arch)
         import triton
         a.out.write_text(json.dumps([{"triton": triton.__version__}] + rows, indent=1))
         return 0
+    if not a.triton and not has_cuda_backend():
+        print("tools.gpu_compile: this Triton has no NVIDIA backend (ptxas): nothing compiled")
+        return 0
     import tempfile
     with tempfile.TemporaryDirectory(prefix="gpu-compile-") as tmp:
-        launches_path, rows_path = Path(tmp) / "launches.json", Path(tmp) / "rows.json"
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-c", "import json, sys; from tools.gpu_compile import capture; "
-               "json.dump(capture(sys.argv[2:]), open(sys.argv[1], 'w'))", str(launches_path), *a.pytest_args]
-        if subprocess.run(cmd, env=env).returncode not in (0, 1):
-            print("the capture run failed before any test", file=sys.stderr)
+        rows_path = Path(tmp) / "rows.json"
+        if a.compile_from:
+            launches_path = a.compile_from
+        else:
+            launches_path = Path(tmp) / "launches.json"
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            cmd = [sys.executable, "-c", "import json, sys; from tools.gpu_compile import capture; "
+                   "json.dump(capture(sys.argv[2:]), open(sys.argv[1], 'w'))", str(launches_path), *a.pytest_args]
+            subprocess.run(cmd, env=env)
         captured = json.loads(launches_path.read_text())
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        if a.triton:
-            env["PYTHONPATH"] = os.pathsep.join([str(a.triton), os.getcwd(), env.get("PYTHONPATH", "")])
-        subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--compile-from", str(launches_path),
-                        "--arch", str(a.arch), "--out", str(rows_path)], env=env, check=True)
-        version, *rows = json.loads(rows_path.read_text())
-    print(f"\nTriton {version['triton']}, sm_{a.arch}: "
-          f"{len(captured['launches'])} distinct launches from the tests (pytest rc {captured['pytest_rc']})")
-    failed = [r for r in rows if r["ok"] is False]
-    for r in rows:
-        mark = {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]]
-        print(f"  {mark:7} {r['kernel']} {r.get('variant', '')} {r.get('seconds', '')}")
-        if r["ok"] is not True:
-            print(f"          {r.get('error')}")
-    for name, why in captured["undescribed"].items():
-        print(f"  skipped {name}: {why}")
-    print(f"{sum(r['ok'] is True for r in rows)} variants compiled, {len(failed)} failed, "
-          f"{sum(r['ok'] is None for r in rows) + len(captured['undescribed'])} skipped")
+        version, rows = _compile_in_child(launches_path, rows_path, a.arch, a.triton)
+    rc = report(version, a.arch, captured, rows, verbose=not a.quiet)
     if a.out:
-        a.out.write_text(json.dumps({"triton": version["triton"], "arch": a.arch, "rows": rows,
+        a.out.write_text(json.dumps({"triton": version, "arch": a.arch, "rows": rows,
                                      "undescribed": captured["undescribed"]}, indent=1))
-    return 1 if failed or captured["pytest_rc"] not in (0, 5) else 0
+    return 1 if rc or captured.get("pytest_rc", 0) not in (0, 5) else 0
 
 
 if __name__ == "__main__":
