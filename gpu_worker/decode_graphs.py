@@ -405,12 +405,13 @@ class DeviceExperts:
 
     def __call__(self, x, variant):
         moe = self.moe
-        mixer, inp = moe.mixer, moe.inp
+        mixer = moe.mixer
         src, j = mixer.experts, mixer.moe_index
         staging = moe.dec.staging(moe) if self.slab else None
         if self.part != "kernels":
-            moe.prepare.body(EAGER)
-            mixer, inp = moe.mixer, moe.inp
+            moe.prepare.body(EAGER)         # makes moe.inp on a layer's first run
+        inp = moe.inp
+        if self.part != "kernels":
             torch.index_select(src.decode_table(j), 0, moe.out.experts[0], out=inp.addresses[0])
             if staging is not None:
                 staging.check(j)
