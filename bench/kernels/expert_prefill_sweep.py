@@ -54,6 +54,10 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     ("dequant/c8", "dequant", dict(P128, CHUNK=8)),
     ("dequant/tma-c8", "dequant", dict(P128, CHUNK=8, TMA=True)),
     ("dequant/m256", "dequant", dict(P128, BLOCK_M=256, num_stages=3)),
+    ("dequant_pipe/c8", "dequant_pipe", dict(P128, CHUNK=8)),        # session 20: the decode beside the GEMMs
+    ("dequant_pipe/c16", "dequant_pipe", dict(P128, CHUNK=16)),
+    ("dequant_pipe/c4", "dequant_pipe", dict(P128, CHUNK=4)),
+    ("dequant_pipe/tma-c8", "dequant_pipe", dict(P128, CHUNK=8, TMA=True)),
     ("quad/bk128", "quad", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)),
     ("fused/bk128", "fused", dict(GROUPED_CONFIG, BLOCK_K=128, num_stages=2)),
     ("grouped_mm", "grouped_mm", {}),

@@ -3,6 +3,8 @@ timings in bench/NOTES.md stay comparable only while they do. The sweep's own ch
 twin, and its script runs end to end on the interpreter."""
 import json
 
+import pytest
+
 import torch
 
 from bench.kernels import expert_prefill_sweep as sweep
@@ -28,6 +30,24 @@ def test_quad_decode_variant_matches_twin(device):
     assert_close(got, ref, 1e-3, "quad decode vs twin")
     rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]      # must-fail twin: each expert's neighbour
     bad = V.quad(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, L, device=device), config=QUAD_CFG)
+    assert rel_err(bad, ref) > 0.1
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_dequant_pipe_variant_matches_twin(chunk, device):
+    """The decode of chunk i+1 queued beside chunk i's GEMMs: every chunk count (one expert a chunk: both scratch sets
+    reused twice; two; all four live experts in one) gives the twin's layer; the must-fail twin rolls the blocks."""
+    E, T, k = 5, 37, 2
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ref = expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    cfg = dict(CFG, CHUNK=chunk)
+    got = V.dequant_pipe(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                         torch.zeros(T, L, device=device), config=cfg)
+    assert_close(got, ref, 1e-3, f"dequant_pipe (chunks of {chunk}) vs twin")
+    rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]
+    bad = V.dequant_pipe(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, L, device=device), config=cfg)
     assert rel_err(bad, ref) > 0.1
 
 
