@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import expert_prefill as ep
 from kernels.expert_prefill import dequantize, expert_prefill_grouped, tile_table
-from kernels.launch_tables import device_table
 from kernels.gemv_nvfp4 import _X_PRESCALE, _e2m1_quad, _nvfp4_tile_split
 
 USE_ASM = torch.cuda.is_available()    # the interpreter cannot run inline PTX: the same bit moves in Triton ops
@@ -166,60 +164,12 @@ PIPE_CHUNK = 8
 
 
 def dequant_pipe(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """kernels' dequantized path (`_grouped_dequant`: chunk tables, `dequantize`, `dense_gemms`), its chunks of CHUNK
-    experts (PIPE_CHUNK) decoded one ahead on a side stream into the other of two scratch sets. Stream order: chunk
-    i+1's decode is queued on the side stream after the compute stream's work so far (its table's fetch and chunk
-    i-1's GEMMs, the last readers of its scratch set) and before chunk i's GEMMs, which it overlaps; chunk i+1's
-    GEMMs wait for its decode. On the CPU the same calls run in order."""
-    _check(geom, segments, addrs, up_global, down_global, x_sorted, w_sorted, tok_sorted, acc)
-    cfg = dict(ep.DEQUANT_CONFIG, **(config or {}))
-    L, I, dev = geom.L, geom.I, x_sorted.device
-    live = [i for i, (_, n) in enumerate(segments) if n > 0]
-    if not live:
-        return acc
-    C = min(cfg.get("CHUNK") or PIPE_CHUNK, len(live))
-    chunks = [live[c:c + C] for c in range(0, len(live), C)]
-    scratch = [(torch.empty((C, I, L), dtype=torch.bfloat16, device=dev),
-                torch.empty((C, L, I), dtype=torch.float16, device=dev)) for _ in range(min(2, len(chunks)))]
-    cuda = dev.type == "cuda"
-    main = torch.cuda.current_stream(dev) if cuda else None
-    side = torch.cuda.Stream(dev) if cuda else None
-
-    def table(part):
-        lo = min(segments[i][0] for i in part)
-        hi = max(segments[i][0] + segments[i][1] for i in part)
-        flat = ep.chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo)
-        return device_table(flat, dev), (len(flat) - 2 * len(part)) // 3, lo, hi
-
-    def decode(i, tab, n_tiles):
-        up_w, down_w = scratch[i % 2]
-        blocks = tab[3 * n_tiles:3 * n_tiles + len(chunks[i])]
-        if not cuda:
-            dequantize(blocks, geom, up_w, down_w)
-            return None
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dequantize(blocks, geom, up_w, down_w)
-        done = torch.cuda.Event()
-        done.record(side)
-        return done
-
-    tabs = [table(chunks[0])]
-    pending = decode(0, *tabs[0][:2])
-    h = None
-    for i in range(len(chunks)):
-        ahead = None
-        if i + 1 < len(chunks):
-            tabs.append(table(chunks[i + 1]))
-            ahead = decode(i + 1, *tabs[i + 1][:2])
-        if pending is not None:
-            main.wait_event(pending)
-        tab, n_tiles, lo, hi = tabs[i]
-        up_w, down_w = scratch[i % 2]
-        h = ep.dense_gemms(x_sorted, n_tiles, len(chunks[i]), geom, up_w, down_w, tab, lo, hi, up_global,
-                           down_global, w_sorted, tok_sorted, acc, cfg, h)
-        pending = ahead
-    return acc
+    """kernels' dequantized path with its chunks of CHUNK experts (PIPE_CHUNK) decoded one ahead on a side stream
+    (`kernels.expert_prefill._pipelined`, off in the engine unless MOESTREAM_DEQUANT_PIPE asks)."""
+    cfg = dict(config or {})
+    cfg["PIPE"] = cfg.pop("CHUNK", None) or PIPE_CHUNK
+    return expert_prefill_grouped(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
+                                  config=cfg, path="dequant")
 
 
 # ------------------------------------------------------------------------------------------------ grouped_mm

@@ -81,7 +81,7 @@ def _scales_by_id(E, ug, dg, part):
     return rows[0], rows[1]
 
 
-def _launch_with_scale_row(device, path, gs_index):
+def _launch_with_scale_row(device, path, gs_index, config=CFG):
     """One launch given the layer's whole row of scales (the experts at ids 11, 2, 7, 13, 4) and `gs_index`; and the
     twin's output on the scales in launch order."""
     E, T, k = 5, 33, 2
@@ -91,7 +91,7 @@ def _launch_with_scale_row(device, path, gs_index):
     up_row, down_row = _scales_by_id(E, ug, dg, [11, 2, 7, 13, 4])
     ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
     got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, up_row, down_row, w, tok,
-                                    torch.zeros(T, L, device=device), config=CFG, path=path, gs_index=gs_index)
+                                    torch.zeros(T, L, device=device), config=config, path=path, gs_index=gs_index)
     return got, ref
 
 
@@ -203,3 +203,38 @@ def test_scratch_knob_sets_the_chunk_and_names_bad_values(monkeypatch):
         monkeypatch.setenv("MOESTREAM_DEQUANT_SCRATCH_MB", bad)
         with pytest.raises(ValueError, match="MOESTREAM_DEQUANT_SCRATCH_MB"):
             ep.dequant_scratch_bytes()
+
+
+@pytest.mark.parametrize("pipe,tma", [(1, False), (2, False), (4, True)])
+def test_pipelined_dequant_path_matches_twin(pipe, tma, device, monkeypatch):
+    """MOESTREAM_DEQUANT_PIPE=N: chunks of N experts, each decoded one ahead (a side stream on the GPU) into the other
+    of two scratch sets; with the layer's scale row by expert id, as the engine launches. The twin that must fail:
+    both chunks' decodes written into one scratch set (chunk i+1's decode over chunk i's weights before its GEMMs)."""
+    monkeypatch.setenv(ep.DEQUANT_PIPE_ENV, str(pipe))
+    calls = []
+    real = ep._pipelined
+    monkeypatch.setattr(ep, "_pipelined", lambda *a: calls.append(1) or real(*a))
+    got, ref = _launch_with_scale_row(device, "dequant", [11, 2, 7, 13, 4], dict(CFG, TMA=tma))
+    assert calls == [1]
+    assert_close(got, ref, 1e-3, f"pipelined dequant path (chunks of {pipe}) vs twin")
+
+
+def test_must_fail_pipelined_decode_into_the_scratch_being_read(device, monkeypatch):
+    """The two scratch sets made one: chunk i+1's decode, queued before chunk i's GEMMs, overwrites the weights they
+    read. On the CPU the calls run in queue order, so the hazard a GPU would race into happens every time."""
+    if torch.device(device).type == "cuda":
+        pytest.skip("on the GPU the overwrite is a race between two streams, not a certainty")
+    monkeypatch.setenv(ep.DEQUANT_PIPE_ENV, "2")
+    real_empty, shared = torch.empty, {}
+
+    def one_scratch_set(*shape, **kw):
+        if len(shape) == 1 and isinstance(shape[0], tuple) and len(shape[0]) == 3:     # a scratch set's [C, N, K]
+            return shared.setdefault((shape[0], kw.get("dtype")), real_empty(*shape, **kw))
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(ep.torch, "empty", one_scratch_set)
+    real_gemms, chunks = ep.dense_gemms, []
+    monkeypatch.setattr(ep, "dense_gemms", lambda *a, **kw: chunks.append(1) or real_gemms(*a, **kw))
+    got, ref = _launch_with_scale_row(device, "dequant", [11, 2, 7, 13, 4], dict(CFG))
+    assert len(chunks) == 2 and len(shared) == 2            # two chunks, each scratch tensor made once
+    assert rel_err(got, ref) > 1e-2
