@@ -15,12 +15,14 @@ Two steps, in two processes (the compile needs `@triton.jit` to build JIT functi
 2. `compile_launches`: rebuild each launch's arguments as stand-ins (a tensor stand-in has the dtype and a data
    pointer of the same alignment), bind them with Triton's own binder for the target (`create_function_from_signature`
    and `JITFunction._pack_args`, the code `JITFunction.run` calls), dedupe by the specialization key and compile each
-   variant for the target (sm_90 by default) through every stage to the cubin.
+   variant for the target (sm_90 by default) through every stage to the cubin; a variant whose shared memory is
+   more than a block may take on that arch compiles but would fail at launch, and is counted as failed too.
 
 With `--triton DIR` (the device's Triton: `pip download triton==3.6.0 --no-deps`, unzipped into DIR, `chmod +x` its
 backends/nvidia/bin) step 2 imports that Triton, and the compile is the device's own, minus the driver; step 1 keeps
-this environment's Triton, whose interpreter the tests are written for. Kernels whose launches take arguments the stand-ins cannot describe
-(host callables, a descriptor over a tensor the stand-ins cannot carry) are listed as skipped, never as passed;
+this environment's Triton, whose interpreter the tests are written for. Kernels whose launches take arguments the
+stand-ins cannot describe (host callables, a descriptor over a tensor the stand-ins cannot carry) are listed as
+skipped, never as passed;
 a tensor descriptor is rebuilt around a tensor stand-in.
 
     python -m tools.gpu_compile tests/kernels/test_stage_ups.py [more pytest args] [--arch 90] [--triton DIR]
@@ -130,6 +132,10 @@ def capture(pytest_args: list[str]) -> dict:
 
 
 # --- step 2: the same launches through the GPU's JIT binder and compiler --------------------------------------------
+# the shared memory one block may take (the opt-in maximum) by arch, where known here: Hopper's 227 KiB. A variant over
+# it compiles, and fails at launch (Triton's OutOfResources)
+SHARED_LIMIT = {90: 232448}
+
 
 class TensorStandIn:
     """What the JIT's specialization reads from a tensor argument: its dtype and its data pointer's alignment."""
@@ -207,8 +213,13 @@ def compile_launches(launches: list[dict], arch: int = 90, warp_size: int = 32) 
         t0 = time.perf_counter()
         try:
             opts, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-            triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
-            row.update(ok=True)
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=opts.__dict__)
+            shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+            row.update(ok=True, shared=shared)
+            if shared > SHARED_LIMIT.get(arch, shared):      # compiles, then fails at launch (OutOfResources)
+                row.update(ok=False, stage="launch", error=f"shared memory {shared} bytes > the {SHARED_LIMIT[arch]} "
+                                                           f"a block may take on sm_{arch}: OutOfResources at launch")
         except Exception as e:
             row.update(ok=False, stage="compile", error=_error_chain(e))
         row["seconds"] = round(time.perf_counter() - t0, 2)

@@ -51,6 +51,20 @@ json.dump(c.result(), open(sys.argv[1], "w"))
 """
 
 
+CAPTURE_BIG_TILES = """
+import json, sys, torch
+from tools.gpu_compile import Capture
+from tests.tools import gpu_compile_twin_kernels as t
+with Capture() as c:
+    for block, block_k, stages in ((32, 32, 2), (256, 128, 4)):
+        a, b = torch.randn(block, 2 * block_k).half(), torch.randn(2 * block_k, block).half()
+        out = torch.zeros(block, block)
+        t._tile_product_kernel[(1,)](a, b, out, 2 * block_k, BLOCK=block, BLOCK_K=block_k, num_stages=stages)
+        assert torch.allclose(out, a.float() @ b.float(), atol=1e-2, rtol=1e-3)
+json.dump(c.result(), open(sys.argv[1], "w"))
+"""
+
+
 def _captured(tmp_path, script) -> dict:
     path = tmp_path / "launches.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
@@ -94,3 +108,14 @@ def test_twin_int_made_constant_by_the_jit_is_caught(tmp_path):
     assert len(plain) == 3 and len(failed) == 1
     assert failed[0]["variant"]["layer"] == "('constexpr', 1)" and "'to'" in failed[0]["error"]
     assert [r["ok"] for r in varying] == [True]
+
+
+def test_twin_shared_memory_over_the_block_limit_is_caught(tmp_path):
+    """A variant that compiles but asks more shared memory than an sm_90 block may take fails at launch on the GPU:
+    counted as failed; the small tile of the same kernel passes."""
+    rows = _compiled(tmp_path, _captured(tmp_path, CAPTURE_BIG_TILES))
+    assert len(rows) == 2
+    small, big = sorted(rows, key=lambda r: r.get("shared", 0))
+    assert small["ok"] is True and 0 < small["shared"] <= 232448
+    assert big["ok"] is False and big["stage"] == "launch" and big["shared"] > 232448
+    assert "OutOfResources" in big["error"]
