@@ -174,56 +174,86 @@ def _jit_function(name: str):
     return obj
 
 
-def compile_launches(launches: list[dict], arch: int = 90, warp_size: int = 32) -> list[dict]:
-    """Each launch bound and specialized as `JITFunction.run` does for the target, one compile per distinct
-    specialization; a row per variant with its error, if any."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("compile_launches needs TRITON_INTERPRET unset: under the interpreter @triton.jit builds "
-                           "no JIT functions")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+class _Binder:
+    """Each kernel's binder for the target, built once: the code `JITFunction.run` binds and specializes with."""
 
-    target = GPUTarget("cuda", arch, warp_size)
-    backend = make_backend(target)
-    binders, seen, rows = {}, set(), []
-    for launch in launches:
+    def __init__(self, arch: int, warp_size: int):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise RuntimeError("compiling needs TRITON_INTERPRET unset: under the interpreter @triton.jit builds no "
+                               "JIT functions")
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        self.target = GPUTarget("cuda", arch, warp_size)
+        self.backend = make_backend(self.target)
+        self.binders: dict = {}
+
+    def bind(self, launch: dict):
+        """(fn, kwargs, bound, specialization, options) of one recorded launch."""
+        from triton.runtime.jit import JITFunction, create_function_from_signature
         name = launch["kernel"]
+        fn = _jit_function(name)
+        if not isinstance(fn, JITFunction):
+            raise TypeError(f"not a JIT function ({type(fn).__name__})")
+        if name not in self.binders:
+            self.binders[name] = create_function_from_signature(fn.signature, fn.params, self.backend)
+        args = [_rebuild(a) for a in launch["args"]]
+        kwargs = {k: _rebuild(v) for k, v in launch["kwargs"].items()}
+        kwargs.setdefault("debug", False)
+        return (fn, kwargs, *self.binders[name](*args, **kwargs))
+
+
+_WORKER: dict = {}
+
+
+def _compile_one(launch: dict, arch: int, warp_size: int) -> dict:
+    """One variant through every stage to the cubin, with its shared memory against the arch's limit."""
+    import triton
+    from triton.compiler import ASTSource
+    b = _WORKER.get((arch, warp_size))
+    if b is None:
+        b = _WORKER[(arch, warp_size)] = _Binder(arch, warp_size)
+    fn, kwargs, bound, specialization, options = b.bind(launch)
+    variant = {k: v for k, v in zip(fn.arg_names, specialization) if v[0] == "constexpr" or v[1]}
+    row = {"kernel": launch["kernel"], "variant": {k: repr(v) for k, v in variant.items()}}
+    t0 = time.perf_counter()
+    try:
+        opts, signature, constexprs, attrs = fn._pack_args(b.backend, kwargs, bound, specialization, options)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=b.target, options=opts.__dict__)
+        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+        row.update(ok=True, shared=shared)
+        if shared > SHARED_LIMIT.get(arch, shared):      # compiles, then fails at launch (OutOfResources)
+            row.update(ok=False, stage="launch", error=f"shared memory {shared} bytes > the {SHARED_LIMIT[arch]} a "
+                                                       f"block may take on sm_{arch}: OutOfResources at launch")
+    except Exception as e:
+        row.update(ok=False, stage="compile", error=_error_chain(e))
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def compile_launches(launches: list[dict], arch: int = 90, warp_size: int = 32, jobs: int = 1) -> list[dict]:
+    """Each launch bound and specialized as `JITFunction.run` does for the target, one compile per distinct
+    specialization (over `jobs` processes); a row per variant, in the launches' order, with its error, if any."""
+    from triton.runtime.jit import compute_cache_key
+    binder = _Binder(arch, warp_size)
+    seen, todo, rows = set(), [], []
+    for launch in launches:
         try:
-            fn = _jit_function(name)
-            if not isinstance(fn, JITFunction):
-                rows.append({"kernel": name, "ok": None, "error": f"not a JIT function ({type(fn).__name__})"})
-                continue
-            if name not in binders:
-                binders[name] = create_function_from_signature(fn.signature, fn.params, backend)
-            args = [_rebuild(a) for a in launch["args"]]
-            kwargs = {k: _rebuild(v) for k, v in launch["kwargs"].items()}
-            kwargs.setdefault("debug", False)
-            bound, specialization, options = binders[name](*args, **kwargs)
-            key = (name, str(compute_cache_key({}, specialization, options)))
+            _, _, _, specialization, options = binder.bind(launch)
         except Exception as e:                                  # a launch the binder refuses is a finding too
-            rows.append({"kernel": name, "ok": False, "stage": "bind", "error": f"{type(e).__name__}: {e}"})
+            ok = None if isinstance(e, TypeError) and str(e).startswith("not a JIT") else False
+            rows.append({"kernel": launch["kernel"], "ok": ok, "stage": "bind", "error": f"{type(e).__name__}: {e}"})
             continue
-        if key in seen:
-            continue
-        seen.add(key)
-        variant = {k: v for k, v in zip(fn.arg_names, specialization) if v[0] == "constexpr" or v[1]}
-        row = {"kernel": name, "variant": {k: repr(v) for k, v in variant.items()}}
-        t0 = time.perf_counter()
-        try:
-            opts, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=opts.__dict__)
-            shared = int(getattr(kernel.metadata, "shared", 0) or 0)
-            row.update(ok=True, shared=shared)
-            if shared > SHARED_LIMIT.get(arch, shared):      # compiles, then fails at launch (OutOfResources)
-                row.update(ok=False, stage="launch", error=f"shared memory {shared} bytes > the {SHARED_LIMIT[arch]} "
-                                                           f"a block may take on sm_{arch}: OutOfResources at launch")
-        except Exception as e:
-            row.update(ok=False, stage="compile", error=_error_chain(e))
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        rows.append(row)
+        key = (launch["kernel"], str(compute_cache_key({}, specialization, options)))
+        if key not in seen:
+            seen.add(key)
+            todo.append(launch)
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            rows += list(pool.map(_compile_one, todo, [arch] * len(todo), [warp_size] * len(todo)))
+    else:
+        rows += [_compile_one(launch, arch, warp_size) for launch in todo]
     return rows
 
 
@@ -237,13 +267,14 @@ def _error_chain(e: BaseException, most: int = 3000) -> str:
     return " <- ".join(reversed(chain))[:most]
 
 
-def _compile_in_child(launches_path: Path, rows_path: Path, arch: int, triton_dir: Path | None) -> tuple[str, list]:
+def _compile_in_child(launches_path: Path, rows_path: Path, arch: int, triton_dir: Path | None,
+                      jobs: int) -> tuple[str, list]:
     """Step 2 in a fresh process: no TRITON_INTERPRET, the chosen Triton first on the path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if triton_dir:
         env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), os.getcwd(), env.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, "-m", "tools.gpu_compile", "--compile-child", str(launches_path),
-                    "--arch", str(arch), "--out", str(rows_path)], env=env, check=True)
+                    "--arch", str(arch), "--jobs", str(jobs), "--out", str(rows_path)], env=env, check=True)
     version, *rows = json.loads(rows_path.read_text())
     return version["triton"], rows
 
@@ -262,7 +293,7 @@ def report(version: str, arch: int, captured: dict, rows: list, verbose: bool = 
     for name, why in captured["undescribed"].items():
         print(f"  skipped {name}: {why}")
     print(f"{sum(r['ok'] is True for r in rows)} variants of {len({r['kernel'] for r in rows})} kernels compiled "
-          f"in {sum(r.get('seconds', 0) for r in rows):.0f} s, {len(failed)} failed, "
+          f"({sum(r.get('seconds', 0) for r in rows):.0f} s of compiling), {len(failed)} failed, "
           f"{sum(r['ok'] is None for r in rows) + len(captured['undescribed'])} skipped")
     return 1 if failed else 0
 
@@ -286,11 +317,12 @@ def main(argv=None) -> int:
                     help="compile the launches a test run recorded (MOESTREAM_CAPTURE_LAUNCHES=F python -m pytest: "
                          "tests/conftest.py) instead of running tests")
     ap.add_argument("--quiet", action="store_true", help="list only the variants that did not compile")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: the cores)")
     ap.add_argument("--compile-child", type=Path, help=argparse.SUPPRESS)   # step 2, in a process of its own
     a, rest = ap.parse_known_args(argv)
     a.pytest_args += rest
     if a.compile_child:
-        rows = compile_launches(json.loads(a.compile_child.read_text())["launches"], arch=a.arch)
+        rows = compile_launches(json.loads(a.compile_child.read_text())["launches"], arch=a.arch, jobs=a.jobs)
         import triton
         a.out.write_text(json.dumps([{"triton": triton.__version__}] + rows, indent=1))
         return 0
@@ -309,7 +341,7 @@ def main(argv=None) -> int:
                    "json.dump(capture(sys.argv[2:]), open(sys.argv[1], 'w'))", str(launches_path), *a.pytest_args]
             subprocess.run(cmd, env=env)
         captured = json.loads(launches_path.read_text())
-        version, rows = _compile_in_child(launches_path, rows_path, a.arch, a.triton)
+        version, rows = _compile_in_child(launches_path, rows_path, a.arch, a.triton, a.jobs)
     rc = report(version, a.arch, captured, rows, verbose=not a.quiet)
     if a.out:
         a.out.write_text(json.dumps({"triton": version, "arch": a.arch, "rows": rows,
