@@ -174,6 +174,12 @@ def _jit_function(name: str):
     return obj
 
 
+# Constexprs whose value the launchers choose by `kernels.backend.interpreted()` (the interpreter runs no inline PTX
+# and multiplies bf16 dots wrongly): recorded under the interpreter with its value, compiled with the GPU's, so that
+# the check compiles the variant a GPU launches (the inline-PTX decode among them, which no CPU test runs)
+GPU_VALUES = {"USE_ASM": True, "UPCAST": False, "EMULATE": False, "DIRECT": True}
+
+
 class _Binder:
     """Each kernel's binder for the target, built once: the code `JITFunction.run` binds and specializes with."""
 
@@ -197,7 +203,7 @@ class _Binder:
         if name not in self.binders:
             self.binders[name] = create_function_from_signature(fn.signature, fn.params, self.backend)
         args = [_rebuild(a) for a in launch["args"]]
-        kwargs = {k: _rebuild(v) for k, v in launch["kwargs"].items()}
+        kwargs = {k: GPU_VALUES.get(k, _rebuild(v)) for k, v in launch["kwargs"].items()}
         kwargs.setdefault("debug", False)
         return (fn, kwargs, *self.binders[name](*args, **kwargs))
 
