@@ -73,9 +73,12 @@ class Capture:
     """Records every interpreted launch (the first of each distinct argument description) while started: as a pytest
     plugin around a test run, or around any code (`with Capture() as c: ...`)."""
 
-    def __init__(self):
+    def __init__(self, execute: bool = True):
+        """execute False: launches are recorded and not run (their outputs are garbage): for variants whose
+        interpreted run would take minutes, when only their compile is wanted."""
         self.launches: dict[str, dict] = {}
         self.undescribed: dict[str, str] = {}
+        self.execute = execute
         self._restore = None
 
     def start(self):
@@ -84,7 +87,8 @@ class Capture:
 
         def recording_run(fn_self, *args, grid, warmup, **kwargs):
             capture.record(fn_self.fn, args, kwargs)
-            return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            if capture.execute:
+                return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = recording_run
         self._restore = (InterpretedFunction, run)

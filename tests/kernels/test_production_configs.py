@@ -1,9 +1,9 @@
-"""The engine's expert kernels at the configurations it runs them with (128-wide prefill tiles, 8 warps, 3-4 stages;
-the decode's fused layer and the VRAM tier's kernels at their defaults), on shapes that are not multiples of those
+"""The engine's kernels at the configurations it runs them with (128-wide prefill tiles, 8 warps, 3-4 stages; the
+decode's fused layer and the VRAM tier's kernels at their defaults; every sm_90 GEMV choice), on shapes that are not multiples of those
 tiles, against their twins. The other kernel tests use small tiles so that the interpreter runs many programs; these
 run the production variants, so that CI's GPU compile check (tools/gpu_compile.py, fed by this run's launches)
 compiles exactly what a GPU would launch, and the interpreter checks their arithmetic. Must-fail twins: each path
-given its experts' neighbours' blocks."""
+given its experts' neighbours' blocks, each GEMV its weight's nibbles swapped."""
 import pytest
 import torch
 
@@ -13,7 +13,8 @@ from kernels.expert_block import ExpertGeometry, pack_expert_block
 from kernels.expert_layer import expert_layer, expert_layer_torch
 from kernels.expert_vram import vram_expert_decode
 from kernels.moe_ops import block_addresses
-from kernels.nvfp4 import encode_nvfp4
+from kernels import gemv_nvfp4 as g
+from kernels.nvfp4 import encode_nvfp4, swap_nibbles
 from kernels.testing import assert_close, rel_err
 
 PL, PI = 160, 272          # 10 and 17 groups of 16: a partial 128-wide tile on both sides of each GEMM
@@ -82,3 +83,41 @@ def test_vram_tier_kernels_at_their_default_configs(device):
     assert_close(out, dense_ref(x.float(), ups, downs, w.cpu()), 1e-5, "VRAM tier decode vs dense")
     rolled = block_addresses(blocks[1:] + blocks[:1], device)
     assert rel_err(vram_expert_decode(x, rolled, geom, ug, dg, w), out) > 0.05
+
+
+# every sm_90 GEMV choice at its M and K, on a slice of its rows (two row blocks, N's divisibility by 16 kept: the
+# variant the GPU compiles is the same); one shape per distinct configuration. The other GEMV tests (small shapes, no
+# arch-90 entry) never launch these configs. The entries routed to the FMA kernel take ~50 s a shape under the
+# interpreter: there they are compiled, not run (tests/tools/test_gpu_compile.py); on a GPU they run here too.
+def _gemv_entries():
+    g_arch, g._arch = g._arch, (lambda dev: 90)
+    try:
+        out, seen = [], set()
+        for e in sorted(k for k in g.GEMV_CHOICES if k[0] == 90):
+            cfg = g.gemv_config(e[1], e[2], e[3], torch.device("cpu"), n_sm=132)
+            key = (e[1], tuple(sorted((k, str(v)) for k, v in cfg.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((e, cfg))
+        return out
+    finally:
+        g._arch = g_arch
+
+
+GEMV_ENTRIES = _gemv_entries()
+
+
+@pytest.mark.parametrize("entry,cfg", GEMV_ENTRIES, ids=[f"M{e[1]}-N{e[2]}-K{e[3]}" for e, _ in GEMV_ENTRIES])
+def test_gemv_choice_at_its_production_config(entry, cfg, device):
+    if "FMA" in cfg and torch.device(device).type != "cuda":
+        pytest.skip("the FMA kernel's production variant: compiled by tests/tools/test_gpu_compile.py, run on a GPU")
+    m, K = entry[1], entry[3]
+    assert all(cfg.get(k) == v for k, v in g.GEMV_CHOICES[entry].items() if k != "FMA")
+    n = 2 * (64 if "FMA" in cfg else cfg["BLOCK_N"])
+    w = torch.randn(n, K) * torch.rand(n, 1)
+    q, s, gs = (t.to(device) for t in encode_nvfp4(w))
+    x = torch.randn(m, K, device=device).bfloat16()
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(cfg))
+    ref = g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32)
+    assert_close(y, ref, 4e-3 if "FMA" in cfg else 2e-5, f"GEMV {entry} at its config")
+    assert rel_err(g.nvfp4_linear(x, swap_nibbles(q), s, gs, out_dtype=torch.float32, config=dict(cfg)), ref) > 0.1

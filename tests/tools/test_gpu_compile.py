@@ -65,6 +65,21 @@ json.dump(c.result(), open(sys.argv[1], "w"))
 """
 
 
+CAPTURE_FMA_GEMV = """
+import json, sys, torch
+from tools.gpu_compile import Capture
+from kernels import gemv_nvfp4 as g
+from kernels.nvfp4 import encode_nvfp4
+g._arch = lambda dev: 90
+with Capture(execute=False) as c:           # recorded, not run: ~50 s a shape under the interpreter
+    for e in sorted(k for k in g.GEMV_CHOICES if k[0] == 90 and "FMA" in g.GEMV_CHOICES[k]):
+        cfg = g.gemv_config(e[1], e[2], e[3], torch.device("cpu"), n_sm=132)
+        q, s, gs = encode_nvfp4(torch.randn(64, e[3]))
+        g.nvfp4_linear(torch.randn(e[1], e[3]).bfloat16(), q, s, gs, out_dtype=torch.float32, config=cfg)
+json.dump(c.result(), open(sys.argv[1], "w"))
+"""
+
+
 def _captured(tmp_path, script) -> dict:
     path = tmp_path / "launches.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
@@ -119,3 +134,13 @@ def test_twin_shared_memory_over_the_block_limit_is_caught(tmp_path):
     assert small["ok"] is True and 0 < small["shared"] <= 232448
     assert big["ok"] is False and big["stage"] == "launch" and big["shared"] > 232448
     assert "OutOfResources" in big["error"]
+
+
+def test_fma_gemv_production_variants_compile(tmp_path):
+    """The GEMV entries routed to the FMA kernel (their C / R / PPS at Super's K), which the production-config test
+    cannot afford to interpret: recorded without running and compiled, inline PTX (the GPU's HADD2) included."""
+    captured = _captured(tmp_path, CAPTURE_FMA_GEMV)
+    rows = _compiled(tmp_path, captured)
+    fma = [r for r in rows if "gemv_nvfp4_fma" in r["kernel"]]
+    assert fma and all(r["ok"] is True for r in rows)
+    assert {r["variant"].get("C") for r in fma} == {"('constexpr', 4)"}
