@@ -682,7 +682,8 @@ _SIDE_STREAMS: dict = {}
 
 
 def dequant_pipe() -> int:
-    """Experts per pipelined chunk of the dequantized path: $MOESTREAM_DEQUANT_PIPE, else 0 (in series)."""
+    """Experts per pipelined chunk of the dequantized path: $MOESTREAM_DEQUANT_PIPE, else 0 (in series). The Triton
+    GEMMs' path only: with MOESTREAM_EXPERT_GEMM's torch._grouped_mm the decode stays in series."""
     raw = os.environ.get(DEQUANT_PIPE_ENV, "")
     if raw and not raw.isdigit():
         raise ValueError(f"{DEQUANT_PIPE_ENV}={raw!r}: expected 0 (off) or a whole number of experts a chunk")
@@ -865,9 +866,6 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
     to bf16, an error as large as the up's output rounding."""
     L, I, dev = geom.L, geom.I, x_sorted.device
     live = sorted(live, key=lambda i: segments[i][0])       # _grouped_mm's groups follow the rows
-    if cfg.get("PIPE"):
-        return _pipelined(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg,
-                          h, gs_index)
     C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
     C = min(C, len(live))
     triton_up = cfg["GEMM"] == "grouped_mm_down"

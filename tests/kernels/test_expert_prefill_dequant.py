@@ -238,3 +238,15 @@ def test_must_fail_pipelined_decode_into_the_scratch_being_read(device, monkeypa
     got, ref = _launch_with_scale_row(device, "dequant", [11, 2, 7, 13, 4], dict(CFG))
     assert len(chunks) == 2 and len(shared) == 2            # two chunks, each scratch tensor made once
     assert rel_err(got, ref) > 1e-2
+
+
+def test_pipelining_leaves_the_grouped_mm_path_alone(device, monkeypatch):
+    """MOESTREAM_DEQUANT_PIPE pipelines the Triton GEMMs' path only: with torch._grouped_mm's GEMMs asked for, the
+    decode stays in series and the launch still goes through _grouped_gmm."""
+    monkeypatch.setenv(ep.DEQUANT_PIPE_ENV, "2")
+    called = []
+    monkeypatch.setattr(ep, "_pipelined", lambda *a: called.append("pipelined"))
+    real = ep._grouped_gmm
+    monkeypatch.setattr(ep, "_grouped_gmm", lambda *a: called.append("gmm") or real(*a))
+    _launch_with_scale_row(device, "dequant", [11, 2, 7, 13, 4], dict(CFG, GEMM="grouped_mm"))
+    assert called == ["gmm"]
