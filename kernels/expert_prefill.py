@@ -697,6 +697,19 @@ def _side_stream(dev) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
+def _chunk_launch(segments, part, addrs, block_m: int, gs_index, dev):
+    """A chunk's table on the device (`chunk_table`), its tile count and its rows lo:hi of the launch."""
+    lo = min(segments[i][0] for i in part)
+    hi = max(segments[i][0] + segments[i][1] for i in part)
+    flat = chunk_table(segments, part, addrs, block_m, lo, gs_index)
+    return device_table(flat, dev), (len(flat) - 2 * len(part)) // 3, lo, hi
+
+
+def _chunk_blocks(tab: torch.Tensor, n_tiles: int, n: int) -> torch.Tensor:
+    """The chunk's n block addresses, as its table holds them after the tiles."""
+    return tab[3 * n_tiles:3 * n_tiles + n]
+
+
 def _pipelined(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h,
                gs_index):
     """`_grouped_dequant` with chunks of cfg PIPE experts, each decoded one ahead on a side stream. Stream order:
@@ -714,14 +727,11 @@ def _pipelined(x_sorted, segments, live, addrs, geom, up_global, down_global, w_
     side = _side_stream(dev) if cuda else None
 
     def table(part):
-        lo = min(segments[i][0] for i in part)
-        hi = max(segments[i][0] + segments[i][1] for i in part)
-        flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo, gs_index)
-        return device_table(flat, dev), (len(flat) - 2 * len(part)) // 3, lo, hi
+        return _chunk_launch(segments, part, addrs, cfg["BLOCK_M"], gs_index, dev)
 
     def decode(i, tab, n_tiles):
         up_w, down_w = scratch[i % 2]
-        blocks = tab[3 * n_tiles:3 * n_tiles + len(chunks[i])]
+        blocks = _chunk_blocks(tab, n_tiles, len(chunks[i]))
         if not cuda:
             dequantize(blocks, geom, up_w, down_w)
             return None
@@ -770,12 +780,8 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     down_w = torch.empty((C, L, I), dtype=torch.float16, device=dev)
     for c0 in range(0, len(live), C):
         part = live[c0:c0 + C]
-        lo = min(segments[i][0] for i in part)
-        hi = max(segments[i][0] + segments[i][1] for i in part)
-        flat = chunk_table(segments, part, addrs, cfg["BLOCK_M"], lo, gs_index)
-        tab = device_table(flat, dev)
-        n_tiles = (len(flat) - 2 * len(part)) // 3
-        dequantize(tab[3 * n_tiles:3 * n_tiles + len(part)], geom, up_w, down_w)
+        tab, n_tiles, lo, hi = _chunk_launch(segments, part, addrs, cfg["BLOCK_M"], gs_index, dev)
+        dequantize(_chunk_blocks(tab, n_tiles, len(part)), geom, up_w, down_w)
         h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
                         w_sorted, tok_sorted, acc, cfg, h)
     return acc
@@ -883,7 +889,7 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
         packed = torch.tensor(ends + [0] * (n % 2), dtype=torch.int32).view(torch.int64).tolist()
         tab = device_table(flat + packed, dev)
         offs = tab[len(flat):].view(torch.int32)[:n]
-        dequantize(tab[3 * n_tiles:3 * n_tiles + n], geom, up_w, down_w, down_bf16=True)
+        dequantize(_chunk_blocks(tab, n_tiles, n), geom, up_w, down_w, down_bf16=True)
         x = x_sorted[lo:hi]
         if triton_up:
             h = torch.empty((hi - lo, I), dtype=torch.bfloat16, device=dev)
