@@ -22,6 +22,9 @@ class Tokenizer:
         self.tool_call_marks = [vocab[m] for m in ("<tool_call>", "</tool_call>") if m in vocab]
         self.has_template = bool(getattr(self.tok, "chat_template", None))
         self.eos_ids = self._eos_ids(vocab)
+        # a conversation's messages encoded once each (server/stretch_encoder.py), where that is exact
+        from server.stretch_encoder import StretchEncoder
+        self.stretches = StretchEncoder.for_backend(self.backend, bool(self.tok.split_special_tokens))
 
     def _eos_ids(self, vocab) -> list[int]:
         """The generation config's eos ids (Nemotron: </s> and <|im_end|>), else the config's, else the tokenizer's."""
@@ -49,13 +52,19 @@ class Tokenizer:
         """transformers' `encode`: its backend's `encode_batch` of [text] with no truncation, no padding and its
         `split_special_tokens`. When the backend is already so, the backend's `encode_batch_fast` (no offsets, no
         conversion to a BatchEncoding; the GIL released) gives the same ids in ~3/4 of the time (16k tokens: 6.8 ->
-        5.2 ms on this VM, bench/NOTES.md session 16, h-api)."""
-        be = self.backend
-        fast = getattr(be, "encode_batch_fast", None)
-        if (fast is None or be.truncation is not None or be.padding is not None
-                or be.encode_special_tokens != bool(self.tok.split_special_tokens)):
+        5.2 ms on this VM, bench/NOTES.md session 16, h-api). Where the stretch memo is exact, it gives them."""
+        if not self._backend_as_transformers_sets_it():
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
-        return fast([text], add_special_tokens=add_special_tokens)[0].ids
+        if self.stretches is not None and not add_special_tokens:
+            return self.stretches.encode(text)[0]
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _backend_as_transformers_sets_it(self) -> bool:
+        """The backend has a fast encode and no truncation or padding, and splits special tokens as transformers'
+        tokenizer says (checked per call: a caller may set the backend otherwise after the start)."""
+        be = self.backend
+        return (getattr(be, "encode_batch_fast", None) is not None and be.truncation is None and be.padding is None
+                and be.encode_special_tokens == bool(self.tok.split_special_tokens))
 
     def encode_split(self, text: str, n_chars: int) -> tuple[list[int], int | None]:
         """`encode(text)` and how many of its ids `encode(text[:n_chars])` gives, or None where that is not proven
@@ -66,7 +75,11 @@ class Tokenizer:
         up to there, and their ids are the same, but for the last stretch (after the last added token before
         n_chars), which the prefix ends in and the text does not. That stretch alone (in a chat template, the
         "\\n" after the last message's end mark) is encoded again and compared. No added token at n_chars, none
-        before it, or a stretch that encodes otherwise: None."""
+        before it, or a stretch that encodes otherwise: None. With the stretch memo, the same proof, read off the
+        stretches (server/stretch_encoder.py)."""
+        if self.stretches is not None and self.stretches.backend is self.backend and \
+                self._backend_as_transformers_sets_it():
+            return self.stretches.encode(text, cut_at=n_chars)
         enc = self.backend.encode(text, add_special_tokens=False)
         ids = enc.ids
         added = self._added_ids()

@@ -10,10 +10,16 @@ import pytest
 from nemotron.vision_prompt import encode_prompt
 
 
-@pytest.fixture(scope="module")
-def tok(synth):
+@pytest.fixture(scope="module", params=["stretch memo", "whole text"])
+def tok(synth, request):
+    """The tokenizer as the server runs it (the stretch memo, server/stretch_encoder.py), and with the memo off (the
+    path of a tokenizer it is not exact for): each test runs on both."""
     from server.tokenizer import Tokenizer
-    return Tokenizer(synth("tiny", "nvfp4"))
+    t = Tokenizer(synth("tiny", "nvfp4"))
+    assert t.stretches is not None
+    if request.param == "whole text":
+        t.stretches = None
+    return t
 
 
 def conversations(seed: int, n: int = 12):
