@@ -100,7 +100,7 @@ def test_the_memo_is_bounded_and_drops_the_least_recently_used(tok):
 
 
 def _tiny_backend(pre_tokenizer, added):
-    from tokenizers import AddedToken, Tokenizer, models, trainers
+    from tokenizers import Tokenizer, models, trainers
     from tools.synth_tokenizer import CORPUS
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizer
