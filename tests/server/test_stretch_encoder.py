@@ -99,15 +99,48 @@ def test_the_memo_is_bounded_and_drops_the_least_recently_used(tok):
     assert enc.encode(long)[0] == reference(tok, long) and long not in enc.memo
 
 
-def _tiny_backend(pre_tokenizer, added):
-    from tokenizers import Tokenizer, models, trainers
+def _tiny_backend(pre_tokenizer, added, byte_level=False):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from tools.synth_tokenizer import CORPUS
-    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
     t.pre_tokenizer = pre_tokenizer
-    t.train_from_iterator([CORPUS] * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"],
-                                                             show_progress=False))
-    t.add_special_tokens(added)
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    t.train_from_iterator([CORPUS] * 4, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"],
+                                                             initial_alphabet=alphabet, show_progress=False))
+    for a in added:
+        (t.add_special_tokens if a.special else t.add_tokens)([a])
     return t
+
+
+# the split Nemotron's tekken-style tokenizer.json describes (a Split regex, then ByteLevel without its own regex)
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_a_split_regex_tokenizer_is_exact_on_chat_text():
+    """A tokenizer built as a tekken-style tokenizer.json is (Split by a regex with a lookahead, then ByteLevel),
+    special and non-special added tokens: stretch-wise ids equal the whole text's on 300 chat-shaped texts with odd
+    whitespace at every message's ends."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+    from tools.synth_tokenizer import CORPUS
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(TEKKEN_SPLIT), behavior="isolated"),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    added = [AddedToken(x, special=True) for x in ("<|im_start|>", "<|im_end|>", "<s>", "</s>")]
+    added += [AddedToken(x, special=False) for x in ("<think>", "</think>")]
+    be = _tiny_backend(pre, added, byte_level=True)
+    enc = StretchEncoder.for_backend(be)
+    assert enc is not None
+    rng, words = random.Random(0), CORPUS.split()
+    for _ in range(300):
+        text = ""
+        for _ in range(rng.randrange(1, 6)):
+            s = " ".join(rng.choice(words) for _ in range(rng.randrange(0, 40)))
+            s = rng.choice(["", " ", "\n", "  ", "\t\n "]) + s + rng.choice(["", " ", "\n", "\n\n", "   "])
+            text += (f"<|im_start|>{rng.choice(['user', 'assistant'])}\n{rng.choice(['', '<think>', ' </think>'])}"
+                     f"{s}<|im_end|>{rng.choice(['', chr(10)])}")
+        assert enc.encode(text)[0] == be.encode(text, add_special_tokens=False).ids, text
+    assert enc.hits > 0 and enc.misses > 0
 
 
 def test_must_fail_metaspace_first_would_differ_and_is_not_used():
