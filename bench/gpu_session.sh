@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
+#   STEPS="prefill_deep vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with the env),
@@ -56,6 +56,13 @@ PY
            --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -v "^\s*$" "$OUT/e2e.log" | tail -12;;
     prefill) timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
+    # session 21: the RAM regime's prompts on a deeper model (DEEP_LAYERS MoE layers, default 8: the issue's own
+    # setting; the last layer's kernels after the bus is done are 1/DEEP_LAYERS of the experts' compute), its own work dir
+    prefill_deep) timeout 200 python3 -c "from bench.workdir import super_store; super_store('$W/super_deep', ${DEEP_LAYERS:-8})" > "$OUT/prefill_deep.log" 2>&1
+      tail -1 "$OUT/prefill_deep.log"
+      timeout ${PREFILL_DEEP_TIMEOUT:-200} python3 -m bench.prefill --work $W/super_deep --moe-layers ${DEEP_LAYERS:-8} --io-workers 8 \
+           ${PREFILL_DEEP_ARGS:-} --out "$OUT/prefill_deep.json" >> "$OUT/prefill_deep.log" 2>&1; tail -${DEEP_TAIL:-16} "$OUT/prefill_deep.log" | cut -c1-200
+      rm -rf $W/super_deep;;
     prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --io-workers 8 ${PREFILL2_ARGS:-${PREFILL_ARGS:-}} --out "$OUT/prefill2.json" > "$OUT/prefill2.log" 2>&1; tail -12 "$OUT/prefill2.log";;
     # session 12: the prefill under budgets of BUDGETS MiB (the server's reserve is 512), BUDGET_SIZES tokens, one
