@@ -58,9 +58,9 @@ PY
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
     # session 21: the RAM regime's prompts on a deeper model (DEEP_LAYERS MoE layers, default 8: the issue's own
     # setting; the last layer's kernels after the bus is done are 1/DEEP_LAYERS of the experts' compute), its own work dir
-    prefill_deep) timeout 200 python3 -c "from bench.workdir import super_store; super_store('$W/super_deep', ${DEEP_LAYERS:-8})" > "$OUT/prefill_deep.log" 2>&1
+    prefill_deep) timeout ${DEEP_BUILD_TIMEOUT:-150} python3 -c "from bench.workdir import super_store; super_store('$W/super_deep', ${DEEP_LAYERS:-8})" > "$OUT/prefill_deep.log" 2>&1
       tail -1 "$OUT/prefill_deep.log"
-      timeout ${PREFILL_DEEP_TIMEOUT:-200} python3 -m bench.prefill --work $W/super_deep --moe-layers ${DEEP_LAYERS:-8} --io-workers 8 \
+      timeout ${PREFILL_DEEP_TIMEOUT:-150} python3 -m bench.prefill --work $W/super_deep --moe-layers ${DEEP_LAYERS:-8} --io-workers 8 \
            ${PREFILL_DEEP_ARGS:-} --out "$OUT/prefill_deep.json" >> "$OUT/prefill_deep.log" 2>&1; tail -${DEEP_TAIL:-16} "$OUT/prefill_deep.log" | cut -c1-200
       rm -rf $W/super_deep;;
     prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
