@@ -73,6 +73,7 @@ class ServerState:
     def load_tokenizer(self) -> None:
         tok = Tokenizer(self.settings.model_dir)
         self.piece_chars = limits.max_piece_chars(tok, self.vocab_size)
+        self.metrics.watch_prompt_memo(tok.stretches)
         self.tokenizer = tok
 
     def mark_store_damaged(self, why: str) -> None:

@@ -77,6 +77,12 @@ class Metrics:
             lambda: client.restarts)
         r.register(_EngineCollector(self))
 
+    def watch_prompt_memo(self, memo) -> None:
+        """The prompt encode's stretch memo (server/stretch_encoder.py; None where the tokenizer is not one it is
+        exact for): the stretches between added tokens found already encoded, and those encoded."""
+        if memo is not None:
+            self.registry.register(_MemoCollector(memo))
+
     def failed(self, path: str, reason: str) -> None:
         self.failures.labels(path if path in ENDPOINTS else "other", reason).inc()
 
@@ -99,6 +105,22 @@ class Metrics:
     async def render(self) -> bytes:
         self.engine_stats = await self.client.stats()
         return generate_latest(self.registry)
+
+
+class _MemoCollector:
+    def __init__(self, memo):
+        self.memo = memo
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, n, doc in [("prompt_stretches_reused", self.memo.hits,
+                              "prompt stretches between added tokens found encoded in the memo (earlier turns)"),
+                             ("prompt_stretches_encoded", self.memo.misses, "prompt stretches encoded")]:
+            c = CounterMetricFamily(P + name, doc)
+            c.add_metric([], n)
+            yield c
 
 
 class _EngineCollector:

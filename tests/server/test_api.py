@@ -327,6 +327,15 @@ def test_metrics(server, model):
     assert metric(server, "moestream_requests_waiting") == 0
     assert metric(server, "moestream_decode_tokens_per_second") > 0
     assert metric(server, "moestream_snapshots_in_ram") >= 1
+    # the prompt's stretches between added tokens: a chat's system message, sent again, is found in the memo
+    reused = metric(server, "moestream_prompt_stretches_reused_total")
+    encoded = metric(server, "moestream_prompt_stretches_encoded_total")
+    chat = [{"role": "system", "content": "A system prompt the memo keeps"}, {"role": "user", "content": "one"}]
+    for question in ("one", "two"):
+        chat[1]["content"] = question
+        server.openai().chat.completions.create(model=model, messages=chat, max_tokens=1)
+    assert metric(server, "moestream_prompt_stretches_encoded_total") > encoded
+    assert metric(server, "moestream_prompt_stretches_reused_total") > reused
 
 
 def test_a_killed_io_worker_or_prefetcher_goes_unnoticed(server, model):
