@@ -41,8 +41,9 @@ SLOT_ALIGN = 256
 
 
 def slab_routing_from_env() -> bool:
-    """MOESTREAM_SLAB_ROUTING: route on the device the MoE layers held whole in the slab (1) or not (0, the default
-    until an H200 run has measured it: its GPU tests and its A/B are bench/NOTES.md session 19's first line to run)."""
+    """MOESTREAM_SLAB_ROUTING: route on the device the MoE layers held whole in the slab (1) or not (0, the default:
+    on the H200 it lost, 6.17 against the host route's 5.51 ms/token, because the SMs' staging reads slow the dense
+    kernels beside them more than the copy engine's copies do; bench/NOTES.md session 21, call 1)."""
     v = os.environ.get("MOESTREAM_SLAB_ROUTING", "0")
     if v not in ("0", "1"):
         raise ValueError(f"MOESTREAM_SLAB_ROUTING={v!r}: expected 0 or 1")

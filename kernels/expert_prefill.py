@@ -368,9 +368,8 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     if grouped_path(x_sorted, segments, geom, path) == "dequant":
         cfg = {**dequant_config(segments),
                **{k: v for k, v in (config or {}).items()
-                  if k in _DEQUANT_KEYS + ("CHUNK", "TMA", "EPI_BLOCK_N", "PIPE")}}
+                  if k in _DEQUANT_KEYS + ("CHUNK", "TMA", "EPI_BLOCK_N")}}
         cfg["GEMM"] = expert_gemm(config) if gmm_able(x_sorted, geom) else "triton"
-        cfg.setdefault("PIPE", dequant_pipe())
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h, gs_index)
     if gs_index is not None:        # the fused kernels index the scales by the launch's order
@@ -672,31 +671,6 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
     return h
 
 
-# MOESTREAM_DEQUANT_PIPE=N (read per call; 0, the default: off): the dequantized path decodes chunks of N experts one
-# ahead on a side stream, into the other of two scratch sets, beside the GEMMs of the chunk before (`_pipelined`).
-# The decode is memory-bound and the GEMMs compute-bound, and in series the decode was ~40 % of the path at 256
-# tokens per expert (bench/NOTES.md session 12: 136 of ~360 µs for 32 Super experts). Built in session 20 without a
-# GPU: off until bench.kernels.expert_prefill_sweep's dequant_pipe rows and a bench.prefill A/B measure it.
-DEQUANT_PIPE_ENV = "MOESTREAM_DEQUANT_PIPE"
-_SIDE_STREAMS: dict = {}
-
-
-def dequant_pipe() -> int:
-    """Experts per pipelined chunk of the dequantized path: $MOESTREAM_DEQUANT_PIPE, else 0 (in series). The Triton
-    GEMMs' path only: with MOESTREAM_EXPERT_GEMM's torch._grouped_mm the decode stays in series."""
-    raw = os.environ.get(DEQUANT_PIPE_ENV, "")
-    if raw and not raw.isdigit():
-        raise ValueError(f"{DEQUANT_PIPE_ENV}={raw!r}: expected 0 (off) or a whole number of experts a chunk")
-    return int(raw) if raw else 0
-
-
-def _side_stream(dev) -> torch.cuda.Stream:
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", key))
-    return _SIDE_STREAMS[key]
-
-
 def _chunk_launch(segments, part, addrs, block_m: int, gs_index, dev):
     """A chunk's table on the device (`chunk_table`), its tile count and its rows lo:hi of the launch."""
     lo = min(segments[i][0] for i in part)
@@ -708,55 +682,6 @@ def _chunk_launch(segments, part, addrs, block_m: int, gs_index, dev):
 def _chunk_blocks(tab: torch.Tensor, n_tiles: int, n: int) -> torch.Tensor:
     """The chunk's n block addresses, as its table holds them after the tiles."""
     return tab[3 * n_tiles:3 * n_tiles + n]
-
-
-def _pipelined(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h,
-               gs_index):
-    """`_grouped_dequant` with chunks of cfg PIPE experts, each decoded one ahead on a side stream. Stream order:
-    chunk i+1's decode waits for the compute stream's work queued so far (its table's fetch, and chunk i-1's GEMMs:
-    the last readers of the scratch set it writes) and is queued before chunk i's GEMMs, which it overlaps; chunk
-    i+1's GEMMs wait for its decode. The compute stream waits for every decode before its last GEMMs, so nothing
-    allocated here is reused while the side stream still writes it. On the CPU the same calls run in order."""
-    L, I, dev = geom.L, geom.I, x_sorted.device
-    C = min(cfg["PIPE"], len(live))
-    chunks = [live[c:c + C] for c in range(0, len(live), C)]
-    scratch = [(torch.empty((C, I, L), dtype=torch.bfloat16, device=dev),
-                torch.empty((C, L, I), dtype=torch.float16, device=dev)) for _ in range(min(2, len(chunks)))]
-    cuda = dev.type == "cuda"
-    main = torch.cuda.current_stream(dev) if cuda else None
-    side = _side_stream(dev) if cuda else None
-
-    def table(part):
-        return _chunk_launch(segments, part, addrs, cfg["BLOCK_M"], gs_index, dev)
-
-    def decode(i, tab, n_tiles):
-        up_w, down_w = scratch[i % 2]
-        blocks = _chunk_blocks(tab, n_tiles, len(chunks[i]))
-        if not cuda:
-            dequantize(blocks, geom, up_w, down_w)
-            return None
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dequantize(blocks, geom, up_w, down_w)
-        done = torch.cuda.Event()
-        done.record(side)
-        return done
-
-    tabs = [table(chunks[0])]
-    pending = decode(0, *tabs[0][:2])
-    for i in range(len(chunks)):
-        ahead = None
-        if i + 1 < len(chunks):
-            tabs.append(table(chunks[i + 1]))
-            ahead = decode(i + 1, *tabs[i + 1][:2])
-        if pending is not None:
-            main.wait_event(pending)
-        tab, n_tiles, lo, hi = tabs[i]
-        up_w, down_w = scratch[i % 2]
-        h = dense_gemms(x_sorted, n_tiles, len(chunks[i]), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
-                        w_sorted, tok_sorted, acc, cfg, h)
-        pending = ahead
-    return acc
 
 
 def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h,
@@ -771,9 +696,6 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     if cfg.get("GEMM", "triton") != "triton":
         return _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                             cfg, gs_index)
-    if cfg.get("PIPE"):
-        return _pipelined(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg,
-                          h, gs_index)
     C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
     C = min(C, len(live))
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)

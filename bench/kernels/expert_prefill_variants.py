@@ -11,7 +11,8 @@ that bench/kernels/expert_prefill_sweep.py checks and times them side by side. O
              it now lives in kernels/expert_prefill.py and this entry calls it
   dequant_pipe  the dequantized path with the decode of chunk i+1 on a side stream beside chunk i's GEMMs (two
              scratch sets): the decode is memory-bound and the GEMMs compute-bound, and kernels/ runs them one after
-             the other (at 256 tokens per expert the decode is ~40 % of the path: 136 of ~360 µs for 32 experts)
+             the other (at 256 tokens per expert the decode is ~40 % of the path: 136 of ~360 µs for 32 experts).
+             Lost on the H200 (session 21: host-bound per chunk); kept here with its timings
   grouped_mm dequantize into bf16, then torch._grouped_mm (CUTLASS on sm90); bf16 in and out only, so the ReLU²
              rows and y are rounded to bf16: a speed reference that the 1e-3 twin check is expected to refuse
 """
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import expert_prefill as ep
 from kernels.expert_prefill import dequantize, expert_prefill_grouped, tile_table
 from kernels.gemv_nvfp4 import _X_PRESCALE, _e2m1_quad, _nvfp4_tile_split
 
@@ -160,16 +162,70 @@ def dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, t
 
 
 # ------------------------------------------------------------------------------------------------ dequant_pipe
+# Session 20 built this in kernels/ behind MOESTREAM_DEQUANT_PIPE; session 21 measured it on the H200 (bench/NOTES.md):
+# it lost at every size, the more chunks the worse (256 rows an expert, 32 experts: 236 TFLOP/s in series, 170 / 92 /
+# 47 in chunks of 16 / 8 / 4; the engine's 16k prompt +20 ms). Each chunk is host work (its table's fetch and event,
+# the decode, two GEMM launches and their descriptors, the stream waits) that the device waits for: ~150-220 µs a
+# chunk against ~56 µs of GEMMs. It moved here, out of kernels/, with its tests.
 PIPE_CHUNK = 8
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev) -> torch.cuda.Stream:
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(torch.device("cuda", key))
+    return _SIDE_STREAMS[key]
 
 
 def dequant_pipe(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """kernels' dequantized path with its chunks of CHUNK experts (PIPE_CHUNK) decoded one ahead on a side stream
-    (`kernels.expert_prefill._pipelined`, off in the engine unless MOESTREAM_DEQUANT_PIPE asks)."""
-    cfg = dict(config or {})
-    cfg["PIPE"] = cfg.pop("CHUNK", None) or PIPE_CHUNK
-    return expert_prefill_grouped(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
-                                  config=cfg, path="dequant")
+    """kernels' dequantized path with chunks of CHUNK experts (PIPE_CHUNK), each decoded one ahead on a side stream
+    into the other of two scratch sets. Stream order: chunk i+1's decode waits for the compute stream's work queued so
+    far (its table's fetch, and chunk i-1's GEMMs: the last readers of the scratch set it writes) and is queued before
+    chunk i's GEMMs, which it overlaps; chunk i+1's GEMMs wait for its decode. On the CPU the same calls run in order."""
+    _check(geom, segments, addrs, up_global, down_global, x_sorted, w_sorted, tok_sorted, acc)
+    cfg = {**ep.dequant_config(segments), **(config or {})}
+    L, I, dev = geom.L, geom.I, x_sorted.device
+    live = [i for i, (_, n) in enumerate(segments) if n > 0]
+    if not live:
+        return acc
+    C = min(cfg.pop("CHUNK", None) or PIPE_CHUNK, len(live))
+    chunks = [live[c:c + C] for c in range(0, len(live), C)]
+    scratch = [(torch.empty((C, I, L), dtype=torch.bfloat16, device=dev),
+                torch.empty((C, L, I), dtype=torch.float16, device=dev)) for _ in range(min(2, len(chunks)))]
+    cuda = dev.type == "cuda"
+    main = torch.cuda.current_stream(dev) if cuda else None
+    side = _side_stream(dev) if cuda else None
+
+    def decode(i, tab, n_tiles):
+        up_w, down_w = scratch[i % 2]
+        blocks = ep._chunk_blocks(tab, n_tiles, len(chunks[i]))
+        if not cuda:
+            ep.dequantize(blocks, geom, up_w, down_w)
+            return None
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ep.dequantize(blocks, geom, up_w, down_w)
+        done = torch.cuda.Event()
+        done.record(side)
+        return done
+
+    tabs = [ep._chunk_launch(segments, chunks[0], addrs, cfg["BLOCK_M"], None, dev)]
+    pending = decode(0, *tabs[0][:2])
+    h = None
+    for i in range(len(chunks)):
+        ahead = None
+        if i + 1 < len(chunks):
+            tabs.append(ep._chunk_launch(segments, chunks[i + 1], addrs, cfg["BLOCK_M"], None, dev))
+            ahead = decode(i + 1, *tabs[i + 1][:2])
+        if pending is not None:
+            main.wait_event(pending)
+        tab, n_tiles, lo, hi = tabs[i]
+        up_w, down_w = scratch[i % 2]
+        h = ep.dense_gemms(x_sorted, n_tiles, len(chunks[i]), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
+                           w_sorted, tok_sorted, acc, cfg, h)
+        pending = ahead
+    return acc
 
 
 # ------------------------------------------------------------------------------------------------ grouped_mm

@@ -51,6 +51,30 @@ def test_dequant_pipe_variant_matches_twin(chunk, device):
     assert rel_err(bad, ref) > 0.1
 
 
+def test_must_fail_dequant_pipe_decoding_into_the_scratch_being_read(device, monkeypatch):
+    """The two scratch sets made one: chunk i+1's decode, queued before chunk i's GEMMs, overwrites the weights they
+    read. On the CPU the calls run in queue order, so the hazard a GPU would race into happens every time."""
+    if torch.device(device).type == "cuda":
+        pytest.skip("on the GPU the overwrite is a race between two streams, not a certainty")
+    E, T, k = 5, 37, 2
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ref = expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    real_empty, shared = torch.empty, {}
+
+    def one_scratch_set(*shape, **kw):
+        if len(shape) == 1 and isinstance(shape[0], tuple) and len(shape[0]) == 3:     # a scratch set's [C, N, K]
+            return shared.setdefault((shape[0], kw.get("dtype")), real_empty(*shape, **kw))
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(V.torch, "empty", one_scratch_set)
+    bad = V.dequant_pipe(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                         torch.zeros(T, L, device=device), config=dict(CFG, CHUNK=2))
+    assert len(shared) == 2                                  # each scratch tensor made once, shared by both sets
+    assert rel_err(bad, ref) > 1e-2
+
+
 def test_sweep_check_catches_broken_twin_and_bf16_rounding():
     """odd_case_check: the fused kernel passes and its dropped-row twin is caught; grouped_mm's bf16 rows fail."""
     r = sweep.odd_case_check(V.fused, CFG)

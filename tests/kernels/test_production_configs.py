@@ -22,7 +22,6 @@ PL, PI = 160, 272          # 10 and 17 groups of 16: a partial 128-wide tile on 
 PREFILL = {
     "dequant": (dict(ep.DEQUANT_CONFIG), "dequant"),
     "dequant_tma": (dict(ep.DEQUANT_TMA_CONFIG), "dequant"),
-    "dequant_pipelined": (dict(ep.DEQUANT_CONFIG, PIPE=2), "dequant"),
     "fused": (dict(ep.GROUPED_CONFIG), "fused"),
 }
 
