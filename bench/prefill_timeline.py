@@ -179,6 +179,18 @@ def raw_events(trace: dict, lo: float, hi: float) -> list[list]:
     return sorted(out, key=lambda r: r[2])
 
 
+def kernels_by_name(raw: list[list]) -> list[dict]:
+    """The raw events' kernels summed by name, the longest first: [{name, launches, ms}]. Where a prompt's compute
+    time goes, kernel by kernel (copies are not kernels; their streams' time is the timeline's copy columns)."""
+    tot: dict[str, list] = {}
+    for what, _, _, us, _, name in raw:
+        if what == "k":
+            t = tot.setdefault(name, [0, 0.0])
+            t[0] += 1
+            t[1] += us
+    return sorted((dict(name=k, launches=n, ms=us / 1e3) for k, (n, us) in tot.items()), key=lambda d: -d["ms"])
+
+
 def host_profile(fn, sync=None, top: int = 60, callers_of=()) -> tuple[list[dict], float]:
     """One call of fn under cProfile (then `sync`): the functions by their own time, [{function, calls, own_ms,
     cum_ms}] (at most `top`), and the whole call's ms. Where the host's time a prompt goes, Python line by line: the
@@ -293,6 +305,10 @@ def main(argv=None):
                 r["host_calls"] = host_calls(trace, *prompt)
                 if a.raw:
                     r["raw"] = raw_events(trace, *prompt)
+                    r["kernels_by_name"] = kernels_by_name(r["raw"])
+                    print(f"\n[{setting}] {n} tokens, the compute kernels by name (profiled pass): name | launches | ms")
+                    for k in r["kernels_by_name"][:18]:
+                        print(f"  {k['name']} | {k['launches']} | {k['ms']:.2f}")
                 r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa,
                          accounting_plain=plain)
                 res["rows"].append(r)

@@ -134,3 +134,10 @@ def test_host_profile_names_who_called_a_function():
     callers = {c["caller"].split("(")[-1].rstrip(")"): c["calls"] for c in leaf_row[0]["callers"]}
     assert callers == {"first": 3, "second": 1}
     assert all("callers" not in r for r in rows if not r["function"].endswith("(leaf)"))   # only those asked for
+
+
+def test_kernels_by_name_sum_kernels_only_longest_first():
+    raw = [["k", 7, 0.0, 10.0, 0, "gemm"], ["c", 9, 1.0, 500.0, 64, "Memcpy HtoD"], ["k", 7, 12.0, 30.0, 0, "scan"],
+           ["h", -1, 0.0, 90.0, 0, "_prefill_batch"], ["k", 8, 20.0, 25.0, 0, "gemm"]]
+    from bench.prefill_timeline import kernels_by_name
+    assert kernels_by_name(raw) == [dict(name="gemm", launches=2, ms=0.035), dict(name="scan", launches=1, ms=0.03)]
