@@ -8,6 +8,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from server.stretch_encoder import StretchEncoder
+
 
 class Tokenizer:
     def __init__(self, model_dir):
@@ -23,7 +25,6 @@ class Tokenizer:
         self.has_template = bool(getattr(self.tok, "chat_template", None))
         self.eos_ids = self._eos_ids(vocab)
         # a conversation's messages encoded once each (server/stretch_encoder.py), where that is exact
-        from server.stretch_encoder import StretchEncoder
         self.stretches = StretchEncoder.for_backend(self.backend, bool(self.tok.split_special_tokens))
 
     def _eos_ids(self, vocab) -> list[int]:
