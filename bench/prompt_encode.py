@@ -57,7 +57,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{model}: the stretch memo is not exact for this tokenizer; nothing to compare")
     sizes = [int(s) for s in a.sizes.split(",")]
     corpus = texts.load_text()
-    pieces = iter(texts.prompts(corpus, 100_000, a.user_chars, seed=1))
+    # two windows a turn (the reply is a cut one), ~4 characters a token, with room: the turns until the largest size
+    pieces = iter(texts.prompts(corpus, 2 * (5 * sizes[-1] // (a.user_chars + a.reply_chars)) + 16, a.user_chars,
+                                seed=1))
 
     def whole(text):
         return tok.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids

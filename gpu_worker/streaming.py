@@ -1549,6 +1549,15 @@ class SlabRows:
             return False
 
 
+def _wait_each_once(stream, events) -> None:
+    """`stream` waits for each distinct event of `events` once, in their order (None: nothing to wait for)."""
+    waited = set()
+    for ev in events:
+        if ev is not None and id(ev) not in waited:
+            waited.add(id(ev))
+            stream.wait_event(ev)
+
+
 class _StagingRing:
     """Device slots that the copy engine fills from the pinned slab on its own stream. The compute stream waits
     for a launch's copies; a slot is refilled only after the kernels that read it last have run (one event per
@@ -1583,12 +1592,7 @@ class _StagingRing:
         two = stage_streams() == 2
         self.used = used = [(self.next + i) % n for i in range(len(slab_slots))]
         self.next = (self.next + len(slab_slots)) % n
-        waited = set()
-        for r in used:               # a launch's slots share one event: wait once per launch, not per slot
-            ev = self.free[r]
-            if ev is not None and id(ev) not in waited:
-                waited.add(id(ev))
-                cs.wait_event(ev)
+        _wait_each_once(cs, (self.free[r] for r in used))   # a launch's slots share one event
         if events is not None:      # the copies alone are timed, not the wait for ring slots the kernels still read
             events[0].record(cs)
         if two:                      # the runs alternate between two copy streams, the second after the first's waits
@@ -1688,12 +1692,9 @@ class _AheadSlots:
         cs = self.stream
         if after is not None:
             cs.wait_event(after)
-        waited = set()
-        for r in rs:          # the slots a launch read share its event: wait once per launch, not per slot (a 16k
-            ev = self.free[r]  # prompt copies ~400 blocks ahead a layer, read by ~14 launches)
-            if ev is not None and id(ev) not in waited:
-                waited.add(id(ev))
-                cs.wait_event(ev)
+        # the slots a launch read share its event: once per launch, not per slot (a 16k prompt copies ~400 blocks
+        # ahead a layer, read by ~14 launches)
+        _wait_each_once(cs, (self.free[r] for r in rs))
         if events is not None:
             events[0].record(cs)
         if ahead_runs():
@@ -1730,12 +1731,8 @@ class _AheadSlots:
     def wait(self, slots, cur=None) -> None:
         if self.cuda:
             cur = cur if cur is not None else torch.cuda.current_stream(self.device)
-            seen = set()
-            for r in slots:              # slots that share a ready event (MOESTREAM_AHEAD_RUNS) wait once
-                ev = self.ready[r]
-                if id(ev) not in seen:
-                    seen.add(id(ev))
-                    cur.wait_event(ev)
+            # slots that share a ready event (MOESTREAM_AHEAD_RUNS) wait once
+            _wait_each_once(cur, (self.ready[r] for r in slots))
 
     def read_by_current_stream(self, slots, cur=None) -> None:
         if self.cuda:

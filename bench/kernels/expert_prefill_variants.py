@@ -201,11 +201,11 @@ def dequant_pipe(x_sorted, segments, addrs, geom, up_global, down_global, w_sort
         up_w, down_w = scratch[i % 2]
         blocks = ep._chunk_blocks(tab, n_tiles, len(chunks[i]))
         if not cuda:
-            ep.dequantize(blocks, geom, up_w, down_w)
+            dequantize(blocks, geom, up_w, down_w)
             return None
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            ep.dequantize(blocks, geom, up_w, down_w)
+            dequantize(blocks, geom, up_w, down_w)
         done = torch.cuda.Event()
         done.record(side)
         return done
