@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from cache_shm.shm import READY
+from gpu_worker.ahead_flow import AheadFlow, ahead_flow, launch_order
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.knobs import env_count
 from gpu_worker.prefill_accounting import PrefillAccounting
@@ -1123,15 +1124,21 @@ class StreamingExperts(ExpertSource):
         nj, guess_list = (j + 1) % self.n_moe, []
         hits = self.client.lookup(j, uniq)
         ahead_found = sum(1 for e in hits if e in ahead)
-        ahead = self._eager_copies(j, hits, ahead)
+        ahead_before, flow = ahead, None
+        started = self._flow_start(j, nj, hits, ahead, host[E:].numpy() if guess is not None and j + 1 < self.n_moe
+                                   else None) if ahead_flow() and self._copies_ahead() else None
+        if started is not None:          # this layer's other hits copied now, the next layer's as slots free
+            flow, ahead = started
+        else:
+            ahead = self._eager_copies(j, hits, ahead)
         if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
             soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
             absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
             guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
-        early = guess is not None and j + 1 < self.n_moe and ahead_early()
-        if early:                        # queued before this layer's launches; the slots it reads stay untouched
+        early = guess is not None and j + 1 < self.n_moe and (started is not None or ahead_early())
+        if early and started is None:    # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         chunk = launch_chunk()
@@ -1146,16 +1153,22 @@ class StreamingExperts(ExpertSource):
         # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
         # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
         # launch reading its blocks copied ahead from their slots and staging the others through the ring
+        # (the flow: those copied ahead before the sync first, then the ones copied at it; each launch frees its
+        # slots for the next layer's copies)
         batch: list[tuple[int, int]] = []
         n_rows = 0
-        for e, s in hits.items():
+        for e, s in (launch_order(hits, ahead_before) if started is not None else hits.items()):
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
                 self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+                if flow is not None:
+                    flow.feed([ahead[x] for x, _ in batch if x in ahead])
                 batch, n_rows = [], 0
             batch.append((e, s))
             n_rows += seg[e][1]
         if batch:
             self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+            if flow is not None:
+                flow.feed([ahead[x] for x, _ in batch if x in ahead])
         pa.last.ahead_used += ahead_found
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
@@ -1187,6 +1200,9 @@ class StreamingExperts(ExpertSource):
             pa.last.ms_waiting_for_disk += waited * 1e3
         if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
             self.client.done_prefill(j, used)
+        if flow is not None:             # what has landed since its turn came
+            flow.finish()
+            pa.last.ms_issuing_ahead += flow.seconds * 1e3
         if guess is not None and j + 1 < self.n_moe and not early:
             self._copy_ahead(nj, host[E:].numpy(), counted=True)
         waited_disk = waited if misses else 0.0
@@ -1245,14 +1261,9 @@ class StreamingExperts(ExpertSource):
         n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
         if taken and self._ahead is not None and self._ahead.n != n:
             return False
-        named = np.flatnonzero(g > 0)
-        self._guessed = (nj, named, g[named].astype(np.int64) if counted else None)
+        ranked = self._ahead_ranked(nj, g, n, counted)
         if not self._copies_ahead() or n <= 0:
             return True
-        least = ahead_min_guess() if counted else 0
-        # the most used (at most a layer's experts), copied in expert order: the order the next layer launches them in
-        ranked = sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(n, self.store.n_experts)]
-                        if g[e] > 0 and g[e] >= least)
         slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
         pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
         if not pairs:
@@ -1270,13 +1281,56 @@ class StreamingExperts(ExpertSource):
             pairs = pairs[:k]
         if not self._cuda:
             self.client.release(self._ahead.releasable(wait=True))
-        pa = self.prefill_acct.last
-        pa.ahead_copied += len(pairs)
-        pa.bytes_copied_ahead += len(pairs) * self.block_bytes
-        if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
-            pa.bytes_over_pcie += len(pairs) * self.block_bytes
-        pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
+        self._count_ahead(len(pairs))
+        self.prefill_acct.last.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
         return True
+
+    def _ahead_ranked(self, nj: int, g, n: int, counted: bool) -> list[int]:
+        """The next MoE layer's experts to copy ahead (g: its guessed tokens per expert): the most used, at most n and a
+        layer's, in expert order (the order that layer launches them in); those guessed fewer than `ahead_min_guess()`
+        tokens are left out where g counts tokens (`counted`). The guess is kept for its precision."""
+        named = np.flatnonzero(g > 0)
+        self._guessed = (nj, named, g[named].astype(np.int64) if counted else None)
+        least = ahead_min_guess() if counted else 0
+        return sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(max(n, 0), self.store.n_experts)]
+                      if g[e] > 0 and g[e] >= least)
+
+    def _count_ahead(self, k: int) -> None:
+        pa = self.prefill_acct.last
+        pa.ahead_copied += k
+        pa.bytes_copied_ahead += k * self.block_bytes
+        if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
+            pa.bytes_over_pcie += k * self.block_bytes
+
+    def _flow_start(self, j: int, nj: int, hits: dict, ahead: dict, g) -> "tuple[AheadFlow | None, dict] | None":
+        """MOESTREAM_PREFILL_AHEAD_FLOW (gpu_worker/ahead_flow.py), at layer j's sync: layer j's hits not copied ahead
+        copied now into slots none of its blocks occupy, and the next layer's copies (g: its guess, None where there is
+        none) started in the slots still free. Returns (the flow or None, `ahead` with the hits copied now), or None
+        where there are no slots, or where they would be made anew under this layer's blocks (a span's budget changed
+        them): the copies then go as without the flow."""
+        t0 = time.perf_counter()
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
+        if n <= 0 or (ahead and self._ahead is not None and self._ahead.n != n):
+            return None
+        a = self._ahead_slots(n)
+        taken = set(ahead.values())
+        free = [r for r in range(n) if r not in taken]
+        late = [(e, s) for e, s in hits.items() if e not in ahead][:len(free)]
+        pa = self.prefill_acct.last
+        if late:
+            got = a.put_now([e for e, _ in late], [s for _, s in late], free[:len(late)])
+            free = free[len(late):]
+            pa.eager_copied += len(got)
+            if self._cuda:
+                pa.bytes_over_pcie += len(got) * self.block_bytes
+            ahead = {**ahead, **got}
+        flow = None
+        if g is not None:
+            flow = AheadFlow(a, self.client, nj, self._ahead_ranked(nj, g, n, True), free, self._count_ahead,
+                             self._cuda)
+            flow.feed()
+        pa.ms_issuing_ahead += (time.perf_counter() - t0 - (flow.seconds if flow is not None else 0.0)) * 1e3
+        return flow, ahead
 
     def _ahead_settle(self, j: int | None, uniq=()) -> dict:
         """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
@@ -1670,6 +1724,21 @@ class _AheadSlots:
         rs = self._take(min(len(experts), self.n), taken)
         if rs:
             self._put(rs, list(sources)[:len(rs)], None, None, "eager copies")
+        return dict(zip(experts, rs))
+
+    def put_into(self, layer: int, experts, sources, rs) -> None:
+        """The blocks of slab slots `sources` into the given slots `rs` for `layer`'s `experts`, added to its table
+        (the flow, gpu_worker/ahead_flow.py); the slab slots stay pinned until their copies are done."""
+        if self.layer != layer:
+            self.layer, self.table = layer, {}
+        self.table.update(zip(experts, rs))
+        self._put(list(rs), list(sources), None, None, "copies ahead")
+        self.pins.add(self.ready[rs[-1]] if self.cuda else None, sources)
+
+    def put_now(self, experts, sources, rs) -> dict:
+        """The current layer's blocks (slab slots `sources`, the caller's to keep pinned) into the given slots `rs`
+        now, outside the table: {expert: slot}."""
+        self._put(list(rs), list(sources), None, None, "eager copies")
         return dict(zip(experts, rs))
 
     def _take(self, k: int, taken) -> list[int]:
