@@ -1125,8 +1125,10 @@ class StreamingExperts(ExpertSource):
         hits = self.client.lookup(j, uniq)
         ahead_found = sum(1 for e in hits if e in ahead)
         ahead_before, flow = ahead, None
-        started = self._flow_start(j, nj, hits, ahead, host[E:].numpy() if guess is not None and j + 1 < self.n_moe
-                                   else None) if ahead_flow() and self._copies_ahead() else None
+        # (the flow's copies for the next layer only where this layer misses nothing: its misses' staging copies, as
+        # they land, would queue behind them on the bus; with misses they go after the misses, as without the flow)
+        g_next = host[E:].numpy() if guess is not None and j + 1 < self.n_moe and len(hits) == len(uniq) else None
+        started = self._flow_start(j, nj, hits, ahead, g_next) if ahead_flow() and self._copies_ahead() else None
         if started is not None:          # this layer's other hits copied now, the next layer's as slots free
             flow, ahead = started
         else:
@@ -1137,8 +1139,8 @@ class StreamingExperts(ExpertSource):
             guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
             pa.guessed_absent(nj, guess_list)
         self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
-        early = guess is not None and j + 1 < self.n_moe and (started is not None or ahead_early())
-        if early and started is None:    # queued before this layer's launches; the slots it reads stay untouched
+        early = guess is not None and j + 1 < self.n_moe and (flow is not None or ahead_early() and started is None)
+        if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         chunk = launch_chunk()

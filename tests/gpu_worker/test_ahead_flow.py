@@ -143,12 +143,26 @@ def test_must_fail_flow_writing_slots_before_their_launch(tiny, refs, monkeypatc
     assert (out - refs[300]).abs().max() > 1e-2
 
 
-def test_flow_with_a_cache_of_one_layer_reads_each_block_once(tiny):
+def test_flow_with_a_cache_of_one_layer_reads_each_block_once(tiny, monkeypatch):
     """The disk regime: a cache of one layer's experts, 1,500 tokens; only blocks in the slab are copied (pinned
     while copied), the misses go through the ring as they land, each routed block is read at most once, the logits
-    are the in-memory engine's, no pin is left."""
+    are the in-memory engine's, no pin is left; and a layer that misses blocks starts no copies for the next layer
+    before its misses (their staging copies would queue behind them on the bus)."""
+    from cache_shm.client import CacheClient
     from expert_store.reader import ExpertStore
     model_dir, store = tiny
+    seen, real_lookup, real_start = [], CacheClient.lookup, streaming.StreamingExperts._flow_start
+
+    def lookup(client, layer, experts):
+        got = real_lookup(client, layer, experts)
+        seen.append(("lookup", layer, len(got) < len(experts)))
+        return got
+
+    def flow_start(src, j, nj, hits, ahead, g):
+        seen.append(("flow", j, g is not None))
+        return real_start(src, j, nj, hits, ahead, g)
+    monkeypatch.setattr(CacheClient, "lookup", lookup)
+    monkeypatch.setattr(streaming.StreamingExperts, "_flow_start", flow_start)
     st = ExpertStore.open(store)
     ids = prompt(1500, seed=4)
     m0 = NemotronH(model_dir)
@@ -162,6 +176,10 @@ def test_flow_with_a_cache_of_one_layer_reads_each_block_once(tiny):
     print(f"{last.blocks_read} blocks read, {last.distinct_experts} distinct, {last.ahead_copied} copied ahead, "
           f"{last.eager_copied} at the syncs")
     assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
+    pairs = [(a, b) for a, b in zip(seen, seen[1:]) if b[0] == "flow"]
+    assert pairs and all(a[0] == "lookup" and a[1] == b[1] for a, b in pairs)
+    assert any(a[2] for a, _ in pairs), "no layer missed a block: the disk regime was not tested"
+    assert not any(a[2] and b[2] for a, b in pairs), "a layer with misses started the next layer's copies early"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
