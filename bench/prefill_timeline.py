@@ -157,7 +157,8 @@ def ranged(fn, name: str):
     return inner
 
 
-RAW_RANGES = ("moe_router_sync", "_prefill_batch", "_copy_ahead", "_eager_copies", "_stage")
+RAW_RANGES = ("moe_router_sync", "_prefill_batch", "_copy_ahead", "_eager_copies", "_stage", "_flow_start",
+              "flow_feed")
 
 
 def raw_events(trace: dict, lo: float, hi: float) -> list[list]:
@@ -259,8 +260,10 @@ def main(argv=None):
             with torch.profiler.record_function("moe_router_sync"):
                 return plain_sync(counts, guess)
         src._router_sync = marked_sync
-        for name in ("_prefill_batch", "_copy_ahead", "_eager_copies", "_stage"):     # the host's ranges (--raw)
-            setattr(src, name, ranged(getattr(src, name), name))
+        for name in ("_prefill_batch", "_copy_ahead", "_eager_copies", "_stage", "_flow_start"):   # the host's ranges
+            setattr(src, name, ranged(getattr(src, name), name))                                       # (--raw)
+        from gpu_worker.ahead_flow import AheadFlow
+        AheadFlow.feed = ranged(AheadFlow.feed, "flow_feed")     # (MOESTREAM_PREFILL_AHEAD_FLOW's copies)
         default_gate = src.ahead_min_tokens
         vocab = eng.model.config.vocab_size
         for n in [int(s) for s in a.sizes.split(",") if s]:

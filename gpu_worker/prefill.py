@@ -366,6 +366,8 @@ def prefill_span(cfg, dtype, budget_bytes: int, past: int = 0, all_logits: bool 
 
 def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, all_logits: bool = False,
                   cap: int = 1 << 20, kv_rows: list[int] | None = None) -> int:
+    if span_bytes(cfg, dtype, cap, past, all_logits, plan, kv_rows) <= budget_bytes:
+        return cap                      # (the usual prompt: all of it in one span, one evaluation instead of ~20)
     lo, hi = 1, cap
     while lo < hi:                      # span_bytes grows with tokens: the largest span that fits
         mid = (lo + hi + 1) // 2

@@ -1109,19 +1109,18 @@ class StreamingExperts(ExpertSource):
         t_sync = time.perf_counter() - t_sync
         pa.last.ms_router_sync += t_sync * 1e3
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
-        self._learn_routes(j, host[:E].numpy(), T)
         counts = host[:E].tolist()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         uniq = [e for e in range(E) if counts[e]]
-        ahead = self._ahead_settle(j, uniq)         # {expert: device slot} of this layer's blocks copied ahead
+        guessed = self._guessed          # (the guess for this layer: judged after the first launch)
+        ahead = self._ahead_settle(j, uniq, judge=False)   # {expert: device slot} of its blocks copied ahead
         seg = {e: (starts[e], counts[e]) for e in uniq}
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
         tok = torch.div(order, k, rounding_mode="floor")
         ws = weights.reshape(-1).index_select(0, order).float()
         del order
         rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
-        pa.routed(j, uniq, T * k)
-        nj, guess_list = (j + 1) % self.n_moe, []
+        nj = (j + 1) % self.n_moe
         hits = self.client.lookup(j, uniq)
         ahead_found = sum(1 for e in hits if e in ahead)
         ahead_before, flow = ahead, None
@@ -1133,12 +1132,29 @@ class StreamingExperts(ExpertSource):
             flow, ahead = started
         else:
             ahead = self._eager_copies(j, hits, ahead)
-        if guess is not None and j + 1 < self.n_moe:          # the last MoE layer's guess is the next token's
-            soe, g = self.client.shm.slot_of_expert, host[E:].numpy()
-            absent = [e for e in np.argsort(-g, kind="stable").tolist() if g[e] > 0 and soe[nj, e] < 0]
-            guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
-            pa.guessed_absent(nj, guess_list)
-        self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+
+        def bookkeeping():
+            """What the layer's first launch need not wait for: the routes learnt, the guess judged, the accounting, the
+            layer's request (with the next layer's absent guessed experts as prefetch reads) and the flow's first
+            copies ahead. Where the layer misses a block the request goes before the launches (the disk reads
+            start with it); otherwise after the first (~0.4 ms of host on the VM, most of it the post that wakes
+            the prefetcher, bench/NOTES.md session 22)."""
+            self._learn_routes(j, host[:E].numpy(), T)
+            self._judge_guess(j, guessed, uniq)
+            pa.routed(j, uniq, T * k)
+            guess_list = []
+            if guess is not None and j + 1 < self.n_moe:      # the last MoE layer's guess is the next token's
+                g = host[E:].tolist()
+                soe = self.client.shm.slot_of_expert[nj].tolist()
+                absent = [e for e in np.argsort(-host[E:].numpy(), kind="stable").tolist() if g[e] > 0 and soe[e] < 0]
+                guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
+                pa.guessed_absent(nj, guess_list)
+            self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+            if flow is not None:
+                flow.feed()
+        later = [bookkeeping]
+        if len(hits) < len(uniq) or not hits:
+            later.pop()()
         early = guess is not None and j + 1 < self.n_moe and (flow is not None or ahead_early() and started is None)
         if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
@@ -1162,6 +1178,8 @@ class StreamingExperts(ExpertSource):
         for e, s in (launch_order(hits, ahead_before) if started is not None else hits.items()):
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
                 self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+                if later:
+                    later.pop()()
                 if flow is not None:
                     flow.feed([ahead[x] for x, _ in batch if x in ahead])
                 batch, n_rows = [], 0
@@ -1169,6 +1187,8 @@ class StreamingExperts(ExpertSource):
             n_rows += seg[e][1]
         if batch:
             self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+            if later:
+                later.pop()()
             if flow is not None:
                 flow.feed([ahead[x] for x, _ in batch if x in ahead])
         pa.last.ahead_used += ahead_found
@@ -1306,8 +1326,8 @@ class StreamingExperts(ExpertSource):
 
     def _flow_start(self, j: int, nj: int, hits: dict, ahead: dict, g) -> "tuple[AheadFlow | None, dict] | None":
         """MOESTREAM_PREFILL_AHEAD_FLOW (gpu_worker/ahead_flow.py), at layer j's sync: layer j's hits not copied ahead
-        copied now into slots none of its blocks occupy, and the next layer's copies (g: its guess, None where there is
-        none) started in the slots still free. Returns (the flow or None, `ahead` with the hits copied now), or None
+        copied now into slots none of its blocks occupy, and the flow of the next layer's copies (g: its guess, None
+        where there is none) made, the slots still free its first. Returns (the flow or None, `ahead` with the hits copied now), or None
         where there are no slots, or where they would be made anew under this layer's blocks (a span's budget changed
         them): the copies then go as without the flow."""
         t0 = time.perf_counter()
@@ -1329,26 +1349,17 @@ class StreamingExperts(ExpertSource):
         flow = None
         if g is not None:
             flow = AheadFlow(a, self.client, nj, self._ahead_ranked(nj, g, n, True), free, self._count_ahead,
-                             self._cuda)
-            flow.feed()
-        pa.ms_issuing_ahead += (time.perf_counter() - t0 - (flow.seconds if flow is not None else 0.0)) * 1e3
+                             self._cuda)          # (its first copies, into the free slots, go after the first launch)
+        pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
         return flow, ahead
 
-    def _ahead_settle(self, j: int | None, uniq=()) -> dict:
+    def _ahead_settle(self, j: int | None, uniq=(), judge: bool = True) -> dict:
         """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
-        not route to, counted; their slots are free to be refilled), and how right the guess for it was. j None: the
-        prompt ends, nothing copied ahead is used any more."""
+        not route to, counted; their slots are free to be refilled), and (`judge`; else the caller's, later) how right
+        the guess for it was. j None: the prompt ends, nothing copied ahead is used any more."""
         pa, routed = self.prefill_acct.last, set(uniq)
-        if j is not None and self._guessed is not None and self._guessed[0] == j:
-            _, named, tokens = self._guessed
-            mask = np.zeros(self.store.n_experts, dtype=bool)
-            mask[list(routed)] = True
-            right = mask[named]
-            pa.guess_named += len(named)
-            pa.guess_right += int(right.sum())
-            pa.guess_layer_routed += len(routed)
-            if tokens is not None:
-                pa.count_guesses(tokens, right)
+        if judge:
+            self._judge_guess(j, self._guessed, uniq)
         self._guessed = None
         a = self._ahead
         if a is None or a.layer < 0 or a.layer != j:
@@ -1359,6 +1370,22 @@ class StreamingExperts(ExpertSource):
         table, a.layer, a.table = a.table, -1, {}
         pa.ahead_wrong += sum(1 for e in table if e not in routed)
         return {e: r for e, r in table.items() if e in routed}
+
+    def _judge_guess(self, j: int | None, guessed, uniq) -> None:
+        """How right `guessed` (what `_ahead_ranked` kept: layer, named experts, their guessed tokens) was for layer j,
+        which routes to `uniq`: into the prompt's accounting."""
+        if j is None or guessed is None or guessed[0] != j:
+            return
+        _, named, tokens = guessed
+        pa = self.prefill_acct.last
+        mask = np.zeros(self.store.n_experts, dtype=bool)
+        mask[list(uniq)] = True
+        right = mask[named]
+        pa.guess_named += len(named)
+        pa.guess_right += int(right.sum())
+        pa.guess_layer_routed += len(uniq)
+        if tokens is not None:
+            pa.count_guesses(tokens, right)
 
     def _prefetch_room(self, j: int, hits: int) -> int:
         """Slots the next layer's prefetch may fill, once this layer's reads have theirs, without evicting a block this

@@ -60,10 +60,13 @@ def _engine(store, model_dir, cache_bytes):
     return eng
 
 
-@pytest.mark.parametrize("n", [6, 300])
-def test_flow_keeps_the_logits_and_reads_every_block_from_the_slots(tiny, refs, n, monkeypatch):
+@pytest.mark.parametrize("n,launch", [(6, ""), (300, ""), (300, "4")])
+def test_flow_keeps_the_logits_and_reads_every_block_from_the_slots(tiny, refs, n, launch, monkeypatch):
+    """launch "4": launches of 4 experts, several a layer (the flow copies between them)."""
     model_dir, store = tiny
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", "1")
+    if launch:
+        monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", launch)
     spy, stage = FlowSpy(monkeypatch), StageSpy(monkeypatch)
     with _engine(store, model_dir, _all_experts(store)) as eng:
         src = eng.experts
@@ -129,8 +132,10 @@ def test_launch_order_puts_the_copied_ahead_first():
 
 def test_must_fail_flow_writing_slots_before_their_launch(tiny, refs, monkeypatch):
     """Must-fail twin: the flow told at the sync that every slot is free copies the next layer's blocks over this
-    layer's before its launches read them (the CPU copies at once): the logits move."""
+    layer's before its launches read them (the CPU copies at once): the logits move. Launches of 4 experts, so that
+    the flow's first copies (after a layer's first launch) meet slots that later launches read."""
     model_dir, store = tiny
+    monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "4")
     real_init = ahead_flow.AheadFlow.__init__
 
     def every_slot_free(self, slots, client, nj, ranked, free, *a, **kw):

@@ -111,3 +111,17 @@ def test_measured_cache_peak_within_each_layers_term(synth, monkeypatch):
         assert c.peak_bytes <= added, f"{kind}: peak {c.peak_bytes} > counted {added}"
     mamba = [c.peak_bytes for kind, c in zip(kinds, caches) if kind == "mamba"]
     assert max(mamba) > 0, "leaving the decoded weights out of the Mamba term would under-count its peak"
+
+
+@pytest.mark.parametrize("budget_mb, cap", [(64, 1 << 20), (512, 700), (512, 1 << 20), (4096, 16000), (4096, 1)])
+def test_longest_span_is_the_largest_that_fits(budget_mb, cap):
+    """The span search (and its shortcut where the whole `cap` fits) against the definition: span_bytes(n) fits,
+    span_bytes(n + 1) does not, or n is the cap."""
+    from gpu_worker.prefill import _longest_span, span_bytes, span_plan
+    cfg = _super()
+    budget = budget_mb << 20
+    plan = span_plan(cfg, torch.bfloat16, budget, "cpu")
+    n = _longest_span(cfg, torch.bfloat16, budget, plan, cap=cap)
+    assert 1 <= n <= cap
+    assert n == 1 or span_bytes(cfg, torch.bfloat16, n, plan=plan) <= budget
+    assert n == cap or span_bytes(cfg, torch.bfloat16, n + 1, plan=plan) > budget
