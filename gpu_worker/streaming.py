@@ -1326,10 +1326,10 @@ class StreamingExperts(ExpertSource):
 
     def _flow_start(self, j: int, nj: int, hits: dict, ahead: dict, g) -> "tuple[AheadFlow | None, dict] | None":
         """MOESTREAM_PREFILL_AHEAD_FLOW (gpu_worker/ahead_flow.py), at layer j's sync: layer j's hits not copied ahead
-        copied now into slots none of its blocks occupy, and the flow of the next layer's copies (g: its guess, None
-        where there is none) made, the slots still free its first. Returns (the flow or None, `ahead` with the hits copied now), or None
-        where there are no slots, or where they would be made anew under this layer's blocks (a span's budget changed
-        them): the copies then go as without the flow."""
+        copied now into slots none of its blocks occupy, and the flow of the next layer's copies made (g: its guess,
+        None where there is none), the slots still free its first. Returns (the flow or None, `ahead` with the hits
+        copied now), or None where there are no slots, or where they would be made anew under this layer's blocks (a
+        span's budget changed them): the copies then go as without the flow."""
         t0 = time.perf_counter()
         n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
         if n <= 0 or (ahead and self._ahead is not None and self._ahead.n != n):

@@ -33,8 +33,9 @@ def test_every_kind_gives_the_same_row():
     assert _ids(7).tolist() == [7]
 
 
-@pytest.mark.parametrize("bad, says", [([1, 1000], "out of range"), ([-1, 2], "out of range"), ([2 ** 70], "out of range"),
-                                       ([], "at least one token"), ((), "at least one token")])
+@pytest.mark.parametrize("bad, says", [([1, 1000], "out of range"), ([-1, 2], "out of range"),
+                                       ([2 ** 70], "out of range"), ([], "at least one token"),
+                                       ((), "at least one token")])
 def test_bad_ids_are_refused_by_name(bad, says):
     with pytest.raises(ValueError, match=says):
         _ids(bad)
