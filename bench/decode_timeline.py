@@ -14,6 +14,11 @@ is inside) is cut into what ran at each instant:
   dense     only dense kernels: the bus idles
   neither   the device idles: the host's decision per MoE layer, launches, the sampled token's sync
 
+The host's side (session 22): named ranges around the step's parts that the device may wait for (HOST_RANGES: the
+sampled token's sync, `token_ids`, `DecodeGraphs`' bind and plan, the source's settle, route, launched and stage),
+their mean µs a token (`host_us_per_token`; the route also as its first call of a token, MoE 0's, whose stretch holds
+the sampled token's round trip).
+
 bench/NOTES.md's model of a token, wall ≈ D + (B − s) / r: D is everything but the expert kernels. `bus idle` (dense
 + neither) is the time D leaves the bus unused: what the staging could still fill. torch.profiler (CUPTI) records
 the kernels inside the CUDA graphs' replays by name.
@@ -32,6 +37,46 @@ EXPERT_KERNELS = ("_expert_layer_kernel", "_expert_up_kernel", "_sparse_down_ker
                   "_vram_up_kernel", "_vram_down_compact_kernel")
 STAGING_KERNELS = ("_stage_ups_kernel",)
 KINDS = ("both", "bus", "dense", "neither")
+# the host's ranges a profiled token records: (name, object attribute path on the engine) — the token's sync is
+# recorded by the loop itself
+HOST_PARTS = (("token_ids", "model.token_ids"), ("bind", "graphs._bind"), ("device_layers", "graphs._device_layers"),
+              ("plan", "graphs._plan"), ("settle", "experts.decode_settle"), ("route", "experts.decode_route"),
+              ("launched", "experts.decode_launched"), ("stage", "experts.decode_stage"))
+HOST_RANGES = ("token_sync",) + tuple(name for name, _ in HOST_PARTS)
+
+
+def host_us_per_token(trace: dict, tokens: list[tuple[float, float]]) -> dict:
+    """The host ranges' (HOST_RANGES) mean µs a token inside the tokens' windows, and `route_first`: the first route
+    of each token (MoE 0's) alone."""
+    out = {name: 0.0 for name in HOST_RANGES}
+    out["route_first"] = 0.0
+    if not tokens:
+        return out
+    firsts: dict[int, float] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation" or e.get("name") not in HOST_RANGES:
+            continue
+        ts, dur = float(e["ts"]), float(e.get("dur", 0))
+        i = next((i for i, (lo, hi) in enumerate(tokens) if lo <= ts < hi), None)
+        if i is None:
+            continue
+        out[e["name"]] += dur
+        if e["name"] == "route" and (i not in firsts or ts < firsts[i]):
+            firsts[i] = ts
+            out.setdefault("_first", {})[i] = dur
+    out["route_first"] = sum(out.pop("_first", {}).values())
+    return {name: us / len(tokens) for name, us in out.items()}
+
+
+def _ranged_parts(eng) -> None:
+    """Each of HOST_PARTS on the engine wrapped in a profiler range of its name (for the profiled pass)."""
+    from bench.prefill_timeline import ranged
+    for name, path in HOST_PARTS:
+        owner_path, attr = path.rsplit(".", 1)
+        owner = eng
+        for part in owner_path.split("."):
+            owner = getattr(owner, part)
+        setattr(owner, attr, ranged(getattr(owner, attr), name))
 
 
 def is_expert(name: str) -> bool:
@@ -96,10 +141,13 @@ def main(argv=None) -> dict:
         torch.cuda.synchronize()
         wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        _ranged_parts(eng)
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(a.tokens):
                 with torch.profiler.record_function("token"):
-                    tok = int(eng.step(tok, st)[-1].argmax())
+                    logits = eng.step(tok, st)
+                    with torch.profiler.record_function("token_sync"):
+                        tok = int(logits[-1].argmax())
             torch.cuda.synchronize()
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
@@ -124,8 +172,9 @@ def main(argv=None) -> dict:
             d[1] += e["dur"]
     top = sorted(([n, c / max(len(rows), 1), us / max(len(rows), 1)] for n, (c, us) in names.items()),
                  key=lambda r: -r[2])[:15]
+    host = host_us_per_token(trace, tokens)
     res = dict(moe_layers=len(store.moe_layers), tokens=len(rows), wall_ms_noprof=wall_noprof,
-               mean_us=mean, per_token=rows, by_layer_us=by_layer, kernels_per_token_top=top)
+               mean_us=mean, per_token=rows, by_layer_us=by_layer, kernels_per_token_top=top, host_us_per_token=host)
     Path(a.out).write_text(json.dumps(res, indent=1))
     ms = lambda us: f"{us / 1e3:.3f}"      # noqa: E731
     print(f"decode, RAM regime, {len(store.moe_layers)} MoE layers: {wall_noprof:.3f} ms/token without the profiler, "
@@ -141,6 +190,7 @@ def main(argv=None) -> dict:
         name = f"MoE {i}" if i < len(by_layer) - 1 else "tail (head, sampling)"
         print(f"  {name} | " + " | ".join(ms(r[k]) for k in ("before", "before_bus_idle", "before_copies", "kernel",
                                                              "kernel_copies")))
+    print("host µs a token (profiled): " + ", ".join(f"{n} {us:.0f}" for n, us in host.items()))
     print("kernels a token, by device time (name | launches | µs):")
     for n, c, us in top:
         print(f"  {n} | {c:.1f} | {us:.1f}")

@@ -66,3 +66,28 @@ def test_the_sms_staging_kernel_is_a_staging_copy_not_dense():
     s = token_split(ev, 0, 100)
     assert s["copies"] == 40 and s["both"] == pytest.approx(20) and s["bus"] == pytest.approx(20)
     assert s["dense"] == pytest.approx(10 + 10)      # 0-10, and the twin's 60-70
+
+
+def _ann(name, ts, dur):
+    return dict(ph="X", cat="user_annotation", name=name, ts=ts, dur=dur)
+
+
+def test_host_ranges_per_token_and_the_first_route():
+    """Two tokens' windows: each range's µs summed inside them, over two; the first route of each token alone; a range
+    outside every window, one of another category and one not named in HOST_RANGES are left out (the twin: counted,
+    the sums would differ)."""
+    from bench.decode_timeline import HOST_RANGES, host_us_per_token
+    trace = {"traceEvents": [
+        _ann("route", 10, 30), _ann("route", 50, 10), _ann("token_sync", 90, 8), _ann("bind", 2, 4),
+        _ann("route", 110, 20), _ann("route", 140, 6), _ann("token_sync", 190, 12),
+        _ann("route", 250, 99),                                    # after the last token
+        dict(ph="X", cat="cpu_op", name="route", ts=20, dur=50),   # not a user range
+        _ann("token", 0, 100), _ann("something_else", 30, 40),
+    ]}
+    got = host_us_per_token(trace, [(0.0, 100.0), (100.0, 200.0)])
+    assert set(HOST_RANGES) <= set(got)
+    assert got["route"] == pytest.approx((30 + 10 + 20 + 6) / 2)
+    assert got["route_first"] == pytest.approx((30 + 20) / 2)
+    assert got["token_sync"] == pytest.approx((8 + 12) / 2) and got["bind"] == pytest.approx(2)
+    assert "token" not in got and "something_else" not in got
+    assert host_us_per_token(trace, [])["route"] == 0
