@@ -49,10 +49,7 @@ def host_us_per_token(trace: dict, tokens: list[tuple[float, float]]) -> dict:
     """The host ranges' (HOST_RANGES) mean µs a token inside the tokens' windows, and `route_first`: the first route
     of each token (MoE 0's) alone."""
     out = {name: 0.0 for name in HOST_RANGES}
-    out["route_first"] = 0.0
-    if not tokens:
-        return out
-    firsts: dict[int, float] = {}
+    first: dict[int, tuple[float, float]] = {}       # token -> (start, µs) of its earliest route
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") != "user_annotation" or e.get("name") not in HOST_RANGES:
             continue
@@ -61,11 +58,10 @@ def host_us_per_token(trace: dict, tokens: list[tuple[float, float]]) -> dict:
         if i is None:
             continue
         out[e["name"]] += dur
-        if e["name"] == "route" and (i not in firsts or ts < firsts[i]):
-            firsts[i] = ts
-            out.setdefault("_first", {})[i] = dur
-    out["route_first"] = sum(out.pop("_first", {}).values())
-    return {name: us / len(tokens) for name, us in out.items()}
+        if e["name"] == "route" and (i not in first or ts < first[i][0]):
+            first[i] = (ts, dur)
+    out["route_first"] = sum(dur for _, dur in first.values())
+    return {name: us / max(len(tokens), 1) for name, us in out.items()}
 
 
 def _ranged_parts(eng) -> None:

@@ -1173,24 +1173,23 @@ class StreamingExperts(ExpertSource):
         # launch reading its blocks copied ahead from their slots and staging the others through the ring
         # (the flow: those copied ahead before the sync first, then the ones copied at it; each launch frees its
         # slots for the next layer's copies)
+        def launch(batch):
+            self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+            if later:                    # (the bookkeeping, after the first launch)
+                later.pop()()
+            if flow is not None:
+                flow.feed([ahead[x] for x, _ in batch if x in ahead])
+
         batch: list[tuple[int, int]] = []
         n_rows = 0
         for e, s in (launch_order(hits, ahead_before) if started is not None else hits.items()):
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
-                self._prefill_batch(lay, batch, seg, rows, acc, ahead)
-                if later:
-                    later.pop()()
-                if flow is not None:
-                    flow.feed([ahead[x] for x, _ in batch if x in ahead])
+                launch(batch)
                 batch, n_rows = [], 0
             batch.append((e, s))
             n_rows += seg[e][1]
         if batch:
-            self._prefill_batch(lay, batch, seg, rows, acc, ahead)
-            if later:
-                later.pop()()
-            if flow is not None:
-                flow.feed([ahead[x] for x, _ in batch if x in ahead])
+            launch(batch)
         pa.last.ahead_used += ahead_found
         misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
