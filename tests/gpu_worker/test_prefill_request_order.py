@@ -57,7 +57,8 @@ def test_request_after_the_first_launch_in_ram_before_the_launches_on_misses(tin
     seen = _events(monkeypatch)
     st = ExpertStore.open(store)
     ids = prompt(1500, seed=4)
-    ref = prefill(NemotronH(model_dir), ids, NemotronH(model_dir).new_state())
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state())
     for regime, cache in (("ram", _all_experts(store)), ("disk", st.n_experts * st.block_stride)):
         with StreamingEngine(store, model_dir=model_dir, cache_bytes=cache, io_workers=2) as eng:
             eng.experts.copy_ahead, eng.experts.ahead_min_tokens = True, 0
