@@ -81,17 +81,17 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
 def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> dict:
     """H2D the way a prompt's staged experts cross: from the pinned, CUDA-registered shm slab of `source` (a
     gpu_worker.streaming source whose cache holds the blocks) through the prefill's own staging ring
-    (`_StagingRing`: two launches' slots, one launch's blocks a batch, `SlabRows`' driver copies with adjacent slab
+    (`StagingRing`: two launches' slots, one launch's blocks a batch, `SlabRows`' driver copies with adjacent slab
     rows merged, one copy stream), `n_blocks` slab rows in slab order (default: every slot), no kernel in between; best of
     `repeats`. The 1 GiB pinned copy (bench.e2e_stream.copy_gbps) is not how these bytes move: 13 MB copies from a
     registered shm mapping ran at ~49 GB/s where it measured 55 (session 8's 16k profile)."""
     import torch
     from cache_shm.cuda_map import chunk_slots
-    from gpu_worker.streaming import SlabRows, _StagingRing
+    from gpu_worker.slab_copies import SlabRows, StagingRing
     slab = source.slab
     n_blocks = min(n_blocks or slab.shape[0], slab.shape[0])
     per = max(1, source._launch_limits(2)[0])
-    ring = _StagingRing(2 * per, source.store.block_stride, source.geom.block_bytes, source.device,
+    ring = StagingRing(2 * per, source.store.block_stride, source.geom.block_bytes, source.device,
                         SlabRows(slab, chunk_slots(source.slot_bytes)))
     moved = n_blocks * source.geom.block_bytes
     runs = []

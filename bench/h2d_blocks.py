@@ -52,7 +52,7 @@ def _cut(s: int, k: int, chunk: int) -> list[tuple[int, int]]:
 
 def run(n_blocks: int, share: float, repeats: int, seed: int = 0) -> dict:
     from cache_shm.cuda_map import chunk_slots
-    from gpu_worker.streaming import copy_runs
+    from gpu_worker.slab_copies import copy_runs
     from gpu_worker.up_staging import driver_memcpy_async
     memcpy = driver_memcpy_async()
     dev = torch.device("cuda")

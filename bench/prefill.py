@@ -309,7 +309,7 @@ def ttft(eng, ids, device) -> dict:
 
 
 def ahead_figures(last) -> dict:
-    """The copies ahead of one prompt (gpu_worker/streaming.py `_copy_ahead`) and how right the guess was: precision,
+    """The copies ahead of one prompt (gpu_worker/prefill_experts.py `_copy_ahead`) and how right the guess was: precision,
     the guess's experts the layer routed to; recall, the layer's routed experts the guess named; the next layers'
     guesses' precision by how many tokens they guessed for an expert, and how many they named so."""
     from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS
@@ -419,7 +419,7 @@ def path_env(path: str) -> dict[str, str]:
 def new_glue(path: str) -> None:
     """The glue's A/B by a path's last character: "+" session 7's glue (on by default since session 8), "-" the old —
     the Mamba scan's carry in one launch (kernels/mamba_carry.py) and the staging ring's adjacent blocks in one copy
-    (gpu_worker/streaming.py `copy_runs`); neither: the engine's defaults."""
+    (gpu_worker/slab_copies.py `copy_runs`); neither: the engine's defaults."""
     for name in ("MOESTREAM_MAMBA_CARRY_KERNEL", "MOESTREAM_COPY_RUNS"):
         if path.endswith(("+", "-")):
             os.environ[name] = "1" if path.endswith("+") else "0"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
-CHUNK_BYTES = 1 << 30      # register_slab's chunks; a copy should not span two (gpu_worker/streaming.py copy_runs)
+CHUNK_BYTES = 1 << 30      # register_slab's chunks; a copy should not span two (gpu_worker/slab_copies.py copy_runs)
 
 
 def chunk_slots(slot_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:

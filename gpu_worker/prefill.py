@@ -31,7 +31,7 @@ else it runs as many queries per piece as keep one piece's scores within the pla
 holds T x T scores for all heads at once). An MoE layer's grouped expert
 launches keep their device buffers (staging ring, dequantized weights, the ReLU² rows and the latent rows gathered
 in expert order, for that launch's experts only) within the plan's launch bytes
-(`gpu_worker.streaming.launch_limits`). A layer's own NVFP4/FP8 projections decoded for its pieces
+(`gpu_worker.prefill_knobs.launch_limits`). A layer's own NVFP4/FP8 projections decoded for its pieces
 (`kernels.dense_prefill`) add at most the plan's `dequant_bytes` (or the layer's decoded weights, if fewer) to that
 layer while it runs, from DEQUANT_MIN_ROWS rows of span on. The largest layer decides, since layers run one after the
 other.
@@ -84,7 +84,7 @@ def _act_bytes(dtype) -> int:
 @dataclass(frozen=True)
 class SpanPlan:
     """What a budget buys beside the span's length: forward's pieces, and the bytes one grouped expert launch may
-    hold (0: gpu_worker.streaming.prefill_batch_bytes())."""
+    hold (0: gpu_worker.prefill_knobs.prefill_batch_bytes())."""
     pieces: Pieces = Pieces()
     launch_bytes: int = 0
     fused_attention: bool = False   # CUDA: attention in one fused SDPA launch a piece, no scores held (forward)
@@ -92,7 +92,7 @@ class SpanPlan:
     mamba_path: str = "twin"        # which Mamba2 prefill path the forward runs (`mamba_path`), as it is priced
 
     def launch(self) -> int:
-        from gpu_worker.streaming import prefill_batch_bytes
+        from gpu_worker.prefill_knobs import prefill_batch_bytes
         return self.launch_bytes or prefill_batch_bytes()
 
 
@@ -255,14 +255,14 @@ _PLANS: dict = {}    # span_plan's plans: the server plans every prompt with the
 
 def _knobs() -> tuple:
     """What else a plan depends on (module settings the tests change)."""
-    from gpu_worker.streaming import prefill_batch_bytes
+    from gpu_worker.prefill_knobs import prefill_batch_bytes
     return prefill_batch_bytes(), PARTIAL_DEQUANT, SCORE_BYTES
 
 
 def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
     """The plan with the Mamba pieces halved from `mamba_top` and the others' from `other_top` while one piece takes
     more than an eighth of the budget; no decoded weights (`dequant_bound` gives them)."""
-    from gpu_worker.streaming import prefill_batch_bytes
+    from gpu_worker.prefill_knobs import prefill_batch_bytes
     e = _act_bytes(dtype)
 
     def halved(top, piece_bytes) -> int:
@@ -385,7 +385,7 @@ def launch_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, p
     reserve then ran 3 Super experts a launch (H200, session 5: a 126-token chat turn 223 ms in the server, 70 ms
     without the budget). Growing the launch by the slack keeps `span_bytes` within the budget: the MoE term grows
     by at most the slack."""
-    from gpu_worker.streaming import prefill_batch_bytes
+    from gpu_worker.prefill_knobs import prefill_batch_bytes
     slack = budget_bytes - span_bytes(cfg, dtype, span, past, all_logits, plan, kv_rows)
     return max(plan.launch(), min(prefill_batch_bytes(), plan.launch() + max(slack, 0)))
 

@@ -44,7 +44,7 @@ class PrefillProfile:
         self._t0 = None
         self.total_ms = 0.0
 
-    # ---- the hooks the streaming source calls (gpu_worker/streaming.py) ------------------------
+    # ---- the hooks the streaming source calls (gpu_worker/prefill_experts.py) ------------------------
     def launch(self, fn):
         """Run one grouped launch `fn()`, timed: CUDA events around it on the current stream, or the host's clock."""
         self.launches += 1

@@ -254,7 +254,7 @@ DEQUANT_TMA_MIN_TOKENS = 256
 DEQUANT_TMA_MIN_EXPERTS = 16
 DEQUANT_TMA_ENV = "MOESTREAM_DEQUANT_TMA_MIN_TOKENS"
 # the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, a whole grouped
-# launch of gpu_worker/streaming.py's PREFILL_LAUNCH_EXPERTS decoded at once; a small budget's launches hold fewer
+# launch of gpu_worker/prefill_knobs.py's PREFILL_LAUNCH_EXPERTS decoded at once; a small budget's launches hold fewer
 # experts, and the scratch is only as large as a launch's experts (`launch_limits` charges it per expert); the sweep
 # lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
 DEQUANT_SCRATCH_BYTES = 384 << 20

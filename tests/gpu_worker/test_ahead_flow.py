@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gpu_worker.ahead_flow as ahead_flow
+from gpu_worker import prefill_experts, slab_copies
 import gpu_worker.streaming as streaming
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.prefill import prefill
@@ -30,8 +31,8 @@ class FlowSpy:
 
     def __init__(self, monkeypatch):
         self.puts, self.launched, self.first = [], [], []
-        real_put, real_batch = streaming._AheadSlots.put_into, streaming.StreamingExperts._prefill_batch
-        real_copy = streaming._AheadSlots.copy
+        real_put, real_batch = slab_copies.AheadSlots.put_into, streaming.StreamingExperts._prefill_batch
+        real_copy = slab_copies.AheadSlots.copy
 
         def put_into(slots, layer, experts, *a, **kw):
             self.puts.append((layer, list(experts)))
@@ -41,12 +42,12 @@ class FlowSpy:
             k = real_copy(slots, layer, experts, *a, **kw)
             self.first.append(list(experts)[:k])
             return k
-        monkeypatch.setattr(streaming._AheadSlots, "copy", copy)
+        monkeypatch.setattr(slab_copies.AheadSlots, "copy", copy)
 
         def batch(src, lay, b, *a, **kw):
             self.launched.append((lay.j, [e for e, _ in b]))
             return real_batch(src, lay, b, *a, **kw)
-        monkeypatch.setattr(streaming._AheadSlots, "put_into", put_into)
+        monkeypatch.setattr(slab_copies.AheadSlots, "put_into", put_into)
         monkeypatch.setattr(streaming.StreamingExperts, "_prefill_batch", batch)
 
     def clear(self):
@@ -95,7 +96,7 @@ def test_flow_copies_in_pieces_and_launches_the_copied_first(tiny, twin, monkeyp
     Must-fail twin: the launches in expert order, as without the flow, are caught by the order check."""
     model_dir, store = tiny
     if twin:
-        monkeypatch.setattr(streaming, "launch_order", lambda hits, ahead: list(hits.items()))
+        monkeypatch.setattr(prefill_experts, "launch_order", lambda hits, ahead: list(hits.items()))
     spy = FlowSpy(monkeypatch)
     copied_at_sync: dict[int, set] = {}
     real_start = streaming.StreamingExperts._flow_start

@@ -1,9 +1,9 @@
 """The copies ahead wait for the kernels that read their slots last: once per launch (the slots a launch read share
-its event), never skipping a launch's event, and after the layer's own staging copies (`_AheadSlots._put`)."""
+its event), never skipping a launch's event, and after the layer's own staging copies (`AheadSlots._put`)."""
 from __future__ import annotations
 
-from gpu_worker import streaming
-from gpu_worker.streaming import _AheadSlots
+from gpu_worker import slab_copies
+from gpu_worker.slab_copies import AheadSlots
 
 
 class _Stream:
@@ -15,7 +15,7 @@ class _Stream:
 
 
 def _slots(free, put=None):
-    a = _AheadSlots.__new__(_AheadSlots)
+    a = AheadSlots.__new__(AheadSlots)
     a.cuda, a.stream, a.free = True, _Stream(), list(free)
     a._copy_runs = lambda rs, sources: None
     if put is not None:
@@ -24,7 +24,7 @@ def _slots(free, put=None):
 
 
 def test_each_launch_event_waited_once_in_order(monkeypatch):
-    monkeypatch.setattr(streaming, "ahead_runs", lambda: True)
+    monkeypatch.setattr(slab_copies, "ahead_runs", lambda: True)
     after, e1, e2, e3 = object(), object(), object(), object()
     a = _slots([e1, e1, None, e2, e2, e1, e3, e3])       # interleaved: a launch's slots need not be adjacent
     a._put(list(range(8)), list(range(100, 108)), after, None, "copies ahead")
@@ -34,7 +34,7 @@ def test_each_launch_event_waited_once_in_order(monkeypatch):
 def test_must_fail_a_wait_for_the_first_launch_only_is_caught(monkeypatch):
     """The twin: a put that waits only for the first slot's event would let the copies overwrite slots that later
     launches still read; the equality above catches it."""
-    monkeypatch.setattr(streaming, "ahead_runs", lambda: True)
+    monkeypatch.setattr(slab_copies, "ahead_runs", lambda: True)
 
     def first_only(self, rs, sources, after, events, what):
         self.stream.wait_event(after)

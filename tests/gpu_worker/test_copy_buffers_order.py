@@ -1,5 +1,5 @@
-"""A copy stream's new device buffer is written only after the compute stream's queued work (gpu_worker/streaming.py
-`_StagingRing`, `_AheadSlots`). The caching allocator hands a buffer allocated on the compute stream memory that a
+"""A copy stream's new device buffer is written only after the compute stream's queued work (gpu_worker/slab_copies.py
+`StagingRing`, `AheadSlots`). The caching allocator hands a buffer allocated on the compute stream memory that a
 tensor freed a moment ago still holds for kernels queued there; a copy stream that does not wait for the compute
 stream overwrites it under them. CUDA only: a busy compute stream (`torch.cuda._sleep`) with a reader of the freed
 tensor queued behind it, then the buffer made and filled; the reader must see the old bytes. The twin (the copy
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.streaming import SlabRows, _AheadSlots, _StagingRing
+from gpu_worker.slab_copies import SlabRows, AheadSlots, StagingRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="copy streams and the caching allocator: CUDA")
 
@@ -18,10 +18,10 @@ N, STRIDE = 4, 1 << 20
 
 def _fill(kind, dev, slab):
     if kind == "ring":
-        buf = _StagingRing(N, STRIDE, STRIDE, dev, SlabRows(slab))
+        buf = StagingRing(N, STRIDE, STRIDE, dev, SlabRows(slab))
         buf.stage(list(range(N)))
     else:
-        buf = _AheadSlots(N, STRIDE, STRIDE, dev, True, SlabRows(slab))
+        buf = AheadSlots(N, STRIDE, STRIDE, dev, True, SlabRows(slab))
         buf.copy(0, list(range(N)), list(range(N)), [0] * N)
     return buf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import streaming
+from gpu_worker import prefill_knobs
 
 SUPER = dict(block_stride=3096576, L=1024, I=2688)     # an NVFP4 Super expert's block (16-neuron down groups)
 
@@ -21,8 +21,8 @@ def used(experts, rows, chunk, block_stride, L, I, act=2):
 @pytest.mark.parametrize("chunk", [0, 2, 4])
 def test_buffers_within_the_launch_bytes(launch_mb, chunk):
     b = launch_mb << 20
-    experts, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, chunk)
-    assert 1 <= experts <= streaming.PREFILL_LAUNCH_EXPERTS and rows >= 64
+    experts, rows = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, chunk)
+    assert 1 <= experts <= prefill_knobs.PREFILL_LAUNCH_EXPERTS and rows >= 64
     if rows > 64:                                   # (a launch gets at least a tile of rows whatever its bytes)
         assert used(experts, rows, chunk, **SUPER) <= b
 
@@ -31,8 +31,8 @@ def test_a_small_budget_takes_more_experts_a_launch():
     """Super at the server's 512 MiB (a launch of 128 MiB + half the slack, ~187 MiB at 16k): 5 experts a launch
     with the scratch per expert, 12 with chunks of 4."""
     b = 187 << 20
-    per_expert, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
-    chunked, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4)
+    per_expert, _ = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    chunked, rows = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4)
     assert (per_expert, chunked) == (5, 12)
     assert rows >= 12 * 16000 * 22 // 512            # a 16k prompt's rows for 12 experts fit one launch
 
@@ -42,7 +42,7 @@ def test_a_twin_without_the_scratch_overruns():
     b = 187 << 20
 
     def free_scratch(block_stride, L, I, act, launch, chunk):
-        experts = max(1, min(streaming.PREFILL_LAUNCH_EXPERTS, launch // 2 // (2 * block_stride)))
+        experts = max(1, min(prefill_knobs.PREFILL_LAUNCH_EXPERTS, launch // 2 // (2 * block_stride)))
         return experts, max(64, (launch - experts * 2 * block_stride) // (2 * I + act * L + 20))
     experts, rows = free_scratch(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4)
     assert used(experts, rows, 4, **SUPER) > b
@@ -50,13 +50,13 @@ def test_a_twin_without_the_scratch_overruns():
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv("MOESTREAM_LAUNCH_CHUNK", raising=False)
-    assert streaming.launch_chunk() == 0
+    assert prefill_knobs.launch_chunk() == 0
     monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", "4")
-    assert streaming.launch_chunk() == 4
+    assert prefill_knobs.launch_chunk() == 4
     for bad in ("four", "-1"):
         monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", bad)
         with pytest.raises(ValueError, match="MOESTREAM_LAUNCH_CHUNK"):
-            streaming.launch_chunk()
+            prefill_knobs.launch_chunk()
 
 
 def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
@@ -64,12 +64,12 @@ def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
     as many (the freed scratch goes to ring slots), buffers still within the bytes."""
     b = 187 << 20
     args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
-    n0, _ = streaming.launch_limits(*args)
-    experts, rows = streaming.launch_limits(*args, -1)
-    assert experts == streaming.launch_limits(*args, n0)[0] == 11 and 1.7 * n0 <= experts <= 2.5 * n0
+    n0, _ = prefill_knobs.launch_limits(*args)
+    experts, rows = prefill_knobs.launch_limits(*args, -1)
+    assert experts == prefill_knobs.launch_limits(*args, n0)[0] == 11 and 1.7 * n0 <= experts <= 2.5 * n0
     assert used(experts, rows, n0, **SUPER) <= b
     monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", "auto")
-    assert streaming.launch_chunk() == -1
+    assert prefill_knobs.launch_chunk() == -1
 
 
 def test_batch_knob_with_64_experts_a_launch(monkeypatch):
@@ -78,14 +78,14 @@ def test_batch_knob_with_64_experts_a_launch(monkeypatch):
     nonsense names the variable."""
     monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "64")
     monkeypatch.delenv("MOESTREAM_PREFILL_BATCH_MB", raising=False)
-    assert streaming.prefill_batch_bytes() == streaming.PREFILL_BATCH_BYTES == 1 << 30
-    small, _ = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2,
-                                       streaming.prefill_batch_bytes())
+    assert prefill_knobs.prefill_batch_bytes() == prefill_knobs.PREFILL_BATCH_BYTES == 1 << 30
+    small, _ = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2,
+                                       prefill_knobs.prefill_batch_bytes())
     monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "2304")
-    b = streaming.prefill_batch_bytes()
-    experts, rows = streaming.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    b = prefill_knobs.prefill_batch_bytes()
+    experts, rows = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
     assert b == 2304 << 20 and experts == 64 > small == 31 and used(experts, rows, 0, **SUPER) <= b
     for bad in ("lots", "0"):
         monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", bad)
         with pytest.raises(ValueError, match="MOESTREAM_PREFILL_BATCH_MB"):
-            streaming.prefill_batch_bytes()
+            prefill_knobs.prefill_batch_bytes()

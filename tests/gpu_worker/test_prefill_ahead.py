@@ -1,4 +1,4 @@
-"""The next MoE layer's experts copied ahead during a prefill (gpu_worker/streaming.py `_copy_ahead`), on the CPU,
+"""The next MoE layer's experts copied ahead during a prefill (gpu_worker/prefill_experts.py `_copy_ahead`), on the CPU,
 where the ahead slots are plain tensors and the copies are done at once: the blocks copied ahead are the ones the
 next layer's launches read (a twin that puts a wrong block in a slot changes the logits), they were copied before
 that layer's router synced (a twin that copies them after the sync is caught by the count), the wrong guesses are
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker import prefill_experts, prefill_knobs, slab_copies
 import gpu_worker.streaming as streaming
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.prefill import (SpanPlan, ahead_bytes_for, launch_bytes_for, prefill, prefill_span, span_bytes,
@@ -46,12 +47,12 @@ class CopySpy:
     """Records every layer's blocks copied ahead: [(MoE layer, experts)]."""
 
     def __init__(self, monkeypatch):
-        self.copied, real = [], streaming._AheadSlots.copy
+        self.copied, real = [], slab_copies.AheadSlots.copy
 
         def copy(slots, layer, experts, *a, **kw):
             self.copied.append((layer, list(experts)))
             return real(slots, layer, experts, *a, **kw)
-        monkeypatch.setattr(streaming._AheadSlots, "copy", copy)
+        monkeypatch.setattr(slab_copies.AheadSlots, "copy", copy)
 
 
 def staged_before_sync(src) -> bool:
@@ -129,11 +130,11 @@ def test_twin_wrong_block_in_a_slot_is_caught(tiny, refs, monkeypatch):
     """Must-fail twin: each block copied ahead lands in its neighbour's slot; the launches read the slots, so the
     logits move."""
     model_dir, store = tiny
-    real = streaming._AheadSlots.copy
+    real = slab_copies.AheadSlots.copy
 
     def rotated(slots, layer, experts, sources, *a, **kw):
         return real(slots, layer, experts, sources[1:] + sources[:1], *a, **kw)
-    monkeypatch.setattr(streaming._AheadSlots, "copy", rotated)
+    monkeypatch.setattr(slab_copies.AheadSlots, "copy", rotated)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
         eng.experts.copy_ahead = True
         eng.experts.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
@@ -224,11 +225,11 @@ def test_eager_copies_never_overwrite_the_layers_own_slots(tiny, refs, monkeypat
     model_dir, store = tiny
     from expert_store.reader import ExpertStore
     st = ExpertStore.open(store)
-    monkeypatch.setattr(streaming, "PREFILL_AHEAD_SLOTS_MAX", max(2, st.n_experts // 2))
-    outs, real = {}, streaming._AheadSlots.copy_now
+    monkeypatch.setattr(prefill_experts, "PREFILL_AHEAD_SLOTS_MAX", max(2, st.n_experts // 2))
+    outs, real = {}, slab_copies.AheadSlots.copy_now
     for twin in (False, True):
         if twin:
-            monkeypatch.setattr(streaming._AheadSlots, "copy_now",
+            monkeypatch.setattr(slab_copies.AheadSlots, "copy_now",
                                 lambda a, ex, src, taken=frozenset(): real(a, ex, src, taken=frozenset()))
         stage = StageSpy(monkeypatch)
         with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
@@ -257,10 +258,10 @@ def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, mo
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", layers)
     model_dir, store = tiny
-    outs, real = {}, streaming._AheadSlots.copy
+    outs, real = {}, slab_copies.AheadSlots.copy
     for twin in (False, True) if layers == "1" else (False,):
         if twin:
-            monkeypatch.setattr(streaming._AheadSlots, "copy",
+            monkeypatch.setattr(slab_copies.AheadSlots, "copy",
                                 lambda a, *args, taken=frozenset(), **kw: real(a, *args, **kw))
         with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
             src = eng.experts
@@ -469,7 +470,7 @@ def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
         assert int(eng.sup.shm.slot_pins.sum()) == 0
     torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
     first = [ex for j, ex in spy.copied if j == 0]
-    n = streaming.FIRST_GUESS_MIN_BLOCKS + 300 * streaming.FIRST_GUESS_BLOCKS_PER_1K // 1000
+    n = prefill_knobs.FIRST_GUESS_MIN_BLOCKS + 300 * prefill_knobs.FIRST_GUESS_BLOCKS_PER_1K // 1000
     assert len(first) == 1 and 0 < len(first[0]) <= n
     assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
     assert _first_layer_at_sync(src)[0] == len(first[0])
@@ -534,7 +535,8 @@ def test_first_layer_guess_off(tiny, monkeypatch):
 def test_short_prompts_wish_no_slots():
     """Copies ahead only for prompts of `ahead_min_tokens` and more (a gate of 2,048 until session 15, 0 since: every
     prompt); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
-    from gpu_worker.streaming import PREFILL_AHEAD_MIN_TOKENS, StreamingExperts
+    from gpu_worker.streaming import StreamingExperts
+    from gpu_worker.prefill_knobs import PREFILL_AHEAD_MIN_TOKENS
     src = StreamingExperts.__new__(StreamingExperts)
     src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
     src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
@@ -556,7 +558,7 @@ def _plan_ok(plan, runs, every) -> bool:
 def test_ahead_copy_plan_groups_runs_for_one_event_each(every):
     """The copies ahead in runs (on by default since session 9; MOESTREAM_AHEAD_RUNS=0 is off), an event per group of
     blocks."""
-    from gpu_worker.streaming import ahead_copy_plan, ahead_runs
+    from gpu_worker.slab_copies import ahead_copy_plan, ahead_runs
     rng = np.random.default_rng(every)
     lens = rng.integers(1, 6, size=37).tolist()
     runs, i = [], 0
@@ -585,7 +587,7 @@ def test_split_runs_cut_long_runs_in_order(most):
     """The copies ahead in runs of at most `most` blocks (MOESTREAM_AHEAD_RUN_MAX): every block once, in order, no
     piece longer than `most` (0: the runs as they are); then grouped for events as before. Must-fail twin: a layer in
     one run (the RAM regime's slab) left whole is one copy with one event."""
-    from gpu_worker.streaming import ahead_copy_plan, split_runs
+    from gpu_worker.slab_copies import ahead_copy_plan, split_runs
     runs = [(0, 20), (20, 1), (21, 7), (28, 9)]
     got = split_runs(runs, most)
     flat = [i + q for i, n in got for q in range(n)]
@@ -649,7 +651,7 @@ def test_min_guess_copies_only_experts_guessed_that_many_tokens(tiny, refs, leas
     unchanged. The accounting's buckets hold every expert the guesses named, and the right ones are those the layer
     routed to."""
     out, guesses, copied, last, routed = _guessed_and_copied(tiny, monkeypatch, 6, least)
-    m = streaming.AHEAD_MIN_GUESS if least is None else least
+    m = prefill_knobs.AHEAD_MIN_GUESS if least is None else least
     assert m >= 2
     torch.testing.assert_close(out, refs[6], rtol=1e-5, atol=1e-4)
     assert copied and _copied_below(guesses, copied, m) == 0
@@ -681,10 +683,10 @@ def test_must_fail_min_guess_one_copies_one_token_guesses(tiny, refs, monkeypatc
 def test_min_guess_knob_refuses_nonsense(monkeypatch):
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", "0")
     with pytest.raises(ValueError, match="MOESTREAM_PREFILL_AHEAD_MIN_GUESS"):
-        streaming.ahead_min_guess()
+        prefill_knobs.ahead_min_guess()
     monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "-1")
     with pytest.raises(ValueError, match="MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED"):
-        streaming.first_guess_expected()
+        prefill_knobs.first_guess_expected()
 
 
 @pytest.mark.parametrize("lam", [0.0, 4.0])
@@ -705,7 +707,7 @@ def test_first_guess_names_the_experts_expected_lam_tokens(tiny, refs, lam, monk
         assert int(eng.sup.shm.slot_pins.sum()) == 0
     torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
     first = [ex for j, ex in spy.copied if j == 0]
-    fixed = streaming.FIRST_GUESS_MIN_BLOCKS + 300 * streaming.FIRST_GUESS_BLOCKS_PER_1K // 1000
+    fixed = prefill_knobs.FIRST_GUESS_MIN_BLOCKS + 300 * prefill_knobs.FIRST_GUESS_BLOCKS_PER_1K // 1000
     expected = int(np.count_nonzero(hist * 300 >= 4.0))
     assert expected > fixed, "the history expects too few experts for the knob to name more than the fixed count"
     assert len(first) == 1

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import gpu_worker.streaming as streaming
+from gpu_worker import prefill_experts, prefill_knobs
 import nemotron.moe as moe
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.prefill import SpanPlan, prefill, prefill_span, span_bytes, span_plan
@@ -100,7 +100,7 @@ def test_forward_in_small_pieces_equals_large(tiny_model):
 
 # ------------------------------------------------------------------------------------------------ launches
 def _streamed_logits(model_dir, store, ids, launch_bytes, monkeypatch):
-    monkeypatch.setattr(streaming, "PREFILL_BATCH_BYTES", launch_bytes)
+    monkeypatch.setattr(prefill_knobs, "PREFILL_BATCH_BYTES", launch_bytes)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         out = prefill(eng.model, ids, eng.model.new_state())
         last = eng.experts.prefill_acct.last
@@ -115,16 +115,16 @@ def test_small_launches_windows_and_gathers_equal_the_checkpoint(tiny_model, tmp
     ids = [int(t) for t in np.random.default_rng(4).integers(14, 1000, size=900)]
     ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
     small = 40 << 10
-    n_experts, rows = streaming.launch_limits(1, 64, 96, 4, small)
+    n_experts, rows = prefill_knobs.launch_limits(1, 64, 96, 4, small)
     assert n_experts == 1 and rows < 900 * 4 // 32, "the budget must split an expert's rows"
     out, (launches, distinct), used = _streamed_logits(tiny_model, store, ids, small, monkeypatch)
     assert used == small and launches > distinct, "no expert's rows were split into windows"
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    right = streaming._windows
+    right = prefill_experts._windows
 
     def short(segments, cap):
         return [[(a, n - 1 if n > 1 else n) for a, n in w] for w in right(segments, cap)]
-    monkeypatch.setattr(streaming, "_windows", short)
+    monkeypatch.setattr(prefill_experts, "_windows", short)
     bad, _, _ = _streamed_logits(tiny_model, store, ids, small, monkeypatch)
     assert (bad - ref).abs().max() > 1e-3, "a dropped row went unnoticed"
 
@@ -168,8 +168,8 @@ def test_gpu_small_launches_equal_large(tiny_model, tmp_path, monkeypatch, path)
     store = make_store(tiny_model, tmp_path / "store")
     ids = [int(t) for t in np.random.default_rng(6).integers(14, 1000, size=900)]
     outs = []
-    for launch in (streaming.PREFILL_BATCH_BYTES, 40 << 10):
-        monkeypatch.setattr(streaming, "PREFILL_BATCH_BYTES", launch)
+    for launch in (prefill_knobs.PREFILL_BATCH_BYTES, 40 << 10):
+        monkeypatch.setattr(prefill_knobs, "PREFILL_BATCH_BYTES", launch)
         with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2,
                              device="cuda", dtype=torch.bfloat16) as eng:
             eng.experts.prefill_weights = path
@@ -190,14 +190,14 @@ def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
     store = make_store(tiny_model, tmp_path / "store")
     ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=700)]
     ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
-    gaps, gather = [], streaming._SortedRows.gather
+    gaps, gather = [], prefill_experts._SortedRows.gather
 
     def seen(self, segments):
         live = [(a, n) for a, n in segments if n > 0]
         gaps.append(any(a + n != b for (a, n), (b, _) in zip(live, live[1:])))
         return gather(self, segments)
-    monkeypatch.setattr(streaming._SortedRows, "gather", seen)
-    out, _, _ = _streamed_logits(tiny_model, store, ids, streaming.PREFILL_BATCH_BYTES, monkeypatch)
+    monkeypatch.setattr(prefill_experts._SortedRows, "gather", seen)
+    out, _, _ = _streamed_logits(tiny_model, store, ids, prefill_knobs.PREFILL_BATCH_BYTES, monkeypatch)
     assert any(gaps) and not all(gaps)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -209,8 +209,8 @@ def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
             local.append((at, n))
             at += n
         return self.x[self.tok[lo:hi]], self.ws[lo:hi], self.tok[lo:hi], local
-    monkeypatch.setattr(streaming._SortedRows, "gather", gapless)
-    bad, _, _ = _streamed_logits(tiny_model, store, ids, streaming.PREFILL_BATCH_BYTES, monkeypatch)
+    monkeypatch.setattr(prefill_experts._SortedRows, "gather", gapless)
+    bad, _, _ = _streamed_logits(tiny_model, store, ids, prefill_knobs.PREFILL_BATCH_BYTES, monkeypatch)
     assert (bad - ref).abs().max() > 1e-3, "rows gathered across a gap went unnoticed"
 
 
@@ -219,7 +219,7 @@ def test_a_short_span_takes_the_budgets_slack_for_its_launches():
     gave 3 Super experts a launch), a long one's keep the plan's quarter, and the span still fits the budget."""
     import torch
     from gpu_worker.prefill import launch_bytes_for, span_bytes, span_plan
-    from gpu_worker.streaming import PREFILL_BATCH_BYTES
+    from gpu_worker.prefill_knobs import PREFILL_BATCH_BYTES
     cfg, budget = _super(), 512 << 20
     plan = span_plan(cfg, torch.bfloat16, budget, "cuda")
     short = launch_bytes_for(cfg, torch.bfloat16, budget, 126, plan)

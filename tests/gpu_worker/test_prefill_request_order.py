@@ -1,4 +1,4 @@
-"""Where a MoE layer's prefill request goes (gpu_worker/streaming.py `_prefill`): with every routed block in the
+"""Where a MoE layer's prefill request goes (gpu_worker/prefill_experts.py `_prefill`): with every routed block in the
 cache, after the layer's first launch (the launch waits for nothing it does not need: the request's post wakes the
 prefetcher, ~0.4 ms of host on the VM); with a block missing, before the layer's launches (the disk reads start with
 it). Each order is the other's must-fail twin: one engine, two regimes, opposite assertions. The logits are the

@@ -1,4 +1,4 @@
-"""The staging ring's coalesced copies (gpu_worker/streaming.py `copy_runs`, `SlabRows`, `_StagingRing.stage`):
+"""The staging ring's coalesced copies (gpu_worker/slab_copies.py `copy_runs`, `SlabRows`, `StagingRing.stage`):
 adjacent slab slots bound for adjacent ring slots go as one copy of whole rows, anything else one block at a time.
 On the CPU the runs themselves (odd patterns: gaps, a ring wrap, a registration's end); the ring's bytes after
 staging slab slots in and out of order, against the slab, on CUDA (by the driver, on the blocks' addresses) and on
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from gpu_worker import streaming
-from gpu_worker.streaming import SlabRows, copy_runs
+from gpu_worker import slab_copies
+from gpu_worker.slab_copies import SlabRows, copy_runs
 
 S = 4096
 
@@ -69,7 +69,7 @@ def _staged_right(order, dev="cuda") -> list[bool]:
     dev = torch.device(dev)
     n_slots, bb = 7, S - 100                      # block bytes below the stride, as a store's padding leaves
     slab = _slab(16).pin_memory() if dev.type == "cuda" else _slab(16)
-    ring = streaming._StagingRing(n_slots, S, bb, dev, SlabRows(slab))
+    ring = slab_copies.StagingRing(n_slots, S, bb, dev, SlabRows(slab))
     if dev.type == "cuda":
         assert ring.rows.memcpy is not None       # the engine's path: the driver on the blocks' addresses
     rows, seen = ROWS[order], []
@@ -99,7 +99,7 @@ def test_ring_holds_the_sources(order, streams, monkeypatch):
 
 @CUDA
 def test_ring_twin_merging_across_gaps_is_caught(monkeypatch):
-    monkeypatch.setattr(streaming, "copy_runs", _slots_only)
+    monkeypatch.setattr(slab_copies, "copy_runs", _slots_only)
     assert not all(_staged_right("gaps"))
 
 
@@ -144,7 +144,7 @@ def test_ring_holds_the_sources_on_the_cpu(order, streams, streams_faked, monkey
 
 
 def test_ring_twin_merging_across_gaps_is_caught_on_the_cpu(streams_faked, monkeypatch):
-    monkeypatch.setattr(streaming, "copy_runs", _slots_only)
+    monkeypatch.setattr(slab_copies, "copy_runs", _slots_only)
     assert not all(_staged_right("gaps", "cpu"))
 
 
@@ -154,7 +154,7 @@ def test_ring_waits_once_per_launch_for_the_slots_it_refills(streams_faked):
     slot, and the count shows it."""
     waits = []
     slab = _slab(16)
-    ring = streaming._StagingRing(8, S, S, torch.device("cpu"), SlabRows(slab))
+    ring = slab_copies.StagingRing(8, S, S, torch.device("cpu"), SlabRows(slab))
     ring.stream.wait_event = waits.append        # what the copy stream waits for
     ring.stage([0, 1, 2, 3])
     assert waits == []                           # fresh slots: nothing read them
@@ -190,13 +190,13 @@ def test_ring_copies_across_registered_chunks():
         assert int(cudart.cudaHostRegister(base + off, 4 * S, flags)) == 0
     try:
         rows = [2, 3, 4, 5]
-        ring = streaming._StagingRing(6, S, S, dev, SlabRows(slab, chunk=4))
+        ring = slab_copies.StagingRing(6, S, S, dev, SlabRows(slab, chunk=4))
         assert ring.rows.memcpy is not None
         ring.stage(rows)
         torch.cuda.synchronize()
         assert ring.runs_ok
         assert all(torch.equal(ring.buf[q].cpu(), slab[r]) for q, r in zip(ring.used, rows))
-        twin = streaming._StagingRing(6, S, S, dev, SlabRows(slab))          # no chunks: one run across them
+        twin = slab_copies.StagingRing(6, S, S, dev, SlabRows(slab))          # no chunks: one run across them
         with pytest.warns(RuntimeWarning, match="one copy per block"):
             twin.stage(rows)
         torch.cuda.synchronize()
@@ -208,7 +208,7 @@ def test_ring_copies_across_registered_chunks():
 
 
 def test_slab_rows_one_copy_a_run_or_block_by_block_with_a_warning(monkeypatch):
-    """The copies the staging ring and the copies ahead share (streaming.SlabRows): a run of adjacent rows in one
+    """The copies the staging ring and the copies ahead share (slab_copies.SlabRows): a run of adjacent rows in one
     copy; where one run's copy fails it says so once and copies block by block from then on (bytes still right)."""
     stride = 64
     slab = torch.arange(8 * stride, dtype=torch.int64).to(torch.uint8).view(8, stride)
@@ -239,7 +239,7 @@ def _read_at_once(skip_join: bool, monkeypatch) -> bool:
     copies the ring out right after `stage`, with no host sync: right only if it waited for both streams."""
     monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", "2")
     slab = _slab(16).pin_memory()
-    ring = streaming._StagingRing(8, S, S, torch.device("cuda"), SlabRows(slab))
+    ring = slab_copies.StagingRing(8, S, S, torch.device("cuda"), SlabRows(slab))
     if skip_join:            # the twin: the first stream does not wait for the second before its `done` event
         monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
     with torch.cuda.stream(ring.streams[1]):
@@ -263,6 +263,6 @@ def test_twin_two_copy_streams_unjoined_is_caught(monkeypatch):
 
 def test_two_copy_streams_by_default(monkeypatch):
     monkeypatch.delenv("MOESTREAM_STAGE_STREAMS", raising=False)
-    assert streaming.stage_streams() == 2
+    assert slab_copies.stage_streams() == 2
     monkeypatch.setenv("MOESTREAM_STAGE_STREAMS", "1")
-    assert streaming.stage_streams() == 1
+    assert slab_copies.stage_streams() == 1

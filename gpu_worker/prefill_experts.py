@@ -1,0 +1,574 @@
+"""The prefill half of the streaming expert source (`StreamingExperts` in gpu_worker/streaming.py, which inherits it).
+
+Per MoE layer at prefill (the whole span of tokens at once, gpu_worker/prefill.py): the tokens sorted by expert
+on the device, one host sync for the experts' token counts and the next layer's guess, one lookup and one
+request for every expert the span routes to (plus the guess as prefetch), the hits in grouped launches, the
+misses in grouped launches as they land (kernels/expert_prefill.py). With staged weights, the next MoE layer's likely
+experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
+device slots (`AheadSlots`, gpu_worker/slab_copies.py) on their own stream, after this layer's own copies, while this
+layer's last kernels and the dense layers run: the next layer's launches then find them on the device (on for
+prompts of PREFILL_AHEAD_MIN_TOKENS and more: every prompt since session 15; PREFILL_COPY_AHEAD).
+
+The state these methods share with the decode half (the cache client, the slab, the pins deferred past kernels) is
+made in `StreamingExperts.__init__`; the prefill's own in `_init_prefill`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cache_shm.shm import READY
+from gpu_worker.ahead_flow import AheadFlow, ahead_flow, launch_order
+from gpu_worker.copy_pins import CopyPins
+from gpu_worker.prefill_accounting import PrefillAccounting
+from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN_BLOCKS,
+                                      PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
+                                      PREFILL_SLOT_MARGIN, ahead_early, ahead_layers, ahead_min_guess, first_guess,
+                                      first_guess_expected, launch_chunk, launch_limits, prefill_batch_bytes,
+                                      prefill_eager)
+from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
+from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
+from kernels.launch_tables import device_table
+
+@dataclass
+class _LayerLaunch:
+    """What every grouped launch of one MoE layer shares, worked out once at the layer's sync rather than per launch
+    (the host's cost a launch was ~1.2 ms profiled on the H200's host, 11 launches a layer at 1,000 tokens; ~0.45 ms
+    without a profiler after this; bench/NOTES.md session 15)."""
+    j: int
+    rows_cap: int                        # rows one launch takes at most (`launch_limits`)
+    chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved)
+    staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
+    cur: object                          # the compute stream (CUDA), or None
+    ug: torch.Tensor                     # the layer's global scales by expert: the dequantized path's kernels index
+    dg: torch.Tensor                     # them through the launch's table (no gather per launch)
+
+
+
+class PrefillExperts:
+    """The prefill's methods of `StreamingExperts` (a mixin: it has no state of its own outside `_init_prefill`)."""
+
+    def _init_prefill(self) -> None:
+        """The prefill's state; `StreamingExperts.__init__` calls it once its cache client and device are set."""
+        self.prefill_acct = PrefillAccounting(disk=self._disk_counters, resident=self._ready_keys,
+                                              n_keys=self.n_moe * self.store.n_experts, n_experts=self.store.n_experts)
+        # prefill weights: "zero_copy" (the kernels read the pinned slab; each BLOCK_M tile of tokens re-reads its
+        # expert over the bus) or "staged" (the copy engine moves each block once into a device ring)
+        self.prefill_weights = "staged"
+        self._ring = None
+        self.launch_bytes = prefill_batch_bytes()   # set per prompt by begin_prompt
+        self.prefill_profile = None      # a gpu_worker.prefill_profile.PrefillProfile while one measures
+        # prefill: the next MoE layer's guessed experts copied ahead into device slots (staged weights only: the
+        # zero-copy path reads the slab by design); `ahead_bytes` is what the prefill's budget gives them, per span
+        self.copy_ahead = self._cuda and PREFILL_COPY_AHEAD
+        # prompts shorter than this copy nothing ahead (their copies cost more than they hid, H200 session 8); the CPU
+        # path (tests) copies ahead for any prompt where copy_ahead is set
+        self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
+        self.ahead_bytes = 0
+        self._ahead: AheadSlots | None = None
+        self._guessed: tuple | None = None   # (next MoE layer, its experts the guess named, their tokens or None)
+        self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
+        self.route_hist: np.ndarray | None = None   # [n_moe, E]: decayed tokens-per-expert share of the prompts before
+
+    def _disk_counters(self) -> tuple[int, int]:
+        s = self.client.stats()
+        return int(s.get("io_bytes_read", 0)), int(s.get("io_reads", 0))
+
+    def _ready_keys(self) -> np.ndarray:
+        shm = self.client.shm
+        return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
+
+    def begin_prompt(self, launch_bytes: int | None = None, ahead_bytes: int = 0) -> None:
+        """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
+        `prefill_batch_bytes()`), its slots for experts copied ahead within `ahead_bytes`."""
+        self.launch_bytes = prefill_batch_bytes() if launch_bytes is None else int(launch_bytes)
+        self.ahead_bytes = int(ahead_bytes)
+        self.ahead_at_sync, self._guessed = [], None
+        self.prefill_acct.begin()
+
+    def inputs_ready(self, tokens: int) -> None:
+        self.guess_first_layer(tokens)
+
+    def guess_first_layer(self, tokens: int) -> int:
+        """Before a span's layers run, once its inputs are on the device (`inputs_ready`: queued before these copies,
+        the token ids' copy would wait for them all — H200 session 15 call 5, 16k: the first MoE layer's router 17 ms
+        late): the first MoE layer's experts most used by the prompts before (`route_hist`),
+        FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K per 1,000 tokens of them, copied ahead as a later layer's
+        guess is (`_copy_ahead`: those in the slab, into the ahead slots the span was given). Nothing without history
+        or slots, or outside a prompt (a forward of several tokens that `prefill` did not start: its slots would
+        outlive it). Returns how many were named."""
+        h = self.route_hist
+        if (h is None or not first_guess() or self.ahead_bytes <= 0 or not self.prefill_acct.in_prompt
+                or not h[0].any()):
+            return 0
+        n = FIRST_GUESS_MIN_BLOCKS + tokens * FIRST_GUESS_BLOCKS_PER_1K // 1000
+        lam = first_guess_expected()
+        if lam > 0:
+            n = max(n, int(np.count_nonzero(h[0] * tokens >= lam)))
+        top = [e for e in np.argsort(-h[0], kind="stable")[:n].tolist() if h[0, e] > 0]
+        g = np.zeros(h.shape[1], dtype=np.float64)
+        g[top] = h[0, top]
+        self._copy_ahead(0, g)
+        return len(top)
+
+    def _learn_routes(self, j: int, counts: np.ndarray, tokens: int) -> None:
+        """Layer j's tokens per expert, folded into `route_hist` (the older prompts' share halved each time)."""
+        if self.route_hist is None:
+            self.route_hist = np.zeros((self.n_moe, self.store.n_experts), dtype=np.float64)
+        self.route_hist[j] = 0.5 * self.route_hist[j] + counts / max(tokens, 1)
+
+    def ahead_wish(self, tokens: int | None = None) -> int:
+        """Bytes of device slots this source would copy the next MoE layer's experts ahead into (gpu_worker/prefill.py
+        grants them from what a span leaves of the budget): one layer's experts, or 0 where it copies none — or where
+        the prompt's `tokens` are fewer than `ahead_min_tokens`."""
+        if not self._copies_ahead() or (tokens is not None and tokens < self.ahead_min_tokens):
+            return 0
+        return self._ahead_cap() * self.store.block_stride
+
+    def _ahead_cap(self) -> int:
+        """Ahead slots at most: `ahead_layers()` layers' experts."""
+        return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
+
+    def _copies_ahead(self) -> bool:
+        return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
+
+    def _launch_limits(self, act_bytes: int) -> tuple[int, int]:
+        return launch_limits(self.store.block_stride, self.geom.L, self.geom.I, act_bytes, self.launch_bytes,
+                             launch_chunk())
+
+    def end_prompt(self, tokens: int, seconds: float) -> None:
+        """The prompt is done (the prefill loop synchronized the device): its pins go back, its cost is added."""
+        self._flush(sync=self._cuda)
+        self._ahead_settle(None)
+        self._ahead = None           # its copies are done (the flush waited): decode gets the memory back
+        self.prefill_acct.end(tokens, seconds)
+
+    def _prefill(self, j, x, experts, weights, guess=None):
+        """The span's tokens sorted by expert; every expert it routes to requested once, the hits in grouped
+        launches, the misses in grouped launches as they land. guess: int64 [E], how many tokens the next MoE
+        layer's router sends to each expert on this layer's input: the absent ones are requested as prefetch reads,
+        the most used first, as many as the cache holds beside this layer's experts (more would evict blocks
+        before their use, and the prompt would read them twice)."""
+        t_in = time.perf_counter()
+        T, k = experts.shape
+        E, pa = self.store.n_experts, self.prefill_acct
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        a = self._ahead                  # blocks copied ahead for this layer by the time its router syncs
+        self.ahead_at_sync.append((j, len(a.table) if a is not None and a.layer == j else 0))
+        t_sync = time.perf_counter()
+        host = self._router_sync(counts, guess)   # the one sync of the layer
+        t_sync = time.perf_counter() - t_sync
+        pa.last.ms_router_sync += t_sync * 1e3
+        self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
+        counts = host[:E].tolist()
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        uniq = [e for e in range(E) if counts[e]]
+        guessed = self._guessed          # (the guess for this layer: judged after the first launch)
+        ahead = self._ahead_settle(j, uniq, judge=False)   # {expert: device slot} of its blocks copied ahead
+        seg = {e: (starts[e], counts[e]) for e in uniq}
+        # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
+        tok = torch.div(order, k, rounding_mode="floor")
+        ws = weights.reshape(-1).index_select(0, order).float()
+        del order
+        rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
+        nj = (j + 1) % self.n_moe
+        hits = self.client.lookup(j, uniq)
+        ahead_found = sum(1 for e in hits if e in ahead)
+        ahead_before, flow = ahead, None
+        # (the flow's copies for the next layer only where this layer misses nothing: its misses' staging copies, as
+        # they land, would queue behind them on the bus; with misses they go after the misses, as without the flow)
+        g_next = host[E:].numpy() if guess is not None and j + 1 < self.n_moe and len(hits) == len(uniq) else None
+        started = self._flow_start(j, nj, hits, ahead, g_next) if ahead_flow() and self._copies_ahead() else None
+        if started is not None:          # this layer's other hits copied now, the next layer's as slots free
+            flow, ahead = started
+        else:
+            ahead = self._eager_copies(j, hits, ahead)
+
+        def bookkeeping():
+            """What the layer's first launch need not wait for: the routes learnt, the guess judged, the accounting, the
+            layer's request (with the next layer's absent guessed experts as prefetch reads) and the flow's first
+            copies ahead. Where the layer misses a block the request goes before the launches (the disk reads
+            start with it); otherwise after the first (~0.4 ms of host on the VM, most of it the post that wakes
+            the prefetcher, bench/NOTES.md session 22)."""
+            self._learn_routes(j, host[:E].numpy(), T)
+            self._judge_guess(j, guessed, uniq)
+            pa.routed(j, uniq, T * k)
+            guess_list = []
+            if guess is not None and j + 1 < self.n_moe:      # the last MoE layer's guess is the next token's
+                g = host[E:].tolist()
+                soe = self.client.shm.slot_of_expert[nj].tolist()
+                absent = [e for e in np.argsort(-host[E:].numpy(), kind="stable").tolist() if g[e] > 0 and soe[e] < 0]
+                guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
+                pa.guessed_absent(nj, guess_list)
+            self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+            if flow is not None:
+                flow.feed()
+        later = [bookkeeping]
+        if len(hits) < len(uniq) or not hits:
+            later.pop()()
+        early = guess is not None and j + 1 < self.n_moe and (flow is not None or ahead_early() and started is None)
+        if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
+            early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
+        acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
+        chunk = launch_chunk()
+        n_cap, rows_cap = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
+                                        self.launch_bytes, chunk)
+        if chunk < 0:
+            chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
+                                  self.launch_bytes)[0]
+        lay = _LayerLaunch(j, rows_cap, chunk, self.prefill_weights == "staged" and self._cuda,
+                           torch.cuda.current_stream(self.device) if self._cuda else None,
+                           self.up_global[j], self.down_global[j])
+        # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
+        # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
+        # launch reading its blocks copied ahead from their slots and staging the others through the ring
+        # (the flow: those copied ahead before the sync first, then the ones copied at it; each launch frees its
+        # slots for the next layer's copies)
+        def launch(batch):
+            self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+            if later:                    # (the bookkeeping, after the first launch)
+                later.pop()()
+            if flow is not None:
+                flow.feed([ahead[x] for x, _ in batch if x in ahead])
+
+        batch: list[tuple[int, int]] = []
+        n_rows = 0
+        for e, s in (launch_order(hits, ahead_before) if started is not None else hits.items()):
+            if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
+                launch(batch)
+                batch, n_rows = [], 0
+            batch.append((e, s))
+            n_rows += seg[e][1]
+        if batch:
+            launch(batch)
+        pa.last.ahead_used += ahead_found
+        misses = [e for e in uniq if e not in hits]
+        # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
+        # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
+        # reads before any block a later layer needs, prefetcher/core.py). The hits go back before the first miss is
+        # waited for; landed misses every `flush_every`, and whenever the loop would wait (else a read could wait
+        # for a slot that the waiting loop holds).
+        used = list(hits)
+        if misses:
+            flush_every = max(1, min(8, self.client.shm.n_slots // 4))
+
+            def give_back():
+                self._flush(sync=True)
+                if used:
+                    self.client.done_prefill(j, used)
+                    used.clear()
+
+            give_back()
+            tw = time.perf_counter()
+            waited = 0.0
+            for e, s in self.client.wait_any(j, misses, idle=give_back):
+                waited += time.perf_counter() - tw
+                self._prefill_batch(lay, [(e, s)], seg, rows, acc)
+                used.append(e)
+                if len(used) >= flush_every:
+                    give_back()
+                tw = time.perf_counter()
+            self.acct.ms_waiting_for_disk += waited * 1e3
+            pa.last.ms_waiting_for_disk += waited * 1e3
+        if used:         # their pins go with the next layer's first sync, before its request wakes the prefetcher
+            self.client.done_prefill(j, used)
+        if flow is not None:             # what has landed since its turn came
+            flow.finish()
+            pa.last.ms_issuing_ahead += flow.seconds * 1e3
+        if guess is not None and j + 1 < self.n_moe and not early:
+            self._copy_ahead(nj, host[E:].numpy(), counted=True)
+        waited_disk = waited if misses else 0.0
+        pa.last.ms_host_moe += (time.perf_counter() - t_in - t_sync - waited_disk) * 1e3
+        return acc
+
+    def _router_sync(self, counts, guess):
+        """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer."""
+        return (torch.cat([counts, guess]) if guess is not None else counts).cpu()
+
+    def _ahead_slots(self, n: int) -> "AheadSlots":
+        """The ahead slots, n of them (made anew where a span's budget changed n)."""
+        if self._ahead is None or self._ahead.n != n:     # (a span's budget changed; the old slots' table was
+            pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
+            self._ahead = None           # the old slots go before the new ones are allocated
+            from cache_shm.cuda_map import chunk_slots
+            self._ahead = AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
+            self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
+        return self._ahead
+
+    def _eager_copies(self, j: int, hits: dict, ahead: dict) -> dict:
+        """`prefill_eager`: layer j's hits not copied ahead, copied now into the ahead slots that hold none of this
+        layer's blocks, in expert order (the launches' order); returns `ahead` with them. Their slab slots stay
+        pinned by the lookup until the launches that read them have run (`_defer`), which wait for the copies."""
+        if not (prefill_eager() and self._copies_ahead() and hits):
+            return ahead
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
+        if n <= 0:
+            return ahead
+        late = [(e, s) for e, s in hits.items() if e not in ahead]
+        if not late:
+            return ahead
+        a = self._ahead_slots(n)
+        got = a.copy_now([e for e, _ in late], [s for _, s in late], taken=set(ahead.values()))
+        if not got:
+            return ahead
+        pa = self.prefill_acct.last
+        pa.eager_copied += len(got)
+        if self._cuda:
+            pa.bytes_over_pcie += len(got) * self.block_bytes
+        return {**ahead, **got}
+
+    def _copy_ahead(self, nj: int, g, taken: frozenset | None = None, counted: bool = False) -> bool:
+        """The next MoE layer's guessed experts (g: tokens per expert on this layer's input), the most used first, as
+        many as the ahead slots hold, that are in the slab now (pinned until their copies are done): copied into the
+        ahead slots after this layer's own staging copies. Absent ones are not waited for (the prefetch reads them).
+        counted: g is a token count (the next layer's router; not the first layer's shares of the prompts before):
+        the guess's precision is kept by count, and experts guessed fewer than `ahead_min_guess()` tokens are named
+        but not copied.
+        taken: queued before this layer's launches (`ahead_early`): the slots this layer reads (left untouched, the
+        copies stop before the first of them) and no wait for this layer's staging copies; False where the slots would
+        have to be made anew (a span's budget changed them under this layer's blocks): the caller copies after the
+        launches instead. True otherwise."""
+        t0 = time.perf_counter()
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
+        if taken and self._ahead is not None and self._ahead.n != n:
+            return False
+        ranked = self._ahead_ranked(nj, g, n, counted)
+        if not self._copies_ahead() or n <= 0:
+            return True
+        slots = self.client.lookup_slots(nj, ranked, count=False) if ranked else []
+        pairs = [(e, s) for e, s in zip(ranked, slots) if s >= 0]
+        if not pairs:
+            return True
+        self._ahead_slots(n)
+        after = None
+        if self._cuda and self._ring is not None and taken is None:   # this layer's own copies first: the needed
+            after = torch.cuda.Event()                                # blocks are never queued behind guessed ones
+            after.record(self._ring.stream)
+        events = self.prefill_profile.copy_events(ahead=True) if self.prefill_profile is not None else None
+        ss = [s for _, s in pairs]
+        k = self._ahead.copy(nj, [e for e, _ in pairs], ss, ss, after, events, taken=taken or frozenset())
+        if k < len(pairs):               # no slot left beside this layer's blocks: their pins go back now
+            self.client.release(ss[k:])
+            pairs = pairs[:k]
+        if not self._cuda:
+            self.client.release(self._ahead.releasable(wait=True))
+        self._count_ahead(len(pairs))
+        self.prefill_acct.last.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
+        return True
+
+    def _ahead_ranked(self, nj: int, g, n: int, counted: bool) -> list[int]:
+        """The next MoE layer's experts to copy ahead (g: its guessed tokens per expert): the most used, at most n and a
+        layer's, in expert order (the order that layer launches them in); those guessed fewer than `ahead_min_guess()`
+        tokens are left out where g counts tokens (`counted`). The guess is kept for its precision."""
+        named = np.flatnonzero(g > 0)
+        self._guessed = (nj, named, g[named].astype(np.int64) if counted else None)
+        least = ahead_min_guess() if counted else 0
+        return sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(max(n, 0), self.store.n_experts)]
+                      if g[e] > 0 and g[e] >= least)
+
+    def _count_ahead(self, k: int) -> None:
+        pa = self.prefill_acct.last
+        pa.ahead_copied += k
+        pa.bytes_copied_ahead += k * self.block_bytes
+        if self._cuda:                   # (as the staged path counts: copies that cross the bus, used or not)
+            pa.bytes_over_pcie += k * self.block_bytes
+
+    def _flow_start(self, j: int, nj: int, hits: dict, ahead: dict, g) -> "tuple[AheadFlow | None, dict] | None":
+        """MOESTREAM_PREFILL_AHEAD_FLOW (gpu_worker/ahead_flow.py), at layer j's sync: layer j's hits not copied ahead
+        copied now into slots none of its blocks occupy, and the flow of the next layer's copies made (g: its guess,
+        None where there is none), the slots still free its first. Returns (the flow or None, `ahead` with the hits
+        copied now), or None where there are no slots, or where they would be made anew under this layer's blocks (a
+        span's budget changed them): the copies then go as without the flow."""
+        t0 = time.perf_counter()
+        n = min(self.ahead_bytes // self.store.block_stride, self._ahead_cap())
+        if n <= 0 or (ahead and self._ahead is not None and self._ahead.n != n):
+            return None
+        a = self._ahead_slots(n)
+        taken = set(ahead.values())
+        free = [r for r in range(n) if r not in taken]
+        late = [(e, s) for e, s in hits.items() if e not in ahead][:len(free)]
+        pa = self.prefill_acct.last
+        if late:
+            got = a.put_now([e for e, _ in late], [s for _, s in late], free[:len(late)])
+            free = free[len(late):]
+            pa.eager_copied += len(got)
+            if self._cuda:
+                pa.bytes_over_pcie += len(got) * self.block_bytes
+            ahead = {**ahead, **got}
+        flow = None
+        if g is not None:
+            flow = AheadFlow(a, self.client, nj, self._ahead_ranked(nj, g, n, True), free, self._count_ahead,
+                             self._cuda)          # (its first copies, into the free slots, go after the first launch)
+        pa.ms_issuing_ahead += (time.perf_counter() - t0) * 1e3
+        return flow, ahead
+
+    def _ahead_settle(self, j: int | None, uniq=(), judge: bool = True) -> dict:
+        """Layer j's router has spoken: {expert: ahead slot} of its blocks copied ahead (the wrong ones, which it does
+        not route to, counted; their slots are free to be refilled), and (`judge`; else the caller's, later) how right
+        the guess for it was. j None: the prompt ends, nothing copied ahead is used any more."""
+        pa, routed = self.prefill_acct.last, set(uniq)
+        if judge:
+            self._judge_guess(j, self._guessed, uniq)
+        self._guessed = None
+        a = self._ahead
+        if a is None or a.layer < 0 or a.layer != j:
+            if a is not None and a.layer >= 0:       # copied for a layer that never ran (a cancel): all unused
+                pa.ahead_unused += len(a.table)
+                a.layer, a.table = -1, {}
+            return {}
+        table, a.layer, a.table = a.table, -1, {}
+        pa.ahead_wrong += sum(1 for e in table if e not in routed)
+        return {e: r for e, r in table.items() if e in routed}
+
+    def _judge_guess(self, j: int | None, guessed, uniq) -> None:
+        """How right `guessed` (what `_ahead_ranked` kept: layer, named experts, their guessed tokens) was for layer j,
+        which routes to `uniq`: into the prompt's accounting."""
+        if j is None or guessed is None or guessed[0] != j:
+            return
+        _, named, tokens = guessed
+        pa = self.prefill_acct.last
+        mask = np.zeros(self.store.n_experts, dtype=bool)
+        mask[list(uniq)] = True
+        right = mask[named]
+        pa.guess_named += len(named)
+        pa.guess_right += int(right.sum())
+        pa.guess_layer_routed += len(uniq)
+        if tokens is not None:
+            pa.count_guesses(tokens, right)
+
+    def _prefetch_room(self, j: int, hits: int) -> int:
+        """Slots the next layer's prefetch may fill, once this layer's reads have theirs, without evicting a block this
+        prompt still needs or one it never used (the decode working set): the empty ones, those holding what the
+        prompt used in earlier layers, and this layer's hits (done with before its misses land; each miss takes a
+        slot and gives one back), less a margin. The prefetcher gives a prefetch only a free or spent slot, after
+        this layer's reads (prefetcher/core.py)."""
+        keys = self.client.shm.slot_key
+        held = keys[keys >= 0]
+        done = self.prefill_acct.used_mask()[held]
+        done &= (held // self.store.n_experts) < j
+        return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
+
+    def _prefill_batch(self, lay: _LayerLaunch, batch, seg, rows: "_SortedRows", acc,
+                       ahead: dict | None = None) -> None:
+        """One grouped launch over the experts of `batch` [(expert, slab slot)] of layer lay.j, on their rows gathered
+        from x (an expert with more rows than a launch may hold: several launches over the one staged block); their
+        pins are deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then,
+        counted there): the launch waits for their copies and reads them from their slots, the others are staged."""
+        t0 = time.perf_counter()
+        j, ex, slots = lay.j, [e for e, _ in batch], [s for _, s in batch]
+        segments = [seg[e] for e in ex]
+        at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
+        from_ahead = [r for r in at if r is not None]
+        to_stage = [s for s, r in zip(slots, at) if r is None]
+        pa = self.prefill_acct.last
+        try:
+            if from_ahead:
+                self._ahead.wait(from_ahead, lay.cur)
+            if self._addressed:
+                if lay.staged:
+                    got = iter(self._stage(to_stage, lay.cur) if to_stage else ())
+                    addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
+                else:
+                    base = self.slab.data_ptr()
+                    addrs = [base + s * self.slot_bytes for s in slots]
+                cfg = {"CHUNK": lay.chunk} if lay.chunk else None
+                gathered = None
+                for part in _windows(segments, lay.rows_cap):
+                    xs, ws, tok, local = rows.gather(part)
+                    path = grouped_path(xs, local, self.geom)       # decided once for the launch and its count
+                    if path == "dequant":                           # the layer's scales, indexed by expert
+                        ug, dg, gs_index = lay.ug, lay.dg, ex
+                    else:                                           # the fused path's, gathered once
+                        if gathered is None:
+                            idx = self._table(ex)
+                            gathered = lay.ug[idx], lay.dg[idx]
+                        (ug, dg), gs_index = gathered, None
+                    n_reads = block_reads(local, self.geom, xs, path=path)   # per tile fused, once dequantized
+                    self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
+                                                                config=cfg, gs_index=gs_index, path=path))
+                    pa.launches += 1
+                    if not lay.staged:      # zero-copy: each read of a block crosses the bus
+                        pa.bytes_over_pcie += n_reads * self.geom.block_bytes
+                if lay.staged and to_stage:
+                    self._ring.read_by_current_stream(lay.cur)
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
+            else:
+                got = iter(self._blocks(to_stage) if to_stage else ())
+                blocks = [self._ahead.view(r) if r is not None else next(got) for r in at]
+                ug, dg = self.up_global[j, ex], self.down_global[j, ex]
+                for part in _windows(segments, lay.rows_cap):
+                    xs, ws, tok, local = rows.gather(part)
+                    self._launch(lambda: expert_prefill_grouped_torch(xs, local, blocks, self.geom, ug, dg, ws, tok,
+                                                                      acc))
+                    pa.launches += 1
+                if self._cuda:
+                    pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
+            if from_ahead:
+                self._ahead.read_by_current_stream(from_ahead, lay.cur)
+                pa.ahead_read += len(from_ahead)
+        finally:
+            self._defer(slots)
+            pa.ms_host_launching += (time.perf_counter() - t0) * 1e3
+
+    def _launch(self, fn) -> None:
+        if self.prefill_profile is None:
+            fn()
+        else:
+            self.prefill_profile.launch(fn)
+
+    def _stage(self, slots, cur=None) -> list[int]:
+        n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
+        if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
+            self._ring = None            # a budget changed: the old ring goes before the new one is allocated
+            from cache_shm.cuda_map import chunk_slots
+            self._ring = StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
+        events = self.prefill_profile.copy_events() if self.prefill_profile is not None else None
+        t0 = time.perf_counter()
+        try:
+            return self._ring.stage(slots, events, cur)
+        finally:
+            self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
+
+
+def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:
+    """The launches of one batch: all of its segments at once, or, where one expert's segment alone holds more than
+    rows_cap rows (a batch of one), that segment cut into windows of rows_cap rows."""
+    if len(segments) != 1 or segments[0][1] <= rows_cap:
+        return [segments]
+    s, n = segments[0]
+    return [[(a, min(rows_cap, s + n - a))] for a in range(s, s + n, rows_cap)]
+
+
+class _SortedRows:
+    """A span's (token, weight) pairs sorted by expert, and the span's latent input x [T, L]: a launch gathers
+    x's rows for its own segments only (the whole span's gathered rows would be T·k rows: 44 KiB per token on
+    Super)."""
+
+    def __init__(self, x, tok, ws, cuda: bool):
+        self.x, self.tok, self.ws, self.cuda = x, tok, ws, cuda
+
+    def gather(self, segments: list[tuple[int, int]]):
+        """(x rows, weights, tokens, the segments re-based onto them) of `segments` (start, count) of the order."""
+        live = [(a, n) for a, n in segments if n > 0]
+        if not live:
+            return self.x[:0], self.ws[:0], self.tok[:0], [(0, 0)] * len(segments)
+        contiguous = all(a + n == b for (a, n), (b, _) in zip(live, live[1:]))
+        if contiguous:
+            lo, hi = live[0][0], live[-1][0] + live[-1][1]
+            tok, ws = self.tok[lo:hi], self.ws[lo:hi]
+            local = [(a - lo, n) if n > 0 else (0, 0) for a, n in segments]
+        else:
+            idx = device_table(np.concatenate([np.arange(a, a + n) for a, n in live]), self.tok.device)
+            tok, ws = self.tok.index_select(0, idx), self.ws.index_select(0, idx)
+            local, at = [], 0
+            for a, n in segments:
+                local.append((at, n) if n > 0 else (0, 0))
+                at += n
+        return self.x.index_select(0, tok), ws, tok, local

@@ -1,0 +1,174 @@
+"""The prefill's sizes and switches: a grouped launch's budget (`launch_limits`), the first MoE layer's guess, the
+copies ahead's gates. Each constant's comment says what the H200 measured when it was set; the environment variables
+are measuring knobs for bench.prefill's A/B paths. The copies' own switches (runs, events, streams) are in
+gpu_worker/slab_copies.py.
+"""
+from __future__ import annotations
+
+import os
+
+from gpu_worker.knobs import env_count
+
+# A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
+# gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`). 64 Super experts decoded at once
+# (MOESTREAM_PREFILL_LAUNCH_EXPERTS=64 MOESTREAM_PREFILL_BATCH_MB=2304 MOESTREAM_DEQUANT_SCRATCH_MB=720) made the 16k
+# prompt's 55 launches 28 and cut its host time in the MoE steps 10-20 %, with the wall equal on a fast host (H200
+# session 17 call 5); as the default (call 6) the disk regime's prompts waited 15-28 % longer for the same blocks,
+# not explained and not separated from the disk's own speed, so the defaults stay (bench/NOTES.md session 17).
+PREFILL_BATCH_BYTES = 1 << 30
+PREFILL_LAUNCH_EXPERTS = 32
+PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
+# device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
+# without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several
+# caps; 0: no copies ahead), read once
+PREFILL_AHEAD_SLOTS_MAX = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_SLOTS", "1024"))
+# On by default since session 8, for prompts of PREFILL_AHEAD_MIN_TOKENS and more: with the 4,096-token pieces the H200
+# measured 4,000 tokens 143 -> 129 ms and 16,000 248 -> 201 ms, but 128 and 1,000 tokens slower (70 -> 86, 110 -> 114
+# ms), first tokens equal at every size (bench/NOTES.md "Session 8"). Session 6's wrong 16k first token is gone since
+# the slots buffer waits for the compute stream's queued readers of its recycled memory (session 7's fix).
+# MOESTREAM_PREFILL_COPY_AHEAD=0 turns it off; bench.prefill's `staged_no_ahead` path runs without it.
+# The gate was 2,048 tokens until session 15: once the launch tables stopped riding the copy engine
+# (kernels/launch_tables.py) copies ahead at every size won or tied on the H200 in three calls (1k −1 to −3 ms, 128
+# ±1, 16k 0 to −5 with the first layer's guess; bench/NOTES.md session 15 calls 3, 5, 6), so it is 0 now.
+# MOESTREAM_PREFILL_AHEAD_MIN_TOKENS sets it (bench.prefill's `~G` paths too).
+PREFILL_COPY_AHEAD = os.environ.get("MOESTREAM_PREFILL_COPY_AHEAD", "1") == "1"
+PREFILL_AHEAD_MIN_TOKENS = int(os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS", "0"))
+
+
+# The first MoE layer's guess (`StreamingExperts.guess_first_layer`): its most used experts by the prompts before,
+# copied ahead while the layers before it run, when the bus has nothing else to do (H200, session 15: 16k tokens spend
+# ~10.6 ms there, 1k ~1 ms of kernels and a few of host setup). As many as the bus moves in that time: ~12 blocks
+# (3 MB, Super) a 1,000 tokens, plus a few for the host's setup; more would queue in front of the layer's own blocks.
+FIRST_GUESS_BLOCKS_PER_1K = 12
+FIRST_GUESS_MIN_BLOCKS = 8
+# ... and every expert the prompts before expect FIRST_GUESS_EXPECTED or more of this prompt's tokens at, where those
+# are more (`first_guess_expected`). The fixed count left the bus idle for most of the stretch before the first router
+# at 128 and 1,000 tokens, which the host's setup sets there, not the kernels (timeline, 128 tokens: 8 ms with 0.4 of
+# copies, H200 session 17 call 1). Measured with AHEAD_MIN_GUESS (one engine, two rounds, ms): 128 tokens 68.7 / 67.9
+# -> 62.0 / 61.9, 1k 90.3 / 87.5 -> 82.7 / 83.0, 4k 100.6 / 100.1 -> 95.6 / 96.0, 16k 127.8 (round 2) -> 129.3 /
+# 130.3 (within that host's noise); first tokens equal (bench/NOTES.md session 17).
+FIRST_GUESS_EXPECTED = 4.0
+# The next MoE layer's guessed experts copied ahead only where its router, on this layer's input, sends them
+# AHEAD_MIN_GUESS or more of the span's tokens (`ahead_min_guess`). At 128 tokens the bus paces the prompt, so each
+# wrong block copied ahead costs its 3 MB of bus time: the guesses of one token were right 0.58-0.71 of the time, of
+# two 0.77-0.80, of five and more 0.99-1.00 (H200 session 17 call 1, the accounting's guess_{named,right}_t*), and the
+# wrong copies ahead 260 MB at 128 tokens (4.7 ms of bus) -> 62 MB with this, 128 tokens 68.7 / 67.9 -> 64.6 / 63.6 ms
+# alone; 1k 90.3 / 87.5 -> 83.9 / 84.2, 4k 100.6 / 100.1 -> 95.7 / 96.2.
+AHEAD_MIN_GUESS = 2
+
+
+def first_guess_expected() -> float:
+    """MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED (read per prompt; FIRST_GUESS_EXPECTED by default, 0: off): the first MoE
+    layer's guess also names every expert the prompt is expected to send at least this many tokens (its share of the
+    prompts before, `route_hist`, times the prompt's tokens; a Poisson count that large is rarely 0), where those are
+    more than the fixed count (FIRST_GUESS_MIN_BLOCKS + FIRST_GUESS_BLOCKS_PER_1K a 1,000 tokens)."""
+    raw = os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "")
+    try:
+        v = float(raw) if raw else FIRST_GUESS_EXPECTED
+    except ValueError:
+        raise ValueError(f"MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED={raw!r}: expected a number of tokens") from None
+    if v < 0 or v != v:
+        raise ValueError(f"MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED={raw!r}: expected 0 or more tokens")
+    return v
+
+
+def ahead_min_guess() -> int:
+    """MOESTREAM_PREFILL_AHEAD_MIN_GUESS (read per layer; AHEAD_MIN_GUESS by default, 1: every guessed expert): the next
+    MoE layer's guessed experts are copied ahead only where its router, on this layer's input, sends them at least this
+    many of the span's tokens."""
+    return env_count("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", AHEAD_MIN_GUESS, "guessed tokens")
+
+
+def first_guess() -> bool:
+    """MOESTREAM_PREFILL_FIRST_GUESS (read per prompt; on by default): the first MoE layer's guess copied ahead."""
+    return os.environ.get("MOESTREAM_PREFILL_FIRST_GUESS", "1") != "0"
+
+
+def prefill_eager() -> bool:
+    """MOESTREAM_PREFILL_EAGER (read per prompt): at each MoE layer's sync, the layer's own blocks that were not copied
+    ahead (wrong or missing guesses, and every block of the first MoE layer) are copied at once into free ahead slots,
+    on the copies-ahead stream before the next layer's guesses, instead of through the staging ring of two launches,
+    whose copies wait for the launches before them; and the ahead slots hold two layers' blocks, so that the next
+    layer's copies never wait for this layer's kernels. The H200's timeline (bench.prefill_timeline, session 14) showed
+    the copy engine idle while a layer's launches ran, and the kernels idle while the next layer's copies waited for
+    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt. Off: it lost on the H200
+    (session 14: 16k +12 to +38 ms, 1k +4 to +22; with early copies ahead too, 16k +17, 4k +10, 1k +3)."""
+    return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
+
+
+def ahead_layers() -> int:
+    """How many MoE layers' experts the ahead slots hold at most (MOESTREAM_PREFILL_AHEAD_LAYERS, read per prompt): 1,
+    or 2 with eager copies (`prefill_eager`). With one layer's slots the next layer's copies reuse the slots this
+    layer's launches read, so they wait for those launches; with two they wait for nothing of this layer."""
+    v = os.environ.get("MOESTREAM_PREFILL_AHEAD_LAYERS")
+    return max(1, int(v)) if v else (2 if prefill_eager() else 1)
+
+
+def ahead_early() -> bool:
+    """MOESTREAM_PREFILL_AHEAD_EARLY (read per layer): the next MoE layer's copies ahead queued as soon as this layer's
+    router has synced, before this layer's launches, instead of after them. The host issues a layer's launches at
+    ~1-2 ms each in Python (~11-25 ms a layer on the H200's host, session 14's raw timeline), and the copies ahead
+    waited behind that loop: at 1,000 tokens they began ~22 ms after the sync that named them, so the next layer's
+    kernels waited for them; at 16,000 the first MoE layer's loop held them back ~31 ms. Queued early, they share
+    the bus with this layer's own staging copies (no `after` event), into slots that none of this layer's blocks
+    copied ahead occupy (the copies stop at the first such slot: with one layer's slots a few are copied, with two,
+    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all). Off: it lost on the H200 (session 14: 16k +15 to +40 ms, 4k +12 to
+    +18), because the H2D copies run in the order queued, whatever their stream: the next layer's copies, queued
+    first, ran before this layer's own staging copies, and this layer's kernels waited for both."""
+    return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "0") == "1"
+
+
+def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
+                  chunk: int = 0) -> tuple[int, int]:
+    """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
+    per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
+    kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
+    row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
+    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile.
+    chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
+    charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
+    more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
+    would give a launch, so the GEMMs keep today's size and the launches are about half as many."""
+    if chunk < 0:
+        chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes)[0]
+    if chunk > 0:
+        scratch = chunk * 4 * L * I
+        experts = max(1, min(launch_experts(), (launch_bytes - scratch) // 2 // (2 * block_stride)))
+        rest = launch_bytes - scratch - experts * 2 * block_stride
+    else:
+        per_expert = 2 * block_stride + 4 * L * I
+        experts = max(1, min(launch_experts(), (launch_bytes // 2) // per_expert))
+        rest = launch_bytes - experts * per_expert
+    per_row = 2 * I + act_bytes * L + 20
+    return experts, max(64, rest // per_row)
+
+
+def prefill_batch_bytes() -> int:
+    """A grouped prefill launch's device buffers at most: MOESTREAM_PREFILL_BATCH_MB (MiB, read per call; a measuring
+    knob, with MOESTREAM_PREFILL_LAUNCH_EXPERTS and MOESTREAM_DEQUANT_SCRATCH_MB, for fewer and larger launches),
+    else PREFILL_BATCH_BYTES."""
+    if not os.environ.get("MOESTREAM_PREFILL_BATCH_MB"):
+        return PREFILL_BATCH_BYTES
+    return env_count("MOESTREAM_PREFILL_BATCH_MB", 1, "MiB") << 20
+
+
+def launch_experts() -> int:
+    """Experts per grouped prefill launch at most: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per call, a measuring knob
+    for an A/B of fewer, larger launches per layer), else PREFILL_LAUNCH_EXPERTS."""
+    return env_count("MOESTREAM_PREFILL_LAUNCH_EXPERTS", PREFILL_LAUNCH_EXPERTS, "experts")
+
+
+def launch_chunk() -> int:
+    """MOESTREAM_LAUNCH_CHUNK: experts decoded at a time within a grouped prefill launch (`launch_limits`); 0, the
+    default, decodes the launch's experts at once; "auto" (-1): as many as a launch takes with the scratch charged
+    per expert (session 12: an A/B under the server's budget)."""
+    raw = os.environ.get("MOESTREAM_LAUNCH_CHUNK", "")
+    if raw == "auto":
+        return -1
+    try:
+        n = int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"MOESTREAM_LAUNCH_CHUNK={raw!r}: expected a whole number of experts") from None
+    if n < 0:
+        raise ValueError(f"MOESTREAM_LAUNCH_CHUNK={raw!r}: expected 0 (off) or more experts")
+    return n
