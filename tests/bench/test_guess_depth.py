@@ -31,3 +31,27 @@ def test_trained_routers_guess_ahead_better_than_chance(tmp_path):
         actual = moes[1].router(hs[1])[0]
         perm = torch.randperm(g.shape[0], generator=torch.Generator().manual_seed(0))
         assert float(guess_depth.hit_by_rank(g[perm], actual).mean()) < 2 * chance
+
+
+def test_first_layer_guesses_are_per_token_and_a_table_reproduces_the_embedding_guess():
+    """The first MoE layer's guesses cover tokens 1..T-1; the embedding's is a function of the token id alone, so a
+    table over the vocabulary gives it (the twin: the previous token's last-layer guess is not such a function)."""
+    from nemotron.moe import MoEMixer
+    from nemotron.norms import rms_norm
+    model = guess_depth.NemotronH("tests/data/instrument-tiny", device="cpu", dtype=torch.float32)
+    moes = [m for m in model.mixers if isinstance(m, MoEMixer)]
+    ids = [5, 17, 5, 900, 17, 5, 33]
+    with torch.inference_mode():
+        hs = guess_depth.record_inputs(model, ids)
+        got = guess_depth.first_layer_guesses(model, moes, hs, ids)
+        i0 = model.mixers.index(moes[0])
+        vocab = torch.arange(1000)
+        table = moes[0].router(rms_norm(model.embeddings[vocab].float(), model.norms[i0].float(),
+                                        model.config.layer_norm_epsilon))[0]
+    emb, today = got["the token's embedding, normed (a table)"], got["previous token's last MoE layer input (today)"]
+    assert emb.shape == today.shape == (len(ids) - 1, moes[0].router(hs[0])[0].shape[1])
+    assert torch.equal(emb, table[torch.tensor(ids[1:])])
+    # rows 1 and 4 are both id 5, rows 0 and 3 both id 17, each after different text: the table gives each id one
+    # guess, the last layer's input (the context) does not
+    assert torch.equal(emb[1], emb[4])
+    assert not all(torch.equal(today[a], today[b]) for a, b in ((1, 4), (0, 3)))
