@@ -62,6 +62,13 @@ PY
       tail -1 "$OUT/prefill_deep.log"
       timeout ${PREFILL_DEEP_TIMEOUT:-150} python3 -m bench.prefill --work $W/super_deep --moe-layers ${DEEP_LAYERS:-8} --io-workers 8 \
            ${PREFILL_DEEP_ARGS:-} --out "$OUT/prefill_deep.json" >> "$OUT/prefill_deep.log" 2>&1; tail -${DEEP_TAIL:-16} "$OUT/prefill_deep.log" | cut -c1-200
+      # session 23: DEEP_E2E=1 also decodes on it (the issue's own 8 MoE layers: the per-token costs before MoE 0 are an
+      # eighth of the floor, not a quarter); E2E_DEEP_ARGS default: the RAM regime only
+      if [ "${DEEP_E2E:-0}" = 1 ]; then
+        timeout ${E2E_DEEP_TIMEOUT:-120} python3 -m bench.e2e_stream --work $W/super_deep --moe-layers ${DEEP_LAYERS:-8} --io-workers 8 \
+          ${E2E_DEEP_ARGS:---skip disk,prefill,vram} --out "$OUT/e2e_deep.json" > "$OUT/e2e_deep.log" 2>&1
+        grep -v "^\s*$" "$OUT/e2e_deep.log" | tail -10 | cut -c1-200
+      fi
       rm -rf $W/super_deep;;
     prefill2) env ${PREFILL2_ENV:-} timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} \
            --io-workers 8 ${PREFILL2_ARGS:-${PREFILL_ARGS:-}} --out "$OUT/prefill2.json" > "$OUT/prefill2.log" 2>&1; tail -12 "$OUT/prefill2.log";;
