@@ -309,9 +309,9 @@ def ttft(eng, ids, device) -> dict:
 
 
 def ahead_figures(last) -> dict:
-    """The copies ahead of one prompt (gpu_worker/prefill_experts.py `_copy_ahead`) and how right the guess was: precision,
-    the guess's experts the layer routed to; recall, the layer's routed experts the guess named; the next layers'
-    guesses' precision by how many tokens they guessed for an expert, and how many they named so."""
+    """The copies ahead of one prompt (gpu_worker/prefill_experts.py `_copy_ahead`) and how right the guess was:
+    precision, the guess's experts the layer routed to; recall, the layer's routed experts the guess named; the next
+    layers' guesses' precision by how many tokens they guessed for an expert, and how many they named so."""
     from gpu_worker.prefill_accounting import GUESS_TOKEN_BUCKETS
     return dict(ahead_copied=last.ahead_copied, ahead_used=last.ahead_used, ahead_read=last.ahead_read,
                 ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,

@@ -34,10 +34,10 @@ def ahead_flow() -> bool:
 
 class AheadFlow:
     """One MoE layer's copies ahead for the next one, fed the slots this layer's launches free.
-    slots: the `AheadSlots` (gpu_worker/slab_copies.py); client: the cache client (pins the slab slots it copies from); nj: the next MoE layer;
-    ranked: its experts to copy, in the order to copy them; free: ahead slots no block of this layer occupies;
-    on_copied(k): accounting of k blocks copied; cuda: False where copies are done at once (their pins go back
-    at once)."""
+    slots: the `AheadSlots` (gpu_worker/slab_copies.py); client: the cache client (pins the slab slots it copies
+    from); nj: the next MoE layer; ranked: its experts to copy, in the order to copy them; free: ahead slots no block
+    of this layer occupies; on_copied(k): accounting of k blocks copied; cuda: False where copies are done at once
+    (their pins go back at once)."""
 
     def __init__(self, slots, client, nj: int, ranked: list[int], free: list[int], on_copied, cuda: bool):
         self.slots, self.client, self.nj, self.cuda = slots, client, nj, cuda

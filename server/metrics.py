@@ -87,16 +87,20 @@ class Metrics:
         self.failures.labels(path if path in ENDPOINTS else "other", reason).inc()
 
     def observe(self, endpoint: str, finish: str, prompt_n: int, cached_n: int, completion_n: int, timings: dict,
-                queue_s: float, e2e_s: float) -> None:
+                queue_s: float, e2e_s: float, measured: bool = True) -> None:
+        """One finished request. measured: `timings` are the compute process's own figures; False where the request
+        ended before they came back (a client that left mid-stream): then its time to first token and prefill speed
+        are unknown, and neither the histogram nor the gauge is given a made-up 0."""
         self.requests.labels(endpoint, finish).inc()
         self.prompt_tokens.inc(prompt_n)
         self.cached_tokens.inc(cached_n)
         self.generation_tokens.inc(completion_n)
         self.queue_time.observe(queue_s)
         self.e2e.observe(e2e_s)
-        if completion_n:
+        if completion_n and measured:
             self.ttft.observe(timings.get("prompt_ms", 0.0) / 1e3)
-            self.prefill_tps.set(timings.get("prompt_per_second", 0.0))
+            if timings.get("prompt_n") and timings.get("prompt_ms"):      # a prompt fully restored prefilled nothing
+                self.prefill_tps.set(timings["prompt_per_second"])
         steps = timings.get("decode_steps", 0)
         if steps:
             self.tpot.observe(timings["predicted_ms"] / steps / 1e3)

@@ -1,0 +1,58 @@
+"""/metrics records a request's time to first token and prefill speed only where the compute process measured them:
+a client that leaves mid-stream ends its request before the worker's figures come back, and a made-up 0 would pull
+the TTFT histogram down and report the last prefill at 0 tokens/s."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import Metrics
+
+
+def _metrics() -> Metrics:
+    return Metrics(SimpleNamespace(queue_depth=0, running=None, restarts=0))
+
+
+def _value(m: Metrics, name: str) -> float:
+    """The sample `name`, summed over its labels."""
+    got = [s.value for fam in text_string_to_metric_families(generate_latest(m.registry).decode())
+           for s in fam.samples if s.name == name]
+    if not got:
+        raise KeyError(name)
+    return sum(got)
+
+
+def _timings(prompt_n: int, prompt_ms: float) -> dict:
+    per_s = 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0
+    return dict(prompt_n=prompt_n, prompt_ms=prompt_ms, prompt_per_second=per_s, decode_steps=3, predicted_ms=30.0)
+
+
+def test_a_measured_request_sets_ttft_and_prefill_speed():
+    m = _metrics()
+    m.observe("chat", "stop", 100, 0, 4, _timings(100, 50.0), 0.0, 0.2)
+    assert _value(m, "moestream_time_to_first_token_seconds_count") == 1
+    assert abs(_value(m, "moestream_time_to_first_token_seconds_sum") - 0.05) < 1e-9
+    assert _value(m, "moestream_prefill_tokens_per_second") == 2000.0
+
+
+def test_an_unmeasured_request_leaves_both_alone():
+    m = _metrics()
+    m.observe("chat", "stop", 100, 0, 4, _timings(100, 50.0), 0.0, 0.2)
+    # the client left: the server's stand-in figures have prompt_ms 0
+    m.observe("chat", "cancelled", 80, 0, 2, _timings(80, 0.0), 0.0, 0.1, measured=False)
+    assert _value(m, "moestream_time_to_first_token_seconds_count") == 1
+    assert _value(m, "moestream_prefill_tokens_per_second") == 2000.0
+    assert _value(m, "moestream_requests_total") == 2        # still counted as a request
+
+
+def test_must_fail_twin_the_stand_in_figures_taken_as_measured_write_zeros():
+    """The twin: the same stand-in figures passed as measured (the old behaviour) give a 0 s TTFT sample and a 0
+    tokens/s gauge, which the test above would catch."""
+    m = _metrics()
+    m.observe("chat", "stop", 100, 0, 4, _timings(100, 50.0), 0.0, 0.2)
+    m.observe("chat", "cancelled", 80, 0, 2, dict(_timings(80, 0.0), prompt_n=0), 0.0, 0.1, measured=True)
+    assert _value(m, "moestream_time_to_first_token_seconds_count") == 2     # the made-up 0 s went in
+    m.observe("chat", "stop", 80, 80, 2, _timings(0, 3.0), 0.0, 0.1)        # a prompt fully restored: no prefill
+    assert _value(m, "moestream_prefill_tokens_per_second") == 2000.0
