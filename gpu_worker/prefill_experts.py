@@ -47,7 +47,6 @@ class _LayerLaunch:
     dg: torch.Tensor                     # them through the launch's table (no gather per launch)
 
 
-
 class PrefillExperts:
     """The prefill's methods of `StreamingExperts` (a mixin: it has no state of its own outside `_init_prefill`)."""
 
