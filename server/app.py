@@ -484,7 +484,7 @@ class _Gen:
         looked = hits + e.expert_lookup_misses_total if e is not None else 0
         request_log.info(request_line(self.rid, self.kind, finish, len(self.ids), self.cached, len(self.tokens),
                                       t["prompt_ms"] / 1e3 if self.tokens and self.timings is not None else None,
-                                      t["predicted_per_second"],
+                                      t["predicted_per_second"] if self.timings is not None else None,
                                       hits / looked if looked else None))
 
     def usage(self) -> dict:

@@ -43,11 +43,13 @@ class _QuietProbes(logging.Filter):
 
 
 def request_line(rid: str, endpoint: str, finish: str, prompt_n: int, cached_n: int, completion_n: int,
-                 ttft_s: float | None, decode_tps: float, hit_rate: float | None) -> str:
+                 ttft_s: float | None, decode_tps: float | None, hit_rate: float | None) -> str:
+    """One request's log line; a figure not measured (None) prints as "-"."""
     ttft = f"{ttft_s * 1e3:.0f} ms" if ttft_s is not None else "-"
+    tps = f"{decode_tps:.1f}" if decode_tps is not None else "-"
     hits = f"{100 * hit_rate:.1f} %" if hit_rate is not None else "-"
     return (f"request {rid} {endpoint}: prompt {prompt_n} tokens ({cached_n} cached), generated {completion_n}, "
-            f"TTFT {ttft}, {decode_tps:.1f} tok/s, expert cache hit rate {hits}, finish {finish}")
+            f"TTFT {ttft}, {tps} tok/s, expert cache hit rate {hits}, finish {finish}")
 
 
 class Metrics:

@@ -56,3 +56,11 @@ def test_must_fail_twin_the_stand_in_figures_taken_as_measured_write_zeros():
     assert _value(m, "moestream_time_to_first_token_seconds_count") == 2     # the made-up 0 s went in
     m.observe("chat", "stop", 80, 80, 2, _timings(0, 3.0), 0.0, 0.1)        # a prompt fully restored: no prefill
     assert _value(m, "moestream_prefill_tokens_per_second") == 2000.0
+
+
+def test_the_log_line_prints_unmeasured_figures_as_dashes():
+    from server.metrics import request_line
+    left = request_line("r1", "chat", "cancelled", 43, 0, 2, None, None, None)
+    assert "TTFT -," in left and " - tok/s" in left and "hit rate -" in left
+    done = request_line("r2", "chat", "stop", 43, 0, 2, 0.087, 113.04, 0.5)
+    assert "TTFT 87 ms" in done and "113.0 tok/s" in done and "50.0 %" in done
