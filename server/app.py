@@ -476,15 +476,16 @@ class _Gen:
     def _observe(self) -> None:
         finish = self.finish or "cancelled"      # the client left: still a request, counted as such
         t = self.full_timings()
+        measured = self.timings is not None      # else the client left before the worker's figures came back
         queue_s = (self.job.started - self.job.enqueued) if self.job and self.job.started else 0.0
         self.state.metrics.observe(self.kind, finish, len(self.ids), self.cached, len(self.tokens), t,
-                                   queue_s, time.monotonic() - self.t0, measured=self.timings is not None)
+                                   queue_s, time.monotonic() - self.t0, measured=measured)
         e = self.engine
         hits = e.expert_lookup_hits_total if e is not None else 0
         looked = hits + e.expert_lookup_misses_total if e is not None else 0
         request_log.info(request_line(self.rid, self.kind, finish, len(self.ids), self.cached, len(self.tokens),
-                                      t["prompt_ms"] / 1e3 if self.tokens and self.timings is not None else None,
-                                      t["predicted_per_second"] if self.timings is not None else None,
+                                      t["prompt_ms"] / 1e3 if self.tokens and measured else None,
+                                      t["predicted_per_second"] if measured else None,
                                       hits / looked if looked else None))
 
     def usage(self) -> dict:
