@@ -47,15 +47,24 @@ def test_an_unmeasured_request_leaves_both_alone():
     assert _value(m, "moestream_requests_total") == 2        # still counted as a request
 
 
-def test_must_fail_twin_the_stand_in_figures_taken_as_measured_write_zeros():
-    """The twin: the same stand-in figures passed as measured (the old behaviour) give a 0 s TTFT sample and a 0
-    tokens/s gauge, which the test above would catch."""
+def test_must_fail_twin_the_stand_in_figures_taken_as_measured_write_a_zero_ttft():
+    """The twin: the server's stand-in figures (`full_timings` without the worker's: prompt_ms 0) passed as measured,
+    as before the fix, put a made-up 0 s sample into the TTFT histogram, which the test above would catch. (The gauge
+    stays: it also needs a prefill that took time, the next test's case.)"""
     m = _metrics()
     m.observe("chat", "stop", 100, 0, 4, _timings(100, 50.0), 0.0, 0.2)
-    m.observe("chat", "cancelled", 80, 0, 2, dict(_timings(80, 0.0), prompt_n=0), 0.0, 0.1, measured=True)
+    m.observe("chat", "cancelled", 80, 0, 2, _timings(80, 0.0), 0.0, 0.1, measured=True)
     assert _value(m, "moestream_time_to_first_token_seconds_count") == 2     # the made-up 0 s went in
-    m.observe("chat", "stop", 80, 80, 2, _timings(0, 3.0), 0.0, 0.1)        # a prompt fully restored: no prefill
+    assert abs(_value(m, "moestream_time_to_first_token_seconds_sum") - 0.05) < 1e-9
+
+
+def test_a_prompt_fully_restored_leaves_the_prefill_speed_alone():
+    """A prompt restored whole from a snapshot prefilled nothing: measured, but it has no prefill speed to report."""
+    m = _metrics()
+    m.observe("chat", "stop", 100, 0, 4, _timings(100, 50.0), 0.0, 0.2)
+    m.observe("chat", "stop", 80, 80, 2, _timings(0, 3.0), 0.0, 0.1)
     assert _value(m, "moestream_prefill_tokens_per_second") == 2000.0
+    assert _value(m, "moestream_time_to_first_token_seconds_count") == 2     # its time to first token still counts
 
 
 def test_the_log_line_prints_unmeasured_figures_as_dashes():
