@@ -5,9 +5,12 @@ on the device, one host sync for the experts' token counts and the next layer's 
 request for every expert the span routes to (plus the guess as prefetch), the hits in grouped launches, the
 misses in grouped launches as they land (kernels/expert_prefill.py). With staged weights, the next MoE layer's likely
 experts (its router's counts on this layer's input, the most used first) that are in the slab are copied ahead into
-device slots (`AheadSlots`, gpu_worker/slab_copies.py) on their own stream, after this layer's own copies, while this
-layer's last kernels and the dense layers run: the next layer's launches then find them on the device (on for
-prompts of PREFILL_AHEAD_MIN_TOKENS and more: every prompt since session 15; PREFILL_COPY_AHEAD).
+device slots (`AheadSlots`, gpu_worker/slab_copies.py) on their own stream, while this layer's kernels and the dense
+layers run: the next layer's launches then find them on the device (on for prompts of PREFILL_AHEAD_MIN_TOKENS and
+more: every prompt since session 15; PREFILL_COPY_AHEAD). By default (since session 25: `prefill_eager` with
+`ahead_early`, gpu_worker/prefill_knobs.py) the slots hold two layers' blocks, and at each layer's sync this layer's
+hits that were not copied ahead are copied first, then the next layer's guess, both before this layer's launches: the
+bus goes from one layer's blocks to the next without waiting for the launch loop.
 
 The state these methods share with the decode half (the cache client, the slab, the pins deferred past kernels) is
 made in `StreamingExperts.__init__`; the prefill's own in `_init_prefill`.

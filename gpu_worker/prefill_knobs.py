@@ -91,9 +91,15 @@ def prefill_eager() -> bool:
     whose copies wait for the launches before them; and the ahead slots hold two layers' blocks, so that the next
     layer's copies never wait for this layer's kernels. The H200's timeline (bench.prefill_timeline, session 14) showed
     the copy engine idle while a layer's launches ran, and the kernels idle while the next layer's copies waited for
-    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt. Off: it lost on the H200
-    (session 14: 16k +12 to +38 ms, 1k +4 to +22; with early copies ahead too, 16k +17, 4k +10, 1k +3)."""
-    return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
+    the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt. It lost on the H200 in
+    session 14 (16k +12 to +38 ms; the launch tables still rode the copy engine then) and tied in session 17.
+    **On by default since session 25, with `ahead_early`** ("0" turns it off): on three H100 hosts the pair was
+    16k 143.4 against 148.0 ms (medians of four rounds), 4k 99.1 / 100.5, 1k 87.0 / 87.4, and in one engine's timeline
+    16k 131.0 against 146.4 ms, the time with neither engine busy 15.9 -> 9.2 ms: the next layer's copies queued at
+    this layer's sync keep the bus busy from one layer's blocks to the next (bench/NOTES.md session 25). The price:
+    a second layer's ahead slots (+1.5 GB at 16k on Super with no budget; under a budget they come out of what a span
+    leaves, gpu_worker/prefill.py `ahead_bytes_for`)."""
+    return os.environ.get("MOESTREAM_PREFILL_EAGER", "1") == "1"
 
 
 def ahead_layers() -> int:
@@ -112,10 +118,12 @@ def ahead_early() -> bool:
     kernels waited for them; at 16,000 the first MoE layer's loop held them back ~31 ms. Queued early, they share
     the bus with this layer's own staging copies (no `after` event), into slots that none of this layer's blocks
     copied ahead occupy (the copies stop at the first such slot: with one layer's slots a few are copied, with two,
-    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all). Off: it lost on the H200 (session 14: 16k +15 to +40 ms, 4k +12 to
-    +18), because the H2D copies run in the order queued, whatever their stream: the next layer's copies, queued
-    first, ran before this layer's own staging copies, and this layer's kernels waited for both."""
-    return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "0") == "1"
+    `MOESTREAM_PREFILL_AHEAD_LAYERS=2`, all). Alone it loses (H200 session 14: 16k +15 to +40 ms, 4k +12 to +18; H100
+    session 25, with two layers' slots: 16k +60 ms), because the H2D copies run in the order queued, whatever their
+    stream: the next layer's copies, queued first, ran before this layer's own staging copies, and this layer's kernels
+    waited for both. With `prefill_eager` this layer's blocks are all queued before them (no staging copies are left
+    for its launches): on by default wherever `prefill_eager` is, since session 25 ("0" turns it off)."""
+    return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "1" if prefill_eager() else "0") == "1"
 
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,

@@ -67,8 +67,36 @@ def run(eng, n):
     return prefill(m, prompt(n, seed=n), m.new_state())
 
 
+# The copies ahead's two schedules: the default since session 25 (eager + early copies, two layers of slots:
+# gpu_worker/prefill_knobs.py `prefill_eager`) and the one-layer schedule before it (MOESTREAM_PREFILL_EAGER=0: the
+# next layer's guess copied after this layer's launches, this layer's other blocks staged through the ring)
+SCHEDULES = ["default", "one_layer"]
+
+
+def schedule(monkeypatch, name: str) -> None:
+    if name == "one_layer":
+        monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")       # (early copies follow it off)
+    else:
+        monkeypatch.delenv("MOESTREAM_PREFILL_EAGER", raising=False)
+        monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_EARLY", raising=False)
+
+
+def test_eager_and_early_copies_are_the_default(monkeypatch):
+    """Since session 25 the prefill's copies ahead run eager + early with two layers of slots; turning eager copies
+    off turns early ones off with them (early alone is the losing combination), unless asked for."""
+    schedule(monkeypatch, "default")
+    monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LAYERS", raising=False)
+    assert prefill_knobs.prefill_eager() and prefill_knobs.ahead_early() and prefill_knobs.ahead_layers() == 2
+    schedule(monkeypatch, "one_layer")
+    assert not prefill_knobs.prefill_eager() and not prefill_knobs.ahead_early() and prefill_knobs.ahead_layers() == 1
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
+    assert prefill_knobs.ahead_early() and not prefill_knobs.prefill_eager()
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
 @pytest.mark.parametrize("n", [6, 300])
-def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monkeypatch):
+def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, sched, monkeypatch):
+    schedule(monkeypatch, sched)
     model_dir, store = tiny
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_MIN_GUESS", "1")      # every guess copied: the wrong ones too
     spy = CopySpy(monkeypatch)
@@ -89,7 +117,9 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monk
           f"recall {last.guess_right / max(last.guess_layer_routed, 1):.2f}")
     assert last.ahead_copied == len(copied) > 0 and last.bytes_copied_ahead == len(copied) * src.block_bytes
     assert last.ahead_used == len(copied & routed) > 0
-    assert last.ahead_read == last.ahead_used, "a block copied ahead and routed to was not read from its slot"
+    # (the slots are read by the blocks copied ahead and routed to, and by the eager copies of the default schedule)
+    assert last.ahead_read == last.ahead_used + last.eager_copied, "a block copied ahead and routed to was not read"
+    assert (last.eager_copied > 0) == (sched == "default")
     assert last.ahead_wrong == len(copied - routed)
     assert last.ahead_copied == last.ahead_used + last.ahead_wrong      # RAM: nothing evicted in between
     assert staged_before_sync(src)
@@ -101,6 +131,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, monk
 def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     """Must-fail twin: layer j+1's blocks copied once its router has synced (the copy engine idle until then). The
     logits are right and the blocks are used, but the count at the sync is zero."""
+    schedule(monkeypatch, "one_layer")   # (the schedule whose copies the twin moves; the default queues them at the sync)
     model_dir, store = tiny
     pending, real_copy, real_sync = [], streaming.StreamingExperts._copy_ahead, streaming.StreamingExperts._router_sync
 
@@ -143,8 +174,10 @@ def test_twin_wrong_block_in_a_slot_is_caught(tiny, refs, monkeypatch):
     assert (out - refs[300]).abs().max() > 1e-2
 
 
-def test_cache_at_a_tenth_with_copies_ahead(tiny, refs):
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_cache_at_a_tenth_with_copies_ahead(tiny, refs, sched, monkeypatch):
     """The disk regime: only blocks in the slab are copied ahead (pinned while copied); the logits are unchanged."""
+    schedule(monkeypatch, sched)
     model_dir, store = tiny
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
         src = eng.experts
@@ -156,13 +189,15 @@ def test_cache_at_a_tenth_with_copies_ahead(tiny, refs):
         assert int(eng.sup.shm.slot_pins.sum()) == 0
     assert stats["evictions"] > 0
     torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
-    assert last.ahead_read == last.ahead_used <= last.ahead_copied
+    assert last.ahead_read == last.ahead_used + last.eager_copied and last.ahead_used <= last.ahead_copied
 
 
-def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny, sched, monkeypatch):
     """A cache of one layer's experts and a 1,500-token prompt, copies ahead on: the blocks read from disk stay within
     the distinct experts routed plus the wasted prefetches (the pins of the copies ahead do not force re-reads)."""
     from expert_store.reader import ExpertStore
+    schedule(monkeypatch, sched)
     model_dir, store = tiny
     st = ExpertStore.open(store)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=st.n_experts * st.block_stride, io_workers=2) as eng:
@@ -172,8 +207,10 @@ def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny):
         prefill(m, prompt(1500, seed=4), m.new_state())
         last = eng.experts.prefill_acct.last
     print(f"{last.blocks_read} blocks read, {last.distinct_experts} distinct, {last.prefetch_wasted} wasted, "
-          f"{last.ahead_copied} copied ahead")
-    assert last.ahead_copied > 0
+          f"{last.ahead_copied} copied ahead, {last.eager_copied} eagerly")
+    # (with a cache of one layer the next layer's blocks are rarely in the slab at this layer's sync: the default
+    # schedule copies them at their own layer's sync, eagerly)
+    assert (last.ahead_copied if sched == "one_layer" else last.ahead_copied + last.eager_copied) > 0
     assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
 
 
@@ -255,6 +292,7 @@ def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, mo
     pin is left. Must-fail twin (one layer of slots, where the next layer's copies wrap onto this layer's): the same
     copies told that no slot is taken overwrite this layer's blocks. With two layers of slots nothing wraps: the
     early copies are as many as the late ones would be."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")       # early copies alone (the default has eager ones too)
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", layers)
     model_dir, store = tiny
@@ -334,17 +372,19 @@ def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
     assert span_bytes(cfg, dt, span, plan=SpanPlan(ahead_bytes=64 << 20)) > 64 << 20
 
 
-def test_streaming_source_wishes_one_layer_and_none_zero_copy(tiny):
+def test_streaming_source_wishes_two_layers_one_without_eager_and_none_zero_copy(tiny, monkeypatch):
+    schedule(monkeypatch, "default")
+    monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LAYERS", raising=False)
     model_dir, store = tiny
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=1) as eng:
         src = eng.experts
         assert src.ahead_wish() == 0, "on the CPU copies ahead are a test's choice"
         src.copy_ahead = True
         src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
-        assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
-        os.environ["MOESTREAM_PREFILL_EAGER"] = "1"          # eager copies: two layers' slots
+        assert src.ahead_wish() == 2 * src.store.n_experts * src.store.block_stride    # eager copies: two layers'
+        os.environ["MOESTREAM_PREFILL_EAGER"] = "0"          # the one-layer schedule: one layer's slots
         try:
-            assert src.ahead_wish() == 2 * src.store.n_experts * src.store.block_stride
+            assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
         finally:
             del os.environ["MOESTREAM_PREFILL_EAGER"]
         src._cuda = True                 # (the wish alone: nothing runs)
@@ -377,11 +417,11 @@ def test_gpu_copies_ahead_read_by_the_next_layer(tiny, runs, monkeypatch):
             out = prefill(m, ids, m.new_state(), all_logits=True)
             last = src.prefill_acct.last
             got[ahead] = (out.float().cpu().numpy(), last.ahead_read, last.ahead_used, last.ahead_copied,
-                          last.ahead_wrong, staged_before_sync(src))
+                          last.ahead_wrong, staged_before_sync(src), last.eager_copied)
         assert int(eng.sup.shm.slot_pins.sum()) == 0
-    lm, read, used, copied, wrong, before = got[True]
-    print(f"GPU: {copied} copied ahead, {used} used, {wrong} wrong; KL {mean_kl(ref, lm):.2e}")
-    assert read == used > 0 and copied == used + wrong and before
+    lm, read, used, copied, wrong, before, eager = got[True]
+    print(f"GPU: {copied} copied ahead, {used} used, {wrong} wrong, {eager} eager; KL {mean_kl(ref, lm):.2e}")
+    assert read == used + eager and used > 0 and copied == used + wrong and before
     assert mean_kl(ref, lm) < 3e-3 and mean_kl(ref, got[False][0]) < 3e-3
     assert got[False][1] == 0 and not got[False][5]
 
@@ -436,7 +476,8 @@ def gpu_prefills(tiny, runs: int = 1):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
 def test_gpu_early_copies_ahead(tiny, monkeypatch):
     """On the GPU (bf16, staged, RAM), early copies ahead with two layers of slots: read by the next layer, copied
-    before its sync, the CPU engine's logits."""
+    before its sync, the CPU engine's logits (early copies alone: the default has eager ones too)."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", "2")
     kl, last, src = gpu_prefills(tiny)
@@ -474,7 +515,7 @@ def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
     assert len(first) == 1 and 0 < len(first[0]) <= n
     assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
     assert _first_layer_at_sync(src)[0] == len(first[0])
-    assert last.ahead_read == last.ahead_used > 0
+    assert last.ahead_read == last.ahead_used + last.eager_copied and last.ahead_used > 0
     # the host's figures nest: the launches inside the MoE steps, the staging inside the launches
     assert 0 <= last.ms_host_staging <= last.ms_host_launching <= last.ms_host_moe and last.ms_router_sync >= 0
 
@@ -541,7 +582,8 @@ def test_short_prompts_wish_no_slots():
     src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
     src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
     assert PREFILL_AHEAD_MIN_TOKENS == 0 or os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS")
-    assert src.ahead_wish(2048) == 8 * 1000 and src.ahead_wish() == 8 * 1000
+    k = prefill_knobs.ahead_layers()            # (two with the default's eager copies)
+    assert src.ahead_wish(2048) == k * 8 * 1000 and src.ahead_wish() == k * 8 * 1000
     assert src.ahead_wish(2047) == 0
     src.copy_ahead = False
     assert src.ahead_wish(4096) == 0
