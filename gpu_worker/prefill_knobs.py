@@ -93,13 +93,13 @@ def prefill_eager() -> bool:
     the copy engine idle while a layer's launches ran, and the kernels idle while the next layer's copies waited for
     the ring: 16k tokens 54.8 ms copies alone + 66.6 ms kernels alone of a 174 ms prompt. It lost on the H200 in
     session 14 (16k +12 to +38 ms; the launch tables still rode the copy engine then) and tied in session 17.
-    **On by default since session 25, with `ahead_early`** ("0" turns it off): on three H100 hosts the pair was
-    16k 143.4 against 148.0 ms (medians of four rounds), 4k 99.1 / 100.5, 1k 87.0 / 87.4, and in one engine's timeline
-    16k 131.0 against 146.4 ms, the time with neither engine busy 15.9 -> 9.2 ms: the next layer's copies queued at
-    this layer's sync keep the bus busy from one layer's blocks to the next (bench/NOTES.md session 25). The price:
-    a second layer's ahead slots (+1.5 GB at 16k on Super with no budget; under a budget they come out of what a span
-    leaves, gpu_worker/prefill.py `ahead_bytes_for`)."""
-    return os.environ.get("MOESTREAM_PREFILL_EAGER", "1") == "1"
+    Off: with `ahead_early` (which follows it) it was measured again on three H100 machines in session 25
+    (bench/NOTES.md): 4k −1.3 to −2.8 ms in every call, 1k ±1, 16k −15 (one engine's timeline: the bus no longer idle
+    between layers, neither engine busy 15.9 -> 9.2 ms), −4.6, +1.5 and +11 ms against rounds that vary ±10 ms —
+    once the bus is kept busy the 16k prompt's kernels (104 ms busy against 97 ms of copies) set its time — for a second
+    layer's ahead slots (+1.5 GB at 16k on Super with no budget; under a budget they come out of what a span leaves,
+    gpu_worker/prefill.py `ahead_bytes_for`). "1" turns it on, with early copies."""
+    return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
 
 
 def ahead_layers() -> int:
@@ -122,7 +122,7 @@ def ahead_early() -> bool:
     session 25, with two layers' slots: 16k +60 ms), because the H2D copies run in the order queued, whatever their
     stream: the next layer's copies, queued first, ran before this layer's own staging copies, and this layer's kernels
     waited for both. With `prefill_eager` this layer's blocks are all queued before them (no staging copies are left
-    for its launches): on by default wherever `prefill_eager` is, since session 25 ("0" turns it off)."""
+    for its launches): by default it follows `prefill_eager` (since session 25; "0" or "1" sets it apart)."""
     return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "1" if prefill_eager() else "0") == "1"
 
 

@@ -238,6 +238,6 @@ def test_gpu_layer_major_both_weight_paths(tiny, path):
     assert launches < 4 * 32, "one launch per expert: the grouping did not happen"
     print(f"{path}: {ahead_read} blocks read from the copies ahead; at each router's sync {ahead_at_sync}")
     # staged: what was copied ahead and routed to was read from the slots (how much of it, a cache of 10 % decides:
-    # test_prefill_ahead.py's GPU test has the RAM regime), and so were the eager copies (the default since session
-    # 25); zero-copy copies nothing ahead
+    # test_prefill_ahead.py's GPU test has the RAM regime), and so were any eager copies (MOESTREAM_PREFILL_EAGER);
+    # zero-copy copies nothing ahead
     assert ahead_read == ahead_used + eager and (path == "staged" or ahead_read == 0)

@@ -67,30 +67,31 @@ def run(eng, n):
     return prefill(m, prompt(n, seed=n), m.new_state())
 
 
-# The copies ahead's two schedules: the default since session 25 (eager + early copies, two layers of slots:
-# gpu_worker/prefill_knobs.py `prefill_eager`) and the one-layer schedule before it (MOESTREAM_PREFILL_EAGER=0: the
-# next layer's guess copied after this layer's launches, this layer's other blocks staged through the ring)
-SCHEDULES = ["default", "one_layer"]
+# The copies ahead's two schedules, each set explicitly: the default (one layer of slots: the next layer's guess
+# copied after this layer's launches, this layer's other blocks staged through the ring) and eager + early copies (two
+# layers of slots, both queued at the sync: gpu_worker/prefill_knobs.py `prefill_eager`, `ahead_early` follows it)
+SCHEDULES = ["one_layer", "eager_early"]
 
 
 def schedule(monkeypatch, name: str) -> None:
-    if name == "one_layer":
-        monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")       # (early copies follow it off)
-    else:
-        monkeypatch.delenv("MOESTREAM_PREFILL_EAGER", raising=False)
-        monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_EARLY", raising=False)
-
-
-def test_eager_and_early_copies_are_the_default(monkeypatch):
-    """Since session 25 the prefill's copies ahead run eager + early with two layers of slots; turning eager copies
-    off turns early ones off with them (early alone is the losing combination), unless asked for."""
-    schedule(monkeypatch, "default")
+    monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_EARLY", raising=False)
     monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LAYERS", raising=False)
-    assert prefill_knobs.prefill_eager() and prefill_knobs.ahead_early() and prefill_knobs.ahead_layers() == 2
-    schedule(monkeypatch, "one_layer")
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "1" if name == "eager_early" else "0")
+
+
+def test_early_copies_follow_eager_ones(monkeypatch):
+    """Eager copies are off by default, and early ones with them; MOESTREAM_PREFILL_EAGER=1 turns on the pair with two
+    layers of slots (early copies alone are the combination that loses), and each can still be set apart."""
+    for k in ("MOESTREAM_PREFILL_EAGER", "MOESTREAM_PREFILL_AHEAD_EARLY", "MOESTREAM_PREFILL_AHEAD_LAYERS"):
+        monkeypatch.delenv(k, raising=False)
     assert not prefill_knobs.prefill_eager() and not prefill_knobs.ahead_early() and prefill_knobs.ahead_layers() == 1
+    schedule(monkeypatch, "eager_early")
+    assert prefill_knobs.prefill_eager() and prefill_knobs.ahead_early() and prefill_knobs.ahead_layers() == 2
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "0")
+    assert prefill_knobs.prefill_eager() and not prefill_knobs.ahead_early()
+    schedule(monkeypatch, "one_layer")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
-    assert prefill_knobs.ahead_early() and not prefill_knobs.prefill_eager()
+    assert prefill_knobs.ahead_early() and not prefill_knobs.prefill_eager() and prefill_knobs.ahead_layers() == 1
 
 
 @pytest.mark.parametrize("sched", SCHEDULES)
@@ -119,7 +120,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, sche
     assert last.ahead_used == len(copied & routed) > 0
     # (the slots are read by the blocks copied ahead and routed to, and by the eager copies of the default schedule)
     assert last.ahead_read == last.ahead_used + last.eager_copied, "a block copied ahead and routed to was not read"
-    assert (last.eager_copied > 0) == (sched == "default")
+    assert (last.eager_copied > 0) == (sched == "eager_early")
     assert last.ahead_wrong == len(copied - routed)
     assert last.ahead_copied == last.ahead_used + last.ahead_wrong      # RAM: nothing evicted in between
     assert staged_before_sync(src)
@@ -131,7 +132,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, sche
 def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     """Must-fail twin: layer j+1's blocks copied once its router has synced (the copy engine idle until then). The
     logits are right and the blocks are used, but the count at the sync is zero."""
-    schedule(monkeypatch, "one_layer")   # (the schedule whose copies the twin moves; the default queues them at the sync)
+    schedule(monkeypatch, "one_layer")   # (the schedule whose copies the twin moves; eager_early queues them at the sync)
     model_dir, store = tiny
     pending, real_copy, real_sync = [], streaming.StreamingExperts._copy_ahead, streaming.StreamingExperts._router_sync
 
@@ -208,8 +209,8 @@ def test_each_routed_block_read_at_most_once_with_copies_ahead(tiny, sched, monk
         last = eng.experts.prefill_acct.last
     print(f"{last.blocks_read} blocks read, {last.distinct_experts} distinct, {last.prefetch_wasted} wasted, "
           f"{last.ahead_copied} copied ahead, {last.eager_copied} eagerly")
-    # (with a cache of one layer the next layer's blocks are rarely in the slab at this layer's sync: the default
-    # schedule copies them at their own layer's sync, eagerly)
+    # (with a cache of one layer the next layer's blocks are rarely in the slab at this layer's sync: eager_early
+    # copies them at their own layer's sync, eagerly)
     assert (last.ahead_copied if sched == "one_layer" else last.ahead_copied + last.eager_copied) > 0
     assert last.blocks_read <= last.distinct_experts + last.prefetch_wasted
 
@@ -292,7 +293,7 @@ def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, mo
     pin is left. Must-fail twin (one layer of slots, where the next layer's copies wrap onto this layer's): the same
     copies told that no slot is taken overwrite this layer's blocks. With two layers of slots nothing wraps: the
     early copies are as many as the late ones would be."""
-    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")       # early copies alone (the default has eager ones too)
+    monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")       # early copies alone (set apart from eager ones)
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", layers)
     model_dir, store = tiny
@@ -324,9 +325,9 @@ def test_early_copies_ahead_leave_the_layers_blocks_alone(tiny, refs, layers, mo
             assert eng.experts.prefill_acct.last.ahead_copied == last.ahead_copied
 
 
-@pytest.mark.parametrize("switches", ["MOESTREAM_PREFILL_EAGER=1",
+@pytest.mark.parametrize("switches", ["MOESTREAM_PREFILL_EAGER=1,MOESTREAM_PREFILL_AHEAD_EARLY=0",
                                       "MOESTREAM_PREFILL_AHEAD_EARLY=1,MOESTREAM_PREFILL_AHEAD_LAYERS=2",
-                                      "MOESTREAM_PREFILL_EAGER=1,MOESTREAM_PREFILL_AHEAD_EARLY=1"])
+                                      "MOESTREAM_PREFILL_EAGER=1"])    # (early copies follow eager ones)
 def test_schedule_switches_with_a_cache_of_one_layer_read_each_block_once(tiny, switches, monkeypatch):
     """The disk regime under each schedule switch (eager copies, early copies ahead, both): a cache of one layer's
     experts, 1,500 tokens; misses still go through the ring as they land, each routed block is read at most once,
@@ -372,21 +373,17 @@ def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
     assert span_bytes(cfg, dt, span, plan=SpanPlan(ahead_bytes=64 << 20)) > 64 << 20
 
 
-def test_streaming_source_wishes_two_layers_one_without_eager_and_none_zero_copy(tiny, monkeypatch):
-    schedule(monkeypatch, "default")
-    monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LAYERS", raising=False)
+def test_streaming_source_wishes_one_layer_two_with_eager_and_none_zero_copy(tiny, monkeypatch):
+    schedule(monkeypatch, "one_layer")
     model_dir, store = tiny
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=tenth_of_experts(store), io_workers=1) as eng:
         src = eng.experts
         assert src.ahead_wish() == 0, "on the CPU copies ahead are a test's choice"
         src.copy_ahead = True
         src.ahead_min_tokens = 0      # (the default since session 15; set for the CPU path)
-        assert src.ahead_wish() == 2 * src.store.n_experts * src.store.block_stride    # eager copies: two layers'
-        os.environ["MOESTREAM_PREFILL_EAGER"] = "0"          # the one-layer schedule: one layer's slots
-        try:
-            assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
-        finally:
-            del os.environ["MOESTREAM_PREFILL_EAGER"]
+        assert src.ahead_wish() == src.store.n_experts * src.store.block_stride
+        schedule(monkeypatch, "eager_early")               # eager copies: two layers' slots
+        assert src.ahead_wish() == 2 * src.store.n_experts * src.store.block_stride
         src._cuda = True                 # (the wish alone: nothing runs)
         src.prefill_weights = "zero_copy"
         assert src.ahead_wish() == 0
@@ -582,7 +579,7 @@ def test_short_prompts_wish_no_slots():
     src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
     src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
     assert PREFILL_AHEAD_MIN_TOKENS == 0 or os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS")
-    k = prefill_knobs.ahead_layers()            # (two with the default's eager copies)
+    k = prefill_knobs.ahead_layers()            # (two where MOESTREAM_PREFILL_EAGER=1 is set)
     assert src.ahead_wish(2048) == k * 8 * 1000 and src.ahead_wish() == k * 8 * 1000
     assert src.ahead_wish(2047) == 0
     src.copy_ahead = False
