@@ -105,8 +105,11 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
            --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
     # session 16: where the prefill's host time goes, py-spy's samples (carried in .whl/py-spy) of bench.prefill RAM
-    # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward
-    spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-1000} -f raw -o "$OUT/spy.txt" -- python3 -m bench.prefill \
+    # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward. Session 25: at
+    # 1 kHz on a slow host py-spy fell 20 s behind and the step's timeout killed it before it wrote anything, so
+    # 400 Hz by default, and py-spy's own --duration ends the sampling (and writes) before the step's timeout
+    spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-400} -d $(( ${SPY_TIMEOUT:-150} - 15 )) -f raw \
+           -o "$OUT/spy.txt" -- python3 -m bench.prefill \
            --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes ${SPY_SIZES:-16000} \
            --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
       tail -4 "$OUT/spy.log" | cut -c1-200
