@@ -23,8 +23,8 @@ from tests.gpu_worker.test_prefill_ahead import (StageSpy, _all_experts, gpu_pre
 @pytest.fixture(autouse=True)
 def flow_on(monkeypatch):
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FLOW", "1")
-    # the flow is made for one layer's slots (the default's two, with eager copies, would take the next layer's
-    # copies whole at the sync: nothing left to flow)
+    # the flow is made for one layer's slots (two, as eager copies take, would hold the next layer's copies whole at
+    # the sync: nothing left to flow)
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", "1")
 
 

@@ -118,7 +118,7 @@ def test_blocks_copied_ahead_are_used_and_wrong_ones_counted(tiny, refs, n, sche
           f"recall {last.guess_right / max(last.guess_layer_routed, 1):.2f}")
     assert last.ahead_copied == len(copied) > 0 and last.bytes_copied_ahead == len(copied) * src.block_bytes
     assert last.ahead_used == len(copied & routed) > 0
-    # (the slots are read by the blocks copied ahead and routed to, and by the eager copies of the default schedule)
+    # (the slots are read by the blocks copied ahead and routed to, and by eager_early's eager copies)
     assert last.ahead_read == last.ahead_used + last.eager_copied, "a block copied ahead and routed to was not read"
     assert (last.eager_copied > 0) == (sched == "eager_early")
     assert last.ahead_wrong == len(copied - routed)
@@ -473,7 +473,7 @@ def gpu_prefills(tiny, runs: int = 1):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
 def test_gpu_early_copies_ahead(tiny, monkeypatch):
     """On the GPU (bf16, staged, RAM), early copies ahead with two layers of slots: read by the next layer, copied
-    before its sync, the CPU engine's logits (early copies alone: the default has eager ones too)."""
+    before its sync, the CPU engine's logits (early copies alone, set apart from eager ones)."""
     monkeypatch.setenv("MOESTREAM_PREFILL_EAGER", "0")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_EARLY", "1")
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LAYERS", "2")
@@ -570,7 +570,7 @@ def test_first_layer_guess_off(tiny, monkeypatch):
         assert src.route_hist is not None and all(n == 0 for n in _first_layer_at_sync(src))
 
 
-def test_short_prompts_wish_no_slots():
+def test_short_prompts_wish_no_slots(monkeypatch):
     """Copies ahead only for prompts of `ahead_min_tokens` and more (a gate of 2,048 until session 15, 0 since: every
     prompt); the wish is a layer's experts above the gate and nothing below it, and nothing where copy_ahead is off."""
     from gpu_worker.streaming import StreamingExperts
@@ -579,8 +579,8 @@ def test_short_prompts_wish_no_slots():
     src.copy_ahead, src._cuda, src.prefill_weights, src.ahead_min_tokens = True, True, "staged", 2048
     src.store = type("S", (), {"n_experts": 8, "block_stride": 1000})()
     assert PREFILL_AHEAD_MIN_TOKENS == 0 or os.environ.get("MOESTREAM_PREFILL_AHEAD_MIN_TOKENS")
-    k = prefill_knobs.ahead_layers()            # (two where MOESTREAM_PREFILL_EAGER=1 is set)
-    assert src.ahead_wish(2048) == k * 8 * 1000 and src.ahead_wish() == k * 8 * 1000
+    schedule(monkeypatch, "one_layer")
+    assert src.ahead_wish(2048) == 8 * 1000 and src.ahead_wish() == 8 * 1000
     assert src.ahead_wish(2047) == 0
     src.copy_ahead = False
     assert src.ahead_wish(4096) == 0
