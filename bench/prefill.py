@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -427,8 +428,45 @@ def new_glue(path: str) -> None:
             os.environ.pop(name, None)
 
 
+def rounds(res) -> list[dict]:
+    """Each regime's paths repeated as PATH#k, gathered by (regime, path without "#k", prompt size): the rounds' TTFTs
+    in run order, their median and minimum, and both against the regime's first path at that size (what an A/B is
+    decided on: one round moves ±10 ms at 16k on a slow host, bench/NOTES.md session 25; the minimum also drops a
+    round that compiled). A path run once is a group of one."""
+    out = []
+    for name in [k for k in res if k == "ram" or k.startswith("disk")]:
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for path, rows in res[name].items():
+            for r in rows:
+                groups.setdefault((path.split("#")[0], r["tokens"]), []).append(r)
+        first: dict[int, dict] = {}
+        for (path, tokens), rows in groups.items():
+            ms = [r["ttft_s"] * 1e3 for r in rows]
+            floor = statistics.median(r["floor_s"] for r in rows) * 1e3
+            g = dict(regime=name, path=path, tokens=tokens, n=len(ms), ttft_ms=ms, median_ms=statistics.median(ms),
+                     min_ms=min(ms), max_ms=max(ms), floor_ms=floor, median_ratio=statistics.median(ms) / floor)
+            base = first.setdefault(tokens, g)
+            g["vs_first"] = base["path"]
+            g["median_delta_ms"] = g["median_ms"] - base["median_ms"]
+            g["min_delta_ms"] = g["min_ms"] - base["min_ms"]
+            out.append(g)
+    return out
+
+
+def print_rounds(groups: list[dict]) -> None:
+    """`rounds` as one line a group, where some path ran more than once."""
+    if not any(g["n"] > 1 for g in groups):
+        return
+    print("rounds: regime path tokens | n | median (ratio) | min | max | median / min against the first path")
+    for g in sorted(groups, key=lambda g: (g["regime"], g["tokens"])):
+        vs = "" if g["path"] == g["vs_first"] else (f" | {g['median_delta_ms']:+.1f} / {g['min_delta_ms']:+.1f} ms "
+                                                    f"against {g['vs_first']}")
+        print(f"rounds: {g['regime']} {g['path']} {g['tokens']} | {g['n']} | {g['median_ms']:.1f} "
+              f"({g['median_ratio']:.2f}) | {g['min_ms']:.1f} | {g['max_ms']:.1f}{vs}")
+
+
 def brief(res) -> None:
-    """--brief: one short line per prompt (a device call's console keeps only its tail)."""
+    """--brief: one short line per prompt (a device call's console keeps only its tail), then the rounds."""
     c = res["ceilings"]
     print(f"ceil h2d {c['h2d_gbps'] or 0:.1f} disk {c['disk_gbps']:.2f} gemm {c['gemm_tflops']:.3f}")
     for name in [k for k in res if k == "ram" or k.startswith("disk")]:
@@ -448,6 +486,7 @@ def brief(res) -> None:
                                  r.get('guess_precision_by_tokens', {}).items())
                       + f" peak/est {r['peak_bytes'] >> 20}/"
                       f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
+    print_rounds(res.get("rounds") or rounds(res))
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
@@ -690,6 +729,8 @@ def main(argv=None):
     if "sweep" not in skip and cuda:
         res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
         save()
+    res["rounds"] = rounds(res)
+    save()
     if a.brief:
         brief(res)
         return
@@ -726,6 +767,7 @@ def main(argv=None):
                     print(f"ahead | {name} | {path} | {r['tokens']} | {r['ahead_copied']} | {r['ahead_used']} | "
                           f"{r['ahead_wrong']} ({r['bytes_wasted_ahead'] / 1e6:.0f}) | "
                           f"{r['guess_precision']:.3f} / {r['guess_recall']:.3f}")
+    print_rounds(res["rounds"])
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB{' ' + r['env'] if r.get('env') else ''} | {r['tokens']} tokens | spans {r['spans']} | "
               f"TTFT {r['ttft_s']:.3f} s | launches {r['launches']} | first token {r['first_token']} | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
