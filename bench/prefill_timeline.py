@@ -192,6 +192,31 @@ def kernels_by_name(raw: list[list]) -> list[dict]:
     return sorted((dict(name=k, launches=n, ms=us / 1e3) for k, (n, us) in tot.items()), key=lambda d: -d["ms"])
 
 
+def bus_gaps(raw: list[list], min_ms: float = 1.0) -> list[dict]:
+    """The stretches of at least `min_ms` with no host-to-device copy on the bus, from the prompt's first H2D copy to
+    its last event (the last one is the tail after the bus is done): each one's start and length, the kernels' busy
+    time in it, and the host's ranges (RAW_RANGES) overlapping it, ms by name — what held the next copies back
+    (session 25's reading of a 16k prompt: the launch loop's `_prefill_batch` ranges, ~15 ms a layer, before the next
+    layer's `_copy_ahead`). raw: `raw_events`' rows."""
+    h2d = union((s, s + d) for what, _, s, d, _, name in raw if what == "c" and "HtoD" in name)
+    if not h2d:
+        return []
+    end = max(s + d for what, _, s, d, _, _ in raw if what in "kc")
+    kernels = union((s, s + d) for what, _, s, d, _, _ in raw if what == "k")
+    out = []
+    for lo, hi in [(a[1], b[0]) for a, b in zip(h2d, h2d[1:])] + [(h2d[-1][1], end)]:
+        if hi - lo < min_ms * 1e3:
+            continue
+        host: dict[str, float] = {}
+        for what, _, s, d, _, name in raw:
+            o = min(hi, s + d) - max(lo, s)
+            if what == "h" and o > 0:
+                host[name] = host.get(name, 0.0) + o / 1e3
+        out.append(dict(start_ms=lo / 1e3, ms=(hi - lo) / 1e3, compute_ms=length(kernels, lo, hi) / 1e3,
+                        tail=hi == end, host_ms=dict(sorted(host.items(), key=lambda kv: -kv[1]))))
+    return out
+
+
 def host_profile(fn, sync=None, top: int = 60, callers_of=()) -> tuple[list[dict], float]:
     """One call of fn under cProfile (then `sync`): the functions by their own time, [{function, calls, own_ms,
     cum_ms}] (at most `top`), and the whole call's ms. Where the host's time a prompt goes, Python line by line: the
@@ -312,6 +337,13 @@ def main(argv=None):
                     print(f"\n[{setting}] {n} tokens, the compute kernels by name (profiled pass): name | launches | ms")
                     for k in r["kernels_by_name"][:18]:
                         print(f"  {k['name']} | {k['launches']} | {k['ms']:.2f}")
+                    r["bus_gaps"] = bus_gaps(r["raw"])
+                    idle = sum(g["ms"] for g in r["bus_gaps"])
+                    print(f"[{setting}] {n} tokens, the bus idle for 1 ms or more ({idle:.1f} ms in all; profiled): "
+                          "start ms | ms | kernels busy ms | host ranges in it, ms")
+                    for g in r["bus_gaps"]:
+                        print(f"  {g['start_ms']:.1f}{' (tail)' if g['tail'] else ''} | {g['ms']:.1f} | "
+                              f"{g['compute_ms']:.1f} | " + ", ".join(f"{k} {v:.1f}" for k, v in g["host_ms"].items()))
                 r.update(tokens=n, setting=setting, wall_noprof_ms=plain_ms, syncs=len(marks), accounting=pa,
                          accounting_plain=plain)
                 res["rows"].append(r)

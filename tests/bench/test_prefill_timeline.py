@@ -141,3 +141,26 @@ def test_kernels_by_name_sum_kernels_only_longest_first():
            ["h", -1, 0.0, 90.0, 0, "_prefill_batch"], ["k", 8, 20.0, 25.0, 0, "gemm"]]
     from bench.prefill_timeline import kernels_by_name
     assert kernels_by_name(raw) == [dict(name="gemm", launches=2, ms=0.035), dict(name="scan", launches=1, ms=0.03)]
+
+
+def test_bus_gaps_name_what_the_host_did_while_the_bus_idled():
+    """bench.prefill_timeline's bus gaps: the stretches with no H2D copy of at least a millisecond, between bursts and
+    after the last one, with the kernels' time and the host's ranges in each; a device-to-device copy is not the bus,
+    and a short gap is left out."""
+    from bench.prefill_timeline import bus_gaps
+    raw = [["c", 9, 0.0, 5000.0, 64, "Memcpy HtoD (Pinned -> Device)"],
+           ["h", -1, 4000.0, 3000.0, 0, "_prefill_batch"],            # 2 ms of it in the gap
+           ["k", 7, 5500.0, 1000.0, 0, "gemm"],
+           ["c", 7, 6000.0, 500.0, 64, "Memcpy DtoD (Device -> Device)"],   # not the bus
+           ["h", -1, 7000.0, 1000.0, 0, "_copy_ahead"],
+           ["c", 9, 8000.0, 3000.0, 64, "Memcpy HtoD (Pinned -> Device)"],
+           ["c", 9, 11500.0, 1000.0, 64, "Memcpy HtoD (Pinned -> Device)"],   # a 0.5 ms gap before it: left out
+           ["k", 7, 12500.0, 2000.0, 0, "down"]]
+    g = bus_gaps(raw)
+    assert [(x["start_ms"], x["ms"], x["compute_ms"], x["tail"]) for x in g] == [(5.0, 3.0, 1.0, False),
+                                                                                 (12.5, 2.0, 2.0, True)]
+    assert g[0]["host_ms"] == {"_prefill_batch": 2.0, "_copy_ahead": 1.0} and g[1]["host_ms"] == {}
+    # the twin: the device-to-device copy counted as the bus splits the 3 ms gap the reading rests on into 1 + 1.5 ms
+    twin = [r if r[5] != "Memcpy DtoD (Device -> Device)" else r[:5] + ["Memcpy HtoD twin"] for r in raw]
+    assert [x["ms"] for x in bus_gaps(twin)] == [1.0, 1.5, 2.0]
+    assert bus_gaps([["k", 7, 0.0, 10.0, 0, "gemm"]]) == []
