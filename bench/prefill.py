@@ -442,9 +442,9 @@ def rounds(res) -> list[dict]:
         first: dict[int, dict] = {}
         for (path, tokens), rows in groups.items():
             ms = [r["ttft_s"] * 1e3 for r in rows]
-            floor = statistics.median(r["floor_s"] for r in rows) * 1e3
-            g = dict(regime=name, path=path, tokens=tokens, n=len(ms), ttft_ms=ms, median_ms=statistics.median(ms),
-                     min_ms=min(ms), max_ms=max(ms), floor_ms=floor, median_ratio=statistics.median(ms) / floor)
+            floor, med = statistics.median(r["floor_s"] for r in rows) * 1e3, statistics.median(ms)
+            g = dict(regime=name, path=path, tokens=tokens, n=len(ms), ttft_ms=ms, median_ms=med, min_ms=min(ms),
+                     max_ms=max(ms), floor_ms=floor, median_ratio=med / floor)
             base = first.setdefault(tokens, g)
             g["vs_first"] = base["path"]
             g["median_delta_ms"] = g["median_ms"] - base["median_ms"]
@@ -486,7 +486,7 @@ def brief(res) -> None:
                                  r.get('guess_precision_by_tokens', {}).items())
                       + f" peak/est {r['peak_bytes'] >> 20}/"
                       f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
-    print_rounds(res.get("rounds") or rounds(res))
+    print_rounds(res["rounds"])
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
