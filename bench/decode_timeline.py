@@ -127,23 +127,27 @@ def main(argv=None) -> dict:
     import torch
     from bench.prefill_timeline import device_events
     from bench.workdir import ram_bench_args, ram_engine, warm_decode
+    from gpu_worker.generate import greedy_steps
     a = ram_bench_args(argv, __doc__.split("\n")[0], 12, "decode_timeline.json")
     store, engine = ram_engine(a.work, a.moe_layers)
     with engine as eng:
         st, tok = warm_decode(eng, 64, 8)
+        logits = eng.step(tok, st)
+        torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(a.tokens):
-            tok = int(eng.step(tok, st)[-1].argmax())
+        greedy_steps(eng, logits, st, a.tokens)          # generate()'s loop (each step begun before the read)
         torch.cuda.synchronize()
         wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         _ranged_parts(eng)
+        nxt = eng.step(int(logits[-1].argmax()), st)[-1].argmax()
         with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(a.tokens):
+            for _ in range(a.tokens):      # greedy_steps' loop, one range a token
                 with torch.profiler.record_function("token"):
-                    logits = eng.step(tok, st)
+                    eng.step_ahead(nxt, st)
                     with torch.profiler.record_function("token_sync"):
-                        tok = int(logits[-1].argmax())
+                        tok = int(nxt)
+                    nxt = eng.step(tok, st)[-1].argmax()
             torch.cuda.synchronize()
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)

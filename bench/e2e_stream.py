@@ -107,6 +107,7 @@ def sync(device):
 
 def decode_run(eng, prompts, n_tokens, device):
     """Prefill each prompt, then time n_tokens greedy steps. Returns per-token figures."""
+    from gpu_worker.generate import greedy_steps
     m = eng.model
     acct = eng.accounting
     ms, disk_bytes, hits, looked, waits, pcie, wasted, greedy = [], 0, 0, 0, 0.0, 0, 0, []
@@ -114,7 +115,6 @@ def decode_run(eng, prompts, n_tokens, device):
     for p in prompts:
         st = m.new_state()
         logits = m.forward(p, st, last_only=True)
-        tok = int(logits[-1].argmax())
         s0 = eng.cache_stats()
         h0, l0 = acct.hits_at_lookup + acct.vram_hits, acct.hits_at_lookup + acct.misses_at_lookup + acct.vram_hits
         w0 = acct.ms_waiting_for_disk
@@ -122,9 +122,7 @@ def decode_run(eng, prompts, n_tokens, device):
         b0, u0 = acct.bytes_over_pcie, acct.ups_staged - acct.ups_staged_used
         sync(device)
         t = time.perf_counter()
-        for _ in range(n_tokens):
-            tok = int(eng.step(tok, st)[-1].argmax())
-            greedy.append(tok)
+        greedy += greedy_steps(eng, logits, st, n_tokens)     # generate()'s loop: each step begun before the read
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
         acct.per_token()                     # folds the device counters, books the last token's device-routed layers

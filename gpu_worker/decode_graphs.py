@@ -610,6 +610,8 @@ class DecodeGraphs:
         self.plans: dict[tuple[frozenset, frozenset], tuple[list, list]] = {}
         self.segments = self._plan(frozenset())[0]        # the host-routed step (every layer decided on the host)
         self.device_layers: frozenset = frozenset()       # the layers routed on the device at the last step
+        self._ahead = None          # weakref to the state whose next step's first stretch `begin` queued
+        self._backup: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None   # that stretch's Mamba states before it
 
     def _plan(self, device: frozenset, slab: frozenset = frozenset()) -> tuple[list, list]:
         got = self.plans.get((device, slab))
@@ -791,22 +793,90 @@ class DecodeGraphs:
                     for moe in moes]
         return read
 
+    # ------------------------------------------------------------------ the next token's first stretch, early
+    def _first_states(self) -> list[int]:
+        """The Mamba layers whose static states the host-routed step's first stretch updates (those before the first
+        MoE layer): what `begin` backs up."""
+        first = self.segments[0]
+        return [op.i for op in first.ops if isinstance(op, Layer) and op.i in self.static]
+
+    def begin(self, token: torch.Tensor, state) -> bool:
+        """Queues the next step's first stretch (the embedding, the layers before the first MoE layer, its router)
+        with `token` still on the device (int64, e.g. the sampler's choice, not yet read by the host), so that the
+        device goes on from the sampled token without waiting for the host's round trip. The host then reads the
+        token; `step` (any token argument: this one is in place) finishes the step, `abandon` (a stop token, a
+        cancel) puts the Mamba states that stretch updated back as they were. Returns False, queuing nothing, where
+        the step cannot start that way: its first MoE layer is not decided on the host (the last token routed
+        layers on the device: their choices are read at the next step's start), or the first segment is not a
+        stretch. Measured in bench/NOTES.md, session 26."""
+        if self._ahead is not None:
+            self.abandon()
+        if self.device_layers or not self._decides_first(self.segments):
+            return False
+        self._bind(state)
+        self.tok.copy_(token.reshape(1), non_blocking=True)
+        if self._backup is None:
+            self._backup = {i: (self.static[i].ssm.clone(), self.static[i].conv.clone()) for i in self._first_states()}
+        for i, (ssm, conv) in self._backup.items():
+            ssm.copy_(self.static[i].ssm)
+            conv.copy_(self.static[i].conv)
+        self.segments[0].run(state)
+        self._ahead = weakref.ref(state)
+        return True
+
+    def _decides_first(self, segments: list) -> bool:
+        """Whether a plan's first segment is a stretch that ends where the host decides the first MoE layer."""
+        return (len(segments) > 1 and isinstance(segments[0], Stretch) and isinstance(segments[1], HostDecision)
+                and segments[1].moe.i == min(self.moe))
+
+    def pending(self, state) -> bool:
+        """Whether `state`'s next step was begun (`begin`) and not finished or abandoned."""
+        return self._ahead is not None and self._ahead() is state
+
+    def abandon(self) -> None:
+        """The begun step is not taken: the Mamba states of its first stretch back to the token before it (queued
+        after that stretch; the KV rows it wrote lie past each cache's length, which only `step` advances)."""
+        if self._ahead is None:
+            return
+        self._restore()
+        self._ahead = None
+
+    def _restore(self) -> None:
+        for i, (ssm, conv) in self._backup.items():
+            self.static[i].ssm.copy_(ssm)
+            self.static[i].conv.copy_(conv)
+
     # ------------------------------------------------------------------ one token
     @torch.inference_mode()
     def step(self, token, state) -> torch.Tensor:
         """Feeds one token (an int, or int64 [1] on the device); returns logits fp32 [1, vocab] (a fresh tensor)
-        and advances `state`."""
-        self._bind(state)
-        if not torch.is_tensor(token):      # a fresh pinned tensor: the allocator keeps it until the copy ran
-            token = torch.tensor([int(token)], dtype=torch.long, pin_memory=self.cuda)
-        self.tok.copy_(token.reshape(1), non_blocking=True)
+        and advances `state`. Where `begin` queued this step's first stretch for `state`, finishes it (`token` is
+        then the one given there, already on the device)."""
+        done = 0
+        if self._ahead is not None:
+            if self._ahead() is state:
+                done = 1
+            else:
+                self.abandon()
+        self._ahead = None
+        if not done:
+            self._bind(state)
+            if not torch.is_tensor(token):      # a fresh pinned tensor: the allocator keeps it until the copy ran
+                token = torch.tensor([int(token)], dtype=torch.long, pin_memory=self.cuda)
+            self.tok.copy_(token.reshape(1), non_blocking=True)
         for src in self.sources:            # the last token's trailing choices, before this token's graphs rewrite them
             src.decode_settle(book=False)
         device, slab = self._device_layers()
         segments, trailing = self._plan(device, slab)
+        if done and not self._decides_first(segments):
+            self._restore()                 # its first MoE layer is routed on the device now: the whole step again
+            done = 0
         for i in device:
             self.moe[i].variant = DEVICE_SLAB if i in slab else DEVICE
-        for n, seg in enumerate(segments):
+        if done:                            # the first stretch is queued (the same ops: the first MoE layer's decision
+            for src in self.sources:        # ends it in every plan that decides it on the host)
+                src.decode_settle()
+        for n, seg in enumerate(segments[done:], done):
             seg.run(state)
             if n == 0:                      # their host work while the device runs this token's first graph
                 for src in self.sources:

@@ -14,6 +14,7 @@ import torch
 
 from cache_shm.cuda_map import register_slab, slab_tensor
 from gpu_worker.cache_supervisor import Supervisor
+from gpu_worker.knobs import decode_ahead
 from gpu_worker.streaming import StreamingExperts
 from gpu_worker.vram_tier import VramTier, prefill_reserve_bytes, vram_tier_slots
 from expert_store.format import StoreError
@@ -105,7 +106,9 @@ class StreamingEngine:
     def forward(self, ids, state, last_only: bool = False, image_embeds=None, image_positions=None, cancel=None,
                 pieces=None, captures=None):
         """The model's forward (prefill, image rows, `cancel` checked per layer, `pieces` bounding a long call's
-        temporaries, `captures` the states inside it), always eager: see `NemotronH.forward`."""
+        temporaries, `captures` the states inside it), always eager: see `NemotronH.forward`. A step begun with
+        `step_ahead` and not finished is abandoned first."""
+        self.step_abandon()
         return self.model.forward(ids, state, last_only=last_only, image_embeds=image_embeds,
                                   image_positions=image_positions, cancel=cancel, pieces=pieces, captures=captures)
 
@@ -124,10 +127,29 @@ class StreamingEngine:
 
     def step(self, token: int, state):
         """One decode token -> logits fp32 [1, vocab]; advances `state`. The CUDA graphs where they are on,
-        else (and while the model traces: its hooks run only in the eager forward) `NemotronH.step`."""
+        else (and while the model traces: its hooks run only in the eager forward) `NemotronH.step`. Where
+        `step_ahead` began this step for `state`, it is finished: `token` must be the one given there."""
         if self.graphs is None or self.model.tracing:
             return self.model.step(token, state)
+        if self.graphs.pending(state):
+            return self.graphs.step(None, state)
         return self.graphs.step(self.model.token_ids([int(token)]), state)
+
+    def step_ahead(self, token: torch.Tensor, state) -> bool:
+        """Begins the next step with `token` (int64 on the device, e.g. the sampler's choice) before the host has read
+        it: the device runs the step's first stretch during the host's round trip (gpu_worker/decode_graphs.py
+        `begin`). Then `step(token, state)` finishes it, or `step_abandon()` drops it (the token was a stop, the
+        request was cancelled) and leaves `state` as it was. False where nothing was begun (no graphs, tracing, a
+        first MoE layer routed on the device, or `MOESTREAM_DECODE_AHEAD=0`): `step` then runs the whole step."""
+        if self.graphs is None or self.model.tracing or not decode_ahead() or token.device != self.model.device:
+            return False
+        with torch.inference_mode():
+            return self.graphs.begin(token, state)
+
+    def step_abandon(self) -> None:
+        """Drops a step begun by `step_ahead` and not finished (nothing where none is)."""
+        if self.graphs is not None:
+            self.graphs.abandon()
 
     @property
     def accounting(self):

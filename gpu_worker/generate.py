@@ -43,16 +43,52 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
     if logits is None:      # cancelled
         return
     stops = set(params.stop_token_ids)
-    for i in range(params.max_tokens):
-        tok, lp, top = sampler.step(logits[-1], logprobs)     # min_tokens' ban on stop tokens is the sampler's
-        if tok in stops:
-            yield Step(tok, "stop", lp, top)
-            return
-        last = i == params.max_tokens - 1
-        yield Step(tok, "length" if last else None, lp, top)
-        if last:
-            return
-        if cancel is not None and cancel.is_set():
-            return   # the caller who set `cancel` knows why the stream ended
-        with torch.inference_mode():
-            logits = model.step(tok, state)
+    ahead = getattr(model, "step_ahead", None)     # the engine's; a bare model decodes one whole step at a time
+    begun = False
+    try:
+        for i in range(params.max_tokens):
+            choice = sampler.choose(logits[-1], logprobs)   # min_tokens' ban on stop tokens is the sampler's
+            last = i == params.max_tokens - 1
+            # the next step's first stretch goes to the device before the host reads the token (it may be a stop:
+            # then it is abandoned, the state as it was)
+            begun = ahead is not None and not last and not (cancel is not None and cancel.is_set()) and \
+                ahead(choice.token, state)
+            tok, lp, top = choice.result()
+            if tok in stops:
+                if begun:
+                    model.step_abandon()
+                    begun = False
+                yield Step(tok, "stop", lp, top)
+                return
+            yield Step(tok, "length" if last else None, lp, top)
+            if last:
+                return
+            if cancel is not None and cancel.is_set():
+                return   # the caller who set `cancel` knows why the stream ended
+            with torch.inference_mode():
+                logits = model.step(tok, state)
+            begun = False
+    finally:
+        if begun:        # a stop, a cancel, or the caller left the loop: the state keeps only what was fed
+            model.step_abandon()
+
+
+def greedy_steps(model, logits, state, n: int) -> list[int]:
+    """n greedy decode steps after `logits` (a prefill's or a step's, on the device), taken the way `generate` takes
+    them: each step begun (`step_ahead`, where the model has it) with the argmax still on the device, then the token
+    read, then the step finished. Returns the n tokens the steps chose (the first, `logits`' own, is fed, not
+    returned). What the decode benchmarks time (bench.e2e_stream): the engine's loop without sampling's extras."""
+    ahead = getattr(model, "step_ahead", None)
+    nxt = logits[-1].argmax()
+    out = []
+    with torch.inference_mode():
+        for k in range(n):
+            if ahead is not None:
+                ahead(nxt, state)
+            tok = int(nxt)
+            if k:
+                out.append(tok)
+            nxt = model.step(tok, state)[-1].argmax()
+        if n:
+            out.append(int(nxt))
+    return out

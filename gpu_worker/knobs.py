@@ -20,3 +20,9 @@ def env_count(name: str, default: int, unit: str, least: int = 1) -> int:
 def env_count_or_off(name: str, default: int, unit: str) -> int:
     """`env_count` where 0 is allowed and turns the switch off."""
     return env_count(name, default, unit, least=0)
+
+
+def decode_ahead() -> bool:
+    """`MOESTREAM_DECODE_AHEAD` (1 by default, 0: off): the next decode step's first stretch is queued with the sampled
+    token still on the device, before the host reads it (gpu_worker/decode_graphs.py `DecodeGraphs.begin`)."""
+    return env_count_or_off("MOESTREAM_DECODE_AHEAD", 1, "switch (1: on)") > 0

@@ -15,7 +15,7 @@ import torch
 # One definition of the sampling fields and their defaults, shared with the launcher (procs.messages).
 from procs.messages import SamplingParams
 
-__all__ = ["Sampler", "SamplingParams", "apply_token_bitmask", "reference_choose", "uniforms"]
+__all__ = ["Choice", "Sampler", "SamplingParams", "apply_token_bitmask", "reference_choose", "uniforms"]
 _RANDOM_BLOCK = 256           # uniforms drawn (and copied to the device) at a time
 
 
@@ -52,6 +52,7 @@ class Sampler:
         self._u_at = 0
         self._words_host = None                  # the grammar's bitmask, pinned on a GPU host
         self._words_ready = False
+        self._out = None                         # the step's pinned host copy (token, logprob, top), on a GPU
 
     # ---- per request, on first use (the device is the logits') ----------------------------------
     def _setup(self, row: torch.Tensor) -> None:
@@ -131,7 +132,9 @@ class Sampler:
         tok = torch.searchsorted(cdf, (self._uniform() * cdf[-1]).reshape(1), right=True)[0]
         return tok.clamp(max=x.numel() - 1)
 
-    def step(self, row: torch.Tensor, logprobs: int | None = None):
+    def choose(self, row: torch.Tensor, logprobs: int | None = None) -> "Choice":
+        """Queues the choice on the row's device and the one transfer of the step; the host has not read it yet (the
+        caller may hand `Choice.token` to the next step first). `Choice.result()` reads it."""
         x = self.processed(row)
         tok = self._choose(x)
         if self.counts is not None:
@@ -145,20 +148,49 @@ class Sampler:
             if k:
                 v, ix = lsm.topk(k)
                 parts += [v.double(), ix.double()]
-        out = torch.cat(parts).cpu().tolist()    # the one transfer of the step
-        t = int(out[0])
-        self.n += 1
-        if self.grammar is not None and not self.grammar.terminated:
-            # the next mask is built on the CPU while the caller runs the model for the next logits
-            self.grammar.accept_and_fill_async(t, self._words_host)
-            self._words_ready = True
-        if logprobs is None:
-            return t, None, None
-        top = list(zip((int(i) for i in out[2 + k:]), out[2:2 + k])) if k else None
-        return t, out[1], top
+        packed = torch.cat(parts)
+        ev = None
+        if packed.is_cuda:                       # the one transfer of the step, into pinned memory kept per size
+            if self._out is None or self._out.numel() != packed.numel():
+                self._out = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=True)
+            self._out.copy_(packed, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            packed = self._out
+        return Choice(self, tok, packed, ev, k, logprobs is not None)
+
+    def step(self, row: torch.Tensor, logprobs: int | None = None):
+        return self.choose(row, logprobs).result()
 
     def __call__(self, logits: torch.Tensor) -> int:
         return self.step(logits)[0]
+
+
+class Choice:
+    """A token chosen on the device (`token`, int64, 0-dim) whose host copy may still be under way."""
+
+    def __init__(self, sampler: Sampler, token: torch.Tensor, host: torch.Tensor, event, k: int, logprobs: bool):
+        self.sampler, self.token, self._host, self._event, self._k, self._logprobs = (
+            sampler, token, host, event, k, logprobs)
+
+    def result(self):
+        """(token, logprob, top) on the host: waits for the copy; once per choice (it counts the step and feeds the
+        token to the grammar)."""
+        if self._event is not None:
+            self._event.synchronize()
+        out = self._host.tolist()
+        t = int(out[0])
+        s = self.sampler
+        s.n += 1
+        if s.grammar is not None and not s.grammar.terminated:
+            # the next mask is built on the CPU while the caller runs the model for the next logits
+            s.grammar.accept_and_fill_async(t, s._words_host)
+            s._words_ready = True
+        if not self._logprobs:
+            return t, None, None
+        k = self._k
+        top = list(zip((int(i) for i in out[2 + k:]), out[2:2 + k])) if k else None
+        return t, out[1], top
 
 
 # ------------------------------------------------------------------------------------------------ the host twin
