@@ -6,8 +6,9 @@ The RAM regime (every expert cached, the engine's defaults: CUDA graphs, staged 
 the bus two ways, and both count as the bus at work: the expert kernels' zero-copy reads of the pinned slab (a
 kernel whose name is in EXPERT_KERNELS) and the staging's copies (every host-to-device copy, and the SM copies of
 slab-routed layers' ups: a kernel whose name is in STAGING_KERNELS, gpu_worker/slab_routing.py). All other kernels are
-the dense part. Each token (its host step, which ends on the sampled token, so the device's work for it
-is inside) is cut into what ran at each instant:
+the dense part. Each token (on the host, from one sampled token read to the next, as generate() takes steps: the
+next step's first stretch is queued before the read, session 26; so the device's work for the token is inside, its
+first stretch but for the host's wake-up) is cut into what ran at each instant:
 
   both      the bus's readers and a dense kernel at once (the staging's overlap)
   bus       only the bus's readers (expert kernels, staging copies)
@@ -127,7 +128,7 @@ def main(argv=None) -> dict:
     import torch
     from bench.prefill_timeline import device_events
     from bench.workdir import ram_bench_args, ram_engine, warm_decode
-    from gpu_worker.generate import greedy_steps
+    from gpu_worker.generate import greedy_steps, token_reader
     a = ram_bench_args(argv, __doc__.split("\n")[0], 12, "decode_timeline.json")
     store, engine = ram_engine(a.work, a.moe_layers)
     with engine as eng:
@@ -142,12 +143,17 @@ def main(argv=None) -> dict:
         _ranged_parts(eng)
         nxt = eng.step(int(logits[-1].argmax()), st)[-1].argmax()
         with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(a.tokens):      # greedy_steps' loop, one range a token
+            read = token_reader(nxt)
+            eng.step_ahead(nxt, st)
+            tok = read()
+            for _ in range(a.tokens):      # greedy_steps' loop, a range from one read token to the next
                 with torch.profiler.record_function("token"):
-                    eng.step_ahead(nxt, st)
-                    with torch.profiler.record_function("token_sync"):
-                        tok = int(nxt)
                     nxt = eng.step(tok, st)[-1].argmax()
+                    read = token_reader(nxt)
+                    eng.step_ahead(nxt, st)          # the next token's first stretch, before the read
+                    with torch.profiler.record_function("token_sync"):
+                        tok = read()
+            eng.step(tok, st)
             torch.cuda.synchronize()
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)

@@ -73,19 +73,37 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
             model.step_abandon()
 
 
+def token_reader(token: torch.Tensor):
+    """`int(token)` of a device scalar, its copy to the host queued now, before whatever the caller queues next (a
+    begun step: `.item()` afterwards would wait for that too). Returns the function that reads it."""
+    if not token.is_cuda:
+        return lambda: int(token)
+    host = torch.empty((), dtype=token.dtype, pin_memory=True)
+    host.copy_(token, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+
+    def read() -> int:
+        ev.synchronize()
+        return int(host)
+    return read
+
+
 def greedy_steps(model, logits, state, n: int) -> list[int]:
     """n greedy decode steps after `logits` (a prefill's or a step's, on the device), taken the way `generate` takes
-    them: each step begun (`step_ahead`, where the model has it) with the argmax still on the device, then the token
-    read, then the step finished. Returns the n tokens the steps chose (the first, `logits`' own, is fed, not
-    returned). What the decode benchmarks time (bench.e2e_stream): the engine's loop without sampling's extras."""
+    them: the argmax's copy to the host queued, the next step begun (`step_ahead`, where the model has it) with the
+    argmax still on the device, then the token read, then the step finished. Returns the n tokens the steps chose (the
+    first, `logits`' own, is fed, not returned). What the decode benchmarks time (bench.e2e_stream): the engine's loop
+    without sampling's extras."""
     ahead = getattr(model, "step_ahead", None)
     nxt = logits[-1].argmax()
     out = []
     with torch.inference_mode():
         for k in range(n):
+            read = token_reader(nxt)
             if ahead is not None:
                 ahead(nxt, state)
-            tok = int(nxt)
+            tok = read()
             if k:
                 out.append(tok)
             nxt = model.step(tok, state)[-1].argmax()
