@@ -318,7 +318,8 @@ def ahead_figures(last) -> dict:
                 ahead_wrong=last.ahead_wrong, bytes_copied_ahead=last.bytes_copied_ahead,
                 ms_issuing_ahead=last.ms_issuing_ahead, ms_host_moe=last.ms_host_moe,
                 ms_host_launching=last.ms_host_launching, ms_host_staging=last.ms_host_staging,
-                ms_router_sync=last.ms_router_sync,
+                ms_router_sync=last.ms_router_sync, ms_to_inputs=last.ms_to_inputs,
+                ms_to_first_copy=last.ms_to_first_copy,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1),
@@ -480,7 +481,8 @@ def brief(res) -> None:
                       f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
                       f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
                       f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"
-                      f"{r['ms_router_sync']:.1f} p/r "
+                      f"{r['ms_router_sync']:.1f} start inputs/copy {r.get('ms_to_inputs', 0):.1f}/"
+                      f"{r.get('ms_to_first_copy', 0):.1f} p/r "
                       f"{r['guess_precision']:.2f}/{r['guess_recall']:.2f} by tokens "
                       + " ".join(f"{k}:{'-' if v is None else f'{v:.2f}'}" for k, v in
                                  r.get('guess_precision_by_tokens', {}).items())

@@ -433,6 +433,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
     end = len(ids) if end is None else end
     if end <= start:
         return None
+    entered = time.perf_counter()
     capture_at = sorted({int(k) for k in capture_at if start < int(k) < end})
     if capture_at and on_capture is None:
         raise ValueError("capture_at needs on_capture")
@@ -442,7 +443,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
     source = _streaming_source(model)       # accounts per prompt
     wish = source.ahead_wish(end - start) if source is not None else 0
     if source is not None:
-        source.begin_prompt(launch_bytes=plan.launch())
+        source.begin_prompt(launch_bytes=plan.launch(), entered=entered)
     t0 = time.perf_counter()
     parts, pos = [], start
     try:

@@ -56,6 +56,9 @@ class PromptCost:
     guess_named_t5: int = 0
     guess_right_t5: int = 0
     ms_waiting_for_disk: float = 0.0
+    # the prompt's start, host ms from `prefill()`'s entry: the device and the bus idle until the first copies
+    ms_to_inputs: float = 0.0           # ... to its first span's token ids and embedding queued (`inputs_ready`)
+    ms_to_first_copy: float = 0.0       # ... to its first copies ahead queued (the first MoE layer's guess)
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,9 +103,12 @@ class PrefillAccounting:
     _open: bool = False
     _mask: object = None
     _mask_n: int = -1
+    entered: float | None = None        # perf_counter at the prompt's `prefill()` entry
 
-    def begin(self) -> None:
+    def begin(self, entered: float | None = None) -> None:
+        """A prompt starts; `entered`: `prefill()`'s entry (perf_counter), which `since_entry` measures from."""
         self.last = PromptCost()
+        self.entered = entered
         self._routed, self._guessed = set(), set()
         self._mask = None
         self._disk0 = self.disk() if self.disk is not None else (0, 0)
@@ -113,6 +119,11 @@ class PrefillAccounting:
             m[self.resident()] = True
             self._resident0 = m
         self._open = True
+
+    def since_entry(self) -> float:
+        """Host ms since the prompt's `prefill()` was entered (0 where no entry was given)."""
+        import time
+        return (time.perf_counter() - self.entered) * 1e3 if self.entered is not None else 0.0
 
     @property
     def in_prompt(self) -> bool:

@@ -85,15 +85,19 @@ class PrefillExperts:
         shm = self.client.shm
         return shm.slot_key[(shm.slot_key >= 0) & (shm.slot_state == READY)]
 
-    def begin_prompt(self, launch_bytes: int | None = None, ahead_bytes: int = 0) -> None:
+    def begin_prompt(self, launch_bytes: int | None = None, ahead_bytes: int = 0, entered: float | None = None) -> None:
         """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
-        `prefill_batch_bytes()`), its slots for experts copied ahead within `ahead_bytes`."""
+        `prefill_batch_bytes()`), its slots for experts copied ahead within `ahead_bytes`. `entered`: when `prefill()`
+        was entered (perf_counter), for the prompt's start in the accounting (`ms_to_inputs`, `ms_to_first_copy`)."""
         self.launch_bytes = prefill_batch_bytes() if launch_bytes is None else int(launch_bytes)
         self.ahead_bytes = int(ahead_bytes)
         self.ahead_at_sync, self._guessed = [], None
-        self.prefill_acct.begin()
+        self.prefill_acct.begin(entered)
 
     def inputs_ready(self, tokens: int) -> None:
+        pa = self.prefill_acct
+        if pa.in_prompt and not pa.last.ms_to_inputs:
+            pa.last.ms_to_inputs = pa.since_entry()
         self.guess_first_layer(tokens)
 
     def guess_first_layer(self, tokens: int) -> int:
@@ -356,6 +360,9 @@ class PrefillExperts:
             after.record(self._ring.stream)
         events = self.prefill_profile.copy_events(ahead=True) if self.prefill_profile is not None else None
         ss = [s for _, s in pairs]
+        pa = self.prefill_acct
+        if pa.in_prompt and not pa.last.ms_to_first_copy:
+            pa.last.ms_to_first_copy = pa.since_entry()
         k = self._ahead.copy(nj, [e for e, _ in pairs], ss, ss, after, events, taken=taken or frozenset())
         if k < len(pairs):               # no slot left beside this layer's blocks: their pins go back now
             self.client.release(ss[k:])

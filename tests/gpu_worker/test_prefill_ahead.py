@@ -501,6 +501,8 @@ def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
         src.copy_ahead, src.ahead_min_tokens = True, 0
         run(eng, 300)                    # no history yet: no first-layer guess
         assert _first_layer_at_sync(src) == [0] and all(j != 0 for j, _ in spy.copied)
+        before = src.prefill_acct.last   # its first copies ahead are MoE 1's, after MoE 0's sync: in sequence
+        assert 0 < before.ms_to_inputs < before.ms_to_first_copy
         hist = src.route_hist[0].copy()
         spy.copied.clear()
         out = run(eng, 300)
@@ -513,6 +515,8 @@ def test_first_layer_guess_copied_before_its_router(tiny, refs, monkeypatch):
     assert sorted(hist[first[0]], reverse=True) == sorted(hist[hist > 0], reverse=True)[:len(first[0])]
     assert _first_layer_at_sync(src)[0] == len(first[0])
     assert last.ahead_read == last.ahead_used + last.eager_copied and last.ahead_used > 0
+    # the prompt's start: the inputs queued, then the first layer's guess copied, both timed from prefill()'s entry
+    assert 0 < last.ms_to_inputs <= last.ms_to_first_copy
     # the host's figures nest: the launches inside the MoE steps, the staging inside the launches
     assert 0 <= last.ms_host_staging <= last.ms_host_launching <= last.ms_host_moe and last.ms_router_sync >= 0
 
