@@ -109,7 +109,23 @@ def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> d
                 bytes_per_block=source.geom.block_bytes)
 
 
-def slab_readers_gbps(slab, up_bytes: int, n_blocks: int | None = None, repeats: int = 3) -> dict:
+GROUP_READ_BLOCKS = (512, 1024, 2048, 4096)     # int32 words a program reads of one group (best of them)
+
+
+def group_addresses(base: int, stride: int, rows: int, down_off: int, group_bytes: int, n_groups: int,
+                    density: float, seed: int = 0):
+    """The slab addresses of down groups as the sparse down reads them: for each of `rows` rows (one block each,
+    `stride` apart from `base`), its groups at offsets down_off + g·group_bytes for a random `density` share of g (at
+    least one), in row order. int64 numpy array."""
+    rng = np.random.default_rng(seed)
+    k = max(1, min(n_groups, round(density * n_groups)))
+    out = [base + r * stride + down_off + np.sort(rng.choice(n_groups, k, replace=False)) * group_bytes
+           for r in range(rows)]
+    return np.concatenate(out).astype(np.int64)
+
+
+def slab_readers_gbps(slab, up_bytes: int, n_blocks: int | None = None, repeats: int = 3, groups: dict | None = None
+                      ) -> dict:
     """The decode's two readers of the engine's own pinned, CUDA-registered slab (every block in it), GB/s:
     - `zero_copy`: the SMs' loads in place, as the fused expert kernel reads the chosen experts (16-byte loads over
       `n_blocks` whole slab rows, best of bench.kernels.common's grids). On the H200 (session 18,
@@ -117,6 +133,11 @@ def slab_readers_gbps(slab, up_bytes: int, n_blocks: int | None = None, repeats:
       for SM reads, not the kernel's;
     - `up_copy`: the copy engine moving one up section per copy through the driver's cuMemcpyAsync, as the staging
       moves the guessed ups (gpu_worker/up_staging.py), into a 64-row device ring on one stream.
+    - `zero_copy_groups` (with `groups`: down_off, group_bytes, n_groups, density): the SMs' loads of the down groups
+      alone, as the sparse down reads them (session 26): each a chunk of `group_bytes` at its place in its block, a
+      random `density` share of each block's groups (the run's own share of groups read), over the slab's rows, one
+      program per piece of a group, best of GROUP_READ_BLOCKS. The issue's "the H2D ceiling with the same chunking":
+      9 KiB pieces with gaps between them are not whole rows.
     A decode floor prices each byte at the rate of the reader that moves it. {} off CUDA."""
     import torch
     if not slab.is_cuda and not slab.is_pinned():
@@ -157,19 +178,41 @@ def slab_readers_gbps(slab, up_bytes: int, n_blocks: int | None = None, repeats:
         if r:
             runs.append(n * up_bytes / (a.elapsed_time(b) / 1e3) / 1e9)
     del ring
-    return dict(zero_copy=max(zc), zero_copy_by_grid=zc, up_copy=max(runs), up_copy_runs=runs, blocks=n,
-                up_bytes=up_bytes, driver=memcpy is not None)
+    out = dict(zero_copy=max(zc), zero_copy_by_grid=zc, up_copy=max(runs), up_copy_runs=runs, blocks=n,
+               up_bytes=up_bytes, driver=memcpy is not None)
+    if groups:
+        from bench.kernels.zero_copy import read_items
+        gb = int(groups["group_bytes"])
+        addrs = torch.from_numpy(group_addresses(slab.data_ptr(), slot, n, int(groups["down_off"]), gb,
+                                                 int(groups["n_groups"]), float(groups["density"]))).to(dev)
+        sink = torch.empty(addrs.numel() * -(-(gb // 4) // min(GROUP_READ_BLOCKS)), dtype=torch.int32, device=dev)
+        by_block = []
+        for block in GROUP_READ_BLOCKS:
+            read_items(addrs, gb, sink, block)                       # compiled outside the timing
+            by_block.append(addrs.numel() * gb / time_graph(lambda i: read_items(addrs, gb, sink, block), 2, repeats)
+                            / 1e9)
+        out.update(zero_copy_groups=max(by_block), zero_copy_groups_by_block=by_block, groups_read=int(addrs.numel()),
+                   group_density=float(groups["density"]))
+    return out
 
 
-def ram_decode_floor_ms(moved: float, copied: float, ceilings: dict, h2d_gbps: float, dense_ms: float = 0.0) -> dict:
-    """A RAM-regime token's floor, ms, two ways, for `moved` bytes that must cross per token of which `copied` crossed
-    by the copy engine (the staged ups the kernels read; the chosen ups' DMA):
+def ram_decode_floor_ms(moved: float, copied: float, ceilings: dict, h2d_gbps: float, dense_ms: float = 0.0,
+                        down: float | None = None) -> dict:
+    """A RAM-regime token's floor, ms, for `moved` bytes that must cross per token of which `copied` crossed by the copy
+    engine (the staged ups the kernels read; the chosen ups' DMA) and `down` are down groups (read by the SMs):
     - `copy_engine`: every byte at the 1 GiB pinned copy's rate (`h2d_gbps`), the floor issue 19 was filed against;
     - `readers`: the copied bytes at the up-section copies' rate, the rest at the SMs' zero-copy rate
-      (`slab_readers_gbps`' two figures): each byte at the ceiling of the reader that moves it.
-    Neither is below the dense part's own floor."""
+      (`slab_readers_gbps`' two figures): each byte at the ceiling of the reader that moves it;
+    - `readers_chunked` (with `down` and the probe's `zero_copy_groups`): as `readers`, but the down groups at the rate
+      the SMs read down groups (9 KiB pieces with gaps) rather than whole rows: each byte at the ceiling of the reader
+      that moves it *in the pieces it moves*, the floor the benches report from session 26 on.
+    None is below the dense part's own floor."""
     out = dict(copy_engine=max(moved / (h2d_gbps * 1e9) * 1e3, dense_ms))
     if ceilings.get("zero_copy") and ceilings.get("up_copy"):
         copied = min(copied, moved)
         out["readers"] = max((copied / ceilings["up_copy"] + (moved - copied) / ceilings["zero_copy"]) / 1e6, dense_ms)
+        if down is not None and ceilings.get("zero_copy_groups"):
+            down = min(max(down, 0.0), moved - copied)
+            out["readers_chunked"] = max((copied / ceilings["up_copy"] + (moved - copied - down) / ceilings["zero_copy"]
+                                          + down / ceilings["zero_copy_groups"]) / 1e6, dense_ms)
     return out

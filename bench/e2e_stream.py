@@ -372,7 +372,14 @@ def main(argv=None):
             if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
                 from bench.ceilings import slab_readers_gbps
                 g = eng.experts.geom
-                res["slab_readers"] = slab_readers_gbps(eng.experts.slab, g.up_scales_off + g.up_scales_bytes)
+                # the down groups as this run's kernels read them: its share of each chosen expert's groups
+                uses = eng.model.config.num_experts_per_tok * len(store.moe_layers)
+                down = down_bytes_per_token(r, uses, eng.experts.up_bytes) if r.get("pcie_bytes_per_token") else 0.0
+                density = down / (uses * g.n_groups * g.group_bytes) if down > 0 else 0.0
+                groups = (dict(down_off=g.down_off, group_bytes=g.group_bytes, n_groups=g.n_groups, density=density)
+                          if 0 < density <= 1 else None)
+                res["slab_readers"] = slab_readers_gbps(eng.experts.slab, g.up_scales_off + g.up_scales_bytes,
+                                                        groups=groups)
             vt = eng.experts.vram
             if vt is not None:    # whether the device routing was on for the layers, as the timed tokens ended
                 r["tier_complete_layers"] = [j for j in range(len(store.moe_layers)) if vt.complete(j)]
@@ -472,11 +479,16 @@ def main(argv=None):
         # (ups staged by the device's kernel for slab-routed layers crossed by the SMs: at the zero-copy rate)
         copied = ((acc.get("ups_staged_used_per_token") or 0.0) - (acc.get("ups_staged_used_by_sms_per_token") or 0.0)
                   + (acc.get("ups_dma_per_token") or 0.0)) * up_b
-        floors = ram_decode_floor_ms(moved, copied, res.get("slab_readers") or {}, h2d, dense_ms)
-        res["ram_floors_ms"] = dict(floors, copied_bytes_per_token=copied, moved_bytes_per_token=moved)
-        floor = floors.get("readers", floors["copy_engine"])
+        down = down_bytes_per_token(r, uses, up_b)
+        floors = ram_decode_floor_ms(moved, copied, res.get("slab_readers") or {}, h2d, dense_ms, down=down)
+        res["ram_floors_ms"] = dict(floors, copied_bytes_per_token=copied, moved_bytes_per_token=moved,
+                                    down_bytes_per_token=down)
+        floor = floors.get("readers_chunked", floors.get("readers", floors["copy_engine"]))
         rows.append(("RAM", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                      moved / 1e6, floor, r["ms_per_token"] / floor if floor else float("nan")))
+        if "readers_chunked" in floors:
+            rows.append(("RAM (vs whole-row reads)", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
+                         moved / 1e6, floors["readers"], r["ms_per_token"] / floors["readers"]))
         if "readers" in floors:
             rows.append(("RAM (vs copy engine)", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"], 0.0,
                          moved / 1e6, floors["copy_engine"], r["ms_per_token"] / floors["copy_engine"]))
@@ -551,8 +563,11 @@ def main(argv=None):
           f" dense floor {dense_ms:.2f} ms/token ({res.get('dense_bytes_per_token', 0) / 1e9:.2f} GB)")
     if res.get("slab_readers"):
         sr, fl = res["slab_readers"], res.get("ram_floors_ms", {})
-        print(f"decode's readers on the slab: SM zero-copy loads {sr['zero_copy']:.1f} GB/s, up-section copies "
-              f"{sr['up_copy']:.1f} GB/s; RAM floor {fl.get('readers', float('nan')):.3f} ms/token with "
+        grp = (f", down groups {sr['zero_copy_groups']:.1f} GB/s ({sr['group_density']:.0%} of each block's groups, "
+               f"{fl.get('down_bytes_per_token', 0) / 1e6:.1f} MB/token)" if sr.get("zero_copy_groups") else "")
+        print(f"decode's readers on the slab: SM zero-copy loads {sr['zero_copy']:.1f} GB/s{grp}, up-section copies "
+              f"{sr['up_copy']:.1f} GB/s; RAM floor {fl.get('readers_chunked', fl.get('readers', float('nan'))):.3f} "
+              f"ms/token with "
               f"{fl.get('copied_bytes_per_token', 0) / 1e6:.1f} of {fl.get('moved_bytes_per_token', 0) / 1e6:.1f} MB "
               f"by the copy engine ({fl.get('copy_engine', float('nan')):.3f} with every byte at the 1 GiB copy's "
               f"rate)")

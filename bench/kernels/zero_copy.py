@@ -12,13 +12,19 @@ from bench.kernels.common import DEV, time_graph
 def _read_kernel(addr_ptr, n_words, out_ptr, n_chunks, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    base = tl.load(addr_ptr + i).to(tl.pointer_type(tl.int32))
+    # 16-byte aligned items (blocks, their sections and groups are): the hint lets the loads be 16 bytes wide, as a
+    # probe of the link must (4-byte loads would price the bytes at a rate no kernel of ours is held to)
+    base = tl.multiple_of(tl.load(addr_ptr + i), 16).to(tl.pointer_type(tl.int32))
     o = c * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(base + o, mask=o < n_words, other=0)
     tl.store(out_ptr + i * n_chunks + c, tl.sum(v, axis=0))
 
 
 def read_items(addrs: torch.Tensor, item_bytes: int, out: torch.Tensor, block: int = 2048):
+    """Each item of `item_bytes` (a multiple of 16) at the 16-byte aligned addresses `addrs` (int64) read in pieces of
+    `block` int32 words, one program each; out[i * pieces + c] = the int32 sum of item i's piece c (wrapping)."""
+    if item_bytes % 16:
+        raise ValueError(f"items of {item_bytes} bytes: a multiple of 16 (the loads are 16 bytes wide)")
     n_words = item_bytes // 4
     n_chunks = triton.cdiv(n_words, block)
     _read_kernel[(addrs.numel(), n_chunks)](addrs, n_words, out, n_chunks, BLOCK=block, num_warps=4)
