@@ -16,6 +16,8 @@ Twin: `expert_layer_torch` = the up twin, the ReLU² mask twin and the sparse-do
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,16 @@ from kernels.sparse_down import sparse_down_torch
 
 
 FUSED_SUBS = (16, 8, 4, 2)     # down (sub-)group sizes the one launch reads
+# session 26: an inactive down group's loads masked off instead of skipped by a branch per group (`DOWN_PREDICATED`),
+# for an A/B of the engine's decode on the GPU (bench.e2e_stream with MOESTREAM_DOWN_PREDICATED=1); not yet measured
+DOWN_PREDICATED_ENV = "MOESTREAM_DOWN_PREDICATED"
+
+
+def down_predicated() -> bool:
+    raw = os.environ.get(DOWN_PREDICATED_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{DOWN_PREDICATED_ENV}={raw!r}: expected 0 or 1")
+    return raw == "1"
 
 
 @triton.jit
@@ -45,6 +57,16 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF: tl.constexpr = 8):
 
 
 @triton.jit
+def _group_of(act, o_r, gi, g, base, down_off, L, o_l, m_l, HALF: tl.constexpr):
+    """Down (sub-)group g of the block at `base` (this program's group gi, its act the row gi of act [NG, SUB]) for
+    the rows o_l where m_l: `_down_group_rows`."""
+    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [SUB]
+    a_even, a_odd = tl.split(tl.reshape(a_g, (HALF, 2)))
+    p_g = base + down_off + g.to(tl.int64) * ((HALF + 1) * L)
+    return _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF)
+
+
+@triton.jit
 def _expert_layer_kernel(
     # tensors
     x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, wait_ptr, flag_ptr,
@@ -54,6 +76,7 @@ def _expert_layer_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
     SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False, SUB: tl.constexpr = 16,
+    DOWN_PREDICATED: tl.constexpr = False,
 ):
     if EXPERT_MAJOR:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
@@ -106,12 +129,13 @@ def _expert_layer_kernel(
             m_l = o_l < L
             b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
             for gi in tl.static_range(NG):
-                if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:     # an all-zero group is never read
-                    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [SUB]
-                    a_even, a_odd = tl.split(tl.reshape(a_g, (HALF, 2)))
-                    g = pid_n * NG + gi
-                    p_g = base + down_off + g.to(tl.int64) * ((HALF + 1) * L)
-                    b_out += _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF)
+                on = tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0
+                if DOWN_PREDICATED:
+                    # (a variant for bench/kernels/moe_layer.py's sweep) no branch: an all-zero group's loads are
+                    # masked off (never read), so the groups' loads need not wait behind a branch each
+                    b_out += _group_of(act, o_r, gi, pid_n * NG + gi, base, down_off, L, o_l, (m_l & on) != 0, HALF)
+                elif on:                                                      # an all-zero group is never read
+                    b_out += _group_of(act, o_r, gi, pid_n * NG + gi, base, down_off, L, o_l, m_l, HALF)
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
@@ -177,7 +201,8 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()), **(config or {})}
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted(), DOWN_PREDICATED=down_predicated()),
+           **(config or {})}
     if cfg["UP_MODE"] not in (4, 8):
         raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")
     if cfg["BLOCK_N"] % GROUP:

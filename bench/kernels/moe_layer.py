@@ -14,7 +14,8 @@ from kernels.testing import rel_err
 
 # run 1 (bench/results/kernels_h200_issue19_run1.json): UP_MODE 8 BLOCK_N 64 best (now the default); BLOCK_N 128
 # 44-67 % (half the programs: too few in flight); UP_MODE 4 (the old up tile) 75-85 %, 10-17 % of HBM from VRAM
-FUSED_SWEEP = [None, dict(BLOCK_N=32), dict(UP_MODE=4)]
+# session 26: DOWN_PREDICATED (an inactive group's loads masked off instead of a branch per group), not yet measured
+FUSED_SWEEP = [None, dict(BLOCK_N=32), dict(UP_MODE=4), dict(DOWN_PREDICATED=True)]
 
 
 def run(ctx) -> list[dict]:
