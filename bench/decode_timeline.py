@@ -136,12 +136,12 @@ def main(argv=None) -> dict:
         logits = eng.step(tok, st)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        greedy_steps(eng, logits, st, a.tokens)          # generate()'s loop (each step begun before the read)
+        toks = greedy_steps(eng, logits, st, a.tokens)   # generate()'s loop (each step begun before the read)
         torch.cuda.synchronize()
         wall_noprof = (time.perf_counter() - t) * 1e3 / a.tokens
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         _ranged_parts(eng)
-        nxt = eng.step(int(logits[-1].argmax()), st)[-1].argmax()
+        nxt = eng.step(toks[-1], st)[-1].argmax()        # the greedy continuation: its last token fed
         with torch.profiler.profile(activities=acts) as prof:
             read = token_reader(nxt)
             eng.step_ahead(nxt, st)
