@@ -23,6 +23,13 @@ from nemotron.checkpoint import Checkpoint
 from nemotron.model import NemotronH
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one, where either may name no index (`torch.device("cuda")`, as the engine is made,
+    against a tensor's `cuda:0`: `!=` says they differ, which kept session 26's first GPU runs from ever beginning a
+    step ahead)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class StreamingEngine:
     def __init__(self, store_dir, *, cache_bytes: int, io_workers: int = 4, device="cpu",
                  dtype=torch.float32, model_dir=None, policy: str = "reuse", verify_checksums: bool = True,
@@ -141,7 +148,8 @@ class StreamingEngine:
         `begin`). Then `step(token, state)` finishes it, or `step_abandon()` drops it (the token was a stop, the
         request was cancelled) and leaves `state` as it was. False where nothing was begun (no graphs, tracing, a
         first MoE layer routed on the device, or `MOESTREAM_DECODE_AHEAD=0`): `step` then runs the whole step."""
-        if self.graphs is None or self.model.tracing or not decode_ahead() or token.device != self.model.device:
+        if (self.graphs is None or self.model.tracing or not decode_ahead()
+                or not same_device(token.device, self.model.device)):
             return False
         with torch.inference_mode():
             return self.graphs.begin(token, state)

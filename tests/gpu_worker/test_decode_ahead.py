@@ -152,3 +152,67 @@ def test_greedy_steps_equal_with_and_without_ahead(model):
     ahead = Ahead(model)
     assert greedy_steps(ahead, la, a, 3) == greedy_steps(model, lb, b, 3)
     assert ahead.begun == 3
+
+
+def test_a_device_without_an_index_is_the_tensors_device():
+    """The engine is made on `cuda`, its tensors live on `cuda:0`: the same device (the twin, `!=`, says they differ,
+    and with it the engine never began a step ahead on a GPU)."""
+    from gpu_worker.engine import same_device
+    cuda, cuda0, cuda1, cpu = (torch.device(d) for d in ("cuda", "cuda:0", "cuda:1", "cpu"))
+    assert same_device(cuda0, cuda) and same_device(cuda, cuda0) and same_device(cuda0, cuda0)
+    assert not same_device(cuda0, cuda1) and not same_device(cpu, cuda) and same_device(cpu, cpu)
+    assert cuda0 != cuda                    # the comparison that was used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's decode graphs: CUDA")
+def test_gpu_the_engine_begins_steps_ahead(synth, tmp_path):
+    """Through StreamingEngine made on "cuda" (as the server and the benches make it): step_ahead begins, and the
+    steps' logits equal those of whole steps (MOESTREAM_DECODE_AHEAD=0)."""
+    from gpu_worker.engine import StreamingEngine
+    from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0, "--pattern", "ME*-E")
+    store = tmp_path / "store"
+    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    outs = {}
+    for ahead in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOESTREAM_DECODE_AHEAD", "1" if ahead else "0")
+            with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2, device="cuda",
+                                 dtype=torch.float32) as eng:
+                st = eng.new_state()
+                logits = eng.forward(PROMPT, st, last_only=True)
+                got, begun = [], []
+                for _ in range(4):
+                    nxt = logits[-1].argmax()
+                    begun.append(eng.step_ahead(nxt, st))
+                    logits = eng.step(int(nxt), st)
+                    got.append(logits.float().cpu())
+                outs[ahead] = (torch.cat(got), begun)
+    assert outs[True][1] == [True] * 4 and not any(outs[False][1])
+    assert torch.allclose(outs[True][0], outs[False][0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
+    """StreamingEngine's own `step_ahead` / `step` / `step_abandon` / `forward` with decode graphs installed (as CUDA
+    does; here eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the knob
+    off begins nothing."""
+    from gpu_worker.engine import StreamingEngine
+    from tools import repack
+    model_dir = synth("tiny", "nvfp4", 0, "--pattern", "ME*-E")
+    store = tmp_path / "store"
+    assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2) as eng:
+        eng.graphs = DecodeGraphs(eng.model)             # what the engine installs on CUDA
+        a, b = eng.new_state(), eng.new_state()
+        la = eng.forward(PROMPT, a, last_only=True)
+        lb = eng.forward(PROMPT, b, last_only=True)
+        t = int(la[-1].argmax())
+        assert eng.step_ahead(la[-1].argmax(), a) and eng.graphs.pending(a)
+        got = eng.step(t, a)
+        want = eng.step(t, b)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+        assert eng.step_ahead(got[-1].argmax(), a)
+        eng.forward([3, 4], b, last_only=True)           # another prompt: the begun step is dropped first
+        assert not eng.graphs.pending(a)
+        monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "0")
+        assert not eng.step_ahead(got[-1].argmax(), a) and not eng.graphs.pending(a)
