@@ -195,12 +195,13 @@ def test_gpu_the_engine_begins_steps_ahead(synth, tmp_path):
 def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
     """StreamingEngine's own `step_ahead` / `step` / `step_abandon` / `forward` with decode graphs installed (as CUDA
     does; here eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the knob
-    off begins nothing."""
+    off (the default until measured) begins nothing."""
     from gpu_worker.engine import StreamingEngine
     from tools import repack
     model_dir = synth("tiny", "nvfp4", 0, "--pattern", "ME*-E")
     store = tmp_path / "store"
     assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
+    monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "1")
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2) as eng:
         eng.graphs = DecodeGraphs(eng.model)             # what the engine installs on CUDA
         a, b = eng.new_state(), eng.new_state()
@@ -214,5 +215,6 @@ def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
         assert eng.step_ahead(got[-1].argmax(), a)
         eng.forward([3, 4], b, last_only=True)           # another prompt: the begun step is dropped first
         assert not eng.graphs.pending(a)
-        monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "0")
-        assert not eng.step_ahead(got[-1].argmax(), a) and not eng.graphs.pending(a)
+        for off in ("0", ""):
+            monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", off)
+            assert not eng.step_ahead(got[-1].argmax(), a) and not eng.graphs.pending(a)
