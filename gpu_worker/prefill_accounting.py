@@ -7,6 +7,7 @@ that is what `prefill_blocks_read <= prefill_distinct_experts + prefill_prefetch
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -122,7 +123,6 @@ class PrefillAccounting:
 
     def since_entry(self) -> float:
         """Host ms since the prompt's `prefill()` was entered (0 where no entry was given)."""
-        import time
         return (time.perf_counter() - self.entered) * 1e3 if self.entered is not None else 0.0
 
     @property
