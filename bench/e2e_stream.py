@@ -145,6 +145,37 @@ def decode_run(eng, prompts, n_tokens, device):
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
+def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device) -> dict:
+    """An A/B of a host-side knob in one engine (session 26: between runs of the same code the H100 hosts moved ±0.4-0.7
+    ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
+    (b) `setting` (KEY=VAL), in alternating order, the same prompts both ways. Returns each side's per-prompt ms/token
+    and their medians, and the paired differences (b − a)."""
+    key, _, val = setting.partition("=")
+    if not key or not val:
+        raise SystemExit(f"--ab-env {setting!r}: expected KEY=VALUE")
+    old = os.environ.get(key)
+    side = {"a": [], "b": []}
+    try:
+        for k in range(rounds):
+            for s in (("a", "b") if k % 2 == 0 else ("b", "a")):
+                if s == "b":
+                    os.environ[key] = val
+                elif old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old
+                side[s].append(decode_run(eng, prompts_of(k), n_tokens, device)["ms_per_token_all"])
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+    a_ms = [x for r in side["a"] for x in r]
+    b_ms = [x for r in side["b"] for x in r]
+    return dict(setting=setting, rounds=rounds, a_ms=a_ms, b_ms=b_ms, a_median=float(np.median(a_ms)),
+                b_median=float(np.median(b_ms)), diffs=[round(y - x, 3) for x, y in zip(a_ms, b_ms)])
+
+
 def down_bytes_per_token(g: dict, uses: int, up_bytes: int) -> float:
     """The down groups the sparse-down kernels read, per token, from a regime's bytes over the bus: less the up
     halves of the experts used and less the staged ups of wrong guesses (moved, but not down groups; only a store of
@@ -263,6 +294,11 @@ def main(argv=None):
                     "same with every layer host-routed (the A/B of the device routing)")
     ap.add_argument("--down-group-neurons", default="",
                     help="comma list of sub-group sizes (16,8,4,2,1): the sub-group table instead of the one store")
+    ap.add_argument("--ab-env", default="",
+                    help="KEY=VAL: after the RAM regime's run, an A/B in its engine, the prompts decoded with and "
+                         "without the setting in turn (paired, --ab-rounds rounds): for knobs read per step on the host "
+                         "(MOESTREAM_DECODE_AHEAD); a knob that a captured graph bakes in needs separate runs")
+    ap.add_argument("--ab-rounds", type=int, default=4)
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
                     "--routing-skew 0.3 --neuron-coherence 0.45\" (instrument-like at Super's shape: 94.5 %% zeros, "
                     "38 %% active 16-groups; bench/NOTES.md)")
@@ -369,6 +405,9 @@ def main(argv=None):
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
             r.update(r0)
+            if name == "ram" and a.ab_env and into is res:
+                res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
+                                         a.device)
             if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
                 from bench.ceilings import slab_readers_gbps
                 g = eng.experts.geom
@@ -571,6 +610,12 @@ def main(argv=None):
               f"{fl.get('copied_bytes_per_token', 0) / 1e6:.1f} of {fl.get('moved_bytes_per_token', 0) / 1e6:.1f} MB "
               f"by the copy engine ({fl.get('copy_engine', float('nan')):.3f} with every byte at the 1 GiB copy's "
               f"rate)")
+    if res.get("ab"):
+        ab = res["ab"]
+        d = ab["diffs"]
+        print(f"A/B in one engine ({ab['setting']} is b; {ab['rounds']} rounds, {len(d)} prompt pairs): a median "
+              f"{ab['a_median']:.3f} ms/token, b median {ab['b_median']:.3f}; b − a per pair: median "
+              f"{float(np.median(d)):+.3f}, b lower in {sum(x < 0 for x in d)} of {len(d)}")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))

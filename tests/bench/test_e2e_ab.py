@@ -1,0 +1,34 @@
+"""bench.e2e_stream's A/B in one engine (`--ab-env`): each round decodes the same prompts without and with the
+setting, in alternating order; the setting is on exactly for the b side and the environment is restored."""
+import os
+
+import pytest
+
+from bench import e2e_stream
+
+
+def test_alternated_pairs_with_the_setting_on_for_b_only(monkeypatch):
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+    calls = []
+
+    def fake_run(eng, prompts, n_tokens, device):
+        on = os.environ.get("MOESTREAM_AB_PROBE") == "1"
+        calls.append((on, prompts))
+        return dict(ms_per_token_all=[p + (9.0 if on else 10.0) for p in prompts])
+    monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
+    ab = e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1", 3, lambda k: [0.1 * k, 0.2 * k], 16, "cpu")
+    assert [on for on, _ in calls] == [False, True, True, False, False, True]     # a b, b a, a b
+    assert [p for _, p in calls[0:2]] == [[0.0, 0.0]] * 2 and calls[2][1] == calls[3][1]   # the same prompts each way
+    assert ab["diffs"] == [-1.0] * 6 and ab["b_median"] == pytest.approx(ab["a_median"] - 1.0)
+    assert "MOESTREAM_AB_PROBE" not in os.environ
+
+
+def test_the_setting_before_the_ab_comes_back(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_AB_PROBE", "7")
+    seen = []
+    monkeypatch.setattr(e2e_stream, "decode_run",
+                        lambda *a: seen.append(os.environ.get("MOESTREAM_AB_PROBE")) or dict(ms_per_token_all=[1.0]))
+    e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1", 2, lambda k: [k], 4, "cpu")
+    assert seen == ["7", "1", "1", "7"] and os.environ["MOESTREAM_AB_PROBE"] == "7"
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE", 2, lambda k: [k], 4, "cpu")
