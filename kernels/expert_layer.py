@@ -31,15 +31,19 @@ from kernels.sparse_down import sparse_down_torch
 
 FUSED_SUBS = (16, 8, 4, 2)     # down (sub-)group sizes the one launch reads
 # session 26: an inactive down group's loads masked off instead of skipped by a branch per group (`DOWN_PREDICATED`),
-# for an A/B of the engine's decode on the GPU (bench.e2e_stream with MOESTREAM_DOWN_PREDICATED=1); not yet measured
+# for an A/B of the engine's decode on the GPU (bench/gpu_session.sh e2e_ab with MOESTREAM_DOWN_PREDICATED=1); not yet
+# measured. Read once at import, as kernels/gemv_nvfp4.py's switches: the decode graphs bake the kernel's constexprs in.
 DOWN_PREDICATED_ENV = "MOESTREAM_DOWN_PREDICATED"
 
 
-def down_predicated() -> bool:
-    raw = os.environ.get(DOWN_PREDICATED_ENV, "0")
+def down_predicated(environ=os.environ) -> bool:
+    raw = environ.get(DOWN_PREDICATED_ENV, "0")
     if raw not in ("0", "1"):
         raise ValueError(f"{DOWN_PREDICATED_ENV}={raw!r}: expected 0 or 1")
     return raw == "1"
+
+
+DOWN_PREDICATED_ON = down_predicated()
 
 
 @triton.jit
@@ -201,7 +205,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted(), DOWN_PREDICATED=down_predicated()),
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted(), DOWN_PREDICATED=DOWN_PREDICATED_ON),
            **(config or {})}
     if cfg["UP_MODE"] not in (4, 8):
         raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")

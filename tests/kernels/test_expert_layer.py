@@ -135,8 +135,8 @@ def test_up_sections_read_apart_from_their_blocks(up_mode, device):
 
 
 def test_the_predicated_variant_by_the_environment(device, monkeypatch):
-    """MOESTREAM_DOWN_PREDICATED=1 takes the variant in the engine's calls (no config), with the same result; a value
-    that is neither 0 nor 1 is named."""
+    """MOESTREAM_DOWN_PREDICATED=1 (read at import) takes the variant in the engine's calls (no config), with the same
+    result; a value that is neither 0 nor 1 is named."""
     from kernels import expert_layer as mod
     geom, blocks, ug, dg, ups, downs, x, w = _inputs(device)
     ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
@@ -151,9 +151,9 @@ def test_the_predicated_variant_by_the_environment(device, monkeypatch):
     real = mod._expert_layer_kernel
     monkeypatch.setattr(mod, "_expert_layer_kernel", Spy())
     for env in ("0", "1"):
-        monkeypatch.setenv("MOESTREAM_DOWN_PREDICATED", env)
+        monkeypatch.setattr(mod, "DOWN_PREDICATED_ON", mod.down_predicated({"MOESTREAM_DOWN_PREDICATED": env}))
         assert_close(expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w), ref, TOL, f"env {env}")
     assert seen == [False, True]
-    monkeypatch.setenv("MOESTREAM_DOWN_PREDICATED", "yes")
+    assert not mod.down_predicated({})
     with pytest.raises(ValueError, match="MOESTREAM_DOWN_PREDICATED"):
-        mod.down_predicated()
+        mod.down_predicated({"MOESTREAM_DOWN_PREDICATED": "yes"})
