@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from gpu_worker.prefill import prefill
-from gpu_worker.sampling import Sampler, SamplingParams
+from gpu_worker.sampling import Sampler, SamplingParams, copy_to_host
 
 
 @dataclass
@@ -76,15 +76,11 @@ def generate(model, prompt_ids: list[int], params: SamplingParams, state=None, p
 def token_reader(token: torch.Tensor):
     """`int(token)` of a device scalar, its copy to the host queued now, before whatever the caller queues next (a
     begun step: `.item()` afterwards would wait for that too). Returns the function that reads it."""
-    if not token.is_cuda:
-        return lambda: int(token)
-    host = torch.empty((), dtype=token.dtype, pin_memory=True)
-    host.copy_(token, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
+    host, ev = copy_to_host(token)
 
     def read() -> int:
-        ev.synchronize()
+        if ev is not None:
+            ev.synchronize()
         return int(host)
     return read
 

@@ -15,7 +15,7 @@ import torch
 # One definition of the sampling fields and their defaults, shared with the launcher (procs.messages).
 from procs.messages import SamplingParams
 
-__all__ = ["Choice", "Sampler", "SamplingParams", "apply_token_bitmask", "reference_choose", "uniforms"]
+__all__ = ["Choice", "Sampler", "SamplingParams", "copy_to_host", "apply_token_bitmask", "reference_choose", "uniforms"]
 _RANDOM_BLOCK = 256           # uniforms drawn (and copied to the device) at a time
 
 
@@ -148,22 +148,30 @@ class Sampler:
             if k:
                 v, ix = lsm.topk(k)
                 parts += [v.double(), ix.double()]
-        packed = torch.cat(parts)
-        ev = None
-        if packed.is_cuda:                       # the one transfer of the step, into pinned memory kept per size
-            if self._out is None or self._out.numel() != packed.numel():
-                self._out = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=True)
-            self._out.copy_(packed, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            packed = self._out
-        return Choice(self, tok, packed, ev, k, logprobs is not None)
+        host, ev = copy_to_host(torch.cat(parts), self._out)     # the one transfer of the step
+        if ev is not None:
+            self._out = host                     # pinned, kept while the size holds
+        return Choice(self, tok, host, ev, k, logprobs is not None)
 
     def step(self, row: torch.Tensor, logprobs: int | None = None):
         return self.choose(row, logprobs).result()
 
     def __call__(self, logits: torch.Tensor) -> int:
         return self.step(logits)[0]
+
+
+def copy_to_host(t: torch.Tensor, into: torch.Tensor | None = None):
+    """(host tensor, event): `t`'s copy into pinned host memory queued now, before whatever the caller queues next, and
+    the event after it (read the host tensor once `event.synchronize()` returned); `into`: a pinned tensor to reuse
+    where its size and dtype match. A CPU tensor is its own host copy (event None)."""
+    if not t.is_cuda:
+        return t, None
+    if into is None or into.shape != t.shape or into.dtype != t.dtype:
+        into = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    into.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return into, ev
 
 
 class Choice:
