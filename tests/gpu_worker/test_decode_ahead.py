@@ -194,7 +194,7 @@ def test_gpu_the_engine_begins_steps_ahead(synth, tmp_path):
 
 def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
     """StreamingEngine's own `step_ahead` / `step` / `step_abandon` / `forward` with decode graphs installed (as CUDA
-    does; here eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the knob
+    does; eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the knob
     off (the default until measured) begins nothing."""
     from gpu_worker.engine import StreamingEngine
     from tools import repack
@@ -202,7 +202,9 @@ def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
     store = tmp_path / "store"
     assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
     monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "1")
-    with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2) as eng:
+    # on a GPU machine the engine runs on CUDA (the fused kernels are forced, and need the device there)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2, device=DEVICES[0],
+                         dtype=torch.float32) as eng:
         eng.graphs = DecodeGraphs(eng.model)             # what the engine installs on CUDA
         a, b = eng.new_state(), eng.new_state()
         la = eng.forward(PROMPT, a, last_only=True)
