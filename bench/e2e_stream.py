@@ -298,7 +298,7 @@ def main(argv=None):
                     help="KEY=VAL: after the RAM regime's run, an A/B in its engine, the prompts decoded with and "
                          "without the setting in turn (paired, --ab-rounds rounds): for knobs read per step on the host "
                          "(MOESTREAM_DECODE_AHEAD); a knob read once at import, or baked into a captured graph "
-                         "(MOESTREAM_DOWN_PREDICATED), needs separate runs (bench/gpu_session.sh e2e_ab)")
+                         "(MOESTREAM_GEMV_FMA), needs separate runs (bench/gpu_session.sh e2e_ab)")
     ap.add_argument("--ab-rounds", type=int, default=4)
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
                     "--routing-skew 0.3 --neuron-coherence 0.45\" (instrument-like at Super's shape: 94.5 %% zeros, "

@@ -147,7 +147,7 @@ class StreamingEngine:
         it: the device runs the step's first stretch during the host's round trip (gpu_worker/decode_graphs.py
         `begin`). Then `step(token, state)` finishes it, or `step_abandon()` drops it (the token was a stop, the
         request was cancelled) and leaves `state` as it was. False where nothing was begun (no graphs, tracing, a
-        first MoE layer routed on the device, or `MOESTREAM_DECODE_AHEAD` not 1: off by default until measured):
+        first MoE layer routed on the device, or `MOESTREAM_DECODE_AHEAD=0`):
         `step` then runs the whole step."""
         if (self.graphs is None or self.model.tracing or not decode_ahead()
                 or not same_device(token.device, self.model.device)):

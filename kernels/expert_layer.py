@@ -16,7 +16,6 @@ Twin: `expert_layer_torch` = the up twin, the ReLU² mask twin and the sparse-do
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -30,20 +29,6 @@ from kernels.sparse_down import sparse_down_torch
 
 
 FUSED_SUBS = (16, 8, 4, 2)     # down (sub-)group sizes the one launch reads
-# session 26: an inactive down group's loads masked off instead of skipped by a branch per group (`DOWN_PREDICATED`),
-# for an A/B of the engine's decode on the GPU (bench/gpu_session.sh e2e_ab with MOESTREAM_DOWN_PREDICATED=1); not yet
-# measured. Read once at import, as kernels/gemv_nvfp4.py's switches: the decode graphs bake the kernel's constexprs in.
-DOWN_PREDICATED_ENV = "MOESTREAM_DOWN_PREDICATED"
-
-
-def down_predicated(environ=os.environ) -> bool:
-    raw = environ.get(DOWN_PREDICATED_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{DOWN_PREDICATED_ENV}={raw!r}: expected 0 or 1")
-    return raw == "1"
-
-
-DOWN_PREDICATED_ON = down_predicated()
 
 
 @triton.jit
@@ -80,7 +65,6 @@ def _expert_layer_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
     SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False, SUB: tl.constexpr = 16,
-    DOWN_PREDICATED: tl.constexpr = False,
 ):
     if EXPERT_MAJOR:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
@@ -133,12 +117,9 @@ def _expert_layer_kernel(
             m_l = o_l < L
             b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
             for gi in tl.static_range(NG):
-                on = tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0
-                if DOWN_PREDICATED:
-                    # (a variant for bench/kernels/moe_layer.py's sweep) no branch: an all-zero group's loads are
-                    # masked off (never read), so the groups' loads need not wait behind a branch each
-                    b_out += _group_of(act, o_r, gi, pid_n * NG + gi, base, down_off, L, o_l, (m_l & on) != 0, HALF)
-                elif on:                                                      # an all-zero group is never read
+                # an all-zero group is never read. (Its loads masked off instead of a branch per group lost: +0.5 ms
+                # a token at 8 MoE layers on the H100, session 27; bench/kernels/moe_layer.py)
+                if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:
                     b_out += _group_of(act, o_r, gi, pid_n * NG + gi, base, down_off, L, o_l, m_l, HALF)
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
@@ -205,7 +186,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted(), DOWN_PREDICATED=DOWN_PREDICATED_ON),
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()),
            **(config or {})}
     if cfg["UP_MODE"] not in (4, 8):
         raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")

@@ -14,8 +14,11 @@ from kernels.testing import rel_err
 
 # run 1 (bench/results/kernels_h200_issue19_run1.json): UP_MODE 8 BLOCK_N 64 best (now the default); BLOCK_N 128
 # 44-67 % (half the programs: too few in flight); UP_MODE 4 (the old up tile) 75-85 %, 10-17 % of HBM from VRAM
-# session 26: DOWN_PREDICATED (an inactive group's loads masked off instead of a branch per group), not yet measured
-FUSED_SWEEP = [None, dict(BLOCK_N=32), dict(UP_MODE=4), dict(DOWN_PREDICATED=True)]
+# session 26-27: DOWN_PREDICATED (an inactive group's loads masked off instead of a branch per group) lost in the
+# engine's decode, A/B'd in separate processes on one H100 (bench/NOTES.md session 27, call 3): 10.524 / 10.580 ms a
+# token with the branch against 11.108 / 11.039 predicated, 8 MoE layers. Removed from kernels/expert_layer.py; the
+# version is 76d7a43's kernels/expert_layer.py (`git show 76d7a43:kernels/expert_layer.py`)
+FUSED_SWEEP = [None, dict(BLOCK_N=32), dict(UP_MODE=4)]
 
 
 def run(ctx) -> list[dict]:

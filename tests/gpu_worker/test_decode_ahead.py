@@ -194,14 +194,14 @@ def test_gpu_the_engine_begins_steps_ahead(synth, tmp_path):
 
 def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
     """StreamingEngine's own `step_ahead` / `step` / `step_abandon` / `forward` with decode graphs installed (as CUDA
-    does; eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the knob
-    off (the default until measured) begins nothing."""
+    does; eager on the CPU): the begun steps' logits equal whole steps; a forward drops a begun step; the default
+    begins steps, the knob at 0 begins nothing."""
     from gpu_worker.engine import StreamingEngine
     from tools import repack
     model_dir = synth("tiny", "nvfp4", 0, "--pattern", "ME*-E")
     store = tmp_path / "store"
     assert repack.main(["--model", str(model_dir), "--out", str(store), "--no-progress"]) == 0
-    monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "1")
+    monkeypatch.delenv("MOESTREAM_DECODE_AHEAD", raising=False)          # the default: on
     # on a GPU machine the engine runs on CUDA (the fused kernels are forced, and need the device there)
     with StreamingEngine(store, model_dir=model_dir, cache_bytes=1 << 30, io_workers=2, device=DEVICES[0],
                          dtype=torch.float32) as eng:
@@ -217,6 +217,9 @@ def test_the_engine_begins_and_finishes_steps(synth, tmp_path, monkeypatch):
         assert eng.step_ahead(got[-1].argmax(), a)
         eng.forward([3, 4], b, last_only=True)           # another prompt: the begun step is dropped first
         assert not eng.graphs.pending(a)
-        for off in ("0", ""):
-            monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", off)
-            assert not eng.step_ahead(got[-1].argmax(), a) and not eng.graphs.pending(a)
+        monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "0")
+        assert not eng.step_ahead(got[-1].argmax(), a) and not eng.graphs.pending(a)
+        monkeypatch.setenv("MOESTREAM_DECODE_AHEAD", "1")
+        assert eng.step_ahead(got[-1].argmax(), a) and eng.graphs.pending(a)
+        eng.step_abandon()
+        assert not eng.graphs.pending(a)

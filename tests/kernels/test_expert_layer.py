@@ -24,10 +24,7 @@ def _inputs(device, k=K, L_=L, I_=80, positive=False):
 
 @pytest.mark.parametrize("shape", [(48, 80, 3, SMALL), (64, 112, 5, dict(BLOCK_N=64, BLOCK_K=64, BLOCK_L=64)),
                                    (32, 48, 1, dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=16)),
-                                   (48, 80, 3, dict(SMALL, UP_MODE=8)), (272, 48, 2, dict(BLOCK_N=16, UP_MODE=8)),
-                                   (48, 80, 3, dict(SMALL, DOWN_PREDICATED=True)),
-                                   (64, 112, 5, dict(BLOCK_N=64, BLOCK_K=64, BLOCK_L=64, UP_MODE=8,
-                                                     DOWN_PREDICATED=True))])
+                                   (48, 80, 3, dict(SMALL, UP_MODE=8)), (272, 48, 2, dict(BLOCK_N=16, UP_MODE=8))])
 def test_fused_layer_matches_twin_and_dense(shape, device):
     L_, I_, k, cfg = shape
     geom, blocks, ug, dg, ups, downs, x, w = _inputs(device, k, L_, I_)
@@ -43,9 +40,7 @@ def _silence(blocks, geom, pairs):
         blocks[j][16 * g * (geom.L // 2): 16 * (g + 1) * (geom.L // 2)] = 0
 
 
-@pytest.mark.parametrize("predicated", [False, True])
-def test_fused_layer_counts_groups_and_skips_inactive_ones(device, predicated):
-    """Also with the down loads predicated instead of branched (DOWN_PREDICATED): an inactive group's loads masked off."""
+def test_fused_layer_counts_groups_and_skips_inactive_ones(device):
     geom, blocks, ug, dg, ups, downs, x, w = _inputs(device)
     _silence(blocks, geom, [(0, 1), (0, 2), (1, 4), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)])   # expert 2: all
     _, mask = relu2_group_mask_torch(expert_up_torch(x, blocks, geom, ug))
@@ -56,7 +51,7 @@ def test_fused_layer_counts_groups_and_skips_inactive_ones(device, predicated):
     o = geom.down_off + g * geom.group_bytes
     blocks[j][o: o + geom.group_bytes] = 0x7F                      # e4m3 NaN in values and scales: must not be read
     counter = torch.full((1,), 7, dtype=torch.int32, device=device)
-    out = expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w, config=dict(SMALL, DOWN_PREDICATED=predicated),
+    out = expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w, config=SMALL,
                        counter=counter)
     assert torch.isfinite(out).all()
     assert_close(out, ref, TOL, "skip")
@@ -132,28 +127,3 @@ def test_up_sections_read_apart_from_their_blocks(up_mode, device):
                                 up_addrs=wrong), ref) > 0.05
     with pytest.raises(ValueError, match="up_addrs must be int64"):
         expert_layer(x, block_addresses(broken, device), geom, ug, dg, w, up_addrs=up[:-1])
-
-
-def test_the_predicated_variant_by_the_environment(device, monkeypatch):
-    """MOESTREAM_DOWN_PREDICATED=1 (read at import) takes the variant in the engine's calls (no config), with the same
-    result; a value that is neither 0 nor 1 is named."""
-    from kernels import expert_layer as mod
-    geom, blocks, ug, dg, ups, downs, x, w = _inputs(device)
-    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
-    seen = []
-
-    class Spy:                                  # the kernel's launch, its constexprs recorded
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["DOWN_PREDICATED"])
-                return real[grid](*a, **kw)
-            return launch
-    real = mod._expert_layer_kernel
-    monkeypatch.setattr(mod, "_expert_layer_kernel", Spy())
-    for env in ("0", "1"):
-        monkeypatch.setattr(mod, "DOWN_PREDICATED_ON", mod.down_predicated({"MOESTREAM_DOWN_PREDICATED": env}))
-        assert_close(expert_layer(x, block_addresses(blocks, device), geom, ug, dg, w), ref, TOL, f"env {env}")
-    assert seen == [False, True]
-    assert not mod.down_predicated({})
-    with pytest.raises(ValueError, match="MOESTREAM_DOWN_PREDICATED"):
-        mod.down_predicated({"MOESTREAM_DOWN_PREDICATED": "yes"})
