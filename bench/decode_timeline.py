@@ -103,21 +103,45 @@ def token_split(events: list[dict], lo: float, hi: float) -> dict:
                 copies_beside_experts=length(intersect(copies, experts), lo, hi), bus_idle=wall - b)
 
 
+def copy_bytes(events: list[dict], lo: float, hi: float) -> float:
+    """The host-to-device copies' bytes inside [lo, hi), a copy that straddles an edge counted by its share of time."""
+    n = 0.0
+    for e in events:
+        if e["kind"] == "copy" and e.get("h2d", True) and e.get("bytes", 0):
+            a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+            if b > a:
+                n += e["bytes"] * (b - a) / max(e["dur"], 1e-9)
+    return n
+
+
 def layer_stretches(events: list[dict], lo: float, hi: float) -> list[dict]:
     """A token [lo, hi) cut at its expert kernels: for each, the stretch before it (from the previous expert kernel's
     end, or the token's start: the dense layers, the router, the host's decision) and the kernel itself, each with the
-    bus's idle time in it and its host-to-device copies; the last entry is the tail after the last expert kernel (the
-    head, the sampled token). µs."""
+    bus's idle time in it and its host-to-device copies (busy µs and bytes); the last entry is the tail after the last
+    expert kernel (the head, the sampled token). `first_copy`: µs from the stretch's start to its first staging copy.
+    µs."""
     ks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                 if e["kind"] == "kernel" and is_expert(e["name"]) and lo <= e["ts"] < hi)
     out, at = [], lo
     for s0, e0 in ks + [(hi, hi)]:
-        d = token_split(events, at, max(s0, at))
+        end = max(s0, at)
+        d = token_split(events, at, end)
         k = token_split(events, s0, min(e0, hi)) if e0 > s0 else None
+        starts = [e["ts"] for e in events if is_staging(e) and e.get("bytes", 0) >= 1 << 16 and at <= e["ts"] < end]
         out.append(dict(before=d["wall"], before_bus_idle=d["bus_idle"], before_copies=d["copies"],
-                        kernel=k["wall"] if k else 0.0, kernel_copies=k["copies"] if k else 0.0))
+                        before_copy_bytes=copy_bytes(events, at, end),
+                        first_copy=(min(starts) - at) if starts else end - at,
+                        kernel=k["wall"] if k else 0.0, kernel_copies=k["copies"] if k else 0.0,
+                        kernel_copy_bytes=copy_bytes(events, s0, min(e0, hi)) if k else 0.0))
         at = max(at, min(e0, hi))
     return out
+
+
+def raw_token(events: list[dict], lo: float, hi: float) -> list[list]:
+    """One token's device events, [kind, name (48 characters), µs from the token's start, µs long, bytes], in order:
+    the copies' sizes and gaps that the split above sums away."""
+    return [[e["kind"], e["name"][:48], round(e["ts"] - lo, 2), round(e["dur"], 2), e.get("bytes", 0)]
+            for e in sorted(events, key=lambda e: e["ts"]) if lo <= e["ts"] < hi]
 
 
 def mean_split(rows: list[dict]) -> dict:
@@ -179,8 +203,10 @@ def main(argv=None) -> dict:
     top = sorted(([n, c / max(len(rows), 1), us / max(len(rows), 1)] for n, (c, us) in names.items()),
                  key=lambda r: -r[2])[:15]
     host = host_us_per_token(trace, tokens)
+    mid = sorted(range(len(rows)), key=lambda i: rows[i]["wall"])[len(rows) // 2] if rows else None
     res = dict(moe_layers=len(store.moe_layers), tokens=len(rows), wall_ms_noprof=wall_noprof,
-               mean_us=mean, per_token=rows, by_layer_us=by_layer, kernels_per_token_top=top, host_us_per_token=host)
+               mean_us=mean, per_token=rows, by_layer_us=by_layer, kernels_per_token_top=top, host_us_per_token=host,
+               raw_median_token=raw_token(events, *tokens[mid]) if mid is not None else [])
     Path(a.out).write_text(json.dumps(res, indent=1))
     ms = lambda us: f"{us / 1e3:.3f}"      # noqa: E731
     print(f"decode, RAM regime, {len(store.moe_layers)} MoE layers: {wall_noprof:.3f} ms/token without the profiler, "
@@ -190,12 +216,15 @@ def main(argv=None) -> dict:
     print(" | ".join([""] + [ms(mean.get(k, 0)) for k in ("wall",) + KINDS + ("expert_kernels",)])
           + f" | {ms(mean.get('copies', 0))} ({ms(mean.get('copies_beside_experts', 0))}) | "
           f"{ms(mean.get('bus_idle', 0))}")
-    print("by MoE layer, ms a token | stretch before its experts | bus idle in it | copies in it | expert kernel | "
-          "copies beside it")
+    print("by MoE layer, ms a token | stretch before its experts | bus idle in it | copies in it (MB, GB/s busy, "
+          "first after) | expert kernel | copies beside it (MB, GB/s busy)")
+    rate = lambda b, us: f"{b / max(us, 1e-9) / 1e3:.1f}"      # noqa: E731
     for i, r in enumerate(by_layer):
         name = f"MoE {i}" if i < len(by_layer) - 1 else "tail (head, sampling)"
-        print(f"  {name} | " + " | ".join(ms(r[k]) for k in ("before", "before_bus_idle", "before_copies", "kernel",
-                                                             "kernel_copies")))
+        print(f"  {name} | {ms(r['before'])} | {ms(r['before_bus_idle'])} | {ms(r['before_copies'])} "
+              f"({r['before_copy_bytes'] / 1e6:.1f}, {rate(r['before_copy_bytes'], r['before_copies'])}, "
+              f"{ms(r['first_copy'])}) | {ms(r['kernel'])} | {ms(r['kernel_copies'])} "
+              f"({r['kernel_copy_bytes'] / 1e6:.1f}, {rate(r['kernel_copy_bytes'], r['kernel_copies'])})")
     print("host µs a token (profiled): " + ", ".join(f"{n} {us:.0f}" for n, us in host.items()))
     print("kernels a token, by device time (name | launches | µs):")
     for n, c, us in top:

@@ -3,7 +3,7 @@
 #   STEPS="prefill_deep vision check e2e profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
-#   E2E_AB_ENV / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with the env),
+#   E2E_AB_ENV / E2E_AB_ENV_C / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with E2E_AB_ENV, c* with E2E_AB_ENV_C),
 #   PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
 set -uo pipefail
@@ -175,11 +175,12 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       timeout 170 python3 -m bench.kernels.gemv_fma_sweep --budget-s 140 --out "$OUT/gemv_route.json" > "$OUT/gemv_route.log" 2>&1
       grep -E "^read|BAD|FAILED|WRONG" "$OUT/gemv_route.log" | head -8; tail -44 "$OUT/gemv_route.log";;
     # session 13: the RAM regime's decode A/B in one call, alternated (A B A B): E2E_AB_ENV="KEY=VALUE" is B
+    # runs named a* take the defaults, b* E2E_AB_ENV, c* E2E_AB_ENV_C (a third arm, session 27)
     e2e_ab) for r in ${E2E_AB_ORDER:-a b a2 b2}; do [ $(( $(date +%s) - T0 )) -ge ${DEADLINE:-999999} ] && break
-           env $( [ "${r:0:1}" = b ] && echo ${E2E_AB_ENV:-MOESTREAM_GEMV_FMA=0} ) \
-             timeout ${E2E_TIMEOUT:-90} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
+           case ${r:0:1} in b) ENVS=${E2E_AB_ENV:-MOESTREAM_GEMV_FMA=0};; c) ENVS=${E2E_AB_ENV_C:?};; *) ENVS=;; esac
+           env $ENVS timeout ${E2E_TIMEOUT:-90} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
              --skip disk,prefill,vram ${E2E_ARGS:-} --out "$OUT/e2e_$r.json" > "$OUT/e2e_$r.log" 2>&1
-           echo "$r $( [ "${r:0:1}" = b ] && echo "${E2E_AB_ENV:-MOESTREAM_GEMV_FMA=0}" || echo default): $(grep -E '^RAM \|' "$OUT/e2e_$r.log")"; done;;
+           echo "$r ${ENVS:-default}: $(grep -E '^RAM \|' "$OUT/e2e_$r.log")"; done;;
     subcheck) timeout 120 python3 -m bench.kernels.subgroup_check > "$OUT/subgroup_check.log" 2>&1; tail -12 "$OUT/subgroup_check.log";;
     omni) timeout 200 python3 tests/server/gpu_omni_smoke.py > "$OUT/omni.log" 2>&1; tail -4 "$OUT/omni.log";;
     # session 7's switches, each off by default until one of these runs measures it (bench/NOTES.md, h26-h28):

@@ -9,8 +9,8 @@ def k(name, ts, dur):
     return dict(kind="kernel", name=name, ts=ts, dur=dur)
 
 
-def c(ts, dur, h2d=True):
-    return dict(kind="copy", name="Memcpy HtoD" if h2d else "Memcpy DtoD", ts=ts, dur=dur, h2d=h2d)
+def c(ts, dur, h2d=True, nbytes=0):
+    return dict(kind="copy", name="Memcpy HtoD" if h2d else "Memcpy DtoD", ts=ts, dur=dur, h2d=h2d, bytes=nbytes)
 
 
 def test_a_token_cut_by_what_ran():
@@ -50,6 +50,24 @@ def test_a_token_cut_at_its_expert_kernels():
     assert st[1]["before"] == 20 and st[1]["before_copies"] == 5 and st[1]["before_bus_idle"] == 15
     assert st[2]["before"] == 10 and st[2]["kernel"] == 0 and st[2]["before_bus_idle"] == 10
     assert sum(x["before"] + x["kernel"] for x in st) == pytest.approx(100)
+
+
+def test_the_stretches_copy_bytes_and_first_copy():
+    """Each stretch's and kernel's host-to-device bytes (a copy straddling the kernel's start split by its share of
+    time) and how long after the stretch's start its first staging copy began; a device-to-device copy and an 8-byte
+    flag copy are not the staging (twin: the same events with the big copy made device-to-device)."""
+    from bench.decode_timeline import layer_stretches, raw_token
+    ev = [k("gemv", 0, 20), c(4, 2, nbytes=8), c(12, 24, nbytes=2_400_000), k("_expert_layer_kernel", 30, 20),
+          c(40, 10, h2d=False, nbytes=1 << 20), k("_expert_layer_kernel", 70, 20)]
+    st = layer_stretches(ev, 0, 100)
+    assert st[0]["before_copy_bytes"] == pytest.approx(8 + 1_800_000)      # 18 of the copy's 24 µs before 30
+    assert st[0]["kernel_copy_bytes"] == pytest.approx(600_000)
+    assert st[0]["first_copy"] == 12 and st[1]["before_copy_bytes"] == 0 and st[1]["first_copy"] == 20
+    twin = [dict(e, h2d=False) if e.get("bytes") == 2_400_000 else e for e in ev]
+    tw = layer_stretches(twin, 0, 100)
+    assert tw[0]["before_copy_bytes"] == 8 and tw[0]["first_copy"] == 30      # the flag copy is not a first copy
+    raw = raw_token(ev, 10, 60)
+    assert [r[2] for r in raw] == [2, 20, 30] and raw[0][4] == 2_400_000
 
 
 def test_the_cut_ignores_kernels_outside_the_token():
