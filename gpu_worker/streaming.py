@@ -21,7 +21,8 @@ import torch
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
-from gpu_worker.up_dma import ChosenUpDMA, dma_limit_from_env, stage_extra_from_env, stage_min_precision_from_env
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_batch_from_env, stage_extra_from_env,
+                               stage_flag_from_env, stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
@@ -178,6 +179,8 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         # default: RAM regime 5.99 -> 5.71 ms/token on the H200, session 8 (6: 5.73); MOESTREAM_STAGE_EXTRA=0 is off
         self.stage_extra = stage_extra_from_env()
         self.stage_min_precision = stage_min_precision_from_env()     # 0.5 (bench/NOTES.md session 18, call 6)
+        self.stage_batch = stage_batch_from_env()       # staged ups per flag, 2
+        self.stage_flag = stage_flag_from_env()         # a batch's flag by the copy engine or a stream write
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
@@ -431,6 +434,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         ups = UpStaging(n, self._up_span, self.device)
         ups.extra = self.stage_extra if self._stage_nowait() and (ups.by_address or not self._cuda) else 0
         ups.min_precision = self.stage_min_precision
+        ups.batch, ups.flag_write = self.stage_batch, self.stage_flag
         return ups
 
     # ------------------------------------------------------------------ device routing (gpu_worker/decode_graphs.py)

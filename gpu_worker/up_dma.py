@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from gpu_worker.knobs import env_count_or_off
+from gpu_worker.knobs import env_count, env_count_or_off
 from gpu_worker.up_staging import SLOT_ALIGN, driver_memcpy_async
 
 EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
@@ -48,6 +48,20 @@ def stage_extra_from_env() -> int:
     """MOESTREAM_STAGE_EXTRA: guessed ups staged beyond the adapted limit, non-blocking (gpu_worker/up_staging.py);
     3 by default (measured, bench/NOTES.md "Session 8"), 0: off."""
     return env_count_or_off("MOESTREAM_STAGE_EXTRA", 3, "guessed ups per layer")
+
+
+def stage_batch_from_env() -> int:
+    """MOESTREAM_STAGE_BATCH: staged ups per flag in non-blocking staging (gpu_worker/up_staging.py); 2 by default."""
+    return env_count("MOESTREAM_STAGE_BATCH", 2, "staged ups per flag")
+
+
+def stage_flag_from_env() -> str:
+    """MOESTREAM_STAGE_FLAG: how a staged batch's flag is set, "copy" (the copy engine, the default) or "write" (a
+    stream memory write, gpu_worker/up_staging.py `flag_write`)."""
+    v = os.environ.get("MOESTREAM_STAGE_FLAG", "") or "copy"
+    if v not in ("copy", "write"):
+        raise ValueError(f"MOESTREAM_STAGE_FLAG={v!r}: expected copy or write")
+    return v
 
 
 def stage_min_precision_from_env() -> float:

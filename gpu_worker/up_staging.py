@@ -49,6 +49,7 @@ FLAG_ROOM = 512     # a top-k up to n_slots + this (the kernel's give-up counter
 SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 PRECISION_SAMPLES = 32      # copies of a rank before its share read gates the extras (`min_precision`)
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
+_WRITE = []         # [cuStreamWriteValue64 or None], loaded once
 
 
 def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
@@ -69,6 +70,26 @@ def driver_memcpy_async():
         except (OSError, AttributeError):
             _DRIVER.append(None)
     return _DRIVER[0]
+
+
+def driver_write_value64():
+    """libcuda's cuStreamWriteValue64(stream, device address, value, flags) (the `_v2` entry point where the driver has
+    it), or None where it cannot be loaded. A stream memory operation: the stream's front end writes the value once
+    the work before it on the stream is done, with a memory fence before the write (flags 0), no copy engine."""
+    if not _WRITE:
+        f = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name in ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"):
+                f = getattr(lib, name, None)
+                if f is not None:
+                    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+                    f.restype = ctypes.c_int
+                    break
+        except OSError:
+            f = None
+        _WRITE.append(f)
+    return _WRITE[0]
 
 
 class UpStaging:
@@ -104,6 +125,13 @@ class UpStaging:
         # top-k, >= n_slots: the guess may be filtered): the room past the slots is for that count alone.
         self.extra = 0
         self.batch = 2
+        # how a batch's flag gets its epoch (`flag_write`): "copy", an 8-byte copy by the copy engine after the
+        # batch's copies; "write", a stream memory write (cuStreamWriteValue64) after them. Session 27's decode
+        # timeline (H100): each flag copy left the bus idle ~15 µs (the ups' copies before and after it 6-9 µs
+        # apart, against ~1 µs between two ups), ~0.04 ms of each MoE layer's stretch; the engine sets it
+        # (MOESTREAM_STAGE_FLAG)
+        self.flag_write = "copy"
+        self._write = None                   # cuStreamWriteValue64, loaded at the first "write"
         # the extras stop at the first rank read less than this share of its copies (0: off; `how_many`; the
         # engine sets MOESTREAM_STAGE_MIN_PRECISION's, 0.5 by default)
         self.min_precision = 0.0
@@ -235,7 +263,16 @@ class UpStaging:
         e = self.epoch
         for i in range(lo, hi):
             self._wait_slot[i] = (e, lo)
-        if self.cuda:
+        if self.cuda and self.flag_write == "write":
+            if self._write is None:
+                self._write = driver_write_value64()
+                if self._write is None:
+                    raise RuntimeError("MOESTREAM_STAGE_FLAG=write needs libcuda's cuStreamWriteValue64")
+            rc = self._write(self.stream.cuda_stream, self.flags[lo].data_ptr(), e, 0)
+            if rc:
+                raise RuntimeError(f"cuStreamWriteValue64 of a staged batch's flag failed: CUDA error {rc} "
+                                   "(MOESTREAM_STAGE_FLAG=copy takes the copy engine instead)")
+        elif self.cuda:
             slot = e % EPOCHS
             self._epochs_np[slot] = e
             rc = self._memcpy(self.flags[lo].data_ptr(), self._epochs[slot].data_ptr(), 8, self.stream.cuda_stream)

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
 from expert_cases import TOL, experts  # noqa: E402
 
-from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_extra_from_env,  # noqa: E402
-                               stage_min_precision_from_env)
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_batch_from_env,  # noqa: E402
+                               stage_extra_from_env, stage_flag_from_env, stage_min_precision_from_env)
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
@@ -142,6 +142,22 @@ def test_stage_min_precision_from_env(monkeypatch):
             stage_min_precision_from_env()
 
 
+def test_stage_batch_and_flag_from_env(monkeypatch):
+    """Staged ups per flag (2 by default, at least 1) and how the flag is set ("copy" by default, or "write"); bad
+    values are named."""
+    for name in ("MOESTREAM_STAGE_BATCH", "MOESTREAM_STAGE_FLAG"):
+        monkeypatch.delenv(name, raising=False)
+    assert stage_batch_from_env() == 2 and stage_flag_from_env() == "copy"
+    monkeypatch.setenv("MOESTREAM_STAGE_BATCH", "1")
+    monkeypatch.setenv("MOESTREAM_STAGE_FLAG", "write")
+    assert stage_batch_from_env() == 1 and stage_flag_from_env() == "write"
+    for name, bad in (("MOESTREAM_STAGE_BATCH", "0"), ("MOESTREAM_STAGE_BATCH", "two"), ("MOESTREAM_STAGE_FLAG", "dma")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            stage_batch_from_env() if name.endswith("BATCH") else stage_flag_from_env()
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize("gate", [0.5, 0.0])
 def test_extras_stop_at_the_first_rank_seldom_read(gate):
     """With a minimum precision the extras beyond a layer's limit run on only through ranks read at least that share
@@ -196,6 +212,54 @@ def test_gpu_kernel_waits_for_copies_still_running(waits):
         assert_close(out, ref, TOL, "kernel waited for its ups")
     else:
         assert rel_err(out, ref) > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
+@pytest.mark.parametrize("flag", ["copy", "write", "never"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_staged_ups_flagged_by_copy_or_stream_write(flag, batch):
+    """UpStaging in non-blocking mode, its copies held back behind a busy staging stream while the kernel is queued on
+    the compute stream with `take`'s waits: with the flags set by the copy engine or by a stream memory write
+    (cuStreamWriteValue64) the kernel waits and gives the twin's result. Must-fail twin ("never": the flags' setting
+    dropped): the kernel's programs give up waiting (counted) and read the staging buffer's stale bytes."""
+    from gpu_worker.up_staging import UpStaging
+    geom, blocks, ug, dg, x, w = _case(k=6, L=64, I=112)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    k = len(blocks)
+    pinned = [b.cpu().pin_memory() for b in blocks]
+    broken = [b.clone() for b in blocks]
+    for b in broken:
+        b[: geom.down_off] = 0x77                 # the ups the kernel must not read from the blocks
+    addrs = block_addresses(broken, DEVICE)
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=64, SPIN_LIMIT=1 << 22)
+    ups = UpStaging(k, geom.down_off, DEVICE)
+    ups.extra, ups.batch, ups.flag_write = 3, batch, "copy" if flag == "never" else flag
+    if flag == "never":
+        ups._signal = lambda lo, hi: [ups._wait_slot.__setitem__(i, (ups.epoch + 1, lo)) for i in range(lo, hi)]
+    ups.buf.fill_(0x33)
+    staged = [0, 2, 3, 5]
+    cfg_run = cfg if flag != "never" else dict(cfg, SPIN_LIMIT=64)
+    expert_layer(x, addrs, geom, ug, dg, w, config=cfg_run,          # compiled first (nothing to wait for)
+                 up_addrs=addrs, up_ready=(_waits([0] * k, [0] * k, list(range(k))), ups.flags))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(ups.stream):
+        torch.cuda._sleep(40_000_000)
+    ups.stage(1, staged, [pinned[p].data_ptr() for p in staged], [])
+    got = ups.take(1, list(range(k)), blocking=False)
+    assert sorted(got) == staged
+    want = [ups.wait_of[p][0] if p in got else 0 for p in range(k)]
+    fl = [ups.wait_of[p][1] if p in got else 0 for p in range(k)]
+    up = torch.tensor([got.get(p, addrs[p].item()) for p in range(k)], dtype=torch.int64, device=DEVICE)
+    out = expert_layer(x, addrs, geom, ug, dg, w, config=cfg_run, up_addrs=up,
+                       up_ready=(_waits(want, fl, list(range(k))), ups.flags))
+    done = ups.stream.query()
+    torch.cuda.synchronize()
+    assert not done, "the copies had finished before the kernel: the test shows nothing"
+    if flag == "never":
+        assert ups.gave_up() > 0 and rel_err(out, ref) > 0.05
+    else:
+        assert ups.gave_up() == 0
+        assert_close(out, ref, TOL, f"staged ups flagged by {flag}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine against a running kernel: CUDA")
