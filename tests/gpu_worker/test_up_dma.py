@@ -227,9 +227,10 @@ def test_gpu_staged_ups_flagged_by_copy_or_stream_write(flag, batch):
     ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
     k = len(blocks)
     pinned = [b.cpu().pin_memory() for b in blocks]
+    staged = [0, 2, 3, 5]
     broken = [b.clone() for b in blocks]
-    for b in broken:
-        b[: geom.down_off] = 0x77                 # the ups the kernel must not read from the blocks
+    for p in staged:
+        broken[p][: geom.down_off] = 0x77         # the staged experts' ups must come from the staging buffer
     addrs = block_addresses(broken, DEVICE)
     cfg = dict(BLOCK_N=16, BLOCK_K=32, BLOCK_L=64, SPIN_LIMIT=1 << 22)
     ups = UpStaging(k, geom.down_off, DEVICE)
@@ -237,7 +238,6 @@ def test_gpu_staged_ups_flagged_by_copy_or_stream_write(flag, batch):
     if flag == "never":
         ups._signal = lambda lo, hi: [ups._wait_slot.__setitem__(i, (ups.epoch + 1, lo)) for i in range(lo, hi)]
     ups.buf.fill_(0x33)
-    staged = [0, 2, 3, 5]
     cfg_run = cfg if flag != "never" else dict(cfg, SPIN_LIMIT=64)
     expert_layer(x, addrs, geom, ug, dg, w, config=cfg_run,          # compiled first (nothing to wait for)
                  up_addrs=addrs, up_ready=(_waits([0] * k, [0] * k, list(range(k))), ups.flags))
