@@ -56,9 +56,10 @@ def stage_batch_from_env() -> int:
 
 
 def stage_flag_from_env() -> str:
-    """MOESTREAM_STAGE_FLAG: how a staged batch's flag is set, "copy" (the copy engine, the default) or "write" (a
-    stream memory write, gpu_worker/up_staging.py `flag_write`)."""
-    v = os.environ.get("MOESTREAM_STAGE_FLAG", "") or "copy"
+    """MOESTREAM_STAGE_FLAG: how a staged batch's flag is set, "write" (a stream memory write, the default since
+    session 27's H100 A/B: −0.09 ms a token at 8 MoE layers, bench/NOTES.md) or "copy" (an 8-byte copy by the copy
+    engine), gpu_worker/up_staging.py `flag_write`."""
+    v = os.environ.get("MOESTREAM_STAGE_FLAG", "") or "write"
     if v not in ("copy", "write"):
         raise ValueError(f"MOESTREAM_STAGE_FLAG={v!r}: expected copy or write")
     return v

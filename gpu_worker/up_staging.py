@@ -28,8 +28,8 @@ pinned until the copies are known to be done, so the cache cannot hand them to a
 On the CPU (tests, bench.host_bookkeeping) the copies are synchronous (a memmove per section) and nothing waits.
 
 Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, 3 by default since session 8's H200 run): `extra` more
-guesses than the limit, each batch of copies followed by an 8-byte copy of a fresh epoch into the batch's flag
-(gpu_worker/up_dma.py's mechanism), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs
+guesses than the limit, each batch of copies followed by a fresh epoch written into the batch's flag (a stream
+memory write by default, or an 8-byte copy as gpu_worker/up_dma.py's mechanism: `flag_write`), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs
 of each staged expert wait for its flag (kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch
 delay only their own experts, not the layer. The limit is judged on the first `limit` copies (an event after them),
 as in blocking mode.
@@ -127,9 +127,10 @@ class UpStaging:
         self.batch = 2
         # how a batch's flag gets its epoch (`flag_write`): "copy", an 8-byte copy by the copy engine after the
         # batch's copies; "write", a stream memory write (cuStreamWriteValue64) after them. Session 27's decode
-        # timeline (H100): each flag copy left the bus idle ~15 µs (the ups' copies before and after it 6-9 µs
-        # apart, against ~1 µs between two ups), ~0.04 ms of each MoE layer's stretch; the engine sets it
-        # (MOESTREAM_STAGE_FLAG)
+        # timeline (H100): each flag copy stalled the copy stream ~15 µs (the ups' copies before and after it 6-9 µs
+        # apart, against ~1 µs between two ups); with the write, ~3 µs between copies and more ups staged in each
+        # stretch, −0.09 ms a token. The engine sets it (MOESTREAM_STAGE_FLAG, "write" by default); "copy" here
+        # for a staging made without the engine
         self.flag_write = "copy"
         self._write = None                   # cuStreamWriteValue64, loaded at the first "write"
         # the extras stop at the first rank read less than this share of its copies (0: off; `how_many`; the

@@ -143,14 +143,14 @@ def test_stage_min_precision_from_env(monkeypatch):
 
 
 def test_stage_batch_and_flag_from_env(monkeypatch):
-    """Staged ups per flag (2 by default, at least 1) and how the flag is set ("copy" by default, or "write"); bad
+    """Staged ups per flag (2 by default, at least 1) and how the flag is set ("write" by default, or "copy"); bad
     values are named."""
     for name in ("MOESTREAM_STAGE_BATCH", "MOESTREAM_STAGE_FLAG"):
         monkeypatch.delenv(name, raising=False)
-    assert stage_batch_from_env() == 2 and stage_flag_from_env() == "copy"
+    assert stage_batch_from_env() == 2 and stage_flag_from_env() == "write"
     monkeypatch.setenv("MOESTREAM_STAGE_BATCH", "1")
-    monkeypatch.setenv("MOESTREAM_STAGE_FLAG", "write")
-    assert stage_batch_from_env() == 1 and stage_flag_from_env() == "write"
+    monkeypatch.setenv("MOESTREAM_STAGE_FLAG", "copy")
+    assert stage_batch_from_env() == 1 and stage_flag_from_env() == "copy"
     for name, bad in (("MOESTREAM_STAGE_BATCH", "0"), ("MOESTREAM_STAGE_BATCH", "two"), ("MOESTREAM_STAGE_FLAG", "dma")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
