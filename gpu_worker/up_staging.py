@@ -29,9 +29,10 @@ On the CPU (tests, bench.host_bookkeeping) the copies are synchronous (a memmove
 
 Non-blocking mode (`extra` > 0; `MOESTREAM_STAGE_EXTRA`, 3 by default since session 8's H200 run): `extra` more
 guesses than the limit, each batch of copies followed by a fresh epoch written into the batch's flag (a stream
-memory write by default, or an 8-byte copy as gpu_worker/up_dma.py's mechanism: `flag_write`), and `take(blocking=False)` leaves the compute stream alone: the kernel's programs
-of each staged expert wait for its flag (kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch
-delay only their own experts, not the layer. The limit is judged on the first `limit` copies (an event after them),
+memory write by default, or an 8-byte copy as gpu_worker/up_dma.py's mechanism: `flag_write`), and
+`take(blocking=False)` leaves the compute stream alone: the kernel's programs of each staged expert wait for its flag
+(kernels/expert_layer.py `up_ready`), so copies that overrun the dense stretch delay only their own experts, not the
+layer. The limit is judged on the first `limit` copies (an event after them),
 as in blocking mode.
 """
 from __future__ import annotations

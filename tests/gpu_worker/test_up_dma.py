@@ -151,7 +151,8 @@ def test_stage_batch_and_flag_from_env(monkeypatch):
     monkeypatch.setenv("MOESTREAM_STAGE_BATCH", "1")
     monkeypatch.setenv("MOESTREAM_STAGE_FLAG", "copy")
     assert stage_batch_from_env() == 1 and stage_flag_from_env() == "copy"
-    for name, bad in (("MOESTREAM_STAGE_BATCH", "0"), ("MOESTREAM_STAGE_BATCH", "two"), ("MOESTREAM_STAGE_FLAG", "dma")):
+    for name, bad in (("MOESTREAM_STAGE_BATCH", "0"), ("MOESTREAM_STAGE_BATCH", "two"),
+                      ("MOESTREAM_STAGE_FLAG", "dma")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             stage_batch_from_env() if name.endswith("BATCH") else stage_flag_from_env()
