@@ -488,6 +488,8 @@ def main(argv=None):
                                    seed=1)
         res["disk_ceiling_after"] = again
         res["odirect_gbps"] = max(res["odirect_gbps"], again["gbps"])
+    if not a.vram_gb and "vram" not in skip:     # (session 27's last call meant to run it and did not)
+        print("vram regime: not run (it needs --vram-gb, the device budget its experts are admitted into)")
     if a.vram_gb and "vram" not in skip:
         regime("vram", int(all_bytes * 1.02) + (8 << 20), 1, vram_bytes=int(a.vram_gb * 2**30), vram_admit_after=1)
     if a.vram_gb and "vram" not in skip and "vram_host" not in skip:
