@@ -66,6 +66,8 @@ def test_past_the_budget_the_supervisor_gives_up_and_waits_fail_at_once(sup_of):
     os.kill(sup.workers[0].pid, signal.SIGKILL)                  # the fourth death within the window
     wait_until(lambda: sup.failed is not None, 10, "the supervisor to give up")
     assert "io worker 0 died again" in sup.failed and "3 restarts in 60 s" in sup.failed, sup.failed
+    # (the monitor thread sets `failed` before it calls `on_failure`: wait for the call, not only the flag)
+    wait_until(lambda: told, 10, "the owner to be told")
     assert told == [sup.failed]
     t0 = time.monotonic()
     with pytest.raises(CacheUnavailable, match="cannot be kept alive"):
