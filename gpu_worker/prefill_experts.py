@@ -31,9 +31,9 @@ from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN_BLOCKS,
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
-                                      PREFILL_SLOT_MARGIN, ahead_early, ahead_layers, ahead_min_guess, first_guess,
-                                      first_guess_expected, launch_chunk, launch_limits, prefill_batch_bytes,
-                                      prefill_eager)
+                                      PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
+                                      first_guess, first_guess_expected, launch_chunk, launch_limits,
+                                      prefill_batch_bytes, prefill_eager)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.launch_tables import device_table
@@ -235,8 +235,8 @@ class PrefillExperts:
         # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
         # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
         # launch reading its blocks copied ahead from their slots and staging the others through the ring
-        # (the flow: those copied ahead before the sync first, then the ones copied at it; each launch frees its
-        # slots for the next layer's copies)
+        # (the flow, and MOESTREAM_PREFILL_AHEAD_FIRST=1: those copied ahead before the sync first, then the others;
+        # the flow's launches free their slots for the next layer's copies)
         def launch(batch):
             self._prefill_batch(lay, batch, seg, rows, acc, ahead)
             if later:                    # (the bookkeeping, after the first launch)
@@ -246,7 +246,8 @@ class PrefillExperts:
 
         batch: list[tuple[int, int]] = []
         n_rows = 0
-        for e, s in (launch_order(hits, ahead_before) if started is not None else hits.items()):
+        ordered = started is not None or (ahead_first() and bool(ahead_before))
+        for e, s in (launch_order(hits, ahead_before) if ordered else hits.items()):
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
                 launch(batch)
                 batch, n_rows = [], 0

@@ -102,6 +102,19 @@ def prefill_eager() -> bool:
     return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
 
 
+def ahead_first() -> bool:
+    """MOESTREAM_PREFILL_AHEAD_FIRST (read per layer; off by default until a GPU run measures it, 1: on): a layer's
+    experts whose blocks were copied ahead launch first, in expert order, then those staged through the ring (as the
+    flow orders them, gpu_worker/ahead_flow.py `launch_order`). Session 25's raw 16k timeline (bench/NOTES.md "What
+    next (session 27)"): MoE 0's first kernel waited ~8 ms past its router's sync, because its first launch held
+    experts the history guess had missed, and their ring copies queued behind the layer's copies ahead on the copy
+    engine."""
+    raw = os.environ.get("MOESTREAM_PREFILL_AHEAD_FIRST", "") or "0"
+    if raw not in ("0", "1"):
+        raise ValueError(f"MOESTREAM_PREFILL_AHEAD_FIRST={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 def ahead_layers() -> int:
     """How many MoE layers' experts the ahead slots hold at most (MOESTREAM_PREFILL_AHEAD_LAYERS, read per prompt): 1,
     or 2 with eager copies (`prefill_eager`). With one layer's slots the next layer's copies reuse the slots this

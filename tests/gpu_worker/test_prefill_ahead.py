@@ -772,3 +772,56 @@ def test_guess_buckets_count_by_tokens_and_a_shifted_edge_is_caught():
     at = np.searchsorted(GUESS_TOKEN_BUCKETS, tokens, side="left") - 1          # the twin's edges
     twin = {b: int((at == i).sum()) for i, b in enumerate(GUESS_TOKEN_BUCKETS)}
     assert twin != {b: n for b, (n, _) in got.items()}
+
+
+def test_ahead_first_knob(monkeypatch):
+    """MOESTREAM_PREFILL_AHEAD_FIRST: off by default (until a GPU run measures it), 1 on, anything else named."""
+    monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_FIRST", raising=False)
+    assert not prefill_knobs.ahead_first()
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "1")
+    assert prefill_knobs.ahead_first()
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "yes")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_AHEAD_FIRST"):
+        prefill_knobs.ahead_first()
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_ahead_first_launches_the_copied_blocks_first(tiny, refs, first, monkeypatch):
+    """MOESTREAM_PREFILL_AHEAD_FIRST=1 (the one-layer schedule): in a MoE layer whose blocks were partly copied ahead,
+    the experts copied ahead launch before those staged through the ring, and the logits are unchanged. The first MoE
+    layer's guess is held to its fixed count (11 of the ~32 experts 300 tokens route to), so that layer has both kinds.
+    Must-fail twin (off): the launches in expert order, caught by the order check."""
+    schedule(monkeypatch, "one_layer")
+    model_dir, store = tiny
+    monkeypatch.setenv("MOESTREAM_PREFILL_FIRST_GUESS_EXPECTED", "0")
+    monkeypatch.setenv("MOESTREAM_PREFILL_LAUNCH_EXPERTS", "4")
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "1" if first else "0")
+    launched, before = [], {}
+    real_batch, real_settle = streaming.StreamingExperts._prefill_batch, streaming.StreamingExperts._ahead_settle
+
+    def batch(src, lay, b, *a, **kw):
+        launched.append((lay.j, [e for e, _ in b]))
+        return real_batch(src, lay, b, *a, **kw)
+
+    def settle(src, j, *a, **kw):
+        got = real_settle(src, j, *a, **kw)
+        if j is not None:
+            before[j] = set(got)
+        return got
+    monkeypatch.setattr(streaming.StreamingExperts, "_prefill_batch", batch)
+    monkeypatch.setattr(streaming.StreamingExperts, "_ahead_settle", settle)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2) as eng:
+        eng.experts.copy_ahead, eng.experts.ahead_min_tokens = True, 0     # (the CPU path copies ahead only if told)
+        run(eng, 300)                    # the routes the first MoE layer's guess is made from
+        launched.clear()
+        before.clear()
+        out = run(eng, 300)
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    by_layer: dict[int, list[int]] = {}
+    for j, ex in launched:
+        by_layer.setdefault(j, []).extend(ex)
+    flags = {j: [e in before.get(j, set()) for e in ex] for j, ex in by_layer.items()}
+    mixed = {j: f for j, f in flags.items() if any(f) and not all(f)}
+    assert mixed, f"no MoE layer launched both blocks copied ahead and staged ones: untested ({flags})"
+    print({j: (sum(f), len(f)) for j, f in mixed.items()})
+    assert all(f == sorted(f, reverse=True) for f in mixed.values()) == first, mixed
