@@ -154,22 +154,20 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     if not key or not val:
         raise SystemExit(f"--ab-env {setting!r}: expected KEY=VALUE")
     old = os.environ.get(key)
+
+    def put(v: str | None) -> None:              # the setting, or what was there before it (unset: none)
+        if v is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = v
     side = {"a": [], "b": []}
     try:
         for k in range(rounds):
             for s in (("a", "b") if k % 2 == 0 else ("b", "a")):
-                if s == "b":
-                    os.environ[key] = val
-                elif old is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = old
+                put(val if s == "b" else old)
                 side[s].append(decode_run(eng, prompts_of(k), n_tokens, device)["ms_per_token_all"])
     finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+        put(old)
     a_ms = [x for r in side["a"] for x in r]
     b_ms = [x for r in side["b"] for x in r]
     return dict(setting=setting, rounds=rounds, a_ms=a_ms, b_ms=b_ms, a_median=float(np.median(a_ms)),

@@ -16,7 +16,6 @@ Twin: `expert_layer_torch` = the up twin, the ReLU² mask twin and the sparse-do
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -43,16 +42,6 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF: tl.constexpr = 8):
     hi = _e2m1_to_fp16(b_v >> 4).to(tl.float32)
     part = tl.sum(lo * a_even[None, :] + hi * a_odd[None, :], axis=1)
     return part * b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _group_of(act, o_r, gi, g, base, down_off, L, o_l, m_l, HALF: tl.constexpr):
-    """Down (sub-)group g of the block at `base` (this program's group gi, its act the row gi of act [NG, SUB]) for
-    the rows o_l where m_l: `_down_group_rows`."""
-    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [SUB]
-    a_even, a_odd = tl.split(tl.reshape(a_g, (HALF, 2)))
-    p_g = base + down_off + g.to(tl.int64) * ((HALF + 1) * L)
-    return _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF)
 
 
 @triton.jit
@@ -117,10 +106,12 @@ def _expert_layer_kernel(
             m_l = o_l < L
             b_out = tl.zeros([BLOCK_L], dtype=tl.float32)
             for gi in tl.static_range(NG):
-                # an all-zero group is never read. (Its loads masked off instead of a branch per group lost: +0.5 ms
-                # a token at 8 MoE layers on the H100, session 27; bench/kernels/moe_layer.py)
-                if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:
-                    b_out += _group_of(act, o_r, gi, pid_n * NG + gi, base, down_off, L, o_l, m_l, HALF)
+                if tl.sum(tl.where(o_r == gi, active, 0), axis=0) != 0:     # an all-zero group is never read
+                    a_g = tl.sum(tl.where((o_r == gi)[:, None], act, 0.0), axis=0)       # [SUB]
+                    a_even, a_odd = tl.split(tl.reshape(a_g, (HALF, 2)))
+                    g = pid_n * NG + gi
+                    p_g = base + down_off + g.to(tl.int64) * ((HALF + 1) * L)
+                    b_out += _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF)
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
@@ -186,8 +177,7 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
-                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()),
-           **(config or {})}
+                  num_stages=3, UP_MODE=8, USE_ASM=not backend.interpreted()), **(config or {})}
     if cfg["UP_MODE"] not in (4, 8):
         raise ValueError(f"UP_MODE {cfg['UP_MODE']}: 4 (scales on the tile) or 8 (int16 quad decode)")
     if cfg["BLOCK_N"] % GROUP:

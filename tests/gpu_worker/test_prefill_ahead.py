@@ -823,5 +823,4 @@ def test_ahead_first_launches_the_copied_blocks_first(tiny, refs, first, monkeyp
     flags = {j: [e in before.get(j, set()) for e in ex] for j, ex in by_layer.items()}
     mixed = {j: f for j, f in flags.items() if any(f) and not all(f)}
     assert mixed, f"no MoE layer launched both blocks copied ahead and staged ones: untested ({flags})"
-    print({j: (sum(f), len(f)) for j, f in mixed.items()})
     assert all(f == sorted(f, reverse=True) for f in mixed.values()) == first, mixed
