@@ -21,8 +21,8 @@ import torch
 from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
-from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_batch_from_env, stage_extra_from_env,
-                               stage_flag_from_env, stage_min_precision_from_env)
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
+                               stage_extra_from_env, stage_flag_from_env, stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
@@ -424,6 +424,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
         if pairs:
             ss = [s for _, s in pairs]
+            self.ups.after = stage_after_from_env()     # read per stage: one engine A/Bs it
             self.ups.stage(nj, [e for e, _ in pairs], [self._slot_address[s] for s in ss], ss,
                            views=None if self.ups.by_address else [self.slab[s] for s in ss])
             self.acct.ups_staged += len(pairs)

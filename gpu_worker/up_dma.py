@@ -34,7 +34,7 @@ import os
 import torch
 
 from gpu_worker.knobs import env_count, env_count_or_off
-from gpu_worker.up_staging import SLOT_ALIGN, driver_memcpy_async
+from gpu_worker.up_staging import SLOT_ALIGN, STAGE_AFTERS, driver_memcpy_async
 
 EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
 
@@ -62,6 +62,16 @@ def stage_flag_from_env() -> str:
     v = os.environ.get("MOESTREAM_STAGE_FLAG", "") or "write"
     if v not in ("copy", "write"):
         raise ValueError(f"MOESTREAM_STAGE_FLAG={v!r}: expected copy or write")
+    return v
+
+
+def stage_after_from_env() -> str:
+    """MOESTREAM_STAGE_AFTER: how a stage's copies follow the expert kernel before them (gpu_worker/up_staging.py
+    `after`, STAGE_AFTERS): "event" (the default) or "value" (a stream memory write and wait). Read per stage, so
+    that one engine can A/B it (bench.e2e_stream --ab-env)."""
+    v = os.environ.get("MOESTREAM_STAGE_AFTER", "") or "event"
+    if v not in STAGE_AFTERS:
+        raise ValueError(f"MOESTREAM_STAGE_AFTER={v!r}: expected one of {', '.join(STAGE_AFTERS)}")
     return v
 
 

@@ -51,6 +51,12 @@ SLOT_ALIGN = 256    # the kernel's 16-byte vector loads want aligned sections
 PRECISION_SAMPLES = 32      # copies of a rank before its share read gates the extras (`min_precision`)
 _DRIVER = []        # [cuMemcpyAsync or None], loaded once
 _WRITE = []         # [cuStreamWriteValue64 or None], loaded once
+_WAIT = []          # [cuStreamWaitValue64 or None], loaded once
+WAIT_VALUE_GEQ = 0  # cuStreamWaitValue64's flags: wait until the word >= the value
+# how a stage's copies follow the compute stream's work before them (`UpStaging.after`): "event", an event recorded on
+# the compute stream that the staging stream waits for; "value", a stream memory write of a fresh epoch on the compute
+# stream and a stream memory wait for it (>=) on the staging stream (no event)
+STAGE_AFTERS = ("event", "value")
 
 
 def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
@@ -60,37 +66,44 @@ def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
     return 0
 
 
+def _libcuda_function(cache: list, names: tuple[str, ...], argtypes: list):
+    """The first of `names` that libcuda exports, typed (argtypes, int result), or None where libcuda or every name is
+    missing; looked up once into `cache` (a one-element list)."""
+    if not cache:
+        f = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name in names:
+                f = getattr(lib, name, None)
+                if f is not None:
+                    f.argtypes = argtypes
+                    f.restype = ctypes.c_int
+                    break
+        except OSError:
+            f = None
+        cache.append(f)
+    return cache[0]
+
+
 def driver_memcpy_async():
     """libcuda's cuMemcpyAsync(dst, src, bytes, stream) (unified addresses), or None where it cannot be loaded."""
-    if not _DRIVER:
-        try:
-            f = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
-            f.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            f.restype = ctypes.c_int
-            _DRIVER.append(f)
-        except (OSError, AttributeError):
-            _DRIVER.append(None)
-    return _DRIVER[0]
+    return _libcuda_function(_DRIVER, ("cuMemcpyAsync",),
+                             [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p])
 
 
 def driver_write_value64():
     """libcuda's cuStreamWriteValue64(stream, device address, value, flags) (the `_v2` entry point where the driver has
     it), or None where it cannot be loaded. A stream memory operation: the stream's front end writes the value once
     the work before it on the stream is done, with a memory fence before the write (flags 0), no copy engine."""
-    if not _WRITE:
-        f = None
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            for name in ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"):
-                f = getattr(lib, name, None)
-                if f is not None:
-                    f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-                    f.restype = ctypes.c_int
-                    break
-        except OSError:
-            f = None
-        _WRITE.append(f)
-    return _WRITE[0]
+    return _libcuda_function(_WRITE, ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"),
+                             [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
+
+
+def driver_wait_value64():
+    """libcuda's cuStreamWaitValue64(stream, device address, value, flags), or None where it cannot be loaded: the
+    stream's later work waits until the 64-bit word compares to the value as flags say (WAIT_VALUE_GEQ, 0: >=)."""
+    return _libcuda_function(_WAIT, ("cuStreamWaitValue64_v2", "cuStreamWaitValue64"),
+                             [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint])
 
 
 class UpStaging:
@@ -108,6 +121,12 @@ class UpStaging:
         self._wait_slot = [(0, 0)] * n_slots       # slot -> (epoch, flag index) of its last batch
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
+        # how the copies follow the buffer's last reader (STAGE_AFTERS; the engine sets MOESTREAM_STAGE_AFTER's per
+        # stage). Session 27's decode timeline: 16-19 µs from the expert kernel's end to the first staged copy
+        self.after = "event"
+        self._gate = torch.zeros(1, dtype=torch.int64, device=self.device) if self.cuda else None   # "value"'s word
+        self._gate_epoch = 0
+        self._wait = None                    # cuStreamWaitValue64, loaded at the first "value"
         # copies by address: the driver's on CUDA, a memmove on the CPU (views only where the driver is missing)
         self._memcpy = driver_memcpy_async() if self.cuda else host_memcpy
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
@@ -216,8 +235,7 @@ class UpStaging:
         experts = experts[:n]
         ub = self.up_bytes
         if self.cuda:
-            self._after.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(self._after)
+            self._follow_compute()
             if self._memcpy is not None:
                 cp, h, dst = self._memcpy, self.stream.cuda_stream, self._address
                 core = self.limit.get(layer, len(dst)) if self.extra else -1
@@ -258,6 +276,36 @@ class UpStaging:
         self._epoch_of = {e: w[0] for e, w in self._stage_waits.items()}
         self._flag_of = {e: w[1] for e, w in self._stage_waits.items()}
         self._held.add(self.done, slots)
+
+    def _follow_compute(self) -> None:
+        """The staging stream's next work after what is queued so far on the compute stream (the kernel that last read
+        the buffer): by an event (`after` "event"), or by a fresh epoch written there by a stream memory write and
+        waited for here by a stream memory wait ("value"). The write is queued before the wait, on a stream that never
+        waits for this one in non-blocking mode (and in blocking mode only for copies queued after this wait), so the
+        wait always ends."""
+        current = torch.cuda.current_stream(self.device)
+        if self.after == "event":
+            self._after.record(current)
+            self.stream.wait_event(self._after)
+            return
+        if self.after != "value":
+            raise ValueError(f"up staging after {self.after!r}: one of {', '.join(STAGE_AFTERS)}")
+        if self._write is None:
+            self._write = driver_write_value64()
+        if self._wait is None:
+            self._wait = driver_wait_value64()
+        if self._write is None or self._wait is None:
+            raise RuntimeError("MOESTREAM_STAGE_AFTER=value needs libcuda's cuStreamWriteValue64 and "
+                               "cuStreamWaitValue64 (event takes an event instead)")
+        self._gate_epoch += 1
+        word = self._gate.data_ptr()
+        rc = self._write(current.cuda_stream, word, self._gate_epoch, 0)
+        if rc:
+            raise RuntimeError(f"cuStreamWriteValue64 of the staging's gate failed: CUDA error {rc}")
+        rc = self._wait(self.stream.cuda_stream, word, self._gate_epoch, WAIT_VALUE_GEQ)
+        if rc:
+            raise RuntimeError(f"cuStreamWaitValue64 on the staging's gate failed: CUDA error {rc} "
+                               "(MOESTREAM_STAGE_AFTER=event takes an event instead)")
 
     def _signal(self, lo: int, hi: int) -> None:
         """Slots lo..hi-1 (one batch) copied: their flag (slot lo) gets a fresh epoch, queued after the copies."""

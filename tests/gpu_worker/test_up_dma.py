@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
 from expert_cases import TOL, experts  # noqa: E402
 
-from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_batch_from_env,  # noqa: E402
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,  # noqa: E402
                                stage_extra_from_env, stage_flag_from_env, stage_min_precision_from_env)
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
@@ -157,6 +157,49 @@ def test_stage_batch_and_flag_from_env(monkeypatch):
         with pytest.raises(ValueError, match=name):
             stage_batch_from_env() if name.endswith("BATCH") else stage_flag_from_env()
         monkeypatch.delenv(name)
+
+
+def test_stage_after_from_env(monkeypatch):
+    """How the staged copies follow the expert kernel: "event" by default, or "value"; a bad value is named."""
+    monkeypatch.delenv("MOESTREAM_STAGE_AFTER", raising=False)
+    assert stage_after_from_env() == "event"
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "value")
+    assert stage_after_from_env() == "value"
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "never")
+    with pytest.raises(ValueError, match="MOESTREAM_STAGE_AFTER"):
+        stage_after_from_env()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the staging stream against a running kernel: CUDA")
+@pytest.mark.parametrize("after", ["event", "value", "never"])
+def test_gpu_staged_copies_wait_for_the_buffers_last_reader(after):
+    """A stage's copies start only once the work queued before it on the compute stream is done (the kernel that last
+    read the buffer, here a sleep and then a read), whether they follow it by an event or by a stream memory write
+    and wait; two stages in a row pass the gate each time. Must-fail twin ("never": the gate dropped): the copies
+    overwrite the buffer while its reader still waits to read it."""
+    from gpu_worker.up_staging import UpStaging
+    n, ub = 3, 4096
+    ups = UpStaging(n, ub, DEVICE)
+    ups.after = "event" if after == "never" else after
+    if after == "never":
+        ups._follow_compute = lambda: None
+    src = [torch.randint(0, 256, (ub,), dtype=torch.uint8).pin_memory() for _ in range(2 * n)]
+    old = torch.randint(0, 256, ups.buf.shape, dtype=torch.uint8, device=DEVICE)
+    for rnd in range(2):
+        ups.buf.copy_(old)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)                # the buffer's last reader, still running when the copies are queued
+        seen = ups.buf.clone()
+        ups.stage(rnd, list(range(n)), [t.data_ptr() for t in src[rnd * n:(rnd + 1) * n]], [])
+        torch.cuda.synchronize()
+        new = torch.stack(src[rnd * n:(rnd + 1) * n]).to(DEVICE)
+        assert torch.equal(ups.buf[:, :ub], new), "the copies did not land"
+        if after == "never":
+            assert not torch.equal(seen, old), "the reader saw the old bytes without a gate: the test shows nothing"
+        else:
+            assert torch.equal(seen, old), f"the copies overwrote the buffer before its reader ({after})"
+    if after == "value":
+        assert ups._gate_epoch == 2 and int(ups._gate) == 2
 
 
 @pytest.mark.parametrize("gate", [0.5, 0.0])
