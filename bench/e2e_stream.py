@@ -149,29 +149,44 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     """An A/B of a host-side knob in one engine (session 26: between runs of the same code the H100 hosts moved ±0.4-0.7
     ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
     (b) `setting` (KEY=VAL), in alternating order, the same prompts both ways. Returns each side's per-prompt ms/token
-    and their medians, and the paired differences (b − a)."""
-    key, _, val = setting.partition("=")
-    if not key or not val:
-        raise SystemExit(f"--ab-env {setting!r}: expected KEY=VALUE")
-    old = os.environ.get(key)
+    and their medians, and the paired differences (b − a). Several settings apart by ";" (KEY=V1;KEY=V2) make arms
+    b, c, ...: the rounds rotate their order (a b c, b c a, c a b), and each arm gets its medians and differences
+    against a (`diffs` for b, `diffs_c` for c, ...)."""
+    arms = []
+    for one in setting.split(";"):
+        key, _, val = one.partition("=")
+        if not key or not val:
+            raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several apart by ';')")
+        arms.append((key, val))
+    old = {key: os.environ.get(key) for key, _ in arms}
 
-    def put(v: str | None) -> None:              # the setting, or what was there before it (unset: none)
-        if v is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = v
-    side = {"a": [], "b": []}
+    def put(arm: int) -> None:                   # arm 0: what was there before (unset: none); else its setting
+        for key, v in old.items():
+            if v is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = v
+        if arm:
+            key, val = arms[arm - 1]
+            os.environ[key] = val
+    names = "abcdefgh"[:len(arms) + 1]
+    side = {n: [] for n in names}
     try:
         for k in range(rounds):
-            for s in (("a", "b") if k % 2 == 0 else ("b", "a")):
-                put(val if s == "b" else old)
-                side[s].append(decode_run(eng, prompts_of(k), n_tokens, device)["ms_per_token_all"])
+            for i in range(len(names)):
+                arm = (i + k) % len(names)
+                put(arm)
+                side[names[arm]].append(decode_run(eng, prompts_of(k), n_tokens, device)["ms_per_token_all"])
     finally:
-        put(old)
-    a_ms = [x for r in side["a"] for x in r]
-    b_ms = [x for r in side["b"] for x in r]
-    return dict(setting=setting, rounds=rounds, a_ms=a_ms, b_ms=b_ms, a_median=float(np.median(a_ms)),
-                b_median=float(np.median(b_ms)), diffs=[round(y - x, 3) for x, y in zip(a_ms, b_ms)])
+        put(0)
+    flat = {n: [x for r in side[n] for x in r] for n in names}
+    out = dict(setting=setting, rounds=rounds)
+    for n in names:
+        out[f"{n}_ms"] = flat[n]
+        out[f"{n}_median"] = float(np.median(flat[n]))
+        if n != "a":
+            out["diffs" if n == "b" else f"diffs_{n}"] = [round(y - x, 3) for x, y in zip(flat["a"], flat[n])]
+    return out
 
 
 def down_bytes_per_token(g: dict, uses: int, up_bytes: int) -> float:
@@ -294,7 +309,8 @@ def main(argv=None):
                     help="comma list of sub-group sizes (16,8,4,2,1): the sub-group table instead of the one store")
     ap.add_argument("--ab-env", default="",
                     help="KEY=VAL: after the RAM regime's run, an A/B in its engine, the prompts decoded with and "
-                         "without the setting in turn (paired, --ab-rounds rounds): for knobs read per step on the host "
+                         "without the setting in turn (paired, --ab-rounds rounds; several settings apart by ';' "
+                         "make arms b, c, ...): for knobs read per step on the host "
                          "(MOESTREAM_DECODE_AHEAD); a knob read once at import, or baked into a captured graph "
                          "(MOESTREAM_GEMV_FMA), needs separate runs (bench/gpu_session.sh e2e_ab)")
     ap.add_argument("--ab-rounds", type=int, default=4)
@@ -613,10 +629,13 @@ def main(argv=None):
               f"rate)")
     if res.get("ab"):
         ab = res["ab"]
-        d = ab["diffs"]
-        print(f"A/B in one engine ({ab['setting']} is b; {ab['rounds']} rounds, {len(d)} prompt pairs): a median "
-              f"{ab['a_median']:.3f} ms/token, b median {ab['b_median']:.3f}; b − a per pair: median "
-              f"{float(np.median(d)):+.3f}, b lower in {sum(x < 0 for x in d)} of {len(d)}")
+        print(f"A/B in one engine ({ab['setting']}: b, c, ... in that order; {ab['rounds']} rounds): a median "
+              f"{ab['a_median']:.3f} ms/token")
+        for n in "bcdefgh":
+            if f"{n}_median" in ab:
+                d = ab["diffs" if n == "b" else f"diffs_{n}"]
+                print(f"  {n} median {ab[f'{n}_median']:.3f}; {n} − a per pair ({len(d)}): median "
+                      f"{float(np.median(d)):+.3f}, {n} lower in {sum(x < 0 for x in d)} of {len(d)}")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))

@@ -150,15 +150,17 @@ class ExpertInputs:
     acc: torch.Tensor                  # fp32 [L]: the routed sum, zeroed by S_j
     scales: tuple | None               # the chosen experts' (up, down) global scales (None: the source has none)
     weights: torch.Tensor | None       # fp32 [k]: the routing weights, beside the scales
-    addresses: torch.Tensor            # int64 [5, k] on the device: the chosen experts' blocks, their up sections,
+    addresses: torch.Tensor            # int64 [6, k] on the device: the chosen experts' blocks, their up sections,
     #                                    the epoch and flag each up still crossing waits for, the kernel's launch
-    #                                    order of the experts (gpu_worker/up_dma.py)
+    #                                    order of the experts (gpu_worker/up_dma.py), and the launch's progress gate
+    #                                    [epoch, per mille, 0...] (gpu_worker/up_staging.py "progress"; zeros: none)
     addresses_host: torch.Tensor       # pinned staging, written by the host; its last copy ran before the event
 
     def __post_init__(self):
         self._addresses_np = self.addresses_host.numpy()
         self._no_waits = False           # rows 2-4 (the up waits) not yet written as "none"
         self._order_row = None           # the tuple row 4 was last written from (a route's cached launch order)
+        self._gate_row = False           # row 5 holds a gate (else zeros)
         # on the critical path (the GPU waits for these addresses): libcuda's copy costs ~3 µs of host time where
         # a torch copy_ costs ~10 (bench/host_bookkeeping.py's "staging" column on the H200 host: 11.4 µs per layer)
         self._memcpy = driver_memcpy_async() if self.addresses.is_cuda else None
@@ -166,7 +168,7 @@ class ExpertInputs:
         # rows 0-3 (or 0-1) of two lists written by one Struct's pack_into: ~1.1 µs for four rows of 22 where numpy's
         # conversion of each list costs ~0.5 (of a nested list of them, ~3), warm on the VM
         self._k = k = self._addresses_np.shape[1]
-        self._rows_bytes = memoryview(self._addresses_np).cast("B")     # (torch's pinned [5, k] int64: contiguous)
+        self._rows_bytes = memoryview(self._addresses_np).cast("B")     # (torch's pinned [6, k] int64: contiguous)
         self._two_rows, self._four_rows = struct.Struct(f"={2 * k}q"), struct.Struct(f"={4 * k}q")
 
     @classmethod
@@ -176,8 +178,8 @@ class ExpertInputs:
                    torch.zeros(lat.shape[-1], dtype=torch.float32, device=lat.device),
                    None if scales is None else tuple(torch.empty_like(t) for t in scales),
                    None if scales is None else weights,    # the router's static buffer itself: no copy
-                   torch.zeros(5, k, dtype=torch.long, device=lat.device),
-                   torch.zeros(5, k, dtype=torch.long, pin_memory=pinned))
+                   torch.zeros(6, k, dtype=torch.long, device=lat.device),
+                   torch.zeros(6, k, dtype=torch.long, pin_memory=pinned))
 
     def write(self, lat, shared, scales, weights) -> None:
         self.lat.copy_(lat)
@@ -191,9 +193,10 @@ class ExpertInputs:
         self.acc.zero_()
 
     def set_addresses(self, addresses: list[int], up_addresses: list[int] | None = None,
-                      up_waits: tuple[list[int], list[int], list[int]] | None = None) -> None:
+                      up_waits: tuple | None = None) -> None:
         """Blocks in top-k order; up_addresses: where their up sections lie (None: in the blocks); up_waits:
-        (epoch, flag) per expert whose up the copy engine is still moving, and the launch order (None: no wait)."""
+        (epochs, flags, launch order[, gate]): (epoch, flag) per expert whose up the copy engine is still moving, the
+        launch order, and optionally the launch's progress gate (epoch, per mille) (None: no wait, no gate)."""
         a = self._addresses_np
         ups = addresses if up_addresses is None else up_addresses
         if up_waits is None:
@@ -210,9 +213,17 @@ class ExpertInputs:
             if not self._no_waits:       # rewritten only after a route with waits: ~1.4 µs a layer on the path
                 a[2:4] = 0
                 a[4] = range(a.shape[1])
-                self._no_waits, self._order_row = True, None
+                a[5] = 0
+                self._no_waits, self._order_row, self._gate_row = True, None, False
         else:
-            epochs, flags, order = up_waits
+            epochs, flags, order = up_waits[:3]
+            gate = up_waits[3] if len(up_waits) > 3 else None
+            if gate is not None:
+                a[5, :2] = gate
+                self._gate_row = True
+            elif self._gate_row:
+                a[5, :2] = 0
+                self._gate_row = False
             try:
                 k = self._k
                 if len(addresses) != k or len(ups) != k or len(epochs) != k or len(flags) != k:

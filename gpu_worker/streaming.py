@@ -22,7 +22,8 @@ from gpu_worker.copy_pins import CopyPins
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
-                               stage_extra_from_env, stage_flag_from_env, stage_min_precision_from_env)
+                               stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env,
+                               stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
@@ -162,6 +163,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self.acct.refresh = self._refresh
         self._deferred: list[int] = []   # slab pins to release once the kernels reading them have run
         self._launched = None            # an addressed route's work that waits until its kernels are launched
+        self._launch_epoch = None        # the last route's launch gate epoch (UpStaging.launch_gate), for the stage
         self._init_prefill()             # the prefill's state (gpu_worker/prefill_experts.py)
         # decode: the next layer's guessed ups copied into VRAM while the dense layers run (gpu_worker/up_staging.py);
         # the fused kernel reads them, so only where it runs (NVFP4 by address, down groups of 16, 8, 4 or 2 neurons)
@@ -268,6 +270,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         their block addresses in top-k order. Only what the kernels need happens before they are launched (the
         lookup, which pins the hits, and the addresses); the message, the release of the previous layer's pins,
         the counts and the VRAM-tier admissions wait for `decode_launched`, while the device runs the graph."""
+        self._launch_epoch = None        # set below only for a launch whose kernel releases the next stage
         if not self._addressed:
             return self._route(moe_index, layer, chosen, guess, waited_s)
         # (their own guards, inline: the two calls cost ~3.6 µs cold on the VM when, as usually, there is nothing to do)
@@ -300,11 +303,14 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             addresses = list(map(self._slot_address.__getitem__, slots))
             rows = self.ups.take_rows(j, chosen, addresses) if self.ups is not None else None
             none, order = _no_waits(len(chosen))
+            gate = self.ups.launch_gate() if self.ups is not None else None     # "progress" only
+            if gate is not None:
+                self._launch_epoch = gate[0]
             if rows is None:
-                waits = (none, none, order)
+                waits = (none, none, order, gate)
             else:
                 ups, epochs, flags = rows
-                waits = (epochs, flags, order)
+                waits = (epochs, flags, order, gate)
                 n_staged = None          # counted after the launch (UpStaging.count_taken)
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
@@ -360,7 +366,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         # every expert in the pinned slab: one launch for the layer (86 % of H2D against 80 % for two launches,
         # bench/NOTES.md experiment 4); with VRAM-tier experts the two launches, until both are timed there
         fused = count_down_groups and self.geom.down_group_neurons in FUSED_SUBS
-        ready, major = None, True
+        ready, major, gate = None, True, None
         if fused and self.up_dma_limit and up_waits is not None:
             if self.up_dma is None:       # a graph body run before the first route: the ring exists from now on
                 self.up_dma = ChosenUpDMA(addresses.numel(), self._up_span, self.device, batch=self.up_dma_batch)
@@ -369,10 +375,12 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             if self.ups is None:
                 self.ups = self._new_staging(addresses.numel())
             ready, major = (up_waits, self.ups.flags), False
+            if up_waits.shape[0] == 4:    # the route's fourth row: the launch's gate (zeros: none, the default)
+                gate = self.ups.gate
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,
                               fused=count_down_groups, up_blocks=up_addresses if fused else None, up_ready=ready,
-                              expert_major=major)
+                              expert_major=major, gate=gate)
 
     def decode_launched(self) -> None:
         """The rest of the last addressed `decode_route`, once its kernels are on the stream: the previous layer's
@@ -419,14 +427,16 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             return
         if self.ups is None:
             self.ups = self._new_staging(len(guess))
+        # read per stage, so that one engine A/Bs it; the next route's launch gate follows the mode set here
+        self.ups.after, self.ups.gate_at = stage_after_from_env(), stage_gate_at_from_env()
         guess = guess[:self.ups.how_many(nj)]       # the router's rank order: the likeliest first
         slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]
         if pairs:
             ss = [s for _, s in pairs]
-            self.ups.after = stage_after_from_env()     # read per stage: one engine A/Bs it
             self.ups.stage(nj, [e for e, _ in pairs], [self._slot_address[s] for s in ss], ss,
-                           views=None if self.ups.by_address else [self.slab[s] for s in ss])
+                           views=None if self.ups.by_address else [self.slab[s] for s in ss],
+                           launch_epoch=self._launch_epoch)
             self.acct.ups_staged += len(pairs)
             self.acct.bytes_over_pcie += len(pairs) * self.up_bytes
         self.acct.ms_staging += (time.perf_counter() - t0) * 1e3

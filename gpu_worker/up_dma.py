@@ -67,12 +67,26 @@ def stage_flag_from_env() -> str:
 
 def stage_after_from_env() -> str:
     """MOESTREAM_STAGE_AFTER: how a stage's copies follow the expert kernel before them (gpu_worker/up_staging.py
-    `after`, STAGE_AFTERS): "event" (the default) or "value" (a stream memory write and wait). Read per stage, so
-    that one engine can A/B it (bench.e2e_stream --ab-env)."""
+    `after`, STAGE_AFTERS): "event" (the default), "value" (a stream memory write and wait) or "progress" (the
+    kernel releases them once MOESTREAM_STAGE_GATE_AT of its programs have ended). Read per stage, so that one engine
+    can A/B it (bench.e2e_stream --ab-env)."""
     v = os.environ.get("MOESTREAM_STAGE_AFTER", "") or "event"
     if v not in STAGE_AFTERS:
         raise ValueError(f"MOESTREAM_STAGE_AFTER={v!r}: expected one of {', '.join(STAGE_AFTERS)}")
     return v
+
+
+def stage_gate_at_from_env() -> float:
+    """MOESTREAM_STAGE_GATE_AT: with MOESTREAM_STAGE_AFTER=progress, the share of the expert kernel's programs that
+    have ended when the next layer's staged copies may start (above 0, at most 1; 0.9 by default). Read per stage."""
+    v = os.environ.get("MOESTREAM_STAGE_GATE_AT", "") or "0.9"
+    try:
+        p = float(v)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_STAGE_GATE_AT={v!r}: a share of the kernel's programs, above 0, at most 1") from None
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"MOESTREAM_STAGE_GATE_AT={p}: must be above 0 and at most 1")
+    return p
 
 
 def stage_min_precision_from_env() -> float:

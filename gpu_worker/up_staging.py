@@ -55,8 +55,11 @@ _WAIT = []          # [cuStreamWaitValue64 or None], loaded once
 WAIT_VALUE_GEQ = 0  # cuStreamWaitValue64's flags: wait until the word >= the value
 # how a stage's copies follow the compute stream's work before them (`UpStaging.after`): "event", an event recorded on
 # the compute stream that the staging stream waits for; "value", a stream memory write of a fresh epoch on the compute
-# stream and a stream memory wait for it (>=) on the staging stream (no event)
-STAGE_AFTERS = ("event", "value")
+# stream and a stream memory wait for it (>=) on the staging stream (no event); "progress", the same wait, for an epoch
+# that the last expert kernel itself writes once `gate_at` of its programs have ended (kernels/expert_layer.py GATE),
+# the compute stream's write after the kernel only a fallback, into the other of two buffers (the kernel still reads
+# the one staged for it)
+STAGE_AFTERS = ("event", "value", "progress")
 
 
 def host_memcpy(dst: int, src: int, nbytes: int, stream=None) -> int:
@@ -118,15 +121,20 @@ class UpStaging:
         stride = -(-up_bytes // SLOT_ALIGN) * SLOT_ALIGN
         self.buf = torch.empty(n_slots, stride, dtype=torch.uint8, device=self.device)
         self._address = [self.buf[i].data_ptr() for i in range(n_slots)]
+        self._bufs = [self.buf]              # "progress" adds a second buffer, and the stages alternate
+        self._addresses = [self._address]
+        self._current = 0
         self._wait_slot = [(0, 0)] * n_slots       # slot -> (epoch, flag index) of its last batch
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._after = torch.cuda.Event() if self.cuda else None     # re-recorded per stage: the buffer's last reader
         # how the copies follow the buffer's last reader (STAGE_AFTERS; the engine sets MOESTREAM_STAGE_AFTER's per
         # stage). Session 27's decode timeline: 16-19 µs from the expert kernel's end to the first staged copy
         self.after = "event"
-        self._gate = torch.zeros(1, dtype=torch.int64, device=self.device) if self.cuda else None   # "value"'s word
+        self.gate_at = 0.9                   # "progress": the share of the kernel's programs ended before the copies
+        # [counter, word]: the kernel's ended programs, and the epoch the staging stream waits for (`launch_gate`)
+        self.gate = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._gate_epoch = 0
-        self._wait = None                    # cuStreamWaitValue64, loaded at the first "value"
+        self._wait = None                    # cuStreamWaitValue64, loaded at the first "value" or "progress"
         # copies by address: the driver's on CUDA, a memmove on the CPU (views only where the driver is missing)
         self._memcpy = driver_memcpy_async() if self.cuda else host_memcpy
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
@@ -180,7 +188,26 @@ class UpStaging:
 
     @property
     def nbytes(self) -> int:
-        return self.buf.numel()
+        return sum(b.numel() for b in self._bufs)
+
+    def launch_gate(self) -> tuple[int, int] | None:
+        """For an expert launch that reads this staging ("progress" only, else None): (epoch, per mille) for the
+        kernel's gate (kernels/expert_layer.py GATE: the program that ends as that share of the grid has ended writes
+        the epoch into `gate[1]`); the next `stage` waits for that epoch (pass it as `launch_epoch`)."""
+        if self.after != "progress":
+            return None
+        self._gate_epoch += 1
+        return self._gate_epoch, min(1000, max(1, round(self.gate_at * 1000)))
+
+    def _next_buffer(self) -> None:
+        """"progress": the stage goes into the other buffer (made at the first such stage), since the kernel that
+        releases it may still read the one staged for it."""
+        if len(self._bufs) == 1:
+            b = torch.empty_like(self.buf)
+            self._bufs.append(b)
+            self._addresses.append([b[i].data_ptr() for i in range(b.shape[0])])
+        self._current ^= 1
+        self._address = self._addresses[self._current]
 
     @property
     def used_by_rank(self) -> list[int]:
@@ -225,17 +252,22 @@ class UpStaging:
             extra = k
         return lim + extra
 
-    def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None) -> None:
+    def stage(self, layer: int, experts: list[int], addresses: list[int], slots: list[int], views=None,
+              launch_epoch: int | None = None) -> None:
         """Copy the up sections of `experts` (their blocks at `addresses` in the registered slab; `views`: the
         same blocks as U8 tensors, for the torch path; on the CPU, given views are copied from) into the buffer, after the work queued so far on the
         current stream (the kernel that last read the buffer). `slots`: the slab slots pinned for the copies;
-        they come back from `releasable` once the copies are done."""
+        they come back from `releasable` once the copies are done. launch_epoch ("progress"): the epoch that
+        `launch_gate` gave the expert launch queued last (None: no such launch since the last stage: the copies wait
+        for the compute stream's work, as with "value")."""
         self._count_taken()
+        if self.after == "progress":
+            self._next_buffer()
         n = min(len(experts), len(self._address))
         experts = experts[:n]
         ub = self.up_bytes
         if self.cuda:
-            self._follow_compute()
+            self._follow_compute(launch_epoch)
             if self._memcpy is not None:
                 cp, h, dst = self._memcpy, self.stream.cuda_stream, self._address
                 core = self.limit.get(layer, len(dst)) if self.extra else -1
@@ -250,9 +282,10 @@ class UpStaging:
                         self._core = torch.cuda.Event()
                         self._core.record(self.stream)
             else:
+                buf = self._bufs[self._current]
                 with torch.cuda.stream(self.stream):
                     for i in range(n):
-                        self.buf[i, :ub].copy_(views[i][:ub], non_blocking=True)
+                        buf[i, :ub].copy_(views[i][:ub], non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
         elif views is None:
@@ -260,8 +293,9 @@ class UpStaging:
             for i in range(n):
                 cp(dst[i], addresses[i], ub)
         else:
+            buf = self._bufs[self._current]
             for i in range(n):
-                self.buf[i, :ub].copy_(views[i][:ub])
+                buf[i, :ub].copy_(views[i][:ub])
         if not self.cuda and self.extra:         # the copies are done: the flags say so at once
             for b0 in range(0, n, self.batch):
                 self._signal(b0, min(b0 + self.batch, n))
@@ -277,32 +311,35 @@ class UpStaging:
         self._flag_of = {e: w[1] for e, w in self._stage_waits.items()}
         self._held.add(self.done, slots)
 
-    def _follow_compute(self) -> None:
+    def _follow_compute(self, launch_epoch: int | None = None) -> None:
         """The staging stream's next work after what is queued so far on the compute stream (the kernel that last read
         the buffer): by an event (`after` "event"), or by a fresh epoch written there by a stream memory write and
-        waited for here by a stream memory wait ("value"). The write is queued before the wait, on a stream that never
-        waits for this one in non-blocking mode (and in blocking mode only for copies queued after this wait), so the
-        wait always ends."""
+        waited for here by a stream memory wait ("value"). "progress": the epoch is the last launch's (`launch_gate`),
+        which its kernel writes before it ends; the compute stream's write after the kernel stays as the fallback. The
+        write is queued before the wait, on a stream that never waits for this one in non-blocking mode (and in
+        blocking mode only for copies queued after this wait), so the wait always ends."""
         current = torch.cuda.current_stream(self.device)
         if self.after == "event":
             self._after.record(current)
             self.stream.wait_event(self._after)
             return
-        if self.after != "value":
+        if self.after not in STAGE_AFTERS:
             raise ValueError(f"up staging after {self.after!r}: one of {', '.join(STAGE_AFTERS)}")
         if self._write is None:
             self._write = driver_write_value64()
         if self._wait is None:
             self._wait = driver_wait_value64()
         if self._write is None or self._wait is None:
-            raise RuntimeError("MOESTREAM_STAGE_AFTER=value needs libcuda's cuStreamWriteValue64 and "
+            raise RuntimeError(f"MOESTREAM_STAGE_AFTER={self.after} needs libcuda's cuStreamWriteValue64 and "
                                "cuStreamWaitValue64 (event takes an event instead)")
-        self._gate_epoch += 1
-        word = self._gate.data_ptr()
-        rc = self._write(current.cuda_stream, word, self._gate_epoch, 0)
+        if self.after == "value" or launch_epoch is None:
+            self._gate_epoch += 1
+            launch_epoch = self._gate_epoch
+        word = self.gate[1].data_ptr()
+        rc = self._write(current.cuda_stream, word, launch_epoch, 0)
         if rc:
             raise RuntimeError(f"cuStreamWriteValue64 of the staging's gate failed: CUDA error {rc}")
-        rc = self._wait(self.stream.cuda_stream, word, self._gate_epoch, WAIT_VALUE_GEQ)
+        rc = self._wait(self.stream.cuda_stream, word, launch_epoch, WAIT_VALUE_GEQ)
         if rc:
             raise RuntimeError(f"cuStreamWaitValue64 on the staging's gate failed: CUDA error {rc} "
                                "(MOESTREAM_STAGE_AFTER=event takes an event instead)")

@@ -47,13 +47,14 @@ def _down_group_rows(p_g, L, o_l, m_l, a_even, a_odd, HALF: tl.constexpr = 8):
 @triton.jit
 def _expert_layer_kernel(
     # tensors
-    x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, wait_ptr, flag_ptr,
+    x_ptr, addr_ptr, up_addr_ptr, gup_ptr, gdown_ptr, w_ptr, acc_ptr, count_ptr, wait_ptr, flag_ptr, gate_ptr,
     # sizes
     L, I, up_scales_off, down_off, k,
     # config
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, COUNT: tl.constexpr,
     UP_MODE: tl.constexpr = 4, USE_ASM: tl.constexpr = False, WAIT: tl.constexpr = False,
     SPIN_LIMIT: tl.constexpr = 1 << 20, EXPERT_MAJOR: tl.constexpr = False, SUB: tl.constexpr = 16,
+    GATE: tl.constexpr = False,
 ):
     if EXPERT_MAJOR:
         # expert-major order (the grid is (neuron blocks, k)): the blocks are dispatched about in launch order, so
@@ -69,8 +70,9 @@ def _expert_layer_kernel(
     if WAIT:
         # an up section still crossing by the copy engine (gpu_worker/up_dma.py): its batch's flag gets the value
         # `want` by a copy queued after the batch's copies, so seeing it (acquire: no up load moves above it)
-        # means the rows are in VRAM; 0: nothing to wait for
-        # means the rows are in VRAM; 0: nothing to wait for. A flag that never comes (a bug) must not hang the
+        # means the rows are in VRAM; 0: nothing to wait for. The epochs only grow and one stream sets the flags
+        # in order, so a later epoch there also means the rows are in (a later stage may set the flag first: the
+        # staging's second buffer, gpu_worker/up_staging.py). A flag that never comes (a bug) must not hang the
         # device: past SPIN_LIMIT polls (~1 s; a normal wait is < 1 ms) the program goes on and counts itself in
         # flags[k], which the host reads (gpu_worker/streaming.py raises on it)
         want = tl.load(wait_ptr + j)
@@ -78,10 +80,10 @@ def _expert_layer_kernel(
             f = flag_ptr + tl.load(wait_ptr + k + j)
             seen = tl.atomic_add(f, 0, sem="acquire")
             n = 0
-            while (seen != want) & (n < SPIN_LIMIT):
+            while (seen < want) & (n < SPIN_LIMIT):
                 seen = tl.atomic_add(f, 0, sem="acquire")
                 n += 1
-            if seen != want:
+            if seen < want:
                 tl.atomic_add(flag_ptr + k, 1, sem="relaxed")
     ubase = tl.load(up_addr_ptr + j).to(tl.pointer_type(tl.uint8))    # the up rows: in the block, or staged
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,6 +117,18 @@ def _expert_layer_kernel(
             tl.atomic_add(acc_ptr + o_l, b_out * coef, mask=m_l, sem="relaxed")
         if COUNT:
             tl.atomic_add(count_ptr, n_active, sem="relaxed")
+    if GATE:
+        # the launch's progress (gpu_worker/up_staging.py, "progress"): gate [counter, word]; the waits' fourth row
+        # holds [epoch, per mille]. The program that ends as the per-mille share of the grid has ended writes the
+        # epoch into the word (a staging stream waits for it); the grid's last program puts the counter back to 0
+        # for the next launch (every program has counted by then). Per mille 0: the word is never written here.
+        n_prog = tl.num_programs(0) * tl.num_programs(1)
+        done = tl.atomic_add(gate_ptr, 1, sem="relaxed") + 1
+        permille = tl.load(wait_ptr + 3 * k + 1)
+        if (permille > 0) & (done == tl.maximum((n_prog * permille) // 1000, 1)):
+            tl.atomic_max(gate_ptr + 1, tl.load(wait_ptr + 3 * k), sem="release")
+        if done == n_prog:
+            tl.atomic_xchg(gate_ptr, 0, sem="relaxed")
 
 
 def check_layer_args(x, addrs, geom: ExpertGeometry, up_global, down_global, weights, acc, counter) -> torch.Tensor:
@@ -138,7 +152,8 @@ def check_layer_args(x, addrs, geom: ExpertGeometry, up_global, down_global, wei
 def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_global: torch.Tensor,
                  down_global: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None = None,
                  config: dict | None = None, counter: torch.Tensor | None = None,
-                 up_addrs: torch.Tensor | None = None, up_ready=None, expert_major: bool = True) -> torch.Tensor:
+                 up_addrs: torch.Tensor | None = None, up_ready=None, expert_major: bool = True,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
     """acc fp32 [L] (+)= Σ_j w_j · down_j(relu(up_j x)²), reading only the active down (sub-)groups: 16 neurons, or
     the store's sub-groups of 8, 4 or 2 (`geom.down_group_neurons`, FUSED_SUBS).
 
@@ -155,6 +170,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
     programs that gave up waiting (a flag that never came: their result is wrong, the caller must check).
     expert_major (with up_ready): the programs go in waits[2]'s order, an expert's neuron blocks together; False:
     the grid as without up_ready (every expert's first blocks first), waits[2] unused.
+    waits may have a fourth row, [epoch, per mille, ...], read only with `gate`.
+    gate: optional int64 [2] (counter, word; the counter 0 before the first launch): the program that ends as
+    per mille / 1000 of the grid has ended writes the epoch into the word (atomic max: a staging stream waits on it,
+    gpu_worker/up_staging.py "progress"), and the last one puts the counter back to 0. Needs up_ready, waits of 4 rows.
     """
     if geom.fmt != "nvfp4":
         raise ValueError(f"the fused expert kernel reads NVFP4 blocks, not {geom.fmt!r} (use the twin)")
@@ -170,10 +189,14 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         raise ValueError(f"up_addrs must be int64 {tuple(addrs.shape)}, got {up_addrs.dtype} {tuple(up_addrs.shape)}")
     if up_ready is not None:
         waits, flags = up_ready
-        if (waits.shape != (3, k) or waits.dtype != torch.int64 or not waits.is_contiguous()
+        if (waits.shape not in ((3, k), (4, k)) or waits.dtype != torch.int64 or not waits.is_contiguous()
                 or flags.dtype != torch.int64 or flags.dim() != 1 or flags.numel() <= k):
-            raise ValueError(f"up_ready must be (int64 [3, {k}], int64 [F > {k}]), got {waits.dtype} "
+            raise ValueError(f"up_ready must be (int64 [3 or 4, {k}], int64 [F > {k}]), got {waits.dtype} "
                              f"{tuple(waits.shape)}, {flags.dtype} {tuple(flags.shape)}")
+    if gate is not None and (up_ready is None or up_ready[0].shape != (4, k) or k < 2 or gate.dtype != torch.int64
+                             or gate.numel() != 2 or gate.is_cuda != acc.is_cuda):
+        raise ValueError(f"gate must be int64 [2] on the kernel's device, with up_ready's waits int64 [4, {k}] "
+                         f"(k >= 2: the fourth row holds the epoch and the per mille)")
     # H200 run 1 (bench/NOTES.md, experiment 4): UP_MODE 8 at BLOCK_N 64 read the pinned slab at 83-86 % of H2D
     # (two launches: 80 %) and VRAM 1.1-1.4x faster than the two launches; BLOCK_N 128 halves the programs in flight
     cfg = {**dict(BLOCK_N=64, BLOCK_K=256, BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4,
@@ -188,9 +211,10 @@ def expert_layer(x: torch.Tensor, addrs: torch.Tensor, geom: ExpertGeometry, up_
         grid = grid[::-1]
     waits, flags = up_ready if up_ready is not None else (addrs, addrs)
     _expert_layer_kernel[grid](x.reshape(-1).contiguous(), addrs, up_addrs, up_global, down_global, weights, acc,
-                               counter if counter is not None else acc, waits, flags, L, I, geom.up_scales_off,
+                               counter if counter is not None else acc, waits, flags,
+                               gate if gate is not None else flags, L, I, geom.up_scales_off,
                                geom.down_off, k, COUNT=counter is not None, WAIT=up_ready is not None,
-                               EXPERT_MAJOR=major, SUB=geom.down_group_neurons, **cfg)
+                               EXPERT_MAJOR=major, SUB=geom.down_group_neurons, GATE=gate is not None, **cfg)
     return acc
 
 

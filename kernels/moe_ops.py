@@ -39,7 +39,7 @@ def expert_decode_torch(x, blocks, geom: ExpertGeometry, up_global, down_global,
 
 def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weights, acc=None,
                   up_config=None, down_config=None, down_counter=None, fused: bool = False, up_blocks=None,
-                  resident: bool | None = None, up_ready=None, expert_major: bool = True):
+                  resident: bool | None = None, up_ready=None, expert_major: bool = True, gate=None):
     """Routed experts of one token at one MoE layer. x [L]; up/down_global, weights fp32 [k].
 
     NVFP4 blocks by address (int64 [k]): one grouped-up launch (ReLU² and group mask fused), one sparse-down
@@ -55,12 +55,13 @@ def expert_decode(x, blocks, geom: ExpertGeometry, up_global, down_global, weigh
     of 1 keep the two launches.
     up_blocks: int64 [k], where each expert's up section lies when not in its block (the fused launch only).
     up_ready: (waits, flags) for up sections still crossing by the copy engine (the fused launch only;
-    kernels/expert_layer.py, gpu_worker/up_dma.py); expert_major: their programs in the waits' launch order.
+    kernels/expert_layer.py, gpu_worker/up_dma.py); expert_major: their programs in the waits' launch order;
+    gate: the launch's progress word for a staging stream (the fused launch only; kernels/expert_layer.py).
     """
     if _addressed(blocks) and geom.fmt == "nvfp4" and fused and geom.down_group_neurons in FUSED_SUBS:
         return expert_layer(x, blocks, geom, up_global, down_global, weights, acc, counter=down_counter,
-                            up_addrs=up_blocks, up_ready=up_ready, expert_major=expert_major)
-    if up_blocks is not None or up_ready is not None:
+                            up_addrs=up_blocks, up_ready=up_ready, expert_major=expert_major, gate=gate)
+    if up_blocks is not None or up_ready is not None or gate is not None:
         raise ValueError("up sections apart from their blocks are read by the fused launch only")
     if resident is None:
         resident = down_counter is None

@@ -32,3 +32,21 @@ def test_the_setting_before_the_ab_comes_back(monkeypatch):
     assert seen == ["7", "1", "1", "7"] and os.environ["MOESTREAM_AB_PROBE"] == "7"
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE", 2, lambda k: [k], 4, "cpu")
+
+
+def test_three_arms_rotate_and_each_is_paired_with_a(monkeypatch):
+    """Settings apart by ';' make arms b and c: each round decodes the same prompts in a rotated order (a b c, b c a,
+    c a b), each arm with its own setting alone, and each gets its paired differences against a."""
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+    calls = []
+
+    def fake_run(eng, prompts, n_tokens, device):
+        v = os.environ.get("MOESTREAM_AB_PROBE")
+        calls.append((v, prompts))
+        return dict(ms_per_token_all=[p + {None: 10.0, "1": 9.0, "2": 12.0}[v] for p in prompts])
+    monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
+    ab = e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1;MOESTREAM_AB_PROBE=2", 3, lambda k: [0.5 * k], 16, "cpu")
+    assert [v for v, _ in calls] == [None, "1", "2", "1", "2", None, "2", None, "1"]
+    assert all(calls[3 * r][1] == calls[3 * r + 2][1] for r in range(3))
+    assert ab["diffs"] == [-1.0] * 3 and ab["diffs_c"] == [2.0] * 3 and ab["c_median"] == pytest.approx(12.5)
+    assert "MOESTREAM_AB_PROBE" not in os.environ

@@ -280,15 +280,20 @@ def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, b
 
 
 @cpu_only
-def test_staged_ups_without_the_blocking_wait_change_nothing(store, plain_addressed):
+@pytest.mark.parametrize("after", ["event", "progress"])
+def test_staged_ups_without_the_blocking_wait_change_nothing(store, plain_addressed, after, monkeypatch):
     """Non-blocking staging (gpu_worker/up_staging.py `extra`): more guessed ups than the adapted limit, and the
     kernel waits per staged expert on its batch's flag instead of for the copies' event: the plain forward's logits,
-    the staged ups read, no wait given up."""
+    the staged ups read, no wait given up. "progress" (MOESTREAM_STAGE_AFTER): the stages alternate two buffers and
+    each launch's kernel writes its gate's epoch and puts its counter back."""
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", after)
     with engine(store, store[2] + 8, addressed=True) as eng:
         eng.experts.stage_extra = 3
         out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
         ex = eng.experts
         assert ex.ups.extra == 3 and ex.acct.ups_staged_used > 0 and ex.ups.gave_up() == 0
+        assert ex.ups.after == after and len(ex.ups._bufs) == (2 if after == "progress" else 1)
+        assert ex.ups.gate[0].item() == 0 and (ex.ups.gate[1].item() > 0) == (after == "progress")
     assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
 
 
@@ -316,17 +321,20 @@ def test_tracing_steps_run_the_model_forward(store, honours_tracing):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine and the captured graphs: CUDA")
-def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
+def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store, monkeypatch):
     """On CUDA, every expert cached: the graphs with the next layer's guessed ups staged into VRAM by the copy
-    engine give the logits of the graphs without staging (same kernels, same sums), and the staged ups are read."""
+    engine give the logits of the graphs without staging (same kernels, same sums), and the staged ups are read.
+    Non-blocking staging with its copies after a stream memory wait ("value") or released by the kernel's progress
+    ("progress", two buffers) too."""
     from gpu_worker.engine import StreamingEngine
     _, path, n, stride = store
     out = {}
-    for stage in (False, True, "dma", "nowait"):
+    for stage in (False, True, "dma", "nowait", "value", "progress"):
+        monkeypatch.setenv("MOESTREAM_STAGE_AFTER", stage if stage in ("value", "progress") else "event")
         with StreamingEngine(path, cache_bytes=(n + 8) * stride, io_workers=2, device="cuda",
                              dtype=torch.float32, stage_ups=bool(stage)) as eng:
             eng.experts.up_dma_limit = 64 if stage == "dma" else 0      # the chosen ups by the copy engine too
-            eng.experts.stage_extra = 4 if stage == "nowait" else 0     # staged ups waited for per expert
+            eng.experts.stage_extra = 4 if stage in ("nowait", "value", "progress") else 0   # waited for per expert
             eng_graphs = eng.graphs
             seen = route_variants(eng_graphs)
             out[stage] = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
@@ -339,11 +347,12 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store):
             assert (a.ups_dma > 0) == (stage == "dma"), a.ups_dma
             if stage == "dma":
                 assert eng.experts.up_dma.gave_up() == 0
-            if stage == "nowait":
-                assert eng.experts.ups.extra == 4 and eng.experts.ups.gave_up() == 0
-    assert torch.allclose(out[False], out[True], atol=1e-4, rtol=1e-4), (out[False] - out[True]).abs().max()
-    assert torch.allclose(out[False], out["dma"], atol=1e-4, rtol=1e-4), (out[False] - out["dma"]).abs().max()
-    assert torch.allclose(out[False], out["nowait"], atol=1e-4, rtol=1e-4), (out[False] - out["nowait"]).abs().max()
+            if stage in ("nowait", "value", "progress"):
+                ups = eng.experts.ups
+                assert ups.extra == 4 and ups.gave_up() == 0 and ups.after == (stage if stage != "nowait" else "event")
+                assert ups.gate[0].item() == 0 and (ups.gate[1].item() > 0) == (stage != "nowait")
+    for stage in (True, "dma", "nowait", "value", "progress"):
+        assert torch.allclose(out[False], out[stage], atol=1e-4, rtol=1e-4), (stage, (out[False] - out[stage]).abs().max())
 
 
 def warm_every_expert(eng) -> None:

@@ -391,6 +391,64 @@ def test_take_hands_the_stages_ups_and_waits_and_counts_the_ranks_used(counted, 
     assert ups.staged_by_rank == [2, 1, 1, 0]
 
 
+@pytest.mark.parametrize("after", ["progress", "event"])
+def test_progress_stages_alternate_two_buffers_and_hand_launch_gates(after):
+    """On the CPU: with "progress" each stage goes into the other of two buffers (the kernel that releases it may still
+    read the last one) and `take` hands the addresses in the buffer staged last; `launch_gate` gives growing epochs
+    and the per mille of `gate_at`. With "event" one buffer and no gate (the twin of the alternation)."""
+    from gpu_worker.up_staging import UpStaging
+    ups = UpStaging(3, 64, "cpu")
+    ups.extra, ups.batch, ups.after, ups.gate_at = 3, 2, after, 0.85
+    blocks = [torch.full((128,), i + 1, dtype=torch.uint8) for i in range(4)]
+    seen = []
+    for layer in range(3):
+        gate = ups.launch_gate()
+        ups.stage(layer, [10, 20], [0, 0], [], views=blocks[layer:layer + 2], launch_epoch=gate and gate[0])
+        got = ups.take(layer, [20, 10], blocking=False)
+        seen.append(got[10])
+        assert ups._bufs[ups._current][0, :64].eq(layer + 1).all() and ups._bufs[ups._current][1, :64].eq(layer + 2).all()
+        if after == "progress":
+            assert gate == (layer + 1, 850)
+        else:
+            assert gate is None
+    if after == "progress":
+        assert seen[0] == seen[2] != seen[1] and ups.nbytes == 2 * ups.buf.numel()
+    else:
+        assert seen[0] == seen[1] == seen[2] and ups.nbytes == ups.buf.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the staging stream against a running kernel: CUDA")
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_gpu_progress_stage_spares_the_buffer_its_kernel_reads(buffers):
+    """"progress": a stage's copies may start while the kernel that reads the last stage still runs (its gate written
+    early, as the kernel's program writes it at the per-mille share); they go into the other buffer, so the running
+    reader (a sleep, then a read) sees its own stage's bytes, and the copies land. Must-fail twin (one buffer): the
+    copies overwrite the bytes under the reader."""
+    from gpu_worker.up_staging import UpStaging
+    n, ub = 3, 4096
+    ups = UpStaging(n, ub, DEVICE)
+    ups.after = "progress"
+    src = [torch.randint(0, 256, (ub,), dtype=torch.uint8).pin_memory() for _ in range(2 * n)]
+    ups.stage(0, list(range(n)), [t.data_ptr() for t in src[:n]], [])       # no launch gate: after the compute stream
+    torch.cuda.synchronize()
+    first = ups._bufs[ups._current]
+    mine = torch.stack(src[:n]).to(DEVICE)
+    assert torch.equal(first[:, :ub], mine)
+    if buffers == 1:
+        ups._next_buffer = lambda: None
+    epoch, _ = ups.launch_gate()
+    ups.gate[1].fill_(epoch)                      # the reader's gate, written before it ends
+    torch.cuda._sleep(50_000_000)
+    seen = first[:, :ub].clone()
+    ups.stage(1, list(range(n)), [t.data_ptr() for t in src[n:]], [], launch_epoch=epoch)
+    torch.cuda.synchronize()
+    assert torch.equal(ups._bufs[ups._current][:, :ub], torch.stack(src[n:]).to(DEVICE)), "the copies did not land"
+    if buffers == 2:
+        assert torch.equal(seen, mine), "the stage overwrote the buffer its kernel still read"
+    else:
+        assert not torch.equal(seen, mine), "one buffer, and the reader kept its bytes: the test shows nothing"
+
+
 class _Copies:
     """A CUDA event's query, for `take`'s judgement of the copies on the CPU."""
 

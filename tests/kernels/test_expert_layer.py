@@ -127,3 +127,35 @@ def test_up_sections_read_apart_from_their_blocks(up_mode, device):
                                 up_addrs=wrong), ref) > 0.05
     with pytest.raises(ValueError, match="up_addrs must be int64"):
         expert_layer(x, block_addresses(broken, device), geom, ug, dg, w, up_addrs=up[:-1])
+
+
+@pytest.mark.parametrize("permille", [1, 500, 1000])
+def test_launch_gate_writes_its_epoch_and_puts_the_counter_back(permille, device):
+    """GATE (the staging's "progress" mode, gpu_worker/up_staging.py): after a launch the word holds the launch's
+    epoch (written by the program that ended as the per-mille share of the grid had ended) and the counter is back at
+    0, so the next launch writes its own; the result is the twin's. Per mille 0: the word is left as it was.
+    Must-fail twin: a counter not put back (a stale count) never meets the share: the launch's epoch never comes."""
+    k = 3
+    geom, blocks, ug, dg, ups, downs, x, w = _inputs(device, k=k, positive=True)
+    ref = expert_layer_torch(x, blocks, geom, ug, dg, w)
+    addrs = block_addresses(blocks, device)
+    flags = torch.zeros(k + 1, dtype=torch.int64, device=device)
+    gate = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def waits(epoch, pm):
+        t = torch.zeros(4, k, dtype=torch.int64, device=device)
+        t[2] = torch.arange(k)
+        t[3, 0], t[3, 1] = epoch, pm
+        return t
+
+    for epoch in (5, 9):
+        out = expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_ready=(waits(epoch, permille), flags), gate=gate)
+        assert gate.tolist() == [0, epoch]
+        assert_close(out, ref, TOL, f"gated launch, per mille {permille}")
+    expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_ready=(waits(12, 0), flags), gate=gate)
+    assert gate.tolist() == [0, 9]
+    gate[0] = 1000                                 # the twin: the count of an earlier launch left in the counter
+    expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_ready=(waits(13, permille), flags), gate=gate)
+    assert gate[1].item() == 9 and gate[0].item() > 1000
+    with pytest.raises(ValueError, match="gate must be int64"):
+        expert_layer(x, addrs, geom, ug, dg, w, config=SMALL, up_ready=(waits(14, permille)[:3], flags), gate=gate)
