@@ -71,7 +71,7 @@ def route_problems(src, shm, slot_of) -> list[str]:
                     epochs[p], flags[p] = first_epoch + i // 2, i - i % 2
                     used += 1
                     used_by_rank[i] += 1
-        want = [blocks, ups, epochs, flags, list(range(K))]
+        want = [blocks, ups, epochs, flags, list(range(K)), [0] * K]     # (no launch gate: "event", the default)
         if rows != want:
             bad.append(f"token {t} layer {j}: rows {rows} != {want}")
         if messages(shm):
@@ -120,8 +120,8 @@ def test_twin_broken_staging_is_caught(rig, monkeypatch, broken):
     if broken == "copies_from_the_wrong_block":
         stage = UpStaging.stage
 
-        def wrong(self, layer, experts, addresses, slots, views=None):
-            return stage(self, layer, experts, addresses[1:] + addresses[:1], slots, views)
+        def wrong(self, layer, experts, addresses, slots, views=None, launch_epoch=None):
+            return stage(self, layer, experts, addresses[1:] + addresses[:1], slots, views, launch_epoch)
         monkeypatch.setattr(UpStaging, "stage", wrong)
     else:
         signal = UpStaging._signal
@@ -196,10 +196,11 @@ def test_set_addresses_packed_rows_equal_numpy_and_fall_back():
         return ExpertInputs.like(torch.zeros(1, 8), None, (torch.zeros(k), torch.zeros(k)), torch.zeros(k),
                                  pinned=False)
 
-    def expect(rows, order):
-        want = np.zeros((5, k), dtype=np.int64)
+    def expect(rows, order, gate=(0, 0)):
+        want = np.zeros((6, k), dtype=np.int64)
         want[:4] = rows
         want[4] = order
+        want[5, :2] = gate
         return want
     for _ in range(4):
         rows = [[int(v) for v in rng.integers(-(1 << 62), 1 << 62, size=k)] for _ in range(4)]
@@ -210,6 +211,14 @@ def test_set_addresses_packed_rows_equal_numpy_and_fall_back():
         two = fresh()                                       # no waits: rows 2-3 zero, row 4 the identity
         two.set_addresses(rows[0], rows[1])
         assert (two.addresses_host.numpy() == expect([rows[0], rows[1], [0] * k, [0] * k], range(k))).all()
+    inp = fresh()                  # a launch gate (epoch, per mille) in row 5, zeroed by the next route without one
+    inp.set_addresses(rows[0], rows[1], (rows[2], rows[3], order, (41, 900)))
+    assert (inp.addresses_host.numpy() == expect(rows, order, (41, 900))).all()
+    inp.set_addresses(rows[0], rows[1], (rows[2], rows[3], order, None))
+    assert (inp.addresses_host.numpy() == expect(rows, order)).all()
+    inp.set_addresses(rows[0], rows[1], (rows[2], rows[3], order, (42, 900)))
+    inp.set_addresses(rows[0], rows[1])
+    assert (inp.addresses_host.numpy() == expect([rows[0], rows[1], [0] * k, [0] * k], range(k))).all()
     inp = fresh()
     np_rows = [np.asarray(r, dtype=np.int64) for r in rows]       # not Python ints: the numpy path
     inp.set_addresses(np_rows[0], list(np_rows[1]), (rows[2], rows[3], list(order)))
