@@ -23,7 +23,7 @@ from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
                                stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env,
-                               stage_min_precision_from_env)
+                               stage_gate_from_env, stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
@@ -183,6 +183,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self.stage_min_precision = stage_min_precision_from_env()     # 0.5 (bench/NOTES.md session 18, call 6)
         self.stage_batch = stage_batch_from_env()       # staged ups per flag, 2
         self.stage_flag = stage_flag_from_env()         # a batch's flag by the copy engine or a stream write
+        self.stage_gate = stage_gate_from_env()         # the fused kernel's progress gate, in its graph
         self.up_dma: ChosenUpDMA | None = None
         self._dma_pending = None         # (positions, sources, epochs) planned by decode_route, queued after the launch
         # decode: layers whose every expert is in the VRAM tier are routed on the device (gpu_worker/decode_graphs.py)
@@ -375,7 +376,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             if self.ups is None:
                 self.ups = self._new_staging(addresses.numel())
             ready, major = (up_waits, self.ups.flags), False
-            if up_waits.shape[0] == 4:    # the route's fourth row: the launch's gate (zeros: none, the default)
+            if self.stage_gate and up_waits.shape[0] == 4:    # the route's fourth row: the launch's gate (zeros: none)
                 gate = self.ups.gate
         moe_ops.expert_decode(x, addresses, self.geom, scales[0], scales[1], weights, acc,
                               down_counter=self._down_groups if count_down_groups else None,

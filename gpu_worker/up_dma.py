@@ -76,6 +76,15 @@ def stage_after_from_env() -> str:
     return v
 
 
+def stage_gate_from_env() -> bool:
+    """MOESTREAM_STAGE_GATE (1 by default; 0: off): the fused expert kernel of a staged layer counts its programs and
+    can release the next stage's copies (kernels/expert_layer.py GATE), compiled into its graph whatever
+    MOESTREAM_STAGE_AFTER says per stage, so that one engine can A/B the modes. Off: no count in the kernel (one atomic
+    a program), and "progress" waits for the compute stream's write after the kernel, as "value" does. Read when
+    the engine is made."""
+    return env_count_or_off("MOESTREAM_STAGE_GATE", 1, "switch (1: on)") > 0
+
+
 def stage_gate_at_from_env() -> float:
     """MOESTREAM_STAGE_GATE_AT: with MOESTREAM_STAGE_AFTER=progress, the share of the expert kernel's programs that
     have ended when the next layer's staged copies may start (above 0, at most 1; 0.9 by default). Read per stage."""

@@ -280,19 +280,21 @@ def test_chosen_ups_by_dma_change_nothing(store, plain_addressed, monkeypatch, b
 
 
 @cpu_only
-@pytest.mark.parametrize("after", ["event", "progress"])
+@pytest.mark.parametrize("after", ["event", "progress", "progress_ungated"])
 def test_staged_ups_without_the_blocking_wait_change_nothing(store, plain_addressed, after, monkeypatch):
     """Non-blocking staging (gpu_worker/up_staging.py `extra`): more guessed ups than the adapted limit, and the
     kernel waits per staged expert on its batch's flag instead of for the copies' event: the plain forward's logits,
     the staged ups read, no wait given up. "progress" (MOESTREAM_STAGE_AFTER): the stages alternate two buffers and
-    each launch's kernel writes its gate's epoch and puts its counter back."""
-    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", after)
+    each launch's kernel writes its gate's epoch and puts its counter back; with MOESTREAM_STAGE_GATE=0 the kernel
+    has no gate and writes nothing (on the CPU nothing else writes the word)."""
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", after.split("_")[0])
+    monkeypatch.setenv("MOESTREAM_STAGE_GATE", "0" if after.endswith("ungated") else "1")
     with engine(store, store[2] + 8, addressed=True) as eng:
         eng.experts.stage_extra = 3
         out = run(eng.model, eng.step, steps=PIPELINE_STEPS, fixed=True)
         ex = eng.experts
         assert ex.ups.extra == 3 and ex.acct.ups_staged_used > 0 and ex.ups.gave_up() == 0
-        assert ex.ups.after == after and len(ex.ups._bufs) == (2 if after == "progress" else 1)
+        assert ex.ups.after == after.split("_")[0] and len(ex.ups._bufs) == (1 if after == "event" else 2)
         assert ex.ups.gate[0].item() == 0 and (ex.ups.gate[1].item() > 0) == (after == "progress")
     assert torch.allclose(plain_addressed, out, atol=3e-3, rtol=1e-3), (plain_addressed - out).abs().max()
 

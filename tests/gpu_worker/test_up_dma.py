@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # t
 from expert_cases import TOL, experts  # noqa: E402
 
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,  # noqa: E402
-                               stage_extra_from_env, stage_flag_from_env, stage_min_precision_from_env)
+                               stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env, stage_gate_from_env,
+                               stage_min_precision_from_env)
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
@@ -159,15 +160,26 @@ def test_stage_batch_and_flag_from_env(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def test_stage_after_from_env(monkeypatch):
-    """How the staged copies follow the expert kernel: "event" by default, or "value"; a bad value is named."""
-    monkeypatch.delenv("MOESTREAM_STAGE_AFTER", raising=False)
-    assert stage_after_from_env() == "event"
-    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "value")
-    assert stage_after_from_env() == "value"
-    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "never")
-    with pytest.raises(ValueError, match="MOESTREAM_STAGE_AFTER"):
-        stage_after_from_env()
+def test_stage_after_gate_and_share_from_env(monkeypatch):
+    """How the staged copies follow the expert kernel ("event" by default, "value" or "progress"), whether the kernel
+    has the progress gate (on by default) and at what share of its programs it opens (0.9 by default, in (0, 1]);
+    bad values are named."""
+    for name in ("MOESTREAM_STAGE_AFTER", "MOESTREAM_STAGE_GATE", "MOESTREAM_STAGE_GATE_AT"):
+        monkeypatch.delenv(name, raising=False)
+    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("event", True, 0.9)
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "progress")
+    monkeypatch.setenv("MOESTREAM_STAGE_GATE", "0")
+    monkeypatch.setenv("MOESTREAM_STAGE_GATE_AT", "1")
+    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("progress", False, 1.0)
+    for name, bad, read in (("MOESTREAM_STAGE_AFTER", "never", stage_after_from_env),
+                            ("MOESTREAM_STAGE_GATE", "yes", stage_gate_from_env),
+                            ("MOESTREAM_STAGE_GATE_AT", "0", stage_gate_at_from_env),
+                            ("MOESTREAM_STAGE_GATE_AT", "1.5", stage_gate_at_from_env),
+                            ("MOESTREAM_STAGE_GATE_AT", "most", stage_gate_at_from_env)):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            read()
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the staging stream against a running kernel: CUDA")
