@@ -211,7 +211,7 @@ def test_gpu_staged_copies_wait_for_the_buffers_last_reader(after):
         else:
             assert torch.equal(seen, old), f"the copies overwrote the buffer before its reader ({after})"
     if after == "value":
-        assert ups._gate_epoch == 2 and int(ups._gate) == 2
+        assert ups._gate_epoch == 2 and ups.gate[1].item() == 2
 
 
 @pytest.mark.parametrize("gate", [0.5, 0.0])
