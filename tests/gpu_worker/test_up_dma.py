@@ -194,7 +194,7 @@ def test_gpu_staged_copies_wait_for_the_buffers_last_reader(after):
     ups = UpStaging(n, ub, DEVICE)
     ups.after = "event" if after == "never" else after
     if after == "never":
-        ups._follow_compute = lambda: None
+        ups._follow_compute = lambda launch_epoch=None: None
     src = [torch.randint(0, 256, (ub,), dtype=torch.uint8).pin_memory() for _ in range(2 * n)]
     old = torch.randint(0, 256, ups.buf.shape, dtype=torch.uint8, device=DEVICE)
     for rnd in range(2):
