@@ -103,13 +103,13 @@ def prefill_eager() -> bool:
 
 
 def ahead_first() -> bool:
-    """MOESTREAM_PREFILL_AHEAD_FIRST (read per layer; off by default until a GPU run measures it, 1: on): a layer's
-    experts whose blocks were copied ahead launch first, in expert order, then those staged through the ring (as the
-    flow orders them, gpu_worker/ahead_flow.py `launch_order`). Session 25's raw 16k timeline (bench/NOTES.md "What
-    next (session 27)"): MoE 0's first kernel waited ~8 ms past its router's sync, because its first launch held
-    experts the history guess had missed, and their ring copies queued behind the layer's copies ahead on the copy
-    engine."""
-    raw = os.environ.get("MOESTREAM_PREFILL_AHEAD_FIRST", "") or "0"
+    """MOESTREAM_PREFILL_AHEAD_FIRST (read per layer; 1 by default, 0: off): a layer's experts whose blocks were copied
+    ahead launch first, in expert order, then those staged through the ring (as the flow orders them,
+    gpu_worker/ahead_flow.py `launch_order`). Session 25's raw 16k timeline (bench/NOTES.md "What next (session 27)"):
+    MoE 0's first kernel waited ~8 ms past its router's sync, because its first launch held experts the history guess
+    had missed, and their ring copies queued behind the layer's copies ahead on the copy engine. On since session 28's
+    H100 A/B in one engine (8 MoE layers, two rounds): 16k 256.9 → 233.5 ms, 4k 190.8 → 179.8, 1k 161.4 → 160.4."""
+    raw = os.environ.get("MOESTREAM_PREFILL_AHEAD_FIRST", "") or "1"
     if raw not in ("0", "1"):
         raise ValueError(f"MOESTREAM_PREFILL_AHEAD_FIRST={raw!r}: expected 0 or 1")
     return raw == "1"

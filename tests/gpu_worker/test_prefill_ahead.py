@@ -775,11 +775,11 @@ def test_guess_buckets_count_by_tokens_and_a_shifted_edge_is_caught():
 
 
 def test_ahead_first_knob(monkeypatch):
-    """MOESTREAM_PREFILL_AHEAD_FIRST: off by default (until a GPU run measures it), 1 on, anything else named."""
+    """MOESTREAM_PREFILL_AHEAD_FIRST: on by default (session 28's GPU A/B), 0 off, anything else named."""
     monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_FIRST", raising=False)
-    assert not prefill_knobs.ahead_first()
-    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "1")
     assert prefill_knobs.ahead_first()
+    monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "0")
+    assert not prefill_knobs.ahead_first()
     monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_FIRST", "yes")
     with pytest.raises(ValueError, match="MOESTREAM_PREFILL_AHEAD_FIRST"):
         prefill_knobs.ahead_first()

@@ -50,8 +50,9 @@ def route_problems(src, shm, slot_of) -> list[str]:
     base, sb = src.slab.data_ptr(), src.slot_bytes
     slab = src.slab
     inp = ExpertInputs.like(torch.zeros(1, 8), None, None, torch.zeros(1, K), pinned=False)
-    staged = None            # (layer, the experts staged for it, in buffer-slot order)
+    staged = None            # (layer, the experts staged for it, in buffer-slot order, first epoch, the buffer)
     epoch = 0
+    last_gate = None
     used = staged_total = 0
     used_by_rank = [0] * K
     for t, j, chosen, guess in trace(0):
@@ -67,11 +68,16 @@ def route_problems(src, shm, slot_of) -> list[str]:
             for p, e in enumerate(chosen):
                 if e in order:
                     i = order.index(e)
-                    ups[p] = src.ups.buf[i].data_ptr()
+                    ups[p] = staged[3][i].data_ptr()
                     epochs[p], flags[p] = first_epoch + i // 2, i - i % 2
                     used += 1
                     used_by_rank[i] += 1
-        want = [blocks, ups, epochs, flags, list(range(K)), [0] * K]     # (no launch gate: "event", the default)
+        # the launch gate ("progress", the default): the route's epoch, one past the last, and the per mille (0.9)
+        gate = src._launch_epoch
+        if gate is not None and last_gate is not None and gate != last_gate + 1:
+            bad.append(f"token {t} layer {j}: launch gate epoch {gate} after {last_gate}")
+        last_gate = gate if gate is not None else last_gate
+        want = [blocks, ups, epochs, flags, list(range(K)), [gate, 900] + [0] * (K - 2) if gate else [0] * K]
         if rows != want:
             bad.append(f"token {t} layer {j}: rows {rows} != {want}")
         if messages(shm):
@@ -82,12 +88,15 @@ def route_problems(src, shm, slot_of) -> list[str]:
         if got != [[MSG_LAYER, j, chosen, (j + 1) % N_MOE, guess]]:
             bad.append(f"token {t} layer {j}: messages {got}")
         nj = (j + 1) % N_MOE
-        staged = (nj, list(guess), epoch + 1)
+        buf = src.ups._bufs[src.ups._current]
+        if staged is not None and buf is staged[3]:
+            bad.append(f"token {t} layer {j}: staged into the buffer the last stage filled")
+        staged = (nj, list(guess), epoch + 1, buf)
         epoch += -(-K // 2)
         staged_total += K
         ub = src._up_span
         for i, e in enumerate(guess):          # the buffer holds the next layer's guessed ups, in rank order
-            if not torch.equal(src.ups.buf[i, :ub], slab[slot_of[nj, e], :ub]):
+            if not torch.equal(buf[i, :ub], slab[slot_of[nj, e], :ub]):
                 bad.append(f"token {t}: staged up of layer {nj} expert {e} (slot {i}) differs from its block")
         if src.ups.flags[:K:2].tolist() != [staged[2] + b for b in range(-(-K // 2))]:     # a batch's epoch
             bad.append(f"token {t} layer {j}: flags {src.ups.flags[:K].tolist()}")

@@ -166,11 +166,11 @@ def test_stage_after_gate_and_share_from_env(monkeypatch):
     bad values are named."""
     for name in ("MOESTREAM_STAGE_AFTER", "MOESTREAM_STAGE_GATE", "MOESTREAM_STAGE_GATE_AT"):
         monkeypatch.delenv(name, raising=False)
-    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("event", True, 0.9)
-    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "progress")
+    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("progress", True, 0.9)
+    monkeypatch.setenv("MOESTREAM_STAGE_AFTER", "event")
     monkeypatch.setenv("MOESTREAM_STAGE_GATE", "0")
     monkeypatch.setenv("MOESTREAM_STAGE_GATE_AT", "1")
-    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("progress", False, 1.0)
+    assert (stage_after_from_env(), stage_gate_from_env(), stage_gate_at_from_env()) == ("event", False, 1.0)
     for name, bad, read in (("MOESTREAM_STAGE_AFTER", "never", stage_after_from_env),
                             ("MOESTREAM_STAGE_GATE", "yes", stage_gate_from_env),
                             ("MOESTREAM_STAGE_GATE_AT", "0", stage_gate_at_from_env),
