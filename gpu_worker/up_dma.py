@@ -70,7 +70,8 @@ def stage_after_from_env() -> str:
     `after`, STAGE_AFTERS): "progress" (the default: the kernel releases them once MOESTREAM_STAGE_GATE_AT of its
     programs have ended), "value" (a stream memory write and wait after the kernel) or "event" (an event after it).
     Read per stage, so that one engine can A/B it (bench.e2e_stream --ab-env). Session 28's H100 A/B in one engine (8
-    MoE layers, 4 rounds, 12 prompt pairs): progress −0.265 ms a token against event, lower in 12 of 12; value +0.035."""
+    MoE layers, 4 rounds, 12 prompt pairs): progress −0.265 ms a token against event, lower in 12 of 12; value
+    +0.035."""
     v = os.environ.get("MOESTREAM_STAGE_AFTER", "") or "progress"
     if v not in STAGE_AFTERS:
         raise ValueError(f"MOESTREAM_STAGE_AFTER={v!r}: expected one of {', '.join(STAGE_AFTERS)}")
@@ -93,7 +94,8 @@ def stage_gate_at_from_env() -> float:
     try:
         p = float(v)
     except ValueError:
-        raise ValueError(f"MOESTREAM_STAGE_GATE_AT={v!r}: a share of the kernel's programs, above 0, at most 1") from None
+        raise ValueError(f"MOESTREAM_STAGE_GATE_AT={v!r}: a share of the kernel's programs, above 0, at most "
+                         "1") from None
     if not 0.0 < p <= 1.0:
         raise ValueError(f"MOESTREAM_STAGE_GATE_AT={p}: must be above 0 and at most 1")
     return p

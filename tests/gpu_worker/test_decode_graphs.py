@@ -354,7 +354,8 @@ def test_gpu_staged_ups_change_nothing_but_where_the_ups_are_read(store, monkeyp
                 assert ups.extra == 4 and ups.gave_up() == 0 and ups.after == (stage if stage != "nowait" else "event")
                 assert ups.gate[0].item() == 0 and (ups.gate[1].item() > 0) == (stage != "nowait")
     for stage in (True, "dma", "nowait", "value", "progress"):
-        assert torch.allclose(out[False], out[stage], atol=1e-4, rtol=1e-4), (stage, (out[False] - out[stage]).abs().max())
+        diff = (out[False] - out[stage]).abs().max()
+        assert torch.allclose(out[False], out[stage], atol=1e-4, rtol=1e-4), (stage, diff)
 
 
 def warm_every_expert(eng) -> None:

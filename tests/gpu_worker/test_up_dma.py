@@ -12,9 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))     # the kernels' shared expert cases
 from expert_cases import TOL, experts  # noqa: E402
 
-from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,  # noqa: E402
-                               stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env, stage_gate_from_env,
-                               stage_min_precision_from_env)
+from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env,  # noqa: E402
+                               stage_batch_from_env, stage_extra_from_env, stage_flag_from_env,
+                               stage_gate_at_from_env, stage_gate_from_env, stage_min_precision_from_env)
 from kernels.expert_layer import expert_layer, expert_layer_torch  # noqa: E402
 from kernels.moe_ops import block_addresses  # noqa: E402
 from kernels.testing import assert_close, rel_err  # noqa: E402
@@ -200,7 +200,7 @@ def test_gpu_staged_copies_wait_for_the_buffers_last_reader(after):
     for rnd in range(2):
         ups.buf.copy_(old)
         torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)                # the buffer's last reader, still running when the copies are queued
+        torch.cuda._sleep(50_000_000)        # the buffer's last reader, still running when the copies are queued
         seen = ups.buf.clone()
         ups.stage(rnd, list(range(n)), [t.data_ptr() for t in src[rnd * n:(rnd + 1) * n]], [])
         torch.cuda.synchronize()
@@ -418,7 +418,8 @@ def test_progress_stages_alternate_two_buffers_and_hand_launch_gates(after):
         ups.stage(layer, [10, 20], [0, 0], [], views=blocks[layer:layer + 2], launch_epoch=gate and gate[0])
         got = ups.take(layer, [20, 10], blocking=False)
         seen.append(got[10])
-        assert ups._bufs[ups._current][0, :64].eq(layer + 1).all() and ups._bufs[ups._current][1, :64].eq(layer + 2).all()
+        now = ups._bufs[ups._current]
+        assert now[0, :64].eq(layer + 1).all() and now[1, :64].eq(layer + 2).all()
         if after == "progress":
             assert gate == (layer + 1, 850)
         else:
