@@ -158,6 +158,10 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
         if not key or not val:
             raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several apart by ';')")
         arms.append((key, val))
+    names = "abcdefgh"
+    if len(arms) >= len(names):
+        raise SystemExit(f"--ab-env: {len(arms)} settings, at most {len(names) - 1} (arms b to h)")
+    names = names[:len(arms) + 1]
     old = {key: os.environ.get(key) for key, _ in arms}
 
     def put(arm: int) -> None:                   # arm 0: what was there before (unset: none); else its setting
@@ -169,7 +173,6 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
         if arm:
             key, val = arms[arm - 1]
             os.environ[key] = val
-    names = "abcdefgh"[:len(arms) + 1]
     side = {n: [] for n in names}
     try:
         for k in range(rounds):

@@ -50,3 +50,5 @@ def test_three_arms_rotate_and_each_is_paired_with_a(monkeypatch):
     assert all(calls[3 * r][1] == calls[3 * r + 2][1] for r in range(3))
     assert ab["diffs"] == [-1.0] * 3 and ab["diffs_c"] == [2.0] * 3 and ab["c_median"] == pytest.approx(12.5)
     assert "MOESTREAM_AB_PROBE" not in os.environ
+    with pytest.raises(SystemExit, match="at most 7"):               # more arms than letters: named, none dropped
+        e2e_stream.ab_in_engine(None, ";".join(f"MOESTREAM_AB_PROBE={i}" for i in range(8)), 1, lambda k: [k], 4, "cpu")
