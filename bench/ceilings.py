@@ -216,3 +216,19 @@ def ram_decode_floor_ms(moved: float, copied: float, ceilings: dict, h2d_gbps: f
             out["readers_chunked"] = max((copied / ceilings["up_copy"] + (moved - copied - down) / ceilings["zero_copy"]
                                           + down / ceilings["zero_copy_groups"]) / 1e6, dense_ms)
     return out
+
+
+def disk_needed_bytes(disk_bytes: float, cache: dict) -> dict:
+    """The disk bytes a decode run had to read, from what it read (`disk_bytes`) and its cache counters over the same
+    tokens (`cache`: demand_reads, prefetch_issued, prefetch_wasted): the blocks read ahead on a guess and evicted
+    unused are the pipeline's waste, not bytes a token needed, so the disk floor leaves them out (as the RAM floor
+    leaves out the staged ups of wrong guesses). Never below the demand reads: a block routed to and absent at
+    lookup had to be read. A wasted block counted in the window may have been read before it (the prompt's guesses);
+    that is why the demand reads bound it. Returns needed, wasted and the bytes of one read (their mean)."""
+    reads = int(cache.get("demand_reads", 0)) + int(cache.get("prefetch_issued", 0))
+    if reads <= 0 or disk_bytes <= 0:
+        return dict(needed=float(max(disk_bytes, 0.0)), wasted=0.0, per_read=0.0)
+    per_read = disk_bytes / reads
+    wasted = min(int(cache.get("prefetch_wasted", 0)), int(cache.get("prefetch_issued", 0))) * per_read
+    needed = max(disk_bytes - wasted, int(cache.get("demand_reads", 0)) * per_read)
+    return dict(needed=float(needed), wasted=float(disk_bytes - needed), per_read=float(per_read))

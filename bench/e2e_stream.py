@@ -201,7 +201,7 @@ def down_bytes_per_token(g: dict, uses: int, up_bytes: int) -> float:
 
 def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
     """One store per down sub-group size; the RAM and disk regimes on each; the table beside the floors."""
-    from bench.ceilings import pipeline_disk_gbps, ratio_or_note
+    from bench.ceilings import disk_needed_bytes, pipeline_disk_gbps, ratio_or_note
     from expert_store.reader import ExpertStore
     k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
     h2d = res["h2d_gbps"]
@@ -233,8 +233,10 @@ def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
             g["down_bytes_per_token"] = down_bytes_per_token(g, uses, up_b) if counted else None
             if name == "ram":
                 floor = max(g["pcie_bytes_per_token"] / (h2d * 1e9) * 1e3, dense_ms) if h2d else None
-            else:
-                floor = g["disk_bytes_per_token"] / (r["disk_gbps"] * 1e9) * 1e3
+            else:       # the bytes the tokens needed, as the main table's disk floor (bench.ceilings)
+                need = disk_needed_bytes(g["disk_bytes_per_token"], g.get("cache", {}))
+                g["disk_needed_bytes_per_token"], g["disk_wasted_bytes_per_token"] = need["needed"], need["wasted"]
+                floor = need["needed"] / (r["disk_gbps"] * 1e9) * 1e3
             g["floor_ms"] = floor
             g["ratio"], why = ratio_or_note(g["ms_per_token"], floor, f"N={n} {name} regime") if floor else (None, None)
             if why:
@@ -578,11 +580,16 @@ def main(argv=None):
                      moved / 1e6, floor, r["ms_per_token"] / floor))
     if "disk" in res:
         r = res["disk"]
-        floor = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
+        # the bytes the tokens needed (without the guesses read and evicted unused) at the readers' best rate
+        from bench.ceilings import disk_needed_bytes
+        need = disk_needed_bytes(r["disk_bytes_per_token"], r.get("cache", {}))
+        r["disk_needed_bytes_per_token"], r["disk_wasted_bytes_per_token"] = need["needed"], need["wasted"]
+        floor = need["needed"] / (res["odirect_gbps"] * 1e9) * 1e3
         rows.append(("disk", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"],
                      r["disk_bytes_per_token"] / 1e6, uses * up_b / 1e6, floor,
                      r["ms_per_token"] / floor if floor else float("nan")))
         res["disk_floor_ms"] = floor
+        res["disk_floor_ms_bytes_read"] = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
     for name, label in (("vram", "vram, device-routed"), ("vram_host", "vram, host-routed")):
         if name not in res:
             continue
@@ -642,6 +649,12 @@ def main(argv=None):
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+    if "disk" in res:
+        r = res["disk"]
+        print(f"disk: the floor counts {r['disk_needed_bytes_per_token'] / 1e6:.1f} MB/token needed of "
+              f"{r['disk_bytes_per_token'] / 1e6:.1f} read ({r['disk_wasted_bytes_per_token'] / 1e6:.1f} MB of guesses "
+              f"read and evicted unused); over every byte read it would be {res['disk_floor_ms_bytes_read']:.3f} ms "
+              f"({r['ms_per_token'] / res['disk_floor_ms_bytes_read']:.3f}, the ratio before session 29)")
     for name in ("ram", "ram_nostage", "ram_eager", *(f"ram_dma{n}" for n in dma_runs),
                  *(f"ram_extra{n}" for n in extra_runs), "disk", "vram", "vram_host"):
         if name in res:
