@@ -174,12 +174,15 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
             key, val = arms[arm - 1]
             os.environ[key] = val
     side = {n: [] for n in names}
+    moved = {n: [] for n in names}
     try:
         for k in range(rounds):
             for i in range(len(names)):
                 arm = (i + k) % len(names)
                 put(arm)
-                side[names[arm]].append(decode_run(eng, prompts_of(k), n_tokens, device)["ms_per_token_all"])
+                r = decode_run(eng, prompts_of(k), n_tokens, device)
+                side[names[arm]].append(r["ms_per_token_all"])
+                moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
     finally:
         put(0)
     flat = {n: [x for r in side[n] for x in r] for n in names}
@@ -187,6 +190,9 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     for n in names:
         out[f"{n}_ms"] = flat[n]
         out[f"{n}_median"] = float(np.median(flat[n]))
+        # per round: disk bytes a token and the hit rate (the disk regime's A/B; 0 and 1.0 in the RAM regime)
+        out[f"{n}_disk_mb"] = [round(d / 1e6, 2) for d, _ in moved[n]]
+        out[f"{n}_hit"] = [round(h, 4) for _, h in moved[n]]
         if n != "a":
             out["diffs" if n == "b" else f"diffs_{n}"] = [round(y - x, 3) for x, y in zip(flat["a"], flat[n])]
     return out
@@ -319,6 +325,8 @@ def main(argv=None):
                          "(MOESTREAM_DECODE_AHEAD); a knob read once at import, or baked into a captured graph "
                          "(MOESTREAM_GEMV_FMA), needs separate runs (bench/gpu_session.sh e2e_ab)")
     ap.add_argument("--ab-rounds", type=int, default=4)
+    ap.add_argument("--ab-regime", default="ram", choices=("ram", "disk"),
+                    help="the regime whose engine runs --ab-env (disk: e.g. MOESTREAM_PREFETCH_GUESS_RANKS)")
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
                     "--routing-skew 0.3 --neuron-coherence 0.45\" (instrument-like at Super's shape: 94.5 %% zeros, "
                     "38 %% active 16-groups; bench/NOTES.md)")
@@ -425,7 +433,7 @@ def main(argv=None):
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
             r.update(r0)
-            if name == "ram" and a.ab_env and into is res:
+            if name == a.ab_regime and a.ab_env and into is res:
                 res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
                                          a.device)
             if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
@@ -641,11 +649,15 @@ def main(argv=None):
         ab = res["ab"]
         print(f"A/B in one engine ({ab['setting']}: b, c, ... in that order; {ab['rounds']} rounds): a median "
               f"{ab['a_median']:.3f} ms/token")
+        if any(ab.get("a_disk_mb") or ()):
+            print(f"  a: disk MB a token by round {ab['a_disk_mb']}, hit rate {ab['a_hit']}")
         for n in "bcdefgh":
             if f"{n}_median" in ab:
                 d = ab["diffs" if n == "b" else f"diffs_{n}"]
                 print(f"  {n} median {ab[f'{n}_median']:.3f}; {n} − a per pair ({len(d)}): median "
                       f"{float(np.median(d)):+.3f}, {n} lower in {sum(x < 0 for x in d)} of {len(d)}")
+            if any(ab.get(f"{n}_disk_mb") or ()):
+                print(f"  {n}: disk MB a token by round {ab[f'{n}_disk_mb']}, hit rate {ab[f'{n}_hit']}")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))

@@ -46,10 +46,12 @@ DEFAULT_POLICIES = ("lru", "lfu", "lrfu", "slru", "arc", "reuse")
 
 
 def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, observe_first: bool = False,
-             **policy_kw) -> Result:
+             guess_ranks: int | None = None, **policy_kw) -> Result:
     """Replay the trace through one of the prefetcher's policies (slot = expert key, as one expert has at most
     one slot). A policy with `observe` learns from each record after its demand reads and before its reads ahead,
-    as the prefetcher does (prefetcher/core.py `dispatch`); `observe_first`: before its demand reads."""
+    as the prefetcher does (prefetcher/core.py `dispatch`); `observe_first`: before its demand reads.
+    guess_ranks: the guess cut to its first `guess_ranks` experts (the next router's likeliest), as the engine sends
+    it under MOESTREAM_PREFETCH_GUESS_RANKS: the others are neither read ahead nor touched; None: all of them."""
     top_k = max(len(ex) for _, ex, _ in trace.steps)
     if capacity < top_k:
         raise ValueError(f"a cache of {capacity} experts cannot hold one layer's {top_k}")
@@ -83,6 +85,8 @@ def simulate(trace: Trace, capacity: int, policy: str, prefetch: bool = False, o
         return True
 
     for j, ex, guess in trace.steps:
+        if guess_ranks is not None:
+            guess = guess[:guess_ranks]
         step = [trace.key(j, e) for e in ex]
         pinned = set(step)
         if observe is not None and observe_first:
@@ -148,6 +152,24 @@ def sweep(trace: Trace, fractions=FRACTIONS, variants=None, references: bool = F
             res = simulate(trace, cap, name, pf, **kw)
             res.policy = name + (tag[0] if tag else "")
             rows.append({**res.row(), "fraction": f})
+    return rows
+
+
+def guess_rank_sweep(trace: Trace, fraction: float, ranks, policy: str = "reuse") -> list[dict]:
+    """One policy with the guess prefetch capped at each of `ranks` (0: demand only) at one cache fraction: how the
+    reads a token costs (demand + ahead) and the wasted reads ahead move with the guess's depth. Where the disk sets
+    the pace every read costs its time, so the fewest reads a token win unless the demand reads they leave are
+    waited for while the disk idles (the replay cannot say: it has no clock)."""
+    n_all = trace.n_layers * trace.n_experts
+    top_k = max(len(ex) for _, ex, _ in trace.steps)
+    cap = max(top_k, round(fraction * n_all))
+    rows = []
+    for r in ranks:
+        res = simulate(trace, cap, policy, prefetch=r > 0, guess_ranks=r or None)
+        t = max(res.tokens, 1)
+        rows.append({**res.row(), "fraction": fraction, "guess_ranks": r,
+                     "demand_per_token": res.demand_reads / t, "ahead_per_token": res.prefetch_reads / t,
+                     "wasted_per_token": res.prefetch_wasted / t})
     return rows
 
 
@@ -256,6 +278,9 @@ def main(argv=None) -> int:
                     help="skip belady+prefetch and the fitted ranking (the slow rows)")
     ap.add_argument("--host-cost", type=float, default=0.0, metavar="FRACTION",
                     help="also time each policy's bookkeeping per lookup at this cache fraction")
+    ap.add_argument("--guess-ranks", default="", metavar="R1,R2,...",
+                    help="instead of the sweep: the reuse policy with the guess read ahead to each depth (0: none), "
+                         "at the first of --fractions")
     a = ap.parse_args(argv)
     if a.synth_trace:
         if not (a.model and a.store):
@@ -269,6 +294,18 @@ def main(argv=None) -> int:
     if a.rotate:
         users, chunk = (int(x) for x in a.rotate.split(":"))
         trace, rot = rotate(trace, users, chunk), f", rotated: {users} conversations, {chunk} tokens a turn"
+    if a.guess_ranks:
+        f = float(a.fractions.split(",")[0])
+        rows = guess_rank_sweep(trace, f, [int(r) for r in a.guess_ranks.split(",")])
+        print(f"{', '.join(map(str, a.traces))}: {trace.tokens} tokens{rot}; reuse policy, cache {f:.0%}, reads a "
+              "token by the guess's depth read ahead")
+        print("guess ranks | hit rate | demand | ahead | wasted ahead | all reads")
+        for r in rows:
+            print(f"{r['guess_ranks']} | {r['hit_rate']:.3f} | {r['demand_per_token']:.2f} | {r['ahead_per_token']:.2f} | "
+                  f"{r['wasted_per_token']:.2f} | {r['reads_per_token']:.2f}")
+        if a.json:
+            a.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        return 0
     variants = None
     if a.half_lives:
         per_token = len(trace.steps) / max(trace.tokens, 1) * max(len(ex) for _, ex, _ in trace.steps)

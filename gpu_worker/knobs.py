@@ -28,3 +28,15 @@ def decode_ahead() -> bool:
     On since session 27's H100 run: −0.075 ms a token at 8 MoE layers, lower in 11 of 12 paired rounds in one engine
     (bench/NOTES.md)."""
     return env_count_or_off("MOESTREAM_DECODE_AHEAD", 1, "switch (1: on)") > 0
+
+
+def prefetch_guess_ranks() -> int:
+    """`MOESTREAM_PREFETCH_GUESS_RANKS` (0 by default: the whole guess): at decode, each layer's request carries only
+    the next layer's first N guessed experts (the next router's likeliest): only those are read ahead from the disk
+    and kept by the prefetcher's touch. The guesses past a rank are read mostly in vain (the staged ups' use by rank,
+    bench/NOTES.md), and where the disk sets the pace each wasted read costs its time, and the blocks it evicts
+    are read again (the trained instrument's trace at a cache of a third: the whole guess reads 40 % more blocks a
+    token than none, `bench.policy_sim --guess-ranks`). A measuring knob, unmeasured on the GPU: read once a token
+    (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it. The staging of the RAM regime (the
+    guessed ups copied into VRAM) always takes the whole guess."""
+    return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 0, "guessed experts a layer (0: all)")

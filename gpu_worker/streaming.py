@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gpu_worker.copy_pins import CopyPins
+from gpu_worker.knobs import prefetch_guess_ranks
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
@@ -204,6 +205,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self._n_now: list[int] = []                # ... and the ups each stages
         self._unread_slab = (frozenset(), [])       # the same of the token whose trailing layers are unread
         self._guess_of: dict[int, list[int]] = {}  # MoE layer -> the last guess made for it (as sent)
+        self._guess_ranks = prefetch_guess_ranks()  # the guess's depth a request carries (read again each token)
 
     def _refresh(self):
         self.decode_settle()
@@ -671,11 +673,12 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         vt = self.vram
         if j == 0:               # once per token, before the guess is filtered: what it admits needs no prefetch
             self._fill_vram()
+            self._guess_ranks = prefetch_guess_ranks()
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
             row = vt.row(nj)
             guess_list = [e for e in guess_list if e not in row]
-        self.client.request(j, rest, guess=guess_list)
+        self.client.request(j, rest, guess=guess_list[:self._guess_ranks] if self._guess_ranks else guess_list)
         self._next_guess = ((j + 1) % self.n_moe, guess_list)
         self._guess_of[(j + 1) % self.n_moe] = guess_list
         return guess_list

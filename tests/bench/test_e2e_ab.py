@@ -14,9 +14,13 @@ def test_alternated_pairs_with_the_setting_on_for_b_only(monkeypatch):
     def fake_run(eng, prompts, n_tokens, device):
         on = os.environ.get("MOESTREAM_AB_PROBE") == "1"
         calls.append((on, prompts))
-        return dict(ms_per_token_all=[p + (9.0 if on else 10.0) for p in prompts])
+        return dict(ms_per_token_all=[p + (9.0 if on else 10.0) for p in prompts],
+                    disk_bytes_per_token=(50e6 if on else 60e6) + len(calls), hit_rate=0.9 if on else 0.8)
     monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
     ab = e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1", 3, lambda k: [0.1 * k, 0.2 * k], 16, "cpu")
+    # each arm's disk bytes a token and hit rate, by round, in its own list (the disk regime's A/B)
+    assert ab["a_disk_mb"] == [60.0, 60.0, 60.0] and ab["b_disk_mb"] == [50.0, 50.0, 50.0]
+    assert ab["a_hit"] == [0.8] * 3 and ab["b_hit"] == [0.9] * 3
     assert [on for on, _ in calls] == [False, True, True, False, False, True]     # a b, b a, a b
     assert [p for _, p in calls[0:2]] == [[0.0, 0.0]] * 2 and calls[2][1] == calls[3][1]   # the same prompts each way
     assert ab["diffs"] == [-1.0] * 6 and ab["b_median"] == pytest.approx(ab["a_median"] - 1.0)

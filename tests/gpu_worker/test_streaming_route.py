@@ -207,3 +207,43 @@ def test_an_expert_evicted_between_the_request_and_its_pin_is_read_on_demand(rig
     sent = messages(shm)
     assert sorted(r.hits) == [5] and shm.slot_pins[slot_of[1, 9]] == 0
     assert (sent[1:] == [[MSG_DEMAND, 1, [9], 0, []]]) == repaired, sent
+
+
+@pytest.mark.parametrize("ranks", [3, 0])
+def test_the_request_carries_the_guess_to_its_depth(rig, monkeypatch, ranks):
+    """MOESTREAM_PREFETCH_GUESS_RANKS=3: a layer's message carries the next layer's first 3 guessed experts only (the
+    prefetcher reads ahead and keeps only those); the knob is read at a token's first MoE layer, so a change within a
+    token waits for the next one. The twin (0, the default) sends the whole guess. The staging's guess stays whole."""
+    src, shm, _ = rig
+    monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", str(ranks))
+    guess = [[5, 6, 1, 2, 3, 4], [8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25]]
+    sent = []
+    for j, ch in enumerate([[7, 3, 60, 0, 41, 12], [5, 6, 1, 63, 22, 9]]):
+        if j == 1:
+            monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "1")    # mid-token: not read until layer 0
+        src.decode_route(j, 2 * j + 1, ch, guess[j])
+        src.decode_launched()                   # (an all-hits layer's message goes once its kernels are queued)
+        assert src._next_guess == (j + 1, guess[j])
+        sent += [m for m in messages(shm) if m[0] == MSG_LAYER]
+    assert [m[4] for m in sent] == [g[:ranks] if ranks else g for g in guess[:2]]
+    src.decode_route(0, 1, [7, 3, 60, 0, 41, 12], guess[2])       # the next token: the new depth
+    src.decode_launched()
+    assert [m[4] for m in messages(shm) if m[0] == MSG_LAYER] == [guess[2][:1]]
+
+
+def test_a_bad_guess_depth_is_named():
+    from gpu_worker.knobs import prefetch_guess_ranks
+    import os
+    old = os.environ.get("MOESTREAM_PREFETCH_GUESS_RANKS")
+    try:
+        os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = "lots"
+        with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
+            prefetch_guess_ranks()
+        os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = "-2"
+        with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
+            prefetch_guess_ranks()
+    finally:
+        if old is None:
+            os.environ.pop("MOESTREAM_PREFETCH_GUESS_RANKS", None)
+        else:
+            os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = old
