@@ -239,3 +239,22 @@ def test_rotate_interleaves_whole_tokens():
     assert rotate(t, 1, 4).steps == t.steps
     with pytest.raises(ValueError, match="do not fit"):
         rotate(t, 7, 1)
+
+
+def test_the_guess_cut_to_its_depth():
+    """`guess_ranks`: the guess cut to its first R experts, as the engine's MOESTREAM_PREFETCH_GUESS_RANKS sends it. A
+    hand count (one layer, 3 slots): step 0 reads 0 and, with the whole guess, 1 and 2 ahead; cut to 1, only 1. Step 1
+    uses 2: a hit with the whole guess, a demand read when cut. The sweep's depth 0 is the demand-only replay and
+    its full depth the whole guess's."""
+    t = Trace([(0, (0,), (1, 2)), (0, (2,), ())], 1, 3, 2)
+    whole = simulate(t, 3, "lru", prefetch=True)
+    cut = simulate(t, 3, "lru", prefetch=True, guess_ranks=1)
+    assert (whole.prefetch_reads, whole.hits, whole.demand_reads, whole.prefetch_wasted) == (2, 1, 1, 1)
+    assert (cut.prefetch_reads, cut.hits, cut.demand_reads, cut.prefetch_wasted) == (1, 0, 2, 1)
+    from bench.policy_sim import guess_rank_sweep
+    s = synthetic_trace(n_layers=2, n_experts=16, top_k=3, tokens=40, skew=0.8, seed=2, guess_accuracy=0.5)
+    rows = {r["guess_ranks"]: r for r in guess_rank_sweep(s, 0.4, [0, 1, 3])}
+    none, full = simulate(s, rows[0]["capacity"], "reuse"), simulate(s, rows[0]["capacity"], "reuse", prefetch=True)
+    assert rows[0]["reads_per_token"] == none.reads_per_token and rows[0]["ahead_per_token"] == 0
+    assert rows[3]["reads_per_token"] == full.reads_per_token
+    assert rows[1]["ahead_per_token"] < rows[3]["ahead_per_token"]
