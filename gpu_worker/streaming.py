@@ -204,7 +204,9 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self._slab_now: frozenset = frozenset()    # the layers this token routes on the device from the slab
         self._n_now: list[int] = []                # ... and the ups each stages
         self._unread_slab = (frozenset(), [])       # the same of the token whose trailing layers are unread
-        self._guess_of: dict[int, list[int]] = {}  # MoE layer -> the last guess made for it (as sent)
+        # MoE layer -> the last guess made for it (after the VRAM tier's filter; the request may carry only its first
+        # `_guess_ranks`, MOESTREAM_PREFETCH_GUESS_RANKS)
+        self._guess_of: dict[int, list[int]] = {}
         self._guess_ranks = prefetch_guess_ranks()  # the guess's depth a request carries (read again each token)
 
     def _refresh(self):

@@ -231,19 +231,11 @@ def test_the_request_carries_the_guess_to_its_depth(rig, monkeypatch, ranks):
     assert [m[4] for m in messages(shm) if m[0] == MSG_LAYER] == [guess[2][:1]]
 
 
-def test_a_bad_guess_depth_is_named():
+def test_a_bad_guess_depth_is_named(monkeypatch):
     from gpu_worker.knobs import prefetch_guess_ranks
-    import os
-    old = os.environ.get("MOESTREAM_PREFETCH_GUESS_RANKS")
-    try:
-        os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = "lots"
+    for bad in ("lots", "-2"):
+        monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", bad)
         with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
             prefetch_guess_ranks()
-        os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = "-2"
-        with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
-            prefetch_guess_ranks()
-    finally:
-        if old is None:
-            os.environ.pop("MOESTREAM_PREFETCH_GUESS_RANKS", None)
-        else:
-            os.environ["MOESTREAM_PREFETCH_GUESS_RANKS"] = old
+    monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "")
+    assert prefetch_guess_ranks() == 0
