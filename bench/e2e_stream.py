@@ -145,13 +145,16 @@ def decode_run(eng, prompts, n_tokens, device):
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
-def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device) -> dict:
+def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device, shared: bool = True) -> dict:
     """An A/B of a host-side knob in one engine (session 26: between runs of the same code the H100 hosts moved ±0.4-0.7
     ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
     (b) `setting` (KEY=VAL), in alternating order, the same prompts both ways. Returns each side's per-prompt ms/token
     and their medians, and the paired differences (b − a). Several settings apart by ";" (KEY=V1;KEY=V2) make arms
     b, c, ...: the rounds rotate their order (a b c, b c a, c a b), and each arm gets its medians and differences
-    against a (`diffs` for b, `diffs_c` for c, ...)."""
+    against a (`diffs` for b, `diffs_c` for c, ...).
+    shared=False (the disk regime): each arm of a round decodes its own prompts (`prompts_of(round * arms + arm)`),
+    since with shared ones the round's first arm reads their experts from the disk and the later arms find them
+    cached (session 29: the first place was the slowest in every round); the pairs are then of different prompts."""
     arms = []
     for one in setting.split(";"):
         key, _, val = one.partition("=")
@@ -180,7 +183,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
             for i in range(len(names)):
                 arm = (i + k) % len(names)
                 put(arm)
-                r = decode_run(eng, prompts_of(k), n_tokens, device)
+                r = decode_run(eng, prompts_of(k if shared else k * len(names) + arm), n_tokens, device)
                 side[names[arm]].append(r["ms_per_token_all"])
                 moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
     finally:
@@ -435,7 +438,7 @@ def main(argv=None):
             r.update(r0)
             if name == a.ab_regime and a.ab_env and into is res:
                 res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
-                                         a.device)
+                                         a.device, shared=name == "ram")
             if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
                 from bench.ceilings import slab_readers_gbps
                 g = eng.experts.geom

@@ -56,3 +56,21 @@ def test_three_arms_rotate_and_each_is_paired_with_a(monkeypatch):
     assert "MOESTREAM_AB_PROBE" not in os.environ
     with pytest.raises(SystemExit, match="at most 7"):               # more arms than letters: named, none dropped
         e2e_stream.ab_in_engine(None, ";".join(f"MOESTREAM_AB_PROBE={i}" for i in range(8)), 1, lambda k: [k], 4, "cpu")
+
+
+def test_the_disk_regimes_arms_decode_their_own_prompts(monkeypatch):
+    """shared=False (the disk regime): each arm of a round gets its own prompts, so no arm finds the experts another
+    arm's run of the same prompts has just read into the cache; the default (the twin) shares them within a round."""
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+    for shared in (False, True):
+        seen = []
+        monkeypatch.setattr(e2e_stream, "decode_run",
+                            lambda eng, p, n, d: seen.append((os.environ.get("MOESTREAM_AB_PROBE"), p[0]))
+                            or dict(ms_per_token_all=[1.0]))
+        e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1;MOESTREAM_AB_PROBE=2", 2, lambda k: [k], 4, "cpu",
+                                shared=shared)
+        by_round = [{p for _, p in seen[3 * r:3 * r + 3]} for r in range(2)]
+        if shared:
+            assert by_round == [{0}, {1}]
+        else:
+            assert by_round == [{0, 1, 2}, {3, 4, 5}] and len({p for _, p in seen}) == 6
