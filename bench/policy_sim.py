@@ -301,8 +301,8 @@ def main(argv=None) -> int:
               "token by the guess's depth read ahead")
         print("guess ranks | hit rate | demand | ahead | wasted ahead | all reads")
         for r in rows:
-            print(f"{r['guess_ranks']} | {r['hit_rate']:.3f} | {r['demand_per_token']:.2f} | {r['ahead_per_token']:.2f} | "
-                  f"{r['wasted_per_token']:.2f} | {r['reads_per_token']:.2f}")
+            print(f"{r['guess_ranks']} | {r['hit_rate']:.3f} | {r['demand_per_token']:.2f} | "
+                  f"{r['ahead_per_token']:.2f} | {r['wasted_per_token']:.2f} | {r['reads_per_token']:.2f}")
         if a.json:
             a.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         return 0
