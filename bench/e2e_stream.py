@@ -145,6 +145,18 @@ def decode_run(eng, prompts, n_tokens, device):
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
+def window_per_token(before: dict, after: dict) -> dict:
+    """The accounting's summed figures over the tokens between two `totals()` (e.g. the timed tokens only: the
+    engine's own `per_token()` averages over every token since its start, warm-up and the VRAM tier's fill included,
+    session 29), as `<name>_per_token`, with `tokens`."""
+    n = after["tokens"] - before["tokens"]
+    out = {"tokens": n}
+    for k, v in after.items():
+        if k.endswith("_total"):
+            out[k[:-len("_total")] + "_per_token"] = (v - before.get(k, 0)) / n if n > 0 else 0.0
+    return out
+
+
 def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device, shared: bool = True) -> dict:
     """An A/B of a host-side knob in one engine (session 26: between runs of the same code the H100 hosts moved ±0.4-0.7
     ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
@@ -434,7 +446,9 @@ def main(argv=None):
             if name in ("vram", "vram_host"):     # fill the tier: whole layers, 64 blocks a token (gpu_worker/vram_tier.py)
                 decode_run(eng, prompts(seed + 200), a.tokens, a.device)
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
+            before = eng.accounting.totals()
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
+            r["accounting_timed"] = window_per_token(before, eng.accounting.totals())
             r.update(r0)
             if name == a.ab_regime and a.ab_env and into is res:
                 res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
@@ -689,7 +703,8 @@ def main(argv=None):
                 if su:
                     rate = [round(u / s, 2) if s else None for u, s in zip(su["used_by_rank"], su["staged_by_rank"])]
                     print(f"  right by guess rank: {rate}; copies per layer settled at {su['limits']}")
-            print(f"{name}: per token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
+            acc = res[name].get("accounting_timed") or acc    # the timed tokens' own (not the warm-up's)
+            print(f"{name}: per timed token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
                   f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (+ {acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} "
                   f"after the launch), waiting for disk "
                   f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}, "
