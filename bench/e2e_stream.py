@@ -145,16 +145,13 @@ def decode_run(eng, prompts, n_tokens, device):
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
 
 
-def window_per_token(before: dict, after: dict) -> dict:
-    """The accounting's summed figures over the tokens between two `totals()` (e.g. the timed tokens only: the
-    engine's own `per_token()` averages over every token since its start, warm-up and the VRAM tier's fill included,
-    session 29), as `<name>_per_token`, with `tokens`."""
-    n = after["tokens"] - before["tokens"]
-    out = {"tokens": n}
-    for k, v in after.items():
-        if k.endswith("_total"):
-            out[k[:-len("_total")] + "_per_token"] = (v - before.get(k, 0)) / n if n > 0 else 0.0
-    return out
+def disk_floor_ms(g: dict, gbps: float) -> float:
+    """A disk regime's floor, ms a token: the bytes its tokens needed (bench.ceilings.disk_needed_bytes: the guesses
+    read and evicted unused left out) at `gbps`; the needed and wasted bytes a token are kept in g."""
+    from bench.ceilings import disk_needed_bytes
+    need = disk_needed_bytes(g["disk_bytes_per_token"], g.get("cache", {}))
+    g["disk_needed_bytes_per_token"], g["disk_wasted_bytes_per_token"] = need["needed"], need["wasted"]
+    return need["needed"] / (gbps * 1e9) * 1e3
 
 
 def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device, shared: bool = True) -> dict:
@@ -222,7 +219,7 @@ def down_bytes_per_token(g: dict, uses: int, up_bytes: int) -> float:
 
 def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
     """One store per down sub-group size; the RAM and disk regimes on each; the table beside the floors."""
-    from bench.ceilings import disk_needed_bytes, pipeline_disk_gbps, ratio_or_note
+    from bench.ceilings import pipeline_disk_gbps, ratio_or_note
     from expert_store.reader import ExpertStore
     k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
     h2d = res["h2d_gbps"]
@@ -254,10 +251,8 @@ def subgroup_table(a, res, sizes, model_dir, work, regime, skip) -> dict:
             g["down_bytes_per_token"] = down_bytes_per_token(g, uses, up_b) if counted else None
             if name == "ram":
                 floor = max(g["pcie_bytes_per_token"] / (h2d * 1e9) * 1e3, dense_ms) if h2d else None
-            else:       # the bytes the tokens needed, as the main table's disk floor (bench.ceilings)
-                need = disk_needed_bytes(g["disk_bytes_per_token"], g.get("cache", {}))
-                g["disk_needed_bytes_per_token"], g["disk_wasted_bytes_per_token"] = need["needed"], need["wasted"]
-                floor = need["needed"] / (r["disk_gbps"] * 1e9) * 1e3
+            else:
+                floor = disk_floor_ms(g, r["disk_gbps"])
             g["floor_ms"] = floor
             g["ratio"], why = ratio_or_note(g["ms_per_token"], floor, f"N={n} {name} regime") if floor else (None, None)
             if why:
@@ -448,7 +443,7 @@ def main(argv=None):
                 res["vram_tier_slots"] = eng.experts.vram.n_slots
             before = eng.accounting.totals()
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
-            r["accounting_timed"] = window_per_token(before, eng.accounting.totals())
+            r["accounting_timed"] = eng.accounting.per_token_between(before, eng.accounting.totals())
             r.update(r0)
             if name == a.ab_regime and a.ab_env and into is res:
                 res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
@@ -605,11 +600,7 @@ def main(argv=None):
                      moved / 1e6, floor, r["ms_per_token"] / floor))
     if "disk" in res:
         r = res["disk"]
-        # the bytes the tokens needed (without the guesses read and evicted unused) at the readers' best rate
-        from bench.ceilings import disk_needed_bytes
-        need = disk_needed_bytes(r["disk_bytes_per_token"], r.get("cache", {}))
-        r["disk_needed_bytes_per_token"], r["disk_wasted_bytes_per_token"] = need["needed"], need["wasted"]
-        floor = need["needed"] / (res["odirect_gbps"] * 1e9) * 1e3
+        floor = disk_floor_ms(r, res["odirect_gbps"])       # the bytes needed, at the readers' best rate
         rows.append(("disk", r["ms_per_token"], r["ms_per_token"] * scale40, r["hit_rate"],
                      r["disk_bytes_per_token"] / 1e6, uses * up_b / 1e6, floor,
                      r["ms_per_token"] / floor if floor else float("nan")))

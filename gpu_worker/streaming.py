@@ -87,6 +87,15 @@ class Accounting:
                     staged_up_use_rate=self.ups_staged_used / max(self.ups_staged, 1),
                     **{f"{k}_per_token": getattr(self, k) / n for k in self._SUMMED})
 
+    @classmethod
+    def per_token_between(cls, before: dict, after: dict) -> dict:
+        """Each summed figure over the tokens between two `totals()` (e.g. a bench's timed tokens alone, where
+        `per_token()` averages over every token since the start, warm-up included), as `<name>_per_token`, with
+        `tokens`."""
+        n = after["tokens"] - before["tokens"]
+        return dict(tokens=n, **{f"{k}_per_token": (after[f"{k}_total"] - before[f"{k}_total"]) / n if n > 0 else 0.0
+                                 for k in cls._SUMMED})
+
 
 class RoutingRecorder:
     """`--record-routing FILE`: one msgpack record per MoE layer per decoded token,

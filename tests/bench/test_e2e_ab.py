@@ -77,11 +77,16 @@ def test_the_disk_regimes_arms_decode_their_own_prompts(monkeypatch):
 
 
 def test_the_timed_tokens_accounting_is_their_own():
-    """`window_per_token`: the summed figures over the tokens between two totals, not the engine's lifetime average
-    (session 29's VRAM row: 3.43 ms a token of booking over 120 tokens, 72 of them the warm-up and the tier's fill)."""
-    before = dict(tokens=72, hits_at_lookup=5, ms_bookkeeping_after_launch_total=400.0, bytes_over_pcie_total=0.0)
-    after = dict(tokens=120, hits_at_lookup=9, ms_bookkeeping_after_launch_total=412.0, bytes_over_pcie_total=48e6)
-    w = e2e_stream.window_per_token(before, after)
-    assert w == dict(tokens=48, ms_bookkeeping_after_launch_per_token=0.25, bytes_over_pcie_per_token=1e6)
+    """`Accounting.per_token_between`: the summed figures over the tokens between two totals, not the engine's lifetime
+    average (session 29's VRAM row: 3.43 ms a token of booking over 120 tokens, 72 of them the warm-up and the tier's
+    fill)."""
+    from gpu_worker.streaming import Accounting
+    a = Accounting(tokens=72, ms_bookkeeping_after_launch=400.0)
+    before = a.totals()
+    a.tokens, a.ms_bookkeeping_after_launch, a.bytes_over_pcie = 120, 412.0, 48e6
+    w = Accounting.per_token_between(before, a.totals())
+    assert w["tokens"] == 48 and w["ms_bookkeeping_after_launch_per_token"] == 0.25
+    assert w["bytes_over_pcie_per_token"] == 1e6 and w["ms_experts_per_token"] == 0.0
+    assert set(w) == set(a.per_token()) - {"vram_hit_rate", "hit_rate", "ups_dma_gave_up", "staged_up_use_rate"}
     assert 412.0 / 120 > 3.4 > w["ms_bookkeeping_after_launch_per_token"]     # the lifetime average, the twin
-    assert e2e_stream.window_per_token(after, after)["ms_bookkeeping_after_launch_per_token"] == 0.0
+    assert Accounting.per_token_between(before, before)["ms_bookkeeping_after_launch_per_token"] == 0.0
