@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.io_trace import line as io_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,6 +113,7 @@ def decode_run(eng, prompts, n_tokens, device):
     m = eng.model
     acct = eng.accounting
     ms, disk_bytes, hits, looked, waits, pcie, wasted, greedy = [], 0, 0, 0, 0.0, 0, 0, []
+    windows = []                             # each prompt's timed steps, monotonic ns (bench.io_trace's windows)
     cache0 = eng.cache_stats()
     for p in prompts:
         st = m.new_state()
@@ -121,10 +124,11 @@ def decode_run(eng, prompts, n_tokens, device):
         acct.per_token()                     # folds the kernels' device-side counters in
         b0, u0 = acct.bytes_over_pcie, acct.ups_staged - acct.ups_staged_used
         sync(device)
-        t = time.perf_counter()
+        w0_ns, t = time.monotonic_ns(), time.perf_counter()
         greedy += greedy_steps(eng, logits, st, n_tokens)     # generate()'s loop: each step begun before the read
         sync(device)
         ms.append((time.perf_counter() - t) * 1e3 / n_tokens)
+        windows.append((w0_ns, time.monotonic_ns()))
         acct.per_token()                     # folds the device counters, books the last token's device-routed layers
         s1 = eng.cache_stats()
         disk_bytes += s1["io_bytes_read"] - s0["io_bytes_read"]
@@ -142,7 +146,15 @@ def decode_run(eng, prompts, n_tokens, device):
                 ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n,
                 # staged ups of guesses the router did not choose: moved, but not bytes the token needed
                 pcie_wasted_bytes_per_token=wasted * eng.experts.up_bytes / n,
-                staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None)
+                staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None,
+                windows_ns=windows)
+
+
+def io_summary(trace_dir: str, block_bytes: int, windows) -> dict:
+    """bench.io_trace's account of the IO workers' reads (their trace in trace_dir) over `windows`."""
+    from bench.io_trace import summarize
+    from cache_shm.io_trace import read_trace
+    return summarize(read_trace(trace_dir), windows, block_bytes)
 
 
 def disk_floor_ms(g: dict, gbps: float) -> float:
@@ -154,7 +166,8 @@ def disk_floor_ms(g: dict, gbps: float) -> float:
     return need["needed"] / (gbps * 1e9) * 1e3
 
 
-def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device, shared: bool = True) -> dict:
+def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, device, shared: bool = True,
+                 io=None) -> dict:
     """An A/B of a host-side knob in one engine (session 26: between runs of the same code the H100 hosts moved ±0.4-0.7
     ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
     (b) `setting` (KEY=VAL), in alternating order, the same prompts both ways. Returns each side's per-prompt ms/token
@@ -163,7 +176,9 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     against a (`diffs` for b, `diffs_c` for c, ...).
     shared=False (the disk regime): each arm of a round decodes its own prompts (`prompts_of(round * arms + arm)`),
     since with shared ones the round's first arm reads their experts from the disk and the later arms find them
-    cached (session 29: the first place was the slowest in every round); the pairs are then of different prompts."""
+    cached (session 29: the first place was the slowest in every round); the pairs are then of different prompts.
+    io: callable(windows) -> dict (bench.io_trace.summarize over the IO workers' trace), or None; each arm gets
+    `{arm}_io` over its timed tokens."""
     arms = []
     for one in setting.split(";"):
         key, _, val = one.partition("=")
@@ -187,6 +202,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
             os.environ[key] = val
     side = {n: [] for n in names}
     moved = {n: [] for n in names}
+    windows = {n: [] for n in names}
     try:
         for k in range(rounds):
             for i in range(len(names)):
@@ -195,6 +211,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
                 r = decode_run(eng, prompts_of(k if shared else k * len(names) + arm), n_tokens, device)
                 side[names[arm]].append(r["ms_per_token_all"])
                 moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
+                windows[names[arm]] += r["windows_ns"]
     finally:
         put(0)
     flat = {n: [x for r in side[n] for x in r] for n in names}
@@ -205,6 +222,8 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
         # per round: disk bytes a token and the hit rate (the disk regime's A/B; 0 and 1.0 in the RAM regime)
         out[f"{n}_disk_mb"] = [round(d / 1e6, 2) for d, _ in moved[n]]
         out[f"{n}_hit"] = [round(h, 4) for _, h in moved[n]]
+        if io is not None:
+            out[f"{n}_io"] = io(windows[n])
         if n != "a":
             out["diffs" if n == "b" else f"diffs_{n}"] = [round(y - x, 3) for x, y in zip(flat["a"], flat[n])]
     return out
@@ -335,6 +354,9 @@ def main(argv=None):
                          "(MOESTREAM_DECODE_AHEAD); a knob read once at import, or baked into a captured graph "
                          "(MOESTREAM_GEMV_FMA), needs separate runs (bench/gpu_session.sh e2e_ab)")
     ap.add_argument("--ab-rounds", type=int, default=4)
+    ap.add_argument("--io-trace", action="store_true",
+                    help="the disk regime's IO workers trace their reads (cache_shm/io_trace.py): the disk's busy "
+                         "share, reads in flight, queue and service times over the timed tokens (and each A/B arm's)")
     ap.add_argument("--ab-regime", default="ram", choices=("ram", "disk"),
                     help="the regime whose engine runs --ab-env (disk: e.g. MOESTREAM_PREFETCH_GUESS_RANKS)")
     ap.add_argument("--synth-args", default="", help="extra tools.synth flags, e.g. \"--sparsity 0.95 "
@@ -398,9 +420,30 @@ def main(argv=None):
         return [[t for t in tok.encode(p, add_special_tokens=False).ids if t < vocab][:64]
                 for p in texts.prompts(text, a.prompts, 400, seed)]
 
-    def regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None,
-               stage_extra=None, **kw):
+    def regime(name, cache_bytes, seed, **kw):
+        """One regime's engine and figures; the disk regime's IO workers trace their reads with --io-trace (into a
+        private directory for the regime's life, summarized over its timed tokens by bench.io_trace)."""
+        if not (a.io_trace and name == "disk"):
+            return _regime(name, cache_bytes, seed, **kw)
+        import shutil
+        import tempfile
+        from cache_shm.io_trace import ENV
+        d = tempfile.mkdtemp(prefix="moestream-iotrace-")
+        old = os.environ.get(ENV)
+        os.environ[ENV] = d                  # read by each IO worker as the engine spawns it
+        try:
+            return _regime(name, cache_bytes, seed, trace_dir=d, **kw)
+        finally:
+            if old is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = old
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None,
+                stage_extra=None, trace_dir=None, **kw):
         t = time.time()
+        io = (lambda windows: io_summary(trace_dir, store.block_bytes, windows)) if trace_dir is not None else None
         if str(a.device).startswith("cuda"):
             import gc
             gc.collect()
@@ -445,9 +488,11 @@ def main(argv=None):
             r = decode_run(eng, prompts(seed), a.tokens, a.device)
             r["accounting_timed"] = eng.accounting.per_token_between(before, eng.accounting.totals())
             r.update(r0)
+            if io is not None:
+                r["io_trace"] = io(r["windows_ns"])
             if name == a.ab_regime and a.ab_env and into is res:
                 res["ab"] = ab_in_engine(eng, a.ab_env, a.ab_rounds, lambda k: prompts(seed + 300 + k), a.tokens,
-                                         a.device, shared=name == "ram")
+                                         a.device, shared=name == "ram", io=io)
             if name == "ram" and cuda and into is res:   # the decode's readers on this engine's slab, every block in it
                 from bench.ceilings import slab_readers_gbps
                 g = eng.experts.geom
@@ -659,6 +704,8 @@ def main(argv=None):
               f"{ab['a_median']:.3f} ms/token")
         if any(ab.get("a_disk_mb") or ()):
             print(f"  a: disk MB a token by round {ab['a_disk_mb']}, hit rate {ab['a_hit']}")
+        if ab.get("a_io"):
+            print(f"  a: {io_line(ab['a_io'])}")
         for n in "bcdefgh":
             if f"{n}_median" in ab:
                 d = ab["diffs" if n == "b" else f"diffs_{n}"]
@@ -666,6 +713,8 @@ def main(argv=None):
                       f"{float(np.median(d)):+.3f}, {n} lower in {sum(x < 0 for x in d)} of {len(d)}")
             if any(ab.get(f"{n}_disk_mb") or ()):
                 print(f"  {n}: disk MB a token by round {ab[f'{n}_disk_mb']}, hit rate {ab[f'{n}_hit']}")
+            if ab.get(f"{n}_io"):
+                print(f"  {n}: {io_line(ab[f'{n}_io'])}")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
@@ -675,6 +724,8 @@ def main(argv=None):
               f"{r['disk_bytes_per_token'] / 1e6:.1f} read ({r['disk_wasted_bytes_per_token'] / 1e6:.1f} MB of guesses "
               f"read and evicted unused); over every byte read it would be {res['disk_floor_ms_bytes_read']:.3f} ms "
               f"({r['ms_per_token'] / res['disk_floor_ms_bytes_read']:.3f}, the ratio before session 29)")
+        if r.get("io_trace"):
+            print(f"disk: {io_line(r['io_trace'])}")
     for name in ("ram", "ram_nostage", "ram_eager", *(f"ram_dma{n}" for n in dma_runs),
                  *(f"ram_extra{n}" for n in extra_runs), "disk", "vram", "vram_host"):
         if name in res:

@@ -50,7 +50,7 @@ CLIENT_COUNTERS = ["lookups", "lookup_hits", "lookup_misses", "requests", "waits
                    "resends"]
 INFLIGHT_FIELDS = ["valid", "gen", "slot", "layer", "expert", "kind", "started_ns"]
 
-REQ = struct.Struct("<qiiii")      # gen, slot, layer, expert, kind
+REQ = struct.Struct("<qiiiiq")     # gen, slot, layer, expert, kind, dispatched (monotonic ns: cache_shm/io_trace.py)
 DONE = struct.Struct("<qiii")      # gen, slot, ok, kind
 
 

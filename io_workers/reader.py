@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import posix_ipc
 
+from cache_shm.io_trace import writer_from_env
 from cache_shm.shm import (DONE, FAILED, INF, LOADING, READY, REQ, WKC, CacheShm, DEMAND, HDR)
 from kernels.expert_block import BLOCK_ALIGN as ALIGN   # torch-free: the geometry is arithmetic
 from procs.spawn import die_with_parent
@@ -200,6 +201,7 @@ class Worker:
             warm_crc_shift(shm.slot_bytes, shm.block_bytes, read_chunks)
         self.wc[WKC["direct"]] = int(self.is_direct)
         self.wc[WKC["pid"]] = os.getpid()
+        self.trace = writer_from_env(w)     # the read trace (cache_shm/io_trace.py), None unless asked for
 
     def serve(self) -> None:
         shm = self.shm
@@ -220,16 +222,18 @@ class Worker:
                 except posix_ipc.BusyError:
                     pass
                 continue
-            gen, slot, layer, expert, kind = REQ.unpack(rec)
+            gen, slot, layer, expert, kind, dispatched = REQ.unpack(rec)
             f = self.inflight
             f[INF["gen"]], f[INF["slot"]], f[INF["layer"]], f[INF["expert"]] = gen, slot, layer, expert
             f[INF["kind"]], f[INF["started_ns"]] = kind, time.monotonic_ns()
             f[INF["valid"]] = 1            # recorded before the ring frees it: nothing is lost on a kill
             ring.advance()
-            self._process(gen, slot, layer, expert, kind)
+            self._process(gen, slot, layer, expert, kind, dispatched)
             f[INF["valid"]] = 0
 
-    def _process(self, gen: int, slot: int, layer: int, expert: int, kind: int) -> None:
+    def _process(self, gen: int, slot: int, layer: int, expert: int, kind: int, dispatched: int = 0) -> None:
+        """Read one request's block into its slot, publish it, report it; `dispatched`: when the prefetcher sent it
+        (monotonic ns, for the trace; 0 for a killed predecessor's request, whose time is lost)."""
         shm = self.shm
         if int(shm.slot_gen[slot]) != gen or int(shm.slot_state[slot]) != LOADING:
             # Reused or reset under us (only after a prefetcher restart), or already finished by our
@@ -238,6 +242,9 @@ class Worker:
             if ok and int(shm.slot_gen[slot]) == gen:
                 shm.ready_of_expert[layer, expert] = slot     # it may have died just before this
             self._complete(gen, slot, ok if int(shm.slot_gen[slot]) == gen else -1, kind)
+            if self.trace is not None:
+                now = time.monotonic_ns()
+                self.trace.write(dispatched, now, now, layer, expert, kind, -1)
             return
         t0 = time.monotonic_ns()
         try:
@@ -260,7 +267,10 @@ class Worker:
             ok = 0
         self.wc[WKC["reads"]] += 1
         self.wc[WKC["demand_reads" if kind == DEMAND else "prefetch_reads"]] += 1
-        self.wc[WKC["read_ns"]] += time.monotonic_ns() - t0
+        t1 = time.monotonic_ns()
+        self.wc[WKC["read_ns"]] += t1 - t0
+        if self.trace is not None:
+            self.trace.write(dispatched, t0, t1, layer, expert, kind, ok)
         shm.slot_state[slot] = READY if ok else FAILED   # after the bytes / the reason
         if ok:
             shm.ready_of_expert[layer, expert] = slot      # publish to lookups last

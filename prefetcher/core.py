@@ -11,6 +11,7 @@ shared memory, and the client re-sends what it still waits for.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict, deque
 
 import posix_ipc
@@ -81,7 +82,7 @@ class Prefetcher:
         for w in range(shm.n_workers):   # rings first, then in-flight records (a worker writes
             for ring in (shm.demand_rings[w], shm.prefetch_rings[w]):   # in-flight before it frees a record)
                 for rec in ring.pending():
-                    gen, slot, _, _, kind = REQ.unpack(rec)
+                    gen, slot, _, _, kind, _ = REQ.unpack(rec)
                     owned[slot] = (w, gen, kind)
         for w in range(shm.n_workers):
             f = shm.inflight[w]
@@ -340,7 +341,7 @@ class Prefetcher:
         shm.ready_of_expert.reshape(-1)[k] = -1
         shm.slot_of_expert.reshape(-1)[k] = s
         ring = shm.demand_rings[w] if kind == DEMAND else shm.prefetch_rings[w]
-        ok = ring.push(REQ.pack(gen, s, k // self.E, k % self.E, kind))
+        ok = ring.push(REQ.pack(gen, s, k // self.E, k % self.E, kind, time.monotonic_ns()))
         assert ok, "ring space was checked"
         self.outstanding[w][s] = (gen, kind)
         shm.sem_workers[w].release()
