@@ -56,7 +56,7 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
     all_blocks = [(j, e) for j in layers for e in range(store.n_experts)]
     order = rng.permutation(len(all_blocks))
     n = min(blocks_per_set, len(all_blocks) // max(repeats, 1))
-    runs, again = [], []
+    runs, again, chunks = [], [], None
     for r in range(repeats + rereads):
         q = r if r < repeats else (r - repeats) % max(repeats, 1)
         chosen = [all_blocks[i] for i in order[q * n:(q + 1) * n]]
@@ -65,6 +65,7 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
             by_layer.setdefault(j, []).append(e)
         with Supervisor(store, n_slots=n, n_workers=io_workers, **supervisor_kw) as sup:     # started by `with`
             c = sup.client()
+            chunks = sup.read_chunks
             b0 = c.stats()["io_bytes_read"]
             t = time.perf_counter()
             for j, ex in by_layer.items():
@@ -75,7 +76,7 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
             dt = time.perf_counter() - t
             (runs if r < repeats else again).append((c.stats()["io_bytes_read"] - b0) / dt / 1e9)
     return {"gbps": max(runs + again), "runs_gbps": runs, "reread_gbps": again, "blocks_per_set": n,
-            "io_workers": io_workers}
+            "io_workers": io_workers, "read_chunks": chunks}
 
 
 def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> dict:

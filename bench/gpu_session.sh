@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="prefill_deep vision check e2e e2e2 profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
+#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ENV_C / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with E2E_AB_ENV, c* with E2E_AB_ENV_C),
@@ -57,6 +57,13 @@ PY
     # session 30: a second engine's run in the same call (E2E2_ARGS, e.g. another --io-workers): e2e2.{json,log}
     e2e2) timeout ${E2E_TIMEOUT:-300} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E2_ARGS:-} \
            --out "$OUT/e2e2.json" > "$OUT/e2e2.log" 2>&1; grep -v "^\s*$" "$OUT/e2e2.log" | tail -12;;
+    # session 30: one engine per setting of E2E_ENVS (space-separated KEY=VAL, in that order; a setting may repeat),
+    # each with E2E_ARGS: e2e_env_<i>.{json,log}; prints each run's regime rows and the disk's IO-trace line
+    e2e_env) i=0; for kv in ${E2E_ENVS:-}; do i=$((i+1))
+        env $kv timeout ${E2E_TIMEOUT:-300} python3 -m bench.e2e_stream --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 ${E2E_ARGS:-} \
+          --out "$OUT/e2e_env_$i.json" > "$OUT/e2e_env_$i.log" 2>&1
+        echo "-- $i: $kv"; grep -E "^(disk|ram|vram)[ a-z_,()-]* \| |^disk: io trace|^ceilings" "$OUT/e2e_env_$i.log" | cut -c1-330
+      done;;
     prefill) timeout ${PREFILL_TIMEOUT:-330} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
            ${PREFILL_ARGS:-} --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1; cp "$OUT/prefill.json" $W/ 2>/dev/null; tail -22 "$OUT/prefill.log";;
     # session 21: the RAM regime's prompts on a deeper model (DEEP_LAYERS MoE layers, default 8: the issue's own

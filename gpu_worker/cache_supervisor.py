@@ -22,6 +22,7 @@ import time
 from cache_shm.client import CacheClient
 from cache_shm.names import sweep_stale
 from cache_shm.shm import HDR, WKC, CacheShm
+from gpu_worker.knobs import read_chunks as knob_read_chunks
 from procs.restart_budget import RestartBudget
 from procs.spawn import spawn_module
 
@@ -29,16 +30,18 @@ from procs.spawn import spawn_module
 class Supervisor:
     def __init__(self, store, *, cache_bytes: int | None = None, n_slots: int | None = None,
                  n_workers: int = 4, policy: str = "reuse", verify_checksums: bool = True,
-                 direct: str = "auto", prefetch_depth: int = 2, read_chunks: int = 4,
+                 direct: str = "auto", prefetch_depth: int = 2, read_chunks: int | None = None,
                  worker_args: tuple = (), restart_budget=RestartBudget.from_env, log=None):
         """restart_budget() -> a fresh `RestartBudget`, one per kind of process (default: from the
-        environment, see procs/restart_budget.py)."""
+        environment, see procs/restart_budget.py). read_chunks: concurrent preadv calls a block (default:
+        `MOESTREAM_READ_CHUNKS`, else 4; gpu_worker/knobs.py)."""
         self.store = store
         self.shm_kw = dict(cache_bytes=cache_bytes, n_slots=n_slots, n_workers=n_workers,
                            verify_checksums=verify_checksums, direct=direct,
                            prefetch_depth=prefetch_depth)
         self.policy = policy
-        self.worker_args = ("--read-chunks", str(read_chunks), *worker_args)   # later ones win
+        self.read_chunks = read_chunks if read_chunks is not None else knob_read_chunks()
+        self.worker_args = ("--read-chunks", str(self.read_chunks), *worker_args)   # later ones win
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.shm: CacheShm | None = None
         self.prefetcher: subprocess.Popen | None = None

@@ -40,3 +40,12 @@ def prefetch_guess_ranks() -> int:
     (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it. The staging of the RAM regime (the
     guessed ups copied into VRAM) always takes the whole guess."""
     return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 0, "guessed experts a layer (0: all)")
+
+
+def read_chunks() -> int:
+    """`MOESTREAM_READ_CHUNKS` (4 by default): each IO worker reads a block in this many concurrent preadv calls, each
+    chunk's crc32 taken by its thread (io_workers/reader.py). Read by `Supervisor` as it starts the workers, so a
+    disk probe and the engine after it in one process read the same way. Session 30's IO trace (H100 host, virtual
+    disk): a lone 3 MB read took 6.7 ms (0.46 GB/s) while 8 in flight moved ~1.95 GB/s, i.e. the disk's rate grows with
+    the requests in flight, and each layer's demand read sits on the token's path."""
+    return env_count("MOESTREAM_READ_CHUNKS", 4, "concurrent reads a block")

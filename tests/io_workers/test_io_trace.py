@@ -27,9 +27,8 @@ def shm(tmp_path):
     shm.close()
 
 
-def _worker(shm):
-    w = reader.Worker(shm, 0, os.getpid())
-    return w
+def _worker(shm, chunks=4):
+    return reader.Worker(shm, 0, os.getpid(), read_chunks=chunks)
 
 
 def _close(w):
@@ -46,11 +45,12 @@ def _load(shm, w, slot, layer, expert, kind, dispatched):
     w._process(int(shm.slot_gen[slot]), slot, layer, expert, kind, dispatched)
 
 
-def test_each_read_is_traced_with_its_dispatch_time(shm, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunks", [4, 16])
+def test_each_read_is_traced_with_its_dispatch_time(shm, tmp_path, monkeypatch, chunks):
     d = tmp_path / "trace"
     d.mkdir()
     monkeypatch.setenv(ENV, str(d))
-    w = _worker(shm)
+    w = _worker(shm, chunks)
     try:
         t = time.monotonic_ns()
         _load(shm, w, 0, 1, 2, DEMAND, t)
@@ -114,3 +114,17 @@ def test_summary_by_hand():
     assert s2["window_ms"] == 60 and s2["busy_fraction"] == pytest.approx((30 + 20) / 60)
     with pytest.raises(ValueError, match="overlap"):
         summarize(recs, [(0, 50 * MS), (40 * MS, 60 * MS)], block_bytes=1)
+
+
+def test_read_chunks_from_the_environment(monkeypatch, tmp_path):
+    """The supervisor's workers read a block in MOESTREAM_READ_CHUNKS pieces unless told; bad values are named."""
+    from gpu_worker.cache_supervisor import Supervisor
+    store = make_fake_store(tmp_path / "s", n_layers=1, n_experts=2)
+    monkeypatch.delenv("MOESTREAM_READ_CHUNKS", raising=False)
+    assert Supervisor(store, n_slots=2).worker_args[:2] == ("--read-chunks", "4")
+    monkeypatch.setenv("MOESTREAM_READ_CHUNKS", "16")
+    assert Supervisor(store, n_slots=2).worker_args[:2] == ("--read-chunks", "16")
+    assert Supervisor(store, n_slots=2, read_chunks=2).read_chunks == 2      # an argument wins
+    monkeypatch.setenv("MOESTREAM_READ_CHUNKS", "0")
+    with pytest.raises(ValueError, match="MOESTREAM_READ_CHUNKS='0'"):
+        Supervisor(store, n_slots=2)
