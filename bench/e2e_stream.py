@@ -211,7 +211,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
                 r = decode_run(eng, prompts_of(k if shared else k * len(names) + arm), n_tokens, device)
                 side[names[arm]].append(r["ms_per_token_all"])
                 moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
-                windows[names[arm]] += r["windows_ns"]
+                windows[names[arm]] += r.get("windows_ns", [])
     finally:
         put(0)
     flat = {n: [x for r in side[n] for x in r] for n in names}

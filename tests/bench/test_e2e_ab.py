@@ -90,3 +90,17 @@ def test_the_timed_tokens_accounting_is_their_own():
     assert set(w) == set(a.per_token()) - {"vram_hit_rate", "hit_rate", "ups_dma_gave_up", "staged_up_use_rate"}
     assert 412.0 / 120 > 3.4 > w["ms_bookkeeping_after_launch_per_token"]     # the lifetime average, the twin
     assert Accounting.per_token_between(before, before)["ms_bookkeeping_after_launch_per_token"] == 0.0
+
+
+def test_each_arm_gets_the_io_account_of_its_own_windows(monkeypatch):
+    """io (the IO trace's summary) is called once per arm with the windows of that arm's runs only."""
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+
+    def fake_run(eng, prompts, n_tokens, device):
+        v = os.environ.get("MOESTREAM_AB_PROBE") or "0"
+        return dict(ms_per_token_all=[1.0], windows_ns=[(int(v) * 100 + prompts[0], int(v) * 100 + prompts[0] + 1)])
+    monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
+    ab = e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1", 2, lambda k: [k], 4, "cpu", shared=False,
+                                 io=lambda w: sorted(w))
+    # two arms, each its own prompts (round k, arm i: k * 2 + i): a decodes 0 and 2, b 1 and 3 (its windows at +100)
+    assert ab["a_io"] == [(0, 1), (2, 3)] and ab["b_io"] == [(101, 102), (103, 104)]
