@@ -45,7 +45,7 @@ def prefetch_guess_ranks() -> int:
 def read_chunks() -> int:
     """`MOESTREAM_READ_CHUNKS` (4 by default): each IO worker reads a block in this many concurrent preadv calls, each
     chunk's crc32 taken by its thread (io_workers/reader.py). Read by `Supervisor` as it starts the workers, so a
-    disk probe and the engine after it in one process read the same way. Session 30's IO trace (H100 host, virtual
-    disk): a lone 3 MB read took 6.7 ms (0.46 GB/s) while 8 in flight moved ~1.95 GB/s, i.e. the disk's rate grows with
-    the requests in flight, and each layer's demand read sits on the token's path."""
+    disk probe and the engine after it in one process read the same way. Session 30 (the GPU hosts' virtual disk): a
+    lone 3 MB read took 8-10 ms at 4, 8 or 16 pieces alike, while eight workers' reads together moved ~1.5-2 GB/s;
+    16 against 4 was within that disk's noise, so 4 stays (bench/NOTES.md, session 30 call 4)."""
     return env_count("MOESTREAM_READ_CHUNKS", 4, "concurrent reads a block")

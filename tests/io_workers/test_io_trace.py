@@ -59,7 +59,8 @@ def test_each_read_is_traced_with_its_dispatch_time(shm, tmp_path, monkeypatch, 
         _close(w)
     assert shm.slot_state[0] == READY and shm.slot_state[1] == READY
     recs = sorted(read_trace(str(d)), key=lambda r: r[2])
-    assert [(r[0], r[1], r[4], r[5], r[6], r[7]) for r in recs] == [(0, t, 1, 2, DEMAND, 1), (0, t + 5, 0, 3, PREFETCH, 1)]
+    assert [(r[0], r[1], r[4], r[5], r[6], r[7]) for r in recs] == [(0, t, 1, 2, DEMAND, 1),
+                                                                      (0, t + 5, 0, 3, PREFETCH, 1)]
     for r in recs:
         assert t <= r[2] <= r[3] <= time.monotonic_ns()    # dispatched, begun, ended: one clock, in order
     assert stat.S_IMODE(os.stat(trace_path(str(d), 0)).st_mode) == 0o600
