@@ -31,15 +31,17 @@ def decode_ahead() -> bool:
 
 
 def prefetch_guess_ranks() -> int:
-    """`MOESTREAM_PREFETCH_GUESS_RANKS` (0 by default: the whole guess): at decode, each layer's request carries only
-    the next layer's first N guessed experts (the next router's likeliest): only those are read ahead from the disk
-    and kept by the prefetcher's touch. The guesses past a rank are read mostly in vain (the staged ups' use by rank,
-    bench/NOTES.md), and where the disk sets the pace each wasted read costs its time, and the blocks it evicts
-    are read again (the trained instrument's trace at a cache of a third: the whole guess reads 40 % more blocks a
-    token than none, `bench.policy_sim --guess-ranks`). A measuring knob, unmeasured on the GPU: read once a token
+    """`MOESTREAM_PREFETCH_GUESS_RANKS` (12 by default since session 30; 0: the whole guess): at decode, each layer's
+    request carries only the next layer's first N guessed experts (the next router's likeliest): only those are read
+    ahead from the disk and kept by the prefetcher's touch. Past rank 12 of Super's 22 the guesses are read mostly
+    in vain (ranks 13-22 used 0.13-0.76 of the time), and where the disk sets the pace each wasted read shares the
+    disk with the demand reads a layer waits for. Session 30, the disk regime in one engine, each arm its own
+    prompts, three H100 hosts: 12 against the whole guess −5.7 ms a token on average over 27 pairs (medians −7.3 and
+    −10.4 on two hosts, +0.55 on the third), disk bytes −16 to −40 %, and in the IO trace the demand reads served in
+    6.5 ms instead of 11.4 (bench/NOTES.md). Models that route 12 experts or fewer are not cut. Read once a token
     (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it. The staging of the RAM regime (the
     guessed ups copied into VRAM) always takes the whole guess."""
-    return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 0, "guessed experts a layer (0: all)")
+    return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 12, "guessed experts a layer (0: all)")
 
 
 def read_chunks() -> int:

@@ -213,7 +213,7 @@ def test_an_expert_evicted_between_the_request_and_its_pin_is_read_on_demand(rig
 def test_the_request_carries_the_guess_to_its_depth(rig, monkeypatch, ranks):
     """MOESTREAM_PREFETCH_GUESS_RANKS=3: a layer's message carries the next layer's first 3 guessed experts only (the
     prefetcher reads ahead and keeps only those); the knob is read at a token's first MoE layer, so a change within a
-    token waits for the next one. The twin (0, the default) sends the whole guess. The staging's guess stays whole."""
+    token waits for the next one. The twin (0) sends the whole guess. The staging's guess stays whole."""
     src, shm, _ = rig
     monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", str(ranks))
     guess = [[5, 6, 1, 2, 3, 4], [8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25]]
@@ -238,4 +238,6 @@ def test_a_bad_guess_depth_is_named(monkeypatch):
         with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
             prefetch_guess_ranks()
     monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "")
+    assert prefetch_guess_ranks() == 12         # the default (session 30)
+    monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "0")
     assert prefetch_guess_ranks() == 0
