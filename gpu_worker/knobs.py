@@ -47,7 +47,8 @@ def prefetch_guess_ranks() -> int:
 def read_chunks() -> int:
     """`MOESTREAM_READ_CHUNKS` (4 by default): each IO worker reads a block in this many concurrent preadv calls, each
     chunk's crc32 taken by its thread (io_workers/reader.py). Read by `Supervisor` as it starts the workers, so a
-    disk probe and the engine after it in one process read the same way. Session 30 (the GPU hosts' virtual disk): a
-    lone 3 MB read took 8-10 ms at 4, 8 or 16 pieces alike, while eight workers' reads together moved ~1.5-2 GB/s;
-    16 against 4 was within that disk's noise, so 4 stays (bench/NOTES.md, session 30 call 4)."""
+    disk probe and the engine after it in one process read the same way. Session 30 (the GPU hosts' virtual disk):
+    in the disk regime 16 against 4 was within that disk's noise, and on a quiet disk one preadv of 3 MB took 1.47 ms
+    against 2.0-2.5 in 4-16 pieces on threads (bench.disk_pieces); 4 stays: its pieces overlap the crc32 with the
+    read, and 1 at the pipeline's depth is not measured (bench/NOTES.md, session 30)."""
     return env_count("MOESTREAM_READ_CHUNKS", 4, "concurrent reads a block")
