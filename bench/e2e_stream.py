@@ -140,7 +140,8 @@ def decode_run(eng, prompts, n_tokens, device):
     n = n_tokens * len(prompts)
     cache1 = eng.cache_stats()
     cache = {k: cache1[k] - cache0[k] for k in ("evictions", "demand_reads", "prefetch_issued", "prefetch_wasted",
-                                                "stalls_no_slot", "failed_slots", "resends") if k in cache1}
+                                                "stalls_no_slot", "failed_slots", "resends", "prefetch_held")
+             if k in cache1}
     return dict(greedy=[int(t) for t in greedy], ms_per_token=float(np.median(ms)), ms_per_token_all=[round(x, 2) for x in ms], cache=cache,
                 disk_bytes_per_token=disk_bytes / n, hit_rate=hits / max(looked, 1),
                 ms_waiting_for_disk_per_token=waits / n, pcie_bytes_per_token=pcie / n,

@@ -37,13 +37,15 @@ STATE_NAMES = {EMPTY: "empty", LOADING: "loading", READY: "ready", FAILED: "fail
 # request kinds
 DEMAND, PREFETCH = 0, 1
 
-HDR_FIELDS = ["epoch", "prefetcher_pid", "stopping", "created_ns"]
+# hold_ahead 1: while decoding, no read ahead starts while a demand read is out (CacheClient.hold_ahead)
+HDR_FIELDS = ["epoch", "prefetcher_pid", "stopping", "created_ns", "hold_ahead"]
 PF_COUNTERS = ["hits", "misses", "misses_inflight", "demand_reads", "prefetch_issued",
                "prefetch_used", "prefetch_wasted", "prefetch_cancelled", "evictions", "messages",
                "demand_queue", "prefetch_queue", "stalls_no_slot", "failed_slots",
                "prefill_forced",     # a prefill's reads that took a block it had not passed (nothing spent was free)
                "prefetch_refused",   # reads ahead the policy's admission turned down (prefetcher/policy.py ReusePolicy)
-               "warm_reads"]         # blocks read into free slots by a warm message (CacheClient.warm)
+               "warm_reads",         # blocks read into free slots by a warm message (CacheClient.warm)
+               "prefetch_held"]      # dispatch passes that held back reads ahead behind demand reads (hold_ahead)
 WORKER_COUNTERS = ["pid", "direct", "reads", "bytes_read", "failures", "read_ns",
                    "demand_reads", "prefetch_reads", "ready"]
 CLIENT_COUNTERS = ["lookups", "lookup_hits", "lookup_misses", "requests", "waits", "wait_ns",

@@ -52,3 +52,14 @@ def read_chunks() -> int:
     against 2.0-2.5 in 4-16 pieces on threads (bench.disk_pieces); 4 stays: its pieces overlap the crc32 with the
     read, and 1 at the pipeline's depth is not measured (bench/NOTES.md, session 30)."""
     return env_count("MOESTREAM_READ_CHUNKS", 4, "concurrent reads a block")
+
+
+def prefetch_hold() -> bool:
+    """`MOESTREAM_PREFETCH_HOLD` (0 by default; 1: on): while decoding, the prefetcher starts no read ahead while a
+    demand read is pending or out (`CacheClient.hold_ahead`), so the reads a layer waits for share the disk with
+    fewer others. Session 30's IO trace: a demand read took ~11 ms with the reads ahead around it (5 in flight),
+    1.5 ms on a quiet disk, and cutting the guess to 12 ranks (fewer reads ahead) served them in 6.5 ms. Held, a read
+    ahead starts later and may itself become a wait. Unmeasured on the GPU: read once a token
+    (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it (`bench.e2e_stream --ab-regime disk
+    --ab-env MOESTREAM_PREFETCH_HOLD=1`)."""
+    return env_count_or_off("MOESTREAM_PREFETCH_HOLD", 0, "switch (1: on)") > 0

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gpu_worker.copy_pins import CopyPins
-from gpu_worker.knobs import prefetch_guess_ranks
+from gpu_worker.knobs import prefetch_guess_ranks, prefetch_hold
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
@@ -217,6 +217,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         # `_guess_ranks`, MOESTREAM_PREFETCH_GUESS_RANKS)
         self._guess_of: dict[int, list[int]] = {}
         self._guess_ranks = prefetch_guess_ranks()  # the guess's depth a request carries (read again each token)
+        self._hold = None                           # MOESTREAM_PREFETCH_HOLD as last told to the prefetcher
 
     def _refresh(self):
         self.decode_settle()
@@ -685,6 +686,10 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         if j == 0:               # once per token, before the guess is filtered: what it admits needs no prefetch
             self._fill_vram()
             self._guess_ranks = prefetch_guess_ranks()
+            hold = prefetch_hold()
+            if hold != self._hold:
+                self.client.hold_ahead(hold)
+                self._hold = hold
         if vt is not None:       # experts the next layer will find on the device need no prefetch
             nj = (j + 1) % self.n_moe
             row = vt.row(nj)

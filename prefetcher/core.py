@@ -297,7 +297,9 @@ class Prefetcher:
             for msg in self._to_observe:
                 self._observe(*msg)
             self._to_observe.clear()
-        while self.pending_prefetch:
+        if self.pending_prefetch and self._held():
+            self.c[PFC["prefetch_held"]] += 1      # the next done record or message dispatches them
+        while self.pending_prefetch and not self._held():
             w = self._ahead_worker()
             if w is None:
                 break
@@ -322,6 +324,13 @@ class Prefetcher:
             s = self.free.popleft()
             self.warming.add(s)
             self._assign(s, k, PREFETCH, w)
+
+    def _held(self) -> bool:
+        """Reads ahead wait: the compute process asked for it (`CacheClient.hold_ahead`), a decode is running (not a
+        prefill) and a demand read is pending or out."""
+        return (bool(self.shm.hdr[HDR["hold_ahead"]]) and self.prefill_layer is None
+                and (bool(self.pending_demand)
+                     or any(kd == DEMAND for o in self.outstanding for _, kd in o.values())))
 
     def _ahead_worker(self) -> int | None:
         """The IO worker with the fewest reads ahead (and warm reads) outstanding, ties round-robin; None when even

@@ -241,3 +241,21 @@ def test_a_bad_guess_depth_is_named(monkeypatch):
     assert prefetch_guess_ranks() == 12         # the default (session 30)
     monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "0")
     assert prefetch_guess_ranks() == 0
+
+
+def test_the_hold_on_reads_ahead_reaches_the_prefetcher_once_a_token(rig, monkeypatch):
+    """MOESTREAM_PREFETCH_HOLD is read at a token's first MoE layer and written to the cache's header, where the
+    prefetcher reads it (`CacheClient.hold_ahead`); a change within a token waits for the next one. Off (the twin)
+    writes 0."""
+    from cache_shm.shm import HDR
+    src, shm, _ = rig
+    guess = [5, 6, 1, 2, 3, 4]
+    for token, (at0, later, want) in enumerate([("1", "0", 1), ("0", "1", 0)]):
+        monkeypatch.setenv("MOESTREAM_PREFETCH_HOLD", at0)
+        src.decode_route(0, 1, [7, 3, 60, 0, 41, 12], guess)
+        src.decode_launched()
+        monkeypatch.setenv("MOESTREAM_PREFETCH_HOLD", later)          # mid-token: not read until layer 0
+        src.decode_route(1, 3, [5, 6, 1, 63, 22, 9], guess)
+        src.decode_launched()
+        assert int(shm.hdr[HDR["hold_ahead"]]) == want, token
+        messages(shm)

@@ -229,3 +229,22 @@ def test_layer_records_and_msgpack_messages_decide_the_same(tmp_path, faithful):
     finally:
         for shm, _, _ in rigs:
             shm.close()
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_reads_ahead_wait_for_the_demand_reads_when_held(rig, hold):
+    """hold_ahead: while decoding, no read ahead starts while a demand read is out; the done record of the last one
+    lets them go. The twin (not held) sends both at once. A prefill's reads ahead are never held."""
+    shm, pf, c = rig
+    c.hold_ahead(hold)
+    c.request(0, [1], guess=[3, 4])
+    pf.step()
+    assert sum(len(r) for r in shm.demand_rings) == 1
+    assert sum(len(r) for r in shm.prefetch_rings) == (0 if hold else 2)
+    assert (c.stats()["prefetch_held"] > 0) == hold
+    serve_all(shm, pf)                           # the demand read done: the reads ahead go
+    assert c.stats()["prefetch_issued"] == 2
+    serve_all(shm, pf)
+    c.request_prefill(1, [5], guess=[6], guess_layer=1)
+    pf.step()
+    assert sum(len(r) for r in shm.prefetch_rings) == 1      # held or not: a prompt's guess goes beside its reads
