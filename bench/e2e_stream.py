@@ -204,6 +204,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     side = {n: [] for n in names}
     moved = {n: [] for n in names}
     windows = {n: [] for n in names}
+    held = {n: [] for n in names}            # dispatch passes that held reads ahead (MOESTREAM_PREFETCH_HOLD), per round
     try:
         for k in range(rounds):
             for i in range(len(names)):
@@ -213,6 +214,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
                 side[names[arm]].append(r["ms_per_token_all"])
                 moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
                 windows[names[arm]] += r.get("windows_ns", [])
+                held[names[arm]].append(r.get("cache", {}).get("prefetch_held", 0))
     finally:
         put(0)
     flat = {n: [x for r in side[n] for x in r] for n in names}
@@ -223,6 +225,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
         # per round: disk bytes a token and the hit rate (the disk regime's A/B; 0 and 1.0 in the RAM regime)
         out[f"{n}_disk_mb"] = [round(d / 1e6, 2) for d, _ in moved[n]]
         out[f"{n}_hit"] = [round(h, 4) for _, h in moved[n]]
+        out[f"{n}_held"] = held[n]
         if io is not None:
             out[f"{n}_io"] = io(windows[n])
         if n != "a":
@@ -713,7 +716,8 @@ def main(argv=None):
                 print(f"  {n} median {ab[f'{n}_median']:.3f}; {n} − a per pair ({len(d)}): median "
                       f"{float(np.median(d)):+.3f}, {n} lower in {sum(x < 0 for x in d)} of {len(d)}")
             if any(ab.get(f"{n}_disk_mb") or ()):
-                print(f"  {n}: disk MB a token by round {ab[f'{n}_disk_mb']}, hit rate {ab[f'{n}_hit']}")
+                print(f"  {n}: disk MB a token by round {ab[f'{n}_disk_mb']}, hit rate {ab[f'{n}_hit']}"
+                      + (f", reads ahead held by round {ab[f'{n}_held']}" if any(ab.get(f"{n}_held") or ()) else ""))
             if ab.get(f"{n}_io"):
                 print(f"  {n}: {io_line(ab[f'{n}_io'])}")
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")

@@ -93,14 +93,17 @@ def test_the_timed_tokens_accounting_is_their_own():
 
 
 def test_each_arm_gets_the_io_account_of_its_own_windows(monkeypatch):
-    """io (the IO trace's summary) is called once per arm with the windows of that arm's runs only."""
+    """io (the IO trace's summary) is called once per arm with the windows of that arm's runs only; each arm keeps
+    its own count of reads ahead held."""
     monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
 
     def fake_run(eng, prompts, n_tokens, device):
         v = os.environ.get("MOESTREAM_AB_PROBE") or "0"
-        return dict(ms_per_token_all=[1.0], windows_ns=[(int(v) * 100 + prompts[0], int(v) * 100 + prompts[0] + 1)])
+        return dict(ms_per_token_all=[1.0], windows_ns=[(int(v) * 100 + prompts[0], int(v) * 100 + prompts[0] + 1)],
+                    cache={"prefetch_held": 7 * int(v)})
     monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
     ab = e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1", 2, lambda k: [k], 4, "cpu", shared=False,
                                  io=lambda w: sorted(w))
     # two arms, each its own prompts (round k, arm i: k * 2 + i): a decodes 0 and 2, b 1 and 3 (its windows at +100)
     assert ab["a_io"] == [(0, 1), (2, 3)] and ab["b_io"] == [(101, 102), (103, 104)]
+    assert ab["a_held"] == [0, 0] and ab["b_held"] == [7, 7]          # each arm's reads ahead held, by round
