@@ -297,9 +297,10 @@ class Prefetcher:
             for msg in self._to_observe:
                 self._observe(*msg)
             self._to_observe.clear()
-        if self.pending_prefetch and self._held():
+        held = self._held()                        # (nothing below makes a demand read: once a pass is enough)
+        if held and self.pending_prefetch:
             self.c[PFC["prefetch_held"]] += 1      # the next done record or message dispatches them
-        while self.pending_prefetch and not self._held():
+        while self.pending_prefetch and not held:
             w = self._ahead_worker()
             if w is None:
                 break
