@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-ALIGN = 4096
+from io_workers.reader import ALIGN, block_pieces, open_blocks, pread_full     # the IO workers' own open, split, read
 
 
 def _buf(n: int) -> mmap.mmap:
@@ -32,25 +32,12 @@ def _buf(n: int) -> mmap.mmap:
 
 
 def _open(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return os.open(path, os.O_RDONLY)
-
-
-def _pieces(n: int, k: int) -> list[tuple[int, int]]:
-    step = ((n + k - 1) // k + ALIGN - 1) // ALIGN * ALIGN
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
+    return open_blocks(path)[0]          # O_DIRECT where the filesystem allows it, as the IO workers do
 
 
 def _read(fd: int, buf, off: int, a: int, b: int) -> None:
-    mv = memoryview(buf)[a:b]
-    got = 0
-    while got < b - a:
-        n = os.preadv(fd, [mv[got:]], off + a + got)
-        if n <= 0:
-            raise OSError(f"short read at {off + a + got}")
-        got += n
+    if pread_full(fd, memoryview(buf)[a:b], off + a, "disk_pieces.bin") < b - a:
+        raise OSError(f"short read at {off + a}")
 
 
 def _proc_worker(path: str, conn, block: int) -> None:
@@ -96,7 +83,7 @@ def main(argv=None) -> int:
     fd = _open(path)
     res, used = {}, 0
     for mode, k in modes:
-        parts = _pieces(block, k)
+        parts = block_pieces(block, k)
         bufs = [_buf(block)]
         fds = [_open(path) for _ in parts] if mode == "thread_fds" else []
         procs = []

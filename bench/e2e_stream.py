@@ -429,20 +429,12 @@ def main(argv=None):
         private directory for the regime's life, summarized over its timed tokens by bench.io_trace)."""
         if not (a.io_trace and name == "disk"):
             return _regime(name, cache_bytes, seed, **kw)
-        import shutil
         import tempfile
+        from unittest import mock
         from cache_shm.io_trace import ENV
-        d = tempfile.mkdtemp(prefix="moestream-iotrace-")
-        old = os.environ.get(ENV)
-        os.environ[ENV] = d                  # read by each IO worker as the engine spawns it
-        try:
+        # the variable is read by each IO worker as the engine spawns it; both are gone after the regime
+        with tempfile.TemporaryDirectory(prefix="moestream-iotrace-") as d, mock.patch.dict(os.environ, {ENV: d}):
             return _regime(name, cache_bytes, seed, trace_dir=d, **kw)
-        finally:
-            if old is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = old
-            shutil.rmtree(d, ignore_errors=True)
 
     def _regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None,
                 stage_extra=None, trace_dir=None, **kw):

@@ -83,7 +83,8 @@ def read_block(fd: int, dest: memoryview, offset: int, block_bytes: int, is_dire
     return got
 
 
-def _pread_full(fd: int, buf: memoryview, offset: int, path: str) -> int:
+def pread_full(fd: int, buf: memoryview, offset: int, path: str) -> int:
+    """Read len(buf) bytes at `offset` (fewer only at the end of the file); bytes read, or ReadError."""
     got = 0
     try:
         while got < len(buf):
@@ -123,11 +124,12 @@ _crc_shift = Crc32Shift()
 
 
 def _read_chunk(fd: int, buf: memoryview, offset: int, path: str, crc_bytes: int) -> tuple[int, int]:
-    n = _pread_full(fd, buf, offset, path)
+    n = pread_full(fd, buf, offset, path)
     return n, (zlib.crc32(buf[:crc_bytes]) if crc_bytes > 0 else 0)   # zlib releases the GIL
 
 
-def _pieces(want: int, n_chunks: int) -> list[tuple[int, int]]:
+def block_pieces(want: int, n_chunks: int) -> list[tuple[int, int]]:
+    """The [a, b) byte ranges a block of `want` bytes is read in: `n_chunks` or fewer, each a multiple of ALIGN."""
     step = ((want + n_chunks - 1) // n_chunks + ALIGN - 1) // ALIGN * ALIGN
     return [(a, min(a + step, want)) for a in range(0, want, step)]
 
@@ -135,7 +137,7 @@ def _pieces(want: int, n_chunks: int) -> list[tuple[int, int]]:
 def warm_crc_shift(stride: int, block_bytes: int, n_chunks: int) -> None:
     """Compute the combine columns for this geometry now, not during the first read (~25 ms)."""
     for want in (stride, block_bytes):
-        for a, b in _pieces(want, n_chunks)[1:]:
+        for a, b in block_pieces(want, n_chunks)[1:]:
             if a < block_bytes:
                 _crc_shift.combine(0, 0, min(b, block_bytes) - a)
 
@@ -152,7 +154,7 @@ def read_block_crc(fd: int, dest: memoryview, offset: int, block_bytes: int, is_
         if addr % ALIGN or offset % ALIGN or want % ALIGN:
             raise ReadError(f"misaligned O_DIRECT read: buffer {addr:#x}, offset {offset}, "
                             f"length {want} must be multiples of {ALIGN}")
-    pieces = _pieces(want, n_chunks)
+    pieces = block_pieces(want, n_chunks)
     futures = [pool.submit(_read_chunk, fd, dest[a:b], offset + a, path,
                            max(min(b, block_bytes) - a, 0) if with_crc else 0) for a, b in pieces]
     crc, got, error = 0, 0, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from bench import disk_pieces
+from io_workers import reader
 
 
 def test_every_mode_reads_and_nothing_is_left(tmp_path):
@@ -18,7 +19,9 @@ def test_every_mode_reads_and_nothing_is_left(tmp_path):
 
 
 def test_pieces_cover_the_block_once():
-    parts = disk_pieces._pieces(3 * 2**20, 16)
+    """The split the bench measures is the IO workers' own (io_workers.reader.block_pieces)."""
+    assert disk_pieces.block_pieces is reader.block_pieces
+    parts = disk_pieces.block_pieces(3 * 2**20, 16)
     assert parts[0][0] == 0 and parts[-1][1] == 3 * 2**20
     assert all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))        # contiguous, no overlap
     assert all(a % disk_pieces.ALIGN == 0 for a, _ in parts)
