@@ -281,9 +281,9 @@ def main(argv=None):
         src = eng.experts
         plain_sync = src._router_sync
 
-        def marked_sync(counts, guess):                 # the host's mark of each MoE layer's one sync
+        def marked_sync(counts, guess, overlap=None):   # the host's mark of each MoE layer's one sync
             with torch.profiler.record_function("moe_router_sync"):
-                return plain_sync(counts, guess)
+                return plain_sync(counts, guess, overlap)
         src._router_sync = marked_sync
         for name in ("_prefill_batch", "_copy_ahead", "_eager_copies", "_stage", "_flow_start"):   # the host's ranges
             setattr(src, name, ranged(getattr(src, name), name))                                       # (--raw)

@@ -33,7 +33,7 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
-                                      prefill_batch_bytes, prefill_eager)
+                                      prefill_batch_bytes, prefill_eager, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.launch_tables import device_table
@@ -72,6 +72,7 @@ class PrefillExperts:
         # path (tests) copies ahead for any prompt where copy_ahead is set
         self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
         self.ahead_bytes = 0
+        self._sync_stream = self._sync_host = None   # the routing's counts to the host beside an overlap (_router_sync)
         self._ahead: AheadSlots | None = None
         self._guessed: tuple | None = None   # (next MoE layer, its experts the guess named, their tokens or None)
         self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
@@ -154,12 +155,13 @@ class PrefillExperts:
         self._ahead = None           # its copies are done (the flush waited): decode gets the memory back
         self.prefill_acct.end(tokens, seconds)
 
-    def _prefill(self, j, x, experts, weights, guess=None):
+    def _prefill(self, j, x, experts, weights, guess=None, overlap=None):
         """The span's tokens sorted by expert; every expert it routes to requested once, the hits in grouped
         launches, the misses in grouped launches as they land. guess: int64 [E], how many tokens the next MoE
         layer's router sends to each expert on this layer's input: the absent ones are requested as prefetch reads,
         the most used first, as many as the cache holds beside this layer's experts (more would evict blocks
-        before their use, and the prompt would read them twice)."""
+        before their use, and the prompt would read them twice). overlap: device work queued after the routing,
+        which the layer's sync does not wait for (`_router_sync`)."""
         t_in = time.perf_counter()
         T, k = experts.shape
         E, pa = self.store.n_experts, self.prefill_acct
@@ -169,7 +171,7 @@ class PrefillExperts:
         a = self._ahead                  # blocks copied ahead for this layer by the time its router syncs
         self.ahead_at_sync.append((j, len(a.table) if a is not None and a.layer == j else 0))
         t_sync = time.perf_counter()
-        host = self._router_sync(counts, guess)   # the one sync of the layer
+        host = self._router_sync(counts, guess, overlap)   # the one sync of the layer
         t_sync = time.perf_counter() - t_sync
         pa.last.ms_router_sync += t_sync * 1e3
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
@@ -295,9 +297,30 @@ class PrefillExperts:
         pa.last.ms_host_moe += (time.perf_counter() - t_in - t_sync - waited_disk) * 1e3
         return acc
 
-    def _router_sync(self, counts, guess):
-        """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer."""
-        return (torch.cat([counts, guess]) if guess is not None else counts).cpu()
+    def _router_sync(self, counts, guess, overlap=None):
+        """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer.
+        overlap: device work to queue after the routing. On CUDA the counts then cross on a stream of their own that
+        waits for the routing alone (`PREFILL_SHARED_OVERLAP`), so the device runs `overlap` while the host waits for
+        them and decides the launches; without it, or with the knob off, `overlap` is queued first and waited for."""
+        routed = torch.cat([counts, guess]) if guess is not None else counts
+        if overlap is None:
+            return routed.cpu()
+        if not (self._cuda and shared_overlap()):
+            overlap()
+            return routed.cpu()
+        done = torch.cuda.Event()
+        side = self._sync_stream
+        if side is None:
+            side = self._sync_stream = torch.cuda.Stream(self.device)
+            self._sync_host = torch.empty(2 * self.store.n_experts, dtype=torch.int64, pin_memory=True)
+        host = self._sync_host[:routed.numel()]
+        side.wait_stream(torch.cuda.current_stream(self.device))     # the routing, queued before
+        with torch.cuda.stream(side):
+            host.copy_(routed, non_blocking=True)
+            done.record(side)
+        overlap()
+        done.synchronize()
+        return host.clone()          # (the pinned buffer serves the next layer's sync)
 
     def _ahead_slots(self, n: int) -> "AheadSlots":
         """The ahead slots, n of them (made anew where a span's budget changed n)."""

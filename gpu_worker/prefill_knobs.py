@@ -102,6 +102,18 @@ def prefill_eager() -> bool:
     return os.environ.get("MOESTREAM_PREFILL_EAGER", "0") == "1"
 
 
+def shared_overlap() -> bool:
+    """MOESTREAM_PREFILL_SHARED_OVERLAP (read per MoE layer; 1 by default, 0: off): a prefill span's shared expert
+    (`MoEMixer.add_to`'s overlap) queued after the layer's routing, with the routing's counts copied to the host on a
+    stream of their own, so that the device runs the shared expert while the host waits for the counts and then
+    decides the launches, instead of idling from the sync to the first launch. Off: queued before the routing's copy,
+    which waits for it. Same arithmetic either way (the shared expert goes into x first)."""
+    raw = os.environ.get("MOESTREAM_PREFILL_SHARED_OVERLAP", "") or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"MOESTREAM_PREFILL_SHARED_OVERLAP={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 def ahead_first() -> bool:
     """MOESTREAM_PREFILL_AHEAD_FIRST (read per layer; 1 by default, 0: off): a layer's experts whose blocks were copied
     ahead launch first, in expert order, then those staged through the ring (as the flow orders them,

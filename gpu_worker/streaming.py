@@ -276,6 +276,12 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             return acc[None]
         return self._prefill(moe_index, x, experts, weights, guess)
 
+    def apply_overlapped(self, moe_index, layer, x, experts, weights, guess=None, overlap=None):
+        if x.shape[0] == 1 or overlap is None:
+            return super().apply_overlapped(moe_index, layer, x, experts, weights, guess, overlap)
+        self.decode_settle()
+        return self._prefill(moe_index, x, experts, weights, guess, overlap=overlap)
+
     # ------------------------------------------------------------------ the decode graphs' side
     def decode_scales(self, moe_index, experts):
         return self.up_global[moe_index, experts], self.down_global[moe_index, experts]

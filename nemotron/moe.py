@@ -51,6 +51,17 @@ class ExpertSource(ABC):
         """x [T, L] -> Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]), float32 [T, L]. `guess`: the
         experts the next MoE layer's router picks on this layer's input (a prefetch hint)."""
 
+    def apply_overlapped(self, moe_index: int, layer: int, x: torch.Tensor, experts: torch.Tensor,
+                         weights: torch.Tensor, guess: torch.Tensor | None = None,
+                         overlap: Callable[[], None] | None = None) -> torch.Tensor:
+        """`apply`, and `overlap`: device work that needs nothing of this call's result (a prefill span's shared
+        expert), queued where it hides the most. Here it is queued first. A source that waits for the device on the
+        routing (the streaming source) queues it after the routing and waits for the routing alone, so that the
+        device runs it while the host decides the call's launches."""
+        if overlap is not None:
+            overlap()
+        return self.apply(moe_index, layer, x, experts, weights, guess)
+
     def inputs_ready(self, tokens: int) -> None:
         """A call of `tokens` (> 1) tokens has its inputs on the device and is about to run its first layer (the
         streaming source starts its first MoE layer's guessed copies here, queued after the inputs' own copy).
@@ -314,10 +325,12 @@ class MoEMixer:
     def add_to(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, piece: int) -> None:
         """x += this layer on rms_norm(x) (a prefill span, in place), with every per-token temporary a piece of
         `piece` tokens at a time. What lives across the layer's pieces: the latent input of the routed experts
-        and their choice (filled piece by piece), then their fp32 sum (`ExpertSource.apply`, which runs each
-        routed expert once on all of the span's tokens). The normed input is computed twice, for the head and
-        for the tail (the shared expert, the latent projection back): two cheap norms instead of a [T, hidden]
-        copy kept across the experts."""
+        and their choice (filled piece by piece), then their fp32 sum (`ExpertSource.apply_overlapped`, which runs
+        each routed expert once on all of the span's tokens). The normed input is computed twice, for the head and
+        for the shared expert: two cheap norms instead of a [T, hidden] copy kept across the experts. The shared
+        expert goes into x before the routed sum does, as the source's `overlap` (it needs only x's rows before
+        this layer, each piece's own; the routed experts read the latent input, computed before): the streaming
+        source has the device run it while the host waits for the routing and decides the launches."""
         T, dev = x.shape[0], x.device
         k = self.router.k
         width = self.fc1.out_features if self.fc1 is not None else x.shape[1]
@@ -335,13 +348,16 @@ class MoEMixer:
         if self.trace is not None:
             self.trace("route", layer=self.layer, moe_index=self.moe_index, experts=experts, weights=weights,
                        guess=guess)
-        routed = self.experts.apply(self.moe_index, self.layer, lat, experts, weights, guess=guess)
+
+        def shared_expert():
+            for a, b in parts:
+                h = rms_norm(x[a:b], norm_weight, eps)
+                x[a:b] += linear(relu2(linear(h, self.shared_up)), self.shared_down)
+        routed = self.experts.apply_overlapped(self.moe_index, self.layer, lat, experts, weights, guess=guess,
+                                               overlap=shared_expert if self.shared_up is not None else None)
         del lat, experts, weights
         for a, b in parts:
-            h = rms_norm(x[a:b], norm_weight, eps)
-            shared = (linear(relu2(linear(h, self.shared_up)), self.shared_down) if self.shared_up is not None
-                      else None)
-            x[a:b] += self.tail(routed[a:b], shared)
+            x[a:b] += self.tail(routed[a:b], None)
 
 
 class MLPMixer:

@@ -139,8 +139,8 @@ def test_twin_copied_after_the_sync_is_caught(tiny, refs, monkeypatch):
     def late_copy(self, nj, g, counted=False):
         pending.append((nj, g.copy(), None, counted))
 
-    def late_sync(self, counts, guess):
-        host = real_sync(self, counts, guess)
+    def late_sync(self, counts, guess, overlap=None):
+        host = real_sync(self, counts, guess, overlap)
         while pending:
             real_copy(self, *pending.pop())
         return host
