@@ -103,8 +103,10 @@ def test_counts_reach_the_host_while_the_overlap_runs(monkeypatch, knob):
     def overlap():
         torch.cuda._sleep(100_000_000)          # ~50 ms of clock cycles at 2 GHz
         end.record()
+    want = torch.cat([counts, guess]).cpu()
     for _ in range(2):                          # the second call reuses the stream and the pinned buffer
         host = PrefillExperts._router_sync(src, counts, guess, overlap)
-        assert torch.equal(host, torch.cat([counts, guess]).cpu())
-        assert end.query() is (knob == "0")
+        reached = end.query()                   # (before anything here that waits for the current stream)
         torch.cuda.synchronize()
+        assert torch.equal(host, want)
+        assert reached is (knob == "0")
