@@ -13,25 +13,16 @@ import gpu_worker.streaming as streaming
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.prefill import prefill
 from gpu_worker.prefill_experts import PrefillExperts
-from nemotron.model import NemotronH
 from tests.gpu_worker.test_prefill import prompt
-from tests.gpu_worker.test_streaming_pipeline import make_store
+from tests.gpu_worker.test_prefill_ahead import refs, tiny  # noqa: F401   (the tiny store; the in-memory logits)
 
 KNOB = "MOESTREAM_PREFILL_SHARED_OVERLAP"
-N = 300
+N = 300                                 # one of the prompts `refs` holds
 
 
 @pytest.fixture(scope="module")
-def tiny(synth, tmp_path_factory):
-    model_dir = synth("tiny", "nvfp4")
-    return model_dir, make_store(model_dir, tmp_path_factory.mktemp("overlap-store") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(tiny):
-    model_dir, _ = tiny
-    m = NemotronH(model_dir)
-    return prefill(m, prompt(N, seed=N), m.new_state())
+def ref(refs):  # noqa: F811
+    return refs[N]
 
 
 def _spied_prefill(tiny, monkeypatch, runs_of_overlap: int):
