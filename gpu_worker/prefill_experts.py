@@ -33,7 +33,7 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
-                                      prefill_batch_bytes, prefill_eager, shared_overlap)
+                                      prefill_batch_bytes, prefill_eager, rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.launch_tables import device_table
@@ -166,7 +166,9 @@ class PrefillExperts:
         T, k = experts.shape
         E, pa = self.store.n_experts, self.prefill_acct
         flat = experts.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
+        by_launch = rows_in_launch_order()
+        # (sorted by launch order after the sync, which decides that order; by expert id before it, as the host waits)
+        order = None if by_launch else torch.sort(flat, stable=True).indices
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         a = self._ahead                  # blocks copied ahead for this layer by the time its router syncs
         self.ahead_at_sync.append((j, len(a.table) if a is not None and a.layer == j else 0))
@@ -176,16 +178,9 @@ class PrefillExperts:
         pa.last.ms_router_sync += t_sync * 1e3
         self._flush(sync=False)          # the copy above waited for the device: the last layer's kernels have run
         counts = host[:E].tolist()
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         uniq = [e for e in range(E) if counts[e]]
         guessed = self._guessed          # (the guess for this layer: judged after the first launch)
         ahead = self._ahead_settle(j, uniq, judge=False)   # {expert: device slot} of its blocks copied ahead
-        seg = {e: (starts[e], counts[e]) for e in uniq}
-        # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
-        tok = torch.div(order, k, rounding_mode="floor")
-        ws = weights.reshape(-1).index_select(0, order).float()
-        del order
-        rows = _SortedRows(x, tok, ws, self._cuda)   # a launch gathers only its own rows of x
         nj = (j + 1) % self.n_moe
         hits = self.client.lookup(j, uniq)
         ahead_found = sum(1 for e in hits if e in ahead)
@@ -198,6 +193,20 @@ class PrefillExperts:
             flow, ahead = started
         else:
             ahead = self._eager_copies(j, hits, ahead)
+        # the launch order: in expert order, as without copies ahead (a first build launched the copied blocks first,
+        # in rank order, and lost what it won), each launch reading its blocks copied ahead from their slots and staging
+        # the others through the ring (the flow, and MOESTREAM_PREFILL_AHEAD_FIRST=1: those copied ahead before the sync
+        # first, then the others; the flow's launches free their slots for the next layer's copies); the misses last,
+        # each launched as it lands. The rows sorted in that order: each launch's rows are one run of it, no index.
+        ordered = started is not None or (ahead_first() and bool(ahead_before))
+        sequence = launch_order(hits, ahead_before) if ordered else list(hits.items())
+        misses = [e for e in uniq if e not in hits]
+        seg, order = self._row_order(flat, counts, [e for e, _ in sequence] + misses, order)
+        # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
+        tok = torch.div(order, k, rounding_mode="floor")
+        ws = weights.reshape(-1).index_select(0, order).float()
+        del order
+        rows = _SortedRows(x, tok, ws, self._cuda, pa.last)   # a launch gathers only its own rows of x
 
         def bookkeeping():
             """What the layer's first launch need not wait for: the routes learnt, the guess judged, the accounting, the
@@ -234,11 +243,6 @@ class PrefillExperts:
         lay = _LayerLaunch(j, rows_cap, chunk, self.prefill_weights == "staged" and self._cuda,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
                            self.up_global[j], self.down_global[j])
-        # in expert order, as without copies ahead (a launch's rows are one contiguous run of the sort: no gather
-        # index to copy; a first build launched the copied blocks first, in rank order, and lost what it won), each
-        # launch reading its blocks copied ahead from their slots and staging the others through the ring
-        # (the flow, and MOESTREAM_PREFILL_AHEAD_FIRST=1: those copied ahead before the sync first, then the others;
-        # the flow's launches free their slots for the next layer's copies)
         def launch(batch):
             self._prefill_batch(lay, batch, seg, rows, acc, ahead)
             if later:                    # (the bookkeeping, after the first launch)
@@ -248,8 +252,7 @@ class PrefillExperts:
 
         batch: list[tuple[int, int]] = []
         n_rows = 0
-        ordered = started is not None or (ahead_first() and bool(ahead_before))
-        for e, s in (launch_order(hits, ahead_before) if ordered else hits.items()):
+        for e, s in sequence:
             if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
                 launch(batch)
                 batch, n_rows = [], 0
@@ -258,7 +261,6 @@ class PrefillExperts:
         if batch:
             launch(batch)
         pa.last.ahead_used += ahead_found
-        misses = [e for e in uniq if e not in hits]
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
         # (the message wakes the prefetcher when the slots are usable, and it gives them to this layer's waiting
         # reads before any block a later layer needs, prefetcher/core.py). The hits go back before the first miss is
@@ -296,6 +298,22 @@ class PrefillExperts:
         waited_disk = waited if misses else 0.0
         pa.last.ms_host_moe += (time.perf_counter() - t_in - t_sync - waited_disk) * 1e3
         return acc
+
+    def _row_order(self, flat, counts: list[int], sequence: list[int], order=None):
+        """({expert: (first row, rows)}, the pairs' order) of a layer's (token, expert) pairs `flat` [T·k]: sorted by
+        the experts' place in `sequence` (every routed expert once, in launch order), so that launches of consecutive
+        experts of it read one run of rows; or, given `order` (the pairs sorted by expert id), by expert id."""
+        if order is not None:
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+            return {e: (starts[e], counts[e]) for e in sequence}, order
+        seg, at = {}, 0
+        for e in sequence:
+            seg[e] = (at, counts[e])
+            at += counts[e]
+        place = np.zeros(len(counts), dtype=np.int64)
+        place[sequence] = np.arange(len(sequence))
+        key = device_table(place, flat.device).index_select(0, flat)
+        return seg, torch.sort(key, stable=True).indices
 
     def _router_sync(self, counts, guess, overlap=None):
         """The layer's token counts per expert and the next layer's guess, on the host: the one sync of the layer.
@@ -586,8 +604,8 @@ class _SortedRows:
     x's rows for its own segments only (the whole span's gathered rows would be T·k rows: 44 KiB per token on
     Super)."""
 
-    def __init__(self, x, tok, ws, cuda: bool):
-        self.x, self.tok, self.ws, self.cuda = x, tok, ws, cuda
+    def __init__(self, x, tok, ws, cuda: bool, cost=None):
+        self.x, self.tok, self.ws, self.cuda, self.cost = x, tok, ws, cuda, cost   # cost: the prompt's PromptCost
 
     def gather(self, segments: list[tuple[int, int]]):
         """(x rows, weights, tokens, the segments re-based onto them) of `segments` (start, count) of the order."""
@@ -600,6 +618,8 @@ class _SortedRows:
             tok, ws = self.tok[lo:hi], self.ws[lo:hi]
             local = [(a - lo, n) if n > 0 else (0, 0) for a, n in segments]
         else:
+            if self.cost is not None:
+                self.cost.launches_indexed += 1
             idx = device_table(np.concatenate([np.arange(a, a + n) for a, n in live]), self.tok.device)
             tok, ws = self.tok.index_select(0, idx), self.ws.index_select(0, idx)
             local, at = [], 0

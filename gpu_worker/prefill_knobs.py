@@ -114,6 +114,19 @@ def shared_overlap() -> bool:
     return raw == "1"
 
 
+def rows_in_launch_order() -> bool:
+    """MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER (read per MoE layer; 1 by default, 0: off): a layer's (token, expert)
+    pairs sorted by the launch order of their experts (known at the sync: those copied ahead first, `ahead_first`),
+    so that every launch's rows are one run of that order, sliced, instead of sorted by expert id, where a launch of
+    experts with others between them gathered its rows through a row index built on the host (a 16k prompt's launch:
+    ~22,000 row numbers, their launch table and two index_selects; py-spy, session 31 call 4: ~15 % of the MoE step's
+    host time). Off: sorted by expert id, as before."""
+    raw = os.environ.get("MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER", "") or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 def ahead_first() -> bool:
     """MOESTREAM_PREFILL_AHEAD_FIRST (read per layer; 1 by default, 0: off): a layer's experts whose blocks were copied
     ahead launch first, in expert order, then those staged through the ring (as the flow orders them,

@@ -184,9 +184,11 @@ def test_gpu_small_launches_equal_large(tiny_model, tmp_path, monkeypatch, path)
 
 
 def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
-    """With a cache of a tenth the hits are scattered among the routed experts, so a launch of several hits gathers
-    rows from segments with gaps between them: the logits equal the in-memory engine's. The twin re-bases the
-    segments as if there were no gaps (the rows of the slice from the first to the last)."""
+    """With the rows sorted by expert id (`MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER=0`) and a cache of a tenth, the hits
+    are scattered among the routed experts, so a launch of several hits gathers rows from segments with gaps between
+    them: the logits equal the in-memory engine's. The twin re-bases the segments as if there were no gaps (the rows
+    of the slice from the first to the last)."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER", "0")
     store = make_store(tiny_model, tmp_path / "store")
     ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=700)]
     ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
@@ -212,6 +214,33 @@ def test_launch_gathers_rows_across_gaps(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(prefill_experts._SortedRows, "gather", gapless)
     bad, _, _ = _streamed_logits(tiny_model, store, ids, prefill_knobs.PREFILL_BATCH_BYTES, monkeypatch)
     assert (bad - ref).abs().max() > 1e-3, "rows gathered across a gap went unnoticed"
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_rows_in_launch_order_need_no_index(tiny_model, tmp_path, monkeypatch, ahead):
+    """The default: a layer's pairs sorted by their experts' launch order, so with a cache of a tenth (hits scattered
+    among the routed experts; with copies ahead, those copied ahead launched first) every launch reads one run of
+    rows (no row index: `launches_indexed` 0) and the logits equal the in-memory engine's. The twin sorted by expert
+    id (the knob off) gathers some launches' rows by an index."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=700)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    got = {}
+    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
+        src = eng.experts
+        src.copy_ahead, src.ahead_min_tokens = ahead, 0     # (the CPU path copies ahead only where told to)
+        for knob in ("1", "0"):
+            monkeypatch.setenv("MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER", knob)
+            prefill(eng.model, ids, eng.model.new_state())  # (the second prompt: a guess's copies ahead exist)
+            out = prefill(eng.model, ids, eng.model.new_state())
+            last = src.prefill_acct.last
+            got[knob] = out, last.launches, last.launches_indexed, last.ahead_read
+    out, launches, indexed, ahead_read = got["1"]
+    assert launches > 0 and indexed == 0 and (ahead_read > 0) == ahead
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    twin, _, indexed_twin, _ = got["0"]
+    assert indexed_twin > 0, "the expert-id order's scattered hits needed no index"
+    torch.testing.assert_close(twin, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_a_short_span_takes_the_budgets_slack_for_its_launches():
