@@ -303,7 +303,7 @@ def ttft(eng, ids, device) -> dict:
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
-                ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
+                launches_indexed=last.launches_indexed, ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
                 peak_bytes=peak, piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                 estimated_bytes=span_bytes(m.config, m.dtype, len(ids), plan=dataclasses.replace(
                     plan, ahead_bytes=eng.experts.ahead_bytes, launch_bytes=eng.experts.launch_bytes)))
@@ -478,7 +478,8 @@ def brief(res) -> None:
                                              f"{p['moe_dense']:.1f} exp {p['experts']:.1f} kern {p['experts_kernels']:.1f}"
                                              f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
                 print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
-                      f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} ahead {r['ahead_copied']}/"
+                      f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} launches {r['launches']}/"
+                      f"{r.get('launches_indexed', '-')} ahead {r['ahead_copied']}/"
                       f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
                       f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"
                       f"{r['ms_router_sync']:.1f} start inputs/copy {r.get('ms_to_inputs', 0):.1f}/"
