@@ -463,7 +463,14 @@ def print_rounds(groups: list[dict]) -> None:
         vs = "" if g["path"] == g["vs_first"] else (f" | {g['median_delta_ms']:+.1f} / {g['min_delta_ms']:+.1f} ms "
                                                     f"against {g['vs_first']}")
         print(f"rounds: {g['regime']} {g['path']} {g['tokens']} | {g['n']} | {g['median_ms']:.1f} "
-              f"({g['median_ratio']:.2f}) | {g['min_ms']:.1f} | {g['max_ms']:.1f}{vs}")
+              f"({shown_ratio(g['median_ms'], g['floor_ms'])}) | {g['min_ms']:.1f} | {g['max_ms']:.1f}{vs}")
+
+
+def shown_ratio(measured: float, floor: float) -> str:
+    """A ratio for the brief lines, or "floor wrong" where the run beat its floor by more than MIN_RATIO allows (the
+    ceiling probe read slower than the pipeline: the floor, not the run, is what is off)."""
+    ratio, _ = ratio_or_note(measured, floor, "")
+    return f"{ratio:.2f}" if ratio is not None else f"floor wrong: {measured / floor:.2f} < {MIN_RATIO}"
 
 
 def brief(res) -> None:
@@ -478,7 +485,7 @@ def brief(res) -> None:
                                              f"{p['moe_dense']:.1f} exp {p['experts']:.1f} kern {p['experts_kernels']:.1f}"
                                              f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
                 print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
-                      f"({r['ttft_s'] / r['floor_s']:.2f}) tok {r['first_token']} launches {r['launches']}/"
+                      f"({shown_ratio(r['ttft_s'], r['floor_s'])}) tok {r['first_token']} launches {r['launches']}/"
                       f"{r.get('launches_indexed', '-')} ahead {r['ahead_copied']}/"
                       f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
                       f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"

@@ -380,14 +380,15 @@ def _longest_span(cfg, dtype, budget_bytes: int, plan: SpanPlan, past: int = 0, 
 
 def launch_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, past: int = 0,
                      all_logits: bool = False, kv_rows: list[int] | None = None) -> int:
-    """The plan's launch bytes grown by what the chosen span leaves of the budget (`prefill_batch_bytes()` at most).
+    """The plan's launch bytes grown by what the chosen span leaves of the budget (`prefill_batch_bytes(span)` at most:
+    a long span's launches may take more, `gpu_worker.prefill_knobs.long_span`).
     The plan gives launches a quarter of the budget whatever the span; a short prompt under the server's 512 MiB
     reserve then ran 3 Super experts a launch (H200, session 5: a 126-token chat turn 223 ms in the server, 70 ms
     without the budget). Growing the launch by the slack keeps `span_bytes` within the budget: the MoE term grows
     by at most the slack."""
     from gpu_worker.prefill_knobs import prefill_batch_bytes
     slack = budget_bytes - span_bytes(cfg, dtype, span, past, all_logits, plan, kv_rows)
-    return max(plan.launch(), min(prefill_batch_bytes(), plan.launch() + max(slack, 0)))
+    return max(plan.launch(), min(prefill_batch_bytes(span), plan.launch() + max(slack, 0)))
 
 
 def ahead_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, wish: int, past: int = 0,

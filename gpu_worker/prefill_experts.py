@@ -33,7 +33,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
-                                      prefill_batch_bytes, prefill_eager, rows_in_launch_order, shared_overlap)
+                                      long_span, prefill_batch_bytes, prefill_eager, rows_in_launch_order,
+                                      shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
 from kernels.launch_tables import device_table
@@ -45,7 +46,9 @@ class _LayerLaunch:
     without a profiler after this; bench/NOTES.md session 15)."""
     j: int
     rows_cap: int                        # rows one launch takes at most (`launch_limits`)
-    chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved)
+    chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved; 0:
+                                         # as many as the kernels' scratch takes)
+    experts: int                         # experts one launch takes at most (`launch_limits`; the ring holds two)
     staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
     cur: object                          # the compute stream (CUDA), or None
     ug: torch.Tensor                     # the layer's global scales by expert: the dequantized path's kernels index
@@ -236,11 +239,13 @@ class PrefillExperts:
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         chunk = launch_chunk()
         n_cap, rows_cap = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
-                                        self.launch_bytes, chunk)
+                                        self.launch_bytes, chunk, tokens=T)
         if chunk < 0:
             chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
-                                  self.launch_bytes)[0]
-        lay = _LayerLaunch(j, rows_cap, chunk, self.prefill_weights == "staged" and self._cuda,
+                                  self.launch_bytes, tokens=T)[0]
+        elif chunk == 0 and long_span(T):    # its experts decoded at once: launch_limits charged their scratch
+            chunk = n_cap
+        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, self.prefill_weights == "staged" and self._cuda,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
                            self.up_global[j], self.down_global[j])
         def launch(batch):
@@ -525,7 +530,7 @@ class PrefillExperts:
                 self._ahead.wait(from_ahead, lay.cur)
             if self._addressed:
                 if lay.staged:
-                    got = iter(self._stage(to_stage, lay.cur) if to_stage else ())
+                    got = iter(self._stage(to_stage, lay.cur, lay.experts) if to_stage else ())
                     addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
                 else:
                     base = self.slab.data_ptr()
@@ -575,9 +580,10 @@ class PrefillExperts:
         else:
             self.prefill_profile.launch(fn)
 
-    def _stage(self, slots, cur=None) -> list[int]:
-        n = 2 * self._launch_limits(2)[0]          # (the experts' share does not depend on the rows' dtype)
-        if self._ring is None or len(self._ring.free) != n:      # two launches' blocks (launch_limits)
+    def _stage(self, slots, cur=None, per_launch: int | None = None) -> list[int]:
+        # two launches' blocks (launch_limits; the experts' share does not depend on the rows' dtype)
+        n = 2 * (per_launch or self._launch_limits(2)[0])
+        if self._ring is None or len(self._ring.free) != n:
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
             from cache_shm.cuda_map import chunk_slots
             self._ring = StagingRing(n, self.store.block_stride, self.geom.block_bytes, self.device,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from gpu_worker.knobs import env_count
+from gpu_worker.knobs import env_count, env_count_or_off
 
 # A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
 # gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`). 64 Super experts decoded at once
@@ -17,6 +17,16 @@ from gpu_worker.knobs import env_count
 # not explained and not separated from the disk's own speed, so the defaults stay (bench/NOTES.md session 17).
 PREFILL_BATCH_BYTES = 1 << 30
 PREFILL_LAUNCH_EXPERTS = 32
+# A span of LONG_SPAN_TOKENS tokens or more (`long_span`) launches twice the experts within twice the bytes, its
+# experts decoded at once (`PrefillExperts._prefill`): a 16k prompt's 111 launches 55. Where the host paces a long
+# prompt (~1 ms of host a launch against ~0.8 of kernels), that host time is the lever: session 32 on an H100 whose
+# host paced the 16k prompt, one engine, three rounds: 274.2 -> 235.1 ms (median; 3 of 3 lower, the host's launch time
+# 107 -> 68 ms), 4k level (-1.1); on a host whose device paced it, level at both sizes (call 1). Shorter spans keep
+# the old shape: at 4k the disk regime's rounds were 194-317 ms slower with it (call 4; session 17's H200: 15-28 %),
+# and their launches are few. MOESTREAM_PREFILL_LONG_SPAN_TOKENS sets the length (0: never), read per span.
+LONG_SPAN_TOKENS = 8192
+LONG_SPAN_BATCH_BYTES = 2304 << 20
+LONG_SPAN_LAUNCH_EXPERTS = 64
 PREFILL_SLOT_MARGIN = 4             # cache slots a prefill leaves out of its next-layer prefetch (other pins)
 # device slots for experts copied ahead, at most (1024: two Super layers', what eager copies take; one layer's
 # without them, `StreamingExperts._ahead_cap`); the variable is a measuring knob (bench.prefill runs with several
@@ -168,7 +178,7 @@ def ahead_early() -> bool:
 
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
-                  chunk: int = 0) -> tuple[int, int]:
+                  chunk: int = 0, tokens: int = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
     per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
@@ -177,34 +187,43 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
     charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
     more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
-    would give a launch, so the GEMMs keep today's size and the launches are about half as many."""
+    would give a launch, so the GEMMs keep today's size and the launches are about half as many. tokens: the span's
+    (`launch_experts`: a long span takes more experts a launch)."""
     if chunk < 0:
-        chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes)[0]
+        chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
     if chunk > 0:
         scratch = chunk * 4 * L * I
-        experts = max(1, min(launch_experts(), (launch_bytes - scratch) // 2 // (2 * block_stride)))
+        experts = max(1, min(launch_experts(tokens), (launch_bytes - scratch) // 2 // (2 * block_stride)))
         rest = launch_bytes - scratch - experts * 2 * block_stride
     else:
         per_expert = 2 * block_stride + 4 * L * I
-        experts = max(1, min(launch_experts(), (launch_bytes // 2) // per_expert))
+        experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
         rest = launch_bytes - experts * per_expert
     per_row = 2 * I + act_bytes * L + 20
     return experts, max(64, rest // per_row)
 
 
-def prefill_batch_bytes() -> int:
-    """A grouped prefill launch's device buffers at most: MOESTREAM_PREFILL_BATCH_MB (MiB, read per call; a measuring
-    knob, with MOESTREAM_PREFILL_LAUNCH_EXPERTS and MOESTREAM_DEQUANT_SCRATCH_MB, for fewer and larger launches),
-    else PREFILL_BATCH_BYTES."""
+def long_span(tokens: int) -> bool:
+    """Whether a span of `tokens` launches in the long spans' shape (LONG_SPAN_TOKENS; 0 tokens: never)."""
+    at = env_count_or_off("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", LONG_SPAN_TOKENS, "tokens")
+    return at > 0 and tokens >= at
+
+
+def prefill_batch_bytes(tokens: int = 0) -> int:
+    """A grouped prefill launch's device buffers at most, for a span of `tokens` (0: any short one):
+    MOESTREAM_PREFILL_BATCH_MB (MiB, read per call; a measuring knob, with MOESTREAM_PREFILL_LAUNCH_EXPERTS and
+    MOESTREAM_DEQUANT_SCRATCH_MB), else LONG_SPAN_BATCH_BYTES for a long span (`long_span`), PREFILL_BATCH_BYTES
+    for the others. A budget bounds it further (gpu_worker/prefill.py `launch_bytes_for`)."""
     if not os.environ.get("MOESTREAM_PREFILL_BATCH_MB"):
-        return PREFILL_BATCH_BYTES
+        return LONG_SPAN_BATCH_BYTES if long_span(tokens) else PREFILL_BATCH_BYTES
     return env_count("MOESTREAM_PREFILL_BATCH_MB", 1, "MiB") << 20
 
 
-def launch_experts() -> int:
-    """Experts per grouped prefill launch at most: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per call, a measuring knob
-    for an A/B of fewer, larger launches per layer), else PREFILL_LAUNCH_EXPERTS."""
-    return env_count("MOESTREAM_PREFILL_LAUNCH_EXPERTS", PREFILL_LAUNCH_EXPERTS, "experts")
+def launch_experts(tokens: int = 0) -> int:
+    """Experts per grouped prefill launch at most, for a span of `tokens`: MOESTREAM_PREFILL_LAUNCH_EXPERTS (read per
+    call, a measuring knob), else LONG_SPAN_LAUNCH_EXPERTS for a long span, PREFILL_LAUNCH_EXPERTS for the others."""
+    return env_count("MOESTREAM_PREFILL_LAUNCH_EXPERTS",
+                     LONG_SPAN_LAUNCH_EXPERTS if long_span(tokens) else PREFILL_LAUNCH_EXPERTS, "experts")
 
 
 def launch_chunk() -> int:

@@ -46,3 +46,16 @@ def test_twin_without_the_repeats_stripped_is_caught():
 def test_single_rounds_print_nothing(capsys):
     print_rounds(rounds(dict(ceilings={}, ram={"staged": [_row(1000, 80.0)]})))
     assert capsys.readouterr().out == ""
+
+
+def test_a_round_below_its_floor_prints_no_ratio(capsys):
+    """A disk probe that read slower than the pipeline makes a floor the run beats (session 32 call 4: 0.88-0.95):
+    the rounds' line says the floor is wrong instead of printing the ratio; a ratio above MIN_RATIO prints as it is.
+    The twin (the old print, the bare quotient) would have shown 0.90."""
+    from bench.ceilings import MIN_RATIO
+    from bench.prefill import shown_ratio
+    rows = [_row(4000, 3000.0, 3333.3), _row(4000, 3010.0, 3333.3)]
+    print_rounds(rounds(dict(ceilings={}, disk={"staged_no_ahead": rows[:1], "staged_no_ahead#2": rows[1:]})))
+    out = capsys.readouterr().out
+    assert "floor wrong: 0.90 < 0.97" in out and "(0.90)" not in out
+    assert shown_ratio(1.25, 1.0) == "1.25" and shown_ratio(MIN_RATIO, 1.0) == f"{MIN_RATIO:.2f}"

@@ -89,3 +89,56 @@ def test_batch_knob_with_64_experts_a_launch(monkeypatch):
         monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", bad)
         with pytest.raises(ValueError, match="MOESTREAM_PREFILL_BATCH_MB"):
             prefill_knobs.prefill_batch_bytes()
+
+
+# ------------------------------------------------------------------------------------------------ long spans
+def test_a_long_span_takes_twice_the_experts_a_launch(monkeypatch):
+    """Super, no budget: a 16k span's launches take 64 experts (LONG_SPAN_*) within LONG_SPAN_BATCH_BYTES, a 4k
+    span's 31 within PREFILL_BATCH_BYTES, with their buffers (the scratch of every expert) within the bytes either
+    way; MOESTREAM_PREFILL_LONG_SPAN_TOKENS moves the length (0: never), and a bad value is named."""
+    for var in ("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", "MOESTREAM_PREFILL_BATCH_MB", "MOESTREAM_PREFILL_LAUNCH_EXPERTS"):
+        monkeypatch.delenv(var, raising=False)
+    shape = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2)
+    assert not prefill_knobs.long_span(4000) and prefill_knobs.long_span(16000)
+    assert prefill_knobs.prefill_batch_bytes(4000) == prefill_knobs.PREFILL_BATCH_BYTES
+    assert prefill_knobs.prefill_batch_bytes(16000) == prefill_knobs.LONG_SPAN_BATCH_BYTES
+    short, rows_s = prefill_knobs.launch_limits(*shape, prefill_knobs.prefill_batch_bytes(4000), tokens=4000)
+    long, rows_l = prefill_knobs.launch_limits(*shape, prefill_knobs.prefill_batch_bytes(16000), tokens=16000)
+    assert (short, long) == (31, 64)
+    assert used(short, rows_s, 0, **SUPER) <= prefill_knobs.PREFILL_BATCH_BYTES
+    assert used(long, rows_l, 0, **SUPER) <= prefill_knobs.LONG_SPAN_BATCH_BYTES
+    # the long shape's experts in the short shape's bytes: the bytes, not the cap, bound the launch
+    assert prefill_knobs.launch_limits(*shape, prefill_knobs.PREFILL_BATCH_BYTES, tokens=16000)[0] == 31
+    monkeypatch.setenv("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", "0")
+    assert not prefill_knobs.long_span(16000) and prefill_knobs.launch_experts(16000) == 32
+    monkeypatch.setenv("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", "2000")
+    assert prefill_knobs.long_span(4000)
+    monkeypatch.setenv("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", "-5")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_LONG_SPAN_TOKENS"):
+        prefill_knobs.long_span(4000)
+
+
+def test_a_budget_bounds_a_long_spans_launches():
+    """Under the server's 512 MiB the long shape changes nothing (the budget's slack bounds the launch), and with a
+    large budget a 16k span's launch bytes grow to LONG_SPAN_BATCH_BYTES while a 4k span's stay at
+    PREFILL_BATCH_BYTES. The twin that grows every span to the long bytes is caught at 4k."""
+    import argparse
+
+    import torch
+
+    from gpu_worker.prefill import launch_bytes_for, span_plan
+    from nemotron.config import NemotronHConfig
+    from tools.synth import build_config
+    cfg = NemotronHConfig.from_dict(build_config("super", "nvfp4", argparse.Namespace(pattern=None,
+                                                                                      moe_layers=None)))
+    small = 512 << 20
+    plan = span_plan(cfg, torch.bfloat16, small, "cuda")
+    for span in (869, 16000):
+        assert plan.launch() <= launch_bytes_for(cfg, torch.bfloat16, small, span, plan) < small
+    big = 40 << 30
+    plan = span_plan(cfg, torch.bfloat16, big, "cuda")
+    long = launch_bytes_for(cfg, torch.bfloat16, big, 16000, plan)
+    short = launch_bytes_for(cfg, torch.bfloat16, big, 4000, plan)
+    assert (long, short) == (prefill_knobs.LONG_SPAN_BATCH_BYTES, prefill_knobs.PREFILL_BATCH_BYTES)
+    twin = max(plan.launch(), prefill_knobs.LONG_SPAN_BATCH_BYTES)
+    assert twin != short, "a twin growing every span's launches would pass"

@@ -261,3 +261,26 @@ def test_a_short_span_takes_the_budgets_slack_for_its_launches():
     from gpu_worker.prefill import prefill_span
     longest = prefill_span(cfg, torch.bfloat16, budget, device="cuda")
     assert launch_bytes_for(cfg, torch.bfloat16, budget, longest, plan) < plan.launch() + (16 << 20)
+
+
+def test_a_long_span_launches_more_experts_at_once(tiny_model, tmp_path, monkeypatch):
+    """A span of MOESTREAM_PREFILL_LONG_SPAN_TOKENS or more launches LONG_SPAN_LAUNCH_EXPERTS experts at once (here 4
+    against 2, the tiny model's scale of Super's 64 against 32): fewer launches, the same logits as the in-memory
+    engine's. The twin (the long span's length out of reach) launches as many as the short shape, so a long shape
+    that changed nothing would be caught."""
+    monkeypatch.setattr(prefill_knobs, "PREFILL_LAUNCH_EXPERTS", 2)
+    monkeypatch.setattr(prefill_knobs, "LONG_SPAN_LAUNCH_EXPERTS", 4)
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(9).integers(14, 1000, size=700)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    got = {}
+    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
+        for at in ("256", "100000"):
+            monkeypatch.setenv("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", at)
+            out = prefill(eng.model, ids, eng.model.new_state())
+            got[at] = out, eng.experts.prefill_acct.last.launches
+    (long_out, long_n), (short_out, short_n) = got["256"], got["100000"]
+    torch.testing.assert_close(long_out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(short_out, ref, rtol=1e-4, atol=1e-4)
+    # (the cache holds a tenth: the misses launch one by one as they land, whatever the shape)
+    assert long_n < short_n, f"a long span's launches {long_n} against the short shape's {short_n}"
