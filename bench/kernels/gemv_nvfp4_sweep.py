@@ -189,7 +189,9 @@ def _fn(cfg, M, N, K, x, out_dtype=None):
     if cfg.get("XB"):
         r = resolved(cfg, M, N, K)
         xb = x_operands(x, r["M_PAD"], r["LOAD_MODE"] == 8)
-        c = {"FMA": None}       # prepared operands are the tensor cores' (the FMA GEMV reads x itself)
+        # prepared operands are the tensor cores' (the FMA GEMV reads x itself), and only a configuration that does
+        # not build x in the kernel reads them (session 32: the shapes whose default builds x failed the check)
+        c = {"FMA": None, "X_INLINE": False, "X_BUILD": False}
     return lambda q, s, gs: nvfp4_linear(x, q, s, gs, out_dtype=out_dtype, config=c, xb=xb)
 
 

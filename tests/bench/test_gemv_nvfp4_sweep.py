@@ -34,3 +34,28 @@ def test_sweep_fp8_smoke(tmp_path):
     r = json.loads(out.read_text())
     assert {row["variant"] for row in r["rows"]} == set(sweep.Fp8.variants(1, 24, 1024, 4))
     assert all(c["ok"] for c in r["checks"]) and all(row["op"] == "fp8 gemv" for row in r["rows"])
+
+
+def test_x_given_runs_where_the_default_builds_x(monkeypatch):
+    """Session 32's H100 sweep: the shapes whose default configuration builds x in the kernel (X_BUILD, GEMV_CHOICES on
+    sm_90) failed their "x given" row (prepared operands handed to a kernel that reads x itself). The variant now asks
+    for the configuration that reads them: it equals the twin. The twin of the fix (the variant's old config, the
+    default's X_BUILD left in) still raises, so the check would have caught it."""
+    import pytest
+    import torch
+
+    from kernels import gemv_nvfp4 as gk
+    real = gk.gemv_config
+    monkeypatch.setattr(gk, "gemv_config", lambda *a, **k: dict(real(*a, **k), X_BUILD=True))
+    monkeypatch.setattr(sweep, "gemv_config", gk.gemv_config)
+    M, N, K = 1, 24, 1024
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    q, s, gs = sweep._weights(N, K, 1, seed=5)[0]
+    y = sweep._fn(dict(XB=True), M, N, K, x)(q, s, gs)
+    ref = sweep._fn({}, M, N, K, x)(q, s, gs)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    r = sweep.resolved(dict(XB=True), M, N, K)
+    xb = gk.x_operands(x, r["M_PAD"], r["LOAD_MODE"] == 8)
+    with pytest.raises(ValueError, match="reads x itself"):
+        gk.nvfp4_linear(x, q, s, gs, config={"FMA": None}, xb=xb)
