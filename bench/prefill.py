@@ -476,7 +476,9 @@ def shown_ratio(measured: float, floor: float) -> str:
 def brief(res) -> None:
     """--brief: one short line per prompt (a device call's console keeps only its tail), then the rounds."""
     c = res["ceilings"]
-    print(f"ceil h2d {c['h2d_gbps'] or 0:.1f} disk {c['disk_gbps']:.2f} gemm {c['gemm_tflops']:.3f}")
+    after = c.get("disk_probe_after", {}).get("gbps")
+    print(f"ceil h2d {c['h2d_gbps'] or 0:.1f} disk {c['disk_gbps']:.2f} (probes before {c['disk_probe']['gbps']:.2f}, "
+          f"after {'-' if after is None else f'{after:.2f}'}) gemm {c['gemm_tflops']:.3f}")
     for name in [k for k in res if k == "ram" or k.startswith("disk")]:
         for path, rows in res[name].items():
             for r in rows:
@@ -502,6 +504,21 @@ def brief(res) -> None:
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
               f"{r['plan']['mamba_piece_tokens']}")
+
+
+def reprobe_disk(res, c, probe, cfg, block_bytes) -> None:
+    """The disk's ceiling probed again after the disk rows, and every row's floor taken at the best of both probes:
+    the hosts' virtual disks move by tens of percent within a call, and a probe that ran in a slow stretch made floors
+    the rows beat (session 32 call 4: 1.41-1.50 GB/s before, the rows at 0.88-0.95 of their floors). The floor is the
+    disk's best, not its mood at the start."""
+    after = probe()
+    c["disk_probe_after"] = after
+    if after["gbps"] > c["disk_gbps"]:
+        c["disk_gbps"] = after["gbps"]
+        for name in [k for k in res if k == "ram" or k.startswith("disk")]:
+            for rows in res[name].values():
+                for r in rows:
+                    with_floor(r, cfg, block_bytes, c)
 
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
@@ -736,6 +753,10 @@ def main(argv=None):
                 res[key if i == 0 else f"{key}_{path}"] = regime(key, all_bytes // 3, False, paths=(path,))
                 save()
         os.environ.pop("MOESTREAM_PREFILL_READS", None)
+        reprobe_disk(res, c, lambda: pipeline_disk_gbps(store, io_workers=a.io_workers,
+                                                        blocks_per_set=min(384, n_blocks // 4), repeats=2),
+                     cfg, store.block_bytes)
+        save()
     if "sweep" not in skip and cuda:
         res["sweep"] = kernel_sweep(geom, device, c["gemm_tflops"])
         save()

@@ -59,3 +59,31 @@ def test_a_round_below_its_floor_prints_no_ratio(capsys):
     out = capsys.readouterr().out
     assert "floor wrong: 0.90 < 0.97" in out and "(0.90)" not in out
     assert shown_ratio(1.25, 1.0) == "1.25" and shown_ratio(MIN_RATIO, 1.0) == f"{MIN_RATIO:.2f}"
+
+
+def test_a_faster_disk_probe_after_the_rows_raises_their_floors():
+    """The disk probed again after the disk rows: where it reads faster, every row's floor is taken at it (a probe in a
+    slow stretch of the host's disk made floors the rows beat); where slower, the first probe stands. The twin (the
+    floors left at the first probe) keeps the disk row under MIN_RATIO."""
+    import argparse
+
+    from bench.ceilings import MIN_RATIO
+    from bench.prefill import reprobe_disk, with_floor
+    from nemotron.config import NemotronHConfig
+    from tools.synth import build_config
+    cfg = NemotronHConfig.from_dict(build_config("super", "nvfp4", argparse.Namespace(pattern=None, moe_layers=8)))
+    c = dict(h2d_gbps=55.0, gemm_tflops=770.0, disk_gbps=1.5, disk_probe=dict(gbps=1.5))
+    bb = 3096576
+
+    def row(missing, sec):
+        return with_floor(dict(tokens=4000, ttft_s=sec, distinct_experts=2985, missing_at_start=missing,
+                               expert_uses=4000 * 22), cfg, bb, c)
+    res = dict(ram={"staged": [row(0, 0.18)]}, disk={"staged_no_ahead": [row(1000, 1.95)]})
+    disk = res["disk"]["staged_no_ahead"][0]
+    assert disk["floor_by"] == "disk" and disk["ratio"] < MIN_RATIO       # the twin: left as first probed
+    reprobe_disk(res, c, lambda: dict(gbps=1.2), cfg, bb)                 # slower after: nothing moves
+    assert c["disk_gbps"] == 1.5 and disk["ratio"] < MIN_RATIO
+    reprobe_disk(res, c, lambda: dict(gbps=1.8), cfg, bb)
+    assert c["disk_gbps"] == 1.8 and c["disk_probe_after"]["gbps"] == 1.8
+    assert abs(disk["floor_s"] - 1000 * bb / 1.8e9) < 1e-9 and disk["ratio"] > MIN_RATIO
+    assert res["ram"]["staged"][0]["floor_by"] == "h2d"
