@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from bench.ceilings import MIN_RATIO, pipeline_disk_gbps, ratio_or_note
+from bench.io_trace import line as io_line
 
 from bench.e2e_stream import copy_gbps, sh
 from bench.workdir import warm_all
@@ -291,15 +292,16 @@ def ttft(eng, ids, device) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         mem0 = torch.cuda.memory_allocated()
-    t = time.perf_counter()
+    t, t_ns = time.perf_counter(), time.monotonic_ns()
     logits = prefill(m, ids, m.new_state())
     tok = int(logits[-1].argmax())          # the first token, on the host
     sec = time.perf_counter() - t
+    window_ns = (t_ns, time.monotonic_ns())     # the IO workers' trace clock (bench.io_trace's windows)
     peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     last = eng.experts.prefill_acct.last
     routed = eng.experts.prefill_acct.routed_keys()
     return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), **ahead_figures(last),
-                missing_at_start=len(routed - before), expert_uses=last.expert_uses,
+                missing_at_start=len(routed - before), expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
@@ -498,6 +500,8 @@ def brief(res) -> None:
                                  r.get('guess_precision_by_tokens', {}).items())
                       + f" peak/est {r['peak_bytes'] >> 20}/"
                       f"{r['estimated_bytes'] >> 20} pieces {r.get('piece_tokens')}/{r.get('mamba_piece_tokens')}" + prof)
+                if r.get("io_trace"):
+                    print(f"  {name} {r['tokens']}: {io_line(r['io_trace'])}")
     print_rounds(res["rounds"])
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
@@ -574,6 +578,9 @@ def main(argv=None):
                     "of G tokens and more (0 by default since session 15; staged~2048: session 8-14's gate); PATH|KEY=VAL: an environment "
                          "switch for that path's prompts (e.g. staged|MOESTREAM_MAMBA_SSD=1)")
     ap.add_argument("--brief", action="store_true", help="one short line per prompt at the end, no tables")
+    ap.add_argument("--io-trace", action="store_true",
+                    help="the disk regime's IO workers trace their reads (cache_shm/io_trace.py); each disk row gets "
+                         "the disk's busy share, reads in flight and rate while busy over its prompt (bench.io_trace)")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench.prefill measures a GPU: no CUDA device here (--device cpu for a smoke run)")
@@ -634,6 +641,17 @@ def main(argv=None):
         return text_ids(tokenizer, corpus, vocab, n, seed)
 
     def regime(name, cache_bytes, warm, paths=("staged",), profile=False, budget=False):
+        """One regime's engine and rows; with --io-trace a disk regime's IO workers trace their reads (into a private
+        directory for the engine's life) and each row gets bench.io_trace's account of its prompt's window."""
+        if not (a.io_trace and name.startswith("disk")):
+            return _regime(name, cache_bytes, warm, paths, profile, budget)
+        import tempfile
+        from unittest import mock
+        from cache_shm.io_trace import ENV
+        with tempfile.TemporaryDirectory(prefix="moestream-iotrace-") as d, mock.patch.dict(os.environ, {ENV: d}):
+            return _regime(name, cache_bytes, warm, paths, profile, budget, trace_dir=d)
+
+    def _regime(name, cache_bytes, warm, paths, profile, budget, trace_dir=None):
         out = {}
         with StreamingEngine(store_dir, cache_bytes=cache_bytes, io_workers=a.io_workers, device=device,
                              dtype=torch.bfloat16 if cuda else torch.float32) as eng:
@@ -683,6 +701,9 @@ def main(argv=None):
                         cold = ttft(eng, prompt(n, seed=77), device)["ttft_s"]
                     r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
                     r["ttft_cold_s"] = cold
+                    if trace_dir is not None:
+                        from bench.e2e_stream import io_summary
+                        r["io_trace"] = io_summary(trace_dir, store.block_bytes, [r["window_ns"]])
                     if profile and path == paths[0]:
                         r["profile"] = profiled(eng, prompt(n), device)
                     rows.append(r)

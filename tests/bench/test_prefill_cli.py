@@ -1,0 +1,25 @@
+"""bench.prefill end to end on the CPU (the tiny preset, two MoE layers, the disk regime only, ~12 s): every disk row
+has a floor, the disk was probed again after the rows, and with --io-trace each row carries the IO workers' account
+of its own prompt (reads that ended inside its window, as many as the blocks it read)."""
+import json
+
+from bench import prefill
+
+
+def test_disk_rows_traced_and_reprobed(tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    prefill.main(["--work", str(tmp_path / "w"), "--preset", "tiny", "--moe-layers", "2", "--device", "cpu",
+                  "--sizes", "64,300", "--skip", "kernel,sweep,ram", "--io-trace", "--brief", "--out", str(out)])
+    res = json.loads(out.read_text())
+    rows = res["disk"]["cpu"]
+    assert [r["tokens"] for r in rows] == [64, 300]
+    assert res["ceilings"]["disk_probe_after"]["gbps"] > 0
+    assert res["ceilings"]["disk_gbps"] >= res["ceilings"]["disk_probe"]["gbps"]
+    for r in rows:
+        assert r["floor_s"] > 0 and r["blocks_read"] > 0
+        io = r["io_trace"]
+        # the reads the prompt waited for ended inside its window (a read still landing as the window closes may fall
+        # either side); a trace of another window would count none
+        assert abs(io["reads_ended"] - r["blocks_read"]) <= 2 and io["reads_ended"] > 0
+        assert 0 < io["busy_fraction"] <= 1
+    assert "io trace over" in capsys.readouterr().out
