@@ -305,7 +305,8 @@ def ttft(eng, ids, device) -> dict:
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
-                launches_indexed=last.launches_indexed, ms_waiting_for_disk=last.ms_waiting_for_disk, tokens_per_s=len(ids) / sec,
+                launches_indexed=last.launches_indexed, ms_waiting_for_disk=last.ms_waiting_for_disk,
+                tokens_per_s=len(ids) / sec,
                 peak_bytes=peak, piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                 estimated_bytes=span_bytes(m.config, m.dtype, len(ids), plan=dataclasses.replace(
                     plan, ahead_bytes=eng.experts.ahead_bytes, launch_bytes=eng.experts.launch_bytes)))
