@@ -17,6 +17,15 @@ def env_count(name: str, default: int, unit: str, least: int = 1) -> int:
     return n
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """$name as a switch: "1" on, "0" off, `default` when unset or empty; a clear ValueError naming the variable
+    otherwise."""
+    raw = os.environ.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    return default if raw == "" else raw == "1"
+
+
 def env_count_or_off(name: str, default: int, unit: str) -> int:
     """`env_count` where 0 is allowed and turns the switch off."""
     return env_count(name, default, unit, least=0)

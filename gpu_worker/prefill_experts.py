@@ -580,9 +580,8 @@ class PrefillExperts:
         else:
             self.prefill_profile.launch(fn)
 
-    def _stage(self, slots, cur=None, per_launch: int | None = None) -> list[int]:
-        # two launches' blocks (launch_limits; the experts' share does not depend on the rows' dtype)
-        n = 2 * (per_launch or self._launch_limits(2)[0])
+    def _stage(self, slots, cur, per_launch: int) -> list[int]:
+        n = 2 * per_launch          # two launches' blocks (the layer's `launch_limits`)
         if self._ring is None or len(self._ring.free) != n:
             self._ring = None            # a budget changed: the old ring goes before the new one is allocated
             from cache_shm.cuda_map import chunk_slots

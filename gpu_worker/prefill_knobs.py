@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from gpu_worker.knobs import env_count, env_count_or_off
+from gpu_worker.knobs import env_count, env_count_or_off, env_switch
 
 # A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
 # gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`). 64 Super experts decoded at once
@@ -118,10 +118,7 @@ def shared_overlap() -> bool:
     stream of their own, so that the device runs the shared expert while the host waits for the counts and then
     decides the launches, instead of idling from the sync to the first launch. Off: queued before the routing's copy,
     which waits for it. Same arithmetic either way (the shared expert goes into x first)."""
-    raw = os.environ.get("MOESTREAM_PREFILL_SHARED_OVERLAP", "") or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"MOESTREAM_PREFILL_SHARED_OVERLAP={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return env_switch("MOESTREAM_PREFILL_SHARED_OVERLAP", True)
 
 
 def rows_in_launch_order() -> bool:
@@ -134,10 +131,7 @@ def rows_in_launch_order() -> bool:
     the sync (it needs the launch order), a device cost on the path to the first launch. Session 32 (an H100 whose
     device paced the prompts, one engine, three rounds): the host's launch time 77 → 56 ms at 4k and 80 → 60 ms at
     16k (medians), the wall level (4k −0.2 ms, 16k +2.3 median / −3.6 best), no launch indexed against 95 of 111."""
-    raw = os.environ.get("MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER", "") or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return env_switch("MOESTREAM_PREFILL_ROWS_IN_LAUNCH_ORDER", True)
 
 
 def ahead_first() -> bool:
@@ -147,10 +141,7 @@ def ahead_first() -> bool:
     MoE 0's first kernel waited ~8 ms past its router's sync, because its first launch held experts the history guess
     had missed, and their ring copies queued behind the layer's copies ahead on the copy engine. On since session 28's
     H100 A/B in one engine (8 MoE layers, two rounds): 16k 256.9 → 233.5 ms, 4k 190.8 → 179.8, 1k 161.4 → 160.4."""
-    raw = os.environ.get("MOESTREAM_PREFILL_AHEAD_FIRST", "") or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"MOESTREAM_PREFILL_AHEAD_FIRST={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return env_switch("MOESTREAM_PREFILL_AHEAD_FIRST", True)
 
 
 def ahead_layers() -> int:
