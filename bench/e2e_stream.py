@@ -173,24 +173,29 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     ms a token at 8 MoE layers, more than the effects measured): each round decodes its prompts without (a) and with
     (b) `setting` (KEY=VAL), in alternating order, the same prompts both ways. Returns each side's per-prompt ms/token
     and their medians, and the paired differences (b − a). Several settings apart by ";" (KEY=V1;KEY=V2) make arms
-    b, c, ...: the rounds rotate their order (a b c, b c a, c a b), and each arm gets its medians and differences
+    b, c, ...; variables apart by "," are set together in one arm (K1=1;K1=1,K2=0: b sets K1, c sets both). The
+    rounds rotate their order (a b c, b c a, c a b), and each arm gets its medians and differences
     against a (`diffs` for b, `diffs_c` for c, ...).
     shared=False (the disk regime): each arm of a round decodes its own prompts (`prompts_of(round * arms + arm)`),
     since with shared ones the round's first arm reads their experts from the disk and the later arms find them
     cached (session 29: the first place was the slowest in every round); the pairs are then of different prompts.
     io: callable(windows) -> dict (bench.io_trace.summarize over the IO workers' trace), or None; each arm gets
     `{arm}_io` over its timed tokens."""
-    arms = []
+    arms = []                                    # each arm: [(key, value)], one or several variables set together
     for one in setting.split(";"):
-        key, _, val = one.partition("=")
-        if not key or not val:
-            raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several apart by ';')")
-        arms.append((key, val))
+        arm = []
+        for kv in one.split(","):
+            key, _, val = kv.partition("=")
+            if not key or not val:
+                raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several in one arm apart by ',', "
+                                 "arms apart by ';')")
+            arm.append((key, val))
+        arms.append(arm)
     names = "abcdefgh"
     if len(arms) >= len(names):
         raise SystemExit(f"--ab-env: {len(arms)} settings, at most {len(names) - 1} (arms b to h)")
     names = names[:len(arms) + 1]
-    old = {key: os.environ.get(key) for key, _ in arms}
+    old = {key: os.environ.get(key) for arm in arms for key, _ in arm}
 
     def put(arm: int) -> None:                   # arm 0: what was there before (unset: none); else its setting
         for key, v in old.items():
@@ -199,8 +204,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
             else:
                 os.environ[key] = v
         if arm:
-            key, val = arms[arm - 1]
-            os.environ[key] = val
+            os.environ.update(dict(arms[arm - 1]))
     side = {n: [] for n in names}
     moved = {n: [] for n in names}
     windows = {n: [] for n in names}
@@ -354,7 +358,7 @@ def main(argv=None):
     ap.add_argument("--ab-env", default="",
                     help="KEY=VAL: after the RAM regime's run, an A/B in its engine, the prompts decoded with and "
                          "without the setting in turn (paired, --ab-rounds rounds; several settings apart by ';' "
-                         "make arms b, c, ...): for knobs read per step on the host "
+                         "make arms b, c, ...; K1=V1,K2=V2 sets two in one arm): for knobs read per step on the host "
                          "(MOESTREAM_DECODE_AHEAD); a knob read once at import, or baked into a captured graph "
                          "(MOESTREAM_GEMV_FMA), needs separate runs (bench/gpu_session.sh e2e_ab)")
     ap.add_argument("--ab-rounds", type=int, default=4)

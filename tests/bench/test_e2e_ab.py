@@ -107,3 +107,21 @@ def test_each_arm_gets_the_io_account_of_its_own_windows(monkeypatch):
     # two arms, each its own prompts (round k, arm i: k * 2 + i): a decodes 0 and 2, b 1 and 3 (its windows at +100)
     assert ab["a_io"] == [(0, 1), (2, 3)] and ab["b_io"] == [(101, 102), (103, 104)]
     assert ab["a_held"] == [0, 0] and ab["b_held"] == [7, 7]          # each arm's reads ahead held, by round
+
+
+def test_an_arm_sets_several_variables_together(monkeypatch):
+    """K1=V1,K2=V2 in one arm sets both for that arm only (session 33: the hold with the whole guess); the arm that
+    names only K1 leaves K2 as it was (the twin: an arm leaking its second variable into the next would show K2)."""
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+    monkeypatch.setenv("MOESTREAM_AB_OTHER", "12")
+    seen = []
+    monkeypatch.setattr(e2e_stream, "decode_run",
+                        lambda *a: seen.append((os.environ.get("MOESTREAM_AB_PROBE"),
+                                                os.environ.get("MOESTREAM_AB_OTHER"))) or dict(ms_per_token_all=[1.0]))
+    e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1;MOESTREAM_AB_PROBE=1,MOESTREAM_AB_OTHER=0", 2, lambda k: [k],
+                            4, "cpu")
+    # round 0: a b c; round 1: b c a
+    assert seen == [(None, "12"), ("1", "12"), ("1", "0"), ("1", "12"), ("1", "0"), (None, "12")]
+    assert "MOESTREAM_AB_PROBE" not in os.environ and os.environ["MOESTREAM_AB_OTHER"] == "12"
+    with pytest.raises(SystemExit, match="apart by ','"):
+        e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1,MOESTREAM_AB_OTHER", 1, lambda k: [k], 4, "cpu")
