@@ -10,11 +10,16 @@ pipeline can beat its own "floor" (a ratio below 1: the floor is wrong, never a 
                        read before in the run, and the GPU machine's virtual disk serves such reads faster: session
                        4's decode read 1.57 GB/s where three cold sets gave 1.31-1.41); the virtual disk also varies
                        1.0-2.0 GB/s run to run, so a bench probes again beside the regime it prices
+  layer_serial_disk  : the same readers at the depth a single decoding sequence has: a batch of k blocks of one layer
+                       asked for at once (a layer's misses, known at its router), all waited for, then the next; the
+                       time a batch takes at k = 1, 2, 3, 4, 8 (`layer_serial_ms` prices a token's misses with it). A
+                       reference, not a floor: a guess that reads a later layer's blocks early can beat it
   checked_ratio      : measured / floor, or a FloorError when it falls below 0.97
 """
 from __future__ import annotations
 
 import time
+from math import comb
 
 import numpy as np
 
@@ -77,6 +82,63 @@ def pipeline_disk_gbps(store, *, io_workers: int, blocks_per_set: int = 96, repe
             (runs if r < repeats else again).append((c.stats()["io_bytes_read"] - b0) / dt / 1e9)
     return {"gbps": max(runs + again), "runs_gbps": runs, "reread_gbps": again, "blocks_per_set": n,
             "io_workers": io_workers, "read_chunks": chunks}
+
+
+def layer_serial_disk(store, *, io_workers: int, depths=(1, 2, 3, 4, 8), batches: int = 16, seed: int = 2,
+                      **supervisor_kw) -> dict:
+    """The cache's reader processes read batches of `k` blocks of one layer, each batch requested at once and waited
+    for before the next, for each k in `depths` (interleaved, so that a drifting disk weighs on every depth alike;
+    `batches` of each). Returns {k: {mean_ms, median_ms, gbps}} (keys as str, for JSON) and the reads' pieces. The
+    blocks are random, read before in the run where it follows the disk regime, as a decode's re-reads are."""
+    from gpu_worker.cache_supervisor import Supervisor   # noqa: the compute process owns the cache processes
+    rng = np.random.default_rng(seed)
+    n_layers, E = len(store.moe_layers), store.n_experts
+    depths = sorted({int(k) for k in depths if 0 < int(k) <= E})
+    times: dict[int, list[float]] = {k: [] for k in depths}
+    read: dict[int, int] = {k: 0 for k in depths}
+    with Supervisor(store, n_slots=2 * max(depths), n_workers=io_workers, **supervisor_kw) as sup:
+        c = sup.client()
+        chunks = sup.read_chunks
+        for b in range(batches):
+            for k in depths:
+                j = int(rng.integers(n_layers))
+                ex = [int(e) for e in rng.choice(E, size=k, replace=False)]
+                b0 = c.stats()["io_bytes_read"]
+                t = time.perf_counter()
+                c.request(j, ex, guess=())
+                for _, s in c.wait_any(j, ex, timeout=600):
+                    c.release([s])
+                times[k].append(time.perf_counter() - t)
+                read[k] += c.stats()["io_bytes_read"] - b0
+    curve = {str(k): dict(mean_ms=float(np.mean(times[k]) * 1e3), median_ms=float(np.median(times[k]) * 1e3),
+                          gbps=read[k] / sum(times[k]) / 1e9) for k in depths}
+    return dict(curve=curve, batches=batches, io_workers=io_workers, read_chunks=chunks)
+
+
+def layer_serial_ms(curve: dict, misses_per_layer: float, top_k: int, n_layers: int) -> float:
+    """ms a token for reading each MoE layer's misses as one batch, one layer after the other, at the batch times of
+    `curve` (`layer_serial_disk`): a layer's misses taken as binomial over its top_k choices with the run's mean
+    (`misses_per_layer`), a batch of 0 costing nothing, a depth between two measured ones interpolated and one past
+    the deepest scaled from it (the disk's rate there)."""
+    t = {int(k): v["mean_ms"] for k, v in curve.items()}
+    ks = sorted(t)
+    if not ks or top_k < 1:
+        raise ValueError("layer_serial_ms: an empty curve or no experts a token")
+
+    def at(k: int) -> float:
+        if k == 0:
+            return 0.0
+        if k in t:
+            return t[k]
+        lo = max((x for x in ks if x < k), default=None)
+        hi = min((x for x in ks if x > k), default=None)
+        if hi is None:
+            return t[ks[-1]] * k / ks[-1]
+        if lo is None:
+            return t[hi] * k / hi
+        return t[lo] + (t[hi] - t[lo]) * (k - lo) / (hi - lo)
+    p = min(max(misses_per_layer / top_k, 0.0), 1.0)
+    return n_layers * sum(comb(top_k, k) * p ** k * (1 - p) ** (top_k - k) * at(k) for k in range(top_k + 1))
 
 
 def staging_h2d_gbps(source, n_blocks: int | None = None, repeats: int = 3) -> dict:

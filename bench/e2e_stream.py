@@ -405,7 +405,7 @@ def main(argv=None):
     # the disk ceiling under every disk floor: the cache's own reader processes on cold sets of whole blocks
     # (same readers, queue depth and block size as the pipeline), best of three; a plain thread pool read
     # 1.04 GB/s where the pipeline read 1.29 in the same run (bench/NOTES.md), so it is kept only for the record
-    from bench.ceilings import pipeline_disk_gbps
+    from bench.ceilings import layer_serial_disk, pipeline_disk_gbps
     disk = pipeline_disk_gbps(store, io_workers=a.io_workers, blocks_per_set=min(96, n_blocks // 3), repeats=3)
     res["disk_ceiling"] = disk
     res["odirect_gbps"] = max(disk["gbps"], res["odirect_gbps_threads"])
@@ -572,6 +572,8 @@ def main(argv=None):
                                    seed=1)
         res["disk_ceiling_after"] = again
         res["odirect_gbps"] = max(res["odirect_gbps"], again["gbps"])
+        # the same readers at a single sequence's depth: what reading each layer's misses as one batch costs
+        res["disk_layer_serial"] = layer_serial_disk(store, io_workers=a.io_workers)
     if not a.vram_gb and "vram" not in skip:     # (session 27's last call meant to run it and did not)
         print("vram regime: not run (it needs --vram-gb, the device budget its experts are admitted into)")
     if a.vram_gb and "vram" not in skip:
@@ -651,6 +653,11 @@ def main(argv=None):
                      r["ms_per_token"] / floor if floor else float("nan")))
         res["disk_floor_ms"] = floor
         res["disk_floor_ms_bytes_read"] = r["disk_bytes_per_token"] / (res["odirect_gbps"] * 1e9) * 1e3
+        if res.get("disk_layer_serial"):     # a reference beside the floor, not a floor (a guess can beat it)
+            from bench.ceilings import layer_serial_ms
+            ls = res["disk_layer_serial"]
+            ls["misses_per_layer"] = r["disk_needed_bytes_per_token"] / store.block_stride / len(store.moe_layers)
+            ls["ms_per_token"] = layer_serial_ms(ls["curve"], ls["misses_per_layer"], k, len(store.moe_layers))
     for name, label in (("vram", "vram, device-routed"), ("vram_host", "vram, host-routed")):
         if name not in res:
             continue
@@ -727,6 +734,12 @@ def main(argv=None):
               f"({r['ms_per_token'] / res['disk_floor_ms_bytes_read']:.3f}, the ratio before session 29)")
         if r.get("io_trace"):
             print(f"disk: {io_line(r['io_trace'])}")
+        if res.get("disk_layer_serial", {}).get("ms_per_token"):
+            ls = res["disk_layer_serial"]
+            curve = ", ".join(f"{k}: {v['mean_ms']:.1f} ms ({v['gbps']:.2f} GB/s)" for k, v in ls["curve"].items())
+            print(f"disk, read as one sequence must (each layer's misses, {ls['misses_per_layer']:.2f} on average, as one "
+                  f"batch, one layer after the other; batches of k blocks: {curve}): {ls['ms_per_token']:.1f} ms a "
+                  f"token, the regime at {r['ms_per_token'] / ls['ms_per_token']:.2f} of it (a reference, not a floor)")
     for name in ("ram", "ram_nostage", "ram_eager", *(f"ram_dma{n}" for n in dma_runs),
                  *(f"ram_extra{n}" for n in extra_runs), "disk", "vram", "vram_host"):
         if name in res:

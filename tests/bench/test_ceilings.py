@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.ceilings import FloorError, checked_ratio, pipeline_disk_gbps, ratio_or_note
+from bench.ceilings import (FloorError, checked_ratio, layer_serial_disk, layer_serial_ms, pipeline_disk_gbps,
+                            ratio_or_note)
 from bench.projection import RTX5060, project
 
 
@@ -30,6 +31,36 @@ def test_pipeline_disk_ceiling_reads_each_block_once(synth, tmp_path):
     assert {p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*")} == before
     assert r["blocks_per_set"] == 12 and len(r["runs_gbps"]) == 2 and len(r["reread_gbps"]) == 1
     assert r["gbps"] == max(r["runs_gbps"] + r["reread_gbps"]) > 0
+
+
+def test_layer_serial_disk_reads_batches_of_each_depth(synth, tmp_path):
+    from expert_store.reader import ExpertStore
+    from expert_store.writer import repack
+    store_dir = tmp_path / "store"
+    repack(synth("tiny", "nvfp4"), store_dir, progress=False)
+    store = ExpertStore.open(store_dir)
+    before = {p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*")}
+    r = layer_serial_disk(store, io_workers=2, depths=(1, 3, 10_000), batches=3)
+    assert {p.name for p in Path("/dev/shm").glob(f"*moestream-{os.getpid()}-*")} == before
+    assert set(r["curve"]) == {"1", "3"} and r["batches"] == 3     # a depth beyond the layer's experts is dropped
+    for k, v in r["curve"].items():
+        # every block of a batch was read (the bytes over the batches' time: k aligned blocks each)
+        assert v["gbps"] * 1e9 * 3 * v["mean_ms"] / 1e3 == pytest.approx(3 * int(k) * store.block_stride, rel=0.02)
+
+
+def test_layer_serial_ms_prices_each_layers_misses_as_one_batch():
+    curve = {"1": dict(mean_ms=2.0), "2": dict(mean_ms=3.0), "4": dict(mean_ms=5.0)}
+    # p = 1: every one of 4 choices missed, a batch of 4 a layer: 5 ms x 3 layers
+    assert layer_serial_ms(curve, 4.0, 4, 3) == pytest.approx(15.0)
+    # p = 0.5 over 2 choices: 1/4 none (0 ms), 1/2 one (2 ms), 1/4 two (3 ms) -> 1.75 a layer
+    assert layer_serial_ms(curve, 1.0, 2, 2) == pytest.approx(3.5)
+    # a depth between two measured ones is interpolated (3: 4 ms), past the deepest scaled (8: 10 ms)
+    assert layer_serial_ms(curve, 3.0, 3, 1) == pytest.approx(4.0)
+    assert layer_serial_ms({"4": dict(mean_ms=5.0)}, 8.0, 8, 1) == pytest.approx(10.0)
+    # twin: the mean batch at the mean depth (2 ms a layer) is not the mean of the batches (1.75): 0 misses cost nothing
+    assert layer_serial_ms(curve, 1.0, 2, 2) != pytest.approx(2 * 2.0)
+    with pytest.raises(ValueError, match="empty curve"):
+        layer_serial_ms({}, 1.0, 2, 2)
 
 
 def test_projection_scales_memory_and_instruction_bound_parts():
