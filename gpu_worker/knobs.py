@@ -40,17 +40,17 @@ def decode_ahead() -> bool:
 
 
 def prefetch_guess_ranks() -> int:
-    """`MOESTREAM_PREFETCH_GUESS_RANKS` (12 by default since session 30; 0: the whole guess): at decode, each layer's
+    """`MOESTREAM_PREFETCH_GUESS_RANKS` (16 by default since session 33; 0: the whole guess): at decode, each layer's
     request carries only the next layer's first N guessed experts (the next router's likeliest): only those are read
-    ahead from the disk and kept by the prefetcher's touch. Past rank 12 of Super's 22 the guesses are read mostly
-    in vain (ranks 13-22 used 0.13-0.76 of the time), and where the disk sets the pace each wasted read shares the
-    disk with the demand reads a layer waits for. Session 30, the disk regime in one engine, each arm its own
-    prompts, three H100 hosts: 12 against the whole guess −5.7 ms a token on average over 27 pairs (medians −7.3 and
-    −10.4 on two hosts, +0.55 on the third), disk bytes −16 to −40 %, and in the IO trace the demand reads served in
-    6.5 ms instead of 11.4 (bench/NOTES.md). Models that route 12 experts or fewer are not cut. Read once a token
-    (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it. The staging of the RAM regime (the
-    guessed ups copied into VRAM) always takes the whole guess."""
-    return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 12, "guessed experts a layer (0: all)")
+    ahead from the disk and kept by the prefetcher's touch. Past rank 16 of Super's 22 the guesses are read mostly
+    in vain (ranks 17-22 used 0.15-0.35 of the time against 0.55-0.80 for ranks 13-16), and where the disk sets the
+    pace each wasted read shares the disk with the demand reads a layer waits for. Session 30 (three H100 hosts, 27
+    pairs): 12 against the whole guess −5.7 ms a token on average. Session 33 (the disk regime in one engine, each
+    arm its own prompts, two H100 hosts, 51 pairs): 16 against 12 lower in 33, −6.1 and −1.6 ms a token on average by
+    host, the same disk bytes a token and a hit rate 0.005-0.015 higher (bench/NOTES.md). Models that route 16
+    experts or fewer are not cut. Read once a token (`StreamingExperts._send` at the first MoE layer), so one engine
+    can A/B it. The staging of the RAM regime (the guessed ups copied into VRAM) always takes the whole guess."""
+    return env_count_or_off("MOESTREAM_PREFETCH_GUESS_RANKS", 16, "guessed experts a layer (0: all)")
 
 
 def read_chunks() -> int:
@@ -68,7 +68,8 @@ def prefetch_hold() -> bool:
     demand read is pending or out (`CacheClient.hold_ahead`), so the reads a layer waits for share the disk with
     fewer others. Session 30's IO trace: a demand read took ~11 ms with the reads ahead around it (5 in flight),
     1.5 ms on a quiet disk, and cutting the guess to 12 ranks (fewer reads ahead) served them in 6.5 ms. Held, a read
-    ahead starts later and may itself become a wait. Unmeasured on the GPU: read once a token
-    (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it (`bench.e2e_stream --ab-regime disk
-    --ab-env MOESTREAM_PREFETCH_HOLD=1`)."""
+    ahead starts later and may itself become a wait. Measured in one engine on two H100 hosts: −5.1 ms a token (session
+    31, 10 of 12 pairs lower), then level (session 33: +0.08, 6 of 12; with the whole guess −0.56, 7 of 12), so it
+    stays off. Read once a token (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it
+    (`bench.e2e_stream --ab-regime disk --ab-env MOESTREAM_PREFETCH_HOLD=1`)."""
     return env_count_or_off("MOESTREAM_PREFETCH_HOLD", 0, "switch (1: on)") > 0

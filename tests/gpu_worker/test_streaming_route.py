@@ -238,7 +238,7 @@ def test_a_bad_guess_depth_is_named(monkeypatch):
         with pytest.raises(ValueError, match="MOESTREAM_PREFETCH_GUESS_RANKS"):
             prefetch_guess_ranks()
     monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "")
-    assert prefetch_guess_ranks() == 12         # the default (session 30)
+    assert prefetch_guess_ranks() == 16         # the default (session 33)
     monkeypatch.setenv("MOESTREAM_PREFETCH_GUESS_RANKS", "0")
     assert prefetch_guess_ranks() == 0
 
