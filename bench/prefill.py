@@ -371,8 +371,8 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
         del m.forward
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec, ttft_runs_s=secs,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
-                tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches, peak_bytes=peak,
-                estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
+                tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
+                launches_fused=eng.experts.prefill_acct.last.launches_fused, peak_bytes=peak, estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                                                score_bytes=plan.pieces.score_bytes,
                                                launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
@@ -505,7 +505,9 @@ def brief(res) -> None:
                     print(f"  {name} {r['tokens']}: {io_line(r['io_trace'])}")
     print_rounds(res["rounds"])
     for r in res.get("budget", []):
-        print(f"budget {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
+        print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms (runs "
+              f"{'/'.join(f'{x * 1e3:.0f}' for x in r.get('ttft_runs_s', []))}) launches {r.get('launches')} "
+              f"(fused {r.get('launches_fused', 0)}) spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
               f"{r['plan']['mamba_piece_tokens']}")

@@ -32,11 +32,13 @@ from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN_BLOCKS,
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
-                                      first_guess, first_guess_expected, launch_chunk, launch_limits,
-                                      long_span, prefill_batch_bytes, prefill_eager, rows_in_launch_order,
-                                      shared_overlap)
+                                      first_guess, first_guess_expected, fused_below, launch_chunk,
+                                      launch_limits, long_span, prefill_batch_bytes, prefill_eager,
+                                      rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
-from kernels.expert_prefill import block_reads, expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path
+from kernels.expert_block import GROUP
+from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
+                                    grouped_path, regrouped_bytes)
 from kernels.launch_tables import device_table
 
 @dataclass
@@ -49,6 +51,8 @@ class _LayerLaunch:
     chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved; 0:
                                          # as many as the kernels' scratch takes)
     experts: int                         # experts one launch takes at most (`launch_limits`; the ring holds two)
+    path: str                            # the grouped kernels' path: "auto" (by rows an expert) or "fused"
+                                         # (`fused_below`: a small budget's launches, no dequantized scratch)
     staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
     cur: object                          # the compute stream (CUDA), or None
     ug: torch.Tensor                     # the layer's global scales by expert: the dequantized path's kernels index
@@ -245,7 +249,15 @@ class PrefillExperts:
                                   self.launch_bytes, tokens=T)[0]
         elif chunk == 0 and long_span(T):    # its experts decoded at once: launch_limits charged their scratch
             chunk = n_cap
-        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, self.prefill_weights == "staged" and self._cuda,
+        path = "auto"
+        below = fused_below()
+        if below and n_cap < below:      # a small budget: no scratch, more experts a launch (CUDA: the fused kernels)
+            extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
+            n_f, rows_f = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
+                                        self.launch_bytes, tokens=T, fused=True, extra_per_expert=extra)
+            if n_f > n_cap:
+                n_cap, rows_cap, chunk, path = n_f, rows_f, 0, "fused"
+        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, path, self.prefill_weights == "staged" and self._cuda,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
                            self.up_global[j], self.down_global[j])
         def launch(batch):
@@ -539,7 +551,7 @@ class PrefillExperts:
                 gathered = None
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
-                    path = grouped_path(xs, local, self.geom)       # decided once for the launch and its count
+                    path = grouped_path(xs, local, self.geom, lay.path)    # once for the launch and its count
                     if path == "dequant":                           # the layer's scales, indexed by expert
                         ug, dg, gs_index = lay.ug, lay.dg, ex
                     else:                                           # the fused path's, gathered once
@@ -551,6 +563,7 @@ class PrefillExperts:
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
                                                                 config=cfg, gs_index=gs_index, path=path))
                     pa.launches += 1
+                    pa.launches_fused += path == "fused"
                     if not lay.staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes
                 if lay.staged and to_stage:

@@ -169,7 +169,7 @@ def ahead_early() -> bool:
 
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
-                  chunk: int = 0, tokens: int = 0) -> tuple[int, int]:
+                  chunk: int = 0, tokens: int = 0, fused: bool = False, extra_per_expert: int = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
     per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
@@ -179,7 +179,13 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
     more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
     would give a launch, so the GEMMs keep today's size and the launches are about half as many. tokens: the span's
-    (`launch_experts`: a long span takes more experts a launch)."""
+    (`launch_experts`: a long span takes more experts a launch). fused: the launch runs the fused path (`fused_below`),
+    which decodes in its GEMMs' tiles and needs no scratch: per expert only the ring's two slots and
+    `extra_per_expert` (a sub-grouped store's regrouped down section); chunk is then moot."""
+    if fused:
+        per_expert = 2 * block_stride + extra_per_expert
+        experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
+        return experts, max(64, (launch_bytes - experts * per_expert) // (2 * I + act_bytes * L + 20))
     if chunk < 0:
         chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
     if chunk > 0:
@@ -215,6 +221,17 @@ def launch_experts(tokens: int = 0) -> int:
     call, a measuring knob), else LONG_SPAN_LAUNCH_EXPERTS for a long span, PREFILL_LAUNCH_EXPERTS for the others."""
     return env_count("MOESTREAM_PREFILL_LAUNCH_EXPERTS",
                      LONG_SPAN_LAUNCH_EXPERTS if long_span(tokens) else PREFILL_LAUNCH_EXPERTS, "experts")
+
+
+def fused_below() -> int:
+    """MOESTREAM_PREFILL_FUSED_BELOW (experts; 0, the default: off until measured; read per MoE layer, so one engine can
+    A/B it): a layer whose launches the dequantized path's scratch (4·L·I a decoded expert, 11 MB on Super) would cap
+    below this many experts runs the fused path, whose launches charge no scratch (`launch_limits(fused=True)`). Under
+    the server's 512 MiB a 16k prompt's launches take 3-5 Super experts dequantized and ~15 fused: a third of the
+    launches, two kernels each instead of four, where the host's launch loop set the time (session 33: 737 launches,
+    422 of 766 ms launching at 8 MoE layers), against GEMMs ~2.7x slower per FLOP at ~700 rows an expert (the decode in
+    the tiles; bench/kernels/expert_prefill_sweep.py)."""
+    return env_count_or_off("MOESTREAM_PREFILL_FUSED_BELOW", 0, "experts")
 
 
 def launch_chunk() -> int:

@@ -140,3 +140,31 @@ def test_a_budget_bounds_a_long_spans_launches():
     long = launch_bytes_for(cfg, torch.bfloat16, big, 16000, plan)
     short = launch_bytes_for(cfg, torch.bfloat16, big, 4000, plan)
     assert (long, short) == (prefill_knobs.LONG_SPAN_BATCH_BYTES, prefill_knobs.PREFILL_BATCH_BYTES)
+
+
+# ------------------------------------------------------------------------------------------------ fused launches
+def test_a_fused_launch_charges_no_scratch_and_takes_more_experts():
+    """Super at ~187 MiB (a 16k prompt under the server's 512 MiB): 5 experts a launch dequantized, 15 fused (the ring's
+    slots only), within the bytes; a sub-grouped store's regrouped down section is charged per expert. The twin: the
+    fused count run dequantized (its scratch charged) overruns the bytes."""
+    b = 187 << 20
+    args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    n0, _ = prefill_knobs.launch_limits(*args)
+    experts, rows = prefill_knobs.launch_limits(*args, fused=True, tokens=16000)
+    assert (n0, experts) == (5, 15)
+    assert experts * 2 * SUPER["block_stride"] + rows * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
+    assert rows >= experts * 16000 * 22 // 512        # a 16k prompt's rows for its experts fit one launch
+    assert used(experts, rows, 0, **SUPER) > b         # the twin: dequantized, the same launch overruns
+    sub, _ = prefill_knobs.launch_limits(*args, fused=True, extra_per_expert=2 << 20)
+    assert sub < experts
+
+
+def test_the_fused_switch(monkeypatch):
+    monkeypatch.delenv("MOESTREAM_PREFILL_FUSED_BELOW", raising=False)
+    assert prefill_knobs.fused_below() == 0
+    monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "8")
+    assert prefill_knobs.fused_below() == 8
+    for bad in ("many", "-3"):
+        monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_PREFILL_FUSED_BELOW"):
+            prefill_knobs.fused_below()

@@ -284,3 +284,26 @@ def test_a_long_span_launches_more_experts_at_once(tiny_model, tmp_path, monkeyp
     torch.testing.assert_close(short_out, ref, rtol=1e-4, atol=1e-4)
     # (the cache holds a tenth: the misses launch one by one as they land, whatever the shape)
     assert long_n < short_n, f"a long span's launches {long_n} against the short shape's {short_n}"
+
+
+def test_a_small_launch_budget_takes_the_fused_path_and_more_experts(tiny_model, tmp_path, monkeypatch):
+    """MOESTREAM_PREFILL_FUSED_BELOW: where the dequantized path's scratch caps a launch below that many experts (1 MiB
+    launches: 12 of the tiny model's experts with their scratch, 32 without), the layer's launches charge no scratch
+    and take more experts: fewer launches, the same logits as the in-memory engine's. The twin (the switch off)
+    launches as many as before, so a switch that changed nothing would be caught. (On CUDA those launches run the
+    fused kernels; here the torch twin.)"""
+    monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "1")
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=200)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    got = {}
+    every = 10 * tenth_of_experts(store)            # the whole store cached: launches bounded by their bytes only
+    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=every, io_workers=2) as eng:
+        for below in ("0", "16"):
+            monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", below)
+            out = prefill(eng.model, ids, eng.model.new_state())
+            got[below] = out, eng.experts.prefill_acct.last.launches
+    (off_out, off_n), (on_out, on_n) = got["0"], got["16"]
+    torch.testing.assert_close(on_out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(off_out, ref, rtol=1e-4, atol=1e-4)
+    assert on_n < off_n, f"launches without the scratch {on_n} against {off_n} with it"
