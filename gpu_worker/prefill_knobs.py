@@ -224,13 +224,13 @@ def launch_experts(tokens: int = 0) -> int:
 
 
 def fused_below() -> int:
-    """MOESTREAM_PREFILL_FUSED_BELOW (experts; 0, the default: off until measured; read per MoE layer, so one engine can
-    A/B it): a layer whose launches the dequantized path's scratch (4·L·I a decoded expert, 11 MB on Super) would cap
-    below this many experts runs the fused path, whose launches charge no scratch (`launch_limits(fused=True)`). Under
-    the server's 512 MiB a 16k prompt's launches take 3-5 Super experts dequantized and ~15 fused: a third of the
-    launches, two kernels each instead of four, where the host's launch loop set the time (session 33: 737 launches,
-    422 of 766 ms launching at 8 MoE layers), against GEMMs ~2.7x slower per FLOP at ~700 rows an expert (the decode in
-    the tiles; bench/kernels/expert_prefill_sweep.py)."""
+    """MOESTREAM_PREFILL_FUSED_BELOW (experts; 0, the default: off; read per MoE layer, so one engine can A/B it): a
+    layer whose launches the dequantized path's scratch (4·L·I a decoded expert, 11 MB on Super) would cap below this
+    many experts runs the fused path, whose launches charge no scratch (`launch_limits(fused=True)`). Under the
+    server's 512 MiB a 16k prompt's launches take 3-5 Super experts dequantized and ~15 fused: 338 launches of two
+    kernels instead of 737 of four. Measured at 8 MoE layers, 16k, three H100 hosts (bench/NOTES.md session 33, calls
+    6-8): lower once (−139 ms, a host whose launch loop had slowed), higher four times (+31 to +78; +55 in both
+    alternated pairs on a steady host): the fused GEMMs (245 ms profiled) cost what the host's launches saved. Off."""
     return env_count_or_off("MOESTREAM_PREFILL_FUSED_BELOW", 0, "experts")
 
 
