@@ -737,9 +737,9 @@ def main(argv=None):
         if res.get("disk_layer_serial", {}).get("ms_per_token"):
             ls = res["disk_layer_serial"]
             curve = ", ".join(f"{k}: {v['mean_ms']:.1f} ms ({v['gbps']:.2f} GB/s)" for k, v in ls["curve"].items())
-            print(f"disk, read as one sequence must (each layer's misses, {ls['misses_per_layer']:.2f} on average, as one "
-                  f"batch, one layer after the other; batches of k blocks: {curve}): {ls['ms_per_token']:.1f} ms a "
-                  f"token, the regime at {r['ms_per_token'] / ls['ms_per_token']:.2f} of it (a reference, not a floor)")
+            print(f"disk, read as one sequence must (each layer's misses, {ls['misses_per_layer']:.2f} on average, as "
+                  f"one batch, one layer after the other; batches of k blocks: {curve}): {ls['ms_per_token']:.1f} ms "
+                  f"a token, the regime at {r['ms_per_token'] / ls['ms_per_token']:.2f} of it (a reference, not a floor)")
     for name in ("ram", "ram_nostage", "ram_eager", *(f"ram_dma{n}" for n in dma_runs),
                  *(f"ram_extra{n}" for n in extra_runs), "disk", "vram", "vram_host"):
         if name in res:

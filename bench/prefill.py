@@ -372,9 +372,9 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec, ttft_runs_s=secs,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
-                launches_fused=eng.experts.prefill_acct.last.launches_fused, peak_bytes=peak, estimated_bytes=est, plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
-                                               score_bytes=plan.pieces.score_bytes,
-                                               launch_bytes=plan.launch()),
+                launches_fused=eng.experts.prefill_acct.last.launches_fused, peak_bytes=peak, estimated_bytes=est,
+                plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
+                          score_bytes=plan.pieces.score_bytes, launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
 
 
