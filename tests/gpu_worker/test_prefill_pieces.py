@@ -263,6 +263,20 @@ def test_a_short_span_takes_the_budgets_slack_for_its_launches():
     assert launch_bytes_for(cfg, torch.bfloat16, budget, longest, plan) < plan.launch() + (16 << 20)
 
 
+def _launches_by_setting(tiny_model, tmp_path, monkeypatch, var: str, values, size: int, seed: int, cached):
+    """The in-memory engine's logits for a prompt of `size` tokens, and {value: (logits, launches)} of one streaming
+    engine (a cache of `cached(store)` bytes) prefilling it with the environment variable `var` at each value in turn."""
+    store = make_store(tiny_model, tmp_path / "store")
+    ids = [int(t) for t in np.random.default_rng(seed).integers(14, 1000, size=size)]
+    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
+    got = {}
+    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=cached(store), io_workers=2) as eng:
+        for v in values:
+            monkeypatch.setenv(var, v)
+            got[v] = prefill(eng.model, ids, eng.model.new_state()), eng.experts.prefill_acct.last.launches
+    return ref, got
+
+
 def test_a_long_span_launches_more_experts_at_once(tiny_model, tmp_path, monkeypatch):
     """A span of MOESTREAM_PREFILL_LONG_SPAN_TOKENS or more launches LONG_SPAN_LAUNCH_EXPERTS experts at once (here 4
     against 2, the tiny model's scale of Super's 64 against 32): fewer launches, the same logits as the in-memory
@@ -270,15 +284,8 @@ def test_a_long_span_launches_more_experts_at_once(tiny_model, tmp_path, monkeyp
     that changed nothing would be caught."""
     monkeypatch.setattr(prefill_knobs, "PREFILL_LAUNCH_EXPERTS", 2)
     monkeypatch.setattr(prefill_knobs, "LONG_SPAN_LAUNCH_EXPERTS", 4)
-    store = make_store(tiny_model, tmp_path / "store")
-    ids = [int(t) for t in np.random.default_rng(9).integers(14, 1000, size=700)]
-    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
-    got = {}
-    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=tenth_of_experts(store), io_workers=2) as eng:
-        for at in ("256", "100000"):
-            monkeypatch.setenv("MOESTREAM_PREFILL_LONG_SPAN_TOKENS", at)
-            out = prefill(eng.model, ids, eng.model.new_state())
-            got[at] = out, eng.experts.prefill_acct.last.launches
+    ref, got = _launches_by_setting(tiny_model, tmp_path, monkeypatch, "MOESTREAM_PREFILL_LONG_SPAN_TOKENS",
+                                    ("256", "100000"), size=700, seed=9, cached=tenth_of_experts)
     (long_out, long_n), (short_out, short_n) = got["256"], got["100000"]
     torch.testing.assert_close(long_out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(short_out, ref, rtol=1e-4, atol=1e-4)
@@ -293,16 +300,9 @@ def test_a_small_launch_budget_takes_the_fused_path_and_more_experts(tiny_model,
     launches as many as before, so a switch that changed nothing would be caught. (On CUDA those launches run the
     fused kernels; here the torch twin.)"""
     monkeypatch.setenv("MOESTREAM_PREFILL_BATCH_MB", "1")
-    store = make_store(tiny_model, tmp_path / "store")
-    ids = [int(t) for t in np.random.default_rng(5).integers(14, 1000, size=200)]
-    ref = prefill(NemotronH(tiny_model), ids, NemotronH(tiny_model).new_state())
-    got = {}
-    every = 10 * tenth_of_experts(store)            # the whole store cached: launches bounded by their bytes only
-    with StreamingEngine(store, model_dir=tiny_model, cache_bytes=every, io_workers=2) as eng:
-        for below in ("0", "16"):
-            monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", below)
-            out = prefill(eng.model, ids, eng.model.new_state())
-            got[below] = out, eng.experts.prefill_acct.last.launches
+    # the whole store cached: the launches bounded by their bytes only
+    ref, got = _launches_by_setting(tiny_model, tmp_path, monkeypatch, "MOESTREAM_PREFILL_FUSED_BELOW", ("0", "16"),
+                                    size=200, seed=5, cached=lambda store: 10 * tenth_of_experts(store))
     (off_out, off_n), (on_out, on_n) = got["0"], got["16"]
     torch.testing.assert_close(on_out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(off_out, ref, rtol=1e-4, atol=1e-4)
