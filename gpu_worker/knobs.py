@@ -46,7 +46,7 @@ def prefetch_guess_ranks() -> int:
     in vain (ranks 17-22 used 0.15-0.35 of the time against 0.55-0.80 for ranks 13-16), and where the disk sets the
     pace each wasted read shares the disk with the demand reads a layer waits for. Session 30 (three H100 hosts, 27
     pairs): 12 against the whole guess −5.7 ms a token on average. Session 33 (the disk regime in one engine, each
-    arm its own prompts, two H100 hosts, 51 pairs): 16 against 12 lower in 33, −6.1 and −1.6 ms a token on average by
+    arm its own prompts, two H100 hosts, 51 pairs): 16 against 12 lower in 33, −6.3 and −1.6 ms a token on average by
     host, the same disk bytes a token and a hit rate 0.005-0.015 higher (bench/NOTES.md). Models that route 16
     experts or fewer are not cut. Read once a token (`StreamingExperts._send` at the first MoE layer), so one engine
     can A/B it. The staging of the RAM regime (the guessed ups copied into VRAM) always takes the whole guess."""
