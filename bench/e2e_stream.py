@@ -761,8 +761,9 @@ def main(argv=None):
                     print(f"  right by guess rank: {rate}; copies per layer settled at {su['limits']}")
             acc = res[name].get("accounting_timed") or acc    # the timed tokens' own (not the warm-up's)
             print(f"{name}: per timed token ms waiting for router {acc['ms_waiting_for_router_per_token']:.2f}, "
-                  f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (+ {acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} "
-                  f"after the launch), waiting for disk "
+                  f"bookkeeping {acc['ms_bookkeeping_per_token']:.2f} (the staging's take "
+                  f"{acc.get('ms_bookkeeping_take_per_token', 0.0):.2f} of it; + "
+                  f"{acc.get('ms_bookkeeping_after_launch_per_token', 0.0):.2f} after the launch), waiting for disk "
                   f"{acc['ms_waiting_for_disk_per_token']:.2f}, experts {acc['ms_experts_per_token']:.2f}, "
                   f"staging {acc.get('ms_staging_per_token', 0.0):.2f}; graphs {res[name]['cuda_graphs']}; cache {res[name]['cache']}")
             if "tier_complete_layers" in res[name]:

@@ -279,13 +279,13 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
         admitted = vram.admissions if vram is not None else 0
         staged_used = a.ups_staged_used
         before = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
-                  a.misses_at_lookup, a.vram_hits)
+                  a.misses_at_lookup, a.vram_hits, a.ms_bookkeeping_take)
         # pass 1: no wrappers
         rec: list = []
         for t in range(tokens):
             token(t, None, rec)
         after = (a.ms_bookkeeping, getattr(a, "ms_bookkeeping_after_launch", 0.0), a.hits_at_lookup,
-                 a.misses_at_lookup, a.vram_hits)
+                 a.misses_at_lookup, a.vram_hits, a.ms_bookkeeping_take)
         admitted = (vram.admissions if vram is not None else 0) - admitted
         staged_used = a.ups_staged_used - staged_used
         # pass 2: the parts, through timing wrappers
@@ -326,6 +326,7 @@ def run_scenario(store_dir: Path, scenario: str, tokens: int, seed: int, overhea
     out["after_launch_parts"] = {p: us(v) for (ph, p), v in meter.s.items() if ph == "after_launch"}
     out["accounting_ms_bookkeeping_us"] = (after[0] - before[0]) * 1e3 / n_layers
     out["accounting_ms_bookkeeping_after_launch_us"] = (after[1] - before[1]) * 1e3 / n_layers
+    out["accounting_ms_bookkeeping_take_us"] = (after[5] - before[5]) * 1e3 / n_layers     # of the bookkeeping
     out["p90_critical_path"] = float(np.percentile([r[0] for r in rec], 90) * 1e6)
     # On a host with few cores the cache processes (IO workers, prefetcher) take the CPU from the route path in
     # the middle of a layer now and then: the layers that lost it, and the critical path of the others

@@ -49,6 +49,7 @@ class Accounting:
     ms_experts: float = 0.0
     ms_waiting_for_router: float = 0.0   # the router's choice copied to the host (waits for the GPU queue)
     ms_bookkeeping: float = 0.0          # host work the device waits for: lookup (+ the message where a miss needs it)
+    ms_bookkeeping_take: float = 0.0     # ... of ms_bookkeeping: the staged ups' take (rows, flags, the launch gate)
     ms_bookkeeping_after_launch: float = 0.0   # host work while the next graph runs: message, releases, counts
     ms_staging: float = 0.0              # host work issuing the next layer's early ups (also while a graph runs)
     hits_at_lookup: int = 0
@@ -64,9 +65,9 @@ class Accounting:
     ups_dma_gave_up: int = 0             # ... kernel programs that stopped waiting for one (a fault: never expected)
     refresh: object = None               # callable: folds device-side counters in (one sync; at read time only)
 
-    _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping",
-               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged", "ups_staged_used",
-               "ups_staged_by_sms", "ups_staged_used_by_sms", "ups_dma")
+    _SUMMED = ("ms_waiting_for_disk", "ms_experts", "ms_waiting_for_router", "ms_bookkeeping", "ms_bookkeeping_take",
+               "ms_bookkeeping_after_launch", "ms_staging", "bytes_over_pcie", "bytes_from_vram", "ups_staged",
+               "ups_staged_used", "ups_staged_by_sms", "ups_staged_used_by_sms", "ups_dma")
 
     def totals(self) -> dict:
         """The counters so far: `tokens`, the look-up counts and each summed figure as `<name>_total`."""
@@ -322,6 +323,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             addresses = [base + v * stride if v >= 0 else next(in_slab) for v in vslots]
         elif self._stage_nowait():       # the default: the kernel waits per staged expert on its batch's flag
             addresses = list(map(self._slot_address.__getitem__, slots))
+            tt = time.perf_counter()
             rows = self.ups.take_rows(j, chosen, addresses) if self.ups is not None else None
             none, order = _no_waits(len(chosen))
             gate = self.ups.launch_gate() if self.ups is not None else None     # "progress" only
@@ -333,6 +335,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
                 ups, epochs, flags = rows
                 waits = (epochs, flags, order, gate)
                 n_staged = None          # counted after the launch (UpStaging.count_taken)
+            self.acct.ms_bookkeeping_take += (time.perf_counter() - tt) * 1e3
         else:
             addresses = list(map(self._slot_address.__getitem__, slots))
             staged = self.ups.take(j, chosen) if self.ups is not None else None

@@ -21,6 +21,9 @@ def test_each_scenario_takes_its_path(synth, tmp_path):
     assert vram["vram_hit_rate"] > 0.5
     assert staged["ups_staged_used_per_layer"] > 0 and hits["ups_staged_used_per_layer"] == 0   # the staged path's twin
     assert med["staged_dma"]["ups_staged_used_per_layer"] > 0 and med["staged_dma"]["addressed_share"] == 1.0
+    # the staging's take is timed inside the route's bookkeeping, and only where ups are staged (its twin: hits)
+    assert 0 < staged["accounting_ms_bookkeeping_take_us"] <= staged["accounting_ms_bookkeeping_us"]
+    assert hits["accounting_ms_bookkeeping_take_us"] == 0
     for m in med.values():
         assert m["critical_path"] > 0 and m["lookup"] > 0 and m["message"] > 0
     assert "| hits |" in (tmp_path / "host_bookkeeping-t.txt").read_text()
