@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.io_trace import line as io_line
+from bench.io_trace import line as io_line, trace_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,13 +149,6 @@ def decode_run(eng, prompts, n_tokens, device):
                 pcie_wasted_bytes_per_token=wasted * eng.experts.up_bytes / n,
                 staged_up_use_rate=(acct.ups_staged_used / acct.ups_staged) if acct.ups_staged else None,
                 windows_ns=windows)
-
-
-def io_summary(trace_dir: str, block_bytes: int, windows) -> dict:
-    """bench.io_trace's account of the IO workers' reads (their trace in trace_dir) over `windows`."""
-    from bench.io_trace import summarize
-    from cache_shm.io_trace import read_trace
-    return summarize(read_trace(trace_dir), windows, block_bytes)
 
 
 def disk_floor_ms(g: dict, gbps: float) -> float:
@@ -433,17 +426,14 @@ def main(argv=None):
         private directory for the regime's life, summarized over its timed tokens by bench.io_trace)."""
         if not (a.io_trace and name == "disk"):
             return _regime(name, cache_bytes, seed, **kw)
-        import tempfile
-        from unittest import mock
-        from cache_shm.io_trace import ENV
-        # the variable is read by each IO worker as the engine spawns it; both are gone after the regime
-        with tempfile.TemporaryDirectory(prefix="moestream-iotrace-") as d, mock.patch.dict(os.environ, {ENV: d}):
+        from bench.io_trace import traced_reads
+        with traced_reads() as d:
             return _regime(name, cache_bytes, seed, trace_dir=d, **kw)
 
     def _regime(name, cache_bytes, seed, store_path=store_dir, into=res, up_dma=None, up_dma_batch=None,
                 stage_extra=None, trace_dir=None, **kw):
         t = time.time()
-        io = (lambda windows: io_summary(trace_dir, store.block_bytes, windows)) if trace_dir is not None else None
+        io = (lambda windows: trace_summary(trace_dir, store.block_bytes, windows)) if trace_dir is not None else None
         if str(a.device).startswith("cuda"):
             import gc
             gc.collect()

@@ -8,12 +8,18 @@ Service time against the reads in flight when it began says whether the disk slo
 limit) or not (latency: more reads in flight would move more bytes).
 
     summarize(read_trace(dir), windows=[(t0_ns, t1_ns), ...], block_bytes=...) -> dict
+    with traced_reads() as d: ...engine...; trace_summary(d, block_bytes, windows)
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from contextlib import contextmanager
+from unittest import mock
+
 import numpy as np
 
-from cache_shm.io_trace import FIELDS
+from cache_shm.io_trace import ENV, FIELDS, read_trace
 from cache_shm.shm import DEMAND, PREFETCH
 
 _COL = {name: i + 1 for i, name in enumerate(FIELDS)}     # read_trace's tuples lead with the worker
@@ -101,3 +107,16 @@ def line(s: dict) -> str:
             f"{s['gbps_while_busy']:.2f} GB/s while busy, {s['gbps_over_windows']:.2f} over the window; "
             f"demand {s['demand']['n']} ({q(s['demand'])}, median / p90), prefetch {s['prefetch']['n']} "
             f"({q(s['prefetch'])})")
+
+
+@contextmanager
+def traced_reads():
+    """A private directory the IO workers of engines started inside trace their reads into (the variable is read by
+    each worker as its engine spawns it); the directory and the variable are gone afterwards."""
+    with tempfile.TemporaryDirectory(prefix="moestream-iotrace-") as d, mock.patch.dict(os.environ, {ENV: d}):
+        yield d
+
+
+def trace_summary(trace_dir: str, block_bytes: int, windows) -> dict:
+    """`summarize` over the reads traced into trace_dir."""
+    return summarize(read_trace(trace_dir), windows, block_bytes)

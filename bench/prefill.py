@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from bench.ceilings import MIN_RATIO, pipeline_disk_gbps, ratio_or_note
-from bench.io_trace import line as io_line
+from bench.io_trace import line as io_line, trace_summary
 
 from bench.e2e_stream import copy_gbps, sh
 from bench.workdir import warm_all
@@ -648,10 +648,8 @@ def main(argv=None):
         directory for the engine's life) and each row gets bench.io_trace's account of its prompt's window."""
         if not (a.io_trace and name.startswith("disk")):
             return _regime(name, cache_bytes, warm, paths, profile, budget)
-        import tempfile
-        from unittest import mock
-        from cache_shm.io_trace import ENV
-        with tempfile.TemporaryDirectory(prefix="moestream-iotrace-") as d, mock.patch.dict(os.environ, {ENV: d}):
+        from bench.io_trace import traced_reads
+        with traced_reads() as d:
             return _regime(name, cache_bytes, warm, paths, profile, budget, trace_dir=d)
 
     def _regime(name, cache_bytes, warm, paths, profile, budget, trace_dir=None):
@@ -705,8 +703,7 @@ def main(argv=None):
                     r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
                     r["ttft_cold_s"] = cold
                     if trace_dir is not None:
-                        from bench.e2e_stream import io_summary
-                        r["io_trace"] = io_summary(trace_dir, store.block_bytes, [r["window_ns"]])
+                        r["io_trace"] = trace_summary(trace_dir, store.block_bytes, [r["window_ns"]])
                     if profile and path == paths[0]:
                         r["profile"] = profiled(eng, prompt(n), device)
                     rows.append(r)

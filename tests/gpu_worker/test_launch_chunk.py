@@ -48,15 +48,20 @@ def test_a_twin_without_the_scratch_overruns():
     assert used(experts, rows, 4, **SUPER) > b
 
 
-def test_the_switch(monkeypatch):
-    monkeypatch.delenv("MOESTREAM_LAUNCH_CHUNK", raising=False)
-    assert prefill_knobs.launch_chunk() == 0
-    monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", "4")
-    assert prefill_knobs.launch_chunk() == 4
-    for bad in ("four", "-1"):
-        monkeypatch.setenv("MOESTREAM_LAUNCH_CHUNK", bad)
-        with pytest.raises(ValueError, match="MOESTREAM_LAUNCH_CHUNK"):
-            prefill_knobs.launch_chunk()
+@pytest.mark.parametrize("var, read, value, bad", [
+    ("MOESTREAM_LAUNCH_CHUNK", prefill_knobs.launch_chunk, 4, ("four", "-1")),
+    ("MOESTREAM_PREFILL_FUSED_BELOW", prefill_knobs.fused_below, 8, ("many", "-3")),
+])
+def test_the_switch(monkeypatch, var, read, value, bad):
+    """Both counts are 0 (off) unset, take a whole number, and name themselves in the error for anything else."""
+    monkeypatch.delenv(var, raising=False)
+    assert read() == 0
+    monkeypatch.setenv(var, str(value))
+    assert read() == value
+    for b in bad:
+        monkeypatch.setenv(var, b)
+        with pytest.raises(ValueError, match=var):
+            read()
 
 
 def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
@@ -157,14 +162,3 @@ def test_a_fused_launch_charges_no_scratch_and_takes_more_experts():
     assert used(experts, rows, 0, **SUPER) > b         # the twin: dequantized, the same launch overruns
     sub, _ = prefill_knobs.launch_limits(*args, fused=True, extra_per_expert=2 << 20)
     assert sub < experts
-
-
-def test_the_fused_switch(monkeypatch):
-    monkeypatch.delenv("MOESTREAM_PREFILL_FUSED_BELOW", raising=False)
-    assert prefill_knobs.fused_below() == 0
-    monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "8")
-    assert prefill_knobs.fused_below() == 8
-    for bad in ("many", "-3"):
-        monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", bad)
-        with pytest.raises(ValueError, match="MOESTREAM_PREFILL_FUSED_BELOW"):
-            prefill_knobs.fused_below()
