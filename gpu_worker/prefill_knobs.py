@@ -234,6 +234,15 @@ def fused_below() -> int:
     return env_count_or_off("MOESTREAM_PREFILL_FUSED_BELOW", 0, "experts")
 
 
+def ahead_lent_bytes() -> int:
+    """MOESTREAM_PREFILL_AHEAD_LENT_MB (MiB; 0, the default: none; read per span, so one engine can A/B it): bytes of
+    ahead slots a prefill gets beside its budget, as a VRAM tier lending its slots to a long prompt would give them.
+    A measuring knob: under the server's 512 MiB a 16k prompt's ahead slots get ~43 MiB of the ~1.3 GB one layer's
+    experts take, so its copies and the Mamba layers run one after the other (bench/NOTES.md session 33, call 7); this
+    says what slots alone buy, apart from the larger launches a larger budget also gives."""
+    return env_count_or_off("MOESTREAM_PREFILL_AHEAD_LENT_MB", 0, "MiB") << 20
+
+
 def launch_chunk() -> int:
     """MOESTREAM_LAUNCH_CHUNK: experts decoded at a time within a grouped prefill launch (`launch_limits`); 0, the
     default, decodes the launch's experts at once; "auto" (-1): as many as a launch takes with the scratch charged

@@ -373,6 +373,35 @@ def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
     assert span_bytes(cfg, dt, span, plan=SpanPlan(ahead_bytes=64 << 20)) > 64 << 20
 
 
+def test_lent_ahead_slots_come_beside_the_budget_up_to_the_wish(tiny, refs, monkeypatch):
+    """MOESTREAM_PREFILL_AHEAD_LENT_MB (a measuring knob: what a VRAM tier lending its slots would give): a prompt
+    under a budget too small to give its ahead slots what the source wishes gets the lent bytes beside it, at most
+    the wish (one layer's experts, 256 KiB on the tiny model: 1 MiB lent covers it), copies more ahead, and the
+    logits are the same. The twin, without the knob, keeps the budget's share (less than the wish)."""
+    schedule(monkeypatch, "one_layer")
+    model_dir, store = tiny
+    budget = 1 << 20               # the tiny model's 300-token span leaves this budget less than the wish
+
+    def ahead_at(lent_mb: int | None):
+        if lent_mb is None:
+            monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LENT_MB", raising=False)
+        else:
+            monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LENT_MB", str(lent_mb))
+        with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=1) as eng:
+            src, m = eng.experts, eng.model
+            src.copy_ahead, src.ahead_min_tokens = True, 0
+            out = prefill(m, prompt(300, seed=300), m.new_state(), budget_bytes=budget)
+            assert int(eng.sup.shm.slot_pins.sum()) == 0
+            return src.ahead_bytes, src.ahead_wish(300), src.prefill_acct.last.ahead_copied, out
+
+    own, wish, copied_own, out_own = ahead_at(None)
+    lent, wish_lent, copied_lent, out_lent = ahead_at(1)
+    assert 0 <= own < wish, "the twin: this budget gives the slots less than the wish"
+    assert lent == wish_lent == wish and copied_lent > copied_own
+    torch.testing.assert_close(out_own, refs[300], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out_lent, refs[300], rtol=1e-5, atol=1e-4)
+
+
 def test_streaming_source_wishes_one_layer_two_with_eager_and_none_zero_copy(tiny, monkeypatch):
     schedule(monkeypatch, "one_layer")
     model_dir, store = tiny
