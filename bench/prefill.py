@@ -322,7 +322,7 @@ def ahead_figures(last) -> dict:
                 ms_issuing_ahead=last.ms_issuing_ahead, ms_host_moe=last.ms_host_moe,
                 ms_host_launching=last.ms_host_launching, ms_host_staging=last.ms_host_staging,
                 ms_router_sync=last.ms_router_sync, ms_to_inputs=last.ms_to_inputs,
-                ms_to_first_copy=last.ms_to_first_copy,
+                ms_to_first_copy=last.ms_to_first_copy, ahead_lent=last.ahead_lent, lent_evicted=last.lent_evicted,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1),
@@ -510,7 +510,7 @@ def brief(res) -> None:
               f"(fused {r.get('launches_fused', 0)}) spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
-              f"{r['plan']['mamba_piece_tokens']}")
+              f"{r['plan']['mamba_piece_tokens']} lent {r.get('ahead_lent', 0)} (evicted {r.get('lent_evicted', 0)})")
 
 
 def reprobe_disk(res, c, probe, cfg, block_bytes) -> None:
@@ -563,6 +563,9 @@ def main(argv=None):
                     help="the RAM regime's prompts of 1,000 tokens and more once more under this budget (the engine's "
                          "reserve through the server): spans, peak against the estimate; 0: not run")
     ap.add_argument("--budget-sizes", default="1000,4000,16000", help="comma list: the budget rows' prompt sizes")
+    ap.add_argument("--budget-tier-mb", type=int, default=0,
+                    help="a VRAM tier of this size beside the budget rows (as the server's --vram-gb leaves one), "
+                         "empty: what a long prompt may borrow for its ahead slots (MOESTREAM_PREFILL_LEND); 0: none")
     ap.add_argument("--budget-env", default="none",
                     help="comma list of KEY=VALUE or none: the budget rows once per setting (an A/B in one engine)")
     ap.add_argument("--budget-pieces", default="0",
@@ -726,6 +729,9 @@ def main(argv=None):
                 eng.experts.copy_ahead = default_ahead      # the budget rows run as the server would
                 eng.experts.ahead_min_tokens = default_gate
                 res["budget"] = []
+                if a.budget_tier_mb:
+                    used = torch.cuda.memory_allocated() if cuda else eng.model.dense_nbytes()
+                    eng.experts.vram = eng._vram_tier(used + (a.budget_tier_mb << 20), 0, device, 2)
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):
                         if top:

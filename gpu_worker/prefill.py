@@ -47,7 +47,6 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.knobs import env_count
-from gpu_worker.prefill_knobs import ahead_lent_bytes
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
@@ -459,7 +458,7 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if source is not None:
                 ahead = ahead_bytes_for(cfg, model.dtype, budget, span, plan, wish, state.position, all_logits,
                                         kv_rows(state))
-                source.ahead_bytes = min(wish, ahead + ahead_lent_bytes())     # (lent: beside the budget)
+                source.ahead_bytes = source.lend_ahead(ahead, wish, end - start)   # (a VRAM tier may lend more)
                 source.launch_bytes = launch_bytes_for(cfg, model.dtype, budget, span,
                                                        dataclasses.replace(plan, ahead_bytes=ahead), state.position,
                                                        all_logits, kv_rows(state))

@@ -35,6 +35,8 @@ class PromptCost:
     ahead_read: int = 0                 # ... that its launches read from the ahead slots
     ahead_wrong: int = 0                # ... that the layer did not route to (wasted copies)
     ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)
+    ahead_lent: int = 0                 # ahead slots the VRAM tier lent the prompt (`VramTier.lend`)
+    lent_evicted: int = 0               # ... of which its residents were evicted for (free slots first)
     eager_copied: int = 0               # a layer's own blocks not copied ahead, copied into the ahead slots at its sync
                                         # (MOESTREAM_PREFILL_EAGER; in bytes_over_pcie on CUDA)
     ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)

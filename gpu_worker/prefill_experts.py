@@ -33,7 +33,7 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, fused_below, launch_chunk,
-                                      launch_limits, long_span, prefill_batch_bytes, prefill_eager,
+                                      launch_limits, lend_ahead, lend_min_tokens, long_span, prefill_batch_bytes, prefill_eager,
                                       rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
@@ -81,6 +81,7 @@ class PrefillExperts:
         self.ahead_bytes = 0
         self._sync_stream = self._sync_host = None   # the routing's counts to the host beside an overlap (_router_sync)
         self._ahead: AheadSlots | None = None
+        self._lent: list[int] = []       # VRAM-tier rows lent to this prompt's ahead slots (`lend_ahead`)
         self._guessed: tuple | None = None   # (next MoE layer, its experts the guess named, their tokens or None)
         self.ahead_at_sync: list[tuple[int, int]] = []   # (MoE layer, its blocks copied ahead when its router synced)
         self.route_hist: np.ndarray | None = None   # [n_moe, E]: decayed tokens-per-expert share of the prompts before
@@ -97,6 +98,7 @@ class PrefillExperts:
         """A prompt starts; its grouped launches keep their device buffers within `launch_bytes` (None:
         `prefill_batch_bytes()`), its slots for experts copied ahead within `ahead_bytes`. `entered`: when `prefill()`
         was entered (perf_counter), for the prompt's start in the accounting (`ms_to_inputs`, `ms_to_first_copy`)."""
+        self._give_back_lent()           # a prompt that raised part-way kept its lent rows: back first
         self.launch_bytes = prefill_batch_bytes() if launch_bytes is None else int(launch_bytes)
         self.ahead_bytes = int(ahead_bytes)
         self.ahead_at_sync, self._guessed = [], None
@@ -144,6 +146,36 @@ class PrefillExperts:
             return 0
         return self._ahead_cap() * self.store.block_stride
 
+    def lend_ahead(self, own: int, wish: int, tokens: int) -> int:
+        """The ahead slots' bytes for a span: `own`, what the budget gives them, or where that is less than `wish` and
+        the prompt has `lend_min_tokens()` tokens or more, the VRAM tier's slots lent for the prompt (`VramTier.lend`,
+        once a prompt; given back free by `end_prompt`), if it lends more. The budget's own bytes then go unused: the
+        launches are sized without them either way (gpu_worker/prefill.py)."""
+        vt, stride = getattr(self, "vram", None), self.store.block_stride
+        if (not self._lent and vt is not None and own < wish and lend_ahead() and tokens >= lend_min_tokens()
+                and self.prefill_acct.in_prompt):
+            want = min(wish, self._ahead_cap() * stride) // stride
+            if want * stride > own:
+                ev0 = vt.lent_evictions
+                self._lent = vt.lend(want)
+                last = self.prefill_acct.last
+                last.ahead_lent, last.lent_evicted = len(self._lent), vt.lent_evictions - ev0
+                if self._lent and len(self._lent) * stride <= own:      # (less than the budget gives: not used)
+                    self._give_back_lent()
+        return max(own, len(self._lent) * stride)
+
+    def _give_back_lent(self) -> None:
+        """The lent rows back to the VRAM tier, free; every copy into them and every kernel reading them done first
+        (the prompt's end synchronized the device; an abandoned prompt's is waited for here)."""
+        if not self._lent:
+            return
+        if self._ahead is not None and self._ahead.buf is self.vram.buf:
+            self._ahead = None
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self.vram.take_back(self._lent)
+        self._lent = []
+
     def _ahead_cap(self) -> int:
         """Ahead slots at most: `ahead_layers()` layers' experts."""
         return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
@@ -160,6 +192,7 @@ class PrefillExperts:
         self._flush(sync=self._cuda)
         self._ahead_settle(None)
         self._ahead = None           # its copies are done (the flush waited): decode gets the memory back
+        self._give_back_lent()
         self.prefill_acct.end(tokens, seconds)
 
     def _prefill(self, j, x, experts, weights, guess=None, overlap=None):
@@ -363,8 +396,9 @@ class PrefillExperts:
             pins = self._ahead.pins if self._ahead is not None else CopyPins()   # settled at this layer's sync)
             self._ahead = None           # the old slots go before the new ones are allocated
             from cache_shm.cuda_map import chunk_slots
+            lent = (self.vram.buf, self._lent) if len(self._lent) >= n > 0 else None
             self._ahead = AheadSlots(n, self.store.block_stride, self.block_bytes, self.device, self._cuda,
-                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)))
+                                      SlabRows(self.slab, chunk_slots(self.slot_bytes)), lent=lent)
             self._ahead.pins = pins      # copies still in flight keep their slab slots pinned
         return self._ahead
 

@@ -234,13 +234,24 @@ def fused_below() -> int:
     return env_count_or_off("MOESTREAM_PREFILL_FUSED_BELOW", 0, "experts")
 
 
-def ahead_lent_bytes() -> int:
-    """MOESTREAM_PREFILL_AHEAD_LENT_MB (MiB; 0, the default: none; read per span, so one engine can A/B it): bytes of
-    ahead slots a prefill gets beside its budget, as a VRAM tier lending its slots to a long prompt would give them.
-    A measuring knob: under the server's 512 MiB a 16k prompt's ahead slots get ~43 MiB of the ~1.3 GB one layer's
-    experts take, so its copies and the Mamba layers run one after the other (bench/NOTES.md session 33, call 7); this
-    says what slots alone buy, apart from the larger launches a larger budget also gives."""
-    return env_count_or_off("MOESTREAM_PREFILL_AHEAD_LENT_MB", 0, "MiB") << 20
+# A prompt of LEND_MIN_TOKENS or more whose budget leaves its ahead slots less than the source wishes (one MoE layer's
+# experts) borrows them from the VRAM tier (`VramTier.lend`: free slots, then the coldest residents, at most half the
+# tier), and gives them back free at its end; decode's admissions refill them. Measured with the slots given beside the
+# budget (a measuring knob since replaced by the lend; H100, 8 MoE layers, one engine, two alternated rounds,
+# bench/NOTES.md session 34): under 1 GiB (what a 12-16 GB card's reserve is) 16k 361.8 -> 270-272 ms with a layer's
+# slots, 290 with half of them; 4k 199.5 -> 178; under 512 MiB 16k 544 -> 471, 4k 248 -> 216.
+LEND_MIN_TOKENS = 2048
+
+
+def lend_ahead() -> bool:
+    """MOESTREAM_PREFILL_LEND (1 by default; 0: off; read per prompt, so one engine can A/B it): a long prompt's ahead
+    slots borrowed from the VRAM tier where its budget leaves them less than a layer's experts."""
+    return env_switch("MOESTREAM_PREFILL_LEND", True)
+
+
+def lend_min_tokens() -> int:
+    """MOESTREAM_PREFILL_LEND_MIN_TOKENS (read per prompt): the shortest prompt that borrows, LEND_MIN_TOKENS."""
+    return env_count_or_off("MOESTREAM_PREFILL_LEND_MIN_TOKENS", LEND_MIN_TOKENS, "tokens")
 
 
 def launch_chunk() -> int:

@@ -225,14 +225,23 @@ class AheadSlots:
     last (an event per slot); a launch waits for its blocks' copies (an event per slot). The slab slots stay pinned
     until their copies are done. On the CPU (tests) the copies are plain and done at once."""
 
-    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool, rows: SlabRows):
+    def __init__(self, n: int, stride: int, block_bytes: int, device, cuda: bool, rows: SlabRows,
+                 lent: tuple[torch.Tensor, list[int]] | None = None):
+        """lent: (a buffer [*, stride] on the device, n of its rows) to use instead of a buffer of its own: slots a
+        VRAM tier lends (`VramTier.lend`), slot r being the buffer's row lent[1][r]."""
         self.n, self.cuda, self.block_bytes, self.device = n, cuda, block_bytes, device
-        self.buf = torch.empty(n, stride, dtype=torch.uint8, device=device)
+        if lent is None:
+            self.buf, self._row = torch.empty(n, stride, dtype=torch.uint8, device=device), list(range(n))
+        else:
+            self.buf, self._row = lent[0], list(lent[1][:n])
+            if len(self._row) != n or lent[0].shape[1] != stride:
+                raise ValueError(f"{n} ahead slots of {stride} bytes on {len(self._row)} lent rows of "
+                                 f"{lent[0].shape[1]}")
         self.rows = rows                            # the slab and how its blocks are copied
         self.layer, self.table = -1, {}             # the MoE layer copied for, {expert: slot}
         self.next = 0
         base, st = self.buf.data_ptr(), self.buf.stride(0)
-        self._address = [base + r * st for r in range(n)]   # (a torch select per call cost ~2 µs a block)
+        self._address = [base + r * st for r in self._row]   # (a torch select per call cost ~2 µs a block)
         self.pins = CopyPins()                     # slab slots pinned for the copies
         self.stream = None
         if cuda:
@@ -304,7 +313,7 @@ class AheadSlots:
         """The blocks of slab slots `sources` into slots rs: on the CPU at once; on CUDA on this stream, after `after`
         and the kernels that read each slot last, with ready events (per run group or per block)."""
         if not self.cuda:
-            self.rows.copy(self.buf, rs, sources, self.block_bytes, None, what)
+            self.rows.copy(self.buf, [self._row[r] for r in rs], sources, self.block_bytes, None, what)
             return
         cs = self.stream
         if after is not None:
@@ -318,7 +327,7 @@ class AheadSlots:
             self._copy_runs(rs, sources)
         else:
             for r, src in zip(rs, sources):
-                self.rows.copy(self.buf, [r], [src], self.block_bytes, cs, what)
+                self.rows.copy(self.buf, [self._row[r]], [src], self.block_bytes, cs, what)
                 ev = torch.cuda.Event()
                 ev.record(cs)
                 self.ready[r] = ev
@@ -329,10 +338,11 @@ class AheadSlots:
         """MOESTREAM_AHEAD_RUNS: the copies in runs on the copy stream, an event after each group of at least
         AHEAD_EVENT_EVERY blocks (`ahead_copy_plan`)."""
         cs = self.stream
-        runs = copy_runs(sources, rs, self.rows.chunk) if self.rows.runs_ok else [(i, 1) for i in range(len(rs))]
+        brs = [self._row[r] for r in rs]          # the buffer's rows: runs where both sides are adjacent
+        runs = copy_runs(sources, brs, self.rows.chunk) if self.rows.runs_ok else [(i, 1) for i in range(len(rs))]
         for group in ahead_copy_plan(split_runs(runs, ahead_run_max()), AHEAD_EVENT_EVERY):
             for i, k in group:
-                self.rows.copy(self.buf, rs[i:i + k], sources[i:i + k], self.block_bytes, cs, "copies ahead")
+                self.rows.copy(self.buf, brs[i:i + k], sources[i:i + k], self.block_bytes, cs, "copies ahead")
             ev = torch.cuda.Event()
             ev.record(cs)
             for i, k in group:
@@ -343,7 +353,7 @@ class AheadSlots:
         return self._address[r]
 
     def view(self, r: int) -> torch.Tensor:
-        return self.buf[r, :self.block_bytes]
+        return self.buf[self._row[r], :self.block_bytes]
 
     def wait(self, slots, cur=None) -> None:
         if self.cuda:

@@ -74,6 +74,8 @@ class VramTier:
         self.held: frozenset[int] = frozenset()            # layers the current token routes on the device
         self._yielding: set[int] = set()                   # held layers an admission wanted to evict from
         self.refused = 0                                   # admissions put off a token by a held victim
+        self.lent = 0                                      # slots lent out (`lend`), neither free nor resident
+        self.lent_evictions = 0                            # residents evicted to lend their slots
         # (layer, experts, their slots or -1) of the last `lookup_slots`: the uses it found, not yet added to the
         # counts (the decode route adds them after the launch); added first by whatever reads or changes the counts
         self._unscored: tuple | None = None
@@ -206,6 +208,35 @@ class VramTier:
         self.free.append(s)
         return s
 
+    def lend(self, n: int) -> list[int]:
+        """Up to n slots lent out (a long prompt's ahead slots, gpu_worker/prefill_experts.py), free ones first, then
+        the coldest residents of layers not held this token, evicted; never more than LEND_SHARE of the tier. Their
+        rows, ascending (neighbours make runs of copies); `take_back` returns them free. The evictions' table writes
+        are queued on the current stream, before anything the borrower queues after this call."""
+        self.score_uses()
+        n = max(0, min(n, self.n_slots // LEND_SHARE - self.lent))
+        got = self.free[-n:] if n else []
+        del self.free[len(self.free) - len(got):]
+        if len(got) < n:
+            sc, held = self._sc, self.held
+            cold = sorted((sc[k[0]][k[1]], k) for k in self.slot_of if k[0] not in held)[:n - len(got)]
+            for _, k in cold:
+                got.append(self._evict(k))
+            if cold:
+                self._heap = [(v, k) for v, k in self._heap if k in self.slot_of]
+                heapq.heapify(self._heap)
+            self.lent_evictions += len(cold)
+        self.lent += len(got)
+        return sorted(got)
+
+    def take_back(self, slots: list[int]) -> None:
+        """Slots `lend` gave, back to the free list (empty: the borrower's blocks are not residents); whatever read or
+        wrote them must be done or ordered before the next admission's copy (the borrower's to ensure)."""
+        if len(slots) > self.lent or len(set(slots)) != len(slots):
+            raise ValueError(f"VRAM tier: {len(slots)} slots given back, {self.lent} lent")
+        self.lent -= len(slots)
+        self.free.extend(sorted(slots, reverse=True))      # (`free` pops from its end: the lowest row first)
+
     def _evict(self, k: tuple[int, int]) -> int:
         """Drop a resident (its heap entry is the caller's); returns its slot."""
         s = self.slot_of.pop(k)
@@ -287,6 +318,9 @@ class VramTier:
 # 3.4 GiB (12 GB) 71.1 -> 73.0. An 8 GB card (6.6 GiB dense) keeps about the base.
 PREFILL_SHARE = 8
 PREFILL_EXTRA_MAX = 512 << 20
+# A long prompt may borrow tier slots for its ahead slots (`VramTier.lend`): at most 1/LEND_SHARE of the tier, so
+# decode keeps most of its residents (the lent ones come back free and the tier's admissions refill them)
+LEND_SHARE = 2
 
 
 def prefill_reserve_bytes(vram_budget_bytes: int, used_bytes: int, base_bytes: int) -> int:

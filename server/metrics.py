@@ -188,7 +188,9 @@ class _EngineCollector:
                                ("prefill_bytes_over_pcie", "prefill_bytes_over_pcie", "expert bytes over PCIe while prefilling"),
                                ("prefill_blocks_read", "prefill_blocks_read", "expert blocks read from disk while prefilling"),
                                ("prefill_distinct_experts", "prefill_distinct_experts",
-                                "distinct (layer, expert) pairs routed, summed over prompts")]:
+                                "distinct (layer, expert) pairs routed, summed over prompts"),
+                               ("prefill_ahead_lent", "prefill_ahead_lent",
+                                "VRAM-tier slots lent to long prompts for their experts copied ahead, summed")]:
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], float(pf.get(key, 0)))
             yield c

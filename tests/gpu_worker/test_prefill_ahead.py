@@ -16,8 +16,10 @@ import torch
 from gpu_worker import prefill_experts, prefill_knobs, slab_copies
 import gpu_worker.streaming as streaming
 from gpu_worker.engine import StreamingEngine
+from gpu_worker.generate import generate
 from gpu_worker.prefill import (SpanPlan, ahead_bytes_for, launch_bytes_for, prefill, prefill_span, span_bytes,
                                 span_plan)
+from gpu_worker.sampling import SamplingParams
 from nemotron.model import NemotronH
 from tests.gpu_worker.test_prefill import prompt
 from tests.gpu_worker.test_streaming_pipeline import make_store, tenth_of_experts
@@ -373,33 +375,58 @@ def test_ahead_slots_fit_beside_the_span_and_never_shorten_it(tiny):
     assert span_bytes(cfg, dt, span, plan=SpanPlan(ahead_bytes=64 << 20)) > 64 << 20
 
 
-def test_lent_ahead_slots_come_beside_the_budget_up_to_the_wish(tiny, refs, monkeypatch):
-    """MOESTREAM_PREFILL_AHEAD_LENT_MB (a measuring knob: what a VRAM tier lending its slots would give): a prompt
-    under a budget too small to give its ahead slots what the source wishes gets the lent bytes beside it, at most
-    the wish (one layer's experts, 256 KiB on the tiny model: 1 MiB lent covers it), copies more ahead, and the
-    logits are the same. The twin, without the knob, keeps the budget's share (less than the wish)."""
+def _lent_prompt(tiny, monkeypatch, lend: bool):
+    """A 300-token prompt under a budget that leaves its ahead slots less than a layer's experts, on an engine whose
+    VRAM tier (48 slots) was filled by decoding first, then decoding again: (the source's accounting of the prompt,
+    the slots' buffers as the prompt made them, the tier after it, its logits, the tokens decoded before and after)."""
     schedule(monkeypatch, "one_layer")
+    monkeypatch.setenv("MOESTREAM_PREFILL_LEND", "1" if lend else "0")
+    monkeypatch.setenv("MOESTREAM_PREFILL_LEND_MIN_TOKENS", "0")
+    made, real = [], slab_copies.AheadSlots.__init__
+
+    def init(slots, *a, lent=None, **kw):
+        made.append(lent)
+        real(slots, *a, lent=lent, **kw)
+    monkeypatch.setattr(slab_copies.AheadSlots, "__init__", init)
     model_dir, store = tiny
-    budget = 1 << 20               # the tiny model's 300-token span leaves this budget less than the wish
+    from expert_store.reader import ExpertStore
+    st = ExpertStore.open(store)
+    dense = NemotronH(model_dir).dense_nbytes()
+    ids = prompt(12, seed=7)
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=1,
+                         vram_bytes=dense + 48 * st.block_stride, vram_reserve_bytes=0) as eng:
+        src, m, vt = eng.experts, eng.model, eng.experts.vram
+        src.copy_ahead, src.ahead_min_tokens = True, 0
+        before = [t.token for t in generate(eng, ids, SamplingParams(max_tokens=6))]
+        residents, first = len(vt.slot_of), len(made)
+        out = prefill(m, prompt(300, seed=300), m.new_state(), budget_bytes=1 << 20)
+        last, own = dataclasses.replace(src.prefill_acct.last), made[first:]      # (the prompt's own slots)
+        after = [t.token for t in generate(eng, ids, SamplingParams(max_tokens=6))]
+        tier = dict(lent=vt.lent, free=len(vt.free), residents_before=residents, residents=len(vt.slot_of),
+                    n=vt.n_slots, buf=vt.buf)
+        assert int(eng.sup.shm.slot_pins.sum()) == 0
+    return last, own, tier, out, before, after
 
-    def ahead_at(lent_mb: int | None):
-        if lent_mb is None:
-            monkeypatch.delenv("MOESTREAM_PREFILL_AHEAD_LENT_MB", raising=False)
-        else:
-            monkeypatch.setenv("MOESTREAM_PREFILL_AHEAD_LENT_MB", str(lent_mb))
-        with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=1) as eng:
-            src, m = eng.experts, eng.model
-            src.copy_ahead, src.ahead_min_tokens = True, 0
-            out = prefill(m, prompt(300, seed=300), m.new_state(), budget_bytes=budget)
-            assert int(eng.sup.shm.slot_pins.sum()) == 0
-            return src.ahead_bytes, src.ahead_wish(300), src.prefill_acct.last.ahead_copied, out
 
-    own, wish, copied_own, out_own = ahead_at(None)
-    lent, wish_lent, copied_lent, out_lent = ahead_at(1)
-    assert 0 <= own < wish, "the twin: this budget gives the slots less than the wish"
-    assert lent == wish_lent == wish and copied_lent > copied_own
-    torch.testing.assert_close(out_own, refs[300], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(out_lent, refs[300], rtol=1e-5, atol=1e-4)
+def test_a_long_prompt_borrows_its_ahead_slots_from_the_vram_tier_and_gives_them_back(tiny, refs, monkeypatch):
+    """A prompt whose budget leaves its ahead slots less than a layer's experts borrows them from the VRAM tier
+    (`VramTier.lend`: the coldest residents, at most half the tier): the slots are the tier's rows, the logits are
+    the in-memory engine's, every lent row is back free at the prompt's end, and the decode after it (the tier
+    refilling) gives the same tokens as before it. The twin (MOESTREAM_PREFILL_LEND=0) borrows nothing: its slots
+    are a buffer of their own, the budget's share."""
+    last, made, tier, out, before, after = _lent_prompt(tiny, monkeypatch, lend=True)
+    assert tier["residents_before"] > tier["n"] // 2, "the decode before did not fill the tier: nothing to evict"
+    assert last.ahead_lent == tier["n"] // 2 and 0 < last.lent_evicted <= last.ahead_lent
+    assert made and all(lent is not None and lent[0] is tier["buf"] and len(lent[1]) == last.ahead_lent
+                        for lent in made)
+    assert last.ahead_copied > 0 and tier["lent"] == 0
+    assert tier["free"] + tier["residents"] == tier["n"]
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    assert after == before
+    last, made, tier, out, before, after = _lent_prompt(tiny, monkeypatch, lend=False)
+    assert last.ahead_lent == 0 and made and all(lent is None for lent in made) and tier["lent"] == 0
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    assert after == before
 
 
 def test_streaming_source_wishes_one_layer_two_with_eager_and_none_zero_copy(tiny, monkeypatch):
@@ -477,6 +504,44 @@ def test_gpu_eager_copies_read_from_the_ahead_slots(tiny, monkeypatch):
     assert stage.staged == 0 and last.eager_copied > 0
     assert last.ahead_read == last.distinct_experts == last.ahead_used + last.eager_copied
     assert mean_kl(ref, out) < 3e-3
+
+
+def test_must_fail_a_prompt_that_keeps_its_lent_slots_shrinks_the_tier(tiny, refs, monkeypatch):
+    """The twin of the give-back check: a source that never gives the rows back leaves them lent, neither free nor
+    resident, after the prompt (the check above would fail)."""
+    monkeypatch.setattr(prefill_experts.PrefillExperts, "_give_back_lent", lambda self: None)
+    last, _, tier, out, _, _ = _lent_prompt(tiny, monkeypatch, lend=True)
+    assert last.ahead_lent > 0 and tier["lent"] == last.ahead_lent
+    assert tier["free"] + tier["residents"] == tier["n"] - tier["lent"] < tier["n"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy streams and events need CUDA")
+def test_gpu_a_long_prompt_borrows_the_vram_tiers_slots(tiny, monkeypatch):
+    """On the GPU (bf16, staged, RAM, a VRAM tier of 48 slots filled by decoding): a prompt under a budget that leaves
+    its ahead slots less than a layer's experts copies ahead into the tier's rows (half of them), reads them, gives
+    them back, and its logits are the CPU engine's; the decode after it gives the tokens it gave before."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_LEND_MIN_TOKENS", "0")
+    from tests.nemotron.test_model_vs_transformers import mean_kl
+    model_dir, store = tiny
+    ids = prompt(700, seed=8)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
+    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
+                         dtype=torch.bfloat16) as eng:
+        src, m = eng.experts, eng.model
+        src.ahead_min_tokens = 0
+        vt = src.vram = eng._vram_tier(torch.cuda.memory_allocated() + 48 * src.store.block_stride, 0, "cuda", 1)
+        short = prompt(12, seed=7)
+        before = [t.token for t in generate(eng, short, SamplingParams(max_tokens=8))]
+        prefill(m, ids, m.new_state())
+        residents = len(vt.slot_of)
+        out = prefill(m, ids, m.new_state(), all_logits=True, budget_bytes=1 << 20).float().cpu().numpy()
+        last = dataclasses.replace(src.prefill_acct.last)
+        after = [t.token for t in generate(eng, short, SamplingParams(max_tokens=8))]
+        assert int(eng.sup.shm.slot_pins.sum()) == 0 and vt.lent == 0
+    print(f"GPU lent: {last.ahead_lent} slots ({last.lent_evicted} residents of {residents} evicted), "
+          f"{last.ahead_read} blocks read from them; KL {mean_kl(ref, out):.2e}")
+    assert last.ahead_lent == 24 and last.ahead_read > 0 and mean_kl(ref, out) < 3e-3 and after == before
 
 
 def gpu_prefills(tiny, runs: int = 1):

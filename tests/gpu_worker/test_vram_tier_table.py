@@ -92,3 +92,44 @@ def test_evicting_a_held_resident_is_refused():
         vt.admit(1, 0, block(1))
     with pytest.raises(ValueError, match="routed on the device this token"):
         vt.evict(0, 1)
+
+
+def lent_tier() -> VramTier:
+    """Both layers whole in a full tier, layer 1's experts used more the higher their number, layer 0's once each
+    (then held for the token)."""
+    vt = tier(2 * E)
+    for j in range(L):
+        for e in range(E):
+            vt.admit(j, e, block(j * E + e))
+    for e in range(E):
+        for _ in range(e + 2):
+            vt.lookup(1, [e])
+    return vt
+
+
+def test_a_lend_takes_free_slots_then_the_coldest_residents_not_held_and_takes_them_back():
+    vt = lent_tier()
+    vt.evict(1, 3)                              # one free slot
+    vt.hold({0})                                # layer 0 routed on the device this token: its residents stay
+    got = vt.lend(3)                            # at most half the tier (LEND_SHARE 2 of 8): 3 fit
+    assert len(got) == 3 and got == sorted(got) and vt.lent == 3 and vt.lent_evictions == 2
+    assert vt.complete(0) and set(vt.row(1)) == {2}, "the free slot, then layer 1's two coldest (0 and 1)"
+    assert vt.table[1].tolist()[:2] == [0, 0] and not set(got) & set(vt.slot_of.values())
+    more = vt.lend(4)                           # half the tier is the cap: one more
+    assert len(more) == 1 and vt.lent == 2 * E // 2 and vt.lend(1) == []
+    vt.hold()
+    vt.take_back(got)
+    assert vt.lent == 1 and set(got) <= set(vt.free)
+    vt.admit(1, 0, block(5))                    # a returned slot serves an admission again
+    assert vt.slot_of[1, 0] in got
+    with pytest.raises(ValueError, match="given back"):
+        vt.take_back(got)                       # the twin: returned twice, refused
+
+
+def test_must_fail_a_lend_that_ignored_the_held_layer_would_empty_it():
+    """The twin of the held rule: with nothing held, the coldest are layer 0's (used once each), and the lend takes
+    them, so a held layer is what kept them above."""
+    vt = lent_tier()
+    vt.evict(1, 3)
+    got = vt.lend(3)
+    assert len(got) == 3 and not vt.complete(0)
