@@ -343,8 +343,8 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
 
     def spy(part, state, *a, **kw):
         nonlocal est
-        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_bytes,    # as set for this span
-                                         launch_bytes=eng.experts.launch_bytes)
+        with_ahead = dataclasses.replace(plan, ahead_bytes=eng.experts.ahead_budget_bytes,   # as set for this span
+                                         launch_bytes=eng.experts.launch_bytes)    # (slots lent by a tier: not it)
         est = max(est, span_bytes(m.config, m.dtype, len(part), state.position, plan=with_ahead,
                                   kv_rows=kv_rows(state)))
         spans.append(len(part))

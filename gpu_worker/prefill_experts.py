@@ -79,6 +79,7 @@ class PrefillExperts:
         # path (tests) copies ahead for any prompt where copy_ahead is set
         self.ahead_min_tokens = PREFILL_AHEAD_MIN_TOKENS if self._cuda else 0
         self.ahead_bytes = 0
+        self.ahead_budget_bytes = 0      # ... of which the budget's own (the rest lent by the VRAM tier, `lend_ahead`)
         self._sync_stream = self._sync_host = None   # the routing's counts to the host beside an overlap (_router_sync)
         self._ahead: AheadSlots | None = None
         self._lent: list[int] = []       # VRAM-tier rows lent to this prompt's ahead slots (`lend_ahead`)
@@ -100,7 +101,7 @@ class PrefillExperts:
         was entered (perf_counter), for the prompt's start in the accounting (`ms_to_inputs`, `ms_to_first_copy`)."""
         self._give_back_lent()           # a prompt that raised part-way kept its lent rows: back first
         self.launch_bytes = prefill_batch_bytes() if launch_bytes is None else int(launch_bytes)
-        self.ahead_bytes = int(ahead_bytes)
+        self.ahead_bytes = self.ahead_budget_bytes = int(ahead_bytes)
         self.ahead_at_sync, self._guessed = [], None
         self.prefill_acct.begin(entered)
 
@@ -152,6 +153,7 @@ class PrefillExperts:
         once a prompt; given back free by `end_prompt`), if it lends more. The budget's own bytes then go unused: the
         launches are sized without them either way (gpu_worker/prefill.py)."""
         vt, stride = getattr(self, "vram", None), self.store.block_stride
+        self.ahead_budget_bytes = own    # what the span model counts (bench.prefill holds its estimate to the budget)
         if (not self._lent and vt is not None and own < wish and lend_ahead() and tokens >= lend_min_tokens()
                 and self.prefill_acct.in_prompt):
             want = min(wish, self._ahead_cap() * stride) // stride
