@@ -202,12 +202,18 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     moved = {n: [] for n in names}
     windows = {n: [] for n in names}
     held = {n: [] for n in names}            # dispatch passes that held reads ahead (MOESTREAM_PREFETCH_HOLD), per round
+    book = {n: [] for n in names}            # the route's host ms a token, and its staging take, per round
     try:
         for k in range(rounds):
             for i in range(len(names)):
                 arm = (i + k) % len(names)
                 put(arm)
+                before = eng.accounting.totals() if eng is not None else None
                 r = decode_run(eng, prompts_of(k if shared else k * len(names) + arm), n_tokens, device)
+                if before is not None:
+                    acc = eng.accounting.per_token_between(before, eng.accounting.totals())
+                    book[names[arm]].append((round(acc.get("ms_bookkeeping_per_token", 0.0), 4),
+                                             round(acc.get("ms_bookkeeping_take_per_token", 0.0), 4)))
                 side[names[arm]].append(r["ms_per_token_all"])
                 moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
                 windows[names[arm]] += r.get("windows_ns", [])
@@ -223,6 +229,7 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
         out[f"{n}_disk_mb"] = [round(d / 1e6, 2) for d, _ in moved[n]]
         out[f"{n}_hit"] = [round(h, 4) for _, h in moved[n]]
         out[f"{n}_held"] = held[n]
+        out[f"{n}_bookkeeping_ms"] = book[n]
         if io is not None:
             out[f"{n}_io"] = io(windows[n])
         if n != "a":
@@ -713,6 +720,10 @@ def main(argv=None):
                       + (f", reads ahead held by round {ab[f'{n}_held']}" if any(ab.get(f"{n}_held") or ()) else ""))
             if ab.get(f"{n}_io"):
                 print(f"  {n}: {io_line(ab[f'{n}_io'])}")
+        for n in "abcdefgh":
+            if ab.get(f"{n}_bookkeeping_ms"):
+                print(f"  {n}: the route's host ms a token (of it the staging's take) by round "
+                      + ", ".join(f"{b:.3f} ({t:.3f})" for b, t in ab[f"{n}_bookkeeping_ms"]))
     print("regime | ms/tok | ms/tok@40 | hit | MB disk/tok | MB pcie/tok | floor ms | ratio")
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))

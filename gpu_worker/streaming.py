@@ -24,7 +24,7 @@ from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
                                stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env,
-                               stage_gate_from_env, stage_min_precision_from_env)
+                               stage_gate_from_env, stage_judge_after_from_env, stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
@@ -453,6 +453,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             self.ups = self._new_staging(len(guess))
         # read per stage, so that one engine A/Bs it; the next route's launch gate follows the mode set here
         self.ups.after, self.ups.gate_at = stage_after_from_env(), stage_gate_at_from_env()
+        self.ups.judge_after = stage_judge_after_from_env()
         guess = guess[:self.ups.how_many(nj)]       # the router's rank order: the likeliest first
         slots = self.client.lookup_slots(nj, guess, count=False) if guess else []
         pairs = [(e, s) for e, s in zip(guess, slots) if s >= 0]

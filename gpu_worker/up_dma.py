@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from gpu_worker.knobs import env_count, env_count_or_off
+from gpu_worker.knobs import env_count, env_count_or_off, env_switch
 from gpu_worker.up_staging import SLOT_ALIGN, STAGE_AFTERS, driver_memcpy_async
 
 EPOCHS = 4096        # pinned flag values in flight at most (the host waits for every MoE layer's router: ~1)
@@ -85,6 +85,15 @@ def stage_gate_from_env() -> bool:
     a program), and "progress" waits for the compute stream's write after the kernel, as "value" does. Read when
     the engine is made."""
     return env_count_or_off("MOESTREAM_STAGE_GATE", 1, "switch (1: on)") > 0
+
+
+def stage_judge_after_from_env() -> bool:
+    """MOESTREAM_STAGE_JUDGE_AFTER (0 by default; 1: on; read per stage, so one engine can A/B it): whether a layer's
+    staged copies were done in time (the event query that adapts its next stage's size, `UpStaging.limit`) is asked
+    after the layer's launch, when its taken ranks are counted, instead of inside the route before the launch. The
+    query is the take's one CUDA call: 5 µs of the route's 12.5 µs take a MoE layer on an H100 host (bench/NOTES.md
+    session 34 call 1). Asked later, a copy that ends in between counts as in time."""
+    return env_switch("MOESTREAM_STAGE_JUDGE_AFTER", False)
 
 
 def stage_gate_at_from_env() -> float:

@@ -140,6 +140,8 @@ class UpStaging:
         self.limit: dict[int, int] = {}      # MoE layer -> copies to issue (adapted to its dense stretch)
         self._used_by_rank = [0] * n_slots   # how often the guess of each rank was read (`used_by_rank`)
         self._taken = None                   # (slot_of, experts) of the last take, its ranks not yet counted
+        self._judge = None                   # (layer, event, copies) of the last take's stage, not yet judged
+        self.judge_after = False             # judged after the launch (`stage_judge_after_from_env`, set per stage)
         self.staged_by_rank = [0] * n_slots
         self.layer: int | None = None        # the MoE layer whose guessed ups the buffer holds
         self.slot_of: dict[int, int] = {}    # expert -> buffer slot
@@ -215,9 +217,19 @@ class UpStaging:
         self._count_taken()
         return self._used_by_rank
 
+    def _judged(self) -> None:
+        """The last take's stage judged (`_consume`): its copies done now or not."""
+        if self._judge is None:
+            return
+        layer, ev, n = self._judge
+        self._judge = None
+        lim = self.limit.get(layer, n)
+        self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
+
     def _count_taken(self) -> int:
         """The ranks the last take used, counted here (after the launch, at the next stage, or when read) and not on
-        the route; returns how many of its experts were staged."""
+        the route; returns how many of its experts were staged. A stage left to judge after the launch is judged."""
+        self._judged()
         if self._taken is None:
             return 0
         slot_of, experts = self._taken
@@ -402,11 +414,13 @@ class UpStaging:
         left to count, the stage consumed, the stream made to wait where the kernel will not wait per expert."""
         if self.cuda and not self._waited:
             # the copies done before the kernel needs them: one more next time; not done (it waits): one fewer.
-            # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun)
+            # In non-blocking mode the judged copies are the first `limit` (the `extra` beyond them may overrun).
+            # `judge_after`: the query waits for `_count_taken`, after the launch (off the route's path)
             n = len(self._address)
-            lim = self.limit.get(layer, n)
             ev = self._core if self.extra and self._core is not None else self.done
-            self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
+            self._judge = (layer, ev, n)
+            if not self.judge_after:
+                self._judged()
         # every staged expert's (epoch, flag): the got ones are those of `experts` (the route looks up no other)
         self.wait_of = self._stage_waits
         self._taken = (self.slot_of, taken)

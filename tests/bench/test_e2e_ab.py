@@ -125,3 +125,24 @@ def test_an_arm_sets_several_variables_together(monkeypatch):
     assert "MOESTREAM_AB_PROBE" not in os.environ and os.environ["MOESTREAM_AB_OTHER"] == "12"
     with pytest.raises(SystemExit, match="apart by ','"):
         e2e_stream.ab_in_engine(None, "MOESTREAM_AB_PROBE=1,MOESTREAM_AB_OTHER", 1, lambda k: [k], 4, "cpu")
+
+
+def test_each_arm_gets_the_routes_host_time_of_its_own_rounds(monkeypatch):
+    """Each arm's route bookkeeping a token (and the staging's take in it), from the engine's accounting over that
+    arm's decode alone: the b rounds' take is the smaller here, and a's figures are not b's."""
+    from gpu_worker.streaming import Accounting
+    monkeypatch.delenv("MOESTREAM_AB_PROBE", raising=False)
+
+    class Eng:
+        accounting = Accounting()
+
+    def fake_run(eng, prompts, n_tokens, device):
+        on = os.environ.get("MOESTREAM_AB_PROBE") == "1"
+        a = eng.accounting
+        a.tokens += 10
+        a.ms_bookkeeping += 2.0 if on else 3.0
+        a.ms_bookkeeping_take += 0.5 if on else 1.0
+        return dict(ms_per_token_all=[1.0])
+    monkeypatch.setattr(e2e_stream, "decode_run", fake_run)
+    ab = e2e_stream.ab_in_engine(Eng(), "MOESTREAM_AB_PROBE=1", 2, lambda k: [k], 10, "cpu")
+    assert ab["a_bookkeeping_ms"] == [(0.3, 0.1)] * 2 and ab["b_bookkeeping_ms"] == [(0.2, 0.05)] * 2

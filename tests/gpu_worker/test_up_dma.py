@@ -485,3 +485,35 @@ def test_take_judges_the_copies_it_gets(judged):
     ups.cuda, ups._core = judged, _Copies(done=False)
     assert ups.take(1, [20], blocking=False) == {20: ups._address[1]}
     assert (ups.limit == {1: 3}) == judged, ups.limit
+
+
+class _Event:
+    """A CUDA event's query, counted: the copies done (`done`) or not."""
+
+    def __init__(self, done: bool):
+        self.done, self.queries = done, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_stage_is_judged_in_the_take_or_after_the_launch(after):
+    """MOESTREAM_STAGE_JUDGE_AFTER: whether a layer's staged copies were done in time (the event query that moves its
+    next limit by one) is asked inside the take (the route, before the launch) by default, or once its ranks are
+    counted after the launch (`count_taken`): the take then makes no CUDA call. Either way each take is judged once,
+    done → one more, not done → one fewer. (The host path of the CUDA branch, with a stand-in event.)"""
+    from gpu_worker.up_staging import UpStaging
+    ups = UpStaging(8, 64, "cpu")
+    ups.cuda, ups.extra, ups.judge_after = True, 3, after     # (the non-blocking take: no stream wait is queued)
+    for done, want in ((True, 6), (False, 4)):
+        ev = _Event(done)
+        ups.limit[2], ups.done, ups._core, ups._waited = 5, ev, None, False
+        ups.layer, ups.slot_of = 2, {e: i for i, e in enumerate((7, 9, 11))}
+        ups._up_of, ups._epoch_of, ups._flag_of = {7: 1, 9: 2, 11: 3}, {}, {}
+        rows = ups.take_rows(2, [9, 4], [100, 200])
+        assert rows[0] == [2, 200]
+        assert ev.queries == (0 if after else 1) and ups.limit[2] == (5 if after else want)
+        assert ups.count_taken() == 1
+        assert ev.queries == 1 and ups.limit[2] == want, "judged once, after the launch at the latest"
