@@ -87,7 +87,8 @@ PY
     # bench.prefill flags (session 34: --budget-tier-mb N, a VRAM tier the prompts may borrow their ahead slots from)
     budgets) for b in ${BUDGETS:-512 1024 2048}; do
         timeout ${PREFILL_TIMEOUT:-150} python3 -m bench.prefill --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 \
-          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --budget-env ${BUDGET_ENV:-none} ${BUDGET_PROFILE---profile} ${BUDGET_ARGS:-} \
+          --skip kernel,sweep,disk --paths staged --sizes 128 --budget-mb $b --budget-sizes ${BUDGET_SIZES:-4000,16000} --budget-env ${BUDGET_ENV:-none} ${BUDGET_PROFILE---profile} \
+          ${BUDGET_ARGS:-} \
           --out "$OUT/budget_$b.json" > "$OUT/budget_$b.log" 2>&1; grep -E "^budget [0-9]* MiB|^profile" "$OUT/budget_$b.log" | cut -c1-220
         # session 16: each budget row with its env (an A/B in one engine: BUDGET_ENV="none,KEY=VAL,...")
         grep "^budget {" "$OUT/budget_$b.log" | python3 -c "import sys, json

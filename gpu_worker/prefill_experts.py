@@ -33,8 +33,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, fused_below, launch_chunk,
-                                      launch_limits, lend_ahead, lend_min_tokens, long_span, prefill_batch_bytes, prefill_eager,
-                                      rows_in_launch_order, shared_overlap)
+                                      launch_limits, lend_ahead, lend_min_tokens, long_span, prefill_batch_bytes,
+                                      prefill_eager, rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,

@@ -239,7 +239,9 @@ def fused_below() -> int:
 # tier), and gives them back free at its end; decode's admissions refill them. Measured with the slots given beside the
 # budget (a measuring knob since replaced by the lend; H100, 8 MoE layers, one engine, two alternated rounds,
 # bench/NOTES.md session 34): under 1 GiB (what a 12-16 GB card's reserve is) 16k 361.8 -> 270-272 ms with a layer's
-# slots, 290 with half of them; 4k 199.5 -> 178; under 512 MiB 16k 544 -> 471, 4k 248 -> 216.
+# slots, 290 with half of them; 4k 199.5 -> 178; under 512 MiB 16k 544 -> 471, 4k 248 -> 216. As built (call 4, a
+# 2 GiB tier: the half cap is 0.68 of a layer), lower in both alternated pairs at 4k and 16k under both budgets: 1 GiB
+# 16k 364-367 -> 294-317, 4k 211-217 -> 178; 512 MiB 16k 545-550 -> 497-500; 1k (below the gate) level.
 LEND_MIN_TOKENS = 2048
 
 

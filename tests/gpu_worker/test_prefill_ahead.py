@@ -522,14 +522,9 @@ def test_gpu_a_long_prompt_borrows_the_vram_tiers_slots(tiny, monkeypatch):
     them back, and its logits are the CPU engine's; the decode after it gives the tokens it gave before."""
     monkeypatch.setenv("MOESTREAM_PREFILL_LEND_MIN_TOKENS", "0")
     from tests.nemotron.test_model_vs_transformers import mean_kl
-    model_dir, store = tiny
-    ids = prompt(700, seed=8)
-    m0 = NemotronH(model_dir)
-    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
-    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
-                         dtype=torch.bfloat16) as eng:
+    ids, ref, eng = gpu_case(tiny)
+    with eng:
         src, m = eng.experts, eng.model
-        src.ahead_min_tokens = 0
         vt = src.vram = eng._vram_tier(torch.cuda.memory_allocated() + 48 * src.store.block_stride, 0, "cuda", 1)
         short = prompt(12, seed=7)
         before = [t.token for t in generate(eng, short, SamplingParams(max_tokens=8))]
@@ -544,19 +539,27 @@ def test_gpu_a_long_prompt_borrows_the_vram_tiers_slots(tiny, monkeypatch):
     assert last.ahead_lent == 24 and last.ahead_read > 0 and mean_kl(ref, out) < 3e-3 and after == before
 
 
+def gpu_case(tiny):
+    """A 700-token prompt, the CPU model's logits of its every token, and the RAM engine on the GPU (bf16, staged,
+    copies ahead at every size) to enter."""
+    model_dir, store = tiny
+    ids = prompt(700, seed=8)
+    m0 = NemotronH(model_dir)
+    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
+    eng = StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
+                          dtype=torch.bfloat16)
+    eng.experts.ahead_min_tokens = 0
+    return ids, ref, eng
+
+
 def gpu_prefills(tiny, runs: int = 1):
     """The RAM engine on the GPU (bf16, staged) against the CPU model: a 700-token prompt prefilled once to fill the
     cache, then `runs` times with every token's logits. Returns (the largest mean KL against the CPU model, the last
     run's PromptCost, the source); asserts that no pin was left."""
     from tests.nemotron.test_model_vs_transformers import mean_kl
-    model_dir, store = tiny
-    ids = prompt(700, seed=8)
-    m0 = NemotronH(model_dir)
-    ref = prefill(m0, ids, m0.new_state(), all_logits=True).numpy()
-    with StreamingEngine(store, model_dir=model_dir, cache_bytes=_all_experts(store), io_workers=2, device="cuda",
-                         dtype=torch.bfloat16) as eng:
+    ids, ref, eng = gpu_case(tiny)
+    with eng:
         src, m = eng.experts, eng.model
-        src.ahead_min_tokens = 0
         prefill(m, ids, m.new_state())
         outs = [prefill(m, ids, m.new_state(), all_logits=True).float().cpu().numpy() for _ in range(runs)]
         last = src.prefill_acct.last
