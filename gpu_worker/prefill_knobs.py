@@ -241,7 +241,10 @@ def fused_below() -> int:
 # bench/NOTES.md session 34): under 1 GiB (what a 12-16 GB card's reserve is) 16k 361.8 -> 270-272 ms with a layer's
 # slots, 290 with half of them; 4k 199.5 -> 178; under 512 MiB 16k 544 -> 471, 4k 248 -> 216. As built (call 4, a
 # 2 GiB tier: the half cap is 0.68 of a layer), lower in both alternated pairs at 4k and 16k under both budgets: 1 GiB
-# 16k 364-367 -> 294-317, 4k 211-217 -> 178; 512 MiB 16k 545-550 -> 497-500; 1k (below the gate) level.
+# 16k 364-367 -> 294-317, 4k 211-217 -> 178; 512 MiB 16k 545-550 -> 497-500; 1k (below the gate) level. The decode
+# after it pays the tier's refill (call 9, bench.lend_decode: the first 8 tokens 2.4x, the next 8 1.4x, ~60 ms at 8
+# MoE layers, about the prompt's saving there); the refill is one lend's blocks at any depth, the saving grows with
+# each MoE layer.
 LEND_MIN_TOKENS = 2048
 
 
