@@ -156,19 +156,17 @@ class PrefillExperts:
         self.ahead_budget_bytes = own    # what the span model counts (bench.prefill holds its estimate to the budget)
         if (not self._lent and vt is not None and own < wish and lend_ahead() and tokens >= lend_min_tokens()
                 and self.prefill_acct.in_prompt):
-            want = min(wish, self._ahead_cap() * stride) // stride
-            if want * stride > own:
+            want = min(wish // stride, self._ahead_cap(), vt.lendable())
+            if want * stride > own:      # (no more than the budget gives: nothing borrowed)
                 ev0 = vt.lent_evictions
                 self._lent = vt.lend(want)
                 last = self.prefill_acct.last
                 last.ahead_lent, last.lent_evicted = len(self._lent), vt.lent_evictions - ev0
-                if self._lent and len(self._lent) * stride <= own:      # (less than the budget gives: not used)
-                    self._give_back_lent()
         return max(own, len(self._lent) * stride)
 
     def _give_back_lent(self) -> None:
         """The lent rows back to the VRAM tier, free; every copy into them and every kernel reading them done first
-        (the prompt's end synchronized the device; an abandoned prompt's is waited for here)."""
+        (the device synchronized here: already idle at a prompt's end, waited for after a prompt that raised)."""
         if not self._lent:
             return
         if self._ahead is not None and self._ahead.buf is self.vram.buf:

@@ -217,14 +217,16 @@ class UpStaging:
         self._count_taken()
         return self._used_by_rank
 
-    def _judged(self) -> None:
-        """The last take's stage judged (`_consume`): its copies done now or not."""
-        if self._judge is None:
-            return
-        layer, ev, n = self._judge
-        self._judge = None
+    def _judge_now(self, layer: int, ev, n: int) -> None:
+        """`layer`'s next limit: one more where its judged copies (`ev`) are done, one fewer where not."""
         lim = self.limit.get(layer, n)
         self.limit[layer] = min(lim + 1, n) if ev.query() else max(lim - 1, 1)
+
+    def _judged(self) -> None:
+        """The last take's stage, left to judge after the launch (`judge_after`), judged now."""
+        if self._judge is not None:
+            judge, self._judge = self._judge, None
+            self._judge_now(*judge)
 
     def _count_taken(self) -> int:
         """The ranks the last take used, counted here (after the launch, at the next stage, or when read) and not on
@@ -418,9 +420,10 @@ class UpStaging:
             # `judge_after`: the query waits for `_count_taken`, after the launch (off the route's path)
             n = len(self._address)
             ev = self._core if self.extra and self._core is not None else self.done
-            self._judge = (layer, ev, n)
-            if not self.judge_after:
-                self._judged()
+            if self.judge_after:
+                self._judge = (layer, ev, n)
+            else:
+                self._judge_now(layer, ev, n)
         # every staged expert's (epoch, flag): the got ones are those of `experts` (the route looks up no other)
         self.wait_of = self._stage_waits
         self._taken = (self.slot_of, taken)

@@ -214,7 +214,7 @@ class VramTier:
         rows, ascending (neighbours make runs of copies); `take_back` returns them free. The evictions' table writes
         are queued on the current stream, before anything the borrower queues after this call."""
         self.score_uses()
-        n = max(0, min(n, self.n_slots // LEND_SHARE - self.lent))
+        n = max(0, min(n, self.lendable()))
         got = self.free[-n:] if n else []
         del self.free[len(self.free) - len(got):]
         if len(got) < n:
@@ -228,6 +228,10 @@ class VramTier:
             self.lent_evictions += len(cold)
         self.lent += len(got)
         return sorted(got)
+
+    def lendable(self) -> int:
+        """Slots `lend` would give now: LEND_SHARE's part of the tier less what is out."""
+        return max(0, self.n_slots // LEND_SHARE - self.lent)
 
     def take_back(self, slots: list[int]) -> None:
         """Slots `lend` gave, back to the free list (empty: the borrower's blocks are not residents); whatever read or
