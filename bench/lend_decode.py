@@ -3,12 +3,17 @@
 The lend evicts up to half the tier's residents (the coldest) for the prompt's ahead slots and gives the slots back
 free at its end; decode then admits and fills them again. Until it has, some of its experts cross the bus instead of
 being read from the tier. Each round: the tier brought to its steady state by a short decode, then a long prompt
-under a budget with the lend on (a) or off (b), in alternating order, then greedy decode timed in windows of tokens
-(1-8, 9-16, 17-32, 33-64, 65-N), each window's ms a token, VRAM hit rate and bus bytes a token. The lend's cost is
-the b − a difference summed over the windows' tokens, beside what it saved on the prompt.
+under a budget with each arm's environment (by default the lend on, then off; the order rotated by round), then greedy
+decode timed in windows of tokens (1-8, 9-16, 17-32, 33-64, 65-N), each window's ms a token, VRAM hit rate, bus bytes
+a token and blocks the tier took in. An arm's cost is its difference from the base arm summed over the windows'
+tokens, beside what it saved on the prompt.
 
     python -m bench.lend_decode --work DIR [--moe-layers 8] [--tier-mb 2048] [--budget-mb 1024] [--tokens 16000]
-                                [--decode 96] [--rounds 2] [--out lend_decode.json]
+                                [--decode 96] [--rounds 2] [--arms 'on:MOESTREAM_PREFILL_LEND=1;off:...']
+                                [--base off] [--out lend_decode.json]
+
+Arms beyond the lend's two compare ways of refilling the tier, e.g. `stream:MOESTREAM_PREFILL_LEND=1,
+MOESTREAM_VRAM_COPY_STREAM=1` (the tier's copies on their own stream).
 """
 from __future__ import annotations
 
@@ -32,16 +37,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _counts(eng) -> tuple[int, int, int, int]:
-    a = eng.accounting
+def _counts(eng) -> tuple[int, int, int, int, int]:
+    a, vt = eng.accounting, eng.experts.vram
     a.per_token()                # folds the kernels' device-side counters in
-    return a.tokens, a.vram_hits, a.hits_at_lookup + a.misses_at_lookup + a.vram_hits, a.bytes_over_pcie
+    return (a.tokens, a.vram_hits, a.hits_at_lookup + a.misses_at_lookup + a.vram_hits, a.bytes_over_pcie,
+            vt.admissions if vt is not None else 0)
 
 
 def decode_windows(eng, logits, state, n: int, device) -> list[dict]:
-    """Greedy decode of n tokens after `logits`, timed per window: ms a token, VRAM hit rate, bus MB a token."""
+    """Greedy decode of n tokens after `logits`, timed per window: ms a token, VRAM hit rate, bus MB a token, blocks
+    the tier took in (admissions and its whole-layer fill) and its whole layers at the window's end."""
     from gpu_worker.generate import greedy_steps
-    out, nxt = [], logits
+    out, nxt, vt = [], logits, eng.experts.vram
     for a, b in windows(n):
         c0 = _counts(eng)
         _sync(device)
@@ -51,17 +58,18 @@ def decode_windows(eng, logits, state, n: int, device) -> list[dict]:
         ms = (time.perf_counter() - t) * 1e3 / (b - a)
         c1 = _counts(eng)
         looked = max(c1[2] - c0[2], 1)
+        whole = sum(vt.complete(j) for j in range(len(vt.resident))) if vt is not None else 0
         out.append(dict(tokens=(a + 1, b), ms_per_token=ms, vram_hit_rate=(c1[1] - c0[1]) / looked,
-                        pcie_mb_per_token=(c1[3] - c0[3]) / 1e6 / (b - a), chosen=toks))
+                        pcie_mb_per_token=(c1[3] - c0[3]) / 1e6 / (b - a), admitted=c1[4] - c0[4],
+                        whole_layers=whole, chosen=toks))
         nxt = torch.zeros(1, eng.model.config.vocab_size, device=logits.device)
         nxt[0, toks[-1]] = 1.0   # the next window feeds the last token chosen (greedy_steps feeds its argmax)
     return out
 
 
-def arm(eng, ids, budget: int, n_decode: int, lend: bool, device) -> dict:
-    """One long prompt under `budget` with the lend on or off, then the decode after it in windows."""
+def arm(eng, ids, budget: int, n_decode: int, device) -> dict:
+    """One long prompt under `budget` (the lend as the environment says), then the decode after it in windows."""
     from gpu_worker.prefill import prefill
-    os.environ["MOESTREAM_PREFILL_LEND"] = "1" if lend else "0"
     m, src = eng.model, eng.experts
     st = m.new_state()
     _sync(device)
@@ -70,51 +78,86 @@ def arm(eng, ids, budget: int, n_decode: int, lend: bool, device) -> dict:
     _sync(device)
     pre = (time.perf_counter() - t) * 1e3
     last = src.prefill_acct.last
-    return dict(lend=lend, prefill_ms=pre, ahead_lent=last.ahead_lent, lent_evicted=last.lent_evicted,
+    return dict(prefill_ms=pre, ahead_lent=last.ahead_lent, lent_evicted=last.lent_evicted,
                 windows=decode_windows(eng, logits, st, n_decode, device))
 
 
+LEND_ARMS = (("on", {"MOESTREAM_PREFILL_LEND": "1"}), ("off", {"MOESTREAM_PREFILL_LEND": "0"}))
+
+
+def parse_arms(text: str) -> tuple[tuple[str, dict], ...]:
+    """'name:K=V,K=V;name2:K=V' -> ((name, {K: V}), ...); an arm without '=' pairs runs with the outer environment."""
+    arms = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, pairs = part.partition(":")
+        env = {}
+        for kv in filter(None, (x.strip() for x in pairs.split(","))):
+            k, eq, v = kv.partition("=")
+            if not eq or not k:
+                raise ValueError(f"arm {name!r}: {kv!r} is not KEY=VALUE")
+            env[k] = v
+        arms.append((name.strip(), env))
+    names = [n for n, _ in arms]
+    if not arms or len(set(names)) != len(names) or "" in names:
+        raise ValueError(f"--arms {text!r}: give one or more arms with distinct names")
+    return tuple(arms)
+
+
+def _with_env(env: dict, fn):
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def rounds(eng, prompt_of, settle_ids, budget: int, n_decode: int, n_rounds: int, device,
-           settle_tokens: int = 64) -> list[dict]:
-    """n_rounds rounds of the two arms, alternating which goes first, each arm after a short decode that brings the
-    tier back to its steady state (`settle_ids`, `settle_tokens`); the two arms of a round share their prompt."""
+           settle_tokens: int = 64, arms=LEND_ARMS) -> list[dict]:
+    """n_rounds rounds of the arms ((name, env) each, its env set for its whole turn), the order rotated by one each
+    round, each arm after a short decode that brings the tier back to its steady state (`settle_ids`,
+    `settle_tokens`); the arms of a round share their prompt."""
     from gpu_worker.generate import greedy_steps
     from gpu_worker.prefill import prefill
-    before = os.environ.get("MOESTREAM_PREFILL_LEND")
     out = []
-    try:
-        for k in range(n_rounds):
-            for lend in ((True, False) if k % 2 == 0 else (False, True)):
+    for k in range(n_rounds):
+        r = k % len(arms)
+        for name, env in arms[r:] + arms[:r]:
+            def turn():
                 m = eng.model
                 st = m.new_state()
                 greedy_steps(eng, prefill(m, settle_ids, st), st, settle_tokens)
-                r = arm(eng, prompt_of(k), budget, n_decode, lend, device)
-                r["round"] = k
-                out.append(r)
-    finally:
-        if before is None:
-            os.environ.pop("MOESTREAM_PREFILL_LEND", None)
-        else:
-            os.environ["MOESTREAM_PREFILL_LEND"] = before
+                return arm(eng, prompt_of(k), budget, n_decode, device)
+            row = _with_env(env, turn)
+            row.update(arm=name, round=k, env=dict(env))
+            out.append(row)
     return out
 
 
-def summary(rows: list[dict]) -> dict:
-    """Per window, the mean over rounds of each arm's ms a token and hit rate; the decode's extra ms over all the
-    windows' tokens (on − off) beside the prefill's saving (off − on)."""
-    on = [r for r in rows if r["lend"]]
-    off = [r for r in rows if not r["lend"]]
+def summary(rows: list[dict], base: str = "off") -> dict:
+    """Per window, the mean over rounds of each arm's ms a token, hit rate and blocks taken in; each arm's decode extra
+    ms over all the windows' tokens against the `base` arm, beside its prefill's saving (base − arm)."""
+    names = list(dict.fromkeys(r["arm"] for r in rows))
+    by = {n: [r for r in rows if r["arm"] == n] for n in names}
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
     per = []
-    for i, w in enumerate(on[0]["windows"] if on else []):
-        a, b = w["tokens"]
-        per.append(dict(tokens=(a, b), on_ms=mean([r["windows"][i]["ms_per_token"] for r in on]),
-                        off_ms=mean([r["windows"][i]["ms_per_token"] for r in off]),
-                        on_hit=mean([r["windows"][i]["vram_hit_rate"] for r in on]),
-                        off_hit=mean([r["windows"][i]["vram_hit_rate"] for r in off])))
-    extra = sum((p["on_ms"] - p["off_ms"]) * (p["tokens"][1] - p["tokens"][0] + 1) for p in per)
-    return dict(windows=per, decode_extra_ms=extra,
-                prefill_saved_ms=mean([r["prefill_ms"] for r in off]) - mean([r["prefill_ms"] for r in on]))
+    for i, w in enumerate(rows[0]["windows"] if rows else []):
+        per.append(dict(tokens=w["tokens"],
+                        ms={n: mean([r["windows"][i]["ms_per_token"] for r in by[n]]) for n in names},
+                        hit={n: mean([r["windows"][i]["vram_hit_rate"] for r in by[n]]) for n in names},
+                        admitted={n: mean([r["windows"][i]["admitted"] for r in by[n]]) for n in names}))
+    prefill_ms = {n: mean([r["prefill_ms"] for r in by[n]]) for n in names}
+    extra, saved = {}, {}
+    if base in by:
+        for n in names:
+            extra[n] = sum((p["ms"][n] - p["ms"][base]) * (p["tokens"][1] - p["tokens"][0] + 1) for p in per)
+            saved[n] = prefill_ms[base] - prefill_ms[n]
+    return dict(arms=names, base=base, windows=per, prefill_ms=prefill_ms, decode_extra_ms=extra,
+                prefill_saved_ms=saved)
 
 
 def main(argv=None) -> dict:
@@ -126,8 +169,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=16000, help="the long prompt's length")
     ap.add_argument("--decode", type=int, default=96, help="tokens decoded after it")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--arms", default="on:MOESTREAM_PREFILL_LEND=1;off:MOESTREAM_PREFILL_LEND=0",
+                    help="'name:K=V,K=V;name2:...': each arm's environment for its turn (order rotated by round)")
+    ap.add_argument("--base", default="off", help="the arm the others' decode extra and prefill saving are against")
     ap.add_argument("--out", default="lend_decode.json")
     a = ap.parse_args(argv)
+    arms = parse_arms(a.arms)
     from bench.peers import texts
     from bench.prefill import text_ids
     from bench.workdir import ram_engine
@@ -138,29 +185,41 @@ def main(argv=None) -> dict:
         corpus, vocab = texts.load_text(), eng.model.config.vocab_size
         eng.experts.vram = eng._vram_tier(torch.cuda.memory_allocated() + (a.tier_mb << 20), 0, "cuda", 2)
         settle = text_ids(tok, corpus, vocab, 200, seed=5)
-        rounds(eng, lambda k: text_ids(tok, corpus, vocab, a.tokens, seed=900), settle, a.budget_mb << 20, 8, 1,
-               "cuda", settle_tokens=256)          # untimed: the kernels compiled, the tier filled
+        rounds(eng, lambda k: text_ids(tok, corpus, vocab, a.tokens, seed=900), settle, a.budget_mb << 20, 8,
+               len(arms), "cuda", settle_tokens=256, arms=arms)     # untimed: the kernels compiled, the tier filled
         rows = rounds(eng, lambda k: text_ids(tok, corpus, vocab, a.tokens, seed=1000 + k), settle,
-                      a.budget_mb << 20, a.decode, a.rounds, "cuda")
+                      a.budget_mb << 20, a.decode, a.rounds, "cuda", arms=arms)
         n_slots = eng.experts.vram.n_slots
     res = dict(moe_layers=a.moe_layers, tier_mb=a.tier_mb, tier_slots=n_slots, budget_mb=a.budget_mb,
-               tokens=a.tokens, decode=a.decode, rows=rows, summary=summary(rows))
+               tokens=a.tokens, decode=a.decode, arms=[dict(name=n, env=e) for n, e in arms], rows=rows,
+               summary=summary(rows, a.base))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1, default=float)
-    s = res["summary"]
-    print(f"lend to a {a.tokens}-token prompt under {a.budget_mb} MiB, tier {a.tier_mb} MiB ({n_slots} slots), "
-          f"{a.moe_layers} MoE layers, {a.rounds} rounds")
-    for r in rows:
-        print(f"  round {r['round']} lend {'on ' if r['lend'] else 'off'}: prefill {r['prefill_ms']:.1f} ms, lent "
-              f"{r['ahead_lent']} ({r['lent_evicted']} evicted); ms a token by window "
-              + ", ".join(f"{w['ms_per_token']:.2f} (hit {w['vram_hit_rate']:.2f})" for w in r["windows"]))
-    print("tokens | on ms/tok | off ms/tok | on VRAM hit | off VRAM hit")
-    for w in s["windows"]:
-        print(f"{w['tokens'][0]}-{w['tokens'][1]} | {w['on_ms']:.3f} | {w['off_ms']:.3f} | {w['on_hit']:.3f} | "
-              f"{w['off_hit']:.3f}")
-    print(f"the lend: prefill {s['prefill_saved_ms']:+.1f} ms saved, decode {s['decode_extra_ms']:+.1f} ms more over "
-          f"the first {a.decode} tokens")
+    print_table(res)
     return res
+
+
+def print_table(res: dict) -> None:
+    s, names = res["summary"], res["summary"]["arms"]
+    print(f"the lend to a {res['tokens']}-token prompt under {res['budget_mb']} MiB, tier {res['tier_mb']} MiB "
+          f"({res['tier_slots']} slots), {res['moe_layers']} MoE layers, {len(res['rows'])} turns")
+    for a in res["arms"]:
+        print(f"  arm {a['name']}: {a['env']}")
+    for r in res["rows"]:
+        print(f"  round {r['round']} {r['arm']}: prefill {r['prefill_ms']:.1f} ms, lent {r['ahead_lent']} "
+              f"({r['lent_evicted']} evicted); ms a token by window "
+              + ", ".join(f"{w['ms_per_token']:.2f} (hit {w['vram_hit_rate']:.2f}, in {w['admitted']}, whole "
+                          f"{w['whole_layers']})" for w in r["windows"]))
+    print("tokens | " + " | ".join(f"{n} ms/tok" for n in names) + " | " + " | ".join(f"{n} hit" for n in names)
+          + " | " + " | ".join(f"{n} blocks in" for n in names))
+    for w in s["windows"]:
+        print(f"{w['tokens'][0]}-{w['tokens'][1]} | " + " | ".join(f"{w['ms'][n]:.3f}" for n in names) + " | "
+              + " | ".join(f"{w['hit'][n]:.3f}" for n in names) + " | "
+              + " | ".join(f"{w['admitted'][n]:.0f}" for n in names))
+    for n in names:
+        if n in s["decode_extra_ms"]:
+            print(f"{n}: prefill {s['prefill_ms'][n]:.1f} ms ({s['prefill_saved_ms'][n]:+.1f} saved against "
+                  f"{s['base']}), decode {s['decode_extra_ms'][n]:+.1f} ms more over the first {res['decode']} tokens")
 
 
 if __name__ == "__main__":

@@ -363,6 +363,14 @@ class CacheClient:
         """uint8 view of the block in `slot`; valid while the slot is pinned."""
         return self.shm.slab[slot, :self.shm.block_bytes]
 
+    def pin_again(self, slots) -> None:
+        """One more pin on each of `slots`, which the caller holds pinned already (its block cannot change meanwhile):
+        for a second user of the block that lets go on its own time (a copy on another stream)."""
+        pins = self._pins
+        with self._lock:
+            for s in slots:
+                pins[s] += 1
+
     def release(self, slots) -> None:
         """Unpin slots returned by lookup/wait (one release per pin): a slot, or an iterable of them."""
         pins = self._pins

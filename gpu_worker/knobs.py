@@ -73,3 +73,18 @@ def prefetch_hold() -> bool:
     stays off. Read once a token (`StreamingExperts._send` at the first MoE layer), so one engine can A/B it
     (`bench.e2e_stream --ab-regime disk --ab-env MOESTREAM_PREFETCH_HOLD=1`)."""
     return env_count_or_off("MOESTREAM_PREFETCH_HOLD", 0, "switch (1: on)") > 0
+
+
+def vram_copy_stream() -> bool:
+    """`MOESTREAM_VRAM_COPY_STREAM` (0 by default; 1: on): the VRAM tier's copies (frequency admissions and the
+    whole-layer fill) run on a copy stream of their own instead of the compute stream, and each batch becomes resident
+    (its rows and the device table) at the first token whose check finds it copied (gpu_worker/vram_tier.py
+    `VramTier.settle`), so no kernel waits for them. Read once a token (`StreamingExperts._fill_vram`), so one engine
+    can A/B it (`bench.lend_decode --arms`)."""
+    return env_switch("MOESTREAM_VRAM_COPY_STREAM", False)
+
+
+def vram_fill_blocks() -> int:
+    """`MOESTREAM_VRAM_FILL_BLOCKS` (64 by default; 0: no whole-layer fill): blocks a whole-layer fill of the VRAM tier
+    copies a token (Super: 64 are ~200 MB, ~3.6 ms of H2D; a layer is whole after 8 tokens). Read once a token."""
+    return env_count_or_off("MOESTREAM_VRAM_FILL_BLOCKS", 64, "blocks a token")

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from gpu_worker.copy_pins import CopyPins
-from gpu_worker.knobs import prefetch_guess_ranks, prefetch_hold
+from gpu_worker.knobs import prefetch_guess_ranks, prefetch_hold, vram_copy_stream, vram_fill_blocks
 from gpu_worker.prefill_experts import PrefillExperts
 from gpu_worker.slab_routing import DeviceStaging, SlabLayers, slab_routing_from_env, stage_programs_from_env
 from gpu_worker.up_dma import (ChosenUpDMA, dma_limit_from_env, stage_after_from_env, stage_batch_from_env,
                                stage_extra_from_env, stage_flag_from_env, stage_gate_at_from_env,
                                stage_gate_from_env, stage_judge_after_from_env, stage_min_precision_from_env)
 from gpu_worker.up_staging import UpStaging
+from gpu_worker.vram_tier import CopyStream
 from kernels import moe_ops
 from kernels.expert_layer import FUSED_SUBS
 from kernels.launch_tables import device_table
@@ -36,8 +37,6 @@ from nemotron.moe import DecodeRoute, ExpertSource
 # (repaired by a demand read), which under LRU needs every other slot pinned or loading, about a layer's choice each
 # for the pins held past the kernels, the staged ups and the reads in flight
 REQUEST_FIRST_CHOICES = 8
-VRAM_FILL_PER_TOKEN = 64            # blocks a whole-layer fill of the VRAM tier copies per token (Super: ~200 MB,
-                                    # ~3.6 ms of H2D: a layer is whole after 8 tokens, none is stalled for long)
 
 
 @dataclass
@@ -202,7 +201,8 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self.device_routing = True
         self._unread = None              # callable -> [(moe_index, chosen, guess)] once the last token has run
         self._unbooked: list = []        # ... read, not yet booked
-        self._fill_held = CopyPins()     # slab slots pinned for a whole-layer fill's copies
+        self._fill_held = CopyPins()     # slab slots pinned for the VRAM tier's copies (a whole-layer fill's; on its
+        self._tier_stream = None         # copy stream, MOESTREAM_VRAM_COPY_STREAM, the admissions' too): made on first use
         # decode: where the cache holds the whole store, layers held whole in the slab are routed on the device too,
         # their guessed ups staged by a kernel (gpu_worker/slab_routing.py); off until measured, MOESTREAM_SLAB_ROUTING=1 on
         self.slab_routing = slab_routing_from_env()
@@ -480,6 +480,8 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         vt = self.vram
         if not (self.device_routing and self._addressed) or vt is None or vt.table is None:
             return frozenset()
+        if vt.in_flight():               # blocks copied on the tier's stream since the last token: residents now
+            vt.settle()
         return vt.hold(vt.routable())
 
     def decode_slab_layers(self, taken: frozenset = frozenset()) -> frozenset[int]:
@@ -612,16 +614,35 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             self.slab_layers.release()
             self._slab_now = frozenset()
 
+    def _tier_copies(self) -> None:
+        """Once per token (`_fill_vram`): the tier's copies on their own stream or the compute stream
+        (`MOESTREAM_VRAM_COPY_STREAM`), and the batches copied since the last token made residents."""
+        vt = self.vram
+        if self._cuda:
+            if vram_copy_stream():
+                if self._tier_stream is None:
+                    self._tier_stream = CopyStream(self.device)
+                vt.set_copy_stream(self._tier_stream)
+            else:
+                vt.set_copy_stream(None)
+        vt.settle()
+
     def _fill_vram(self) -> None:
         """Once per token: a layer whose missing experts all fit in the tier's free slots gets up to
-        VRAM_FILL_PER_TOKEN of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are read
-        (demand reads that count no use). Copies are ordered after the kernels queued so far; their pins are held until done."""
+        MOESTREAM_VRAM_FILL_BLOCKS of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are read
+        (demand reads that count no use). Copies are ordered after the kernels queued so far, on the compute stream or
+        the tier's copy stream; their pins are held until done."""
         vt = self.vram
-        got = vt.fillable() if vt is not None and vt.table is not None else None
+        if vt is None:
+            return
+        self._tier_copies()
+        got = vt.fillable() if vt.table is not None else None
         if got is None:
             return
         j, missing = got
-        missing = missing[:VRAM_FILL_PER_TOKEN]
+        missing = missing[:vram_fill_blocks()]
+        if not missing:
+            return
         slots = self.client.lookup_slots(j, missing, count=False)
         landed = [(e, s) for e, s in zip(missing, slots) if s >= 0]
         for e, s in landed:
@@ -633,8 +654,10 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         if not held:
             return
         if self._cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+            ev = vt.seal()
+            if ev is None:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
             self._fill_held.add(ev, held)
         else:
             self.client.release(held)
@@ -795,9 +818,15 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         vt = self.vram
         if vt is None:
             return
+        copied = []
         for e, s in landed:
             if vt.want(j, e):
                 vt.admit(j, e, self.slab[s, :self.block_bytes])
+                copied.append(s)
+        if copied and vt.copy_stream is not None:     # the route's pins go at the next layer: hold them past the copy
+            ev = vt.seal()
+            self.client.pin_again(copied)
+            self._fill_held.add(ev, copied)
 
     def _vram_blocks(self, vslots: list[int]):
         if self._addressed:

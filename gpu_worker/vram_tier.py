@@ -79,6 +79,12 @@ class VramTier:
         # (layer, experts, their slots or -1) of the last `lookup_slots`: the uses it found, not yet added to the
         # counts (the decode route adds them after the launch); added first by whatever reads or changes the counts
         self._unscored: tuple | None = None
+        # the copies on a copy stream (`set_copy_stream`): admitted blocks whose copy is queued there, in batches of
+        # (event, [(key, slot)]) that become residents at `settle` once the event has passed; `_open`: not yet sealed
+        self.copy_stream = None
+        self._open: list[tuple[tuple[int, int], int]] = []
+        self._inflight: list[tuple[object, list[tuple[tuple[int, int], int]]]] = []
+        self._inflight_keys: set[tuple[int, int]] = set()
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +171,8 @@ class VramTier:
         sc[e] = before + self._w
         if n < self.admit_after or e in self._rows.get(j, _EMPTY):
             return False
+        if self._inflight_keys and (j, e) in self._inflight_keys:     # on its way in
+            return False
         if self.free:
             return True
         victim = self._coldest()
@@ -177,19 +185,73 @@ class VramTier:
         return True
 
     def admit(self, j: int, e: int, src: torch.Tensor) -> None:
-        """Copy a block (a U8 view of a pinned slab slot) into the tier, evicting the coldest resident."""
+        """Copy a block (a U8 view of a pinned slab slot) into the tier, evicting the coldest resident. With a copy
+        stream the copy is queued there, after everything queued on the current stream so far (kernels that may read
+        the victim's slot, its table write), and the block becomes a resident at the `settle` after its batch's
+        `seal`; the slab slot must stay pinned until that batch's event (the caller's)."""
         self.score_uses()
         k = (j, e)
         if self.free:
-            s = self.free.pop()
+            s, evicted = self.free.pop(), False
         else:
             victim = self._coldest()
             if victim[0] in self.held:
                 raise RuntimeError(f"VRAM tier: evicting expert {victim[1]} of MoE layer {victim[0]}, which this "
                                    "token routes on the device")
             heapq.heappop(self._heap)
-            s = self._evict(victim)
-        self.buf[s, :self.block_bytes].copy_(src, non_blocking=True)
+            s, evicted = self._evict(victim), True
+        if self.copy_stream is None:
+            self.buf[s, :self.block_bytes].copy_(src, non_blocking=True)
+            self._resident(k, s)
+            return
+        cs = self.copy_stream
+        if evicted or not self._open:
+            cs.after_current()
+        with cs.queue():
+            self.buf[s, :self.block_bytes].copy_(src, non_blocking=True)
+        self._open.append((k, s))
+        self._inflight_keys.add(k)
+
+    def seal(self):
+        """The copies queued since the last seal made one batch: its event (recorded on the copy stream), or None
+        where there were none (or no copy stream: the copies are in the current stream and resident already)."""
+        if not self._open:
+            return None
+        ev = self.copy_stream.record()
+        self._inflight.append((ev, self._open))
+        self._open = []
+        return ev
+
+    def settle(self, wait: bool = False) -> int:
+        """Make the batches whose copies are done residents (in order; wait: all of them, waiting for the copies);
+        their table writes are queued on the current stream. Returns how many blocks became residents."""
+        self.seal()
+        n = 0
+        while self._inflight and (wait or self._inflight[0][0].query()):
+            ev, batch = self._inflight.pop(0)
+            if wait:
+                ev.synchronize()
+            for k, s in batch:
+                self._inflight_keys.discard(k)
+                self._resident(k, s)
+            n += len(batch)
+        return n
+
+    def in_flight(self) -> int:
+        """Blocks admitted whose copies are not yet known done (neither free nor residents)."""
+        return len(self._inflight_keys)
+
+    def set_copy_stream(self, stream: "CopyStream | None") -> None:
+        """Copies from now on on `stream` (None: the current stream, resident at once); what is in flight on the old
+        one is waited for and made resident first."""
+        if stream is self.copy_stream:
+            return
+        self.settle(wait=True)
+        self.copy_stream = stream
+
+    def _resident(self, k: tuple[int, int], s: int) -> None:
+        """A block copied into slot s becomes a resident: the maps, the heap, the device table."""
+        j, e = k
         self.slot_of[k] = s
         self._rows.setdefault(j, {})[e] = s
         heapq.heappush(self._heap, (self._sc.setdefault(j, {}).setdefault(e, self._w), k))
@@ -280,17 +342,21 @@ class VramTier:
 
     def fillable(self) -> tuple[int, list[int]] | None:
         """(layer, its missing experts) of the incomplete layer with the fewest missing, if the free slots can take
-        all of them; else None."""
+        all of them; else None. Experts on their way in (`in_flight`) are not missing."""
         if self.table is None or not self.free:
             return None
-        best = None
+        coming = [0] * len(self.resident)          # blocks on their way in (a copy stream's batches) count as there
+        for j, _ in self._inflight_keys:
+            coming[j] += 1
+        best, fewest = None, 0
         for j, n in enumerate(self.resident):
-            missing = self.n_experts - n
-            if 0 < missing <= len(self.free) and (best is None or missing < self.n_experts - self.resident[best]):
-                best = j
+            missing = self.n_experts - n - coming[j]
+            if 0 < missing <= len(self.free) and (best is None or missing < fewest):
+                best, fewest = j, missing
         if best is None:
             return None
-        return best, [e for e in range(self.n_experts) if (best, e) not in self.slot_of]
+        there, inflight = self.slot_of, self._inflight_keys
+        return best, [e for e in range(self.n_experts) if (best, e) not in there and (best, e) not in inflight]
 
     def _coldest(self) -> tuple[int, int]:
         """The resident with the lowest decayed count (at the top of the heap once the stale tops are fixed)."""
@@ -312,6 +378,26 @@ class VramTier:
             self._heap = [(self._sc[k[0]][k[1]], k) for k in self.slot_of]
             heapq.heapify(self._heap)
             self._w = 1.0
+
+
+class CopyStream:
+    """The tier's copies on a CUDA stream of their own (`VramTier.set_copy_stream`): ordered after what the current
+    stream has queued so far (`after_current`), queued inside `queue()`, a batch's end marked by `record()`'s event."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def after_current(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def queue(self):
+        return torch.cuda.stream(self.stream)
+
+    def record(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
 
 
 # What a prefill is given beside the VRAM tier, when the user names no size (`prefill_reserve_bytes`): the base

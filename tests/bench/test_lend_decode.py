@@ -32,13 +32,35 @@ def test_the_lend_arms_alternate_and_decode_the_same_tokens(tiny, monkeypatch):
         rows = lend_decode.rounds(eng, lambda k: prompt(300, seed=300 + k), prompt(12, seed=7), 1 << 20, 20, 2,
                                   "cpu", settle_tokens=8)
         assert eng.experts.vram.lent == 0
-    assert [r["lend"] for r in rows] == [True, False, False, True]
-    assert all(r["ahead_lent"] > 0 for r in rows if r["lend"]) and all(r["ahead_lent"] == 0 for r in rows
-                                                                     if not r["lend"])
+    assert [r["arm"] for r in rows] == ["on", "off", "off", "on"]
+    assert all(r["ahead_lent"] > 0 for r in rows if r["arm"] == "on") and all(r["ahead_lent"] == 0 for r in rows
+                                                                            if r["arm"] == "off")
     assert [w["tokens"] for w in rows[0]["windows"]] == [(1, 8), (9, 16), (17, 20)]
     for k in range(2):
         on, off = [[t for w in r["windows"] for t in w["chosen"]] for r in rows if r["round"] == k]
         assert len(on) == 20 and on == off
     s = lend_decode.summary(rows)
-    assert len(s["windows"]) == 3 and all(w["on_ms"] > 0 and w["off_ms"] > 0 for w in s["windows"])
-    assert torch.isfinite(torch.tensor(s["decode_extra_ms"]))
+    assert s["arms"] == ["on", "off"] and s["decode_extra_ms"]["off"] == 0 == s["prefill_saved_ms"]["off"]
+    assert len(s["windows"]) == 3 and all(w["ms"]["on"] > 0 and w["ms"]["off"] > 0 for w in s["windows"])
+    assert torch.isfinite(torch.tensor(s["decode_extra_ms"]["on"]))
+    # the lend arm's refill: the tier took in blocks after the prompt, the other arm's tier had nothing to take back
+    assert sum(w["admitted"] for w in rows[0]["windows"]) > 0
+
+
+def test_arms_parse_and_refuse_nonsense():
+    arms = lend_decode.parse_arms("on:MOESTREAM_PREFILL_LEND=1;stream:MOESTREAM_PREFILL_LEND=1,"
+                                  "MOESTREAM_VRAM_COPY_STREAM=1;plain")
+    assert arms == (("on", {"MOESTREAM_PREFILL_LEND": "1"}),
+                    ("stream", {"MOESTREAM_PREFILL_LEND": "1", "MOESTREAM_VRAM_COPY_STREAM": "1"}), ("plain", {}))
+    for bad in ("on:X=1;on:X=0", "a:X", "", ":X=1"):
+        with pytest.raises(ValueError):
+            lend_decode.parse_arms(bad)
+
+
+def test_an_arms_environment_is_set_for_its_turn_only(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_X", "outer")
+    monkeypatch.delenv("MOESTREAM_Y", raising=False)
+    import os
+    seen = lend_decode._with_env({"MOESTREAM_X": "1", "MOESTREAM_Y": "2"},
+                                 lambda: (os.environ["MOESTREAM_X"], os.environ["MOESTREAM_Y"]))
+    assert seen == ("1", "2") and os.environ["MOESTREAM_X"] == "outer" and "MOESTREAM_Y" not in os.environ
