@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from gpu_worker.knobs import env_count, env_count_or_off, env_switch
+from kernels.expert_prefill import scratch_per_expert
 
 # A grouped prefill launch's device buffers at most (`launch_limits`; a prefill with a small budget asks for less,
 # gpu_worker/prefill.py: a quarter of it), and its experts at most (`launch_experts`). 64 Super experts decoded at once
@@ -172,11 +173,12 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
                   chunk: int = 0, tokens: int = 0, fused: bool = False, extra_per_expert: int = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
     per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
-    kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I); per row, the ReLU²
+    kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I; 2·L·I where they
+    share one, `kernels.expert_prefill.one_scratch`); per row, the ReLU²
     row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
     bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile.
     chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
-    charged once (chunk · 4·L·I) and half of the rest goes to the ring's slots: under a small budget a launch takes
+    charged once (chunk · its scratch an expert) and half of the rest goes to the ring's slots: under a small budget a launch takes
     more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
     would give a launch, so the GEMMs keep today's size and the launches are about half as many. tokens: the span's
     (`launch_experts`: a long span takes more experts a launch). fused: the launch runs the fused path (`fused_below`),
@@ -189,11 +191,11 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     if chunk < 0:
         chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
     if chunk > 0:
-        scratch = chunk * 4 * L * I
+        scratch = chunk * scratch_per_expert(L, I)
         experts = max(1, min(launch_experts(tokens), (launch_bytes - scratch) // 2 // (2 * block_stride)))
         rest = launch_bytes - scratch - experts * 2 * block_stride
     else:
-        per_expert = 2 * block_stride + 4 * L * I
+        per_expert = 2 * block_stride + scratch_per_expert(L, I)
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
         rest = launch_bytes - experts * per_expert
     per_row = 2 * I + act_bytes * L + 20

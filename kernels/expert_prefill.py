@@ -253,7 +253,7 @@ DEQUANT_TMA_CONFIG = dict(DEQUANT_CONFIG, num_stages=3, TMA=True)
 DEQUANT_TMA_MIN_TOKENS = 256
 DEQUANT_TMA_MIN_EXPERTS = 16
 DEQUANT_TMA_ENV = "MOESTREAM_DEQUANT_TMA_MIN_TOKENS"
-# the decoded scratch (4 · L · I bytes per expert, 11 MB on Super) is at most this: 32 Super experts, a whole grouped
+# the decoded scratch (4 · L · I bytes per expert, 11 MB on Super; 2 · L · I with `one_scratch`) is at most this: 32 Super experts, a whole grouped
 # launch of gpu_worker/prefill_knobs.py's PREFILL_LAUNCH_EXPERTS decoded at once; a small budget's launches hold fewer
 # experts, and the scratch is only as large as a launch's experts (`launch_limits` charges it per expert); the sweep
 # lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
@@ -267,6 +267,27 @@ def dequant_scratch_bytes() -> int:
     if raw and (not raw.isdigit() or int(raw) < 1):
         raise ValueError(f"MOESTREAM_DEQUANT_SCRATCH_MB={raw!r}: expected a whole number of MiB, 1 or more")
     return int(raw) << 20 if raw else DEQUANT_SCRATCH_BYTES
+
+
+# MOESTREAM_DEQUANT_ONE_SCRATCH (read per launch; 0 by default until measured): the dequantized path decodes a chunk's
+# ups, runs the up GEMM, then decodes its downs into the same scratch (fp16 [L, I] has the bf16 [I, L]'s bytes) and
+# runs the down GEMM: 2 · L · I bytes an expert instead of 4 (5.5 MB of Super's 11), the same kernels in the same
+# stream order. Under a small budget a launch then takes more experts (`launch_limits` charges this per expert).
+ONE_SCRATCH_ENV = "MOESTREAM_DEQUANT_ONE_SCRATCH"
+
+
+def one_scratch() -> bool:
+    """Whether the dequantized path decodes the ups and the downs into one scratch in turn ($MOESTREAM_DEQUANT_ONE_SCRATCH
+    "1"; "0" or unset: two scratches, both decoded before the GEMMs)."""
+    raw = os.environ.get(ONE_SCRATCH_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ONE_SCRATCH_ENV}={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
+def scratch_per_expert(L: int, I: int) -> int:
+    """The dequantized path's decoded scratch an expert takes (`one_scratch`: the up's bytes, shared with the down)."""
+    return (2 if one_scratch() else 4) * L * I
 
 
 # a sub-grouped store's fused launch regroups its experts' down sections (1.5 MB per Super expert) into one
@@ -642,9 +663,9 @@ def chunk_table(segments, live: list[int], addrs, block_m: int, lo: int, gs_inde
 
 
 def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_global, down_global, w_sorted,
-                tok_sorted, acc, cfg, h=None):
+                tok_sorted, acc, cfg, h=None, which: str = "both"):
     """The up and down GEMMs of one chunk over its decoded weights (n_slots of them), tab its chunk_table of
-    n_tiles tiles, rows lo:hi of the launch."""
+    n_tiles tiles, rows lo:hi of the launch; which: "up" or "down" runs that one only (the ReLU² rows in h between)."""
     L, I = geom.L, geom.I
     if h is None or h.numel() < (hi - lo) * I:
         h = torch.empty((hi - lo) * I, dtype=torch.float16, device=x_sorted.device)
@@ -652,22 +673,27 @@ def dense_gemms(x_sorted, n_tiles, n_slots, geom, up_w, down_w, tab, lo, hi, up_
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     x = x_sorted[lo:hi]
     h2 = h[:(hi - lo) * I].view(hi - lo, I)
+    up, down = which in ("both", "up"), which in ("both", "down")
     if cfg.get("TMA") and _tma_able(x, h2):
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
-        _tma_up_kernel[(triton.cdiv(I, bn), n_tiles)](
-            TD.from_tensor(x, [bm, bk]), tab, up_global, TD.from_tensor(up_w.view(-1, L), [bn, bk]), h, n_tiles,
-            n_slots, I, L, UPCAST=_UPCAST, **kcfg)
-        _tma_down_kernel[(triton.cdiv(L, bn), n_tiles)](
-            TD.from_tensor(h2, [bm, bk]), tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
-            TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST,
-            SEM=atomic_sem(), **kcfg)
+        if up:
+            _tma_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+                TD.from_tensor(x, [bm, bk]), tab, up_global, TD.from_tensor(up_w.view(-1, L), [bn, bk]), h, n_tiles,
+                n_slots, I, L, UPCAST=_UPCAST, **kcfg)
+        if down:
+            _tma_down_kernel[(triton.cdiv(L, bn), n_tiles)](
+                TD.from_tensor(h2, [bm, bk]), tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
+                TD.from_tensor(down_w.view(-1, I), [bn, bk]), acc, n_tiles, n_slots, L, I, UPCAST=_UPCAST,
+                SEM=atomic_sem(), **kcfg)
         return h
-    _dense_up_kernel[(triton.cdiv(I, bn), n_tiles)](
-        x, tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
-        EVEN_K=L % bk == 0, UPCAST=_UPCAST, **kcfg)
-    _dense_down_kernel[(triton.cdiv(L, bn), n_tiles)](
-        h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], down_w, acc, n_tiles, n_slots, L, I,
-        EVEN_K=I % bk == 0, UPCAST=_UPCAST, SEM=atomic_sem(), **kcfg)
+    if up:
+        _dense_up_kernel[(triton.cdiv(I, bn), n_tiles)](
+            x, tab, up_global, up_w, h, n_tiles, n_slots, I, L, x_sorted.stride(0),
+            EVEN_K=L % bk == 0, UPCAST=_UPCAST, **kcfg)
+    if down:
+        _dense_down_kernel[(triton.cdiv(L, bn), n_tiles)](
+            h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], down_w, acc, n_tiles, n_slots, L, I,
+            EVEN_K=I % bk == 0, UPCAST=_UPCAST, SEM=atomic_sem(), **kcfg)
     return h
 
 
@@ -696,14 +722,26 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
     if cfg.get("GEMM", "triton") != "triton":
         return _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                             cfg, gs_index)
-    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
+    one = one_scratch()
+    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // scratch_per_expert(L, I))
     C = min(C, len(live))
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
-    down_w = torch.empty((C, L, I), dtype=torch.float16, device=dev)
+    # one scratch: the downs decoded over the ups once the up GEMM has read them (the same stream orders the two)
+    down_w = up_w.view(torch.float16).view(C, L, I) if one else torch.empty((C, L, I), dtype=torch.float16,
+                                                                             device=dev)
     for c0 in range(0, len(live), C):
         part = live[c0:c0 + C]
         tab, n_tiles, lo, hi = _chunk_launch(segments, part, addrs, cfg["BLOCK_M"], gs_index, dev)
-        dequantize(_chunk_blocks(tab, n_tiles, len(part)), geom, up_w, down_w)
+        blocks = _chunk_blocks(tab, n_tiles, len(part))
+        if one:
+            dequantize(blocks, geom, up_w, None)
+            h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, None, tab, lo, hi, up_global, down_global,
+                            w_sorted, tok_sorted, acc, cfg, h, which="up")
+            dequantize(blocks, geom, None, down_w)
+            dense_gemms(x_sorted, n_tiles, len(part), geom, None, down_w, tab, lo, hi, up_global, down_global,
+                        w_sorted, tok_sorted, acc, cfg, h, which="down")
+            continue
+        dequantize(blocks, geom, up_w, down_w)
         h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
                         w_sorted, tok_sorted, acc, cfg, h)
     return acc

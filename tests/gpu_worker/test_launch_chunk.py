@@ -77,6 +77,21 @@ def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
     assert prefill_knobs.launch_chunk() == -1
 
 
+def test_one_scratch_takes_more_experts_a_launch_within_its_bytes(monkeypatch):
+    """MOESTREAM_DEQUANT_ONE_SCRATCH=1: an expert is charged its ring slots and 2·L·I of scratch (the ups' and then the
+    downs' decode share it): at ~187 MiB on Super 8 experts a launch against 5, the buffers within the bytes; the
+    twin that allocates two scratches for that count overruns them."""
+    b = 187 << 20
+    args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
+    n0, _ = prefill_knobs.launch_limits(*args)
+    monkeypatch.setenv("MOESTREAM_DEQUANT_ONE_SCRATCH", "1")
+    experts, rows = prefill_knobs.launch_limits(*args)
+    assert (n0, experts) == (5, 8)
+    one = experts * 2 * SUPER["block_stride"] + experts * 2 * SUPER["L"] * SUPER["I"] + rows * (2 * SUPER["I"]
+                                                                                                + 2 * SUPER["L"] + 20)
+    assert one <= b < used(experts, rows, 0, **SUPER)
+
+
 def test_batch_knob_with_64_experts_a_launch(monkeypatch):
     """MOESTREAM_PREFILL_BATCH_MB=2304 with MOESTREAM_PREFILL_LAUNCH_EXPERTS=64 (the measuring knobs for fewer, larger
     launches) takes 64 Super experts a launch within its bytes, where the default's 1 GiB takes 31 (the twin);

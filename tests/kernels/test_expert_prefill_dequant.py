@@ -58,6 +58,60 @@ def test_dequant_path_matches_twin(T, k, chunk, tma, device):
     assert_close(got, ref, 1e-3, "dequantized grouped prefill vs twin")
 
 
+@pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 4, True)])
+def test_one_scratch_matches_twin(T, k, chunk, tma, device, monkeypatch):
+    """MOESTREAM_DEQUANT_ONE_SCRATCH=1: the downs decoded over the ups once the up GEMM has read them, chunk by chunk:
+    the twin's result, with the scratch half the size."""
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "1")
+    E = 6
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    made, real = [], torch.empty
+
+    def empty(*shape, **kw):
+        t = real(*shape, **kw)
+        made.append((t.dtype, t.dim()))
+        return t
+    monkeypatch.setattr(ep.torch, "empty", empty)
+    cfg = dict(CFG, CHUNK=chunk, TMA=tma) if chunk else dict(CFG, TMA=tma)
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                                    torch.zeros(T, L, device=device), config=cfg, path="dequant")
+    monkeypatch.setattr(ep.torch, "empty", real)
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    assert_close(got, ref, 1e-3, "one-scratch dequantized grouped prefill vs twin")
+    assert (torch.float16, 3) not in made and (torch.bfloat16, 3) in made, "a scratch of its own for the downs"
+    assert ep.scratch_per_expert(L, I) == 2 * L * I
+
+
+def test_must_fail_one_scratch_downs_decoded_before_the_up_gemm(device, monkeypatch):
+    """The twin of the order: a decode that writes the downs over the ups before the up GEMM has read them (what a
+    second stream or a reordered call would do) is caught by the check above."""
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "1")
+    E, T = 6, 41
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, 3, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    real = ep.dequantize
+
+    def early(addrs, g, up, down, **kw):
+        real(addrs, g, up, down, **kw)
+        if up is not None:                       # the downs land over the ups at once
+            real(addrs, g, None, up.view(torch.float16).view(up.shape[0], g.L, g.I), **kw)
+    monkeypatch.setattr(ep, "dequantize", early)
+    got = ep.expert_prefill_grouped(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                                    torch.zeros(T, L, device=device), config=dict(CFG, CHUNK=2), path="dequant")
+    ref = ep.expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    assert rel_err(got, ref) > 1e-2
+
+
+def test_one_scratch_switch_names_bad_values(monkeypatch):
+    assert not ep.one_scratch() and ep.scratch_per_expert(L, I) == 4 * L * I
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "yes")
+    with pytest.raises(ValueError, match=ep.ONE_SCRATCH_ENV):
+        ep.one_scratch()
+
+
 def test_dequant_path_subset_launches_and_scratch_bound(device, monkeypatch):
     """The misses landing in two launches, out of order, with a scratch budget of two experts (chunks of two)."""
     monkeypatch.setattr(ep, "DEQUANT_SCRATCH_BYTES", 2 * 4 * L * I)
