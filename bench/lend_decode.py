@@ -33,8 +33,10 @@ def windows(n: int) -> list[tuple[int, int]]:
 
 
 def _sync(device) -> None:
+    """The compute stream's work done (what a user's next token waits for); the VRAM tier's copy stream may still run,
+    as it does in the server."""
     if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def _counts(eng) -> tuple[int, int, int, int, int]:
@@ -79,6 +81,7 @@ def arm(eng, ids, budget: int, n_decode: int, device) -> dict:
     pre = (time.perf_counter() - t) * 1e3
     last = src.prefill_acct.last
     return dict(prefill_ms=pre, ahead_lent=last.ahead_lent, lent_evicted=last.lent_evicted,
+                lent_restored=last.lent_restored,
                 windows=decode_windows(eng, logits, st, n_decode, device))
 
 
@@ -207,7 +210,7 @@ def print_table(res: dict) -> None:
         print(f"  arm {a['name']}: {a['env']}")
     for r in res["rows"]:
         print(f"  round {r['round']} {r['arm']}: prefill {r['prefill_ms']:.1f} ms, lent {r['ahead_lent']} "
-              f"({r['lent_evicted']} evicted); ms a token by window "
+              f"({r['lent_evicted']} evicted, {r['lent_restored']} restored); ms a token by window "
               + ", ".join(f"{w['ms_per_token']:.2f} (hit {w['vram_hit_rate']:.2f}, in {w['admitted']}, whole "
                           f"{w['whole_layers']})" for w in r["windows"]))
     print("tokens | " + " | ".join(f"{n} ms/tok" for n in names) + " | " + " | ".join(f"{n} hit" for n in names)

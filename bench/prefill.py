@@ -323,6 +323,7 @@ def ahead_figures(last) -> dict:
                 ms_host_launching=last.ms_host_launching, ms_host_staging=last.ms_host_staging,
                 ms_router_sync=last.ms_router_sync, ms_to_inputs=last.ms_to_inputs,
                 ms_to_first_copy=last.ms_to_first_copy, ahead_lent=last.ahead_lent, lent_evicted=last.lent_evicted,
+                lent_restored=last.lent_restored,
                 bytes_wasted_ahead=last.ahead_wrong * (last.bytes_copied_ahead // max(last.ahead_copied, 1)),
                 guess_precision=last.guess_right / max(last.guess_named, 1),
                 guess_recall=last.guess_right / max(last.guess_layer_routed, 1),

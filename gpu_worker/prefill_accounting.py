@@ -37,6 +37,7 @@ class PromptCost:
     ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)
     ahead_lent: int = 0                 # ahead slots the VRAM tier lent the prompt (`VramTier.lend`)
     lent_evicted: int = 0               # ... of which its residents were evicted for (free slots first)
+    lent_restored: int = 0              # ... residents copied back into them at the prompt's end (the RAM cache's)
     eager_copied: int = 0               # a layer's own blocks not copied ahead, copied into the ahead slots at its sync
                                         # (MOESTREAM_PREFILL_EAGER; in bytes_over_pcie on CUDA)
     ms_issuing_ahead: float = 0.0       # host time queueing them (the dense layers after are queued after it)

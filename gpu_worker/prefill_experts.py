@@ -33,8 +33,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, fused_below, launch_chunk,
-                                      launch_limits, lend_ahead, lend_min_tokens, long_span, prefill_batch_bytes,
-                                      prefill_eager, rows_in_launch_order, shared_overlap)
+                                      launch_limits, lend_ahead, lend_min_tokens, lend_restore, long_span,
+                                      prefill_batch_bytes, prefill_eager, rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
@@ -166,7 +166,8 @@ class PrefillExperts:
 
     def _give_back_lent(self) -> None:
         """The lent rows back to the VRAM tier, free; every copy into them and every kernel reading them done first
-        (the device synchronized here: already idle at a prompt's end, waited for after a prompt that raised)."""
+        (the device synchronized here: already idle at a prompt's end, waited for after a prompt that raised). Then
+        the residents the lend evicted are copied back into them (`restore_lent`; MOESTREAM_PREFILL_LEND_RESTORE)."""
         if not self._lent:
             return
         if self._ahead is not None and self._ahead.buf is self.vram.buf:
@@ -175,6 +176,9 @@ class PrefillExperts:
             torch.cuda.synchronize(self.device)
         self.vram.take_back(self._lent)
         self._lent = []
+        keys = self.vram.take_lent_keys()
+        if keys and lend_restore():
+            self.prefill_acct.last.lent_restored = self.restore_lent(keys)
 
     def _ahead_cap(self) -> int:
         """Ahead slots at most: `ahead_layers()` layers' experts."""

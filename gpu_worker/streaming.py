@@ -627,6 +627,43 @@ class StreamingExperts(PrefillExperts, ExpertSource):
                 vt.set_copy_stream(None)
         vt.settle()
 
+    def restore_lent(self, keys: list[tuple[int, int]]) -> int:
+        """Copy the residents a lend evicted back into the VRAM tier's free slots (a prompt's end,
+        `PrefillExperts._give_back_lent`): those the RAM cache holds now, no reads for the others (they were the
+        tier's coldest). Returns how many were copied; their pins are held until done, as a fill's."""
+        vt, n = self.vram, 0
+        by_layer: dict[int, list[int]] = {}
+        for j, e in keys[:len(vt.free)]:
+            by_layer.setdefault(j, []).append(e)
+        for j, experts in by_layer.items():
+            n += self._copy_into_tier(j, experts, read_absent=False)
+        return n
+
+    def _copy_into_tier(self, j: int, experts: list[int], read_absent: bool) -> int:
+        """Admit layer j's `experts` into the VRAM tier's free slots from the slab where it holds them (the absent ones
+        read on demand, counting no use, where read_absent); their pins held until the copies are done. Returns how
+        many were copied."""
+        vt = self.vram
+        slots = self.client.lookup_slots(j, experts, count=False)
+        landed = [(e, s) for e, s in zip(experts, slots) if s >= 0]
+        for e, s in landed:
+            vt.admit(j, e, self.slab[s, :self.block_bytes])
+        absent = [e for e, s in zip(experts, slots) if s < 0]
+        if absent and read_absent:   # reads without a use: a prefetch would be dropped by the next request
+            self.client.demand(j, absent)
+        held = [s for _, s in landed]
+        if not held:
+            return 0
+        if self._cuda:
+            ev = vt.seal()
+            if ev is None:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+            self._fill_held.add(ev, held)
+        else:
+            self.client.release(held)
+        return len(held)
+
     def _fill_vram(self) -> None:
         """Once per token: a layer whose missing experts all fit in the tier's free slots gets up to
         MOESTREAM_VRAM_FILL_BLOCKS of them copied in from the slab (gpu_worker/vram_tier.py); the absent ones are read
@@ -641,26 +678,8 @@ class StreamingExperts(PrefillExperts, ExpertSource):
             return
         j, missing = got
         missing = missing[:vram_fill_blocks()]
-        if not missing:
-            return
-        slots = self.client.lookup_slots(j, missing, count=False)
-        landed = [(e, s) for e, s in zip(missing, slots) if s >= 0]
-        for e, s in landed:
-            vt.admit(j, e, self.slab[s, :self.block_bytes])
-        absent = [e for e, s in zip(missing, slots) if s < 0]
-        if absent:     # reads without a use: a prefetch would be dropped by the layer's next request if not yet read
-            self.client.demand(j, absent)
-        held = [s for _, s in landed]
-        if not held:
-            return
-        if self._cuda:
-            ev = vt.seal()
-            if ev is None:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-            self._fill_held.add(ev, held)
-        else:
-            self.client.release(held)
+        if missing:
+            self._copy_into_tier(j, missing, read_absent=True)
 
     # ------------------------------------------------------------------ pins and the GPU
     # On CUDA the kernels run after the host has moved on, so a slab slot must stay pinned until the kernels

@@ -76,6 +76,7 @@ class VramTier:
         self.refused = 0                                   # admissions put off a token by a held victim
         self.lent = 0                                      # slots lent out (`lend`), neither free nor resident
         self.lent_evictions = 0                            # residents evicted to lend their slots
+        self.lent_keys: list[tuple[int, int]] = []         # ... which (layer, expert), until `take_lent_keys`
         # (layer, experts, their slots or -1) of the last `lookup_slots`: the uses it found, not yet added to the
         # counts (the decode route adds them after the launch); added first by whatever reads or changes the counts
         self._unscored: tuple | None = None
@@ -284,12 +285,19 @@ class VramTier:
             cold = sorted((sc[k[0]][k[1]], k) for k in self.slot_of if k[0] not in held)[:n - len(got)]
             for _, k in cold:
                 got.append(self._evict(k))
+                self.lent_keys.append(k)
             if cold:
                 self._heap = [(v, k) for v, k in self._heap if k in self.slot_of]
                 heapq.heapify(self._heap)
             self.lent_evictions += len(cold)
         self.lent += len(got)
         return sorted(got)
+
+    def take_lent_keys(self) -> list[tuple[int, int]]:
+        """The residents evicted by lends since the last call that are not residents again or on their way in (the
+        borrower may copy them back into the returned slots: `StreamingExperts.restore_lent`); forgotten here."""
+        keys, self.lent_keys = self.lent_keys, []
+        return [k for k in keys if k not in self.slot_of and k not in self._inflight_keys]
 
     def lendable(self) -> int:
         """Slots `lend` would give now: LEND_SHARE's part of the tier less what is out."""

@@ -269,20 +269,22 @@ def dequant_scratch_bytes() -> int:
     return int(raw) << 20 if raw else DEQUANT_SCRATCH_BYTES
 
 
-# MOESTREAM_DEQUANT_ONE_SCRATCH (read per launch; 0 by default until measured): the dequantized path decodes a chunk's
+# MOESTREAM_DEQUANT_ONE_SCRATCH (read per launch; 1 by default, 0: two scratches): the dequantized path decodes a chunk's
 # ups, runs the up GEMM, then decodes its downs into the same scratch (fp16 [L, I] has the bf16 [I, L]'s bytes) and
 # runs the down GEMM: 2 · L · I bytes an expert instead of 4 (5.5 MB of Super's 11), the same kernels in the same
-# stream order. Under a small budget a launch then takes more experts (`launch_limits` charges this per expert).
+# stream order. Under a small budget a launch then takes more experts (`launch_limits` charges this per expert):
+# session 35 (H100, 8 MoE layers, alternated in one engine) 512 MiB 4k 436-444 -> 342-345 ms, 16k 867-871 -> 777-784,
+# 1 GiB 4k 283-285 -> 246-277, 16k 551-561 -> 520-542: lower in 8 of 8 pairs, first tokens equal (bench/NOTES.md).
 ONE_SCRATCH_ENV = "MOESTREAM_DEQUANT_ONE_SCRATCH"
 
 
 def one_scratch() -> bool:
     """Whether the dequantized path decodes the ups and the downs into one scratch in turn ($MOESTREAM_DEQUANT_ONE_SCRATCH
-    "1"; "0" or unset: two scratches, both decoded before the GEMMs)."""
+    "1" or unset; "0": two scratches, both decoded before the GEMMs)."""
     raw = os.environ.get(ONE_SCRATCH_ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{ONE_SCRATCH_ENV}={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return raw != "0"
 
 
 def scratch_per_expert(L: int, I: int) -> int:

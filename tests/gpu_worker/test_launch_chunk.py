@@ -7,8 +7,15 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker import prefill_knobs
+from kernels.expert_prefill import ONE_SCRATCH_ENV
 
 SUPER = dict(block_stride=3096576, L=1024, I=2688)     # an NVFP4 Super expert's block (16-neuron down groups)
+
+
+@pytest.fixture(autouse=True)
+def two_scratches(monkeypatch):
+    """These counts are the two scratches' charge (4·L·I an expert); the one scratch's has its own test below."""
+    monkeypatch.setenv(ONE_SCRATCH_ENV, "0")
 
 
 def used(experts, rows, chunk, block_stride, L, I, act=2):
@@ -84,7 +91,7 @@ def test_one_scratch_takes_more_experts_a_launch_within_its_bytes(monkeypatch):
     b = 187 << 20
     args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
     n0, _ = prefill_knobs.launch_limits(*args)
-    monkeypatch.setenv("MOESTREAM_DEQUANT_ONE_SCRATCH", "1")
+    monkeypatch.setenv(ONE_SCRATCH_ENV, "1")
     experts, rows = prefill_knobs.launch_limits(*args)
     assert (n0, experts) == (5, 8)
     one = experts * 2 * SUPER["block_stride"] + experts * 2 * SUPER["L"] * SUPER["I"] + rows * (2 * SUPER["I"]

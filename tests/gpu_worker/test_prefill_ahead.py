@@ -398,12 +398,13 @@ def _lent_prompt(tiny, monkeypatch, lend: bool):
         src, m, vt = eng.experts, eng.model, eng.experts.vram
         src.copy_ahead, src.ahead_min_tokens = True, 0
         before = [t.token for t in generate(eng, ids, SamplingParams(max_tokens=6))]
-        residents, first = len(vt.slot_of), len(made)
+        residents, first, keys = len(vt.slot_of), len(made), set(vt.slot_of)
         out = prefill(m, prompt(300, seed=300), m.new_state(), budget_bytes=1 << 20)
         last, own = dataclasses.replace(src.prefill_acct.last), made[first:]      # (the prompt's own slots)
+        keys_after = set(vt.slot_of)
         after = [t.token for t in generate(eng, ids, SamplingParams(max_tokens=6))]
         tier = dict(lent=vt.lent, free=len(vt.free), residents_before=residents, residents=len(vt.slot_of),
-                    n=vt.n_slots, buf=vt.buf)
+                    n=vt.n_slots, buf=vt.buf, keys_before=keys, keys_after_prompt=keys_after)
         assert int(eng.sup.shm.slot_pins.sum()) == 0
     return last, own, tier, out, before, after
 
@@ -421,6 +422,8 @@ def test_a_long_prompt_borrows_its_ahead_slots_from_the_vram_tier_and_gives_them
                         for lent in made)
     assert last.ahead_copied > 0 and tier["lent"] == 0
     assert tier["free"] + tier["residents"] == tier["n"]
+    # the residents the lend evicted are copied back at the prompt's end (the RAM cache holds every block)
+    assert last.lent_restored == last.lent_evicted and tier["keys_after_prompt"] == tier["keys_before"]
     torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
     assert after == before
     last, made, tier, out, before, after = _lent_prompt(tiny, monkeypatch, lend=False)
@@ -504,6 +507,17 @@ def test_gpu_eager_copies_read_from_the_ahead_slots(tiny, monkeypatch):
     assert stage.staged == 0 and last.eager_copied > 0
     assert last.ahead_read == last.distinct_experts == last.ahead_used + last.eager_copied
     assert mean_kl(ref, out) < 3e-3
+
+
+def test_twin_without_the_restore_the_tier_comes_back_short(tiny, refs, monkeypatch):
+    """MOESTREAM_PREFILL_LEND_RESTORE=0: the lent slots come back free and the evicted residents stay out until decode
+    admits again (the check above would fail); the tokens are the same either way."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_LEND_RESTORE", "0")
+    last, _, tier, out, before, after = _lent_prompt(tiny, monkeypatch, lend=True)
+    assert last.lent_evicted > 0 and last.lent_restored == 0
+    assert len(tier["keys_before"] - tier["keys_after_prompt"]) == last.lent_evicted
+    torch.testing.assert_close(out, refs[300], rtol=1e-5, atol=1e-4)
+    assert after == before
 
 
 def test_must_fail_a_prompt_that_keeps_its_lent_slots_shrinks_the_tier(tiny, refs, monkeypatch):

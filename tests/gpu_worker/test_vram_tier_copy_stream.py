@@ -147,10 +147,11 @@ def test_switching_the_stream_off_waits_for_the_copies_in_flight():
 
 def test_vram_knobs(monkeypatch):
     from gpu_worker.knobs import vram_copy_stream, vram_fill_blocks
-    assert not vram_copy_stream() and vram_fill_blocks() == 64
-    monkeypatch.setenv("MOESTREAM_VRAM_COPY_STREAM", "1")
+    monkeypatch.delenv("MOESTREAM_VRAM_COPY_STREAM", raising=False)
+    assert vram_copy_stream() and vram_fill_blocks() == 64
+    monkeypatch.setenv("MOESTREAM_VRAM_COPY_STREAM", "0")
     monkeypatch.setenv("MOESTREAM_VRAM_FILL_BLOCKS", "16")
-    assert vram_copy_stream() and vram_fill_blocks() == 16
+    assert not vram_copy_stream() and vram_fill_blocks() == 16
     monkeypatch.setenv("MOESTREAM_VRAM_COPY_STREAM", "yes")
     with pytest.raises(ValueError, match="MOESTREAM_VRAM_COPY_STREAM"):
         vram_copy_stream()
@@ -163,7 +164,7 @@ def tier_problems(src) -> list[str]:
     for (j, e), s in vt.slot_of.items():
         if int(vt.table[j, e]) != vt.address(s):
             bad.append(f"table ({j}, {e})")
-        if not torch.equal(vt.block(s).cpu(), torch.from_numpy(st.read_block(st.moe_layers[j], e).copy())):
+        if not torch.equal(vt.block(s).cpu(), torch.from_numpy(st.read_block(j, e).copy())):
             bad.append(f"block ({j}, {e})")
     if vt.in_flight():
         bad.append(f"{vt.in_flight()} in flight")

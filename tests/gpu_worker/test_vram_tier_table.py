@@ -126,6 +126,19 @@ def test_a_lend_takes_free_slots_then_the_coldest_residents_not_held_and_takes_t
         vt.take_back(got)                       # the twin: returned twice, refused
 
 
+def test_the_residents_a_lend_evicted_are_named_for_their_restore():
+    """`take_lent_keys`: the residents the lends evicted, less any that came back meanwhile; asked once."""
+    vt = lent_tier()
+    vt.evict(1, 3)
+    vt.hold({0})
+    got = vt.lend(3)
+    assert vt.lent_keys == [(1, 0), (1, 1)]
+    vt.hold()
+    vt.take_back(got)
+    vt.admit(1, 1, block(4))                    # admitted again before the restore asked
+    assert vt.take_lent_keys() == [(1, 0)] and vt.take_lent_keys() == []
+
+
 def test_must_fail_a_lend_that_ignored_the_held_layer_would_empty_it():
     """The twin of the held rule: with nothing held, the coldest are layer 0's (used once each), and the lend takes
     them, so a held layer is what kept them above."""

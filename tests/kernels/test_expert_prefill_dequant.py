@@ -44,7 +44,8 @@ def test_must_fail_dequantize_addresses_off_by_one(device):
 
 
 @pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 2, True)])
-def test_dequant_path_matches_twin(T, k, chunk, tma, device):
+def test_dequant_path_matches_twin(T, k, chunk, tma, device, monkeypatch):
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "0")          # the two scratches (one: test_one_scratch_matches_twin)
     E = 6
     geom, blocks, ug, dg, _, _ = _layer(E, device)
     _, _, tok, w, segments = _routed(T, k, E, device)
@@ -60,8 +61,8 @@ def test_dequant_path_matches_twin(T, k, chunk, tma, device):
 
 @pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 4, True)])
 def test_one_scratch_matches_twin(T, k, chunk, tma, device, monkeypatch):
-    """MOESTREAM_DEQUANT_ONE_SCRATCH=1: the downs decoded over the ups once the up GEMM has read them, chunk by chunk:
-    the twin's result, with the scratch half the size."""
+    """MOESTREAM_DEQUANT_ONE_SCRATCH=1 (the default): the downs decoded over the ups once the up GEMM has read them,
+    chunk by chunk: the twin's result, with the scratch half the size (the two-scratch path: test_dequant_path_matches_twin)."""
     monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "1")
     E = 6
     geom, blocks, ug, dg, _, _ = _layer(E, device)
@@ -106,6 +107,9 @@ def test_must_fail_one_scratch_downs_decoded_before_the_up_gemm(device, monkeypa
 
 
 def test_one_scratch_switch_names_bad_values(monkeypatch):
+    monkeypatch.delenv(ep.ONE_SCRATCH_ENV, raising=False)
+    assert ep.one_scratch() and ep.scratch_per_expert(L, I) == 2 * L * I
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "0")
     assert not ep.one_scratch() and ep.scratch_per_expert(L, I) == 4 * L * I
     monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "yes")
     with pytest.raises(ValueError, match=ep.ONE_SCRATCH_ENV):
