@@ -632,6 +632,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         `PrefillExperts._give_back_lent`): those the RAM cache holds now, no reads for the others (they were the
         tier's coldest). Returns how many were copied; their pins are held until done, as a fill's."""
         vt, n = self.vram, 0
+        self._tier_copies()              # the copy stream as the knob says now (a prompt queues no decode token)
         by_layer: dict[int, list[int]] = {}
         for j, e in keys[:len(vt.free)]:
             by_layer.setdefault(j, []).append(e)
