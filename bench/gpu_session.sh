@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager lend"
+#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
+#   (session 35: lend)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ENV_C / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with E2E_AB_ENV, c* with E2E_AB_ENV_C),
-#   LEND_ARGS (bench.lend_decode flags), PREFILL_ARGS / PREFILL_TIMEOUT, API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
+#   LEND_ARGS (bench.lend_decode flags), PREFILL_ARGS / PREFILL_TIMEOUT,
+#   API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
 # Needs carry: [".whl", "build/gpuwheels"] (posix_ipc; fastapi/uvicorn/pydantic for the omni server smoke).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -242,8 +244,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
            --down-group-neurons ${SUB_SIZES:-16,8,4} --synth-args "${SUB_SYNTH_ARGS:---sparsity 0.95 --routing-skew 0.3 --neuron-coherence 0.45}" \
            --skip prefill --out "$OUT/subgroups.json" > "$OUT/subgroups.log" 2>&1; tail -8 "$OUT/subgroups.log";;
     # session 35: the decode after a long prompt that borrowed the VRAM tier's slots, by arm (bench.lend_decode)
-    lend) timeout ${LEND_TIMEOUT:-300} python3 -m bench.lend_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} ${LEND_ARGS:-} \
-           --out "$OUT/lend_decode.json" > "$OUT/lend_decode.log" 2>&1; grep -v Warning "$OUT/lend_decode.log" | tail -16 | cut -c1-240;;
+    lend) timeout ${LEND_TIMEOUT:-300} python3 -m bench.lend_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} \
+           ${LEND_ARGS:-} --out "$OUT/lend_decode.json" > "$OUT/lend_decode.log" 2>&1
+      grep -v Warning "$OUT/lend_decode.log" | tail -16 | cut -c1-240;;
   esac
   echo "== $s: rc $? in $(( $(date +%s) - t )) s"
   [ "$(find "$OUT" -type f | wc -l)" -gt 6 ] && pack

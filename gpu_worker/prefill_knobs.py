@@ -171,19 +171,19 @@ def ahead_early() -> bool:
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
                   chunk: int = 0, tokens: int = 0, fused: bool = False, extra_per_expert: int = 0) -> tuple[int, int]:
-    """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`:
-    per expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
+    """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`: per
+    expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I; 2·L·I where they
-    share one, `kernels.expert_prefill.one_scratch`); per row, the ReLU²
-    row (fp16, I), the latent row gathered in expert order and its token, weight and gather index. Half of the
-    bytes go to the experts, the rest to the rows; at least one expert, and rows of at least one tile.
-    chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is
-    charged once (chunk · its scratch an expert) and half of the rest goes to the ring's slots: under a small budget a launch takes
-    more experts (Super at 512 MiB: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge
-    would give a launch, so the GEMMs keep today's size and the launches are about half as many. tokens: the span's
-    (`launch_experts`: a long span takes more experts a launch). fused: the launch runs the fused path (`fused_below`),
-    which decodes in its GEMMs' tiles and needs no scratch: per expert only the ring's two slots and
-    `extra_per_expert` (a sub-grouped store's regrouped down section); chunk is then moot."""
+    share one, `kernels.expert_prefill.one_scratch`); per row, the ReLU² row (fp16, I), the latent row gathered in
+    expert order and its token, weight and gather index. Half of the bytes go to the experts, the rest to the rows;
+    at least one expert, and rows of at least one tile.
+    chunk > 0 (`launch_chunk`): the launch decodes its experts `chunk` at a time into one scratch, so the scratch is charged once (chunk · its scratch an expert) and half of
+    the rest goes to the ring's slots: under a small budget a launch takes more experts (Super at 512 MiB, two
+    scratches: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge would give a launch,
+    so the GEMMs keep today's size and the launches are about half as many. tokens: the span's (`launch_experts`: a
+    long span takes more experts a launch). fused: the launch runs the fused path (`fused_below`), which decodes in
+    its GEMMs' tiles and needs no scratch: per expert only the ring's two slots and `extra_per_expert` (a
+    sub-grouped store's regrouped down section); chunk is then moot."""
     if fused:
         per_expert = 2 * block_stride + extra_per_expert
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))

@@ -201,8 +201,8 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         self.device_routing = True
         self._unread = None              # callable -> [(moe_index, chosen, guess)] once the last token has run
         self._unbooked: list = []        # ... read, not yet booked
-        self._fill_held = CopyPins()     # slab slots pinned for the VRAM tier's copies (a whole-layer fill's; on its
-        self._tier_stream = None         # copy stream, MOESTREAM_VRAM_COPY_STREAM, the admissions' too): made on first use
+        self._fill_held = CopyPins()     # slab slots pinned for the VRAM tier's copies (a whole-layer fill's; on
+        self._tier_stream = None         # its copy stream, MOESTREAM_VRAM_COPY_STREAM, the admissions' too)
         # decode: where the cache holds the whole store, layers held whole in the slab are routed on the device too,
         # their guessed ups staged by a kernel (gpu_worker/slab_routing.py); off until measured, MOESTREAM_SLAB_ROUTING=1 on
         self.slab_routing = slab_routing_from_env()

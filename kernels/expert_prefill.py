@@ -253,10 +253,11 @@ DEQUANT_TMA_CONFIG = dict(DEQUANT_CONFIG, num_stages=3, TMA=True)
 DEQUANT_TMA_MIN_TOKENS = 256
 DEQUANT_TMA_MIN_EXPERTS = 16
 DEQUANT_TMA_ENV = "MOESTREAM_DEQUANT_TMA_MIN_TOKENS"
-# the decoded scratch (4 · L · I bytes per expert, 11 MB on Super; 2 · L · I with `one_scratch`) is at most this: 32 Super experts, a whole grouped
-# launch of gpu_worker/prefill_knobs.py's PREFILL_LAUNCH_EXPERTS decoded at once; a small budget's launches hold fewer
-# experts, and the scratch is only as large as a launch's experts (`launch_limits` charges it per expert); the sweep
-# lost 45 % at 256 tokens per expert when it ran in chunks of 16 with a sync per chunk
+# the decoded scratch (4 · L · I bytes per expert, 11 MB on Super; 2 · L · I with `one_scratch`) is at most this: 32
+# Super experts (two scratches), a whole grouped launch of gpu_worker/prefill_knobs.py's PREFILL_LAUNCH_EXPERTS
+# decoded at once; a small budget's launches hold fewer experts, and the scratch is only as large as a launch's
+# experts (`launch_limits` charges it per expert); the sweep lost 45 % at 256 tokens per expert when it ran in chunks
+# of 16 with a sync per chunk
 DEQUANT_SCRATCH_BYTES = 384 << 20
 
 
@@ -269,18 +270,19 @@ def dequant_scratch_bytes() -> int:
     return int(raw) << 20 if raw else DEQUANT_SCRATCH_BYTES
 
 
-# MOESTREAM_DEQUANT_ONE_SCRATCH (read per launch; 1 by default, 0: two scratches): the dequantized path decodes a chunk's
-# ups, runs the up GEMM, then decodes its downs into the same scratch (fp16 [L, I] has the bf16 [I, L]'s bytes) and
-# runs the down GEMM: 2 · L · I bytes an expert instead of 4 (5.5 MB of Super's 11), the same kernels in the same
-# stream order. Under a small budget a launch then takes more experts (`launch_limits` charges this per expert):
-# session 35 (H100, 8 MoE layers, alternated in one engine) 512 MiB 4k 436-444 -> 342-345 ms, 16k 867-871 -> 777-784,
-# 1 GiB 4k 283-285 -> 246-277, 16k 551-561 -> 520-542: lower in 8 of 8 pairs, first tokens equal (bench/NOTES.md).
+# MOESTREAM_DEQUANT_ONE_SCRATCH (read per launch; 1 by default, 0: two scratches): the dequantized path decodes a
+# chunk's ups, runs the up GEMM, then decodes its downs into the same scratch (fp16 [L, I] has the bf16 [I, L]'s
+# bytes) and runs the down GEMM: 2 · L · I bytes an expert instead of 4 (5.5 MB of Super's 11), the same kernels in
+# the same stream order. Under a small budget a launch then takes more experts (`launch_limits` charges this per
+# expert): session 35 (H100, 8 MoE layers, alternated in one engine) 512 MiB 4k 436-444 -> 342-345 ms, 16k 867-871 ->
+# 777-784, 1 GiB 4k 283-285 -> 246-277, 16k 551-561 -> 520-542: lower in 8 of 8 pairs, first tokens equal
+# (bench/NOTES.md).
 ONE_SCRATCH_ENV = "MOESTREAM_DEQUANT_ONE_SCRATCH"
 
 
 def one_scratch() -> bool:
-    """Whether the dequantized path decodes the ups and the downs into one scratch in turn ($MOESTREAM_DEQUANT_ONE_SCRATCH
-    "1" or unset; "0": two scratches, both decoded before the GEMMs)."""
+    """Whether the dequantized path decodes the ups and the downs into one scratch in turn
+    ($MOESTREAM_DEQUANT_ONE_SCRATCH "1" or unset; "0": two scratches, both decoded before the GEMMs)."""
     raw = os.environ.get(ONE_SCRATCH_ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{ONE_SCRATCH_ENV}={raw!r}: expected 0 or 1")

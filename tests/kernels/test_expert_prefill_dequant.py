@@ -62,7 +62,7 @@ def test_dequant_path_matches_twin(T, k, chunk, tma, device, monkeypatch):
 @pytest.mark.parametrize("T,k,chunk,tma", [(41, 3, 2, False), (47, 2, None, False), (41, 3, 4, True)])
 def test_one_scratch_matches_twin(T, k, chunk, tma, device, monkeypatch):
     """MOESTREAM_DEQUANT_ONE_SCRATCH=1 (the default): the downs decoded over the ups once the up GEMM has read them,
-    chunk by chunk: the twin's result, with the scratch half the size (the two-scratch path: test_dequant_path_matches_twin)."""
+    chunk by chunk: the twin's result, with the scratch half the size (two: test_dequant_path_matches_twin)."""
     monkeypatch.setenv(ep.ONE_SCRATCH_ENV, "1")
     E = 6
     geom, blocks, ug, dg, _, _ = _layer(E, device)
