@@ -248,6 +248,8 @@ class VramTier:
         if stream is self.copy_stream:
             return
         self.settle(wait=True)
+        if stream is not None:           # the buffer freed with copies pending: its memory waits for them
+            stream.keep(self.buf)
         self.copy_stream = stream
 
     def _resident(self, k: tuple[int, int], s: int) -> None:
@@ -398,6 +400,11 @@ class CopyStream:
 
     def after_current(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def keep(self, buf: torch.Tensor) -> None:
+        """`buf` (allocated on another stream) is written here: the caching allocator must not hand its memory out
+        again, once freed, before this stream's copies into it are done."""
+        buf.record_stream(self.stream)
 
     def queue(self):
         return torch.cuda.stream(self.stream)

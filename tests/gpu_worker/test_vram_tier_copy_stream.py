@@ -46,6 +46,10 @@ class StandInStream:
         self.events: list[Event] = []
         self.fences = 0            # after_current calls
         self.queued = 0            # copies queued inside queue()
+        self.kept = []             # buffers kept alive for its copies
+
+    def keep(self, buf) -> None:
+        self.kept.append(buf)
 
     def after_current(self) -> None:
         self.fences += 1
@@ -77,6 +81,7 @@ def test_an_admitted_block_becomes_resident_when_its_copy_is_done():
         assert vt.want(0, e)
         vt.admit(0, e, block(e))
     assert cs.queued == 3 and cs.fences == 1          # one fence for a batch into free slots
+    assert len(cs.kept) == 1 and cs.kept[0] is vt.buf, "the tier's buffer not kept for the copy stream's writes"
     ev = vt.seal()
     assert ev is cs.events[-1] and vt.seal() is None
     assert vt.in_flight() == 3 and not vt.slot_of and vt.table[0].tolist() == [0] * E
