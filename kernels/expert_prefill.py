@@ -836,11 +836,13 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
     to bf16, an error as large as the up's output rounding."""
     L, I, dev = geom.L, geom.I, x_sorted.device
     live = sorted(live, key=lambda i: segments[i][0])       # _grouped_mm's groups follow the rows
-    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // (4 * L * I))
+    one = one_scratch()
+    C = cfg.get("CHUNK") or max(1, dequant_scratch_bytes() // scratch_per_expert(L, I))
     C = min(C, len(live))
     triton_up = cfg["GEMM"] == "grouped_mm_down"
     up_w = torch.empty((C, I, L), dtype=torch.bfloat16, device=dev)
-    down_w = torch.empty((C, L, I), dtype=torch.bfloat16, device=dev)
+    # one scratch (`one_scratch`): the downs decoded over the ups after the up GEMM (the same stream orders them)
+    down_w = up_w.view(C, L, I) if one else torch.empty((C, L, I), dtype=torch.bfloat16, device=dev)
     bm, bn = cfg["BLOCK_M"], cfg.get("EPI_BLOCK_N", GMM_EPI_BLOCK_N)
     for c0 in range(0, len(live), C):
         part = live[c0:c0 + C]
@@ -853,7 +855,8 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
         packed = torch.tensor(ends + [0] * (n % 2), dtype=torch.int32).view(torch.int64).tolist()
         tab = device_table(flat + packed, dev)
         offs = tab[len(flat):].view(torch.int32)[:n]
-        dequantize(_chunk_blocks(tab, n_tiles, n), geom, up_w, down_w, down_bf16=True)
+        blocks = _chunk_blocks(tab, n_tiles, n)
+        dequantize(blocks, geom, up_w, None if one else down_w, down_bf16=True)
         x = x_sorted[lo:hi]
         if triton_up:
             h = torch.empty((hi - lo, I), dtype=torch.bfloat16, device=dev)
@@ -872,6 +875,8 @@ def _grouped_gmm(x_sorted, segments, live, addrs, geom, up_global, down_global, 
             h = torch._grouped_mm(x, up_w[:n].transpose(1, 2), offs=offs)           # [rows, I] bf16
             _gmm_relu2_kernel[(triton.cdiv(I, bn), n_tiles)](h, tab, up_global, n_tiles, n, I, h.stride(0),
                                                              EMULATE=_UPCAST, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        if one:
+            dequantize(blocks, geom, None, down_w, down_bf16=True)
         y = torch._grouped_mm(h, down_w[:n].transpose(1, 2), offs=offs)              # [rows, L] bf16
         _gmm_scatter_kernel[(triton.cdiv(L, bn), n_tiles)](y, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
                                                            acc, n_tiles, n, L, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,

@@ -48,9 +48,12 @@ def _twins(case, gemm, device):
     return fp32, bf16
 
 
+@pytest.mark.parametrize("one", ["1", "0"])
 @pytest.mark.parametrize("gemm,chunk", [("grouped_mm", None), ("grouped_mm", 2), ("grouped_mm", 3),
                                         ("grouped_mm_down", 2)])
-def test_gmm_path_matches_twins(gemm, chunk, device):
+def test_gmm_path_matches_twins(gemm, chunk, one, device, monkeypatch):
+    """With the ups and downs decoded into one scratch in turn (the default) and into two."""
+    monkeypatch.setenv(ep.ONE_SCRATCH_ENV, one)
     case = _case(device)
     assert ep.gmm_able(case[7], case[0])
     got = _run(case, gemm, device, CHUNK=chunk)
