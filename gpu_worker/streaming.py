@@ -618,7 +618,7 @@ class StreamingExperts(PrefillExperts, ExpertSource):
         """Once per token (`_fill_vram`): the tier's copies on their own stream or the compute stream
         (`MOESTREAM_VRAM_COPY_STREAM`), and the batches copied since the last token made residents."""
         vt = self.vram
-        if self._cuda:
+        if self.device.type == "cuda":   # (not `_cuda`: bench.host_bookkeeping runs the CUDA path's host on the CPU)
             if vram_copy_stream():
                 if self._tier_stream is None:
                     self._tier_stream = CopyStream(self.device)
