@@ -190,7 +190,9 @@ class _EngineCollector:
                                ("prefill_distinct_experts", "prefill_distinct_experts",
                                 "distinct (layer, expert) pairs routed, summed over prompts"),
                                ("prefill_ahead_lent", "prefill_ahead_lent",
-                                "VRAM-tier slots lent to long prompts for their experts copied ahead, summed")]:
+                                "VRAM-tier slots lent to long prompts for their experts copied ahead, summed"),
+                               ("prefill_lent_restored", "prefill_lent_restored",
+                                "VRAM-tier residents a lend evicted, copied back at the prompt's end, summed")]:
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], float(pf.get(key, 0)))
             yield c

@@ -73,3 +73,14 @@ def test_the_log_line_prints_unmeasured_figures_as_dashes():
     assert "TTFT -," in left and " - tok/s" in left and "hit rate -" in left
     done = request_line("r2", "chat", "stop", 43, 0, 2, 0.087, 113.04, 0.5)
     assert "TTFT 87 ms" in done and "113.0 tok/s" in done and "50.0 %" in done
+
+
+def test_the_lends_slots_and_their_restore_are_counted():
+    """The prefill accounting's totals of slots lent and residents restored (gpu_worker.prefill_accounting, sent in
+    `EngineStats.prefill`) are the two counters; a stats message without them reads 0, not an error."""
+    from procs.messages import EngineStats
+    m = _metrics()
+    assert _value(m, "moestream_prefill_lent_restored_total") == 0
+    m.engine_stats = EngineStats(prefill={"prefill_ahead_lent": 346, "prefill_lent_restored": 340})
+    assert _value(m, "moestream_prefill_ahead_lent_total") == 346
+    assert _value(m, "moestream_prefill_lent_restored_total") == 340
