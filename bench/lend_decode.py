@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from bench.envs import env_pairs, scoped_env
+
 WINDOWS = (8, 16, 32, 64)        # window ends (tokens); the last window runs to --decode
 
 
@@ -93,30 +95,12 @@ def parse_arms(text: str) -> tuple[tuple[str, dict], ...]:
     arms = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, _, pairs = part.partition(":")
-        env = {}
-        for kv in filter(None, (x.strip() for x in pairs.split(","))):
-            k, eq, v = kv.partition("=")
-            if not eq or not k:
-                raise ValueError(f"arm {name!r}: {kv!r} is not KEY=VALUE")
-            env[k] = v
+        env = env_pairs(filter(None, (x.strip() for x in pairs.split(","))), f"arm {name!r}")
         arms.append((name.strip(), env))
     names = [n for n, _ in arms]
     if not arms or len(set(names)) != len(names) or "" in names:
         raise ValueError(f"--arms {text!r}: give one or more arms with distinct names")
     return tuple(arms)
-
-
-def _with_env(env: dict, fn):
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def rounds(eng, prompt_of, settle_ids, budget: int, n_decode: int, n_rounds: int, device,
@@ -130,12 +114,11 @@ def rounds(eng, prompt_of, settle_ids, budget: int, n_decode: int, n_rounds: int
     for k in range(n_rounds):
         r = k % len(arms)
         for name, env in arms[r:] + arms[:r]:
-            def turn():
+            with scoped_env(env):
                 m = eng.model
                 st = m.new_state()
                 greedy_steps(eng, prefill(m, settle_ids, st), st, settle_tokens)
-                return arm(eng, prompt_of(k), budget, n_decode, device)
-            row = _with_env(env, turn)
+                row = arm(eng, prompt_of(k), budget, n_decode, device)
             row.update(arm=name, round=k, env=dict(env))
             out.append(row)
     return out

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from bench.ceilings import MIN_RATIO, pipeline_disk_gbps, ratio_or_note
+from bench.envs import env_pairs, scoped_env
 from bench.io_trace import line as io_line, trace_summary
 
 from bench.e2e_stream import copy_gbps, sh
@@ -413,13 +414,7 @@ def ahead_gate(path: str) -> int | None:
 def path_env(path: str) -> dict[str, str]:
     """A --paths entry's "|KEY=VAL" parts (before any "#k"): environment switches set for that path's prompts only,
     e.g. staged|MOESTREAM_MAMBA_SSD=1 (an engine switch read per call, A/B'd in one process)."""
-    env = {}
-    for part in path.split("#")[0].split("|")[1:]:
-        key, eq, val = part.partition("=")
-        if not key or not eq:
-            raise ValueError(f"--paths entry {path!r}: {part!r} is not KEY=VAL")
-        env[key] = val
-    return env
+    return env_pairs(path.split("#")[0].split("|")[1:], f"--paths entry {path!r}")
 
 
 def new_glue(path: str) -> None:
@@ -691,34 +686,27 @@ def main(argv=None):
                     os.environ["MOESTREAM_PIECE_TOKENS"] = piece     # read by gpu_worker.prefill.span_plan per prompt
                 else:
                     os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
-                switches = path_env(path)
-                before = {k: os.environ.get(k) for k in switches}
-                os.environ.update(switches)
-                if cuda:
-                    eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
-                    eng.experts.copy_ahead = base != "staged_no_ahead"
-                    gate = ahead_gate(path)
-                    eng.experts.ahead_min_tokens = default_gate if gate is None else gate
-                rows = []
-                for n in sizes:
-                    cold = None
-                    if warm:     # the first prompt of a size compiles its kernel configurations: timed apart
-                        cold = ttft(eng, prompt(n, seed=77), device)["ttft_s"]
-                    r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
-                    r["ttft_cold_s"] = cold
-                    if trace_dir is not None:
-                        r["io_trace"] = trace_summary(trace_dir, store.block_bytes, [r["window_ns"]])
-                    if profile and path == paths[0]:
-                        r["profile"] = profiled(eng, prompt(n), device)
-                    rows.append(r)
-                    print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
-                                                  for k, v in r.items() if k != "floor_parts_s"}), flush=True)
-                out[path] = rows
-                for k, v in before.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                with scoped_env(path_env(path)):
+                    if cuda:
+                        eng.experts.prefill_weights = "staged" if base == "staged_no_ahead" else base
+                        eng.experts.copy_ahead = base != "staged_no_ahead"
+                        gate = ahead_gate(path)
+                        eng.experts.ahead_min_tokens = default_gate if gate is None else gate
+                    rows = []
+                    for n in sizes:
+                        cold = None
+                        if warm:     # the first prompt of a size compiles its kernel configurations: timed apart
+                            cold = ttft(eng, prompt(n, seed=77), device)["ttft_s"]
+                        r = with_floor(ttft(eng, prompt(n), device), cfg, store.block_bytes, c)
+                        r["ttft_cold_s"] = cold
+                        if trace_dir is not None:
+                            r["io_trace"] = trace_summary(trace_dir, store.block_bytes, [r["window_ns"]])
+                        if profile and path == paths[0]:
+                            r["profile"] = profiled(eng, prompt(n), device)
+                        rows.append(r)
+                        print(name, path, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                                      for k, v in r.items() if k != "floor_parts_s"}), flush=True)
+                    out[path] = rows
             os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
             new_glue("")
             if budget and a.budget_mb:

@@ -61,6 +61,7 @@ def test_an_arms_environment_is_set_for_its_turn_only(monkeypatch):
     monkeypatch.setenv("MOESTREAM_X", "outer")
     monkeypatch.delenv("MOESTREAM_Y", raising=False)
     import os
-    seen = lend_decode._with_env({"MOESTREAM_X": "1", "MOESTREAM_Y": "2"},
-                                 lambda: (os.environ["MOESTREAM_X"], os.environ["MOESTREAM_Y"]))
+    from bench.envs import scoped_env
+    with scoped_env({"MOESTREAM_X": "1", "MOESTREAM_Y": "2"}):
+        seen = (os.environ["MOESTREAM_X"], os.environ["MOESTREAM_Y"])
     assert seen == ("1", "2") and os.environ["MOESTREAM_X"] == "outer" and "MOESTREAM_Y" not in os.environ
