@@ -737,17 +737,13 @@ def _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_
         part = live[c0:c0 + C]
         tab, n_tiles, lo, hi = _chunk_launch(segments, part, addrs, cfg["BLOCK_M"], gs_index, dev)
         blocks = _chunk_blocks(tab, n_tiles, len(part))
-        if one:
-            dequantize(blocks, geom, up_w, None)
-            h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, None, tab, lo, hi, up_global, down_global,
-                            w_sorted, tok_sorted, acc, cfg, h, which="up")
-            dequantize(blocks, geom, None, down_w)
-            dense_gemms(x_sorted, n_tiles, len(part), geom, None, down_w, tab, lo, hi, up_global, down_global,
-                        w_sorted, tok_sorted, acc, cfg, h, which="down")
-            continue
-        dequantize(blocks, geom, up_w, down_w)
+        dequantize(blocks, geom, up_w, None if one else down_w)
         h = dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
-                        w_sorted, tok_sorted, acc, cfg, h)
+                        w_sorted, tok_sorted, acc, cfg, h, which="up" if one else "both")
+        if one:                          # the downs over the ups, now that the up GEMM has read them
+            dequantize(blocks, geom, None, down_w)
+            dense_gemms(x_sorted, n_tiles, len(part), geom, up_w, down_w, tab, lo, hi, up_global, down_global,
+                        w_sorted, tok_sorted, acc, cfg, h, which="down")
     return acc
 
 
