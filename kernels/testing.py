@@ -53,6 +53,12 @@ def _lop3(a, b, c, lut):
     return out
 
 
+def _e4m3_fp16_bits(code: int) -> int:
+    """The fp16 bits of an e4m3 code's value (exact: every e4m3 value is an fp16 value)."""
+    v = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+    return int(v.view(torch.int16).item()) & 0xFFFF
+
+
 def run_ptx(asm: str, args: list[int]) -> list[int]:
     """Execute the subset of PTX the decodes use; $n operands: outputs first, then args (as the constraints)."""
     regs = {}
@@ -68,6 +74,12 @@ def run_ptx(asm: str, args: list[int]) -> list[int]:
         if not ins or ins.startswith(".reg"):
             continue
         op, rest = ins.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):      # mov.b32 {lo, hi}, r: a 32-bit register's two halves
+            inner, src = rest[1:].split("}", 1)
+            lo, hi = [t.strip() for t in inner.split(",")]
+            v = val(src.strip(" ,"))
+            regs[lo], regs[hi] = v & 0xFFFF, (v >> 16) & 0xFFFF
+            continue
         d, *src = [t.strip() for t in rest.split(",")]
         v = [val(t) for t in src]
         if op == "mov.b32":
@@ -82,6 +94,8 @@ def run_ptx(asm: str, args: list[int]) -> list[int]:
             r = _prmt(*v)
         elif op == "lop3.b32":
             r = _lop3(*v)
+        elif op == "cvt.rn.f16x2.e4m3x2":    # a 16-bit pair of e4m3 codes -> fp16 pair, byte 0 into the low half
+            r = _e4m3_fp16_bits(v[0] & 0xFF) | (_e4m3_fp16_bits((v[0] >> 8) & 0xFF) << 16)
         else:
             raise AssertionError(f"instruction {op} not modelled")
         regs[d] = r & M32

@@ -4,6 +4,8 @@ shape's GEMV_CHOICES entry without its FMA key) and the read probe, at every Sup
 (the FMA kernel where GEMV_CHOICES says 'FMA': session 13, h-fmaroute), timed where it differs from "today".
 
     python -m bench.kernels.gemv_fma_sweep [--budget-s 125] [--out gemv_fma.json] [--only SHAPE,..] [--precompile 12]
+        [--fp8]     # session 36: the FP8 GEMV instead (bench/kernels/gemv_fp8_fma.py against kernels.gemv_nvfp4's
+                    # tensor-core fp8_linear as the engine calls it), on the FP8 modules' Super shapes, M = 1, 2
 
 Method as bench.kernels.gemv_streamk_sweep: each call graph-captured over weight copies rotated through ~4x the L2,
 median of CUDA events (bench.kernels.common.time_graph); % of the read ceiling measured first in this run
@@ -32,7 +34,8 @@ import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, ceiling_read, time_graph, report_checks  # noqa: E402
 from kernels import gemv_nvfp4_fma as fma  # noqa: E402
-from bench.kernels.gemv_nvfp4_sweep import _weights as weights  # noqa: E402
+from bench.kernels import gemv_fp8_fma as fp8fma  # noqa: E402
+from bench.kernels.gemv_nvfp4_sweep import FP8_SHAPES, _weights as weights  # noqa: E402
 from kernels import gemv_nvfp4 as g  # noqa: E402
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
@@ -45,48 +48,141 @@ SHAPES = [("mamba.in_proj", 18560, 4096, 40), ("mamba.out_proj", 4096, 8192, 40)
           ("fc2_latent", 4096, 1024, 40), ("lm_head", 131072, 4096, 1)]
 SMOKE_SHAPES = [("smoke", 40, 1024, 1)]
 MS = (1, 2, 4, 8)
-
-
-def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
-    """label -> None (the tensor-core nvfp4_linear), ROUTED (nvfp4_linear as the engine calls it, where that is the
-    FMA kernel) or an FMA config ({} = fma_config's default); 'probe' = the read probe with the default FMA grid."""
-    v: dict[str, dict | None] = {"today": None}
-    if routed_fma(M, N, K) is not None:
-        v["routed"] = ROUTED
-    if M > 2:
-        return v
-    v["fma"] = {}
-    if M == 1:
-        v["fma C4 R2 pps2"] = dict(C=4, R=2, PPS=2)
-        v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
-        v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
-        v["fma C1 R4 pps6"] = dict(C=1, R=4, PPS=6)
-    else:
-        v["fma C2 R2 pps2"] = dict(C=2, R=2, PPS=2)
-        v["fma C1 R2 pps8"] = dict(C=1, R=2, PPS=8)
-    v["probe"] = dict(PROBE=True)
-    return v
-
-
 ROUTED = {"ROUTED": True}
 
 
-def routed_fma(M, N, K):
-    """The FMA config nvfp4_linear routes this shape to on this device (None: the tensor cores)."""
-    return g.gemv_config(M, N, K, torch.device(DEV)).get("FMA")
+class Nvfp4Fma:
+    """The NVFP4 GEMV: kernels/gemv_nvfp4_fma.py against the tensor-core nvfp4_linear (session 12)."""
+    title = "NVFP4 GEMV"
+    ms = MS
+    shapes = SHAPES
+
+    @staticmethod
+    def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
+        """label -> None (the tensor-core nvfp4_linear), ROUTED (nvfp4_linear as the engine calls it, where that is
+        the FMA kernel) or an FMA config ({} = fma_config's default); 'probe' = the read probe, default FMA grid."""
+        v: dict[str, dict | None] = {"today": None}
+        if Nvfp4Fma.routed(M, N, K) is not None:
+            v["routed"] = ROUTED
+        if M > 2:
+            return v
+        v["fma"] = {}
+        if M == 1:
+            v["fma C4 R2 pps2"] = dict(C=4, R=2, PPS=2)
+            v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
+            v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
+            v["fma C1 R4 pps6"] = dict(C=1, R=4, PPS=6)
+        else:
+            v["fma C2 R2 pps2"] = dict(C=2, R=2, PPS=2)
+            v["fma C1 R2 pps8"] = dict(C=1, R=2, PPS=8)
+        v["probe"] = dict(PROBE=True)
+        return v
+
+    @staticmethod
+    def routed(M, N, K):
+        """The FMA config nvfp4_linear routes this shape to on this device (None: the tensor cores)."""
+        return g.gemv_config(M, N, K, torch.device(DEV)).get("FMA")
+
+    @staticmethod
+    def call(cfg, x):
+        if cfg is None:     # the tensor cores: a config naming FMA as None keeps the entry's tensor-core keys
+            return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs, config={"FMA": None})
+        if cfg is ROUTED:
+            return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs)
+        c = {k: v for k, v in cfg.items() if k != "PROBE"}
+        return lambda q, s, gs: fma.nvfp4_linear_fma(x, q, s, gs, config=c, probe=cfg.get("PROBE", False))
+
+    @staticmethod
+    def config(M, N, K, cfg):
+        return fma.fma_config(M, N, K, torch.device(DEV), cfg)
+
+    @staticmethod
+    def nbytes(N, K, M):
+        return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
+
+    @staticmethod
+    def weights(N, K, copies, seed):
+        return weights(N, K, copies, seed)
+
+    @staticmethod
+    def twin(x, w):
+        return g.nvfp4_linear_torch(x, *w, out_dtype=torch.float32)
+
+    broken_what = "swapped nibbles"
+
+    @staticmethod
+    def broken(w):
+        return (swap_nibbles(w[0]), *w[1:])
 
 
-def call(cfg, x):
-    if cfg is None:     # the tensor cores: a config naming FMA as None keeps the entry's tensor-core keys
-        return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs, config={"FMA": None})
-    if cfg is ROUTED:
-        return lambda q, s, gs: g.nvfp4_linear(x, q, s, gs)
-    c = {k: v for k, v in cfg.items() if k != "PROBE"}
-    return lambda q, s, gs: fma.nvfp4_linear_fma(x, q, s, gs, config=c, probe=cfg.get("PROBE", False))
+class Fp8Fma:
+    """The FP8 GEMV (session 36): bench/kernels/gemv_fp8_fma.py against kernels.gemv_nvfp4's tensor-core fp8_linear
+    as the engine calls it (FP8_GEMV_CHOICES), on the shapes the Super checkpoint keeps in FP8."""
+    title = "FP8 GEMV"
+    ms = (1, 2)
+    shapes = FP8_SHAPES
+
+    @staticmethod
+    def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
+        v: dict[str, dict | None] = {"today": None, "fma": {}}
+        if M == 1:
+            v["fma C4 R2 pps2"] = dict(C=4, R=2, PPS=2)
+            v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
+            v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
+            v["fma C2 R1 pps6"] = dict(C=2, R=1, PPS=6)
+            v["fma C4 R1 pps5"] = dict(C=4, R=1, PPS=5)
+            v["fma C1 R4 pps6"] = dict(C=1, R=4, PPS=6)
+            v["fma C4 R1 pps2 w8"] = dict(C=4, R=1, PPS=2, num_warps=8)
+        else:
+            v["fma C4 R1 pps3"] = dict(C=4, R=1, PPS=3)
+            v["fma C2 R2 pps2"] = dict(C=2, R=2, PPS=2)
+            v["fma C1 R2 pps8"] = dict(C=1, R=2, PPS=8)
+        v["probe"] = dict(PROBE=True)
+        return v
+
+    @staticmethod
+    def routed(M, N, K):
+        return None
+
+    @staticmethod
+    def call(cfg, x):
+        if cfg is None:
+            return lambda w, sc: g.fp8_linear(x, w, sc)
+        c = {k: v for k, v in cfg.items() if k != "PROBE"}
+        return lambda w, sc: fp8fma.fp8_linear_fma(x, w, sc, config=c, probe=cfg.get("PROBE", False))
+
+    @staticmethod
+    def config(M, N, K, cfg):
+        return fp8fma.fp8_fma_config(M, N, K, torch.device(DEV), cfg)
+
+    @staticmethod
+    def nbytes(N, K, M):
+        return N * K + M * K * 2 + M * N * 2
+
+    @staticmethod
+    def weights(N, K, copies, seed):
+        """e4m3 codes over the whole range but NaN (0x7F / 0xFF -> 448 / -448: the fp16 sums' worst case)."""
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        out = []
+        for _ in range(copies):
+            b = torch.randint(0, 256, (N, K), dtype=torch.uint8, device=DEV, generator=gen)
+            b = torch.where((b & 0x7F) == 0x7F, b - 1, b)
+            out.append((b.view(torch.float8_e4m3fn), torch.tensor(2e-3, device=DEV)))
+        return out
+
+    @staticmethod
+    def twin(x, w):
+        return g.fp8_linear_torch(x, *w, out_dtype=torch.float32)
+
+    broken_what = "codes swapped in pairs"
+
+    @staticmethod
+    def broken(w):       # each code moved to its pair neighbour's x: a wrong pairing of weights and x
+        b = w[0].view(torch.uint8)
+        return (b.view(-1, 2).flip(1).reshape(b.shape).view(torch.float8_e4m3fn), w[1])
 
 
-def nbytes(N, K, M):
-    return N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
+FAMILIES = {"nvfp4": Nvfp4Fma, "fp8": Fp8Fma}
 
 
 def copies_for(nb):
@@ -94,10 +190,11 @@ def copies_for(nb):
 
 
 def _compile_job(job):
-    name, N, K, M, label, cfg = job
+    fam, name, N, K, M, label, cfg = job
+    fam = FAMILIES[fam]
     try:
-        (q, s, gs), = weights(N, K, 1, seed=1)
-        call(cfg, torch.randn(M, K, device=DEV).bfloat16())(q, s, gs)
+        w, = fam.weights(N, K, 1, seed=1)
+        fam.call(cfg, torch.randn(M, K, device=DEV).bfloat16())(*w)
         if CUDA:
             torch.cuda.synchronize()
         return ""
@@ -105,16 +202,17 @@ def _compile_job(job):
         return f"{name} M={M} {label}: {type(ex).__name__}: {str(ex)[:120]}"
 
 
-def precompile(shapes, workers):
+def precompile(fam, shapes, workers):
     """Every variant's first call in `workers` spawned processes (Triton caches the compilations on disk)."""
+    key_of = {v: k for k, v in FAMILIES.items()}[fam]
     jobs, seen = [], set()
     for name, N, K, _ in shapes:
-        for M in MS:
-            for label, cfg in variants(M, N, K).items():
+        for M in fam.ms:
+            for label, cfg in fam.variants(M, N, K).items():
                 key = (name, M, label) if cfg is None or cfg is ROUTED else (min(M, 2), json.dumps(cfg, sort_keys=True))
                 if key not in seen:
                     seen.add(key)
-                    jobs.append((name, N, K, M, label, cfg))
+                    jobs.append((key_of, name, N, K, M, label, cfg))
     t = time.time()
     import multiprocessing as mp
     try:
@@ -133,17 +231,19 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=125.0)
     ap.add_argument("--only", default="")
     ap.add_argument("--precompile", type=int, default=12 if CUDA else 0)
+    ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV (bench/kernels/gemv_fp8_fma.py) instead")
     a = ap.parse_args(argv)
+    fam = Fp8Fma if a.fp8 else Nvfp4Fma
     t0 = time.time()
     env = dict(gpu=torch.cuda.get_device_name(0) if CUDA else "none (CPU smoke run, TRITON_INTERPRET=1)",
-               torch=torch.__version__, triton=triton.__version__,
+               torch=torch.__version__, triton=triton.__version__, family=fam.title,
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     print("env", env, flush=True)
-    shapes = SHAPES if CUDA else SMOKE_SHAPES
+    shapes = fam.shapes if CUDA else SMOKE_SHAPES
     only = set(x for x in a.only.split(",") if x)
     shapes = [sh for sh in shapes if not only or sh[0] in only]
     if a.precompile > 0:
-        precompile(shapes, a.precompile)
+        precompile(fam, shapes, a.precompile)
     read, d2d = ceiling_read(), ceiling_d2d()
     print(f"read {read / 1e9:.0f} GB/s, D2D {d2d / 1e9:.0f} GB/s (at {time.time() - t0:.0f} s)", flush=True)
     rows, checks = [], []
@@ -156,20 +256,20 @@ def main(argv=None):
 
     done = True
     for name, N, K, per_token in shapes:
-        copies = copies_for(nbytes(N, K, 1))
-        ws = weights(N, K, copies, seed=N + K)
-        for M in MS:
+        copies = copies_for(fam.nbytes(N, K, 1))
+        ws = fam.weights(N, K, copies, seed=N + K)
+        for M in fam.ms:
             x = torch.randn(M, K, device=DEV).bfloat16()
-            ref = g.nvfp4_linear_torch(x, *ws[0], out_dtype=torch.float32)
-            if M <= 2:      # the must-fail twin, once per shape and M: swapped nibbles through the FMA default
-                bad = rel_err(call({}, x)(swap_nibbles(ws[0][0]), *ws[0][1:]), ref)
-                checks.append(dict(check=f"must-fail fma {name} M={M} swapped nibbles", rel_err=bad, ok=bad > 0.1))
-            for label, cfg in variants(M, N, K).items():
+            ref = fam.twin(x, ws[0])
+            if M <= 2:      # the must-fail twin, once per shape and M, through the FMA default
+                bad = rel_err(fam.call({}, x)(*fam.broken(ws[0])), ref)
+                checks.append(dict(check=f"must-fail fma {name} M={M} {fam.broken_what}", rel_err=bad, ok=bad > 0.1))
+            for label, cfg in fam.variants(M, N, K).items():
                 if time.time() - t0 > a.budget_s:
                     print(f"  budget of {a.budget_s:.0f} s spent: {name} M={M} {label} and after not timed", flush=True)
                     done = False
                     break
-                fn = call(cfg, x)
+                fn = fam.call(cfg, x)
                 probe = bool(cfg and cfg.get("PROBE"))
                 try:
                     e = 0.0 if probe else rel_err(fn(*ws[0]), ref)
@@ -188,39 +288,38 @@ def main(argv=None):
                     checks.append(dict(check=f"{name} M={M} {label}", rel_err=float("inf"), ok=False,
                                        error=f"{type(ex).__name__}: {str(ex)[:300]}"))
                     continue
-                nb = nbytes(N, K, M)
-                fcfg = routed_fma(M, N, K) if cfg is ROUTED else cfg
-                c = None if fcfg is None else fma.fma_config(M, N, K, torch.device(DEV),
-                                                             {k: v for k, v in fcfg.items() if k != "PROBE"})
+                nb = fam.nbytes(N, K, M)
+                fcfg = fam.routed(M, N, K) if cfg is ROUTED else cfg
+                c = None if fcfg is None else fam.config(M, N, K, {k: v for k, v in fcfg.items() if k != "PROBE"})
                 row = dict(shape=name, N=N, K=K, M=M, variant=label, us=sec * 1e6, pct=100 * nb / sec / read,
                            pct_d2d=100 * nb / sec / d2d, bytes=nb, rel_err=max(e, e_after), per_token=per_token,
                            config=fcfg, grid=None if c is None else (c["programs"], c["SLICES"]))
                 rows.append(row)
-                print(f"  {name:15s} M={M} {label:16s} {row['us']:7.1f} us {row['pct']:4.0f}% read "
+                print(f"  {name:15s} M={M} {label:18s} {row['us']:7.1f} us {row['pct']:4.0f}% read "
                       f"({row['pct_d2d']:3.0f}% D2D)  err {row['rel_err']:.1e}"
                       + (f"  grid {row['grid']}" if c else ""), flush=True)
             else:
                 continue
             break
-        del ws
+        ws = None      # (the next shape's copies replace these)
         dump()
         if not done:
             break
-    summary(rows)
+    summary(rows, fam)
     bad = report_checks(checks)
     dump(done)
     print(f"wrote {a.out}; total {time.time() - t0:.0f} s")
     return 0 if not bad else 1
 
 
-def summary(rows):
+def summary(rows, fam=Nvfp4Fma):
     """Per shape and M: today, the best FMA variant, the read probe, the engine's route (µs, % of the read ceiling);
     M = 1 per-token sums."""
-    print("\n== NVFP4 GEMV: today (tensor cores) vs FMA (CUDA cores) vs read probe (µs, % of the read ceiling) ==")
+    print(f"\n== {fam.title}: today (tensor cores) vs FMA (CUDA cores) vs read probe (µs, % of the read ceiling) ==")
     print(f"  {'shape':15s} M  {'today':>12s}  {'best fma':>12s}  {'probe':>12s}  {'routed':>12s}  fma variant")
     sums = [0.0, 0.0, 0.0]
-    for name, N, K, per_token in SHAPES if CUDA else SMOKE_SHAPES:
-        for M in MS:
+    for name, N, K, per_token in fam.shapes if CUDA else SMOKE_SHAPES:
+        for M in fam.ms:
             rs = [r for r in rows if r["shape"] == name and r["M"] == M]
             if not rs:
                 continue
