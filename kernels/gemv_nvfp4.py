@@ -27,7 +27,8 @@ Session 13 (h-fmaroute): at M = 1 on sm_90 six shapes (in_proj, out_proj, q/o, s
 tensor cores for kernels/gemv_nvfp4_fma.py (HFMA2 on the CUDA cores, 4-17 % faster there on the H200): their
 GEMV_CHOICES entries carry an 'FMA' key that `nvfp4_linear` dispatches on; MOESTREAM_GEMV_FMA=0 drops those keys.
 Decode FP8: `_fp8_gemv_kernel` (prepared x.T, direct e4m3 -> fp16) and its STREAM_K twin `_fp8_gemv_sk_kernel`
-(FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes).
+(FP8_GEMV_CHOICES: 8-28 % over it on the Super shapes). Session 36: at M = 1 on sm_90 every Super FP8 shape leaves
+them for kernels/gemv_fp8_fma.py (the CUDA cores: one cvt per e4m3 pair, HFMA2) through the same 'FMA' key.
 Prefill shape (a chunk of tokens): `_nvfp4_gemm_kernel` (e2m1 * scale exact in fp16, a plain tensor-core GEMM)
 and `_fp8_gemm_kernel`, y stored in its dtype. Inside a forward's layer (spans of kernels.dense_prefill's
 DEQUANT_MIN_ROWS rows on) the layer's weights are decoded once instead and multiplied by cuBLAS
@@ -792,8 +793,9 @@ _CHOICES_ON = os.environ.get("MOESTREAM_GEMV_CHOICES") != "0"
 
 
 def _fma_on(environ=os.environ) -> bool:
-    """MOESTREAM_GEMV_FMA=0: GEMV_CHOICES' 'FMA' keys ignored, each such shape runs its entry's tensor-core choice
-    (the A/B of the FMA route alone; MOESTREAM_GEMV_CHOICES=0 turns off every entry, the FMA ones with them)."""
+    """MOESTREAM_GEMV_FMA=0: GEMV_CHOICES' and FP8_GEMV_CHOICES' 'FMA' keys ignored, each such shape runs its entry's
+    tensor-core choice (the A/B of the FMA routes alone; MOESTREAM_GEMV_CHOICES=0 turns off every entry, the FMA ones
+    with them)."""
     return environ.get("MOESTREAM_GEMV_FMA") != "0"
 
 
@@ -867,14 +869,17 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
 
 
 # FP8's per-shape choices, keyed as GEMV_CHOICES (M = the x rows padded to a power of two); a shape not listed runs
-# experiment 4's configuration
+# experiment 4's configuration. 'FMA' (session 36): M = 1 runs kernels.gemv_fp8_fma with these fp8_fma_config keys
+# (the CUDA cores; the H100's sweep, bench/results/fp8fma_session36_call*: µs tensor cores -> FMA); the entry's other
+# keys stay the tensor-core choice that MOESTREAM_GEMV_FMA=0 (or a caller's config without 'FMA') runs
 FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): µs experiment 4's config -> STREAM_K
-    (90, 1, 18560, 4096): {'STREAM_K': 4, 'num_stages': 3},  # mamba.in_proj 31.3 -> 28.7
-    (90, 1, 4096, 8192): {'STREAM_K': 2},  # mamba.out_proj 18.0 -> 15.3
-    (90, 1, 5376, 4096): {'STREAM_K': 3},  # shared.up 13.9 -> 13.4
-    (90, 1, 4096, 5376): {'STREAM_K': 3},  # shared.down 14.2 -> 12.2
-    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True},  # fc1_latent 8.5 -> 7.0
+    (90, 1, 18560, 4096): {'STREAM_K': 4, 'num_stages': 3,
+                           'FMA': dict(C=4, R=1, PPS=5)},                               # mamba.in_proj 40.3 -> 34.6
+    (90, 1, 4096, 8192): {'STREAM_K': 2, 'FMA': dict(C=4, R=1, PPS=4)},               # mamba.out_proj 18.4 -> 17.2
+    (90, 1, 5376, 4096): {'STREAM_K': 3, 'FMA': dict(C=4, R=1, PPS=4)},               # shared.up 15.2 -> 13.1
+    (90, 1, 4096, 5376): {'STREAM_K': 3, 'FMA': dict(C=4, R=1, PPS=4)},               # shared.down 14.3 -> 14.0
+    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True, 'FMA': dict(C=4, R=2, PPS=2)},   # fc1_latent 7.4 -> 5.9
     (90, 8, 18560, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # mamba.in_proj 31.6 -> 27.7
     (90, 8, 4096, 8192): {'STREAM_K': 2, 'X_BUILD': True},  # mamba.out_proj 18.3 -> 14.9
     (90, 8, 5376, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # shared.up 14.2 -> 12.9
@@ -891,6 +896,8 @@ def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: in
     choice = (FP8_GEMV_CHOICES.get((_arch(device), triton.next_power_of_2(max(M, 1)), N, K))
               if M is not None and _CHOICES_ON else None) or {}
     cfg = {**base, **choice, **(config or {})}
+    if not _FMA_ON:
+        cfg.pop("FMA", None)
     n_sm = n_sm or _n_sm(device)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     if "SPLIT_K" not in {**choice, **(config or {})} and n_blocks < 2 * n_sm:
@@ -901,10 +908,19 @@ def fp8_gemv_config(N: int, K: int, device, config: dict | None = None, n_sm: in
 def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, config: dict | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-shape FP8 linear (M <= 16 rows of x): y [M, N] through `_fp8_gemv_kernel`. Config keys beside the
-    tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured)."""
+    tile sizes: X_BUILD, SPLIT_REDUCE (as nvfp4_linear's; off by default until measured). FMA (a dict of
+    kernels.gemv_fp8_fma.fp8_fma_config keys, FP8_GEMV_CHOICES' M = 1 entries on sm_90): the call runs
+    `fp8_linear_fma` instead (the CUDA cores), by nvfp4_linear's rule: a caller's `config` decides alone, and the FMA
+    kernel's preconditions (1-2 rows, K a multiple of 16, 16-byte aligned codes) failing, the tensor-core keys run."""
     N, K = weight_e4m3.shape
     M = x2.shape[0]
-    cfg = _pdl_options(fp8_gemv_config(N, K, x2.device, config, M=M))
+    cfg = fp8_gemv_config(N, K, x2.device, config, M=M)
+    fma = cfg.pop("FMA", None)
+    if config and "FMA" not in config:
+        fma = None          # a caller's config decides alone
+    if fma is not None and M <= 2 and K % 16 == 0 and weight_e4m3.data_ptr() % 16 == 0:
+        return _fp8_fma.fp8_linear_fma(x2, weight_e4m3, scale, out_dtype=out_dtype, config=fma, out=out)
+    cfg = _pdl_options(cfg)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     stream_k = cfg.pop("STREAM_K", 0)
     if stream_k:
@@ -1138,5 +1154,6 @@ def fp8_linear_torch(x, weight_e4m3, scale, out_dtype=None):
     return (x.float() @ decode_fp8(weight_e4m3, scale).t()).to(out_dtype or x.dtype)
 
 
-# the FMA GEMV imports this module's counters and helpers: imported last, once they exist
+# the FMA GEMVs import this module's counters and helpers: imported last, once they exist
 from kernels import gemv_nvfp4_fma as _fma  # noqa: E402
+from kernels import gemv_fp8_fma as _fp8_fma  # noqa: E402

@@ -4,8 +4,8 @@ shape's GEMV_CHOICES entry without its FMA key) and the read probe, at every Sup
 (the FMA kernel where GEMV_CHOICES says 'FMA': session 13, h-fmaroute), timed where it differs from "today".
 
     python -m bench.kernels.gemv_fma_sweep [--budget-s 125] [--out gemv_fma.json] [--only SHAPE,..] [--precompile 12]
-        [--fp8]     # session 36: the FP8 GEMV instead (bench/kernels/gemv_fp8_fma.py against kernels.gemv_nvfp4's
-                    # tensor-core fp8_linear as the engine calls it), on the FP8 modules' Super shapes, M = 1, 2
+        [--fp8]     # session 36: the FP8 GEMV instead (kernels/gemv_fp8_fma.py against the tensor-core fp8_linear and
+                    # fp8_linear as routed), on the FP8 modules' Super shapes, M = 1, 2
 
 Method as bench.kernels.gemv_streamk_sweep: each call graph-captured over weight copies rotated through ~4x the L2,
 median of CUDA events (bench.kernels.common.time_graph); % of the read ceiling measured first in this run
@@ -34,7 +34,7 @@ import triton  # noqa: E402
 
 from bench.kernels.common import DEV, ceiling_d2d, ceiling_read, time_graph, report_checks  # noqa: E402
 from kernels import gemv_nvfp4_fma as fma  # noqa: E402
-from bench.kernels import gemv_fp8_fma as fp8fma  # noqa: E402
+from kernels import gemv_fp8_fma as fp8fma  # noqa: E402
 from bench.kernels.gemv_nvfp4_sweep import FP8_SHAPES, _weights as weights  # noqa: E402
 from kernels import gemv_nvfp4 as g  # noqa: E402
 from kernels.nvfp4 import swap_nibbles  # noqa: E402
@@ -116,8 +116,9 @@ class Nvfp4Fma:
 
 
 class Fp8Fma:
-    """The FP8 GEMV (session 36): bench/kernels/gemv_fp8_fma.py against kernels.gemv_nvfp4's tensor-core fp8_linear
-    as the engine calls it (FP8_GEMV_CHOICES), on the shapes the Super checkpoint keeps in FP8."""
+    """The FP8 GEMV (session 36): kernels/gemv_fp8_fma.py against kernels.gemv_nvfp4's tensor-core fp8_linear
+    (FP8_GEMV_CHOICES' tensor-core keys), and fp8_linear as the engine calls it ("routed": the FMA kernel at M = 1),
+    on the shapes the Super checkpoint keeps in FP8."""
     title = "FP8 GEMV"
     ms = (1, 2)
     shapes = FP8_SHAPES
@@ -125,28 +126,31 @@ class Fp8Fma:
     @staticmethod
     def variants(M: int, N: int, K: int) -> dict[str, dict | None]:
         v: dict[str, dict | None] = {"today": None, "fma": {}}
-        if M == 1:
-            v["fma C4 R2 pps2"] = dict(C=4, R=2, PPS=2)
-            v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
-            v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
-            v["fma C2 R1 pps6"] = dict(C=2, R=1, PPS=6)
+        if Fp8Fma.routed(M, N, K) is not None:
+            v["routed"] = ROUTED
+        if M == 1:      # call 1 (H100): C 4 > 2 > 1 everywhere, 8 warps and R 2 no better; C 8 new in call 2
             v["fma C4 R1 pps5"] = dict(C=4, R=1, PPS=5)
-            v["fma C1 R4 pps6"] = dict(C=1, R=4, PPS=6)
-            v["fma C4 R1 pps2 w8"] = dict(C=4, R=1, PPS=2, num_warps=8)
+            v["fma C4 R1 pps4"] = dict(C=4, R=1, PPS=4)
+            v["fma C8 R1 pps2"] = dict(C=8, R=1, PPS=2)
+            v["fma C8 R1 pps3 evict"] = dict(C=8, R=1, PPS=3, EVICT=True)
+            v["fma C4 R1 pps5 evict"] = dict(C=4, R=1, PPS=5, EVICT=True)
+            v["fma C8 R2 pps2"] = dict(C=8, R=2, PPS=2)
+            v["probe C4 pps5"] = dict(C=4, R=1, PPS=5, PROBE=True)
         else:
-            v["fma C4 R1 pps3"] = dict(C=4, R=1, PPS=3)
-            v["fma C2 R2 pps2"] = dict(C=2, R=2, PPS=2)
-            v["fma C1 R2 pps8"] = dict(C=1, R=2, PPS=8)
+            v["fma C2 R2 pps4"] = dict(C=2, R=2, PPS=4)
         v["probe"] = dict(PROBE=True)
         return v
 
     @staticmethod
     def routed(M, N, K):
-        return None
+        """The FMA config fp8_linear routes this shape to on this device (None: the tensor cores)."""
+        return g.fp8_gemv_config(N, K, torch.device(DEV), M=M).get("FMA")
 
     @staticmethod
     def call(cfg, x):
-        if cfg is None:
+        if cfg is None:     # the tensor cores: a config naming FMA as None keeps the entry's tensor-core keys
+            return lambda w, sc: g.fp8_linear(x, w, sc, config={"FMA": None})
+        if cfg is ROUTED:
             return lambda w, sc: g.fp8_linear(x, w, sc)
         c = {k: v for k, v in cfg.items() if k != "PROBE"}
         return lambda w, sc: fp8fma.fp8_linear_fma(x, w, sc, config=c, probe=cfg.get("PROBE", False))
@@ -326,7 +330,7 @@ def summary(rows, fam=Nvfp4Fma):
             t = next((r for r in rs if r["variant"] == "today"), None)
             fs = [r for r in rs if r["variant"].startswith("fma")]
             b = min(fs, key=lambda r: r["us"]) if fs else None
-            p = next((r for r in rs if r["variant"] == "probe"), None)
+            p = next((r for r in rs if r["variant"] == "probe"), None)      # the default grid's
             rt = next((r for r in rs if r["variant"] == "routed"), t)
 
             def cell(r):
