@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.envs import env_pairs, scoped_env
 from bench.io_trace import line as io_line, trace_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,52 +175,39 @@ def ab_in_engine(eng, setting: str, rounds: int, prompts_of, n_tokens: int, devi
     cached (session 29: the first place was the slowest in every round); the pairs are then of different prompts.
     io: callable(windows) -> dict (bench.io_trace.summarize over the IO workers' trace), or None; each arm gets
     `{arm}_io` over its timed tokens."""
-    arms = []                                    # each arm: [(key, value)], one or several variables set together
+    arms = []                                    # each arm: {key: value}, one or several variables set together
     for one in setting.split(";"):
-        arm = []
-        for kv in one.split(","):
-            key, _, val = kv.partition("=")
-            if not key or not val:
-                raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several in one arm apart by ',', "
-                                 "arms apart by ';')")
-            arm.append((key, val))
+        try:
+            arm = env_pairs(one.split(","), f"--ab-env {one!r}")
+        except ValueError:
+            arm = {}
+        if not arm or not all(arm.values()):
+            raise SystemExit(f"--ab-env {one!r}: expected KEY=VALUE (several in one arm apart by ',', "
+                             "arms apart by ';')")
         arms.append(arm)
     names = "abcdefgh"
     if len(arms) >= len(names):
         raise SystemExit(f"--ab-env: {len(arms)} settings, at most {len(names) - 1} (arms b to h)")
     names = names[:len(arms) + 1]
-    old = {key: os.environ.get(key) for arm in arms for key, _ in arm}
-
-    def put(arm: int) -> None:                   # arm 0: what was there before (unset: none); else its setting
-        for key, v in old.items():
-            if v is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = v
-        if arm:
-            os.environ.update(dict(arms[arm - 1]))
     side = {n: [] for n in names}
     moved = {n: [] for n in names}
     windows = {n: [] for n in names}
     held = {n: [] for n in names}            # dispatch passes that held reads ahead (MOESTREAM_PREFETCH_HOLD), per round
     book = {n: [] for n in names}            # the route's host ms a token, and its staging take, per round
-    try:
-        for k in range(rounds):
-            for i in range(len(names)):
-                arm = (i + k) % len(names)
-                put(arm)
+    for k in range(rounds):
+        for i in range(len(names)):
+            arm = (i + k) % len(names)
+            with scoped_env(arms[arm - 1] if arm else {}):     # arm a: the environment as it was
                 before = eng.accounting.totals() if eng is not None else None
                 r = decode_run(eng, prompts_of(k if shared else k * len(names) + arm), n_tokens, device)
-                if before is not None:
-                    acc = eng.accounting.per_token_between(before, eng.accounting.totals())
-                    book[names[arm]].append((round(acc.get("ms_bookkeeping_per_token", 0.0), 4),
-                                             round(acc.get("ms_bookkeeping_take_per_token", 0.0), 4)))
-                side[names[arm]].append(r["ms_per_token_all"])
-                moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
-                windows[names[arm]] += r.get("windows_ns", [])
-                held[names[arm]].append(r.get("cache", {}).get("prefetch_held", 0))
-    finally:
-        put(0)
+            if before is not None:
+                acc = eng.accounting.per_token_between(before, eng.accounting.totals())
+                book[names[arm]].append((round(acc.get("ms_bookkeeping_per_token", 0.0), 4),
+                                         round(acc.get("ms_bookkeeping_take_per_token", 0.0), 4)))
+            side[names[arm]].append(r["ms_per_token_all"])
+            moved[names[arm]].append((r.get("disk_bytes_per_token", 0.0), r.get("hit_rate", 1.0)))
+            windows[names[arm]] += r.get("windows_ns", [])
+            held[names[arm]].append(r.get("cache", {}).get("prefetch_held", 0))
     flat = {n: [x for r in side[n] for x in r] for n in names}
     out = dict(setting=setting, rounds=rounds)
     for n in names:

@@ -723,22 +723,19 @@ def main(argv=None):
                     eng.experts.vram = eng._vram_tier(used + (a.budget_tier_mb << 20), 0, device, 2)
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):
-                        if top:
-                            os.environ["MOESTREAM_PIECE_TOKENS"] = str(top)
                         key, _, val = env.partition("=")
-                        if key and key != "none":
-                            os.environ[key] = val
-                        for n in [int(n) for n in a.budget_sizes.split(",") if n]:
-                            r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
-                            if a.profile and cuda:
-                                r["profile"] = profiled(eng, prompt(n), device, a.budget_mb << 20)
-                            r["piece_top"], r["env"] = top, env if key and key != "none" else ""
-                            res["budget"].append(r)
-                            print("budget", json.dumps(r, default=float), flush=True)
-                            save()
-                        os.environ.pop("MOESTREAM_PIECE_TOKENS", None)
-                        if key and key != "none":
-                            os.environ.pop(key, None)
+                        arm = {key: val} if key and key != "none" else {}
+                        if top:
+                            arm["MOESTREAM_PIECE_TOKENS"] = str(top)
+                        with scoped_env(arm):         # each key back to what it was after the arm
+                            for n in [int(n) for n in a.budget_sizes.split(",") if n]:
+                                r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                                if a.profile and cuda:
+                                    r["profile"] = profiled(eng, prompt(n), device, a.budget_mb << 20)
+                                r["piece_top"], r["env"] = top, env if key and key != "none" else ""
+                                res["budget"].append(r)
+                                print("budget", json.dumps(r, default=float), flush=True)
+                                save()
         return out
 
     def compile_sizes():
