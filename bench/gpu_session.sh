@@ -186,7 +186,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       tail -2 "$OUT/pytest_fp8fma.log"
       timeout ${FP8FMA_TIMEOUT:-200} python3 -m bench.kernels.gemv_fma_sweep --fp8 --budget-s $(( ${FP8FMA_TIMEOUT:-200} - 30 )) \
         --out "$OUT/fp8fma.json" > "$OUT/fp8fma.log" 2>&1
-      grep -E "^read|BAD|FAILED|WRONG|raised" "$OUT/fp8fma.log" | head -8; tail -16 "$OUT/fp8fma.log";;
+      grep -E "^read|BAD|FAILED|WRONG|raised" "$OUT/fp8fma.log" | head -8; tail -16 "$OUT/fp8fma.log"
+      timeout 100 python3 -m bench.kernels.gemv_fma_sweep --bf16 --budget-s 80 --out "$OUT/bf16gemv.json" > "$OUT/bf16gemv.log" 2>&1
+      grep -E "^read|BAD|FAILED|WRONG" "$OUT/bf16gemv.log" | head -4; tail -12 "$OUT/bf16gemv.log";;
     # session 13 h-fmaroute: the FMA GEMV routed at M = 1 through GEMV_CHOICES' 'FMA' key: its tests on the GPU (the
     # route captured in a CUDA graph and replayed included), then the FMA sweep against the read ceiling
     # (bench.kernels.common.ceiling_read; today = the tensor cores, routed = nvfp4_linear as the engine calls it)

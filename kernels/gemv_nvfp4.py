@@ -919,7 +919,8 @@ def fp8_gemv(x2: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype, conf
     if config and "FMA" not in config:
         fma = None          # a caller's config decides alone
     if fma is not None and M <= 2 and K % 16 == 0 and weight_e4m3.data_ptr() % 16 == 0:
-        return _fp8_fma.fp8_linear_fma(x2, weight_e4m3, scale, out_dtype=out_dtype, config=fma, out=out)
+        from kernels import gemv_fp8_fma     # (it imports kernels.gemv_nvfp4_fma, which imports this module)
+        return gemv_fp8_fma.fp8_linear_fma(x2, weight_e4m3, scale, out_dtype=out_dtype, config=fma, out=out)
     cfg = _pdl_options(cfg)
     n_blocks = triton.cdiv(N, cfg["BLOCK_N"])
     stream_k = cfg.pop("STREAM_K", 0)
@@ -1154,6 +1155,5 @@ def fp8_linear_torch(x, weight_e4m3, scale, out_dtype=None):
     return (x.float() @ decode_fp8(weight_e4m3, scale).t()).to(out_dtype or x.dtype)
 
 
-# the FMA GEMVs import this module's counters and helpers: imported last, once they exist
+# the FMA GEMV imports this module's counters and helpers: imported last, once they exist
 from kernels import gemv_nvfp4_fma as _fma  # noqa: E402
-from kernels import gemv_fp8_fma as _fp8_fma  # noqa: E402

@@ -6,6 +6,7 @@ shape's GEMV_CHOICES entry without its FMA key) and the read probe, at every Sup
     python -m bench.kernels.gemv_fma_sweep [--budget-s 125] [--out gemv_fma.json] [--only SHAPE,..] [--precompile 12]
         [--fp8]     # session 36: the FP8 GEMV instead (kernels/gemv_fp8_fma.py against the tensor-core fp8_linear and
                     # fp8_linear as routed), on the FP8 modules' Super shapes, M = 1, 2
+        [--bf16]    # session 36: the bf16 GEMV (F.linear, cuBLAS; a Triton candidate) on the bf16 modules' shapes
 
 Method as bench.kernels.gemv_streamk_sweep: each call graph-captured over weight copies rotated through ~4x the L2,
 median of CUDA events (bench.kernels.common.time_graph); % of the read ceiling measured first in this run
@@ -186,7 +187,55 @@ class Fp8Fma:
         return (b.view(-1, 2).flip(1).reshape(b.shape).view(torch.float8_e4m3fn), w[1])
 
 
-FAMILIES = {"nvfp4": Nvfp4Fma, "fp8": Fp8Fma}
+class Bf16:
+    """The bf16 GEMV (session 36): what the real Super keeps in bf16 (q/k/v/o but two o, the latent fc1 / fc2 but four,
+    12 in_proj, 11 out_proj, the lm_head: ~4.8 GB a token, as much as its FP8) runs through F.linear (cuBLAS) at
+    M = 1; measured here beside the read ceiling, with bench/kernels/gemv_bf16.py's Triton candidate."""
+    title = "bf16 GEMV"
+    ms = (1,)
+    shapes = [("mamba.in_proj", 18560, 4096, 12), ("mamba.out_proj", 4096, 8192, 11), ("attn.q/o", 4096, 4096, 14),
+              ("attn.k/v", 256, 4096, 16), ("fc1_latent", 1024, 4096, 37), ("fc2_latent", 4096, 1024, 39),
+              ("lm_head", 131072, 4096, 1)]
+    broken_what = "K reversed"
+
+    @staticmethod
+    def variants(M, N, K):
+        return {"today": None, "fma triton": {}}     # (the summary's "best fma" column: the Triton candidate)
+
+    @staticmethod
+    def routed(M, N, K):
+        return None
+
+    @staticmethod
+    def call(cfg, x):
+        if cfg is None:
+            return lambda w: torch.nn.functional.linear(x, w)
+        from bench.kernels.gemv_bf16 import bf16_gemv
+        return lambda w: bf16_gemv(x, w).to(x.dtype)
+
+    @staticmethod
+    def config(M, N, K, cfg):
+        return dict(programs=triton.cdiv(N, 128), SLICES=1)
+
+    @staticmethod
+    def nbytes(N, K, M):
+        return N * K * 2 + M * K * 2 + M * N * 2
+
+    @staticmethod
+    def weights(N, K, copies, seed):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        return [(torch.randn(N, K, device=DEV, generator=gen).bfloat16(),) for _ in range(copies)]
+
+    @staticmethod
+    def twin(x, w):
+        return x.float() @ w[0].float().t()
+
+    @staticmethod
+    def broken(w):
+        return (w[0].flip(1),)
+
+
+FAMILIES = {"nvfp4": Nvfp4Fma, "fp8": Fp8Fma, "bf16": Bf16}
 
 
 def copies_for(nb):
@@ -235,9 +284,10 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=125.0)
     ap.add_argument("--only", default="")
     ap.add_argument("--precompile", type=int, default=12 if CUDA else 0)
-    ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV (bench/kernels/gemv_fp8_fma.py) instead")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV (kernels/gemv_fp8_fma.py) instead")
+    ap.add_argument("--bf16", action="store_true", help="the bf16 GEMV (cuBLAS, the Triton candidate) instead")
     a = ap.parse_args(argv)
-    fam = Fp8Fma if a.fp8 else Nvfp4Fma
+    fam = Fp8Fma if a.fp8 else Bf16 if a.bf16 else Nvfp4Fma
     t0 = time.time()
     env = dict(gpu=torch.cuda.get_device_name(0) if CUDA else "none (CPU smoke run, TRITON_INTERPRET=1)",
                torch=torch.__version__, triton=triton.__version__, family=fam.title,
