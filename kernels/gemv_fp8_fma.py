@@ -1,19 +1,21 @@
 """The FP8 decode GEMV on the CUDA cores (issue 19, part 1: "FP8 GEMV ... >= 80 %"; session 36).
 
 Where it runs: `kernels.gemv_nvfp4.fp8_linear` calls `fp8_linear_fma` when the shape's FP8_GEMV_CHOICES entry carries
-an 'FMA' key (sm_90, M = 1: every Super FP8 shape, where the H100 measured it 2-20 % faster than the tensor-core GEMV,
-bench/NOTES.md session 36); MOESTREAM_GEMV_FMA=0 turns those keys off, as it does the NVFP4 FMA GEMV's. It lost at
-M = 2 (the decode of one word feeds two chains: issue-bound), so M = 2 stays on the tensor cores. The experiments
-around it (SASS counts, the sweep: `python -m bench.kernels.gemv_fma_sweep --fp8`) are in bench/kernels/gemv_fp8_fma.py.
+an 'FMA' key (sm_90, M = 1: every Super FP8 shape); MOESTREAM_GEMV_FMA=0 turns those keys off, as it does the NVFP4
+FMA GEMV's. It lost at M = 2 (the decode of one word feeds two chains), so M = 2 stays on the tensor cores. The
+experiments around it (SASS counts; the sweep: `python -m bench.kernels.gemv_fma_sweep --fp8`) are in
+bench/kernels/gemv_fp8_fma.py, their record in bench/NOTES.md, session 36.
 
     y[m, n] = scale * sum_k e4m3[n, k] * x[m, k]
 
-Why it could win: the real Super checkpoint keeps ~4.8 GB of its dense weights per token in per-tensor FP8 (28 Mamba
-in_proj, 29 out_proj, most shared-expert up / down: reference/nemotron-h-format.md), read once per token. An e4m3 pair
-becomes an fp16 pair in one instruction (cvt.rn.f16x2.e4m3x2, exact), so a weight costs ~1.1 instructions here
-(half a convert, half an HFMA2, the lane's sums) against ~2.45 in the NVFP4 FMA kernel, whose own grid reads in_proj
-at 76-84 % of the read ceiling without the decode (session 13's read probe). The tensor-core GEMV spends its time on
-the block-diagonal x operand and the layout moves of a dot with one useful column.
+Why: the real Super checkpoint keeps ~4.8 GB of its dense weights per token in per-tensor FP8 (28 Mamba in_proj, 29
+out_proj, most shared-expert up / down: reference/nemotron-h-format.md), read once per token. An e4m3 pair becomes an
+fp16 pair in one instruction (cvt.rn.f16x2.e4m3x2, exact): 1.54 instructions a weight at C = 8 (SASS), against the
+NVFP4 FMA kernel's 2.45. Measured on an H100 (read ceiling 3.1 TB/s), µs tensor cores -> this kernel: in_proj 40.0 ->
+28.4 (61 -> 86 % of the read ceiling), out_proj 18.2 -> 16.8, shared up 15.1 -> 10.9, down 14.2 -> 13.3, fc1 7.3 ->
+4.9; the Super token's FP8 GEMVs 2.81 -> 2.24 ms. Its read probe (PROBE: the same grid and loads, no products) runs
+no faster, and at C = 4 (two K-slices at K = 4,096) in_proj took 34.6: the kernel is bound by how long a contiguous
+run of a row each program reads, not by its instructions, hence C up to 8.
 
 The layout is kernels/gemv_nvfp4_fma.py's: a program owns a K-slice j (grid axis 1) of at most C x 512 codes and a
 run of `rows_per_prog` rows (grid axis 0); lane l of each warp owns the 16-byte chunks c * 512 + l * 16 of the slice
@@ -99,7 +101,7 @@ def _x_row_fp8(x_ptr, kc, m_k, X_TOP: tl.constexpr):
 def _load_words(w_ptr, rows, row_last, kw0, kw_last, row_w, C: tl.constexpr, EVICT: tl.constexpr):
     """The [BN, C, 128] words of these rows (lane l: words 4l..4l+3 of each chunk, one 16-byte load), rows past the
     run and chunks past the slice clamped to the last valid ones (their x is 0 and their y not stored). EVICT: the
-    words marked first out of the L2 (read once; x and the partials stay)."""
+    words marked first out of the L2 (read once; x and the partials stay): level within 1 % (session 36, H100)."""
     o_i = tl.arange(0, 128)[None, None, :]
     o_c = tl.minimum(kw0 + tl.arange(0, C)[None, :, None] * 128 + o_i // 4 * 4, kw_last)
     r = tl.minimum(rows, row_last)[:, None, None]
@@ -207,8 +209,8 @@ def fp8_fma_config(M: int, N: int, K: int, device, config: dict | None = None, n
     in the grid), SLICES: kernels.gemv_nvfp4_fma.fma_config's rule with 512-code chunks (16 codes a lane). X_TOP
     (a test's knob): the power of two x is scaled below, `x_top(C)` by default; above it the fp16 sums can overflow."""
     m_pad = 1 if M <= 1 else 2
-    # M = 1: the longest slices (session 36 call 1, H100: C 4 > 2 > 1 on every shape, the probe alike); 161
-    # registers at C 8, 3 programs an SM
+    # M = 1: the longest slices (session 36, H100: C 8 > 4 > 2 > 1 on every shape, the probe alike; in_proj at this
+    # default 28.7 µs, 85 % of the read ceiling); 161 registers at C 8, 3 programs an SM
     cfg = dict(C=8, R=1, num_warps=4, PPS=3, num_stages=1) if m_pad == 1 else \
         dict(C=4, R=1, num_warps=4, PPS=3, num_stages=1)
     cfg["C"] = min(cfg["C"], triton.next_power_of_2(triton.cdiv(K, 512)))    # K = 512: no idle chunks

@@ -875,11 +875,11 @@ def x_columns(x2: torch.Tensor) -> torch.Tensor:
 FP8_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
     # session 7 (h27, bench/results/gemv_streamk_h200_session7_run1.*): µs experiment 4's config -> STREAM_K
     (90, 1, 18560, 4096): {'STREAM_K': 4, 'num_stages': 3,
-                           'FMA': dict(C=4, R=1, PPS=5)},                               # mamba.in_proj 40.3 -> 34.6
-    (90, 1, 4096, 8192): {'STREAM_K': 2, 'FMA': dict(C=4, R=1, PPS=4)},               # mamba.out_proj 18.4 -> 17.2
-    (90, 1, 5376, 4096): {'STREAM_K': 3, 'FMA': dict(C=4, R=1, PPS=4)},               # shared.up 15.2 -> 13.1
-    (90, 1, 4096, 5376): {'STREAM_K': 3, 'FMA': dict(C=4, R=1, PPS=4)},               # shared.down 14.3 -> 14.0
-    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True, 'FMA': dict(C=4, R=2, PPS=2)},   # fc1_latent 7.4 -> 5.9
+                           'FMA': dict(C=8, R=1, PPS=2)},                               # mamba.in_proj 40.0 -> 28.4
+    (90, 1, 4096, 8192): {'STREAM_K': 2, 'FMA': dict(C=8, R=2, PPS=2)},               # mamba.out_proj 18.2 -> 16.8
+    (90, 1, 5376, 4096): {'STREAM_K': 3, 'FMA': dict(C=8, R=1, PPS=2)},               # shared.up 15.1 -> 10.9
+    (90, 1, 4096, 5376): {'STREAM_K': 3, 'FMA': dict(C=8, R=2, PPS=2)},               # shared.down 14.2 -> 13.3
+    (90, 1, 1024, 4096): {'STREAM_K': 1, 'X_BUILD': True, 'FMA': dict(C=8, R=1, PPS=2)},   # fc1_latent 7.3 -> 4.9
     (90, 8, 18560, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # mamba.in_proj 31.6 -> 27.7
     (90, 8, 4096, 8192): {'STREAM_K': 2, 'X_BUILD': True},  # mamba.out_proj 18.3 -> 14.9
     (90, 8, 5376, 4096): {'STREAM_K': 3, 'X_BUILD': True},  # shared.up 14.2 -> 12.9
