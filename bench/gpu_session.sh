@@ -182,7 +182,7 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
     # session 36: the FP8 GEMV on the CUDA cores (bench/kernels/gemv_fp8_fma.py): its tests with the PTX, then the sweep
-    fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_fp8fma.log" 2>&1
+    fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py tests/kernels/test_gemv_bf16.py tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_fp8fma.log" 2>&1
       tail -2 "$OUT/pytest_fp8fma.log"
       timeout ${FP8FMA_TIMEOUT:-200} python3 -m bench.kernels.gemv_fma_sweep --fp8 --budget-s $(( ${FP8FMA_TIMEOUT:-200} - 30 )) \
         --out "$OUT/fp8fma.json" > "$OUT/fp8fma.log" 2>&1

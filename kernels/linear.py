@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import backend, dense_prefill
+from kernels.gemv_bf16 import bf16_linear_routed
 from kernels.gemv_nvfp4 import DECODE_MAX_ROWS, fp8_linear, nvfp4_linear
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
 
@@ -85,4 +86,8 @@ def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return nvfp4_linear(x, w.weight, w.weight_scale, w.weight_scale_2)
     if w.fmt == "fp8" and backend.use_triton(x, "gemv_nvfp4"):
         return fp8_linear(x, w.weight, w.weight_scale)
+    if w.fmt == "dense" and backend.use_triton(x, "gemv_nvfp4"):
+        y = bf16_linear_routed(x, w.weight)     # the lm_head and the bf16 in_proj at M = 1 (kernels/gemv_bf16.py)
+        if y is not None:
+            return y
     return F.linear(x, w.dequantize(x.dtype))

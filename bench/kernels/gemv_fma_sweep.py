@@ -190,7 +190,7 @@ class Fp8Fma:
 class Bf16:
     """The bf16 GEMV (session 36): what the real Super keeps in bf16 (q/k/v/o but two o, the latent fc1 / fc2 but four,
     12 in_proj, 11 out_proj, the lm_head: ~4.8 GB a token, as much as its FP8) runs through F.linear (cuBLAS) at
-    M = 1; measured here beside the read ceiling, with bench/kernels/gemv_bf16.py's Triton candidate."""
+    M = 1; measured here beside the read ceiling, with kernels/gemv_bf16.py's Triton GEMV."""
     title = "bf16 GEMV"
     ms = (1,)
     shapes = [("mamba.in_proj", 18560, 4096, 12), ("mamba.out_proj", 4096, 8192, 11), ("attn.q/o", 4096, 4096, 14),
@@ -200,17 +200,25 @@ class Bf16:
 
     @staticmethod
     def variants(M, N, K):
-        return {"today": None, "fma triton": {}}     # (the summary's "best fma" column: the Triton candidate)
+        v = {"today": None, "fma triton": {}}       # (the summary's "best fma" column: kernels/gemv_bf16.py)
+        if Bf16.routed(M, N, K) is not None:
+            v["routed"] = ROUTED
+        return v
 
     @staticmethod
     def routed(M, N, K):
-        return None
+        """The bf16_gemv keywords `linear` routes this shape to on this device (None: F.linear)."""
+        from kernels.gemv_bf16 import BF16_GEMV_CHOICES
+        return BF16_GEMV_CHOICES.get((g._arch(torch.device(DEV)), M, N, K))
 
     @staticmethod
     def call(cfg, x):
         if cfg is None:
             return lambda w: torch.nn.functional.linear(x, w)
-        from bench.kernels.gemv_bf16 import bf16_gemv
+        if cfg is ROUTED:
+            from kernels.linear import QuantizedWeight, linear
+            return lambda w: linear(x, QuantizedWeight("dense", w))
+        from kernels.gemv_bf16 import bf16_gemv
         return lambda w: bf16_gemv(x, w).to(x.dtype)
 
     @staticmethod

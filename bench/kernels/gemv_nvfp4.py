@@ -157,7 +157,7 @@ def run(ctx) -> list[dict]:
     nb = N * K * 2
     copies = 1 if DEV == "cpu" else 2
     ws = [torch.randn(N, K, device=DEV).bfloat16() for _ in range(copies)]
-    from bench.kernels.gemv_bf16 import bf16_gemv
+    from kernels.gemv_bf16 import bf16_gemv
     for M in (1, 8):
         x = torch.randn(M, K, device=DEV).bfloat16()
         e = rel_err(bf16_gemv(x, ws[0]), x.float() @ ws[0].float().t())

@@ -1,8 +1,13 @@
-"""Candidate: a Triton GEMV for the bf16 lm_head (131,072 x 4,096, 1.07 GB read every token) against cuBLAS.
+"""A Triton GEMV for bf16 weights at decode (M = 1), where it beats F.linear (cuBLAS).
 
 bf16 x bf16 products are exact in the fp32 accumulator (8 + 8 significant bits), so this is the same sum as
 F.linear up to order. x.T is prepared once per call as a [K, 16] bf16 B (row m of x in column m), as the NVFP4
-and FP8 decode kernels do; split-K where N is short. Timed by bench/kernels/gemv_nvfp4.py's lm_head rows.
+and FP8 decode kernels do. First a candidate for the bf16 lm_head (131,072 x 4,096, 1.07 GB read every token;
+session 9: 105 % of the D2D copy against cuBLAS' 97 %); session 36 measured it beside cuBLAS on every bf16 shape of
+the real Super (`python -m bench.kernels.gemv_fma_sweep --bf16`, H100, % of the read ceiling): it wins the lm_head
+(378.4 -> 353.7 µs, 91 -> 97 %) and the Mamba in_proj (18,560 x 4,096; 70.7 -> 62.2 µs, 69 -> 79 %), and loses every
+shorter shape (no split-K: out_proj 28.2 -> 33.9, q/o 16.5 -> 19.6, the latent fc1 / fc2 and k/v ~2x). So `linear`
+routes bf16 weights here only for the shapes in BF16_GEMV_CHOICES, at M = 1 on sm_90 (MOESTREAM_GEMV_CHOICES=0: none).
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import backend
+from kernels.gemv_nvfp4 import _CHOICES_ON, _arch
 
 
 @triton.jit
@@ -54,3 +60,27 @@ def bf16_gemv(x2: torch.Tensor, w: torch.Tensor, block_n: int = 128, block_k: in
                                                   F32_DOT=backend.interpreted(), num_warps=num_warps,
                                                   num_stages=num_stages)
     return y
+
+
+# (compute capability, M, N, K) -> bf16_gemv keywords: the shapes where the H100 measured it faster than cuBLAS at
+# M = 1 (session 36 call 2, bench/results/bf16gemv_session36_call2.*: µs cuBLAS -> this kernel)
+BF16_GEMV_CHOICES: dict[tuple[int, int, int, int], dict] = {
+    (90, 1, 18560, 4096): {},        # the Mamba in_proj (the real Super keeps 12 in bf16) 70.7 -> 62.2
+    (90, 1, 131072, 4096): {},       # the lm_head 378.4 -> 353.7
+}
+
+
+def bf16_linear_routed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """y = x @ w.T in x's dtype through `bf16_gemv` where BF16_GEMV_CHOICES names (arch, M, N, K), else None (the
+    caller runs F.linear). x bf16 [..., K] with one row, w bf16 [N, K] contiguous."""
+    if not _CHOICES_ON or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        return None
+    K = x.shape[-1]
+    if x.numel() != K:
+        return None
+    choice = BF16_GEMV_CHOICES.get((_arch(x.device), 1, w.shape[0], K))
+    if choice is None:
+        return None
+    x2 = x.reshape(1, K)
+    return bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, **choice).to(x.dtype).reshape(
+        *x.shape[:-1], w.shape[0])
