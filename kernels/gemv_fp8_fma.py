@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from kernels import backend
-from kernels.gemv_nvfp4 import _arrival_counters, _as_u8, _global, _n_sm
-from kernels.gemv_nvfp4_fma import _chain, _row_sums, _store_rows
+from kernels.gemv_nvfp4 import _as_u8, _global
+from kernels.gemv_nvfp4_fma import _chain, _join_slices, _row_sums, _store_rows, launch_buffers, plan_slices
 
 # one word (4 e4m3 codes, byte 0 first) -> 2 fp16 pairs: (code 0, code 1), (code 2, code 3), exact
 DECODE_FP8_PTX = "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi;}"
@@ -185,21 +185,7 @@ def _fp8_gemv_fma_kernel(
                    USE_ASM, SPLIT, PROBE)
         w_b = _load_words(w_ptr, rb + 3 * BN + o_r, row_end - 1, kw0, kw_end - 4, row_w, C, EVICT)
     if SPLIT:
-        # the last of the row run's slices to arrive sums the partials in slice order (deterministic) and stores y
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_slices - 1:
-            for rb in range(row0, row_end, BN):
-                rows = rb + tl.arange(0, BN)
-                m_r = rows < row_end
-                for m in tl.static_range(M_PAD):
-                    acc = tl.zeros([BN], dtype=tl.float32)
-                    for jj in range(n_slices):
-                        acc += tl.load(part_ptr + (jj * M_PAD + m) * N + rows, mask=m_r, other=0.0,
-                                       cache_modifier=".cg")
-                    tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty),
-                             mask=m_r & ((rows * 0 + m) < M))
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        _join_slices(y_ptr, stride_ym, part_ptr, cnt_ptr, pid, row0, row_end, n_slices, N, M, M_PAD, BN)
 
 
 # ---- the wrapper
@@ -218,17 +204,7 @@ def fp8_fma_config(M: int, N: int, K: int, device, config: dict | None = None, n
     if not 1 <= cfg["C"] <= C_MAX or cfg["C"] & (cfg["C"] - 1):
         raise ValueError(f"C = {cfg['C']}: the FP8 FMA GEMV sums a power of two of at most {C_MAX} chunks in fp16")
     cfg.setdefault("X_TOP", x_top(cfg["C"]))
-    cap = cfg["C"] * 512
-    slices = cfg.get("SLICES") or triton.cdiv(K, cap)
-    chunks = triton.cdiv(K // 16, slices)           # 16-code lane chunks per slice
-    if chunks * 16 > cap:
-        raise ValueError(f"K = {K} in {slices} slices needs {chunks * 16} codes a slice > C x 512 = {cap}")
-    cfg.update(M_PAD=m_pad, SLICES=triton.cdiv(K // 16, chunks), slice_w=chunks * 4)
-    n_sm = n_sm or _n_sm(device)
-    per_slice = max(1, cfg["PPS"] * n_sm // cfg["SLICES"])
-    cfg["rows_per_prog"] = triton.cdiv(N, per_slice)
-    cfg["programs"] = triton.cdiv(N, cfg["rows_per_prog"])
-    return cfg
+    return plan_slices(cfg, m_pad, N, K, 16, device, n_sm)
 
 
 def fp8_linear_fma(x: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype=None, config: dict | None = None,
@@ -241,19 +217,13 @@ def fp8_linear_fma(x: torch.Tensor, weight_e4m3: torch.Tensor, scale, out_dtype=
     assert weight_e4m3.is_contiguous()
     if K % 16:
         raise ValueError(f"K = {K}: the FP8 FMA GEMV reads 16-byte words of codes, K must be a multiple of 16")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
+    out_dtype = out_dtype or x.dtype
+    M = x.numel() // K
     if M > 2:
         raise ValueError(f"M = {M}: the FP8 FMA GEMV takes 1-2 rows of x")
-    out_dtype = out_dtype or x.dtype
     cfg = fp8_fma_config(M, N, K, x.device, config)
-    y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    x2, lead, y, part, cnt = launch_buffers(x, K, N, cfg, out_dtype, out, "FP8 FMA GEMV")
     split = cfg["SLICES"] > 1
-    part = torch.empty((cfg["SLICES"], cfg["M_PAD"], N), dtype=torch.float32, device=x.device) if split else y
-    cnt = _arrival_counters(x.device, cfg["programs"]) if split else y
     grid = (cfg["programs"], cfg["SLICES"])
     _fp8_gemv_fma_kernel[grid](
         x2, _as_u8(weight_e4m3).view(torch.uint32), _global(scale, x.device), y, part, cnt, M, N, K, x2.stride(0),

@@ -323,6 +323,25 @@ def _block(w4, s2, rb, row_end, gs, xa, xs_a, xb, xs_b, y_ptr, stride_ym, part_p
                     gs / xs_b, SPLIT)
 
 
+@triton.jit
+def _join_slices(y_ptr, stride_ym, part_ptr, cnt_ptr, pid, row0, row_end, n_slices, N, M, M_PAD: tl.constexpr,
+                 BN: tl.constexpr):
+    """The split-K join of a row run (this kernel's and kernels/gemv_fp8_fma.py's): the last of its slices to arrive
+    sums the fp32 partials in slice order (deterministic) and stores y, then resets the run's counter."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_slices - 1:
+        for rb in range(row0, row_end, BN):
+            rows = rb + tl.arange(0, BN)
+            m_r = rows < row_end
+            for m in tl.static_range(M_PAD):
+                acc = tl.zeros([BN], dtype=tl.float32)
+                for jj in range(n_slices):
+                    acc += tl.load(part_ptr + (jj * M_PAD + m) * N + rows, mask=m_r, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=m_r & ((rows * 0 + m) < M))
+        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(**backend.varying("rows_per_prog"))
 def _nvfp4_gemv_fma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr,
@@ -362,21 +381,7 @@ def _nvfp4_gemv_fma_kernel(
                USE_ASM, SPLIT, PROBE)
         w_b, s_b = _load_rows(w_ptr, s_ptr, rb + 3 * BN + o_r, row_end - 1, kw0, kw_end - 4, row_w, C, USE_ASM)
     if SPLIT:
-        # the last of the row run's slices to arrive sums the partials in slice order (deterministic) and stores y
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_slices - 1:
-            for rb in range(row0, row_end, BN):
-                rows = rb + tl.arange(0, BN)
-                m_r = rows < row_end
-                for m in tl.static_range(M_PAD):
-                    acc = tl.zeros([BN], dtype=tl.float32)
-                    for jj in range(n_slices):
-                        acc += tl.load(part_ptr + (jj * M_PAD + m) * N + rows, mask=m_r, other=0.0,
-                                       cache_modifier=".cg")
-                    tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty),
-                             mask=m_r & ((rows * 0 + m) < M))
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        _join_slices(y_ptr, stride_ym, part_ptr, cnt_ptr, pid, row0, row_end, n_slices, N, M, M_PAD, BN)
 
 
 # ---- the wrapper
@@ -391,17 +396,41 @@ def fma_config(M: int, N: int, K: int, device, config: dict | None = None, n_sm:
         dict(C=1, R=2, num_warps=4, PPS=5, num_stages=1)
     cfg["C"] = min(cfg["C"], triton.next_power_of_2(triton.cdiv(K, 1024)))    # K = 1,024: no idle chunks
     cfg.update(config or {})
-    cap = cfg["C"] * 1024
+    return plan_slices(cfg, m_pad, N, K, 32, device, n_sm)
+
+
+def plan_slices(cfg: dict, m_pad: int, N: int, K: int, lane_codes: int, device, n_sm: int | None) -> dict:
+    """The grid of an FMA GEMV (this one's and kernels/gemv_fp8_fma.py's): K cut into the fewest slices of at most
+    C x 32 x `lane_codes` codes, as even as a lane's chunk of `lane_codes` codes (one 16-byte load) allows; rows
+    spread over PPS programs an SM per slice. Adds M_PAD, SLICES, slice_w (32-bit words a slice), rows_per_prog and
+    programs to `cfg`."""
+    cap = cfg["C"] * 32 * lane_codes
     slices = cfg.get("SLICES") or triton.cdiv(K, cap)
-    chunks = triton.cdiv(K // 32, slices)           # 32-code chunks per slice
-    if chunks * 32 > cap:
-        raise ValueError(f"K = {K} in {slices} slices needs {chunks * 32} codes a slice > C x 1,024 = {cap}")
-    cfg.update(M_PAD=m_pad, SLICES=triton.cdiv(K // 32, chunks), slice_w=chunks * 4)
+    chunks = triton.cdiv(K // lane_codes, slices)       # lane chunks per slice
+    if chunks * lane_codes > cap:
+        raise ValueError(f"K = {K} in {slices} slices needs {chunks * lane_codes} codes a slice > C x "
+                         f"{32 * lane_codes:,} = {cap}")
+    cfg.update(M_PAD=m_pad, SLICES=triton.cdiv(K // lane_codes, chunks), slice_w=chunks * 4)
     n_sm = n_sm or _n_sm(device)
     per_slice = max(1, cfg["PPS"] * n_sm // cfg["SLICES"])
     cfg["rows_per_prog"] = triton.cdiv(N, per_slice)
     cfg["programs"] = triton.cdiv(N, cfg["rows_per_prog"])
     return cfg
+
+
+def launch_buffers(x: torch.Tensor, K: int, N: int, cfg: dict, out_dtype, out: torch.Tensor | None, name: str):
+    """(x2 [M, K] with unit stride, the leading shape, y, the fp32 partials, the arrival counters) of an FMA GEMV
+    launch; without a split the partials and counters are y (not read)."""
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] > 2:
+        raise ValueError(f"M = {x2.shape[0]}: the {name} takes 1-2 rows of x")
+    y = out if out is not None else torch.empty((x2.shape[0], N), dtype=out_dtype, device=x.device)
+    if cfg["SLICES"] == 1:
+        return x2, x.shape[:-1], y, y, y
+    part = torch.empty((cfg["SLICES"], cfg["M_PAD"], N), dtype=torch.float32, device=x.device)
+    return x2, x.shape[:-1], y, part, _arrival_counters(x.device, cfg["programs"])
 
 
 def nvfp4_linear_fma(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: torch.Tensor, global_scale,
@@ -415,19 +444,13 @@ def nvfp4_linear_fma(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3
     assert weight_u8.is_contiguous() and weight_scale_e4m3.is_contiguous()
     if K % 32:
         raise ValueError(f"K = {K}: the FMA GEMV reads 16-byte words of codes, K must be a multiple of 32")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
+    out_dtype = out_dtype or x.dtype
+    M = x.numel() // K
     if M > 2:
         raise ValueError(f"M = {M}: the FMA GEMV takes 1-2 rows of x")
-    out_dtype = out_dtype or x.dtype
     cfg = fma_config(M, N, K, x.device, config)
-    y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    x2, lead, y, part, cnt = launch_buffers(x, K, N, cfg, out_dtype, out, "FMA GEMV")
     split = cfg["SLICES"] > 1
-    part = torch.empty((cfg["SLICES"], cfg["M_PAD"], N), dtype=torch.float32, device=x.device) if split else y
-    cnt = _arrival_counters(x.device, cfg["programs"]) if split else y
     grid = (cfg["programs"], cfg["SLICES"])
     _nvfp4_gemv_fma_kernel[grid](
         x2, weight_u8.view(torch.uint32), _as_u8(weight_scale_e4m3).view(torch.uint16), _global(global_scale, x.device),
