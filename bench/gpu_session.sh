@@ -182,12 +182,14 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
     # session 36: the FP8 GEMV on the CUDA cores (bench/kernels/gemv_fp8_fma.py): its tests with the PTX, then the sweep
-    fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py tests/kernels/test_gemv_bf16.py tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_fp8fma.log" 2>&1
-      tail -2 "$OUT/pytest_fp8fma.log"
-      timeout ${FP8FMA_TIMEOUT:-200} python3 -m bench.kernels.gemv_fma_sweep --fp8 --budget-s $(( ${FP8FMA_TIMEOUT:-200} - 30 )) \
+    fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py \
+        tests/kernels/test_gemv_bf16.py tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_fp8fma.log" 2>&1
+      tail -2 "$OUT/pytest_fp8fma.log"; FT=${FP8FMA_TIMEOUT:-200}
+      timeout $FT python3 -m bench.kernels.gemv_fma_sweep --fp8 --budget-s $(( FT - 30 )) \
         --out "$OUT/fp8fma.json" > "$OUT/fp8fma.log" 2>&1
       grep -E "^read|BAD|FAILED|WRONG|raised" "$OUT/fp8fma.log" | head -8; tail -16 "$OUT/fp8fma.log"
-      timeout 100 python3 -m bench.kernels.gemv_fma_sweep --bf16 --budget-s 80 --out "$OUT/bf16gemv.json" > "$OUT/bf16gemv.log" 2>&1
+      timeout 100 python3 -m bench.kernels.gemv_fma_sweep --bf16 --budget-s 80 --out "$OUT/bf16gemv.json" \
+        > "$OUT/bf16gemv.log" 2>&1
       grep -E "^read|BAD|FAILED|WRONG" "$OUT/bf16gemv.log" | head -4; tail -12 "$OUT/bf16gemv.log";;
     # session 13 h-fmaroute: the FMA GEMV routed at M = 1 through GEMV_CHOICES' 'FMA' key: its tests on the GPU (the
     # route captured in a CUDA graph and replayed included), then the FMA sweep against the read ceiling
