@@ -41,8 +41,13 @@ TOL = 1e-3
 # (name, variant, config); names are variant/what differs
 P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
-    ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
+    ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8)),    # session 37
+    ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, num_warps=4)),
+    ("rega/gluon-s4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, num_warps=8)),
+    ("rega/gluon-m64", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, num_warps=8)),
+    ("rega/triton", "rega", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/ptr", "dequant", dict(P128)),                  # pointer loads at every T (the default below 256)
     ("dequant/tma", "dequant", dict(P128, TMA=True)),
     ("dequant/tma-n256", "dequant", dict(P128, BLOCK_N=256, num_stages=3, TMA=True)),
@@ -67,6 +72,8 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 
 def _small(cfg):
     """The interpreter's tiles: the candidate's structure (chunking) at sizes it can run in seconds."""
+    if "STAGES" in cfg:      # Gluon (GPU only): not run on a CPU
+        return None
     out = {k: v for k, v in cfg.items() if k in ("CHUNK", "TMA")}
     if "CHUNK" in out:
         out["CHUNK"] = 2
@@ -212,6 +219,9 @@ def main(argv=None):
             continue
         fn = V.VARIANTS[variant]
         kcfg = cfg if CUDA else _small(cfg)
+        if kcfg is None:
+            res["rows"].append(dict(name=name, skipped="GPU only"))
+            continue
         row = dict(name=name, variant=variant, config=kcfg)
         try:
             t0 = time.time()

@@ -1,0 +1,191 @@
+"""The grouped expert prefill with NVFP4 decoded straight into the tensor cores' register operand (issue 13, part 2;
+session 37). An experiment until it wins: `rega` in bench/kernels/expert_prefill_variants.py runs it.
+
+Why. At 256 rows an expert the engine's dequantized path spends ~44 % of its time writing the decoded experts to
+HBM as 16-bit and reading them back (bench/NOTES.md, session 32: 171 of 390 µs for 32 experts). The first fused
+kernel (`_grouped_up_kernel`) decodes in its tile loop but costs 15.3 instructions a weight (SASS, sm_90): its codes
+are byte loads straight into registers, its x is split into even and odd columns through shared memory.
+
+How. Two facts make the decode cheap in the MMA's own layout:
+- A dot product does not care in which order k runs, so long as W and x use the same order. x (and the up's output
+  h, which is the down's x) is stored with each 128-column block permuted (`permute_cols`): column 64 h + 8 p + 4 e
+  + q sits at position 16 (4 h + q) + 2 p + e (h < 2, p < 8, e < 2, q < 4). Column j = 2 p + e of dot d = 4 h + q
+  is then nibble q + 4 e of code word 8 h + p (codes 8 w .. 8 w + 7, low nibble first): a block is eight dots of
+  K = 16, and each column pair (2 p, 2 p + 1) of a dot is nibbles (q, q + 4) of one word.
+- With A in registers (wgmma's RS form, k_width 2), lane c of a quad holds column pairs p = c and p = c + 4 of each
+  row: one word each, whose four pairs (q, q + 4) feed the four dots of its half. That pairing is exactly what
+  kernels.gemv_nvfp4_fma's DECODE_PTX makes of a word in 11 instructions.
+Numbers as the fused kernel: e2m1 · 2^-14 by bit moves, times the e4m3 scale · 2^7 in fp16 (exact), x · 2^-8 in fp16,
+fp32 accumulation; the up stores ReLU² · 2^-8 as fp16 in the permuted order, which is the down's x.
+
+This file is the Triton twin (it runs under the interpreter, so the CPU tests check the scheme); Triton's compiler
+does not keep its decoded tiles in the register operand's layout (they go through shared memory: 10.5 instructions
+a weight on sm_90), so the GPU kernel is bench/kernels/expert_prefill_rega_gluon.py, which states the layouts.
+K is padded to a multiple of 128 in x and h (zeros); the words past K are masked to code 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.expert_prefill import tile_table
+
+PERM_BLOCK = 128
+X_PRESCALE = 1.0 / 256.0     # x · 2^-8 before the fp16 cast (as kernels.gemv_nvfp4._X_PRESCALE)
+REGA_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def padded(k: int) -> int:
+    return triton.cdiv(k, PERM_BLOCK) * PERM_BLOCK
+
+
+def permute_cols(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M, padded(K)]: column 64 h + 8 p + 4 e + q of each 128-block at 16 (4 h + q) + 2 p + e."""
+    M, K = x.shape
+    xp = torch.zeros(M, padded(K), dtype=x.dtype, device=x.device)
+    xp[:, :K] = x
+    return xp.view(M, -1, 2, 8, 2, 4).permute(0, 1, 2, 5, 3, 4).reshape(M, -1)
+
+
+def unpermute_cols(xp: torch.Tensor, K: int) -> torch.Tensor:
+    M = xp.shape[0]
+    return xp.view(M, -1, 2, 4, 8, 2).permute(0, 1, 2, 4, 5, 3).reshape(M, -1)[:, :K]
+
+
+@triton.jit
+def permuted_pos(n):
+    """Where column n lands in `permute_cols`' order."""
+    r = n % 128
+    return n - r + 16 * (4 * (r // 64) + r % 4) + 2 * ((r % 64) // 8) + (r % 8) // 4
+
+
+@triton.jit
+def _permute_x_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o, BLOCK_R: tl.constexpr):
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    m_r = (o_r < M)[:, None]
+    b_x = tl.load(x_ptr + o_r[:, None].to(tl.int64) * stride_x + o_c[None, :], mask=m_r & (o_c < K)[None, :],
+                  other=0.0)
+    b_y = (b_x.to(tl.float32) * (1.0 / 256.0)).to(tl.float16)
+    tl.store(out_ptr + o_r[:, None].to(tl.int64) * stride_o + permuted_pos(o_c)[None, :], b_y, mask=m_r)
+
+
+def permute_x(x: torch.Tensor, block_r: int = 32) -> torch.Tensor:
+    """x [M, K] (bf16 / fp32) -> permute_cols(x · 2^-8) as fp16 in one pass (zeros past K)."""
+    M, K = x.shape
+    assert x.stride(1) == 1
+    out = torch.empty(M, padded(K), dtype=torch.float16, device=x.device)
+    if M:
+        _permute_x_kernel[(triton.cdiv(M, block_r), padded(K) // PERM_BLOCK)](x, out, M, K, x.stride(0),
+                                                                               out.stride(0), BLOCK_R=block_r)
+    return out
+
+
+@triton.jit
+def _nibble(w, s, Q: tl.constexpr):
+    """Code Q of each word as fp16 e2m1 · 2^-14 times the fp16 scale s (exact)."""
+    t = w >> (4 * Q)
+    bits = ((t & 7) << 9) | ((t & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True) * s
+
+
+@triton.jit
+def _words(base, s_base, n64, m_n, k0, N, K, LAYOUT: tl.constexpr, H: tl.constexpr):
+    """Code words 8 H .. 8 H + 7 [BLOCK_N, 8] of the 128-block at k0 (masked past K) and their fp16 scales · 2^7."""
+    wi = k0 // 8 + 8 * H + tl.arange(0, 8)               # word index along K (8 codes a word)
+    m_w = m_n[:, None] & (wi[None, :] < K // 8)
+    g = wi // 2                                          # the 16-group of each word
+    if LAYOUT == 0:
+        p_w = base + n64[:, None] * (K // 2) + 4 * wi[None, :]
+        p_s = s_base + n64[:, None] * (K // 16) + g[None, :]
+    else:
+        p_w = base + g[None, :].to(tl.int64) * (9 * N) + n64[:, None] * 8 + 4 * (wi % 2)[None, :]
+        p_s = base + g[None, :].to(tl.int64) * (9 * N) + 8 * N + n64[:, None]
+    w = tl.load(p_w.to(tl.pointer_type(tl.uint32)), mask=m_w, other=0)
+    s = tl.load(p_s, mask=m_w, other=0)
+    return w, (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 128.0).to(tl.float16)
+
+
+@triton.jit
+def _rega_dot(x_ptr, stride_xm, o_m, m_m, base, s_base, o_n, m_n, N, K, LAYOUT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = sum over K of W[n, k] x[m, k] · 2^-15 (global scale not applied); x permuted fp16.
+    LAYOUT 0: codes [N, K/2] row-major, scales [N, K/16]; LAYOUT 1: the block's down groups (group g: codes [N, 8]
+    at g · 9N, scales [N] after them)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    o_j = tl.arange(0, 16)
+    n64 = o_n.to(tl.int64)
+    for k0 in range(0, K, 128):
+        p_x = x_ptr + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_j[None, :]
+        for h in tl.static_range(2):
+            w, s = _words(base, s_base, n64, m_n, k0, N, K, LAYOUT, h)
+            for q in tl.static_range(4):
+                a = tl.reshape(tl.join(_nibble(w, s, q), _nibble(w, s, q + 4)), (BLOCK_N, 16))
+                b_x = tl.load(p_x + 16 * (4 * h + q), mask=m_m[:, None], other=0.0)
+                acc = tl.dot(a, tl.trans(b_x), acc)
+    return acc
+
+
+@triton.jit
+def _rega_up_kernel(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    i = tl.load(table_ptr + 3 * t)
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8))
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_n = o_n < I
+    m_m = o_m < m1
+    b_h = _rega_dot(x_ptr, stride_xm, o_m, m_m, base, base + up_scales_off, o_n, m_n, I, L, 0, BLOCK_M, BLOCK_N)
+    b_h = tl.maximum(b_h * (tl.load(gs_ptr + i) * 32768.0), 0.0)
+    b_h = (b_h * b_h * (1.0 / 256.0)).to(tl.float16)
+    pos = permuted_pos(o_n)                                          # h is the down's x: permuted
+    tl.store(h_ptr + o_m[None, :].to(tl.int64) * stride_hm + pos[:, None], b_h, mask=m_n[:, None] & m_m[None, :])
+
+
+@triton.jit
+def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    i = tl.load(table_ptr + 3 * t)
+    m0 = tl.load(table_ptr + 3 * t + 1)
+    m1 = tl.load(table_ptr + 3 * t + 2)
+    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8)) + down_off
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_n = o_n < L
+    m_m = o_m < m1
+    b_y = _rega_dot(h_ptr, stride_hm, o_m, m_m, base, base, o_n, m_n, L, I, 1, BLOCK_M, BLOCK_N)
+    b_y = b_y * (tl.load(gs_ptr + i) * 32768.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
+    tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
+    tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem="relaxed")
+
+
+def rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
+    """acc[tok] += w · down(relu(up x)²) over the experts' sorted rows, the weights decoded into the A operand."""
+    assert geom.fmt == "nvfp4" and geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
+    cfg = {**REGA_CONFIG, **(config or {})}
+    L, I = geom.L, geom.I
+    assert L % 16 == 0 and I % 16 == 0
+    table = tile_table(segments, cfg["BLOCK_M"])
+    if not table:
+        return acc
+    used = [(s, n) for s, n in segments if n > 0]
+    lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
+    dev = x_sorted.device
+    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
+    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    n = len(table)
+    xp = permute_x(x_sorted[lo:hi])
+    h = torch.zeros(hi - lo, padded(I), dtype=torch.float16, device=dev)
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    _rega_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0), h.stride(0),
+                                                        geom.up_scales_off, **launch)
+    _rega_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
+                                                          acc, n, L, I, h.stride(0), geom.down_off, **launch)
+    return acc

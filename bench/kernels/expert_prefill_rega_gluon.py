@@ -1,0 +1,226 @@
+"""`rega` written in Gluon (Triton's explicit-layout dialect, sm_90 only): the same permuted-x scheme as
+bench/kernels/expert_prefill_rega.py, with the layouts that scheme needs stated instead of hoped for.
+
+Triton's own compiler keeps the code words in a blocked layout and converts every decoded nibble tile to wgmma's
+register operand through shared memory (STS + LDSM.MT per tile, a barrier and a wgmma wait per dot: 10.5
+instructions a weight, SASS sm_90). Here the words are loaded straight into the register operand's layout
+(DotOperandLayout of the MMA, k_width 2): lane c of a quad gets words 2c, 2c + 1, 2c + 8, 2c + 9 of each row, the
+decode is elementwise in that layout, and each nibble tile goes to `warpgroup_mma` as it is. x goes through a ring
+of shared-memory stages filled by cp.async (the only operand in shared memory); the words of block j + 1 are loaded
+into registers while block j is multiplied.
+
+Per 128-code block and row tile: 8 wgmma (one per nibble q, K = 16) issued back to back, each one's decode under the
+previous one's MMA; the ring's stage is reused only after the block's MMAs are waited for.
+No interpreter path: Gluon kernels run on a GPU only. The CPU tests run the Triton twin (same permutation, same
+numbers); the GPU test compares this kernel to it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from bench.kernels.expert_prefill_rega import padded, permute_x, permuted_pos
+from kernels.expert_prefill import tile_table
+from kernels.gemv_nvfp4_fma import DECODE_PTX
+
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8)
+
+
+DECODE = gl.constexpr(DECODE_PTX)
+
+
+@gluon.jit
+def _half(base, s_base, w_offs, s_offs, m_n, j2, blk, w_step, s_step, n_words, H: gl.constexpr):
+    """Words 8 H + j // 2 of 128-block blk for every column j of the register operand (each word twice: the
+    columns 2p and 2p + 1 of a pair), and their e4m3 scales."""
+    m_w = m_n & (blk * 16 + 8 * H + j2 // 2 < n_words)
+    w = gl.load((base + (w_offs + blk * w_step)).to(gl.pointer_type(gl.int32)), mask=m_w, other=0)
+    s = gl.load(s_base + (s_offs + blk * s_step), mask=m_w, other=0)
+    return w, s
+
+
+@gluon.jit
+def _pairs(w):
+    """The four fp16 pairs (q, q + 4) of each word, q = 0..3 (DECODE_PTX: e2m1 · 2^-14, exact)."""
+    return gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [w],
+                                     dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
+    cp.async_copy_global_to_shared(ring.index(stage), x_ptr + (x_offs + k0), mask=x_mask)
+    cp.commit_group()
+
+
+@gluon.jit
+def _mma_half(w, s, tile, acc, a_prev, H: gl.constexpr):
+    """The four dots d = 4 H + q of one half block, each issued as soon as its operand is decoded."""
+    sf = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
+    p0, p1, p2, p3 = _pairs(w)
+    a = p0 * sf
+    acc = warpgroup_mma(a, tile.slice(64 * H, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    a_prev = a
+    a = p1 * sf
+    acc = warpgroup_mma(a, tile.slice(64 * H + 16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    a_prev = a
+    a = p2 * sf
+    acc = warpgroup_mma(a, tile.slice(64 * H + 32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    a_prev = a
+    a = p3 * sf
+    acc = warpgroup_mma(a, tile.slice(64 * H + 48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    return acc, a
+
+
+@gluon.jit
+def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (MMA layout) = sum over K of W[n0 + r, k] x[m0 + c, k] · 2^-15, x permuted fp16."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    x_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float16)
+
+    # the words' and scales' offsets in block 0, in the register operand's layout: column j of half H is word
+    # 8 H + j // 2 (group 4 H + j // 4)
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
+    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
+    j2 = gl.expand_dims(o_j, 0)
+    m_n = n2 < N
+    if LAYOUT == 0:
+        w0 = n2 * (K // 2) + 4 * (j2 // 2)
+        s0 = n2 * (K // 16) + j2 // 4
+        w_step = 64                                   # bytes a 128-code block, per row
+        s_step = 8
+        w_h1 = 32                                     # the second half's words: 8 words on
+        s_h1 = 4
+    else:
+        w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
+        s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
+        w_step = 8 * 9 * N
+        s_step = 8 * 9 * N
+        w_h1 = 4 * 9 * N
+        s_h1 = 4 * 9 * N
+    n_words = K // 8
+
+    # x: rows m0 .. m0 + BLOCK_M of the permuted x, 128 columns a block, through the ring
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    o_c = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
+    x_offs = gl.expand_dims(o_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(o_c, 0)
+    x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
+    ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
+    n_blocks = gl.cdiv(K, 128)
+    for j in gl.static_range(STAGES - 1):
+        if j < n_blocks:
+            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
+        else:
+            cp.commit_group()
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
+    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    a_prev = gl.zeros([BLOCK_N, 16], gl.float16, layout=a_l)
+    for j in range(n_blocks):
+        # the next block's words and scales, ahead of this block's MMAs
+        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, n_words, 0)
+        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 1, w_step, s_step, n_words, 1)
+        if j + STAGES - 1 < n_blocks:
+            _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
+        else:
+            cp.commit_group()                           # an empty group keeps the count of groups in flight
+        cp.wait_group(STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+        tile = ring.index(j % STAGES)
+        acc, a_prev = _mma_half(wa, sa, tile, acc, a_prev, 0)
+        acc, a_prev = _mma_half(wb, sb, tile, acc, a_prev, 1)
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        gl.thread_barrier()                             # every warp is done with this stage before it is refilled
+        wa = wa_next
+        sa = sa_next
+        wb = wb_next
+        sb = sb_next
+    return acc
+
+
+@gluon.jit
+def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    pid_n = gl.program_id(0)
+    t = gl.program_id(1)
+    i = gl.load(table_ptr + 3 * t)
+    m0 = gl.load(table_ptr + 3 * t + 1)
+    m1 = gl.load(table_ptr + 3 * t + 2)
+    base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8))
+    n0 = pid_n * BLOCK_N
+    acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
+                      num_warps)
+    b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
+    b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    pos = permuted_pos(o_n)
+    p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
+    gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(o_m < m1, 0))
+
+
+@gluon.jit
+def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    pid_n = gl.program_id(0)
+    t = gl.program_id(1)
+    i = gl.load(table_ptr + 3 * t)
+    m0 = gl.load(table_ptr + 3 * t + 1)
+    m1 = gl.load(table_ptr + 3 * t + 2)
+    base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8)) + down_off
+    n0 = pid_n * BLOCK_N
+    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, num_warps)
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    m_m = o_m < m1
+    b_y = acc * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
+    tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
+    p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
+    gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
+
+
+def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
+    """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90)."""
+    assert geom.fmt == "nvfp4" and geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
+    cfg = {**GLUON_CONFIG, **(config or {})}
+    L, I = geom.L, geom.I
+    assert L % 16 == 0 and I % 16 == 0
+    table = tile_table(segments, cfg["BLOCK_M"])
+    if not table:
+        return acc
+    used = [(s, n) for s, n in segments if n > 0]
+    lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
+    dev = x_sorted.device
+    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
+    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+    n = len(table)
+    xp = permute_x(x_sorted[lo:hi])
+    alloc = torch.empty if I % 128 == 0 else torch.zeros
+    h = alloc(hi - lo, padded(I), dtype=torch.float16, device=dev)
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "num_warps")}
+    _rega_up_kernel_g[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
+                                                          h.stride(0), geom.up_scales_off, **launch)
+    _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
+                                                            tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
+                                                            geom.down_off, **launch)
+    return acc

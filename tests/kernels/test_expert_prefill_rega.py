@@ -1,0 +1,125 @@
+"""The grouped expert prefill with x's columns permuted so that the decoded code words are the tensor cores' register
+operand (bench/kernels/expert_prefill_rega.py, its Gluon kernel in expert_prefill_rega_gluon.py): the permutation,
+the Triton twin against the PyTorch reference of the layer (interpreter on a CPU), the Gluon kernel against both
+(GPU only: Gluon has no interpreter)."""
+import pytest
+
+import torch
+
+from bench.kernels import expert_prefill_rega as R
+from kernels.expert_prefill import expert_prefill_grouped_torch
+from kernels.testing import assert_close, rel_err
+from test_expert_prefill import L, _layer, _routed
+
+CFG = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+GLUON = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_permutation_places_each_columns_nibble_pair():
+    """Column 64 h + 8 p + 4 e + q of a block lands at 16 (4 h + q) + 2 p + e; K = 200 pads to 256 with zeros (in
+    the last block's permuted places) and comes back; the old layout (column 8 i + q at 16 q + i) is a different permutation (the twin that must fail)."""
+    cols = torch.arange(200.0)[None, :]
+    xp = R.permute_cols(cols)
+    assert xp.shape == (1, 256) and torch.equal(R.unpermute_cols(xp, 200), cols)
+    for c in (0, 5, 77, 127, 128 + 8 * 3 + 4 + 2):
+        r = c % 128
+        h, p, e, q = r // 64, (r % 64) // 8, (r % 8) // 4, r % 4
+        assert xp[0, c - r + 16 * (4 * h + q) + 2 * p + e] == c
+    assert torch.equal(xp[0].sort().values, torch.cat([torch.zeros(56), cols[0]]).sort().values)  # 56 pad zeros
+    old = torch.arange(128.0).view(16, 8).t().reshape(-1)
+    assert not torch.equal(old, xp[0, :128])
+
+
+def test_permute_x_kernel_equals_the_torch_layout(device):
+    """One pass (scale, fp16, permute) equals permute_cols of x · 2^-8 for bf16 rows of odd length, both ways of K."""
+    for M, K in ((37, 200), (5, 256)):
+        x = torch.randn(M, K, device=device).bfloat16() * 30
+        want = R.permute_cols((x.float() * R.X_PRESCALE).half())
+        got = R.permute_x(x)
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+    assert not torch.equal(R.permute_x(x), R.permute_cols((x.flip(1).float() * R.X_PRESCALE).half()))
+
+
+@pytest.mark.parametrize("T,k", [(29, 3), (37, 2)])
+def test_rega_twin_matches_the_layer(T, k, device):
+    """The Triton twin (words per half block, nibble pairs joined) equals the reference layer on L 48 / I 80 (one
+    partial 128-block each way), an unrouted expert and partial row tiles; each expert's neighbour's block must
+    fail."""
+    E = 5
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    _, _, tok, w, segments = _routed(T, k, E, device)
+    xs = torch.randn(T, L, device=device).bfloat16()[tok]
+    ref = expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
+    got = R.rega(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok, torch.zeros(T, L, device=device),
+                 config=CFG)
+    assert_close(got, ref, 1e-3, "rega twin vs layer")
+    rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]
+    bad = R.rega(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, L, device=device), config=CFG)
+    assert rel_err(bad, ref) > 0.1
+
+
+def test_rega_twin_across_blocks(device):
+    """K past one 128-block both ways (L 144, I 272: a full block and a partial one), against the reference."""
+    from kernels.expert_block import ExpertGeometry, pack_expert_block
+    from kernels.nvfp4 import encode_nvfp4
+    Lw, Iw, E, T = 144, 272, 3, 21
+    geom = ExpertGeometry(Lw, Iw, "nvfp4")
+    blocks, ug, dg = [], [], []
+    for _ in range(E):
+        uq, us, u = encode_nvfp4(torch.randn(Iw, Lw) * torch.rand(Iw, 1))
+        dq, ds, d = encode_nvfp4(torch.randn(Lw, Iw) * torch.rand(Lw, 1))
+        blocks.append(pack_expert_block(geom, uq, us, dq, ds).to(device))
+        ug.append(float(u))
+        dg.append(float(d))
+    ug, dg = torch.tensor(ug, device=device), torch.tensor(dg, device=device)
+    tok = torch.arange(T, device=device).repeat_interleave(2)
+    w = torch.rand(2 * T, device=device) + 0.1
+    segments = [(0, 16), (16, 26)]
+    xs = torch.randn(T, Lw, device=device).bfloat16()[tok][:42]
+    ref = expert_prefill_grouped_torch(xs, segments, blocks[:2], geom, ug[:2], dg[:2], w, tok,
+                                       torch.zeros(T, Lw, device=device))
+    got = R.rega(xs, segments, [b.data_ptr() for b in blocks[:2]], geom, ug[:2], dg[:2], w, tok,
+                 torch.zeros(T, Lw, device=device), config=CFG)
+    assert_close(got, ref, 1e-3, "rega twin, two blocks")
+    swapped = [blocks[1].data_ptr(), blocks[0].data_ptr()]
+    bad = R.rega(xs, segments, swapped, geom, ug[:2], dg[:2], w, tok, torch.zeros(T, Lw, device=device), config=CFG)
+    assert rel_err(bad, ref) > 0.1
+
+
+@pytest.mark.skipif(not GLUON, reason="the Gluon kernel compiles for sm_90 only (no interpreter)")
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8),
+                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)])
+def test_rega_gluon_matches_the_twin_and_the_layer(cfg):
+    """The Gluon kernels on the GPU: the odd layer (partial blocks, partial tiles) and Super's shape (32 rows an
+    expert, 3 experts) against the reference; the rolled blocks must fail."""
+    from bench.kernels.expert_prefill_rega_gluon import rega_gluon
+    from kernels.expert_block import SUPER, pack_expert_block
+    from kernels.nvfp4 import encode_nvfp4
+    dev = "cuda"
+    for geom_name in ("odd", "super"):
+        if geom_name == "odd":
+            E, T, k = 5, 37, 2
+            geom, blocks, ug, dg, _, _ = _layer(E, dev)
+            _, _, tok, w, segments = _routed(T, k, E, dev)
+            Lx = L
+        else:
+            geom, E, T, Lx = SUPER, 3, 96, SUPER.L
+            blocks, ugl, dgl = [], [], []
+            for _ in range(E):
+                uq, us, u = encode_nvfp4(torch.randn(geom.I, geom.L))
+                dq, ds, d = encode_nvfp4(torch.randn(geom.L, geom.I))
+                blocks.append(pack_expert_block(geom, uq, us, dq, ds).to(dev))
+                ugl.append(float(u))
+                dgl.append(float(d))
+            ug, dg = torch.tensor(ugl, device=dev), torch.tensor(dgl, device=dev)
+            tok = torch.arange(T, device=dev)
+            w = torch.rand(T, device=dev) + 0.1
+            segments = [(0, 32), (32, 41), (73, 23)]
+        xs = torch.randn(T, Lx, device=dev).bfloat16()[tok]
+        ref = expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, Lx, device=dev))
+        got = rega_gluon(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok,
+                         torch.zeros(T, Lx, device=dev), config=cfg)
+        assert_close(got, ref, 1e-3, f"rega gluon vs layer ({geom_name})")
+        rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]
+        bad = rega_gluon(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, Lx, device=dev), config=cfg)
+        assert rel_err(bad, ref) > 0.1
