@@ -27,7 +27,7 @@ from bench.kernels.expert_prefill_rega import padded, permute_x, permuted_pos
 from kernels.expert_prefill import tile_table
 from kernels.gemv_nvfp4_fma import DECODE_PTX
 
-GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8)
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)
 
 
 DECODE = gl.constexpr(DECODE_PTX)
@@ -57,31 +57,84 @@ def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
 
 
 @gluon.jit
-def _mma_half(w, s, tile, acc, a_prev, H: gl.constexpr):
-    """The four dots d = 4 H + q of one half block, each issued as soon as its operand is decoded."""
-    sf = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
-    p0, p1, p2, p3 = _pairs(w)
-    a = p0 * sf
-    acc = warpgroup_mma(a, tile.slice(64 * H, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    a_prev = a
-    a = p1 * sf
-    acc = warpgroup_mma(a, tile.slice(64 * H + 16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    a_prev = a
-    a = p2 * sf
-    acc = warpgroup_mma(a, tile.slice(64 * H + 32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    a_prev = a
-    a = p3 * sf
-    acc = warpgroup_mma(a, tile.slice(64 * H + 48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    return acc, a
+def _operands(wa, sa, wb, sb):
+    """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales."""
+    fa = (sa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
+    fb = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
+    p0, p1, p2, p3 = _pairs(wa)
+    p4, p5, p6, p7 = _pairs(wb)
+    return p0 * fa, p1 * fa, p2 * fa, p3 * fa, p4 * fb, p5 * fb, p6 * fb, p7 * fb
+
+
+@gluon.jit
+def _dot(a, tile, d: gl.constexpr, acc):
+    return warpgroup_mma(a, tile.slice(16 * d, 16, dim=1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _mma_block(wa, sa, wb, sb, tile, acc, DEPTH: gl.constexpr):
+    """The block's eight dots issued back to back. DEPTH 1: each dot waits for the one before the last (two in
+    flight); DEPTH 3: four in flight, an operand released when the wait after the dot three on says it was read.
+    (DEPTH 4 is _rega_dot_g's pipelined loop.)"""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb)
+    if DEPTH == 1:
+        acc = _dot(a0, tile, 0, acc)
+        acc = _dot(a1, tile, 1, acc)
+        acc, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0))
+        acc = _dot(a2, tile, 2, acc)
+        acc, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a1))
+        acc = _dot(a3, tile, 3, acc)
+        acc, a2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a2))
+        acc = _dot(a4, tile, 4, acc)
+        acc, a3 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a3))
+        acc = _dot(a5, tile, 5, acc)
+        acc, a4 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a4))
+        acc = _dot(a6, tile, 6, acc)
+        acc, a5 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a5))
+        acc = _dot(a7, tile, 7, acc)
+        acc, a6 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a6))
+    else:
+        acc = _dot(a0, tile, 0, acc)
+        acc = _dot(a1, tile, 1, acc)
+        acc = _dot(a2, tile, 2, acc)
+        acc = _dot(a3, tile, 3, acc)
+        acc, a0 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a0))
+        acc = _dot(a4, tile, 4, acc)
+        acc, a1 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a1))
+        acc = _dot(a5, tile, 5, acc)
+        acc, a2 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a2))
+        acc = _dot(a6, tile, 6, acc)
+        acc, a3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a3))
+        acc = _dot(a7, tile, 7, acc)
+        acc, a4 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a4))
+        acc, a5, a6 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a5, a6))
+    acc, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a7))
+    return acc
+
+
+@gluon.jit
+def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
+    """DEPTH 3's issue order without the final drain: returns with dots 5-7 in flight (their operands still held)."""
+    acc = _dot(a0, tile, 0, acc)
+    acc = _dot(a1, tile, 1, acc)
+    acc = _dot(a2, tile, 2, acc)
+    acc = _dot(a3, tile, 3, acc)
+    acc, a0 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a0))
+    acc = _dot(a4, tile, 4, acc)
+    acc, a1 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a1))
+    acc = _dot(a5, tile, 5, acc)
+    acc, a2 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a2))
+    acc = _dot(a6, tile, 6, acc)
+    acc, a3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a3))
+    acc = _dot(a7, tile, 7, acc)
+    acc, a4 = warpgroup_mma_wait(num_outstanding=3, deps=(acc, a4))
+    return acc, a5, a6, a7
 
 
 @gluon.jit
 def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
+                num_warps: gl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (MMA layout) = sum over K of W[n0 + r, k] x[m0 + c, k] · 2^-15, x permuted fp16."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -128,7 +181,28 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
     wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
-    a_prev = gl.zeros([BLOCK_N, 16], gl.float16, layout=a_l)
+    if DEPTH == 4:
+        # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run
+        a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb)
+        wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
+        wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
+        for j in range(n_blocks):
+            wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, n_words, 0)
+            wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 2, w_step, s_step, n_words, 1)
+            if j + STAGES - 1 < n_blocks:
+                _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
+            else:
+                cp.commit_group()
+            cp.wait_group(STAGES - 1)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb)
+            acc, a5, a6, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a5, a6, a7))
+            gl.thread_barrier()
+            a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+            wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
+        return acc
     for j in range(n_blocks):
         # the next block's words and scales, ahead of this block's MMAs
         wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, n_words, 0)
@@ -141,9 +215,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         fence_async_shared()
         gl.thread_barrier()
         tile = ring.index(j % STAGES)
-        acc, a_prev = _mma_half(wa, sa, tile, acc, a_prev, 0)
-        acc, a_prev = _mma_half(wb, sb, tile, acc, a_prev, 1)
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH)
         gl.thread_barrier()                             # every warp is done with this stage before it is refilled
         wa = wa_next
         sa = sa_next
@@ -155,7 +227,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 @gluon.jit
 def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      DEPTH: gl.constexpr, num_warps: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -166,7 +238,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
     base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8))
     n0 = pid_n * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                      num_warps)
+                      DEPTH, num_warps)
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -179,7 +251,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
 @gluon.jit
 def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        DEPTH: gl.constexpr, num_warps: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -189,7 +261,8 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     m1 = gl.load(table_ptr + 3 * t + 2)
     base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8)) + down_off
     n0 = pid_n * BLOCK_N
-    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, num_warps)
+    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
+                      num_warps)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
@@ -217,7 +290,7 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
     xp = permute_x(x_sorted[lo:hi])
     alloc = torch.empty if I % 128 == 0 else torch.zeros
     h = alloc(hi - lo, padded(I), dtype=torch.float16, device=dev)
-    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "num_warps")}
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
     _rega_up_kernel_g[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
                                                           h.stride(0), geom.up_scales_off, **launch)
     _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],

@@ -42,10 +42,13 @@ TOL = 1e-3
 P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
     ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
-    ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8)),    # session 37
-    ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, num_warps=4)),
-    ("rega/gluon-s4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, num_warps=8)),
-    ("rega/gluon-m64", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, num_warps=8)),
+    ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
+    ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),
+    ("rega/gluon-d1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),   # call 1's
+    ("rega/gluon-n64w4-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=4, num_warps=4)),
+    ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=3, num_warps=4)),
+    ("rega/gluon-m64-d4", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, DEPTH=4, num_warps=8)),
+    ("rega/gluon-m64", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, DEPTH=3, num_warps=8)),
     ("rega/triton", "rega", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
     ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/ptr", "dequant", dict(P128)),                  # pointer loads at every T (the default below 256)

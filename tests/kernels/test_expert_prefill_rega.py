@@ -11,7 +11,10 @@ from kernels.expert_prefill import expert_prefill_grouped_torch
 from kernels.testing import assert_close, rel_err
 from test_expert_prefill import L, _layer, _routed
 
-CFG = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+# the twin's tiles: small under the interpreter; on a GPU (where it is only a reference) the sweep's 128 x 128, which
+# compiled right in session 37's call 1 (its 16 x 32 tiles did not: rel err 3.5 on the H100, bench/NOTES.md)
+CFG = (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3) if torch.cuda.is_available()
+       else dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1))
 GLUON = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -87,8 +90,9 @@ def test_rega_twin_across_blocks(device):
 
 
 @pytest.mark.skipif(not GLUON, reason="the Gluon kernel compiles for sm_90 only (no interpreter)")
-@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8),
-                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8),
+                                 dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=4, num_warps=4),
+                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=1, num_warps=4)])
 def test_rega_gluon_matches_the_twin_and_the_layer(cfg):
     """The Gluon kernels on the GPU: the odd layer (partial blocks, partial tiles) and Super's shape (32 rows an
     expert, 3 experts) against the reference; the rolled blocks must fail."""
