@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
 #   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
-#   (session 35: lend; session 36: fp8fma)
+#   (session 35: lend; session 36: fp8fma; session 37: rega_parts)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ENV_C / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with E2E_AB_ENV, c* with E2E_AB_ENV_C),
@@ -181,6 +181,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       tail -2 "$OUT/pytest_gemv_fma.log"
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
+    # session 37: the expert prefill decoded into wgmma's register operand: each launch alone, with and without the decode
+    rega_parts) timeout ${REGA_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_rega_gluon > "$OUT/rega_parts.log" 2>&1
+      tail -${REGA_TAIL:-8} "$OUT/rega_parts.log";;
     # session 36: the FP8 GEMV on the CUDA cores (bench/kernels/gemv_fp8_fma.py): its tests with the PTX, then the sweep
     fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py \
         tests/kernels/test_gemv_bf16.py tests/kernels/test_gemv_nvfp4_fma.py > "$OUT/pytest_fp8fma.log" 2>&1

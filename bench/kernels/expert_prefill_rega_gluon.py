@@ -57,8 +57,17 @@ def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
 
 
 @gluon.jit
-def _operands(wa, sa, wb, sb):
-    """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales."""
+def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
+    """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
+    PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
+    2 the words loaded and converted (one I2F a word) but not decoded."""
+    if PROBE == 1:
+        one = gl.full(wa.shape, 1.0, gl.float16, layout=wa.type.layout)
+        return one, one, one, one, one, one, one, one
+    if PROBE == 2:
+        ha = wa.to(gl.float16)
+        hb = wb.to(gl.float16)
+        return ha, ha, ha, ha, hb, hb, hb, hb
     fa = (sa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
     fb = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
     p0, p1, p2, p3 = _pairs(wa)
@@ -72,11 +81,11 @@ def _dot(a, tile, d: gl.constexpr, acc):
 
 
 @gluon.jit
-def _mma_block(wa, sa, wb, sb, tile, acc, DEPTH: gl.constexpr):
+def _mma_block(wa, sa, wb, sb, tile, acc, DEPTH: gl.constexpr, PROBE: gl.constexpr):
     """The block's eight dots issued back to back. DEPTH 1: each dot waits for the one before the last (two in
     flight); DEPTH 3: four in flight, an operand released when the wait after the dot three on says it was read.
     (DEPTH 4 is _rega_dot_g's pipelined loop.)"""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
     if DEPTH == 1:
         acc = _dot(a0, tile, 0, acc)
         acc = _dot(a1, tile, 1, acc)
@@ -134,7 +143,7 @@ def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
 @gluon.jit
 def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
-                num_warps: gl.constexpr):
+                PROBE: gl.constexpr, num_warps: gl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (MMA layout) = sum over K of W[n0 + r, k] x[m0 + c, k] · 2^-15, x permuted fp16."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -183,7 +192,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
     if DEPTH == 4:
         # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run
-        a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
         wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
         wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
         for j in range(n_blocks):
@@ -197,7 +206,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
             fence_async_shared()
             gl.thread_barrier()
             acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
-            b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
             acc, a5, a6, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a5, a6, a7))
             gl.thread_barrier()
             a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
@@ -215,7 +224,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         fence_async_shared()
         gl.thread_barrier()
         tile = ring.index(j % STAGES)
-        acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH)
+        acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH, PROBE)
         gl.thread_barrier()                             # every warp is done with this stage before it is refilled
         wa = wa_next
         sa = sa_next
@@ -227,7 +236,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 @gluon.jit
 def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      DEPTH: gl.constexpr, num_warps: gl.constexpr):
+                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -238,7 +247,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
     base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8))
     n0 = pid_n * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                      DEPTH, num_warps)
+                      DEPTH, PROBE, num_warps)
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -251,7 +260,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
 @gluon.jit
 def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        DEPTH: gl.constexpr, num_warps: gl.constexpr):
+                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
@@ -262,7 +271,7 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8)) + down_off
     n0 = pid_n * BLOCK_N
     acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
-                      num_warps)
+                      PROBE, num_warps)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
@@ -291,9 +300,66 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
     alloc = torch.empty if I % 128 == 0 else torch.zeros
     h = alloc(hi - lo, padded(I), dtype=torch.float16, device=dev)
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
-    _rega_up_kernel_g[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
-                                                          h.stride(0), geom.up_scales_off, **launch)
-    _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
-                                                            tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
-                                                            geom.down_off, **launch)
+    part = cfg.get("PART", "both")      # bench only: "up" / "down" alone (the down then reads h as it is)
+    if cfg.get("PROBE"):                 # bench only: the probes' wrong numbers (see _operands)
+        launch["PROBE"] = cfg["PROBE"]
+    if part != "down":
+        _rega_up_kernel_g[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
+                                                              h.stride(0), geom.up_scales_off, **launch)
+    if part != "up":
+        _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
+                                                                tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
+                                                                geom.down_off, **launch)
     return acc
+
+
+def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
+    """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
+    words loaded but not decoded (2) and with no words (1: x's ring and the MMAs alone), beside the bf16 GEMM."""
+    import json
+    from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
+    from kernels.expert_block import SUPER
+    geom = SUPER
+    configs = configs or {"d3": dict(GLUON_CONFIG, DEPTH=3), "d4": dict(GLUON_CONFIG, DEPTH=4)}
+    gemm = gemm_ceiling()
+    blocks, ug, dg = make_blocks(geom, 8, "cpu")
+    dev = "cuda"
+    vram = blocks.to(dev)[torch.arange(experts) % 8].contiguous()
+    ug, dg = ug.to(dev)[torch.arange(experts) % 8], dg.to(dev)[torch.arange(experts) % 8]
+    addrs = [vram[e].data_ptr() for e in range(experts)]
+    rows = []
+    for T in tokens:
+        M = T * experts
+        xs = torch.randn(M, geom.L, device=dev).bfloat16()
+        ws = torch.rand(M, device=dev)
+        tok = torch.arange(M, device=dev) % max(M // 4, 1)
+        acc = torch.zeros(max(M // 4, 1), geom.L, device=dev)
+        segs = [(e * T, T) for e in range(experts)]
+        for name, cfg in configs.items():
+            for probe in (0, 2, 1):
+                for part in ("up", "down"):
+                    c = dict(cfg, PROBE=probe, PART=part)
+                    sec = median_seconds(lambda i, c=c: rega_gluon(xs, segs, addrs, geom, ug, dg, ws, tok, acc,
+                                                                     config=c), 8)
+                    tf = 2 * T * experts * geom.L * geom.I / sec / 1e12
+                    rows.append(dict(T=T, config=name, probe=probe, part=part, us=sec * 1e6, tflops=tf,
+                                     of_gemm=tf / gemm))
+                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                          flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(gemm_tflops=gemm, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    print(f"bf16 GEMM {gemm:.0f} TFLOP/s; % of it (probe 0 decode / 2 words, no decode / 1 no words)")
+    for T in tokens:
+        for name in configs:
+            cells = []
+            for part in ("up", "down"):
+                r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
+                cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in (0, 2, 1)))
+            print(f"T={T:5d} {name:4s} " + "   ".join(cells))
+    return rows
+
+
+if __name__ == "__main__":      # python -m bench.kernels.expert_prefill_rega_gluon (GPU): the parts table
+    import os
+    parts(out=os.path.join(os.environ["OUT"], "rega_parts.json") if os.environ.get("OUT") else None)
