@@ -522,7 +522,8 @@ class Head:
 
     def __call__(self, x, variant):
         m = self.dec.m
-        self.dec.logits.copy_(linear(rms_norm(x, m.norm_f, self.dec.eps), m.lm_head).float())
+        # copy_ casts into the fp32 row in its own kernel: no .float() launch before it
+        self.dec.logits.copy_(linear(rms_norm(x, m.norm_f, self.dec.eps), m.lm_head))
         return x
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import backend
+from kernels.expert_prefill import _to_bf16
 from kernels.gemv_nvfp4 import _CHOICES_ON, _arch
 
 
@@ -30,7 +31,7 @@ def _x_columns_bf16_kernel(x_ptr, xc_ptr, M, K, stride_xm, BLOCK: tl.constexpr):
 
 @triton.jit
 def _bf16_gemv_kernel(xc_ptr, w_ptr, y_ptr, M, N, K, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F32_DOT: tl.constexpr):
+                      F32_DOT: tl.constexpr, OUT_BF16: tl.constexpr = False):
     pid_n = tl.program_id(0)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = tl.arange(0, 16)
@@ -45,20 +46,23 @@ def _bf16_gemv_kernel(xc_ptr, w_ptr, y_ptr, M, N, K, stride_ym, BLOCK_N: tl.cons
             b_acc = tl.dot(b_w.to(tl.float32), b_x.to(tl.float32), b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_w, b_x, b_acc)
+    if OUT_BF16:      # rounded to nearest even in the kernel: no second launch to cast the fp32 row
+        b_acc = _to_bf16(b_acc, F32_DOT)
     tl.store(y_ptr + o_c[None, :] * stride_ym + o_n[:, None], b_acc, mask=m_n[:, None] & (o_c[None, :] < M))
 
 
 def bf16_gemv(x2: torch.Tensor, w: torch.Tensor, block_n: int = 128, block_k: int = 128, num_warps: int = 4,
-              num_stages: int = 4) -> torch.Tensor:
-    """y fp32 [M, N] = x2 [M <= 16, K] @ w.T, w bf16 [N, K] contiguous."""
+              num_stages: int = 4, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, N] = x2 [M <= 16, K] @ w.T, w bf16 [N, K] contiguous; y fp32, or bf16 rounded in the kernel."""
+    assert out_dtype in (torch.float32, torch.bfloat16)
     M, K = x2.shape
     N = w.shape[0]
     xc = torch.empty((K, 16), dtype=torch.bfloat16, device=x2.device)
     _x_columns_bf16_kernel[(triton.cdiv(K, 256),)](x2, xc, M, K, x2.stride(0), BLOCK=256, num_warps=4)
-    y = torch.empty((M, N), dtype=torch.float32, device=x2.device)
+    y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     _bf16_gemv_kernel[(triton.cdiv(N, block_n),)](xc, w, y, M, N, K, y.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  F32_DOT=backend.interpreted(), num_warps=num_warps,
-                                                  num_stages=num_stages)
+                                                  F32_DOT=backend.interpreted(), OUT_BF16=out_dtype == torch.bfloat16,
+                                                  num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -82,5 +86,5 @@ def bf16_linear_routed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if choice is None:
         return None
     x2 = x.reshape(1, K)
-    return bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, **choice).to(x.dtype).reshape(
+    return bf16_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out_dtype=x.dtype, **choice).reshape(
         *x.shape[:-1], w.shape[0])

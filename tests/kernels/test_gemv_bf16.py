@@ -26,6 +26,19 @@ def test_bf16_gemv_equals_the_twin(m, device):
     assert rel_err(b.bf16_gemv(x, w.flip(1).contiguous()), ref) > 0.5
 
 
+def test_bf16_output_is_rounded_in_the_kernel(device):
+    """out_dtype bf16 (what the route asks for, one launch fewer than a cast) equals the fp32 row rounded to nearest
+    even; the twin that must fail is the same row truncated."""
+    n, k = 301, 200
+    w = _w(n, k, device, seed=3)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
+    y32 = b.bf16_gemv(x, w)
+    y16 = b.bf16_gemv(x, w, out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y32.to(torch.bfloat16))
+    truncated = (y32.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert not torch.equal(y16, truncated)
+
+
 @pytest.fixture
 def routed(monkeypatch, device):
     """One BF16_GEMV_CHOICES entry for this device's arch, Triton forced for the ops (the interpreter on a CPU), and a
