@@ -122,6 +122,26 @@ def _mma_block(wa, sa, wb, sb, tile, acc, DEPTH: gl.constexpr, PROBE: gl.constex
 
 
 @gluon.jit
+def _cat2(a, b, layout: gl.constexpr):
+    """[R, C] and [R, C] -> [R, 2C] (a's columns, then b's) in `layout` (the register operand's, K = 2C)."""
+    t = gl.permute(gl.join(a, b), (0, 2, 1))
+    return gl.convert_layout(gl.reshape(t, (a.shape[0], 2 * a.shape[1])), layout)
+
+
+@gluon.jit
+def _issue_halves(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
+    """DEPTH 5: each half block one warpgroup_mma of K = 64 (four wgmma in one group, as a plain GEMM's K step),
+    the operand built from its four K = 16 pieces; returns with the second half in flight."""
+    lay: gl.constexpr = a0.type.layout
+    lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
+    acc = warpgroup_mma(lo, tile.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
+    acc = warpgroup_mma(hi, tile.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, lo = warpgroup_mma_wait(num_outstanding=1, deps=(acc, lo))
+    return acc, hi
+
+
+@gluon.jit
 def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
     """DEPTH 3's issue order without the final drain: returns with dots 5-7 in flight (their operands still held)."""
     acc = _dot(a0, tile, 0, acc)
@@ -190,8 +210,9 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
     wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
-    if DEPTH == 4:
-        # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run
+    if DEPTH >= 4:
+        # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run;
+        # DEPTH 5: the same with a half block's four dots as one K = 64 warpgroup_mma
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
         wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
         wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
@@ -205,9 +226,14 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
             cp.wait_group(STAGES - 1)
             fence_async_shared()
             gl.thread_barrier()
-            acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
-            b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
-            acc, a5, a6, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a5, a6, a7))
+            if DEPTH == 4:
+                acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
+                b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+                acc, a5, a6, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a5, a6, a7))
+            else:
+                acc, hi = _issue_halves(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
+                b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+                acc, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, hi))
             gl.thread_barrier()
             a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
             wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
@@ -320,7 +346,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
-    configs = configs or {"d3": dict(GLUON_CONFIG, DEPTH=3), "d4": dict(GLUON_CONFIG, DEPTH=4)}
+    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in (3, 4, 5)}
     gemm = gemm_ceiling()
     blocks, ug, dg = make_blocks(geom, 8, "cpu")
     dev = "cuda"
