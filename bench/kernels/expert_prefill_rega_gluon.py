@@ -142,6 +142,16 @@ def _issue_halves(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
 
 
 @gluon.jit
+def _issue_whole(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
+    """DEPTH 6: the block's eight dots as one K = 128 warpgroup_mma (one fence, eight wgmma in one group)."""
+    lay: gl.constexpr = a0.type.layout
+    a = _cat2(_cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay), _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay),
+              lay)
+    acc = warpgroup_mma(a, tile.permute((1, 0)), acc, is_async=True)
+    return acc, a
+
+
+@gluon.jit
 def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
     """DEPTH 3's issue order without the final drain: returns with dots 5-7 in flight (their operands still held)."""
     acc = _dot(a0, tile, 0, acc)
@@ -212,7 +222,8 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
     if DEPTH >= 4:
         # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run;
-        # DEPTH 5: the same with a half block's four dots as one K = 64 warpgroup_mma
+        # DEPTH 5: the same with a half block's four dots as one K = 64 warpgroup_mma; DEPTH 6: the whole block as
+        # one K = 128 warpgroup_mma
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
         wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
         wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
@@ -230,10 +241,14 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
                 acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
                 b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
                 acc, a5, a6, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a5, a6, a7))
-            else:
+            elif DEPTH == 5:
                 acc, hi = _issue_halves(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
                 b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
                 acc, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, hi))
+            else:
+                acc, whole = _issue_whole(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
+                b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+                acc, whole = warpgroup_mma_wait(num_outstanding=0, deps=(acc, whole))
             gl.thread_barrier()
             a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
             wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
@@ -346,7 +361,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
-    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in (3, 4, 5)}
+    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in (3, 5, 6)}
     gemm = gemm_ceiling()
     blocks, ug, dg = make_blocks(geom, 8, "cpu")
     dev = "cuda"

@@ -45,6 +45,7 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
     ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),
     ("rega/gluon-d5", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, num_warps=8)),
+    ("rega/gluon-d6", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, num_warps=8)),
     ("rega/gluon-d1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),   # call 1's waits
     ("rega/gluon-n64w4-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=4, num_warps=4)),
     ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=3, num_warps=4)),
