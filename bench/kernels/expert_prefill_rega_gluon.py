@@ -358,10 +358,12 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
     words loaded but not decoded (2) and with no words (1: x's ring and the MMAs alone), beside the bf16 GEMM."""
     import json
+    import os
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
-    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in (3, 5, 6)}
+    depths = [int(d) for d in os.environ.get("REGA_DEPTHS", "3,5,6").split(",")]
+    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in depths}
     gemm = gemm_ceiling()
     blocks, ug, dg = make_blocks(geom, 8, "cpu")
     dev = "cuda"
