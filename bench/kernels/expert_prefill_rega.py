@@ -166,23 +166,33 @@ def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles
     tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem="relaxed")
 
 
-def rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """acc[tok] += w · down(relu(up x)²) over the experts' sorted rows, the weights decoded into the A operand."""
+def prepare(x_sorted, segments, addrs, geom, block_m: int):
+    """A launch's inputs, shared by the twin and the Gluon kernel: (tile table on the device with the block
+    addresses after it, tiles, first row, end row, the rows' permuted fp16 x, the up's output h), or None (no rows).
+    h has zeros in its padded columns (an I past a 128-block's end): the down reads them."""
     assert geom.fmt == "nvfp4" and geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
-    cfg = {**REGA_CONFIG, **(config or {})}
-    L, I = geom.L, geom.I
-    assert L % 16 == 0 and I % 16 == 0
-    table = tile_table(segments, cfg["BLOCK_M"])
+    assert geom.L % 16 == 0 and geom.I % 16 == 0
+    table = tile_table(segments, block_m)
     if not table:
-        return acc
+        return None
     used = [(s, n) for s, n in segments if n > 0]
     lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
     dev = x_sorted.device
     flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
     tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-    n = len(table)
-    xp = permute_x(x_sorted[lo:hi])
-    h = torch.zeros(hi - lo, padded(I), dtype=torch.float16, device=dev)
+    alloc = torch.empty if geom.I % PERM_BLOCK == 0 else torch.zeros
+    h = alloc(hi - lo, padded(geom.I), dtype=torch.float16, device=dev)
+    return tab, len(table), lo, hi, permute_x(x_sorted[lo:hi]), h
+
+
+def rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
+    """acc[tok] += w · down(relu(up x)²) over the experts' sorted rows, the weights decoded into the A operand."""
+    cfg = {**REGA_CONFIG, **(config or {})}
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
+    if got is None:
+        return acc
+    tab, n, lo, hi, xp, h = got
+    L, I = geom.L, geom.I
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     _rega_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0), h.stride(0),
                                                         geom.up_scales_off, **launch)

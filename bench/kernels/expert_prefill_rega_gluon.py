@@ -23,8 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from bench.kernels.expert_prefill_rega import padded, permute_x, permuted_pos
-from kernels.expert_prefill import tile_table
+from bench.kernels.expert_prefill_rega import permuted_pos, prepare
 from kernels.gemv_nvfp4_fma import DECODE_PTX
 
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)
@@ -324,22 +323,12 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
 
 def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
     """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90)."""
-    assert geom.fmt == "nvfp4" and geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
     cfg = {**GLUON_CONFIG, **(config or {})}
-    L, I = geom.L, geom.I
-    assert L % 16 == 0 and I % 16 == 0
-    table = tile_table(segments, cfg["BLOCK_M"])
-    if not table:
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
+    if got is None:
         return acc
-    used = [(s, n) for s, n in segments if n > 0]
-    lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
-    dev = x_sorted.device
-    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
-    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
-    n = len(table)
-    xp = permute_x(x_sorted[lo:hi])
-    alloc = torch.empty if I % 128 == 0 else torch.zeros
-    h = alloc(hi - lo, padded(I), dtype=torch.float16, device=dev)
+    tab, n, lo, hi, xp, h = got
+    L, I = geom.L, geom.I
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
     part = cfg.get("PART", "both")      # bench only: "up" / "down" alone (the down then reads h as it is)
     if cfg.get("PROBE"):                 # bench only: the probes' wrong numbers (see _operands)
