@@ -181,8 +181,10 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       tail -2 "$OUT/pytest_gemv_fma.log"
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
-    # session 37: the expert prefill decoded into wgmma's register operand: each launch alone, with and without the decode
-    rega_parts) timeout ${REGA_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_rega_gluon > "$OUT/rega_parts.log" 2>&1
+    # session 37: the expert prefill decoded into wgmma's register operand: each launch alone, with and without
+    # the decode (REGA_DEPTHS: the DEPTH configs)
+    rega_parts) timeout ${REGA_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_rega_gluon \
+        > "$OUT/rega_parts.log" 2>&1
       tail -${REGA_TAIL:-8} "$OUT/rega_parts.log";;
     # session 36: the FP8 GEMV on the CUDA cores (bench/kernels/gemv_fp8_fma.py): its tests with the PTX, then the sweep
     fp8fma) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_gemv_fp8_fma.py \

@@ -1,18 +1,24 @@
-"""`rega` written in Gluon (Triton's explicit-layout dialect, sm_90 only): the same permuted-x scheme as
-bench/kernels/expert_prefill_rega.py, with the layouts that scheme needs stated instead of hoped for.
+"""`rega` written in Gluon (Triton's explicit-layout dialect, sm_90 only, Triton 3.6's API: the device's): the same
+permuted-x scheme as bench/kernels/expert_prefill_rega.py, with the layouts that scheme needs stated instead of hoped
+for.
 
 Triton's own compiler keeps the code words in a blocked layout and converts every decoded nibble tile to wgmma's
 register operand through shared memory (STS + LDSM.MT per tile, a barrier and a wgmma wait per dot: 10.5
 instructions a weight, SASS sm_90). Here the words are loaded straight into the register operand's layout
-(DotOperandLayout of the MMA, k_width 2): lane c of a quad gets words 2c, 2c + 1, 2c + 8, 2c + 9 of each row, the
-decode is elementwise in that layout, and each nibble tile goes to `warpgroup_mma` as it is. x goes through a ring
-of shared-memory stages filled by cp.async (the only operand in shared memory); the words of block j + 1 are loaded
-into registers while block j is multiplied.
+(DotOperandLayout of the MMA, k_width 2): lane c of a quad gets words p = c and c + 4 of each row and half block
+(each twice: the two columns of its pair), DECODE_PTX turns each word into the pairs (q, q + 4) of four dots, the
+scale is multiplied in fp16, and each K = 16 operand goes to `warpgroup_mma` as it is. x goes through a ring of
+shared-memory stages filled by cp.async (the only operand in shared memory); the words of the next block are loaded
+into registers while a block is multiplied.
 
-Per 128-code block and row tile: 8 wgmma (one per nibble q, K = 16) issued back to back, each one's decode under the
-previous one's MMA; the ring's stage is reused only after the block's MMAs are waited for.
+DEPTH, how the dots are issued (bench/NOTES.md, session 37): 1 two in flight (each dot waits for the one before the
+last), 3 four in flight, 4 four in flight and the next block's operands decoded under this block's last dots, 5 as 4
+with each half block one K = 64 warpgroup_mma (one wgmma fence for four dots), 6 as 4 with the block one K = 128
+warpgroup_mma. Session 37 measured only the first version (DEPTH 1's waits): right, 1.8-2.3x the engine's path at 64
+rows an expert, flat at ~215 TFLOP/s from 256 rows on (25-28 % of the bf16 GEMM); 3-6 are compiled and unmeasured.
+PROBE and PART (bench only) take the decode or the words out and time the up or the down alone (`parts`).
 No interpreter path: Gluon kernels run on a GPU only. The CPU tests run the Triton twin (same permutation, same
-numbers); the GPU test compares this kernel to it.
+numbers); the GPU test compares this kernel to the layer's reference.
 """
 from __future__ import annotations
 

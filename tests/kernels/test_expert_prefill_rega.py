@@ -20,7 +20,8 @@ GLUON = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 def test_permutation_places_each_columns_nibble_pair():
     """Column 64 h + 8 p + 4 e + q of a block lands at 16 (4 h + q) + 2 p + e; K = 200 pads to 256 with zeros (in
-    the last block's permuted places) and comes back; the old layout (column 8 i + q at 16 q + i) is a different permutation (the twin that must fail)."""
+    the last block's permuted places) and comes back; the old layout (column 8 i + q at 16 q + i) is a different
+    permutation (the twin that must fail)."""
     cols = torch.arange(200.0)[None, :]
     xp = R.permute_cols(cols)
     assert xp.shape == (1, 256) and torch.equal(R.unpermute_cols(xp, 200), cols)
