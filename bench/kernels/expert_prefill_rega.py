@@ -19,7 +19,7 @@ Numbers as the fused kernel: e2m1 · 2^-14 by bit moves, times the e4m3 scale ·
 fp32 accumulation; the up stores ReLU² · 2^-8 as fp16 in the permuted order, which is the down's x.
 
 This file is the Triton twin (it runs under the interpreter, so the CPU tests check the scheme); Triton's compiler
-does not keep its decoded tiles in the register operand's layout (they go through shared memory: 10.5 instructions
+does not keep its decoded tiles in the register operand's layout (they go through shared memory: ~11 instructions
 a weight on sm_90), so the GPU kernel is bench/kernels/expert_prefill_rega_gluon.py, which states the layouts.
 K is padded to a multiple of 128 in x and h (zeros); the words past K are masked to code 0.
 """
@@ -128,14 +128,18 @@ def _rega_dot(x_ptr, stride_xm, o_m, m_m, base, s_base, o_n, m_n, N, K, LAYOUT: 
 
 
 @triton.jit
+def tile_entry(table_ptr, t, n_tiles):
+    """Tile t of `prepare`'s table: (its expert's index in the launch, first row, end row, the block's address)."""
+    i = tl.load(table_ptr + 3 * t)
+    return (i, tl.load(table_ptr + 3 * t + 1), tl.load(table_ptr + 3 * t + 2),
+            tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8)))
+
+
+@triton.jit
 def _rega_up_kernel(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    i = tl.load(table_ptr + 3 * t)
-    m0 = tl.load(table_ptr + 3 * t + 1)
-    m1 = tl.load(table_ptr + 3 * t + 2)
-    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8))
+    i, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < I
@@ -151,11 +155,8 @@ def _rega_up_kernel(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, s
 def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    i = tl.load(table_ptr + 3 * t)
-    m0 = tl.load(table_ptr + 3 * t + 1)
-    m1 = tl.load(table_ptr + 3 * t + 2)
-    base = tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8)) + down_off
+    i, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
+    base += down_off
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < L

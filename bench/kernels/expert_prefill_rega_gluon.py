@@ -3,7 +3,7 @@ permuted-x scheme as bench/kernels/expert_prefill_rega.py, with the layouts that
 for.
 
 Triton's own compiler keeps the code words in a blocked layout and converts every decoded nibble tile to wgmma's
-register operand through shared memory (STS + LDSM.MT per tile, a barrier and a wgmma wait per dot: 10.5
+register operand through shared memory (STS + LDSM.MT per tile, a barrier and a wgmma wait per dot: ~11
 instructions a weight, SASS sm_90). Here the words are loaded straight into the register operand's layout
 (DotOperandLayout of the MMA, k_width 2): lane c of a quad gets words p = c and c + 4 of each row and half block
 (each twice: the two columns of its pair), DECODE_PTX turns each word into the pairs (q, q + 4) of four dots, the
@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from bench.kernels.expert_prefill_rega import permuted_pos, prepare
+from bench.kernels.expert_prefill_rega import permuted_pos, prepare, tile_entry
 from kernels.gemv_nvfp4_fma import DECODE_PTX
 
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)
@@ -286,11 +286,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
-    t = gl.program_id(1)
-    i = gl.load(table_ptr + 3 * t)
-    m0 = gl.load(table_ptr + 3 * t + 1)
-    m1 = gl.load(table_ptr + 3 * t + 2)
-    base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8))
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = pid_n * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
                       DEPTH, PROBE, num_warps)
@@ -310,11 +306,8 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     pid_n = gl.program_id(0)
-    t = gl.program_id(1)
-    i = gl.load(table_ptr + 3 * t)
-    m0 = gl.load(table_ptr + 3 * t + 1)
-    m1 = gl.load(table_ptr + 3 * t + 2)
-    base = gl.load(table_ptr + 3 * n_tiles + i).to(gl.pointer_type(gl.uint8)) + down_off
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    base += down_off
     n0 = pid_n * BLOCK_N
     acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
                       PROBE, num_warps)
