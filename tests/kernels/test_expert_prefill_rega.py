@@ -54,8 +54,8 @@ def test_rega_twin_matches_the_layer(T, k, device):
     _, _, tok, w, segments = _routed(T, k, E, device)
     xs = torch.randn(T, L, device=device).bfloat16()[tok]
     ref = expert_prefill_grouped_torch(xs, segments, blocks, geom, ug, dg, w, tok, torch.zeros(T, L, device=device))
-    got = R.rega(xs, segments, [b.data_ptr() for b in blocks], geom, ug, dg, w, tok, torch.zeros(T, L, device=device),
-                 config=CFG)
+    addrs = [b.data_ptr() for b in blocks]
+    got = R.rega(xs, segments, addrs, geom, ug, dg, w, tok, torch.zeros(T, L, device=device), config=CFG)
     assert_close(got, ref, 1e-3, "rega twin vs layer")
     rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]
     bad = R.rega(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, L, device=device), config=CFG)
