@@ -41,6 +41,7 @@ TOL = 1e-3
 # (name, variant, config); names are variant/what differs
 P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
+    ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
     ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
     ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),
@@ -52,7 +53,6 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     ("rega/gluon-m64-d4", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, DEPTH=4, num_warps=8)),
     ("rega/gluon-m64", "rega_gluon", dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, DEPTH=3, num_warps=8)),
     ("rega/triton", "rega", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
-    ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/ptr", "dequant", dict(P128)),                  # pointer loads at every T (the default below 256)
     ("dequant/tma", "dequant", dict(P128, TMA=True)),
     ("dequant/tma-n256", "dequant", dict(P128, BLOCK_N=256, num_stages=3, TMA=True)),
