@@ -40,6 +40,7 @@ from kernels.backend import varying
 from kernels.expert_block import GROUP, ExpertGeometry
 from kernels.expert_up import up_weight_torch
 from kernels.launch_tables import device_table
+from kernels.gemv_bf16 import _to_bf16
 from kernels.gemv_nvfp4 import _X_PRESCALE, _nvfp4_gemm_body, _nvfp4_tile_split
 from kernels.sparse_down import down_group_weights_torch
 
@@ -528,17 +529,6 @@ def _dense_dot(p_a, p_b, m_m, m_n, K, o_k, EVEN_K: tl.constexpr, UPCAST: tl.cons
         p_a += BLOCK_K
         p_b += BLOCK_K
     return b_acc
-
-
-@triton.jit
-def _to_bf16(x, EMULATE: tl.constexpr):
-    """fp32 -> bf16 rounded to nearest even, as the GPU's cvt.rn does. Triton's interpreter (3.9) truncates instead
-    (its rtne mode rounds ties away): there, the same rounding in integer ops."""
-    if EMULATE:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit

@@ -16,8 +16,18 @@ import triton
 import triton.language as tl
 
 from kernels import backend
-from kernels.expert_prefill import _to_bf16
 from kernels.gemv_nvfp4 import _CHOICES_ON, _arch
+
+
+@triton.jit
+def _to_bf16(x, EMULATE: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest even, as the GPU's cvt.rn does. Triton's interpreter (3.9) truncates instead
+    (its rtne mode rounds ties away): there, the same rounding in integer ops."""
+    if EMULATE:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
 
 
 @triton.jit
