@@ -27,7 +27,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bench.kernels.expert_prefill_rega import permuted_pos, prepare, tile_entry
 from kernels.gemv_nvfp4_fma import DECODE_PTX
@@ -268,16 +270,11 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 
 
 @gluon.jit
-def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              num_warps: gl.constexpr):
+    """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
-    pid_n = gl.program_id(0)
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    n0 = pid_n * BLOCK_N
-    acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                      DEPTH, PROBE, num_warps)
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -288,17 +285,11 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
 
 
 @gluon.jit
-def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
-    pid_n = gl.program_id(0)
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    base += down_off
-    n0 = pid_n * BLOCK_N
-    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
-                      PROBE, num_warps)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
@@ -306,6 +297,134 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
     p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
     gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
+
+
+@gluon.jit
+def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
+                      DEPTH, PROBE, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, num_warps)
+
+
+@gluon.jit
+def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    base += down_off
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
+                      PROBE, num_warps)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, num_warps)
+
+
+@gluon.jit
+def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
+    """Block k0 // 128 of x's rows m0 .. m0 + BLOCK_M into ring stage `stage` (two 64-column halves: a 128-byte
+    swizzled TMA box holds 64 fp16), signalled on `bar`."""
+    row = m0.to(gl.int32)
+    mbarrier.expect(bar, 2 * BLOCK_M * 64 * 2)
+    tma.async_copy_global_to_shared(x_desc, [row, k0], bar, ring.index(2 * stage))
+    tma.async_copy_global_to_shared(x_desc, [row, k0 + 64], bar, ring.index(2 * stage + 1))
+
+
+@gluon.jit
+def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
+    """_rega_dot_g at DEPTH 5 with x through TMA: a ring of STAGES blocks, each two [BLOCK_M, 64] boxes, one
+    mbarrier a stage (its phase says which use of the stage landed), one CTA barrier a block (the stage about to
+    be refilled is free in both warpgroups). No per-thread x addresses, no cp.async groups."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
+    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
+    j2 = gl.expand_dims(o_j, 0)
+    m_n = n2 < N
+    if LAYOUT == 0:
+        w0 = n2 * (K // 2) + 4 * (j2 // 2)
+        s0 = n2 * (K // 16) + j2 // 4
+        w_step = 64
+        s_step = 8
+        w_h1 = 32
+        s_h1 = 4
+    else:
+        w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
+        s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
+        w_step = 8 * 9 * N
+        s_step = 8 * 9 * N
+        w_h1 = 4 * 9 * N
+        s_h1 = 4 * 9 * N
+    n_words = K // 8
+    n_blocks = gl.cdiv(K, 128)
+
+    ring = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for j in gl.static_range(STAGES - 1):
+        if j < n_blocks:
+            _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
+    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
+    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
+    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
+    for j in range(n_blocks):
+        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, n_words, 0)
+        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 2, w_step, s_step, n_words, 1)
+        gl.thread_barrier()                   # block j - 1's stage is read in both warpgroups: refill it
+        if j + STAGES - 1 < n_blocks:
+            r = (j + STAGES - 1) % STAGES
+            _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
+        stage = j % STAGES
+        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        lay: gl.constexpr = a0.type.layout
+        lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
+        acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
+        hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
+        acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+        acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
+        a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+    return acc
+
+
+@gluon.jit
+def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES, PROBE,
+                      num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, num_warps)
+
+
+@gluon.jit
+def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    base += down_off
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, num_warps)
+
+
+def x_layout(block_m: int):
+    """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads)."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
 
 
 def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
@@ -316,6 +435,8 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
         return acc
     tab, n, lo, hi, xp, h = got
     L, I = geom.L, geom.I
+    if cfg.get("TMA"):
+        return _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
     part = cfg.get("PART", "both")      # bench only: "up" / "down" alone (the down then reads h as it is)
     if cfg.get("PROBE"):                 # bench only: the probes' wrong numbers (see _operands)
@@ -330,6 +451,26 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
     return acc
 
 
+def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
+    """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order)."""
+    L, I = geom.L, geom.I
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "num_warps")}
+    if cfg.get("PROBE"):
+        launch["PROBE"] = cfg["PROBE"]
+    part = cfg.get("PART", "both")
+    box = [cfg["BLOCK_M"], 64]
+    if part != "down":
+        x_desc = TensorDescriptor.from_tensor(xp, box, x_layout(cfg["BLOCK_M"]))
+        _rega_up_kernel_t[(triton.cdiv(I, cfg["BLOCK_N"]), n)](x_desc, tab, up_global, h, n, I, L, h.stride(0),
+                                                              geom.up_scales_off, **launch)
+    if part != "up":
+        h_desc = TensorDescriptor.from_tensor(h, box, x_layout(cfg["BLOCK_M"]))
+        _rega_down_kernel_t[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h_desc, tab, down_global, w_sorted[lo:hi],
+                                                                tok_sorted[lo:hi], acc, n, L, I, geom.down_off,
+                                                                **launch)
+    return acc
+
+
 def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
     words loaded but not decoded (2) and with no words (1: x's ring and the MMAs alone), beside the bf16 GEMM."""
@@ -338,8 +479,8 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
-    depths = [int(d) for d in os.environ.get("REGA_DEPTHS", "3,5,6").split(",")]
-    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=d) for d in depths}
+    depths = os.environ.get("REGA_DEPTHS", "3,5,6").split(",")      # "5t": DEPTH 5 with x through TMA
+    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=int(d.rstrip("t")), TMA=d.endswith("t")) for d in depths}
     gemm = gemm_ceiling()
     blocks, ug, dg = make_blocks(geom, 8, "cpu")
     dev = "cuda"
