@@ -64,6 +64,24 @@ def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
 
 
 @gluon.jit
+def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The words' and scales' offsets of rows n0 .. n0 + BLOCK_N in block 0, in the register operand's layout a_l
+    (column j of half H is word 8 H + j // 2, group 4 H + j // 4), their row mask, and the steps to the next block
+    and to the second half. LAYOUT 0: the up's row-major words; 1: the down's interleaved groups."""
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
+    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
+    j2 = gl.expand_dims(o_j, 0)
+    if LAYOUT == 0:
+        w0 = n2 * (K // 2) + 4 * (j2 // 2)
+        s0 = n2 * (K // 16) + j2 // 4
+        return w0, s0, n2 < N, j2, 64, 8, 32, 4      # 64 bytes a 128-code block, per row; the second half 8 words on
+    w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
+    s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
+    return w0, s0, n2 < N, j2, 8 * 9 * N, 8 * 9 * N, 4 * 9 * N, 4 * 9 * N
+
+
+@gluon.jit
 def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
     """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
     PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
@@ -176,27 +194,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     x_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float16)
 
-    # the words' and scales' offsets in block 0, in the register operand's layout: column j of half H is word
-    # 8 H + j // 2 (group 4 H + j // 4)
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
-    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
-    j2 = gl.expand_dims(o_j, 0)
-    m_n = n2 < N
-    if LAYOUT == 0:
-        w0 = n2 * (K // 2) + 4 * (j2 // 2)
-        s0 = n2 * (K // 16) + j2 // 4
-        w_step = 64                                   # bytes a 128-code block, per row
-        s_step = 8
-        w_h1 = 32                                     # the second half's words: 8 words on
-        s_h1 = 4
-    else:
-        w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
-        s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
-        w_step = 8 * 9 * N
-        s_step = 8 * 9 * N
-        w_h1 = 4 * 9 * N
-        s_h1 = 4 * 9 * N
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
 
     # x: rows m0 .. m0 + BLOCK_M of the permuted x, 128 columns a block, through the ring
@@ -270,11 +268,9 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 
 
 @gluon.jit
-def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              num_warps: gl.constexpr):
+def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    mma: gl.constexpr = acc.type.layout
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -286,10 +282,9 @@ def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.const
 
 @gluon.jit
 def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_N: gl.constexpr):
     """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    mma: gl.constexpr = acc.type.layout
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
@@ -307,7 +302,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
                       DEPTH, PROBE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -319,7 +314,7 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
                       PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, num_warps)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -341,25 +336,7 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
-    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
-    j2 = gl.expand_dims(o_j, 0)
-    m_n = n2 < N
-    if LAYOUT == 0:
-        w0 = n2 * (K // 2) + 4 * (j2 // 2)
-        s0 = n2 * (K // 16) + j2 // 4
-        w_step = 64
-        s_step = 8
-        w_h1 = 32
-        s_h1 = 4
-    else:
-        w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
-        s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
-        w_step = 8 * 9 * N
-        s_step = 8 * 9 * N
-        w_h1 = 4 * 9 * N
-        s_h1 = 4 * 9 * N
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
     n_blocks = gl.cdiv(K, 128)
 
@@ -408,7 +385,7 @@ def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES, PROBE,
                       num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -419,7 +396,7 @@ def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_ti
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, num_warps)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
 
 
 def x_layout(block_m: int):
