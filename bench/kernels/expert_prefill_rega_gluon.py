@@ -26,7 +26,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -399,6 +399,84 @@ def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_ti
     _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
 
 
+@gluon.jit
+def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr, PROBE: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """_rega_dot_g on mma.sync (mma_v2: sm_80 and later, the consumer cards' instruction; wgmma is sm_90 only).
+    Its A fragment is wgmma's (k_width 2: lane c of a quad holds the column pairs c and c + 4), so the words and
+    their decode are the same; x goes from the cp.async ring into B fragments (ldmatrix) per dot. The warps tile
+    the accumulator [num_warps // WARPS_N, WARPS_N]: WARPS_N > 1 decodes each weight in WARPS_N warps and reads
+    each x fragment in fewer."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // WARPS_N, WARPS_N],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    x_s: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
+    n_words = K // 8
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    o_c = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
+    x_offs = gl.expand_dims(o_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(o_c, 0)
+    x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
+    ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
+    n_blocks = gl.cdiv(K, 128)
+    for j in gl.static_range(STAGES - 1):
+        if j < n_blocks:
+            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
+        else:
+            cp.commit_group()
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
+    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    for j in range(n_blocks):
+        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, n_words, 0)
+        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 1, w_step, s_step, n_words, 1)
+        if j + STAGES - 1 < n_blocks:
+            _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
+        else:
+            cp.commit_group()
+        cp.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        tile = ring.index(j % STAGES)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
+        acc = mma_v2(a0, tile.slice(0, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a1, tile.slice(16, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a2, tile.slice(32, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a3, tile.slice(48, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a4, tile.slice(64, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a5, tile.slice(80, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a6, tile.slice(96, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        acc = mma_v2(a7, tile.slice(112, 16, dim=1).permute((1, 0)).load(b_l), acc)
+        gl.thread_barrier()                             # every warp is done with this stage before it is refilled
+        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
+    return acc
+
+
+@gluon.jit
+def _rega_up_kernel_v2(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr,
+                       num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
+                       WARPS_N, PROBE, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _rega_down_kernel_v2(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr,
+                         num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    base += down_off
+    n0 = gl.program_id(0) * BLOCK_N
+    acc = _rega_dot_v2(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, WARPS_N,
+                       PROBE, num_warps)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
+
+
 def x_layout(block_m: int):
     """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads)."""
     return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
@@ -412,6 +490,8 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
         return acc
     tab, n, lo, hi, xp, h = got
     L, I = geom.L, geom.I
+    if cfg.get("MMA") == 2:
+        return _rega_v2(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
     if cfg.get("TMA"):
         return _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
@@ -425,6 +505,23 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
         _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
                                                                 tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
                                                                 geom.down_off, **launch)
+    return acc
+
+
+def _rega_v2(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
+    """rega_gluon's launches on mma.sync (config MMA 2; WARPS_N: the warps along the tokens)."""
+    L, I = geom.L, geom.I
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "WARPS_N", "num_warps")}
+    if cfg.get("PROBE"):
+        launch["PROBE"] = cfg["PROBE"]
+    part = cfg.get("PART", "both")
+    if part != "down":
+        _rega_up_kernel_v2[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
+                                                               h.stride(0), geom.up_scales_off, **launch)
+    if part != "up":
+        _rega_down_kernel_v2[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
+                                                                 tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
+                                                                 geom.down_off, **launch)
     return acc
 
 
@@ -448,6 +545,12 @@ def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok
     return acc
 
 
+def _parts_config(name: str) -> dict:
+    if name.startswith("v2"):
+        return dict(GLUON_CONFIG, MMA=2, WARPS_N=1 if name == "v2n1" else 2)
+    return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"))
+
+
 def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
     words loaded but not decoded (2) and with no words (1: x's ring and the MMAs alone), beside the bf16 GEMM."""
@@ -456,8 +559,9 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
-    depths = os.environ.get("REGA_DEPTHS", "3,5,6").split(",")      # "5t": DEPTH 5 with x through TMA
-    configs = configs or {f"d{d}": dict(GLUON_CONFIG, DEPTH=int(d.rstrip("t")), TMA=d.endswith("t")) for d in depths}
+    # REGA_DEPTHS: "3" DEPTH 3, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1
+    names = os.environ.get("REGA_DEPTHS", "3,5,6").split(",")
+    configs = configs or {d if d.startswith("v2") else f"d{d}": _parts_config(d) for d in names}
     gemm = gemm_ceiling()
     blocks, ug, dg = make_blocks(geom, 8, "cpu")
     dev = "cuda"
@@ -493,7 +597,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
             for part in ("up", "down"):
                 r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
                 cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in (0, 2, 1)))
-            print(f"T={T:5d} {name:4s} " + "   ".join(cells))
+            print(f"T={T:5d} {name:5s} " + "   ".join(cells))
     return rows
 
 

@@ -50,6 +50,9 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     # session 38: x through TMA (DEPTH 5's order; one CTA barrier a block, none in the 4-warp CTA's ring refill)
     ("rega/gluon-t5", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8)),
     ("rega/gluon-t5-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=5, TMA=True, num_warps=4)),
+    # session 38: mma.sync (sm_80+, the consumer cards' instruction), the warps 4 x 2 and 8 x 1 over the tile
+    ("rega/v2", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=2, num_warps=8)),
+    ("rega/v2-wn1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=1, num_warps=8)),
     ("rega/gluon-d1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),   # call 1's waits
     ("rega/gluon-n64w4-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=4, num_warps=4)),
     ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=3, num_warps=4)),

@@ -97,7 +97,9 @@ def test_rega_twin_across_blocks(device):
                                  dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, DEPTH=6, num_warps=8),
                                  dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=1, num_warps=4),
                                  dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8),
-                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=5, TMA=True, num_warps=4)])
+                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=5, TMA=True, num_warps=4),
+                                 dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=2, num_warps=8),
+                                 dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, MMA=2, WARPS_N=1, num_warps=4)])
 def test_rega_gluon_matches_the_twin_and_the_layer(cfg):
     """The Gluon kernels on the GPU: the odd layer (partial blocks, partial tiles) and Super's shape (32 rows an
     expert, 3 experts) against the reference; the rolled blocks must fail."""
