@@ -16,6 +16,9 @@ last), 3 four in flight, 4 four in flight and the next block's operands decoded 
 with each half block one K = 64 warpgroup_mma (one wgmma fence for four dots), 6 as 4 with the block one K = 128
 warpgroup_mma. Session 37 measured only the first version (DEPTH 1's waits): right, 1.8-2.3x the engine's path at 64
 rows an expert, flat at ~215 TFLOP/s from 256 rows on (25-28 % of the bf16 GEMM); 3-6 are compiled and unmeasured.
+Two more ways (session 38): TMA=True reads x through TMA boxes and mbarriers (DEPTH 5's order, `_rega_dot_t`);
+MMA=2 runs the same words and decode on mma.sync (`_rega_dot_v2`: sm_80 and later, the consumer cards' instruction,
+whose A fragment is wgmma's), x from the ring into B fragments per dot.
 PROBE and PART (bench only) take the decode or the words out and time the up or the down alone (`parts`).
 No interpreter path: Gluon kernels run on a GPU only. The CPU tests run the Triton twin (same permutation, same
 numbers); the GPU test compares this kernel to the layer's reference.
