@@ -88,8 +88,8 @@ def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl
 def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
     """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
     PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
-    2 the words loaded and converted (one I2F a word) but not decoded."""
-    if PROBE == 1:
+    2 the words loaded and converted (one I2F a word) but not decoded; 3 as 1, and the epilogue stores nothing."""
+    if PROBE == 1 or PROBE == 3:
         one = gl.full(wa.shape, 1.0, gl.float16, layout=wa.type.layout)
         return one, one, one, one, one, one, one, one
     if PROBE == 2:
@@ -271,7 +271,8 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 
 
 @gluon.jit
-def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              PROBE: gl.constexpr = 0):
     """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is)."""
     mma: gl.constexpr = acc.type.layout
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
@@ -280,17 +281,22 @@ def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.const
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     pos = permuted_pos(o_n)
     p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
-    gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(o_m < m1, 0))
+    m_row = o_m < m1
+    if PROBE == 3:
+        m_row = m_row & (m1 < 0)
+    gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(m_row, 0))
 
 
 @gluon.jit
 def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr):
+                BLOCK_N: gl.constexpr, PROBE: gl.constexpr = 0):
     """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights)."""
     mma: gl.constexpr = acc.type.layout
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
+    if PROBE == 3:
+        m_m = m_m & (m1 < 0)
     b_y = acc * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
     tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
     p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
@@ -305,7 +311,7 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
                       DEPTH, PROBE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -317,7 +323,7 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
                       PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -388,7 +394,7 @@ def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES, PROBE,
                       num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -399,7 +405,7 @@ def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_ti
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -465,7 +471,7 @@ def _rega_up_kernel_v2(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
                        WARPS_N, PROBE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -477,7 +483,7 @@ def _rega_down_kernel_v2(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_ti
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_v2(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, WARPS_N,
                        PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
 def x_layout(block_m: int):
@@ -562,6 +568,11 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
     from kernels.expert_block import SUPER
     geom = SUPER
+    if os.environ.get("REGA_LI"):          # e.g. "4096,2688": a longer K for the up (Super's latent L is 1,024)
+        from kernels.expert_block import ExpertGeometry
+        li = [int(v) for v in os.environ["REGA_LI"].split(",")]
+        geom = ExpertGeometry(L=li[0], I=li[1], fmt="nvfp4")
+    probes = [int(p) for p in os.environ.get("REGA_PROBES", "0,2,1").split(",")]
     # REGA_DEPTHS: "3" DEPTH 3, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1
     names = os.environ.get("REGA_DEPTHS", "3,5,6").split(",")
     configs = configs or {d if d.startswith("v2") else f"d{d}": _parts_config(d) for d in names}
@@ -580,7 +591,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         acc = torch.zeros(max(M // 4, 1), geom.L, device=dev)
         segs = [(e * T, T) for e in range(experts)]
         for name, cfg in configs.items():
-            for probe in (0, 2, 1):
+            for probe in probes:
                 for part in ("up", "down"):
                     c = dict(cfg, PROBE=probe, PART=part)
                     sec = median_seconds(lambda i, c=c: rega_gluon(xs, segs, addrs, geom, ug, dg, ws, tok, acc,
@@ -593,13 +604,14 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     if out:
         with open(out, "w") as f:
             json.dump(dict(gemm_tflops=gemm, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-    print(f"bf16 GEMM {gemm:.0f} TFLOP/s; % of it (probe 0 decode / 2 words, no decode / 1 no words)")
+    print(f"bf16 GEMM {gemm:.0f} TFLOP/s, L {geom.L} I {geom.I}; % of it by probe {probes} (0 decode, 2 words "
+          "without decode, 1 no words, 3 no words and no stores)")
     for T in tokens:
         for name in configs:
             cells = []
             for part in ("up", "down"):
                 r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
-                cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in (0, 2, 1)))
+                cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in probes))
             print(f"T={T:5d} {name:5s} " + "   ".join(cells))
     return rows
 
