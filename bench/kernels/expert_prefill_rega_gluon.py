@@ -85,6 +85,26 @@ def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
+def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, BLOCK_M: gl.constexpr,
+            STAGES: gl.constexpr):
+    """x's rows m0 .. m0 + BLOCK_M (permuted fp16), 128 columns a block, through a ring of STAGES shared-memory
+    stages in layout x_s filled by cp.async: the ring with its first STAGES - 1 blocks on their way, the threads'
+    addresses and row mask (layout x_l), and the number of blocks."""
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    o_c = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
+    x_offs = gl.expand_dims(o_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(o_c, 0)
+    x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
+    ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
+    n_blocks = gl.cdiv(K, 128)
+    for j in gl.static_range(STAGES - 1):
+        if j < n_blocks:
+            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
+        else:
+            cp.commit_group()
+    return ring, x_offs, x_mask, n_blocks
+
+
+@gluon.jit
 def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
     """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
     PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
@@ -200,18 +220,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
 
-    # x: rows m0 .. m0 + BLOCK_M of the permuted x, 128 columns a block, through the ring
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-    o_c = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
-    x_offs = gl.expand_dims(o_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(o_c, 0)
-    x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
-    ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
-    n_blocks = gl.cdiv(K, 128)
-    for j in gl.static_range(STAGES - 1):
-        if j < n_blocks:
-            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
-        else:
-            cp.commit_group()
+    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
@@ -425,17 +434,7 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
     x_s: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-    o_c = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
-    x_offs = gl.expand_dims(o_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(o_c, 0)
-    x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
-    ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
-    n_blocks = gl.cdiv(K, 128)
-    for j in gl.static_range(STAGES - 1):
-        if j < n_blocks:
-            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
-        else:
-            cp.commit_group()
+    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
     wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
