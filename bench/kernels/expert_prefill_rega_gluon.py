@@ -85,6 +85,25 @@ def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
+def _block_words(base, s_base, w0, s0, m_n, j2, blk, w_step, s_step, w_h1, s_h1, n_words):
+    """Both halves' words and scales of 128-block blk (_half's), in the register operand's layout."""
+    wa, sa = _half(base, s_base, w0, s0, m_n, j2, blk, w_step, s_step, n_words, 0)
+    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, blk, w_step, s_step, n_words, 1)
+    return wa, sa, wb, sb
+
+
+@gluon.jit
+def _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES: gl.constexpr):
+    """Block j of the cp.async ring: block j + STAGES - 1 sent on its way (an empty group past the end keeps the count
+    of groups in flight), and this thread's copies of block j landed (the CTA barrier after it is the caller's)."""
+    if j + STAGES - 1 < n_blocks:
+        _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
+    else:
+        cp.commit_group()
+    cp.wait_group(STAGES - 1)
+
+
+@gluon.jit
 def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, BLOCK_M: gl.constexpr,
             STAGES: gl.constexpr):
     """x's rows m0 .. m0 + BLOCK_M (permuted fp16), 128 columns a block, through a ring of STAGES shared-memory
@@ -223,23 +242,16 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
-    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
     if DEPTH >= 4:
         # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run;
         # DEPTH 5: the same with a half block's four dots as one K = 64 warpgroup_mma; DEPTH 6: the whole block as
         # one K = 128 warpgroup_mma
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
-        wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
-        wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
+        wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
         for j in range(n_blocks):
-            wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, n_words, 0)
-            wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 2, w_step, s_step, n_words, 1)
-            if j + STAGES - 1 < n_blocks:
-                _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
-            else:
-                cp.commit_group()
-            cp.wait_group(STAGES - 1)
+            wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1, s_h1, n_words)
+            _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
             fence_async_shared()
             gl.thread_barrier()
             if DEPTH == 4:
@@ -260,13 +272,8 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         return acc
     for j in range(n_blocks):
         # the next block's words and scales, ahead of this block's MMAs
-        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, n_words, 0)
-        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 1, w_step, s_step, n_words, 1)
-        if j + STAGES - 1 < n_blocks:
-            _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
-        else:
-            cp.commit_group()                           # an empty group keeps the count of groups in flight
-        cp.wait_group(STAGES - 1)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1, s_h1, n_words)
+        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
         fence_async_shared()
         gl.thread_barrier()
         tile = ring.index(j % STAGES)
@@ -367,14 +374,11 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
             _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
-    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
     a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
-    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, n_words, 0)
-    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 1, w_step, s_step, n_words, 1)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
-        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, n_words, 0)
-        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 2, w_step, s_step, n_words, 1)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1, s_h1, n_words)
         gl.thread_barrier()                   # block j - 1's stage is read in both warpgroups: refill it
         if j + STAGES - 1 < n_blocks:
             r = (j + STAGES - 1) % STAGES
@@ -436,16 +440,10 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
     n_words = K // 8
     ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    wa, sa = _half(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, n_words, 0)
-    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, 0, w_step, s_step, n_words, 1)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
-        wa_next, sa_next = _half(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, n_words, 0)
-        wb_next, sb_next = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, j + 1, w_step, s_step, n_words, 1)
-        if j + STAGES - 1 < n_blocks:
-            _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
-        else:
-            cp.commit_group()
-        cp.wait_group(STAGES - 1)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1, s_h1, n_words)
+        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
         gl.thread_barrier()
         tile = ring.index(j % STAGES)
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
@@ -491,54 +489,42 @@ def x_layout(block_m: int):
 
 
 def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90)."""
+    """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90; MMA 2: sm_80 and later)."""
     cfg = {**GLUON_CONFIG, **(config or {})}
     got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
     if got is None:
         return acc
     tab, n, lo, hi, xp, h = got
     L, I = geom.L, geom.I
-    if cfg.get("MMA") == 2:
-        return _rega_v2(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
     if cfg.get("TMA"):
         return _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
-    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "DEPTH", "num_warps")}
+    if cfg.get("MMA") == 2:
+        up, down, launch = _rega_up_kernel_v2, _rega_down_kernel_v2, _launch_args(cfg, "WARPS_N")
+    else:
+        up, down, launch = _rega_up_kernel_g, _rega_down_kernel_g, _launch_args(cfg, "DEPTH")
     part = cfg.get("PART", "both")      # bench only: "up" / "down" alone (the down then reads h as it is)
-    if cfg.get("PROBE"):                 # bench only: the probes' wrong numbers (see _operands)
-        launch["PROBE"] = cfg["PROBE"]
     if part != "down":
-        _rega_up_kernel_g[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
-                                                              h.stride(0), geom.up_scales_off, **launch)
+        up[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0), h.stride(0),
+                                                geom.up_scales_off, **launch)
     if part != "up":
-        _rega_down_kernel_g[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
-                                                                tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
-                                                                geom.down_off, **launch)
+        down[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, n, L,
+                                                  I, h.stride(0), geom.down_off, **launch)
     return acc
 
 
-def _rega_v2(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
-    """rega_gluon's launches on mma.sync (config MMA 2; WARPS_N: the warps along the tokens)."""
-    L, I = geom.L, geom.I
-    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "WARPS_N", "num_warps")}
+def _launch_args(cfg: dict, *extra: str) -> dict:
+    """A config's launch keywords: the tiles, the ring, the warps, the kernel's own keys, and PROBE (bench only: the
+    probes' wrong numbers, see _operands) when set."""
+    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", *extra, "num_warps")}
     if cfg.get("PROBE"):
         launch["PROBE"] = cfg["PROBE"]
-    part = cfg.get("PART", "both")
-    if part != "down":
-        _rega_up_kernel_v2[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0),
-                                                               h.stride(0), geom.up_scales_off, **launch)
-    if part != "up":
-        _rega_down_kernel_v2[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi],
-                                                                 tok_sorted[lo:hi], acc, n, L, I, h.stride(0),
-                                                                 geom.down_off, **launch)
-    return acc
+    return launch
 
 
 def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
     """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order)."""
     L, I = geom.L, geom.I
-    launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "num_warps")}
-    if cfg.get("PROBE"):
-        launch["PROBE"] = cfg["PROBE"]
+    launch = _launch_args(cfg)
     part = cfg.get("PART", "both")
     box = [cfg["BLOCK_M"], 64]
     if part != "down":
