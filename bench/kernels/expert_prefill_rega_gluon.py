@@ -250,7 +250,8 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
         wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
         for j in range(n_blocks):
-            wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1, s_h1, n_words)
+            wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step,
+                                                              w_h1, s_h1, n_words)
             _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
             fence_async_shared()
             gl.thread_barrier()
@@ -272,7 +273,8 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         return acc
     for j in range(n_blocks):
         # the next block's words and scales, ahead of this block's MMAs
-        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1, s_h1, n_words)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
+                                                          s_h1, n_words)
         _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
         fence_async_shared()
         gl.thread_barrier()
@@ -378,7 +380,8 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
     wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
-        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1, s_h1, n_words)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
+                                                          s_h1, n_words)
         gl.thread_barrier()                   # block j - 1's stage is read in both warpgroups: refill it
         if j + STAGES - 1 < n_blocks:
             r = (j + STAGES - 1) % STAGES
@@ -442,7 +445,8 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
-        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1, s_h1, n_words)
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
+                                                          s_h1, n_words)
         _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
         gl.thread_barrier()
         tile = ring.index(j % STAGES)
