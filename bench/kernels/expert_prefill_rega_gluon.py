@@ -21,7 +21,8 @@ MMA=2 runs the same words and decode on mma.sync (`_rega_dot_v2`: sm_80 and late
 whose A fragment is wgmma's), x from the ring into B fragments per dot.
 PROBE and PART (bench only) take the decode or the words out and time the up or the down alone (`parts`).
 No interpreter path: Gluon kernels run on a GPU only. The CPU tests run the Triton twin (same permutation, same
-numbers); the GPU test compares this kernel to the layer's reference.
+numbers) and compile these kernels for sm_90 / sm_120 with the installed Triton (`compile_offline`); the GPU test
+compares this kernel to the layer's reference.
 """
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bench.kernels.expert_prefill_rega import permuted_pos, prepare, tile_entry
 from kernels.gemv_nvfp4_fma import DECODE_PTX
+
+# Gluon renamed its copies and its CTA barrier after 3.6 (the device's): 3.9's `async_load` is 3.6's `async_copy_global_to_shared`, which
+# 3.9 keeps only as a stub that raises
+_cp_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier          # (3.6's name)
 
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)
 
@@ -62,7 +69,7 @@ def _pairs(w):
 
 @gluon.jit
 def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
-    cp.async_copy_global_to_shared(ring.index(stage), x_ptr + (x_offs + k0), mask=x_mask)
+    _cp_load(ring.index(stage), x_ptr + (x_offs + k0), mask=x_mask)
     cp.commit_group()
 
 
@@ -254,7 +261,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
                                                               w_h1, s_h1, n_words)
             _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
             fence_async_shared()
-            gl.thread_barrier()
+            _barrier()
             if DEPTH == 4:
                 acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
                 b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
@@ -267,7 +274,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
                 acc, whole = _issue_whole(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
                 b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
                 acc, whole = warpgroup_mma_wait(num_outstanding=0, deps=(acc, whole))
-            gl.thread_barrier()
+            _barrier()
             a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
             wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
         return acc
@@ -277,10 +284,10 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
                                                           s_h1, n_words)
         _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
         tile = ring.index(j % STAGES)
         acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH, PROBE)
-        gl.thread_barrier()                             # every warp is done with this stage before it is refilled
+        _barrier()                             # every warp is done with this stage before it is refilled
         wa = wa_next
         sa = sa_next
         wb = wb_next
@@ -350,8 +357,8 @@ def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
     swizzled TMA box holds 64 fp16), signalled on `bar`."""
     row = m0.to(gl.int32)
     mbarrier.expect(bar, 2 * BLOCK_M * 64 * 2)
-    tma.async_copy_global_to_shared(x_desc, [row, k0], bar, ring.index(2 * stage))
-    tma.async_copy_global_to_shared(x_desc, [row, k0 + 64], bar, ring.index(2 * stage + 1))
+    _tma_load(x_desc, [row, k0], bar, ring.index(2 * stage))
+    _tma_load(x_desc, [row, k0 + 64], bar, ring.index(2 * stage + 1))
 
 
 @gluon.jit
@@ -382,7 +389,7 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     for j in range(n_blocks):
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
-        gl.thread_barrier()                   # block j - 1's stage is read in both warpgroups: refill it
+        _barrier()                   # block j - 1's stage is read in both warpgroups: refill it
         if j + STAGES - 1 < n_blocks:
             r = (j + STAGES - 1) % STAGES
             _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
@@ -448,7 +455,7 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
                                                           s_h1, n_words)
         _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
-        gl.thread_barrier()
+        _barrier()
         tile = ring.index(j % STAGES)
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
         acc = mma_v2(a0, tile.slice(0, 16, dim=1).permute((1, 0)).load(b_l), acc)
@@ -459,7 +466,7 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
         acc = mma_v2(a5, tile.slice(80, 16, dim=1).permute((1, 0)).load(b_l), acc)
         acc = mma_v2(a6, tile.slice(96, 16, dim=1).permute((1, 0)).load(b_l), acc)
         acc = mma_v2(a7, tile.slice(112, 16, dim=1).permute((1, 0)).load(b_l), acc)
-        gl.thread_barrier()                             # every warp is done with this stage before it is refilled
+        _barrier()                             # every warp is done with this stage before it is refilled
         wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
     return acc
 
@@ -541,6 +548,49 @@ def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok
                                                                 tok_sorted[lo:hi], acc, n, L, I, geom.down_off,
                                                                 **launch)
     return acc
+
+
+_ARG_TYPES = dict(x_ptr="*fp16", h_ptr="*fp16", table_ptr="*i64", gs_ptr="*fp32", w_ptr="*fp32", tok_ptr="*i64",
+                  acc_ptr="*fp32", n_tiles="i32", I="i32", L="i32", stride_xm="i32", stride_hm="i32",
+                  up_scales_off="i64", down_off="i64")
+_ALIGNED = {"x_ptr", "h_ptr", "table_ptr", "gs_ptr", "w_ptr", "tok_ptr", "acc_ptr", "I", "L", "stride_xm", "stride_hm"}
+
+
+def compile_offline(part: str, config: dict | None = None, arch: int = 90):
+    """The up ("up") or down ("down") kernel of a config compiled for `arch` with the installed Triton, no GPU needed
+    (the JIT's specialization of an engine launch: pointers 16-byte aligned, I / L / strides divisible by 16). With
+    the device's Triton 3.6 on PYTHONPATH this is the device's own compile; bench/kernels/sass_probe reads the SASS,
+    registers and spills of what it returns. Gluon has no interpreter: this is the CPU's only check of the kernels."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    cfg = {**GLUON_CONFIG, **(config or {})}
+    family = "t" if cfg.get("TMA") else "v2" if cfg.get("MMA") == 2 else "g"
+    fn = globals()[f"_rega_{part}_kernel_{family}"]
+    names = fn.arg_names
+    desc = f"tensordesc<fp16[{cfg['BLOCK_M']}, 64],{x_layout(cfg['BLOCK_M'])!r}>"
+    sig, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, fn.params)):
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = cfg.get(name, 0)         # PROBE 0 unless the config names one
+        else:
+            sig[name] = desc if name.endswith("_desc") else _ARG_TYPES[name]
+            if name in _ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg["num_warps"]))
+
+
+def compile_report(cases: list) -> list[dict]:
+    """compile_offline over [(part, config, arch)]: each kernel's registers, spill stack bytes and shared memory (run
+    without TRITON_INTERPRET: the interpreter's jit functions cannot be compiled)."""
+    from bench.kernels.sass_probe import resources
+    rows = []
+    for part, cfg, arch in cases:
+        k = compile_offline(part, cfg, arch)
+        regs, spill = resources(k)
+        rows.append(dict(part=part, config=cfg, arch=arch, regs=regs, spill=spill, shared=k.metadata.shared))
+    return rows
 
 
 def _parts_config(name: str) -> dict:

@@ -1,7 +1,13 @@
 """The grouped expert prefill with x's columns permuted so that the decoded code words are the tensor cores' register
 operand (bench/kernels/expert_prefill_rega.py, its Gluon kernel in expert_prefill_rega_gluon.py): the permutation,
 the Triton twin against the PyTorch reference of the layer (interpreter on a CPU), the Gluon kernel against both
-(GPU only: Gluon has no interpreter)."""
+(GPU only: Gluon has no interpreter), and the Gluon kernels compiled for sm_90 / sm_120 on the CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import torch
@@ -141,3 +147,50 @@ def test_rega_gluon_matches_the_twin_and_the_layer(cfg):
         rolled = [blocks[(i + 1) % E].data_ptr() for i in range(E)]
         bad = rega_gluon(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(T, Lx, device=dev), config=cfg)
         assert rel_err(bad, ref) > 0.1
+
+
+
+def _cuda_backend():
+    from tools.gpu_compile import has_cuda_backend
+    return has_cuda_backend()
+
+
+# the Gluon kernels' configs as the sweep and the GPU test run them, and the user's card's arch for mma.sync
+_COMPILED = [(dict(DEPTH=1), 90), (dict(DEPTH=6), 90), (dict(DEPTH=5, TMA=True), 90),
+             (dict(BLOCK_N=64, DEPTH=5, TMA=True, num_warps=4), 90), (dict(MMA=2, WARPS_N=2), 90),
+             (dict(MMA=2, WARPS_N=1), 90), (dict(MMA=2, WARPS_N=2), 120)]
+# the twin that must fail: 256-token tiles hold a 64 x 256 fp32 accumulator a warpgroup (128 registers a thread)
+# beside the operands and x's addresses, and spill
+_SPILLS = (dict(BLOCK_M=256, STAGES=2, DEPTH=1), 90)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every case's up and down compiled in one child process without the interpreter (the suite runs under it)."""
+    cases = [(part, cfg, arch) for cfg, arch in _COMPILED + [_SPILLS] for part in ("up", "down")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from bench.kernels.expert_prefill_rega_gluon import compile_report; "
+            "print(json.dumps(compile_report(json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile")
+@pytest.mark.parametrize("cfg,arch", _COMPILED)
+def test_gluon_kernels_compile_without_spills(compiled, cfg, arch):
+    """Gluon has no interpreter, so this is the CPU's check of the kernels: each config's up and down compile with the
+    installed Triton (CI's) for sm_90 (sm_120: the RTX 5060's build of the mma.sync version), in registers (no spill
+    stack) and within a CTA's shared memory. Gluon's API moved between 3.6 and 3.9; this catches the next move."""
+    rows = [r for r in compiled if r["config"] == cfg and r["arch"] == arch]
+    assert [r["part"] for r in rows] == ["up", "down"]
+    for r in rows:
+        assert r["regs"] <= 255 and r["spill"] == 0, r
+        assert r["shared"] <= 227 * 1024, r
+
+
+@pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile")
+def test_the_spill_check_catches_a_tile_that_does_not_fit(compiled):
+    rows = [r for r in compiled if r["config"] == _SPILLS[0]]
+    assert len(rows) == 2 and all(r["spill"] > 0 for r in rows), rows
