@@ -182,7 +182,7 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       timeout 150 python3 -m bench.kernels.gemv_fma_sweep --budget-s 125 --out "$OUT/gemv_fma.json" > "$OUT/gemv_fma.log" 2>&1
       tail -60 "$OUT/gemv_fma.log";;
     # session 37: the expert prefill decoded into wgmma's register operand: each launch alone, with and without
-    # the decode (REGA_DEPTHS: the DEPTH configs)
+    # the decode (REGA_DEPTHS: the configs, e.g. 1,6,5t,v2; REGA_PROBES: 0,2,1,3; REGA_LI: another L,I)
     rega_parts) timeout ${REGA_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_rega_gluon \
         > "$OUT/rega_parts.log" 2>&1
       tail -${REGA_TAIL:-8} "$OUT/rega_parts.log";;
