@@ -149,7 +149,6 @@ def test_rega_gluon_matches_the_twin_and_the_layer(cfg):
         assert rel_err(bad, ref) > 0.1
 
 
-
 def _cuda_backend():
     from tools.gpu_compile import has_cuda_backend
     return has_cuda_backend()
