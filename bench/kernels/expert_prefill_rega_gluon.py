@@ -100,19 +100,27 @@ def _block_words(base, s_base, w0, s0, m_n, j2, blk, w_step, s_step, w_h1, s_h1,
 
 
 @gluon.jit
-def _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES: gl.constexpr):
+def _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES: gl.constexpr, PROBE: gl.constexpr = 0):
     """Block j of the cp.async ring: block j + STAGES - 1 sent on its way (an empty group past the end keeps the count
-    of groups in flight), and this thread's copies of block j landed (the CTA barrier after it is the caller's)."""
-    if j + STAGES - 1 < n_blocks:
-        _load_x(x_ptr, x_offs, x_mask, ring, (j + STAGES - 1) % STAGES, (j + STAGES - 1) * 128)
+    of groups in flight), and this thread's copies of block j landed (the CTA barrier after it is the caller's).
+    PROBE 4 (bench only): no copies and no wait (the MMAs read whatever the ring holds)."""
+    if PROBE != 4:
+        _refill(x_ptr, x_offs, x_mask, ring, j + STAGES - 1, n_blocks, STAGES)
+        cp.wait_group(STAGES - 1)
+
+
+@gluon.jit
+def _refill(x_ptr, x_offs, x_mask, ring, b, n_blocks, STAGES: gl.constexpr):
+    """Block b of x into ring stage b % STAGES, or an empty group past the end (the count of groups in flight)."""
+    if b < n_blocks:
+        _load_x(x_ptr, x_offs, x_mask, ring, b % STAGES, b * 128)
     else:
         cp.commit_group()
-    cp.wait_group(STAGES - 1)
 
 
 @gluon.jit
 def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, BLOCK_M: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, PROBE: gl.constexpr = 0):
     """x's rows m0 .. m0 + BLOCK_M (permuted fp16), 128 columns a block, through a ring of STAGES shared-memory
     stages in layout x_s filled by cp.async: the ring with its first STAGES - 1 blocks on their way, the threads'
     addresses and row mask (layout x_l), and the number of blocks."""
@@ -122,11 +130,9 @@ def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, B
     x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
     ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
     n_blocks = gl.cdiv(K, 128)
-    for j in gl.static_range(STAGES - 1):
-        if j < n_blocks:
-            _load_x(x_ptr, x_offs, x_mask, ring, j, j * 128)
-        else:
-            cp.commit_group()
+    if PROBE != 4:
+        for j in gl.static_range(STAGES - 1):
+            _refill(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
     return ring, x_offs, x_mask, n_blocks
 
 
@@ -134,8 +140,9 @@ def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, B
 def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
     """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
     PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
-    2 the words loaded and converted (one I2F a word) but not decoded; 3 as 1, and the epilogue stores nothing."""
-    if PROBE == 1 or PROBE == 3:
+    2 the words loaded and converted (one I2F a word) but not decoded; 3 as 1, and the epilogue stores nothing;
+    4 as 1, and x never loaded (the ring's copies and waits gone: the MMAs, barriers and epilogue alone)."""
+    if PROBE == 1 or PROBE == 3 or PROBE == 4:
         one = gl.full(wa.shape, 1.0, gl.float16, layout=wa.type.layout)
         return one, one, one, one, one, one, one, one
     if PROBE == 2:
@@ -204,11 +211,17 @@ def _issue_halves(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
 
 
 @gluon.jit
+def _whole(a0, a1, a2, a3, a4, a5, a6, a7):
+    """The block's eight K = 16 operands as one K = 128 register operand (a register-only conversion)."""
+    lay: gl.constexpr = a0.type.layout
+    return _cat2(_cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay), _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay),
+                 lay)
+
+
+@gluon.jit
 def _issue_whole(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
     """DEPTH 6: the block's eight dots as one K = 128 warpgroup_mma (one fence, eight wgmma in one group)."""
-    lay: gl.constexpr = a0.type.layout
-    a = _cat2(_cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay), _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay),
-              lay)
+    a = _whole(a0, a1, a2, a3, a4, a5, a6, a7)
     acc = warpgroup_mma(a, tile.permute((1, 0)), acc, is_async=True)
     return acc, a
 
@@ -233,10 +246,42 @@ def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
 
 
 @gluon.jit
+def _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base, s_base, w0, s0, m_n, j2, w_step,
+               s_step, w_h1, s_h1, n_words, STAGES: gl.constexpr, PROBE: gl.constexpr, FENCE: gl.constexpr):
+    """DEPTH 7: a plain GEMM's pipeline (Triton's own): block j's K = 128 wgmma stays in flight while block j + 1 is
+    decoded and the next wait returns; the wait that proves block j - 1 read (wait <= 1) frees its stage, which is
+    refilled with block j + STAGES - 1 after one CTA barrier. No drain inside the loop."""
+    cur = _whole(*_operands(wa, sa, wb, sb, PROBE))
+    prev = cur
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
+    for j in range(n_blocks):
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
+                                                          s_h1, n_words)
+        if PROBE != 4:
+            cp.wait_group(STAGES - 2)          # block j landed (blocks j + 1 .. j + STAGES - 2 may be on their way)
+        if FENCE:
+            fence_async_shared()
+        _barrier()
+        acc = warpgroup_mma(cur, ring.index(j % STAGES).permute((1, 0)), acc, is_async=True)
+        nxt = _whole(*_operands(wa, sa, wb, sb, PROBE))
+        acc, prev, cur = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev, cur))
+        _barrier()                             # block j - 1's stage is read in both warpgroups: refill it
+        if PROBE != 4:
+            _refill(x_ptr, x_offs, x_mask, ring, j + STAGES - 1, n_blocks, STAGES)
+        prev = cur
+        cur = nxt
+        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
+    acc, prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, prev))
+    return acc
+
+
+@gluon.jit
 def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
-                PROBE: gl.constexpr, num_warps: gl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] (MMA layout) = sum over K of W[n0 + r, k] x[m0 + c, k] · 2^-15, x permuted fp16."""
+                PROBE: gl.constexpr, FENCE: gl.constexpr, num_warps: gl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (MMA layout) = sum over K of W[n0 + r, k] x[m0 + c, k] · 2^-15, x permuted fp16.
+    FENCE 0 (bench): no proxy fence between the ring's cp.async and the wgmma that reads it (ptxas makes the fence a
+    MEMBAR.ALL.CTA as well; Triton's own cp.async pipelines have none)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -246,10 +291,13 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
     w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
 
-    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
+    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES, PROBE)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
+    if DEPTH == 7:
+        return _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base, s_base, w0, s0, m_n, j2,
+                          w_step, s_step, w_h1, s_h1, n_words, STAGES, PROBE, FENCE)
     if DEPTH >= 4:
         # DEPTH 4: DEPTH 3's order, and the next block's operands decoded while this block's last dots run;
         # DEPTH 5: the same with a half block's four dots as one K = 64 warpgroup_mma; DEPTH 6: the whole block as
@@ -259,8 +307,9 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         for j in range(n_blocks):
             wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step,
                                                               w_h1, s_h1, n_words)
-            _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
-            fence_async_shared()
+            _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES, PROBE)
+            if FENCE:
+                fence_async_shared()
             _barrier()
             if DEPTH == 4:
                 acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
@@ -282,8 +331,9 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         # the next block's words and scales, ahead of this block's MMAs
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
                                                           s_h1, n_words)
-        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
-        fence_async_shared()
+        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES, PROBE)
+        if FENCE:
+            fence_async_shared()
         _barrier()
         tile = ring.index(j % STAGES)
         acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH, PROBE)
@@ -331,23 +381,25 @@ def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M:
 @gluon.jit
 def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
+                      FENCE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                      DEPTH, PROBE, num_warps)
+                      DEPTH, PROBE, FENCE, num_warps)
     _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
 def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
+                        FENCE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
-                      PROBE, num_warps)
+                      PROBE, FENCE, num_warps)
     _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
@@ -379,7 +431,7 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     for j in gl.static_range(STAGES - 1):
-        if j < n_blocks:
+        if j < n_blocks and PROBE != 4:
             _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
@@ -390,11 +442,12 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
         _barrier()                   # block j - 1's stage is read in both warpgroups: refill it
-        if j + STAGES - 1 < n_blocks:
+        if j + STAGES - 1 < n_blocks and PROBE != 4:
             r = (j + STAGES - 1) % STAGES
             _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
         stage = j % STAGES
-        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        if PROBE != 4:
+            mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
         lay: gl.constexpr = a0.type.layout
         lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
         acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
@@ -448,13 +501,13 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
     x_s: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
     n_words = K // 8
-    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES)
+    ring, x_offs, x_mask, n_blocks = _x_ring(x_ptr, stride_xm, m0, m1, K, x_l, x_s, BLOCK_M, STAGES, PROBE)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
                                                           s_h1, n_words)
-        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
+        _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES, PROBE)
         _barrier()
         tile = ring.index(j % STAGES)
         a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
@@ -525,10 +578,9 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
 
 def _launch_args(cfg: dict, *extra: str) -> dict:
     """A config's launch keywords: the tiles, the ring, the warps, the kernel's own keys, and PROBE (bench only: the
-    probes' wrong numbers, see _operands) when set."""
+    probes' wrong numbers, see _operands) and FENCE (bench only: 0 drops the cp.async ring's proxy fence) when set."""
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", *extra, "num_warps")}
-    if cfg.get("PROBE"):
-        launch["PROBE"] = cfg["PROBE"]
+    launch.update({k: cfg[k] for k in ("PROBE", "FENCE") if k in cfg})
     return launch
 
 
@@ -572,7 +624,7 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
     for i, (name, param) in enumerate(zip(names, fn.params)):
         if param.is_constexpr:
             sig[name] = "constexpr"
-            constexprs[(i,)] = cfg.get(name, 0)         # PROBE 0 unless the config names one
+            constexprs[(i,)] = cfg.get(name, param.default if param.has_default else 0)   # the kernel's default
         else:
             sig[name] = desc if name.endswith("_desc") else _ARG_TYPES[name]
             if name in _ALIGNED:
@@ -594,14 +646,40 @@ def compile_report(cases: list) -> list[dict]:
 
 
 def _parts_config(name: str) -> dict:
+    """REGA_DEPTHS' names: "6" DEPTH 6, "5t" DEPTH 5 with x through TMA, a trailing "nf" without the ring's proxy
+    fence (FENCE 0), "v2" / "v2n1" mma.sync with WARPS_N 2 / 1."""
     if name.startswith("v2"):
         return dict(GLUON_CONFIG, MMA=2, WARPS_N=1 if name == "v2n1" else 2)
-    return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"))
+    nofence = name.endswith("nf")
+    name = name.removesuffix("nf")
+    return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"), **({"FENCE": 0} if nofence else {}))
+
+
+def _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc) -> list[dict]:
+    """The engine's dequantized path's two GEMMs alone (Triton's own pipelines over bf16 / fp16 weights already in
+    VRAM, the same tiles and grid as rega's): what a GEMM skeleton reaches on this geometry, beside rega's."""
+    from bench.kernels.expert_prefill_sweep import median_seconds
+    from kernels.expert_prefill import DEQUANT_CONFIG, DEQUANT_TMA_CONFIG, _chunk_launch, dense_gemms
+    dev = xs.device
+    up_w = torch.randn(experts, geom.I, geom.L, device=dev).mul_(0.03).bfloat16()
+    down_w = torch.randn(experts, geom.L, geom.I, device=dev).mul_(0.03).half()
+    rows = []
+    for name, cfg in (("dense", DEQUANT_CONFIG), ("dense-tma", DEQUANT_TMA_CONFIG)):
+        tab, n, lo, hi = _chunk_launch(segs, list(range(experts)), addrs, cfg["BLOCK_M"], None, dev)
+        h = torch.empty((hi - lo) * geom.I, dtype=torch.float16, device=dev)
+        for part in ("up", "down"):
+            sec = median_seconds(lambda i, part=part: dense_gemms(xs, n, experts, geom, up_w, down_w, tab, lo, hi, ug,
+                                                                  dg, ws, tok, acc, cfg, h, which=part), 8)
+            rows.append(dict(T=T, config=name, probe=0, part=part, us=sec * 1e6,
+                             tflops=2 * T * experts * geom.L * geom.I / sec / 1e12))
+    return rows
 
 
 def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
-    words loaded but not decoded (2) and with no words (1: x's ring and the MMAs alone), beside the bf16 GEMM."""
+    words loaded but not decoded (2), with no words (1: x's ring and the MMAs alone), with no words and no x (4), beside
+    the bf16 GEMM and the engine's GEMMs over weights already decoded (REGA_DENSE=0 leaves those out).
+    Environment: REGA_DEPTHS (names: _parts_config), REGA_PROBES, REGA_LI, REGA_TOKENS (e.g. "256,1024")."""
     import json
     import os
     from bench.kernels.expert_prefill_sweep import gemm_ceiling, make_blocks, median_seconds
@@ -612,7 +690,9 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         li = [int(v) for v in os.environ["REGA_LI"].split(",")]
         geom = ExpertGeometry(L=li[0], I=li[1], fmt="nvfp4")
     probes = [int(p) for p in os.environ.get("REGA_PROBES", "0,2,1").split(",")]
-    # REGA_DEPTHS: "3" DEPTH 3, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1
+    if os.environ.get("REGA_TOKENS"):
+        tokens = tuple(int(t) for t in os.environ["REGA_TOKENS"].split(","))
+    # REGA_DEPTHS: names as _parts_config reads them, e.g. "6,6nf,7,5t,v2"
     names = os.environ.get("REGA_DEPTHS", "3,5,6").split(",")
     configs = configs or {d if d.startswith("v2") else f"d{d}": _parts_config(d) for d in names}
     gemm = gemm_ceiling()
@@ -629,8 +709,15 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         tok = torch.arange(M, device=dev) % max(M // 4, 1)
         acc = torch.zeros(max(M // 4, 1), geom.L, device=dev)
         segs = [(e * T, T) for e in range(experts)]
+        if os.environ.get("REGA_DENSE", "1") == "1":
+            for r in _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc):
+                rows.append(dict(r, of_gemm=r["tflops"] / gemm))
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                      flush=True)
         for name, cfg in configs.items():
             for probe in probes:
+                if probe in (1, 3) and cfg.get("DEPTH") == 7:
+                    continue        # a constant operand carried across blocks: ptxas serializes the wgmma (SASS)
                 for part in ("up", "down"):
                     c = dict(cfg, PROBE=probe, PART=part)
                     sec = median_seconds(lambda i, c=c: rega_gluon(xs, segs, addrs, geom, ug, dg, ws, tok, acc,
@@ -644,13 +731,13 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         with open(out, "w") as f:
             json.dump(dict(gemm_tflops=gemm, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     print(f"bf16 GEMM {gemm:.0f} TFLOP/s, L {geom.L} I {geom.I}; % of it by probe {probes} (0 decode, 2 words "
-          "without decode, 1 no words, 3 no words and no stores)")
+          "without decode, 1 no words, 3 no words and no stores, 4 no words and no x; dense: bf16 weights in VRAM)")
     for T in tokens:
-        for name in configs:
+        for name in dict.fromkeys(x["config"] for x in rows if x["T"] == T):
             cells = []
             for part in ("up", "down"):
                 r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
-                cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in probes))
+                cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in probes if p in r))
             print(f"T={T:5d} {name:5s} " + "   ".join(cells))
     return rows
 

@@ -43,6 +43,12 @@ P128 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 CANDIDATES = [     # in order of interest: a run that meets its time budget skips the tail
     ("fused/base", "fused", dict(GROUPED_CONFIG)),
     ("dequant/default", "dequant", {}),                      # kernels' DEQUANT_CONFIG, chunks by the scratch budget
+    # session 39: a plain GEMM's pipeline (a block's wgmma in flight across the loop's end), with and without the
+    # ring's proxy fence (ptxas: a MEMBAR.ALL.CTA each block)
+    ("rega/gluon-d7", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=7, num_warps=8)),
+    ("rega/gluon-d7nf", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=7, FENCE=0, num_warps=8)),
+    ("rega/gluon-d7s4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, DEPTH=7, num_warps=8)),
+    ("rega/gluon-d6nf", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, FENCE=0, num_warps=8)),
     ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
     ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),
     ("rega/gluon-d5", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, num_warps=8)),
