@@ -104,7 +104,7 @@ def _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES: gl.constexpr, P
     """Block j of the cp.async ring: block j + STAGES - 1 sent on its way (an empty group past the end keeps the count
     of groups in flight), and this thread's copies of block j landed (the CTA barrier after it is the caller's).
     PROBE 4 (bench only): no copies and no wait (the MMAs read whatever the ring holds)."""
-    if PROBE != 4:
+    if PROBE < 4:
         _refill(x_ptr, x_offs, x_mask, ring, j + STAGES - 1, n_blocks, STAGES)
         cp.wait_group(STAGES - 1)
 
@@ -130,7 +130,7 @@ def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, B
     x_mask = gl.expand_dims(o_m < m1, 1) & gl.expand_dims(o_c >= 0, 0)
     ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, 128], x_s)
     n_blocks = gl.cdiv(K, 128)
-    if PROBE != 4:
+    if PROBE < 4:
         for j in gl.static_range(STAGES - 1):
             _refill(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES)
     return ring, x_offs, x_mask, n_blocks
@@ -141,8 +141,9 @@ def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
     """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
     PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
     2 the words loaded and converted (one I2F a word) but not decoded; 3 as 1, and the epilogue stores nothing;
-    4 as 1, and x never loaded (the ring's copies and waits gone: the MMAs, barriers and epilogue alone)."""
-    if PROBE == 1 or PROBE == 3 or PROBE == 4:
+    4 as 1, and x never loaded (the ring's copies and waits gone: the MMAs, barriers and epilogue alone); 5 as 4, and
+    the epilogue stores nothing (the MMAs and barriers alone)."""
+    if PROBE == 1 or PROBE >= 3:
         one = gl.full(wa.shape, 1.0, gl.float16, layout=wa.type.layout)
         return one, one, one, one, one, one, one, one
     if PROBE == 2:
@@ -257,7 +258,7 @@ def _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base,
     for j in range(n_blocks):
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
-        if PROBE != 4:
+        if PROBE < 4:
             cp.wait_group(STAGES - 2)          # block j landed (blocks j + 1 .. j + STAGES - 2 may be on their way)
         if FENCE:
             fence_async_shared()
@@ -266,7 +267,7 @@ def _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base,
         nxt = _whole(*_operands(wa, sa, wb, sb, PROBE))
         acc, prev, cur = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev, cur))
         _barrier()                             # block j - 1's stage is read in both warpgroups: refill it
-        if PROBE != 4:
+        if PROBE < 4:
             _refill(x_ptr, x_offs, x_mask, ring, j + STAGES - 1, n_blocks, STAGES)
         prev = cur
         cur = nxt
@@ -357,7 +358,7 @@ def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.const
     pos = permuted_pos(o_n)
     p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
     m_row = o_m < m1
-    if PROBE == 3:
+    if PROBE == 3 or PROBE == 5:
         m_row = m_row & (m1 < 0)
     gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(m_row, 0))
 
@@ -370,7 +371,7 @@ def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M:
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     m_m = o_m < m1
-    if PROBE == 3:
+    if PROBE == 3 or PROBE == 5:
         m_m = m_m & (m1 < 0)
     b_y = acc * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
     tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
@@ -431,7 +432,7 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     for j in gl.static_range(STAGES - 1):
-        if j < n_blocks and PROBE != 4:
+        if j < n_blocks and PROBE < 4:
             _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
@@ -442,11 +443,11 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
         _barrier()                   # block j - 1's stage is read in both warpgroups: refill it
-        if j + STAGES - 1 < n_blocks and PROBE != 4:
+        if j + STAGES - 1 < n_blocks and PROBE < 4:
             r = (j + STAGES - 1) % STAGES
             _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
         stage = j % STAGES
-        if PROBE != 4:
+        if PROBE < 4:
             mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
         lay: gl.constexpr = a0.type.layout
         lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
@@ -677,7 +678,8 @@ def _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc) -> lis
 
 def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
-    words loaded but not decoded (2), with no words (1: x's ring and the MMAs alone), with no words and no x (4), beside
+    words loaded but not decoded (2), with no words (1: x's ring and the MMAs alone), with no words and no x (4), nor
+    stores (5), beside
     the bf16 GEMM and the engine's GEMMs over weights already decoded (REGA_DENSE=0 leaves those out).
     Environment: REGA_DEPTHS (names: _parts_config), REGA_PROBES, REGA_LI, REGA_TOKENS (e.g. "256,1024")."""
     import json
@@ -731,7 +733,8 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         with open(out, "w") as f:
             json.dump(dict(gemm_tflops=gemm, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     print(f"bf16 GEMM {gemm:.0f} TFLOP/s, L {geom.L} I {geom.I}; % of it by probe {probes} (0 decode, 2 words "
-          "without decode, 1 no words, 3 no words and no stores, 4 no words and no x; dense: bf16 weights in VRAM)")
+          "without decode, 1 no words, 3 no words and no stores, 4 no words and no x, 5 nor stores; dense: bf16 "
+          "weights in VRAM)")
     for T in tokens:
         for name in dict.fromkeys(x["config"] for x in rows if x["T"] == T):
             cells = []
