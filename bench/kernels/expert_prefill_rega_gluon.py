@@ -379,29 +379,6 @@ def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M:
     gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
 
 
-@gluon.jit
-def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
-                      FENCE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                      DEPTH, PROBE, FENCE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
-
-
-@gluon.jit
-def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
-                        FENCE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    base += down_off
-    n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_g(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH,
-                      PROBE, FENCE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
@@ -526,25 +503,42 @@ def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.co
 
 
 @gluon.jit
-def _rega_up_kernel_v2(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr,
-                       num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+def _rega_dot(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr, MMA: gl.constexpr,
+              WARPS_N: gl.constexpr, PROBE: gl.constexpr, FENCE: gl.constexpr, num_warps: gl.constexpr):
+    """The cp.async ring's kernels' dot: wgmma (MMA 3, _rega_dot_g at DEPTH) or mma.sync (MMA 2, _rega_dot_v2 with
+    WARPS_N); MMA is a constexpr, so one of the two is compiled."""
+    if MMA == 2:
+        acc = _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, STAGES, WARPS_N,
+                           PROBE, num_warps)
+    else:
+        acc = _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, STAGES, DEPTH,
+                          PROBE, FENCE, num_warps)
+    return acc
+
+
+@gluon.jit
+def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
+                      FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                       WARPS_N, PROBE, num_warps)
+    acc = _rega_dot(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
+                    DEPTH, MMA, WARPS_N, PROBE, FENCE, num_warps)
     _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
 
 
 @gluon.jit
-def _rega_down_kernel_v2(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr,
-                         num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
+                        FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_v2(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, WARPS_N,
-                       PROBE, num_warps)
+    acc = _rega_dot(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH, MMA, WARPS_N,
+                    PROBE, FENCE, num_warps)
     _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
 
 
@@ -563,10 +557,8 @@ def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted
     L, I = geom.L, geom.I
     if cfg.get("TMA"):
         return _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
-    if cfg.get("MMA") == 2:
-        up, down, launch = _rega_up_kernel_v2, _rega_down_kernel_v2, _launch_args(cfg, "WARPS_N")
-    else:
-        up, down, launch = _rega_up_kernel_g, _rega_down_kernel_g, _launch_args(cfg, "DEPTH")
+    up, down = _rega_up_kernel_g, _rega_down_kernel_g
+    launch = _launch_args(cfg, "DEPTH", *(k for k in ("MMA", "WARPS_N") if k in cfg))
     part = cfg.get("PART", "both")      # bench only: "up" / "down" alone (the down then reads h as it is)
     if part != "down":
         up[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0), h.stride(0),
@@ -617,8 +609,7 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     cfg = {**GLUON_CONFIG, **(config or {})}
-    family = "t" if cfg.get("TMA") else "v2" if cfg.get("MMA") == 2 else "g"
-    fn = globals()[f"_rega_{part}_kernel_{family}"]
+    fn = globals()[f"_rega_{part}_kernel_{'t' if cfg.get('TMA') else 'g'}"]
     names = fn.arg_names
     desc = f"tensordesc<fp16[{cfg['BLOCK_M']}, 64],{x_layout(cfg['BLOCK_M'])!r}>"
     sig, constexprs, attrs = {}, {}, {}
