@@ -547,10 +547,13 @@ def x_layout(block_m: int):
     return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
 
 
-def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90; MMA 2: sm_80 and later)."""
+def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None,
+               prepared=None):
+    """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90; MMA 2: sm_80 and later).
+    prepared: `prepare`'s result for these rows and the config's BLOCK_M, made once (the parts table times the
+    kernels alone; the sweep times the whole path, the table and x's permutation included)."""
     cfg = {**GLUON_CONFIG, **(config or {})}
-    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
+    got = prepared if prepared is not None else prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
     if got is None:
         return acc
     tab, n, lo, hi, xp, h = got
@@ -702,6 +705,11 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         tok = torch.arange(M, device=dev) % max(M // 4, 1)
         acc = torch.zeros(max(M // 4, 1), geom.L, device=dev)
         segs = [(e * T, T) for e in range(experts)]
+        # the kernels are timed alone: the tile table and x's permutation (`prepare`) made once, and timed here
+        pre = {bm: prepare(xs, segs, addrs, geom, bm) for bm in {c["BLOCK_M"] for c in configs.values()}}
+        sec = median_seconds(lambda i: prepare(xs, segs, addrs, geom, 128), 8)
+        rows.append(dict(T=T, config="prepare", probe=0, part="up", us=sec * 1e6, tflops=0.0, of_gemm=0.0))
+        print(json.dumps(rows[-1]), flush=True)
         if os.environ.get("REGA_DENSE", "1") == "1":
             for r in _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc):
                 rows.append(dict(r, of_gemm=r["tflops"] / gemm))
@@ -714,7 +722,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
                 for part in ("up", "down"):
                     c = dict(cfg, PROBE=probe, PART=part)
                     sec = median_seconds(lambda i, c=c: rega_gluon(xs, segs, addrs, geom, ug, dg, ws, tok, acc,
-                                                                     config=c), 8)
+                                                                     config=c, prepared=pre[c["BLOCK_M"]]), 8)
                     tf = 2 * T * experts * geom.L * geom.I / sec / 1e12
                     rows.append(dict(T=T, config=name, probe=probe, part=part, us=sec * 1e6, tflops=tf,
                                      of_gemm=tf / gemm))
@@ -727,7 +735,9 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
           "without decode, 1 no words, 3 no words and no stores, 4 no words and no x, 5 nor stores; dense: bf16 "
           "weights in VRAM)")
     for T in tokens:
-        for name in dict.fromkeys(x["config"] for x in rows if x["T"] == T):
+        prep = next(x["us"] for x in rows if x["T"] == T and x["config"] == "prepare")
+        print(f"T={T:5d} prepare (tile table, x permuted; in the sweep's path, not in the rows below) {prep:.0f} us")
+        for name in dict.fromkeys(x["config"] for x in rows if x["T"] == T and x["config"] != "prepare"):
             cells = []
             for part in ("up", "down"):
                 r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
