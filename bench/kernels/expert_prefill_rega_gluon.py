@@ -379,8 +379,6 @@ def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M:
     gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
 
 
-
-
 @gluon.jit
 def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
     """Block k0 // 128 of x's rows m0 .. m0 + BLOCK_M into ring stage `stage` (two 64-column halves: a 128-byte
@@ -673,8 +671,7 @@ def _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc) -> lis
 def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
     """Where the time goes (GPU): each config's up and down launches alone, with the decode (PROBE 0), with the
     words loaded but not decoded (2), with no words (1: x's ring and the MMAs alone), with no words and no x (4), nor
-    stores (5), beside
-    the bf16 GEMM and the engine's GEMMs over weights already decoded (REGA_DENSE=0 leaves those out).
+    stores (5), beside the bf16 GEMM and the engine's GEMMs over weights already decoded (REGA_DENSE=0: not those).
     Environment: REGA_DEPTHS (names: _parts_config), REGA_PROBES, REGA_LI, REGA_TOKENS (e.g. "256,1024")."""
     import json
     import os
