@@ -119,6 +119,15 @@ def _refill(x_ptr, x_offs, x_mask, ring, b, n_blocks, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _stage_ready(FENCE: gl.constexpr):
+    """After the ring's wait: every thread's copies of the stage visible to every warp (and to wgmma's async proxy
+    through the fence; FENCE 0, bench only, leaves the fence out)."""
+    if FENCE:
+        fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
 def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, BLOCK_M: gl.constexpr,
             STAGES: gl.constexpr, PROBE: gl.constexpr = 0):
     """x's rows m0 .. m0 + BLOCK_M (permuted fp16), 128 columns a block, through a ring of STAGES shared-memory
@@ -260,9 +269,7 @@ def _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base,
                                                           s_h1, n_words)
         if PROBE < 4:
             cp.wait_group(STAGES - 2)          # block j landed (blocks j + 1 .. j + STAGES - 2 may be on their way)
-        if FENCE:
-            fence_async_shared()
-        _barrier()
+        _stage_ready(FENCE)
         acc = warpgroup_mma(cur, ring.index(j % STAGES).permute((1, 0)), acc, is_async=True)
         nxt = _whole(*_operands(wa, sa, wb, sb, PROBE))
         acc, prev, cur = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev, cur))
@@ -309,9 +316,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
             wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step,
                                                               w_h1, s_h1, n_words)
             _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES, PROBE)
-            if FENCE:
-                fence_async_shared()
-            _barrier()
+            _stage_ready(FENCE)
             if DEPTH == 4:
                 acc, a5, a6, a7 = _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, ring.index(j % STAGES), acc)
                 b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
@@ -333,9 +338,7 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 1, w_step, s_step, w_h1,
                                                           s_h1, n_words)
         _ring_step(x_ptr, x_offs, x_mask, ring, j, n_blocks, STAGES, PROBE)
-        if FENCE:
-            fence_async_shared()
-        _barrier()
+        _stage_ready(FENCE)
         tile = ring.index(j % STAGES)
         acc = _mma_block(wa, sa, wb, sb, tile, acc, DEPTH, PROBE)
         _barrier()                             # every warp is done with this stage before it is refilled
@@ -704,7 +707,8 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         segs = [(e * T, T) for e in range(experts)]
         # the kernels are timed alone: the tile table and x's permutation (`prepare`) made once, and timed here
         pre = {bm: prepare(xs, segs, addrs, geom, bm) for bm in {c["BLOCK_M"] for c in configs.values()}}
-        sec = median_seconds(lambda i: prepare(xs, segs, addrs, geom, 128), 8)
+        bm = min(pre)
+        sec = median_seconds(lambda i: prepare(xs, segs, addrs, geom, bm), 8)
         rows.append(dict(T=T, config="prepare", probe=0, part="up", us=sec * 1e6, tflops=0.0, of_gemm=0.0))
         print(json.dumps(rows[-1]), flush=True)
         if os.environ.get("REGA_DENSE", "1") == "1":
