@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.kernels.expert_prefill_rega import permuted_pos, prepare, tile_entry
+from bench.kernels.expert_prefill_rega import permuted_pos, prepare, source_col, tile_entry
 from kernels.gemv_nvfp4_fma import DECODE_PTX
 
 # Gluon renamed its copies and its CTA barrier after 3.6 (the device's): 3.9's `async_load` is 3.6's `async_copy_global_to_shared`, which
@@ -77,12 +77,16 @@ def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
 def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
     """The words' and scales' offsets of rows n0 .. n0 + BLOCK_N in block 0, in the register operand's layout a_l
     (column j of half H is word 8 H + j // 2, group 4 H + j // 4), their row mask, and the steps to the next block
-    and to the second half. LAYOUT 0: the up's row-major words; 1: the down's interleaved groups."""
+    and to the second half. LAYOUT 0: the up's row-major words, row r of the tile the I that h's column n0 + r
+    holds (x's permutation applied to the rows: the store writes h's columns in order); 2: the same words in their
+    own order (STORE 0, bench only); 1: the down's interleaved groups."""
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    if LAYOUT == 0:
+        o_n = source_col(o_n)
     o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
     n2 = gl.expand_dims(o_n, 1).to(gl.int64)
     j2 = gl.expand_dims(o_j, 0)
-    if LAYOUT == 0:
+    if LAYOUT != 1:
         w0 = n2 * (K // 2) + 4 * (j2 // 2)
         s0 = n2 * (K // 16) + j2 // 4
         return w0, s0, n2 < N, j2, 64, 8, 32, 4      # 64 bytes a 128-code block, per row; the second half 8 words on
@@ -256,30 +260,48 @@ def _issue_block(a0, a1, a2, a3, a4, a5, a6, a7, tile, acc):
 
 
 @gluon.jit
+def _async_block(ring, j, a, acc, STAGES: gl.constexpr, PROBE: gl.constexpr, FENCE: gl.constexpr):
+    """DEPTH 7: block j's K = 128 wgmma on its way once x's block j landed (blocks j + 1 .. j + STAGES - 2 may still
+    be on theirs)."""
+    if PROBE < 4:
+        cp.wait_group(STAGES - 2)
+    _stage_ready(FENCE)
+    return warpgroup_mma(a, ring.index(j % STAGES).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
 def _pipelined(x_ptr, x_offs, x_mask, ring, n_blocks, acc, wa, sa, wb, sb, base, s_base, w0, s0, m_n, j2, w_step,
                s_step, w_h1, s_h1, n_words, STAGES: gl.constexpr, PROBE: gl.constexpr, FENCE: gl.constexpr):
     """DEPTH 7: a plain GEMM's pipeline (Triton's own): block j's K = 128 wgmma stays in flight while block j + 1 is
-    decoded and the next wait returns; the wait that proves block j - 1 read (wait <= 1) frees its stage, which is
-    refilled with block j + STAGES - 1 after one CTA barrier. No drain inside the loop."""
-    cur = _whole(*_operands(wa, sa, wb, sb, PROBE))
-    prev = cur
+    decoded; the wait that proves block j - 1 done (wait <= 1) frees its ring stage, refilled with block
+    j + STAGES - 1 after one CTA barrier, and its register operand. No drain inside the loop.
+    The loop runs two blocks a trip, even blocks' operand in one set of registers and odd blocks' in another, each
+    decoded only after the wait that frees it: an operand carried round the loop in one set (a move at the loop's
+    end while its wgmma is still reading it) gave wrong sums at STAGES 3 (session 40; PTX leaves that undefined).
+    The words (not the 8-bit scales: the wait takes no 8-bit values) reach the decode through the wait, so the
+    operand is not written above it."""
+    even = _whole(*_operands(wa, sa, wb, sb, PROBE))                                  # block 0
     wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
-    for j in range(n_blocks):
-        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
-                                                          s_h1, n_words)
-        if PROBE < 4:
-            cp.wait_group(STAGES - 2)          # block j landed (blocks j + 1 .. j + STAGES - 2 may be on their way)
-        _stage_ready(FENCE)
-        acc = warpgroup_mma(cur, ring.index(j % STAGES).permute((1, 0)), acc, is_async=True)
-        nxt = _whole(*_operands(wa, sa, wb, sb, PROBE))
-        acc, prev, cur = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev, cur))
-        _barrier()                             # block j - 1's stage is read in both warpgroups: refill it
+    for jj in range(n_blocks // 2):
+        j = 2 * jj
+        ea, esa, eb, esb = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1, s_h1, n_words)
+        acc = _async_block(ring, j, even, acc, STAGES, PROBE, FENCE)
+        acc, wa, wb = warpgroup_mma_wait(num_outstanding=1, deps=(acc, wa, wb))   # block j - 1 done
+        _barrier()                             # block j - 1's stage read in both warpgroups: refill it
         if PROBE < 4:
             _refill(x_ptr, x_offs, x_mask, ring, j + STAGES - 1, n_blocks, STAGES)
-        prev = cur
-        cur = nxt
-        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
-    acc, prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, prev))
+        odd = _whole(*_operands(wa, sa, wb, sb, PROBE))                               # block j + 1
+        wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, j + 3, w_step, s_step, w_h1, s_h1, n_words)
+        acc = _async_block(ring, j + 1, odd, acc, STAGES, PROBE, FENCE)
+        acc, even, ea, eb = warpgroup_mma_wait(num_outstanding=1, deps=(acc, even, ea, eb))
+        _barrier()                             # block j done
+        if PROBE < 4:
+            _refill(x_ptr, x_offs, x_mask, ring, j + STAGES, n_blocks, STAGES)
+        even = _whole(*_operands(ea, esa, eb, esb, PROBE))                            # block j + 2
+    if n_blocks % 2 == 1:                      # the last block, even
+        acc = _async_block(ring, n_blocks - 1, even, acc, STAGES, PROBE, FENCE)
+        acc, even = warpgroup_mma_wait(num_outstanding=0, deps=(acc, even))
+    acc, even = warpgroup_mma_wait(num_outstanding=0, deps=(acc, even))
     return acc
 
 
@@ -351,32 +373,49 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
 
 @gluon.jit
 def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PROBE: gl.constexpr = 0):
-    """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is)."""
-    mma: gl.constexpr = acc.type.layout
+              PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
+    """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is).
+    STORE 1: acc's row r is already h's column n0 + r (LAYOUT 0), and the tile goes out in a layout of 8 columns a
+    thread along h's rows (16-byte stores, a warp's two rows whole); 0 (bench only): from the MMA layout, a thread's
+    pairs down h's columns at permuted_pos (2-byte stores, 16 sectors a warp for 64 bytes)."""
     b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    pos = permuted_pos(o_n)
-    p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(pos, 1)
+    if STORE == 1:
+        lay: gl.constexpr = gl.BlockedLayout([8, 1], [BLOCK_N // 8, 256 // BLOCK_N], [1, gl.num_warps()], [0, 1])
+        b_h = gl.convert_layout(b_h, lay)
+    else:
+        lay: gl.constexpr = acc.type.layout
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lay))
     m_row = o_m < m1
     if PROBE == 3 or PROBE == 5:
         m_row = m_row & (m1 < 0)
-    gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(m_row, 0))
+    if STORE == 1:              # every column of the tile is inside h's padded width; past I it holds zeros
+        p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(o_n, 1)
+        gl.store(p_h, b_h, mask=gl.expand_dims(m_row, 0))
+    else:
+        p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(permuted_pos(o_n), 1)
+        gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(m_row, 0))
 
 
 @gluon.jit
 def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, PROBE: gl.constexpr = 0):
-    """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights)."""
-    mma: gl.constexpr = acc.type.layout
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+                BLOCK_N: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
+    """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights). STORE 1: in a layout of four
+    columns a thread along a token's row (one 16-byte vector atomic for four); 0 (bench only): from the MMA layout,
+    one 4-byte atomic a value."""
+    if STORE == 1:
+        lay: gl.constexpr = gl.BlockedLayout([4, 1], [BLOCK_N // 4, 128 // BLOCK_N], [1, gl.num_warps()], [0, 1])
+        b = gl.convert_layout(acc, lay)
+    else:
+        lay: gl.constexpr = acc.type.layout
+        b = acc
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lay))
     m_m = o_m < m1
     if PROBE == 3 or PROBE == 5:
         m_m = m_m & (m1 < 0)
-    b_y = acc * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
+    b_y = b * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
     tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
     p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
     gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
@@ -444,23 +483,23 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
 @gluon.jit
 def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES, PROBE,
-                      num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
+    acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 2 - 2 * STORE, BLOCK_M, BLOCK_N, STAGES,
+                      PROBE, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
 def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+                        num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
@@ -522,25 +561,27 @@ def _rega_dot(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.const
 def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
-                      FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1):
+                      FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1,
+                      STORE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 0, BLOCK_M, BLOCK_N, STAGES,
-                    DEPTH, MMA, WARPS_N, PROBE, FENCE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE)
+    acc = _rega_dot(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 2 - 2 * STORE, BLOCK_M,
+                    BLOCK_N, STAGES, DEPTH, MMA, WARPS_N, PROBE, FENCE, num_warps)
+    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
 def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
-                        FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1):
+                        FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1,
+                        STORE: gl.constexpr = 1):
     i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH, MMA, WARPS_N,
                     PROBE, FENCE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE)
+    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 def x_layout(block_m: int):
@@ -577,7 +618,7 @@ def _launch_args(cfg: dict, *extra: str) -> dict:
     """A config's launch keywords: the tiles, the ring, the warps, the kernel's own keys, and PROBE (bench only: the
     probes' wrong numbers, see _operands) and FENCE (bench only: 0 drops the cp.async ring's proxy fence) when set."""
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", *extra, "num_warps")}
-    launch.update({k: cfg[k] for k in ("PROBE", "FENCE") if k in cfg})
+    launch.update({k: cfg[k] for k in ("PROBE", "FENCE", "STORE") if k in cfg})
     return launch
 
 
@@ -630,30 +671,38 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
 
 
 def compile_report(cases: list) -> list[dict]:
-    """compile_offline over [(part, config, arch)]: each kernel's registers, spill stack bytes and shared memory (run
-    without TRITON_INTERPRET: the interpreter's jit functions cannot be compiled)."""
-    from bench.kernels.sass_probe import resources
+    """compile_offline over [(part, config, arch)]: each kernel's registers, spill stack bytes, shared memory and the
+    main loop's writes to an in-flight wgmma's register operand (run without TRITON_INTERPRET: the interpreter's jit
+    functions cannot be compiled)."""
+    from bench.kernels.sass_probe import resources, sass, wgmma_operand_hazards
     rows = []
     for part, cfg, arch in cases:
         k = compile_offline(part, cfg, arch)
         regs, spill = resources(k)
-        rows.append(dict(part=part, config=cfg, arch=arch, regs=regs, spill=spill, shared=k.metadata.shared))
+        rows.append(dict(part=part, config=cfg, arch=arch, regs=regs, spill=spill, shared=k.metadata.shared,
+                         hazards=wgmma_operand_hazards(sass(k))))
     return rows
 
 
 def _parts_config(name: str) -> dict:
-    """REGA_DEPTHS' names: "6" DEPTH 6, "5t" DEPTH 5 with x through TMA, a trailing "nf" without the ring's proxy
-    fence (FENCE 0), "v2" / "v2n1" mma.sync with WARPS_N 2 / 1."""
+    """REGA_DEPTHS' names: "6" DEPTH 6, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1;
+    suffixes: "nf" without the ring's proxy fence (FENCE 0), "so" the epilogue's stores from the MMA layout (STORE 0,
+    session 39's), "w" 256-token tiles (BLOCK_M 256, STAGES 2: each weight decoded once for 256 rows), e.g. "7nfso",
+    "1w", "5tw"."""
+    extra: dict = {}
+    suffixes = {"so": dict(STORE=0), "w": dict(BLOCK_M=256, STAGES=2), "nf": dict(FENCE=0)}
+    while tail := next((x for x in suffixes if name.endswith(x)), None):
+        name = name.removesuffix(tail)
+        extra.update(suffixes[tail])
     if name.startswith("v2"):
-        return dict(GLUON_CONFIG, MMA=2, WARPS_N=1 if name == "v2n1" else 2)
-    nofence = name.endswith("nf")
-    name = name.removesuffix("nf")
-    return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"), **({"FENCE": 0} if nofence else {}))
+        return dict(GLUON_CONFIG, MMA=2, WARPS_N=1 if name == "v2n1" else 2, **extra)
+    return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"), **extra)
 
 
 def _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc) -> list[dict]:
     """The engine's dequantized path's two GEMMs alone (Triton's own pipelines over bf16 / fp16 weights already in
-    VRAM, the same tiles and grid as rega's): what a GEMM skeleton reaches on this geometry, beside rega's."""
+    VRAM, the same tiles and grid as rega's), and cuBLAS's batched GEMM on the same shapes: what a GEMM skeleton
+    reaches on this geometry, beside rega's."""
     from bench.kernels.expert_prefill_sweep import median_seconds
     from kernels.expert_prefill import DEQUANT_CONFIG, DEQUANT_TMA_CONFIG, _chunk_launch, dense_gemms
     dev = xs.device
@@ -668,6 +717,14 @@ def _dense_parts(geom, T, experts, xs, segs, addrs, ug, dg, ws, tok, acc) -> lis
                                                                   dg, ws, tok, acc, cfg, h, which=part), 8)
             rows.append(dict(T=T, config=name, probe=0, part=part, us=sec * 1e6,
                              tflops=2 * T * experts * geom.L * geom.I / sec / 1e12))
+    # cuBLAS on the same shapes (every expert T rows, one batched GEMM a part): what the vendor's GEMM reaches here
+    xb = torch.randn(experts, T, geom.L, device=dev).bfloat16()
+    hb = torch.randn(experts, T, geom.I, device=dev).bfloat16()
+    up_t, down_t = up_w.transpose(1, 2), down_w.bfloat16().transpose(1, 2)
+    for part, a, b in (("up", xb, up_t), ("down", hb, down_t)):
+        sec = median_seconds(lambda i, a=a, b=b: torch.bmm(a, b), 8)
+        rows.append(dict(T=T, config="cublas", probe=0, part=part, us=sec * 1e6,
+                         tflops=2 * T * experts * geom.L * geom.I / sec / 1e12))
     return rows
 
 
@@ -734,7 +791,7 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
             json.dump(dict(gemm_tflops=gemm, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     print(f"bf16 GEMM {gemm:.0f} TFLOP/s, L {geom.L} I {geom.I}; % of it by probe {probes} (0 decode, 2 words "
           "without decode, 1 no words, 3 no words and no stores, 4 no words and no x, 5 nor stores; dense: bf16 "
-          "weights in VRAM)")
+          "weights in VRAM, Triton; cublas: torch.bmm on the same shapes)")
     for T in tokens:
         prep = next(x["us"] for x in rows if x["T"] == T and x["config"] == "prepare")
         print(f"T={T:5d} prepare (tile table, x permuted; in the sweep's path, not in the rows below) {prep:.0f} us")

@@ -56,8 +56,8 @@ def resources(kernel) -> tuple[int, int]:
     return regs, stack
 
 
-def loop_body(text: str) -> Counter:
-    """Opcode counts of the longest backward-branch loop."""
+def _longest_loop(text: str) -> list[tuple[int, str]]:
+    """(address, instruction) of the longest backward-branch loop."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", text)]
     at = {a: i for i, (a, _) in enumerate(ins)}
     best: list = []
@@ -66,7 +66,42 @@ def loop_body(text: str) -> Counter:
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
             body = ins[at[int(m.group(1), 16)]: i + 1]
             best = body if len(body) > len(best) else best
-    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in best)
+    return best
+
+
+def loop_body(text: str) -> Counter:
+    """Opcode counts of the longest backward-branch loop."""
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in _longest_loop(text))
+
+
+def wgmma_operand_hazards(text: str) -> list[str]:
+    """The longest loop's instructions that write a register an HGMMA still in flight reads as its A operand (PTX
+    leaves that undefined: the wgmma reads its registers after it issues). A group of HGMMA ends at the one marked
+    gsb0; WARPGROUP.DEPBAR.LE gsb0, k completes all but the last k groups. Two trips are walked, so the groups left in
+    flight at the loop's end meet the next trip's writes; stores, copies and branches write no register."""
+    loop = _longest_loop(text)
+    groups: list[set] = []
+    issuing: set = set()
+    found = []
+    for trip in range(2):
+        for a, t in loop:
+            op, _, args = re.sub(r"^@!?U?P\w+\s+", "", t).partition(" ")
+            if op.startswith("HGMMA"):
+                r = int(re.findall(r"\bR(\d+)", args)[1])
+                issuing |= set(range(r, r + 4))
+                if "gsb0" in args:
+                    groups.append(issuing)
+                    issuing = set()
+            elif op.startswith("WARPGROUP.DEPBAR"):
+                k = int(args.split(",")[-1].strip(), 16)
+                groups = groups[len(groups) - k:] if k else []
+            elif (d := re.match(r"\s*R(\d+)", args)) and not op.startswith(("ST", "RED", "ATOM", "LDGSTS", "BAR",
+                                                                              "BRA", "HMMA")):
+                width = 4 if ".128" in op else 2 if ".64" in op else 1
+                wrote = set(range(int(d.group(1)), int(d.group(1)) + width))
+                if trip == 1 and wrote & set().union(issuing, *groups):
+                    found.append(f"{a:#x} {t.strip()}")
+    return found
 
 
 def memory_order_ops(text: str) -> Counter:

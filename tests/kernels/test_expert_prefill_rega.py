@@ -111,6 +111,9 @@ def _gluon_case(cfg):
     dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=1, num_warps=4),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=7, num_warps=8),
     dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=7, FENCE=0, num_warps=4),
+    dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, STORE=0, num_warps=8),
+    dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=1, num_warps=8),
+    dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=5, TMA=True, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8),
     dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=5, TMA=True, num_warps=4),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=2, num_warps=8),
@@ -161,8 +164,9 @@ _COMPILED = [(dict(DEPTH=1), 90), (dict(DEPTH=6), 90), (dict(DEPTH=7), 90), (dic
              (dict(BLOCK_N=64, DEPTH=5, TMA=True, num_warps=4), 90), (dict(MMA=2, WARPS_N=2), 90),
              (dict(MMA=2, WARPS_N=1), 90), (dict(MMA=2, WARPS_N=2), 120)]
 # the twin that must fail: 256-token tiles hold a 64 x 256 fp32 accumulator a warpgroup (128 registers a thread)
-# beside the operands and x's addresses, and spill
-_SPILLS = (dict(BLOCK_M=256, STAGES=2, DEPTH=1), 90)
+# beside the operands and x's addresses; DEPTH 7 keeps two blocks' operands as well, and spills (DEPTH 1 fits since
+# session 40's stores)
+_SPILLS = (dict(BLOCK_M=256, STAGES=2, DEPTH=7), 90)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +193,28 @@ def test_gluon_kernels_compile_without_spills(compiled, cfg, arch):
     for r in rows:
         assert r["regs"] <= 255 and r["spill"] == 0, r
         assert r["shared"] <= 227 * 1024, r
+        assert r["hazards"] == [], r           # no write to a register an in-flight wgmma still reads
+
+
+# A loop of two HGMMA groups as ptxas writes them: the first group's A operand (R100..R103) is rewritten while the
+# DEPBAR leaves one group in flight, and only the safe twin waits for every group first.
+_LOOP = """
+        /*0100*/                   WARPGROUP.ARRIVE ;
+        /*0110*/                   HGMMA.64x128x16.F32 R24, R100, gdesc[UR16], R24, gsb0 ;
+        /*0120*/                   HGMMA.64x128x16.F32 R24, R104, gdesc[UR16], R24, gsb0 ;
+        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, {k} ;
+        /*0140*/                   IMAD.MOV.U32 R101, RZ, RZ, R199 ;
+        /*0150*/                   STG.E [R2.64], R104 ;
+        /*0160*/              @P4  BRA 0x100 ;
+"""
+
+
+def test_the_operand_hazard_check_sees_a_register_rewritten_in_flight():
+    """The check the compile test applies, on SASS whose answer is known: rewriting R101 with one group in flight
+    (the second, R104..R107) is safe; with both in flight it is the hazard (session 40's DEPTH 7 had 46 of them)."""
+    from bench.kernels.sass_probe import wgmma_operand_hazards
+    assert wgmma_operand_hazards(_LOOP.format(k="0x1")) == []
+    assert wgmma_operand_hazards(_LOOP.format(k="0x2")) == ["0x140 IMAD.MOV.U32 R101, RZ, RZ, R199"]
 
 
 @pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile")

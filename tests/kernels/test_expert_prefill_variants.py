@@ -89,3 +89,16 @@ def test_sweep_script_smoke(tmp_path):
     res = json.loads(out.read_text())
     row, = res["rows"]
     assert row["odd_ok"] and row["must_fail_caught"] and row["rel_err_T5"] < 1e-3 and row["us_T5"] > 0
+
+
+def test_the_sweep_table_prints_no_speed_for_a_wrong_kernel(capsys):
+    """A candidate wrong at the timed shapes (NaN or past the tolerance) shows WRONG, not its TFLOP/s; the twin that
+    must pass is the same row with a small error."""
+    row = dict(name="k", odd_ok=True, must_fail_caught=True, rel_err_T8=2e-4, tflops_T8=123.4, of_gemm_T8=0.5)
+    res = dict(tokens_per_expert=[8], device="d", torch="t", triton="t", experts=3, geometry=dict(L=16, I=16),
+               gemm_tflops=1.0, d2d_gbps=1.0,
+               rows=[row, dict(row, name="nan", rel_err_T8=float("nan")), dict(row, name="far", rel_err_T8=0.5)])
+    sweep.print_table(res)
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln[:3] in ("k  ", "nan", "far")}
+    assert "123.4" in lines["k"] and "WRONG" not in lines["k"]
+    assert all("WRONG" in lines[n] and "123.4" not in lines[n] for n in ("nan", "far"))
