@@ -687,13 +687,14 @@ def compile_report(cases: list) -> list[dict]:
 def _parts_config(name: str) -> dict:
     """REGA_DEPTHS' names: "6" DEPTH 6, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1;
     suffixes: "nf" without the ring's proxy fence (FENCE 0), "so" the epilogue's stores from the MMA layout (STORE 0,
-    session 39's), "w" 256-token tiles (BLOCK_M 256, STAGES 2: each weight decoded once for 256 rows), e.g. "7nfso",
-    "1w", "5tw"."""
+    session 39's), "w" 256-token tiles (BLOCK_M 256, STAGES 2: each weight decoded once for 256 rows), "s3" STAGES 3,
+    e.g. "7nfso", "1w", "5tws3"."""
     extra: dict = {}
-    suffixes = {"so": dict(STORE=0), "w": dict(BLOCK_M=256, STAGES=2), "nf": dict(FENCE=0)}
+    suffixes = {"so": dict(STORE=0), "w": dict(BLOCK_M=256, STAGES=2), "nf": dict(FENCE=0), "s3": dict(STAGES=3)}
     while tail := next((x for x in suffixes if name.endswith(x)), None):
         name = name.removesuffix(tail)
-        extra.update(suffixes[tail])
+        for k, v in suffixes[tail].items():
+            extra.setdefault(k, v)          # the rightmost suffix wins: "1ws3" is 256-token tiles at STAGES 3
     if name.startswith("v2"):
         return dict(GLUON_CONFIG, MMA=2, WARPS_N=1 if name == "v2n1" else 2, **extra)
     return dict(GLUON_CONFIG, DEPTH=int(name.rstrip("t")), TMA=name.endswith("t"), **extra)

@@ -56,6 +56,9 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     ("rega/gluon-d1w", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=1, num_warps=8)),
     ("rega/gluon-d6w", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=6, num_warps=8)),
     ("rega/gluon-d5tw", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=5, TMA=True, num_warps=8)),
+    ("rega/gluon-d1wnf", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=1, FENCE=0, num_warps=8)),
+    ("rega/gluon-d1ws3", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),
+    ("rega/gluon-d5tws3", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8)),
     ("rega/gluon-d6nf", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, FENCE=0, num_warps=8)),
     ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
     ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),
