@@ -70,6 +70,8 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     # session 38: mma.sync (sm_80+, the consumer cards' instruction), the warps 4 x 2 and 8 x 1 over the tile
     ("rega/v2", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=2, num_warps=8)),
     ("rega/v2-wn1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=1, num_warps=8)),
+    # session 40: 256-token tiles (128 KB of ring: sm_90 / sm_100 only; the RTX cards' SMs hold ~100 KB)
+    ("rega/v2-wn1w", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, MMA=2, WARPS_N=1, num_warps=8)),
     ("rega/gluon-d1", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),   # call 1's waits
     ("rega/gluon-n64w4-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=4, num_warps=4)),
     ("rega/gluon-n64w4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, DEPTH=3, num_warps=4)),
