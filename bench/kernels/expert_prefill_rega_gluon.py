@@ -503,6 +503,113 @@ def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_ti
 
 
 @gluon.jit
+def _seq_fill(x_desc, table_ptr, n_n, total, n_blocks, G, ring, bars, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """PERSIST: block G of this CTA's sequence (its tiles program_id, + num_programs, ...; n_blocks each) into ring
+    stage G % STAGES, if that tile exists. The sequence runs across tiles, so the next tile's first blocks are on their
+    way while this tile's last blocks and its epilogue run."""
+    t = gl.program_id(0) + (G // n_blocks) * gl.num_programs(0)
+    if t < total:
+        m0 = gl.load(table_ptr + 3 * (t // n_n) + 1)
+        _tma_x(x_desc, m0, (G % n_blocks) * 128, bars.index(G % STAGES), ring, G % STAGES, BLOCK_M)
+
+
+@gluon.jit
+def _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              PROBE: gl.constexpr):
+    """PERSIST: the ring (two [BLOCK_M, 64] boxes a stage, one mbarrier a stage) with the sequence's first
+    STAGES - 1 blocks on their way."""
+    ring = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    if PROBE < 4:
+        for g in gl.static_range(STAGES - 1):
+            _seq_fill(x_desc, table_ptr, n_n, total, n_blocks, g, ring, bars, BLOCK_M, STAGES)
+    return ring, bars
+
+
+@gluon.jit
+def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr,
+                num_warps: gl.constexpr):
+    """_rega_dot_t for one tile of a persistent CTA: its blocks are g0 .. g0 + n_blocks of the CTA's sequence, and
+    each step refills the ring with the sequence's block STAGES - 1 ahead, which past the tile's end is the next
+    tile's (its phase and stage from the sequence's position)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
+    n_words = K // 8
+    n_blocks = gl.cdiv(K, 128)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
+    for j in range(n_blocks):
+        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
+                                                          s_h1, n_words)
+        _barrier()                   # the sequence's block before is read in both warpgroups: refill its stage
+        g = g0 + j
+        if PROBE < 4:
+            _seq_fill(x_desc, table_ptr, n_n, total, n_blocks, g + STAGES - 1, ring, bars, BLOCK_M, STAGES)
+            mbarrier.wait(bars.index(g % STAGES), (g // STAGES) & 1)
+        stage = g % STAGES
+        lay: gl.constexpr = a0.type.layout
+        lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
+        acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
+        hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
+        acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+        acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
+        a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
+    return acc
+
+
+@gluon.jit
+def _rega_up_kernel_p(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    """PERSIST: the TMA up over tiles program_id, + num_programs, ... (N tiles fastest, as the grid of
+    _rega_up_kernel_t orders them), x's ring running on across tiles."""
+    n_n = gl.cdiv(I, BLOCK_N)
+    total = n_n * n_tiles
+    n_blocks = gl.cdiv(L, 128)
+    ring, bars = _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M, STAGES, PROBE)
+    g0 = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        i, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
+        n0 = (t % n_n) * BLOCK_N
+        acc = _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, base + up_scales_off, n0, I, L, 0,
+                          BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
+        g0 += n_blocks
+        _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, 1)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
+def _rega_down_kernel_p(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    """PERSIST: the TMA down as _rega_up_kernel_p runs the up."""
+    n_n = gl.cdiv(L, BLOCK_N)
+    total = n_n * n_tiles
+    n_blocks = gl.cdiv(I, 128)
+    ring, bars = _seq_ring(h_desc, table_ptr, n_n, total, n_blocks, BLOCK_M, STAGES, PROBE)
+    g0 = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        i, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
+        n0 = (t % n_n) * BLOCK_N
+        acc = _rega_dot_p(h_desc, table_ptr, n_n, total, ring, bars, g0, base + down_off, base + down_off, n0, L, I,
+                          1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
+        g0 += n_blocks
+        _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, 1)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
 def _rega_dot_v2(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS_N: gl.constexpr, PROBE: gl.constexpr,
                  num_warps: gl.constexpr):
@@ -623,20 +730,28 @@ def _launch_args(cfg: dict, *extra: str) -> dict:
 
 
 def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
-    """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order)."""
+    """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order; PERSIST:
+    one CTA an SM over its share of the tiles, x's ring running on across them)."""
     L, I = geom.L, geom.I
     launch = _launch_args(cfg)
     part = cfg.get("PART", "both")
     box = [cfg["BLOCK_M"], 64]
+    grid_up, grid_down = (triton.cdiv(I, cfg["BLOCK_N"]), n), (triton.cdiv(L, cfg["BLOCK_N"]), n)
+    up, down = _rega_up_kernel_t, _rega_down_kernel_t
+    if cfg.get("PERSIST"):          # one CTA an SM (or a tile, if fewer), each over its share of the tiles
+        launch.pop("STORE", None)
+        up, down = _rega_up_kernel_p, _rega_down_kernel_p
+        # PERSIST True: as many CTAs as SMs; a number: that many (the tests: several tiles a CTA on a small layer)
+        ctas = torch.cuda.get_device_properties(xp.device).multi_processor_count if cfg["PERSIST"] is True \
+            else int(cfg["PERSIST"])
+        grid_up, grid_down = (min(ctas, grid_up[0] * n),), (min(ctas, grid_down[0] * n),)
     if part != "down":
         x_desc = TensorDescriptor.from_tensor(xp, box, x_layout(cfg["BLOCK_M"]))
-        _rega_up_kernel_t[(triton.cdiv(I, cfg["BLOCK_N"]), n)](x_desc, tab, up_global, h, n, I, L, h.stride(0),
-                                                              geom.up_scales_off, **launch)
+        up[grid_up](x_desc, tab, up_global, h, n, I, L, h.stride(0), geom.up_scales_off, **launch)
     if part != "up":
         h_desc = TensorDescriptor.from_tensor(h, box, x_layout(cfg["BLOCK_M"]))
-        _rega_down_kernel_t[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h_desc, tab, down_global, w_sorted[lo:hi],
-                                                                tok_sorted[lo:hi], acc, n, L, I, geom.down_off,
-                                                                **launch)
+        down[grid_down](h_desc, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, n, L, I, geom.down_off,
+                        **launch)
     return acc
 
 
@@ -654,7 +769,7 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     cfg = {**GLUON_CONFIG, **(config or {})}
-    fn = globals()[f"_rega_{part}_kernel_{'t' if cfg.get('TMA') else 'g'}"]
+    fn = globals()[f"_rega_{part}_kernel_{'p' if cfg.get('PERSIST') else 't' if cfg.get('TMA') else 'g'}"]
     names = fn.arg_names
     desc = f"tensordesc<fp16[{cfg['BLOCK_M']}, 64],{x_layout(cfg['BLOCK_M'])!r}>"
     sig, constexprs, attrs = {}, {}, {}
@@ -688,9 +803,10 @@ def _parts_config(name: str) -> dict:
     """REGA_DEPTHS' names: "6" DEPTH 6, "5t" DEPTH 5 with x through TMA, "v2" / "v2n1" mma.sync with WARPS_N 2 / 1;
     suffixes: "nf" without the ring's proxy fence (FENCE 0), "so" the epilogue's stores from the MMA layout (STORE 0,
     session 39's), "w" 256-token tiles (BLOCK_M 256, STAGES 2: each weight decoded once for 256 rows), "s3" STAGES 3,
-    e.g. "7nfso", "1w", "5tws3"."""
+    "p" persistent (TMA only: one CTA an SM, x's ring across tiles), e.g. "7nfso", "1w", "5tws3", "5tpw"."""
     extra: dict = {}
-    suffixes = {"so": dict(STORE=0), "w": dict(BLOCK_M=256, STAGES=2), "nf": dict(FENCE=0), "s3": dict(STAGES=3)}
+    suffixes = {"so": dict(STORE=0), "w": dict(BLOCK_M=256, STAGES=2), "nf": dict(FENCE=0), "s3": dict(STAGES=3),
+                "p": dict(PERSIST=True)}
     while tail := next((x for x in suffixes if name.endswith(x)), None):
         name = name.removesuffix(tail)
         for k, v in suffixes[tail].items():

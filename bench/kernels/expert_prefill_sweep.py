@@ -59,6 +59,11 @@ CANDIDATES = [     # in order of interest: a run that meets its time budget skip
     ("rega/gluon-d1wnf", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=1, FENCE=0, num_warps=8)),
     ("rega/gluon-d1ws3", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, DEPTH=1, num_warps=8)),
     ("rega/gluon-d5tws3", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8)),
+    # persistent (one CTA an SM over its share of the tiles, x's ring running on across them)
+    ("rega/gluon-d5tp", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, PERSIST=True,
+                                           num_warps=8)),
+    ("rega/gluon-d5tpw", "rega_gluon", dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=5, TMA=True, PERSIST=True,
+                                            num_warps=8)),
     ("rega/gluon-d6nf", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, FENCE=0, num_warps=8)),
     ("rega/gluon", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)),    # session 37
     ("rega/gluon-d4", "rega_gluon", dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=4, num_warps=8)),

@@ -114,6 +114,9 @@ def _gluon_case(cfg):
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=6, STORE=0, num_warps=8),
     dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=1, num_warps=8),
     dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=5, TMA=True, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, PERSIST=5, num_warps=8),
+    dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=5, TMA=True, PERSIST=3, num_warps=4),
+    dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, DEPTH=5, TMA=True, PERSIST=True, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=5, TMA=True, num_warps=8),
     dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, DEPTH=5, TMA=True, num_warps=4),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, MMA=2, WARPS_N=2, num_warps=8),
@@ -161,6 +164,7 @@ def _cuda_backend():
 
 # the Gluon kernels' configs as the sweep and the GPU test run them, and the user's card's arch for mma.sync
 _COMPILED = [(dict(DEPTH=1), 90), (dict(DEPTH=6), 90), (dict(DEPTH=7), 90), (dict(DEPTH=5, TMA=True), 90),
+             (dict(DEPTH=5, TMA=True, PERSIST=True), 90),
              (dict(BLOCK_N=64, DEPTH=5, TMA=True, num_warps=4), 90), (dict(MMA=2, WARPS_N=2), 90),
              (dict(MMA=2, WARPS_N=1), 90), (dict(MMA=2, WARPS_N=2), 120)]
 # the twin that must fail: 256-token tiles hold a 64 x 256 fp32 accumulator a warpgroup (128 registers a thread)
