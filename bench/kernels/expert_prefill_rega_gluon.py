@@ -432,6 +432,21 @@ def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, stage, acc, wa, sa, wb, sb, PROBE: gl.constexpr):
+    """A block of the TMA kernels once its stage landed: each half block one K = 64 warpgroup_mma, the next block's
+    operands decoded from (wa, sa, wb, sb) while they run, then the wait (both done). Returns acc and the next
+    operands."""
+    lay: gl.constexpr = a0.type.layout
+    lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
+    acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
+    hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
+    acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
+    acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
+    return acc, b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@gluon.jit
 def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
     """_rega_dot_g at DEPTH 5 with x through TMA: a ring of STAGES blocks, each two [BLOCK_M, 64] boxes, one
@@ -463,17 +478,10 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
         if j + STAGES - 1 < n_blocks and PROBE < 4:
             r = (j + STAGES - 1) % STAGES
             _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
-        stage = j % STAGES
         if PROBE < 4:
-            mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
-        lay: gl.constexpr = a0.type.layout
-        lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
-        acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
-        hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
-        acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
-        acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
-        a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+            mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
+        acc, a0, a1, a2, a3, a4, a5, a6, a7 = _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, j % STAGES, acc, wa,
+                                                         sa, wb, sb, PROBE)
         wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -553,15 +561,8 @@ def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0,
         if PROBE < 4:
             _seq_fill(x_desc, table_ptr, n_n, total, n_blocks, g + STAGES - 1, ring, bars, BLOCK_M, STAGES)
             mbarrier.wait(bars.index(g % STAGES), (g // STAGES) & 1)
-        stage = g % STAGES
-        lay: gl.constexpr = a0.type.layout
-        lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
-        acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
-        hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
-        acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
-        acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
-        a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+        acc, a0, a1, a2, a3, a4, a5, a6, a7 = _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, g % STAGES, acc, wa,
+                                                         sa, wb, sb, PROBE)
         wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
     return acc
 
