@@ -432,6 +432,23 @@ def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _tma_start(base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               PROBE: gl.constexpr, num_warps: gl.constexpr):
+    """The TMA kernels' tile start: the accumulator (MMA layout), block 0's operands decoded, block 1's words on their
+    way, and the words' offsets and steps (_word_offsets) with the count of words a row."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
+    n_words = K // 8
+    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
+    ops = _operands(wa, sa, wb, sb, PROBE)
+    words = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    return acc, ops, words, (w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1, n_words)
+
+
+@gluon.jit
 def _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, stage, acc, wa, sa, wb, sb, PROBE: gl.constexpr):
     """A block of the TMA kernels once its stage landed: each half block one K = 64 warpgroup_mma, the next block's
     operands decoded from (wa, sa, wb, sb) while they run, then the wait (both done). Returns acc and the next
@@ -452,13 +469,11 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     """_rega_dot_g at DEPTH 5 with x through TMA: a ring of STAGES blocks, each two [BLOCK_M, 64] boxes, one
     mbarrier a stage (its phase says which use of the stage landed), one CTA barrier a block (the stage about to
     be refilled is free in both warpgroups). No per-thread x addresses, no cp.async groups."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
-    n_words = K // 8
+    acc, ops, words, offs = _tma_start(base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, PROBE, num_warps)
+    a0, a1, a2, a3, a4, a5, a6, a7 = ops
+    wa, sa, wb, sb = words
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1, n_words = offs
     n_blocks = gl.cdiv(K, 128)
-
     ring = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -467,10 +482,6 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
         if j < n_blocks and PROBE < 4:
             _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
 
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
-    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
@@ -540,19 +551,14 @@ def _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M: gl.constexpr, ST
 def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr,
                 num_warps: gl.constexpr):
-    """_rega_dot_t for one tile of a persistent CTA: its blocks are g0 .. g0 + n_blocks of the CTA's sequence, and
+    """_rega_dot_t for one tile of a CTA's sequence (PERSIST: several tiles a CTA): its blocks are g0 .. g0 + n_blocks of the CTA's sequence, and
     each step refills the ring with the sequence's block STAGES - 1 ahead, which past the tile's end is the next
     tile's (its phase and stage from the sequence's position)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
-    n_words = K // 8
+    acc, ops, words, offs = _tma_start(base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, PROBE, num_warps)
+    a0, a1, a2, a3, a4, a5, a6, a7 = ops
+    wa, sa, wb, sb = words
+    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1, n_words = offs
     n_blocks = gl.cdiv(K, 128)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _operands(wa, sa, wb, sb, PROBE)
-    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
     for j in range(n_blocks):
         wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
                                                           s_h1, n_words)
@@ -568,46 +574,45 @@ def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0,
 
 
 @gluon.jit
-def _rega_up_kernel_p(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
-    """PERSIST: the TMA up over tiles program_id, + num_programs, ... (N tiles fastest, as the grid of
-    _rega_up_kernel_t orders them), x's ring running on across tiles."""
-    n_n = gl.cdiv(I, BLOCK_N)
+def _seq_tiles(x_desc, table_ptr, gs_ptr, n_tiles, N, K, w_off, s_off, LAYOUT: gl.constexpr, h_ptr, stride_hm, w_ptr,
+               tok_ptr, acc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               PROBE: gl.constexpr, num_warps: gl.constexpr):
+    """The TMA kernels' body: tiles program_id, + num_programs, ... (N tiles fastest), one a CTA with a grid of
+    every tile, or (PERSIST) one CTA an SM, x's ring running on across its tiles; LAYOUT 0 the up's epilogue (h_ptr,
+    stride_hm), 1 the down's (w_ptr, tok_ptr, acc_ptr)."""
+    n_n = gl.cdiv(N, BLOCK_N)
     total = n_n * n_tiles
-    n_blocks = gl.cdiv(L, 128)
+    n_blocks = gl.cdiv(K, 128)
     ring, bars = _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M, STAGES, PROBE)
     g0 = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         i, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
         n0 = (t % n_n) * BLOCK_N
-        acc = _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, base + up_scales_off, n0, I, L, 0,
-                          BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
+        acc = _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base + w_off, base + s_off, n0, N, K,
+                          LAYOUT, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
         g0 += n_blocks
-        _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, 1)
+        if LAYOUT == 0:
+            _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, N, stride_hm, BLOCK_M, BLOCK_N, PROBE, 1)
+        else:
+            _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, N, BLOCK_M, BLOCK_N, PROBE, 1)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
+def _rega_up_kernel_p(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
+    _seq_tiles(x_desc, table_ptr, gs_ptr, n_tiles, I, L, 0, up_scales_off, 0, h_ptr, stride_hm, h_ptr, h_ptr, h_ptr,
+               BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
 
 
 @gluon.jit
 def _rega_down_kernel_p(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         num_warps: gl.constexpr, PROBE: gl.constexpr = 0):
-    """PERSIST: the TMA down as _rega_up_kernel_p runs the up."""
-    n_n = gl.cdiv(L, BLOCK_N)
-    total = n_n * n_tiles
-    n_blocks = gl.cdiv(I, 128)
-    ring, bars = _seq_ring(h_desc, table_ptr, n_n, total, n_blocks, BLOCK_M, STAGES, PROBE)
-    g0 = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        i, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
-        n0 = (t % n_n) * BLOCK_N
-        acc = _rega_dot_p(h_desc, table_ptr, n_n, total, ring, bars, g0, base + down_off, base + down_off, n0, L, I,
-                          1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-        g0 += n_blocks
-        _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, 1)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    _seq_tiles(h_desc, table_ptr, gs_ptr, n_tiles, L, I, down_off, down_off, 1, w_ptr, 0, w_ptr, tok_ptr, acc_ptr,
+               BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
 
 
 @gluon.jit
