@@ -87,8 +87,9 @@ def wgmma_operand_hazards(text: str) -> list[str]:
         for a, t in loop:
             op, _, args = re.sub(r"^@!?U?P\w+\s+", "", t).partition(" ")
             if op.startswith("HGMMA"):
-                r = int(re.findall(r"\bR(\d+)", args)[1])
-                issuing |= set(range(r, r + 4))
+                a_op = args.split(",")[1].strip()          # D, A, B, C: A is a register only in the RS form
+                if re.fullmatch(r"R\d+", a_op):
+                    issuing |= set(range(int(a_op[1:]), int(a_op[1:]) + 4))
                 if "gsb0" in args:
                     groups.append(issuing)
                     issuing = set()
@@ -96,8 +97,9 @@ def wgmma_operand_hazards(text: str) -> list[str]:
                 k = int(args.split(",")[-1].strip(), 16)
                 groups = groups[len(groups) - k:] if k else []
             elif (d := re.match(r"\s*R(\d+)", args)) and not op.startswith(("ST", "RED", "ATOM", "LDGSTS", "BAR",
-                                                                              "BRA", "HMMA")):
-                width = 4 if ".128" in op else 2 if ".64" in op else 1
+                                                                              "BRA")):
+                width = 4 if ".128" in op or op.startswith("LDSM") and op.endswith(".4") else \
+                    2 if ".64" in op or op.startswith("LDSM") and op.endswith(".2") else 1
                 wrote = set(range(int(d.group(1)), int(d.group(1)) + width))
                 if trip == 1 and wrote & set().union(issuing, *groups):
                     found.append(f"{a:#x} {t.strip()}")

@@ -208,6 +208,7 @@ _LOOP = """
         /*0120*/                   HGMMA.64x128x16.F32 R24, R104, gdesc[UR16], R24, gsb0 ;
         /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, {k} ;
         /*0140*/                   IMAD.MOV.U32 R101, RZ, RZ, R199 ;
+        /*0148*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], R24 ;
         /*0150*/                   STG.E [R2.64], R104 ;
         /*0160*/              @P4  BRA 0x100 ;
 """
@@ -215,7 +216,8 @@ _LOOP = """
 
 def test_the_operand_hazard_check_sees_a_register_rewritten_in_flight():
     """The check the compile test applies, on SASS whose answer is known: rewriting R101 with one group in flight
-    (the second, R104..R107) is safe; with both in flight it is the hazard (session 40's DEPTH 7 had 46 of them)."""
+    (the second, R104..R107) is safe; with both in flight it is the hazard (session 40's DEPTH 7 had 46 of them). An
+    HGMMA whose A is in shared memory (a descriptor) reads no register operand."""
     from bench.kernels.sass_probe import wgmma_operand_hazards
     assert wgmma_operand_hazards(_LOOP.format(k="0x1")) == []
     assert wgmma_operand_hazards(_LOOP.format(k="0x2")) == ["0x140 IMAD.MOV.U32 R101, RZ, RZ, R199"]
