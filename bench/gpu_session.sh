@@ -3,7 +3,8 @@
 #   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (session 35: lend; session 36: fp8fma; session 37: rega_parts)
 #   (default: vision check e2e profile omni),
-#   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4), E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
+#   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4),
+#   E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
 #   E2E_AB_ENV / E2E_AB_ENV_C / E2E_AB_ORDER (e2e_ab: runs named a* default, b* with E2E_AB_ENV, c* with E2E_AB_ENV_C),
 #   LEND_ARGS (bench.lend_decode flags), PREFILL_ARGS / PREFILL_TIMEOUT,
 #   API_ARGS / API_TIMEOUT (bench.api_ttft: the chat turn through launcher.py).
@@ -165,7 +166,8 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
            ${DTIMELINE_ARGS:-} --out "$OUT/decode_timeline.json" > "$OUT/decode_timeline.log" 2>&1; grep -v Warning "$OUT/decode_timeline.log" | tail -22;;
     h2d) timeout 90 python3 -m bench.h2d_blocks --out "$OUT/h2d_blocks.json" > "$OUT/h2d_blocks.log" 2>&1; tail -7 "$OUT/h2d_blocks.log";;
     profile) timeout 150 python3 -m bench.profile_decode --work $W/super --moe-layers ${MOE_LAYERS:-4} --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1; head -30 "$OUT/profile.log";;
-    pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q ${PYTEST_X--x} -p no:cacheprovider ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
+    pytest) timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q ${PYTEST_X--x} -p no:cacheprovider \
+              ${PYTEST_TESTS:-tests/gpu_worker/test_decode_graphs.py tests/gpu_worker/test_weight_stream.py \
               tests/nemotron/test_fused_decode.py tests/kernels tests/gpu_worker/test_prefill.py::test_gpu_layer_major_both_weight_paths} > "$OUT/pytest.log" 2>&1; tail -3 "$OUT/pytest.log";;
     # session 19: the SM staging of slab-routed layers' ups against the copy engine, alone and beside a dense read
     stageb) timeout ${STAGEB_TIMEOUT:-90} python3 -m bench.kernels.stage_ups --out "$OUT/stage_ups.json" > "$OUT/stage_ups.log" 2>&1

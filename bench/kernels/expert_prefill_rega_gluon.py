@@ -551,9 +551,9 @@ def _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M: gl.constexpr, ST
 def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0, N, K, LAYOUT: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr,
                 num_warps: gl.constexpr):
-    """_rega_dot_t for one tile of a CTA's sequence (PERSIST: several tiles a CTA): its blocks are g0 .. g0 + n_blocks of the CTA's sequence, and
-    each step refills the ring with the sequence's block STAGES - 1 ahead, which past the tile's end is the next
-    tile's (its phase and stage from the sequence's position)."""
+    """_rega_dot_t for one tile of a persistent CTA's sequence: its blocks are g0 .. g0 + n_blocks of the sequence,
+    and each step refills the ring with the sequence's block STAGES - 1 ahead, which past the tile's end is the CTA's
+    next tile's (its phase and stage from the sequence's position)."""
     acc, ops, words, offs = _tma_start(base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, PROBE, num_warps)
     a0, a1, a2, a3, a4, a5, a6, a7 = ops
     wa, sa, wb, sb = words
@@ -577,9 +577,9 @@ def _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base, s_base, n0,
 def _seq_tiles(x_desc, table_ptr, gs_ptr, n_tiles, N, K, w_off, s_off, LAYOUT: gl.constexpr, h_ptr, stride_hm, w_ptr,
                tok_ptr, acc_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                PROBE: gl.constexpr, num_warps: gl.constexpr):
-    """The TMA kernels' body: tiles program_id, + num_programs, ... (N tiles fastest), one a CTA with a grid of
-    every tile, or (PERSIST) one CTA an SM, x's ring running on across its tiles; LAYOUT 0 the up's epilogue (h_ptr,
-    stride_hm), 1 the down's (w_ptr, tok_ptr, acc_ptr)."""
+    """PERSIST's kernels' body: tiles program_id, + num_programs, ... (N tiles fastest, the tile kernels' grid
+    order), one CTA an SM, x's ring running on across its tiles; LAYOUT 0 the up's epilogue (h_ptr, stride_hm), 1 the
+    down's (w_ptr, tok_ptr, acc_ptr). Session 40: 7-16 points below the tile kernels (bench/NOTES.md)."""
     n_n = gl.cdiv(N, BLOCK_N)
     total = n_n * n_tiles
     n_blocks = gl.cdiv(K, 128)
