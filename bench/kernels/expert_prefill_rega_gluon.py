@@ -919,10 +919,13 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         prep = next(x["us"] for x in rows if x["T"] == T and x["config"] == "prepare")
         print(f"T={T:5d} prepare (tile table, x permuted; in the sweep's path, not in the rows below) {prep:.0f} us")
         for name in dict.fromkeys(x["config"] for x in rows if x["T"] == T and x["config"] != "prepare"):
-            cells = []
+            cells, us = [], []
             for part in ("up", "down"):
                 r = {x["probe"]: x for x in rows if x["T"] == T and x["config"] == name and x["part"] == part}
                 cells.append(f"{part} " + " / ".join(f"{100 * r[p]['of_gemm']:.1f}" for p in probes if p in r))
+                us.append(r[probes[0]]["us"] if probes[0] in r else None)
+            if None not in us:          # the two launches together (the same FLOPs each: by time, not the mean of %)
+                cells.append(f"both {100 * 4 * T * experts * geom.L * geom.I / sum(us) / 1e6 / gemm:.1f}")
             print(f"T={T:5d} {name:5s} " + "   ".join(cells))
     return rows
 
