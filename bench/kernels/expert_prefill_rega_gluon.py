@@ -745,6 +745,8 @@ def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok
     grid_up, grid_down = (triton.cdiv(I, cfg["BLOCK_N"]), n), (triton.cdiv(L, cfg["BLOCK_N"]), n)
     up, down = _rega_up_kernel_t, _rega_down_kernel_t
     if cfg.get("PERSIST"):          # one CTA an SM (or a tile, if fewer), each over its share of the tiles
+        if cfg.get("STORE", 1) != 1:
+            raise ValueError("PERSIST runs the coalesced epilogue only (STORE 1)")
         launch.pop("STORE", None)
         up, down = _rega_up_kernel_p, _rega_down_kernel_p
         # PERSIST True: as many CTAs as SMs; a number: that many (the tests: several tiles a CTA on a small layer)

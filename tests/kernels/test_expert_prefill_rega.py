@@ -227,3 +227,15 @@ def test_the_operand_hazard_check_sees_a_register_rewritten_in_flight():
 def test_the_spill_check_catches_a_tile_that_does_not_fit(compiled):
     rows = [r for r in compiled if r["config"] == _SPILLS[0]]
     assert len(rows) == 2 and all(r["spill"] > 0 for r in rows), rows
+
+
+def test_persist_refuses_the_old_stores():
+    """PERSIST's kernels have only the coalesced epilogue: a config asking for STORE 0 with it is refused by name,
+    before any launch, rather than measured under a name it does not run."""
+    from bench.kernels.expert_prefill_rega_gluon import rega_gluon
+    from kernels.expert_block import SUPER
+    z = torch.zeros(1)
+    prepared = (z, 1, 0, 1, torch.zeros(1, SUPER.L), torch.zeros(1, SUPER.I))
+    with pytest.raises(ValueError, match="STORE 1"):
+        rega_gluon(None, [(0, 1)], [0], SUPER, z, z, z, z, z, prepared=prepared,
+                   config=dict(TMA=True, DEPTH=5, PERSIST=True, STORE=0))
