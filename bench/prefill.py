@@ -78,12 +78,17 @@ def sync(device):
 
 
 # ------------------------------------------------------------------ the kernel
-def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1024), n_experts=32) -> list[dict]:
-    """The grouped launch over n_experts experts at T tokens each, weights (a) in VRAM, (b) read zero-copy from
-    pinned host memory, (c) staged: copied by the copy engine into a device ring, batch i+1's copy overlapping
-    batch i's kernels."""
+KERNEL_PATHS = ("rega", "dequant", "fused")
+
+
+def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 512, 1024), n_experts=32) -> list[dict]:
+    """The grouped launch over n_experts experts at T tokens each, as the engine chooses its path
+    (`kernels.expert_prefill.grouped_path`), weights (a) in VRAM, (b) read zero-copy from pinned host memory, (c)
+    staged: copied by the copy engine into a device ring, batch i+1's copy overlapping batch i's kernels; and each
+    path the device takes forced, weights in VRAM (what the choice is made from). Every path is checked against the
+    twin on these shapes before it is timed."""
     from kernels.expert_block import pack_expert_block
-    from kernels.expert_prefill import expert_prefill_grouped, expert_prefill_grouped_torch
+    from kernels.expert_prefill import expert_prefill_grouped, expert_prefill_grouped_torch, grouped_path, rega_able
     from kernels.nvfp4 import encode_nvfp4
     from kernels.testing import rel_err
     L, I, stride, bb = geom.L, geom.I, geom.block_stride, geom.block_bytes
@@ -113,24 +118,33 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1
         tok = torch.randperm(M, device=device) % max(M // 4, 1)       # tokens routed to several experts
         acc = torch.zeros(max(M // 4, 1), L, device=device)
         h = torch.empty(M * I, dtype=torch.float16, device=device)
+        flops = 2 * 2 * M * L * I
+        paths = [p for p in KERNEL_PATHS if p != "rega" or rega_able(xs, geom)]
+        res = dict(tokens_per_expert=T, experts=n_experts,
+                   path_vram=grouped_path(xs, segments, geom, resident=True),
+                   path_zero_copy=grouped_path(xs, segments, geom, resident=False))
 
-        def run(src, i):
+        def run(src, i, path="auto", resident=False):
             base = src.data_ptr() + (i % n_sets) * n_experts * stride
             expert_prefill_grouped(xs, segments, [base + e * stride for e in range(n_experts)], geom, ug, dg, ws, tok,
-                                   acc, h=h)
+                                   acc, h=h, path=path, resident=resident)
 
-        # correctness on these shapes: against the twin (a few experts)
+        # correctness on these shapes: each path against the twin (a few experts)
         k = 3
-        part = torch.zeros_like(acc)
-        expert_prefill_grouped(xs, segments[:k], [vram[e].data_ptr() for e in range(k)], geom, ug[:k], dg[:k], ws,
-                               tok, part, h=h)
         ref = expert_prefill_grouped_torch(xs, segments[:k], [vram[e] for e in range(k)], geom, ug[:k], dg[:k], ws,
                                            tok, torch.zeros_like(acc))
-        err = rel_err(part, ref)
-        res = dict(tokens_per_expert=T, experts=n_experts, rel_err_vs_twin=err)
-        flops = 2 * 2 * M * L * I
-        for name, src in (("vram", vram), ("zero_copy", host)):
-            sec = _median_time(lambda i: run(src, i), 8)
+        for path in paths:
+            part = torch.zeros_like(acc)
+            expert_prefill_grouped(xs, segments[:k], [vram[e].data_ptr() for e in range(k)], geom, ug[:k], dg[:k], ws,
+                                   tok, part, h=h, path=path)
+            res[f"rel_err_{path}"] = rel_err(part, ref)
+        res["rel_err_vs_twin"] = max(res[f"rel_err_{p}"] for p in paths)
+        for path in paths:
+            sec = _median_time(lambda i: run(vram, i, path), 8)
+            res[f"vram_{path}_us"] = sec * 1e6
+            res[f"vram_{path}_fraction_of_gemm"] = flops / sec / 1e12 / gemm_rate
+        for name, src, resident in (("vram", vram, True), ("zero_copy", host, False)):
+            sec = _median_time(lambda i: run(src, i, resident=resident), 8)
             res[f"{name}_us"] = sec * 1e6
             res[f"{name}_tflops"] = flops / sec / 1e12
             res[f"{name}_weight_gbps"] = n_experts * bb / sec / 1e9
@@ -143,7 +157,7 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 1
                 ring[r0:r0 + n_experts].copy_(host[(i % n_sets) * n_experts:][:n_experts], non_blocking=True)
             torch.cuda.current_stream().wait_stream(copy)
             expert_prefill_grouped(xs, segments, [ring[r0 + e].data_ptr() for e in range(n_experts)], geom, ug, dg,
-                                   ws, tok, acc, h=h)
+                                   ws, tok, acc, h=h, resident=True)
             half_free[half].record()
         sec = _median_time(staged, 8)
         res["staged_us"] = sec * 1e6
@@ -305,7 +319,7 @@ def ttft(eng, ids, device) -> dict:
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
-                bytes_over_pcie=last.bytes_over_pcie, launches=last.launches,
+                bytes_over_pcie=last.bytes_over_pcie, launches=last.launches, launches_rega=last.launches_rega,
                 launches_indexed=last.launches_indexed, ms_waiting_for_disk=last.ms_waiting_for_disk,
                 tokens_per_s=len(ids) / sec,
                 peak_bytes=peak, piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
@@ -374,7 +388,8 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec, ttft_runs_s=secs,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
-                launches_fused=eng.experts.prefill_acct.last.launches_fused, peak_bytes=peak, estimated_bytes=est,
+                launches_fused=eng.experts.prefill_acct.last.launches_fused,
+                launches_rega=eng.experts.prefill_acct.last.launches_rega, peak_bytes=peak, estimated_bytes=est,
                 plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                           score_bytes=plan.pieces.score_bytes, launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
@@ -487,7 +502,7 @@ def brief(res) -> None:
                                              f" cp {p['experts_copies']:.1f} ahead {p['experts_copies_ahead']:.1f}")
                 print(f"{name} {path} {r['tokens']}: {r['ttft_s'] * 1e3:.1f} ms floor {r['floor_s'] * 1e3:.1f} "
                       f"({shown_ratio(r['ttft_s'], r['floor_s'])}) tok {r['first_token']} launches {r['launches']}/"
-                      f"{r.get('launches_indexed', '-')} ahead {r['ahead_copied']}/"
+                      f"{r.get('launches_indexed', '-')} rega {r.get('launches_rega', '-')} ahead {r['ahead_copied']}/"
                       f"{r['ahead_used']}/{r['ahead_wrong']} host ahead/moe/launch/stage/sync {r['ms_issuing_ahead']:.1f}/"
                       f"{r['ms_host_moe']:.1f}/{r['ms_host_launching']:.1f}/{r['ms_host_staging']:.1f}/"
                       f"{r['ms_router_sync']:.1f} start inputs/copy {r.get('ms_to_inputs', 0):.1f}/"
@@ -503,7 +518,7 @@ def brief(res) -> None:
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms (runs "
               f"{'/'.join(f'{x * 1e3:.0f}' for x in r.get('ttft_runs_s', []))}) launches {r.get('launches')} "
-              f"(fused {r.get('launches_fused', 0)}) spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
+              f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)}) spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
               f"{r['plan']['mamba_piece_tokens']} lent {r.get('ahead_lent', 0)} (evicted {r.get('lent_evicted', 0)})")
@@ -781,10 +796,13 @@ def main(argv=None):
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s")
     for r in res.get("kernel", []):
-        print(f"kernel T/expert {r['tokens_per_expert']:>5}: vram {r['vram_tflops']:.1f} TFLOP/s "
-              f"({r['vram_fraction_of_gemm']:.0%} of GEMM); zero-copy {r['zero_copy_weight_gbps']:.1f} GB/s "
+        by_path = " ".join(f"{p} {r[f'vram_{p}_fraction_of_gemm']:.0%}" for p in KERNEL_PATHS
+                           if f"vram_{p}_fraction_of_gemm" in r)
+        print(f"kernel T/expert {r['tokens_per_expert']:>5}: vram ({r.get('path_vram', '?')}) {r['vram_tflops']:.1f} "
+              f"TFLOP/s ({r['vram_fraction_of_gemm']:.0%} of GEMM; forced: {by_path}); zero-copy "
+              f"({r.get('path_zero_copy', '?')}) {r['zero_copy_weight_gbps']:.1f} GB/s "
               f"({r['zero_copy_fraction_of_h2d']:.0%} of H2D); staged {r['staged_weight_gbps']:.1f} GB/s "
-              f"({r['staged_fraction_of_h2d']:.0%}); faster: {r['faster_path']}")
+              f"({r['staged_fraction_of_h2d']:.0%}); faster: {r['faster_path']}; err {r['rel_err_vs_twin']:.1e}")
     for r in res.get("sweep", []):
         print(f"sweep T/expert {r['tokens_per_expert']:>5} v{r['variant']} X_LOAD {r['X_LOAD']} "
               f"{r['BLOCK_M']}x{r['BLOCK_N']}x{r['BLOCK_K']} w{r['num_warps']} s{r['num_stages']}: "

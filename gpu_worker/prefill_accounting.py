@@ -27,6 +27,7 @@ class PromptCost:
     prefetch_wasted: int = 0            # guessed blocks requested while absent that the prompt never routed to
     launches: int = 0                   # grouped expert launches (each two kernels)
     launches_fused: int = 0             # ... on the fused path (decoded in the tiles: few rows, or `fused_below`)
+    launches_rega: int = 0              # ... on the rega path (NVFP4 into the MMA's operand: sm_90)
     launches_indexed: int = 0           # ... whose rows were not one run of the layer's order (gathered by an index)
     # the next MoE layer's experts copied ahead into device slots (gpu_worker/prefill_experts.py, `_copy_ahead`)
     ahead_copied: int = 0               # blocks copied ahead

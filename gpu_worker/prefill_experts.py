@@ -589,10 +589,11 @@ class PrefillExperts:
                 gathered = None
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
-                    path = grouped_path(xs, local, self.geom, lay.path)    # once for the launch and its count
+                    # once for the launch and its count; staged blocks lie in device memory
+                    path = grouped_path(xs, local, self.geom, lay.path, resident=lay.staged)
                     if path == "dequant":                           # the layer's scales, indexed by expert
                         ug, dg, gs_index = lay.ug, lay.dg, ex
-                    else:                                           # the fused path's, gathered once
+                    else:                                   # the fused and rega paths', gathered once
                         if gathered is None:
                             idx = self._table(ex)
                             gathered = lay.ug[idx], lay.dg[idx]
@@ -602,6 +603,7 @@ class PrefillExperts:
                                                                 config=cfg, gs_index=gs_index, path=path))
                     pa.launches += 1
                     pa.launches_fused += path == "fused"
+                    pa.launches_rega += path == "rega"
                     if not lay.staged:      # zero-copy: each read of a block crosses the bus
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes
                 if lay.staged and to_stage:

@@ -3,7 +3,10 @@
 `expert_prefill_grouped` is the engine's: one grouped computation for a whole group of experts (all of a layer's
 hits at once, or the misses as they land), over the tokens sorted by expert. The host knows how many tokens each
 expert has (one sync per layer), so it cuts each expert's rows into BLOCK_M tiles and sends one table; a program
-takes one (tile, BLOCK_N columns) pair. Two paths, chosen by the rows per routed expert (`grouped_path`):
+takes one (tile, BLOCK_N columns) pair. Three paths, chosen by the rows per routed expert (`grouped_path`):
+- rega (sm_90, up to REGA_TILE_ROWS rows an expert, REGA_RESIDENT_MAX_ROWS with weights in device memory): x's rows
+  permuted to fp16 once, then an up and a down launch that decode NVFP4 straight into wgmma's register operand
+  (kernels/expert_prefill_rega.py has the scheme and its twin, kernels/expert_prefill_rega_gluon.py the kernels);
 - fused (few rows): one up and one down launch; each program reads its expert's block by address (the pinned
   slab zero-copy, VRAM, or a device ring the copy engine staged it into) and decodes NVFP4 in its tile loop;
 - dequantized (from DEQUANT_MIN_TOKENS rows per expert; bf16 x): per chunk of experts, one launch decodes their
@@ -316,6 +319,27 @@ def atomic_sem() -> str:
     return sem
 
 
+# The rega path (kernels/expert_prefill_rega_gluon.py): NVFP4 decoded into wgmma's register operand, sm_90 only.
+# Session 40 (H100, 32 experts, bench/NOTES.md), the kernels alone, % of the bf16 GEMM: 46-52 % at 256 rows an expert
+# against the dequantized path's 19-28 %; 54-60 % at 1,024 against 52-53 % (with x's permutation and the table:
+# 46-49 %). It reads each weight once per REGA_TILE_ROWS rows of an expert, so weights read zero-copy over the bus
+# take it only while every expert of the launch has at most that many rows; weights in device memory (staged, the
+# ahead slots, VRAM) up to REGA_RESIDENT_MAX_ROWS. MOESTREAM_PREFILL_REGA=0 (read per launch) turns it off.
+REGA_ENV = "MOESTREAM_PREFILL_REGA"
+REGA_TILE_ROWS = 256                # the kernels' BLOCK_M (expert_prefill_rega_gluon.TMA_CONFIG)
+REGA_RESIDENT_MAX_ROWS = 512
+
+
+def rega_able(x_sorted: torch.Tensor, geom: ExpertGeometry) -> bool:
+    """Whether the rega path's Gluon kernels can take this launch: x on an sm_90 device (wgmma, TMA), NVFP4 experts
+    with L and I multiples of 16, and $MOESTREAM_PREFILL_REGA not "0"."""
+    raw = os.environ.get(REGA_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{REGA_ENV}={raw!r}: expected 0 or 1")
+    return (raw == "1" and x_sorted.is_cuda and _capability(x_sorted.device.index) == (9, 0)
+            and geom.fmt == "nvfp4" and geom.L % 16 == 0 and geom.I % 16 == 0)
+
+
 _FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _DEQUANT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
@@ -331,18 +355,23 @@ def tile_table(segments: list[tuple[int, int]], block_m: int) -> list[tuple[int,
 
 
 def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: ExpertGeometry,
-                 path: str = "auto") -> str:
-    """"dequant" or "fused": the one `expert_prefill_grouped` runs. The dequantized path multiplies x as bf16 and
-    pays its decode (~4 µs per Super expert) back from ~32 rows per expert. Either path takes a store split into down
-    sub-groups: both GEMMs read 16-neuron groups, so the launch regroups its experts' down sections first."""
-    if path not in ("auto", "fused", "dequant"):
-        raise ValueError(f"path={path!r}: one of auto, fused, dequant")
+                 path: str = "auto", resident: bool = False) -> str:
+    """"rega", "dequant" or "fused": the one `expert_prefill_grouped` runs. rega (`rega_able`: sm_90) where every
+    routed expert has at most REGA_TILE_ROWS rows (weights read where they lie, one tile an expert), or
+    REGA_RESIDENT_MAX_ROWS with `resident` weights (device memory: a second tile re-reads VRAM, not the bus).
+    Otherwise the dequantized path multiplies x as bf16 and pays its decode (~4 µs per Super expert) back from ~32
+    rows per expert, and the fused path takes fewer. Every path takes a store split into down sub-groups: the GEMMs
+    read 16-neuron groups, so the launch regroups its experts' down sections first."""
+    if path not in ("auto", "fused", "dequant", "rega"):
+        raise ValueError(f"path={path!r}: one of auto, fused, dequant, rega")
     able = x_sorted.dtype == torch.bfloat16
     if path == "dequant" and not able:
         raise ValueError(f"the dequantized path needs bf16 x (x {x_sorted.dtype})")
     if path != "auto":
         return path
     live = [n for _, n in segments if n > 0]
+    if live and max(live) <= (REGA_RESIDENT_MAX_ROWS if resident else REGA_TILE_ROWS) and rega_able(x_sorted, geom):
+        return "rega"
     return "dequant" if able and live and sum(live) >= DEQUANT_MIN_TOKENS * len(live) else "fused"
 
 
@@ -359,12 +388,14 @@ def dequant_config(segments: list[tuple[int, int]]) -> dict:
 
 
 def block_reads(segments: list[tuple[int, int]], geom: ExpertGeometry, x_sorted: torch.Tensor,
-                config: dict | None = None, path: str = "auto") -> int:
-    """How many expert blocks a launch reads from where they lie (once per expert dequantized, once per BLOCK_M
-    tile fused): the bytes over the bus of a zero-copy launch are this times geom.block_bytes."""
-    if grouped_path(x_sorted, segments, geom, path) == "dequant":
+                config: dict | None = None, path: str = "auto", resident: bool = False) -> int:
+    """How many expert blocks a launch reads from where they lie (once per expert dequantized, once per tile of
+    BLOCK_M rows fused, of REGA_TILE_ROWS rows on the rega path): the bytes over the bus of a zero-copy launch are
+    this times geom.block_bytes."""
+    chosen = grouped_path(x_sorted, segments, geom, path, resident)
+    if chosen == "dequant":
         return sum(1 for _, n in segments if n > 0)
-    bm = {**GROUPED_CONFIG, **(config or {})}["BLOCK_M"]
+    bm = REGA_TILE_ROWS if chosen == "rega" else {**GROUPED_CONFIG, **(config or {})}["BLOCK_M"]
     return sum(-(-n // bm) for _, n in segments)
 
 
@@ -372,13 +403,16 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
                            geom: ExpertGeometry, up_global: torch.Tensor, down_global: torch.Tensor,
                            w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
                            config: dict | None = None, h: torch.Tensor | None = None,
-                           path: str = "auto", gs_index: list[int] | None = None) -> torch.Tensor:
+                           path: str = "auto", gs_index: list[int] | None = None,
+                           resident: bool = False) -> torch.Tensor:
     """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
     segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
     up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
     acc fp32 [T, L]. h: optional fp16 buffer of at least (rows of the segments) x I. No host sync.
-    path (`grouped_path`): "fused" decodes NVFP4 in the GEMM's tile loop (two launches); "dequant" decodes each
-    chunk of experts into a scratch first, then two GEMMs over plain loads (three or four launches a chunk).
+    path (`grouped_path`; resident: the blocks lie in device memory): "rega" decodes NVFP4 into the tensor cores'
+    register operand (sm_90, kernels/expert_prefill_rega_gluon.py; elsewhere, when asked for, its Triton twin),
+    x permuted once (three launches); "fused" decodes NVFP4 in the GEMM's tile loop (two launches); "dequant"
+    decodes each chunk of experts into a scratch first, then two GEMMs over plain loads (three or four a chunk).
     gs_index: where each expert's global scales lie in up/down_global (e.g. its expert id, with the layer's whole
     row given: no gather per launch); None: up/down_global hold the launch's experts in order."""
     assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
@@ -391,7 +425,8 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
         assert all(0 <= g < up_global.numel() for g in gs_index), "a global-scale index out of range"
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
-    if grouped_path(x_sorted, segments, geom, path) == "dequant":
+    chosen = grouped_path(x_sorted, segments, geom, path, resident)
+    if chosen == "dequant":
         cfg = {**dequant_config(segments),
                **{k: v for k, v in (config or {}).items()
                   if k in _DEQUANT_KEYS + ("CHUNK", "TMA", "EPI_BLOCK_N")}}
@@ -401,6 +436,9 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     if gs_index is not None:        # the fused kernels index the scales by the launch's order
         idx = device_table(gs_index, up_global.device)
         up_global, down_global = up_global[idx], down_global[idx]
+    if chosen == "rega":
+        return _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
+                             config)
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
     return _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h)
 
@@ -440,6 +478,37 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
     _grouped_down_kernel[grid](h, down_tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, len(table), L, I,
                                down_off, SEM=atomic_sem(), **cfg)
     return acc
+
+
+def _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
+                  config=None):
+    """The rega path: x's rows permuted to fp16 once, the tile table, then the up and the down (the Gluon kernels on
+    sm_90, the Triton twin elsewhere). A split store's down sections are regrouped first, as the fused path's.
+    config: the twin's tile keys (the tests' small tiles under the interpreter); the Gluon kernels run as measured."""
+    from kernels.expert_prefill_rega import REGA_CONFIG, launch_twin, prepare
+    split = geom.down_group_neurons != GROUP
+    if split and len(segments) > regroup_chunk(geom):     # the regrouped down sections within their bound
+        C = regroup_chunk(geom)
+        for c0 in range(0, len(segments), C):
+            _grouped_rega(x_sorted, segments[c0:c0 + C], addrs[c0:c0 + C], geom, up_global[c0:c0 + C],
+                          down_global[c0:c0 + C], w_sorted, tok_sorted, acc, h, config)
+        return acc
+    hopper = rega_able(x_sorted, geom)
+    if hopper:          # the measured kernels as they are
+        from kernels.expert_prefill_rega_gluon import TMA_CONFIG as cfg, launch_tma as launch
+    else:
+        cfg, launch = {**REGA_CONFIG, **{k: v for k, v in (config or {}).items() if k in REGA_CONFIG}}, launch_twin
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"], h=h)
+    if got is None:
+        return acc
+    tab, n = got[0], got[1]
+    down_tab, down_off = None, None
+    if split:       # the down reads 16-neuron groups: the launch's regrouped sections, their own addresses
+        regrouped = regroup_downs(tab[3 * n:], geom)     # alive until the down is queued (stream order)
+        at = regrouped.data_ptr() + regrouped.shape[1] * torch.arange(len(addrs), device=tab.device)
+        down_tab, down_off = torch.cat([tab[:3 * n], at]), 0
+    return launch(*got, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, down_tab=down_tab,
+                  down_off=down_off)
 
 
 # ------------------------------------------------------------------------------------------------ dequantized

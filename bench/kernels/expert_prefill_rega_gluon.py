@@ -1,6 +1,8 @@
 """`rega` written in Gluon (Triton's explicit-layout dialect, sm_90 only, Triton 3.6's API: the device's): the same
-permuted-x scheme as bench/kernels/expert_prefill_rega.py, with the layouts that scheme needs stated instead of hoped
-for.
+permuted-x scheme as kernels/expert_prefill_rega.py, with the layouts that scheme needs stated instead of hoped for.
+The variants measured on the way (bench/NOTES.md, sessions 37-40) and the parts table; the winner (TMA, DEPTH 5,
+256-row tiles) and the helpers every variant shares are the engine's, in kernels/expert_prefill_rega_gluon.py,
+imported here (compile_offline and the parts table find its kernels by their names).
 
 Triton's own compiler keeps the code words in a blocked layout and converts every decoded nibble tile to wgmma's
 register operand through shared memory (STS + LDSM.MT per tile, a barrier and a wgmma wait per dot: ~11
@@ -31,76 +33,28 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.kernels.expert_prefill_rega import permuted_pos, prepare, source_col, tile_entry
-from kernels.gemv_nvfp4_fma import DECODE_PTX
+from kernels.expert_prefill_rega import prepare, tile_entry
+# the engine's kernels (the winner, session 40) and the helpers every variant here shares
+from kernels.expert_prefill_rega_gluon import (_barrier, _block_words, _cat2, _down_store, _operands,  # noqa: F401
+                                               _rega_down_kernel_t, _rega_up_kernel_t, _tma_block, _tma_start, _tma_x,
+                                               _up_store, _word_offsets, launch_tma, x_layout)
 
-# Gluon renamed its copies and its CTA barrier after 3.6 (the device's): 3.9's `async_load` is 3.6's `async_copy_global_to_shared`, which
+# Gluon renamed its copies after 3.6 (the device's): 3.9's `async_load` is 3.6's `async_copy_global_to_shared`, which
 # 3.9 keeps only as a stub that raises
 _cp_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier          # (3.6's name)
 
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, DEPTH=3, num_warps=8)
 
-
-DECODE = gl.constexpr(DECODE_PTX)
-
-
-@gluon.jit
-def _half(base, s_base, w_offs, s_offs, m_n, j2, blk, w_step, s_step, n_words, H: gl.constexpr):
-    """Words 8 H + j // 2 of 128-block blk for every column j of the register operand (each word twice: the
-    columns 2p and 2p + 1 of a pair), and their e4m3 scales."""
-    m_w = m_n & (blk * 16 + 8 * H + j2 // 2 < n_words)
-    w = gl.load((base + (w_offs + blk * w_step)).to(gl.pointer_type(gl.int32)), mask=m_w, other=0)
-    s = gl.load(s_base + (s_offs + blk * s_step), mask=m_w, other=0)
-    return w, s
-
-
-@gluon.jit
-def _pairs(w):
-    """The four fp16 pairs (q, q + 4) of each word, q = 0..3 (DECODE_PTX: e2m1 · 2^-14, exact)."""
-    return gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [w],
-                                     dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
 
 
 @gluon.jit
 def _load_x(x_ptr, x_offs, x_mask, ring, stage, k0):
     _cp_load(ring.index(stage), x_ptr + (x_offs + k0), mask=x_mask)
     cp.commit_group()
-
-
-@gluon.jit
-def _word_offsets(n0, N, K, LAYOUT: gl.constexpr, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The words' and scales' offsets of rows n0 .. n0 + BLOCK_N in block 0, in the register operand's layout a_l
-    (column j of half H is word 8 H + j // 2, group 4 H + j // 4), their row mask, and the steps to the next block
-    and to the second half. LAYOUT 0: the up's row-major words, row r of the tile the I that h's column n0 + r
-    holds (x's permutation applied to the rows: the store writes h's columns in order); 2: the same words in their
-    own order (STORE 0, bench only); 1: the down's interleaved groups."""
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    if LAYOUT == 0:
-        o_n = source_col(o_n)
-    o_j = gl.arange(0, 16, layout=gl.SliceLayout(0, a_l))
-    n2 = gl.expand_dims(o_n, 1).to(gl.int64)
-    j2 = gl.expand_dims(o_j, 0)
-    if LAYOUT != 1:
-        w0 = n2 * (K // 2) + 4 * (j2 // 2)
-        s0 = n2 * (K // 16) + j2 // 4
-        return w0, s0, n2 < N, j2, 64, 8, 32, 4      # 64 bytes a 128-code block, per row; the second half 8 words on
-    w0 = (j2 // 4).to(gl.int64) * (9 * N) + n2 * 8 + 4 * ((j2 // 2) % 2)
-    s0 = (j2 // 4).to(gl.int64) * (9 * N) + 8 * N + n2
-    return w0, s0, n2 < N, j2, 8 * 9 * N, 8 * 9 * N, 4 * 9 * N, 4 * 9 * N
-
-
-@gluon.jit
-def _block_words(base, s_base, w0, s0, m_n, j2, blk, w_step, s_step, w_h1, s_h1, n_words):
-    """Both halves' words and scales of 128-block blk (_half's), in the register operand's layout."""
-    wa, sa = _half(base, s_base, w0, s0, m_n, j2, blk, w_step, s_step, n_words, 0)
-    wb, sb = _half(base, s_base, w0 + w_h1, s0 + s_h1, m_n, j2, blk, w_step, s_step, n_words, 1)
-    return wa, sa, wb, sb
 
 
 @gluon.jit
@@ -150,27 +104,6 @@ def _x_ring(x_ptr, stride_xm, m0, m1, K, x_l: gl.constexpr, x_s: gl.constexpr, B
 
 
 @gluon.jit
-def _operands(wa, sa, wb, sb, PROBE: gl.constexpr = 0):
-    """The eight register operands of a block, dot 4 H + q = pairs q of half H times their scales.
-    PROBE (bench only, wrong numbers): 1 no words at all (a constant operand: x's ring and the MMAs alone);
-    2 the words loaded and converted (one I2F a word) but not decoded; 3 as 1, and the epilogue stores nothing;
-    4 as 1, and x never loaded (the ring's copies and waits gone: the MMAs, barriers and epilogue alone); 5 as 4, and
-    the epilogue stores nothing (the MMAs and barriers alone)."""
-    if PROBE == 1 or PROBE >= 3:
-        one = gl.full(wa.shape, 1.0, gl.float16, layout=wa.type.layout)
-        return one, one, one, one, one, one, one, one
-    if PROBE == 2:
-        ha = wa.to(gl.float16)
-        hb = wb.to(gl.float16)
-        return ha, ha, ha, ha, hb, hb, hb, hb
-    fa = (sa.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
-    fb = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 128.0).to(gl.float16)
-    p0, p1, p2, p3 = _pairs(wa)
-    p4, p5, p6, p7 = _pairs(wb)
-    return p0 * fa, p1 * fa, p2 * fa, p3 * fa, p4 * fb, p5 * fb, p6 * fb, p7 * fb
-
-
-@gluon.jit
 def _dot(a, tile, d: gl.constexpr, acc):
     return warpgroup_mma(a, tile.slice(16 * d, 16, dim=1).permute((1, 0)), acc, is_async=True)
 
@@ -202,13 +135,6 @@ def _mma_block(wa, sa, wb, sb, tile, acc, DEPTH: gl.constexpr, PROBE: gl.constex
         acc, a5, a6 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a5, a6))
     acc, a7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a7))
     return acc
-
-
-@gluon.jit
-def _cat2(a, b, layout: gl.constexpr):
-    """[R, C] and [R, C] -> [R, 2C] (a's columns, then b's) in `layout` (the register operand's, K = 2C)."""
-    t = gl.permute(gl.join(a, b), (0, 2, 1))
-    return gl.convert_layout(gl.reshape(t, (a.shape[0], 2 * a.shape[1])), layout)
 
 
 @gluon.jit
@@ -369,156 +295,6 @@ def _rega_dot_g(x_ptr, stride_xm, m0, m1, base, s_base, n0, N, K, LAYOUT: gl.con
         wb = wb_next
         sb = sb_next
     return acc
-
-
-@gluon.jit
-def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is).
-    STORE 1: acc's row r is already h's column n0 + r (LAYOUT 0), and the tile goes out in a layout of 8 columns a
-    thread along h's rows (16-byte stores, a warp's two rows whole); 0 (bench only): from the MMA layout, a thread's
-    pairs down h's columns at permuted_pos (2-byte stores, 16 sectors a warp for 64 bytes)."""
-    b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
-    b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
-    if STORE == 1:
-        lay: gl.constexpr = gl.BlockedLayout([8, 1], [BLOCK_N // 8, 256 // BLOCK_N], [1, gl.num_warps()], [0, 1])
-        b_h = gl.convert_layout(b_h, lay)
-    else:
-        lay: gl.constexpr = acc.type.layout
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lay))
-    m_row = o_m < m1
-    if PROBE == 3 or PROBE == 5:
-        m_row = m_row & (m1 < 0)
-    if STORE == 1:              # every column of the tile is inside h's padded width; past I it holds zeros
-        p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(o_n, 1)
-        gl.store(p_h, b_h, mask=gl.expand_dims(m_row, 0))
-    else:
-        p_h = h_ptr + gl.expand_dims(o_m.to(gl.int64) * stride_hm, 0) + gl.expand_dims(permuted_pos(o_n), 1)
-        gl.store(p_h, b_h, mask=gl.expand_dims(o_n < I, 1) & gl.expand_dims(m_row, 0))
-
-
-@gluon.jit
-def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights). STORE 1: in a layout of four
-    columns a thread along a token's row (one 16-byte vector atomic for four); 0 (bench only): from the MMA layout,
-    one 4-byte atomic a value."""
-    if STORE == 1:
-        lay: gl.constexpr = gl.BlockedLayout([4, 1], [BLOCK_N // 4, 128 // BLOCK_N], [1, gl.num_warps()], [0, 1])
-        b = gl.convert_layout(acc, lay)
-    else:
-        lay: gl.constexpr = acc.type.layout
-        b = acc
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lay))
-    m_m = o_m < m1
-    if PROBE == 3 or PROBE == 5:
-        m_m = m_m & (m1 < 0)
-    b_y = b * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
-    tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
-    p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
-    gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
-
-
-@gluon.jit
-def _tma_x(x_desc, m0, k0, bar, ring, stage, BLOCK_M: gl.constexpr):
-    """Block k0 // 128 of x's rows m0 .. m0 + BLOCK_M into ring stage `stage` (two 64-column halves: a 128-byte
-    swizzled TMA box holds 64 fp16), signalled on `bar`."""
-    row = m0.to(gl.int32)
-    mbarrier.expect(bar, 2 * BLOCK_M * 64 * 2)
-    _tma_load(x_desc, [row, k0], bar, ring.index(2 * stage))
-    _tma_load(x_desc, [row, k0 + 64], bar, ring.index(2 * stage + 1))
-
-
-@gluon.jit
-def _tma_start(base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               PROBE: gl.constexpr, num_warps: gl.constexpr):
-    """The TMA kernels' tile start: the accumulator (MMA layout), block 0's operands decoded, block 1's words on their
-    way, and the words' offsets and steps (_word_offsets) with the count of words a row."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1 = _word_offsets(n0, N, K, LAYOUT, a_l, BLOCK_N)
-    n_words = K // 8
-    wa, sa, wb, sb = _block_words(base, s_base, w0, s0, m_n, j2, 0, w_step, s_step, w_h1, s_h1, n_words)
-    ops = _operands(wa, sa, wb, sb, PROBE)
-    words = _block_words(base, s_base, w0, s0, m_n, j2, 1, w_step, s_step, w_h1, s_h1, n_words)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    return acc, ops, words, (w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1, n_words)
-
-
-@gluon.jit
-def _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, stage, acc, wa, sa, wb, sb, PROBE: gl.constexpr):
-    """A block of the TMA kernels once its stage landed: each half block one K = 64 warpgroup_mma, the next block's
-    operands decoded from (wa, sa, wb, sb) while they run, then the wait (both done). Returns acc and the next
-    operands."""
-    lay: gl.constexpr = a0.type.layout
-    lo = _cat2(_cat2(a0, a1, lay), _cat2(a2, a3, lay), lay)
-    acc = warpgroup_mma(lo, ring.index(2 * stage).permute((1, 0)), acc, is_async=True)
-    hi = _cat2(_cat2(a4, a5, lay), _cat2(a6, a7, lay), lay)
-    acc = warpgroup_mma(hi, ring.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _operands(wa, sa, wb, sb, PROBE)
-    acc, lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo, hi))
-    return acc, b0, b1, b2, b3, b4, b5, b6, b7
-
-
-@gluon.jit
-def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
-    """_rega_dot_g at DEPTH 5 with x through TMA: a ring of STAGES blocks, each two [BLOCK_M, 64] boxes, one
-    mbarrier a stage (its phase says which use of the stage landed), one CTA barrier a block (the stage about to
-    be refilled is free in both warpgroups). No per-thread x addresses, no cp.async groups."""
-    acc, ops, words, offs = _tma_start(base, s_base, n0, N, K, LAYOUT, BLOCK_M, BLOCK_N, PROBE, num_warps)
-    a0, a1, a2, a3, a4, a5, a6, a7 = ops
-    wa, sa, wb, sb = words
-    w0, s0, m_n, j2, w_step, s_step, w_h1, s_h1, n_words = offs
-    n_blocks = gl.cdiv(K, 128)
-    ring = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    for j in gl.static_range(STAGES - 1):
-        if j < n_blocks and PROBE < 4:
-            _tma_x(x_desc, m0, j * 128, bars.index(j), ring, j, BLOCK_M)
-
-    for j in range(n_blocks):
-        wa_next, sa_next, wb_next, sb_next = _block_words(base, s_base, w0, s0, m_n, j2, j + 2, w_step, s_step, w_h1,
-                                                          s_h1, n_words)
-        _barrier()                   # block j - 1's stage is read in both warpgroups: refill it
-        if j + STAGES - 1 < n_blocks and PROBE < 4:
-            r = (j + STAGES - 1) % STAGES
-            _tma_x(x_desc, m0, (j + STAGES - 1) * 128, bars.index(r), ring, r, BLOCK_M)
-        if PROBE < 4:
-            mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
-        acc, a0, a1, a2, a3, a4, a5, a6, a7 = _tma_block(a0, a1, a2, a3, a4, a5, a6, a7, ring, j % STAGES, acc, wa,
-                                                         sa, wb, sb, PROBE)
-        wa, sa, wb, sb = wa_next, sa_next, wb_next, sb_next
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-    return acc
-
-
-@gluon.jit
-def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 2 - 2 * STORE, BLOCK_M, BLOCK_N, STAGES,
-                      PROBE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
-
-
-@gluon.jit
-def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
-    base += down_off
-    n0 = gl.program_id(0) * BLOCK_N
-    acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
@@ -697,11 +473,6 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
     _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
-def x_layout(block_m: int):
-    """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads)."""
-    return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
-
-
 def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None,
                prepared=None):
     """As bench.kernels.expert_prefill_rega.rega, the kernels in Gluon (sm_90; MMA 2: sm_80 and later).
@@ -736,30 +507,32 @@ def _launch_args(cfg: dict, *extra: str) -> dict:
 
 
 def _rega_tma(xp, tab, n, lo, hi, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg):
-    """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order; PERSIST:
-    one CTA an SM over its share of the tiles, x's ring running on across them)."""
+    """rega_gluon's launches with x (and h) read through TMA descriptors (config TMA: DEPTH 5's issue order, the
+    engine's `launch_tma`; PERSIST: one CTA an SM over its share of the tiles, x's ring running on across them)."""
     L, I = geom.L, geom.I
-    launch = _launch_args(cfg)
     part = cfg.get("PART", "both")
+    if not cfg.get("PERSIST"):
+        flags = {k: cfg[k] for k in ("PROBE", "STORE") if k in cfg}
+        return launch_tma(tab, n, lo, hi, xp, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, part,
+                          **flags)
+    if cfg.get("STORE", 1) != 1:
+        raise ValueError("PERSIST runs the coalesced epilogue only (STORE 1)")
+    launch = _launch_args(cfg)
+    launch.pop("STORE", None)
     box = [cfg["BLOCK_M"], 64]
-    grid_up, grid_down = (triton.cdiv(I, cfg["BLOCK_N"]), n), (triton.cdiv(L, cfg["BLOCK_N"]), n)
-    up, down = _rega_up_kernel_t, _rega_down_kernel_t
-    if cfg.get("PERSIST"):          # one CTA an SM (or a tile, if fewer), each over its share of the tiles
-        if cfg.get("STORE", 1) != 1:
-            raise ValueError("PERSIST runs the coalesced epilogue only (STORE 1)")
-        launch.pop("STORE", None)
-        up, down = _rega_up_kernel_p, _rega_down_kernel_p
-        # PERSIST True: as many CTAs as SMs; a number: that many (the tests: several tiles a CTA on a small layer)
-        ctas = torch.cuda.get_device_properties(xp.device).multi_processor_count if cfg["PERSIST"] is True \
-            else int(cfg["PERSIST"])
-        grid_up, grid_down = (min(ctas, grid_up[0] * n),), (min(ctas, grid_down[0] * n),)
+    # PERSIST True: as many CTAs as SMs (or a tile each, if fewer); a number: that many (the tests: several tiles a
+    # CTA on a small layer)
+    ctas = torch.cuda.get_device_properties(xp.device).multi_processor_count if cfg["PERSIST"] is True \
+        else int(cfg["PERSIST"])
+    grid_up = (min(ctas, triton.cdiv(I, cfg["BLOCK_N"]) * n),)
+    grid_down = (min(ctas, triton.cdiv(L, cfg["BLOCK_N"]) * n),)
     if part != "down":
         x_desc = TensorDescriptor.from_tensor(xp, box, x_layout(cfg["BLOCK_M"]))
-        up[grid_up](x_desc, tab, up_global, h, n, I, L, h.stride(0), geom.up_scales_off, **launch)
+        _rega_up_kernel_p[grid_up](x_desc, tab, up_global, h, n, I, L, h.stride(0), geom.up_scales_off, **launch)
     if part != "up":
         h_desc = TensorDescriptor.from_tensor(h, box, x_layout(cfg["BLOCK_M"]))
-        down[grid_down](h_desc, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, n, L, I, geom.down_off,
-                        **launch)
+        _rega_down_kernel_p[grid_down](h_desc, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi], acc, n, L, I,
+                                       geom.down_off, **launch)
     return acc
 
 
@@ -888,7 +661,9 @@ def parts(tokens=(256, 1024), experts=32, configs=None, out=None) -> list[dict]:
         acc = torch.zeros(max(M // 4, 1), geom.L, device=dev)
         segs = [(e * T, T) for e in range(experts)]
         # the kernels are timed alone: the tile table and x's permutation (`prepare`) made once, and timed here
+        # (the table cloned out of the launch-table ring, which later launches' tables overwrite in time)
         pre = {bm: prepare(xs, segs, addrs, geom, bm) for bm in {c["BLOCK_M"] for c in configs.values()}}
+        pre = {bm: (p[0].clone(), *p[1:]) for bm, p in pre.items()}
         bm = min(pre)
         sec = median_seconds(lambda i: prepare(xs, segs, addrs, geom, bm), 8)
         rows.append(dict(T=T, config="prepare", probe=0, part="up", us=sec * 1e6, tflops=0.0, of_gemm=0.0))

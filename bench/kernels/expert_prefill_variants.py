@@ -15,7 +15,7 @@ that bench/kernels/expert_prefill_sweep.py checks and times them side by side. O
              Lost on the H200 (session 21: host-bound per chunk); kept here with its timings
   rega       (session 37) x's columns permuted so that each code word's nibble pairs are the tensor cores' register
              operand as they come: the weights decoded once per tile in registers, never written out
-             (bench/kernels/expert_prefill_rega.py: the Triton twin; rega_gluon: the Gluon kernel, GPU only)
+             (kernels/expert_prefill_rega.py: the Triton twin; rega_gluon: the Gluon kernel, GPU only)
   grouped_mm dequantize into bf16, then torch._grouped_mm (CUTLASS on sm90); bf16 in and out only, so the ReLU²
              rows and y are rounded to bf16: a speed reference that the 1e-3 twin check is expected to refuse
 """
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.kernels.expert_prefill_rega import rega
+from kernels.expert_prefill_rega import rega
 from kernels import expert_prefill as ep
 from kernels.expert_prefill import dequantize, expert_prefill_grouped, tile_table
 from kernels.gemv_nvfp4 import _X_PRESCALE, _e2m1_quad, _nvfp4_tile_split

@@ -1,7 +1,9 @@
 """The grouped expert prefill with x's columns permuted so that the decoded code words are the tensor cores' register
-operand (bench/kernels/expert_prefill_rega.py, its Gluon kernel in expert_prefill_rega_gluon.py): the permutation,
-the Triton twin against the PyTorch reference of the layer (interpreter on a CPU), the Gluon kernel against both
-(GPU only: Gluon has no interpreter), and the Gluon kernels compiled for sm_90 / sm_120 on the CPU."""
+operand (kernels/expert_prefill_rega.py, the engine's Gluon kernels in kernels/expert_prefill_rega_gluon.py, the
+variants measured on the way in bench/kernels/expert_prefill_rega_gluon.py): the permutation, the Triton twin against
+the PyTorch reference of the layer (interpreter on a CPU), the Gluon kernels against both (GPU only: Gluon has no
+interpreter), the Gluon kernels compiled for sm_90 / sm_120 on the CPU, and the engine's route to them
+(`expert_prefill_grouped`'s "rega" path: when it is chosen, the scales by expert, h reused, the reads it counts)."""
 import json
 import os
 import subprocess
@@ -12,7 +14,8 @@ import pytest
 
 import torch
 
-from bench.kernels import expert_prefill_rega as R
+import kernels.expert_prefill as ep
+from kernels import expert_prefill_rega as R
 from kernels.expert_prefill import expert_prefill_grouped_torch
 from kernels.testing import assert_close, rel_err
 from test_expert_prefill import L, _layer, _routed
@@ -171,12 +174,16 @@ _COMPILED = [(dict(DEPTH=1), 90), (dict(DEPTH=6), 90), (dict(DEPTH=7), 90), (dic
 # beside the operands and x's addresses; DEPTH 7 keeps two blocks' operands as well, and spills (DEPTH 1 fits since
 # session 40's stores)
 _SPILLS = (dict(BLOCK_M=256, STAGES=2, DEPTH=7), 90)
+# the engine's kernels (kernels/expert_prefill_rega_gluon.TMA_CONFIG, session 40's "d5tw"): the 256-row down ran with
+# a 16-byte spill stack under the device's Triton 3.6 when it was measured (48 bytes under 3.9); more would be news
+_ENGINE = (dict(DEPTH=5, TMA=True, BLOCK_M=256, STAGES=2), 90)
+_ENGINE_DOWN_SPILL = 64
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """Every case's up and down compiled in one child process without the interpreter (the suite runs under it)."""
-    cases = [(part, cfg, arch) for cfg, arch in _COMPILED + [_SPILLS] for part in ("up", "down")]
+    cases = [(part, cfg, arch) for cfg, arch in _COMPILED + [_SPILLS, _ENGINE] for part in ("up", "down")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; from bench.kernels.expert_prefill_rega_gluon import compile_report; "
             "print(json.dumps(compile_report(json.loads(sys.argv[1]))))")
@@ -224,6 +231,18 @@ def test_the_operand_hazard_check_sees_a_register_rewritten_in_flight():
 
 
 @pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile")
+def test_the_engines_kernels_compile_as_measured(compiled):
+    """The engine's config is one of the variants (its name and numbers in the module's header): its up in registers,
+    its down within the small spill it was measured with, no operand hazard, the shared memory a CTA has."""
+    from kernels.expert_prefill_rega_gluon import TMA_CONFIG
+    assert {k: TMA_CONFIG[k] for k in ("BLOCK_M", "STAGES")} == {k: _ENGINE[0][k] for k in ("BLOCK_M", "STAGES")}
+    rows = {r["part"]: r for r in compiled if r["config"] == _ENGINE[0]}
+    assert rows["up"]["spill"] == 0 and rows["down"]["spill"] <= _ENGINE_DOWN_SPILL, rows
+    for r in rows.values():
+        assert r["regs"] <= 255 and r["shared"] <= 227 * 1024 and r["hazards"] == [], r
+
+
+@pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile")
 def test_the_spill_check_catches_a_tile_that_does_not_fit(compiled):
     rows = [r for r in compiled if r["config"] == _SPILLS[0]]
     assert len(rows) == 2 and all(r["spill"] > 0 for r in rows), rows
@@ -239,3 +258,121 @@ def test_persist_refuses_the_old_stores():
     with pytest.raises(ValueError, match="STORE 1"):
         rega_gluon(None, [(0, 1)], [0], SUPER, z, z, z, z, z, prepared=prepared,
                    config=dict(TMA=True, DEPTH=5, PERSIST=True, STORE=0))
+
+
+# ---- the engine's route: expert_prefill_grouped's "rega" path
+
+def _scaled_layer(E, device):
+    """_layer's experts with global scales 1x .. Ex apart (a scale read for the wrong expert is caught)."""
+    geom, blocks, ug, dg, _, _ = _layer(E, device)
+    f = torch.arange(1.0, E + 1, device=device)
+    return geom, blocks, ug * f, dg * f.flip(0)
+
+
+def test_the_rega_path_reads_the_layers_scales_by_expert(device):
+    """The engine's call: a launch over some of a layer's experts in its own order, their global scales given as the
+    layer's whole row with gs_index (gathered once), h handed in; equal to the reference. Must fail: the scales
+    indexed in launch order (gs_index left out)."""
+    E, T = 6, 33
+    geom, blocks, ug, dg = _scaled_layer(E, device)
+    order = [4, 1, 3]
+    segments = [(0, 11), (11, 0), (11, 22)]
+    tok = torch.randint(0, T, (33,), device=device)
+    w = torch.rand(33, device=device) + 0.1
+    xs = torch.randn(33, L, device=device).bfloat16()
+    ref = expert_prefill_grouped_torch(xs, segments, [blocks[e] for e in order], geom, ug[order], dg[order], w, tok,
+                                       torch.zeros(T, L, device=device))
+    h = torch.empty(33 * geom.I, dtype=torch.float16, device=device)
+    addrs = [blocks[e].data_ptr() for e in order]
+    got = ep.expert_prefill_grouped(xs, segments, addrs, geom, ug, dg, w, tok, torch.zeros(T, L, device=device),
+                                    config=CFG, h=h, path="rega", gs_index=order)
+    assert_close(got, ref, 1e-3, "rega path with the layer's scales")
+    bad = ep.expert_prefill_grouped(xs, segments, addrs, geom, ug[:3], dg[:3], w, tok,
+                                    torch.zeros(T, L, device=device), config=CFG, h=h, path="rega")
+    assert rel_err(bad, ref) > 0.1
+
+
+def test_prepare_reuses_h_where_its_width_is_i(device):
+    """I a multiple of 128: the up's output is a view of the caller's buffer (no allocation a launch); I = 80 pads to
+    128 and needs zeros past I, so it gets its own (as does a buffer too small)."""
+    from kernels.expert_block import ExpertGeometry
+    x = torch.randn(20, 48, device=device).bfloat16()
+    buf = torch.empty(20 * 128, dtype=torch.float16, device=device)
+    got = R.prepare(x, [(0, 20)], [0], ExpertGeometry(48, 128, "nvfp4"), 16, h=buf)
+    assert got[5].shape == (20, 128) and got[5].data_ptr() == buf.data_ptr()
+    odd = R.prepare(x, [(0, 20)], [0], ExpertGeometry(48, 80, "nvfp4"), 16, h=buf)
+    assert odd[5].shape == (20, 128) and odd[5].data_ptr() != buf.data_ptr() and not odd[5][:, 80:].any()
+    small = R.prepare(x, [(0, 20)], [0], ExpertGeometry(48, 128, "nvfp4"), 16, h=buf[:100])
+    assert small[5].data_ptr() != buf.data_ptr()
+
+
+def test_the_auto_path_takes_rega_by_rows_an_expert(monkeypatch):
+    """Where the Gluon kernels can run (faked here: a CPU has no sm_90), the auto path takes rega while every routed
+    expert has at most one tile of rows (weights read zero-copy: one read each), or two with resident weights; above,
+    the dequantized path as before. The blocks it reads: one per 256-row tile."""
+    from kernels.expert_block import SUPER
+    xb = torch.zeros(1, SUPER.L, dtype=torch.bfloat16)
+    assert not ep.rega_able(xb, SUPER)                               # a CPU: never
+    monkeypatch.setattr(ep, "rega_able", lambda x, geom: True)
+    tile, most = ep.REGA_TILE_ROWS, ep.REGA_RESIDENT_MAX_ROWS
+    assert ep.grouped_path(xb, [(0, 3), (3, 0), (3, tile)], SUPER) == "rega"
+    assert ep.grouped_path(xb, [(0, 40), (40, tile + 1)], SUPER) == "dequant"
+    assert ep.grouped_path(xb, [(0, 40), (40, tile + 1)], SUPER, resident=True) == "rega"
+    assert ep.grouped_path(xb, [(0, 40), (40, most + 1)], SUPER, resident=True) == "dequant"
+    assert ep.grouped_path(xb, [(0, 3), (3, 5)], SUPER, "fused") == "fused"     # a caller's path stands
+    assert ep.block_reads([(0, 40), (40, 0), (40, tile + 1)], SUPER, xb, path="rega") == 1 + 2
+    assert ep.block_reads([(0, 40), (40, tile + 1)], SUPER, xb, resident=True) == 1 + 2
+    assert ep.block_reads([(0, 40), (40, tile + 1)], SUPER, xb) == 2                # dequantized: once each
+
+
+def test_the_rega_switch(monkeypatch):
+    """MOESTREAM_PREFILL_REGA=0 turns the path off for the auto choice (a forced "rega" still runs: the twin); any
+    other value than 0 or 1 is refused by name."""
+    from kernels.expert_block import SUPER
+    xb = torch.zeros(1, SUPER.L, dtype=torch.bfloat16)
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA", "2")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_REGA"):
+        ep.rega_able(xb, SUPER)
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA", "0")
+    monkeypatch.setattr(ep, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not ep.rega_able(xb, SUPER)
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA", "1")
+    assert ep.rega_able(xb, SUPER)
+
+
+@pytest.mark.skipif(not GLUON, reason="Gluon has no interpreter; wgmma is sm_90 only")
+@pytest.mark.parametrize("n", [16, 8])
+def test_the_engines_route_runs_the_gluon_kernels(n):
+    """On sm_90 the engine's auto path takes the Gluon kernels for Super's shape at up to a tile of rows an expert
+    (two with resident weights), the layer's scales by expert, h handed in, a split store's downs regrouped; equal
+    to the reference. Must fail: the blocks rolled."""
+    from kernels.expert_block import SUPER, ExpertGeometry, pack_expert_block
+    from kernels.nvfp4 import encode_nvfp4
+    dev, E = "cuda", 5
+    geom = ExpertGeometry(SUPER.L, SUPER.I, "nvfp4", down_group_neurons=n)
+    blocks, ugl, dgl = [], [], []
+    for e in range(E):
+        uq, us, u = encode_nvfp4(torch.randn(geom.I, geom.L))
+        dq, ds, d = encode_nvfp4(torch.randn(geom.L, geom.I))
+        blocks.append(pack_expert_block(geom, uq, us, dq, ds).to(dev))
+        ugl.append(float(u) * (e + 1))
+        dgl.append(float(d))
+    ug, dg = torch.tensor(ugl, device=dev), torch.tensor(dgl, device=dev)
+    order = [3, 0, 4]
+    for segments, resident in (([(0, 37), (37, 256), (293, 5)], False), ([(0, 300), (300, 1), (301, 130)], True)):
+        M = sum(c for _, c in segments)
+        tok = torch.randint(0, M, (M,), device=dev)
+        w = torch.rand(M, device=dev) + 0.1
+        xs = torch.randn(M, geom.L, device=dev).bfloat16()
+        assert ep.grouped_path(xs, segments, geom, resident=resident) == "rega"
+        ref = expert_prefill_grouped_torch(xs, segments, [blocks[e] for e in order], geom, ug[order], dg[order], w,
+                                           tok, torch.zeros(M, geom.L, device=dev))
+        h = torch.empty(M * geom.I, dtype=torch.float16, device=dev)
+        got = ep.expert_prefill_grouped(xs, segments, [blocks[e].data_ptr() for e in order], geom, ug, dg, w, tok,
+                                        torch.zeros(M, geom.L, device=dev), h=h, gs_index=order, resident=resident)
+        assert_close(got, ref, 1e-3, f"the engine's rega route (n={n}, resident={resident})")
+        rolled = [blocks[order[(i + 1) % 3]].data_ptr() for i in range(3)]
+        bad = ep.expert_prefill_grouped(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(M, geom.L, device=dev),
+                                        h=h, gs_index=order, resident=resident)
+        assert rel_err(bad, ref) > 0.1

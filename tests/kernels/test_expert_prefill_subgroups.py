@@ -1,5 +1,5 @@
-"""The engine's prefill (`expert_prefill_grouped`) on a store split into down sub-groups (issue 15): both paths (fused
-tile decode, dequantized) regroup the launch's down sections into 16-neuron groups first, so the result equals the
+"""The engine's prefill (`expert_prefill_grouped`) on a store split into down sub-groups (issue 15): every path (fused
+tile decode, dequantized, rega: its Triton twin here) regroups the launch's down sections into 16-neuron groups first, so the result equals the
 twin's and, exactly, that of the same weights stored unsplit; also across several launches when the regrouped
 sections exceed their scratch bound. Must-fail twin: a regroup that leaves the sub-groups as stored (what the fused
 path did before: H200, 0 % of greedy tokens equal to N = 16's from the first token) is caught on either path."""
@@ -53,7 +53,7 @@ def _run(path, geom, blocks, ug, dg, x, tok, w, segments, config=CFG):
     return got, ref
 
 
-@pytest.mark.parametrize("path", ["fused", "dequant"])
+@pytest.mark.parametrize("path", ["fused", "dequant", "rega"])
 @pytest.mark.parametrize("n", [8, 4, 1])
 def test_grouped_prefill_on_subgroups_equals_twin_and_unsplit(n, path, device):
     raw, ug, dg = _layer(device)
@@ -78,7 +78,7 @@ def test_auto_path_takes_the_dequantized_path_for_subgroups():
     assert ep.grouped_path(xb.float(), [(0, 40)], geom) == "fused"
 
 
-@pytest.mark.parametrize("path", ["fused", "dequant"])
+@pytest.mark.parametrize("path", ["fused", "dequant", "rega"])
 def test_subgroup_prefill_in_several_launches(path, device, monkeypatch):
     """More experts than the regroup scratch (fused) or the decode chunk (dequantized) holds: several launches."""
     n = 4
@@ -93,7 +93,7 @@ def test_subgroup_prefill_in_several_launches(path, device, monkeypatch):
     assert_close(got, ref, 1e-3, f"{path} in launches of 2 experts")
 
 
-@pytest.mark.parametrize("path", ["fused", "dequant"])
+@pytest.mark.parametrize("path", ["fused", "dequant", "rega"])
 def test_must_fail_subgroups_read_as_16_neuron_groups(path, device, monkeypatch):
     """A regroup that copies the down section as stored: the GEMMs read sub-groups as 16-neuron groups."""
     n = 8

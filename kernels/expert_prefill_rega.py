@@ -1,5 +1,7 @@
 """The grouped expert prefill with NVFP4 decoded straight into the tensor cores' register operand (issue 13, part 2;
-session 37). An experiment until it wins: `rega` in bench/kernels/expert_prefill_variants.py runs it.
+session 37): the scheme, the launch's inputs (`prepare`) and its Triton twin. The engine's "rega" path
+(`kernels.expert_prefill.expert_prefill_grouped`, session 41) runs the Gluon kernels of
+kernels/expert_prefill_rega_gluon.py on sm_90 and this twin where asked for elsewhere (the CPU tests).
 
 Why. At 256 rows an expert the engine's dequantized path spends ~44 % of its time writing the decoded experts to
 HBM as 16-bit and reading them back (bench/NOTES.md, session 32: 171 of 390 µs for 32 experts). The first fused
@@ -18,9 +20,9 @@ How. Two facts make the decode cheap in the MMA's own layout:
 Numbers as the fused kernel: e2m1 · 2^-14 by bit moves, times the e4m3 scale · 2^7 in fp16 (exact), x · 2^-8 in fp16,
 fp32 accumulation; the up stores ReLU² · 2^-8 as fp16 in the permuted order, which is the down's x.
 
-This file is the Triton twin (it runs under the interpreter, so the CPU tests check the scheme); Triton's compiler
-does not keep its decoded tiles in the register operand's layout (they go through shared memory: ~11 instructions
-a weight on sm_90), so the GPU kernel is bench/kernels/expert_prefill_rega_gluon.py, which states the layouts.
+The twin runs under the interpreter, so the CPU tests check the scheme; Triton's compiler does not keep its decoded
+tiles in the register operand's layout (they go through shared memory: ~11 instructions a weight on sm_90), so the
+GPU kernels are written in Gluon (kernels/expert_prefill_rega_gluon.py), which states the layouts.
 K is padded to a multiple of 128 in x and h (zeros); the words past K are masked to code 0.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.expert_prefill import tile_table
+from kernels.launch_tables import device_table
 
 PERM_BLOCK = 128
 X_PRESCALE = 1.0 / 256.0     # x · 2^-8 before the fp16 cast (as kernels.gemv_nvfp4._X_PRESCALE)
@@ -179,11 +182,12 @@ def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles
     tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem="relaxed")
 
 
-def prepare(x_sorted, segments, addrs, geom, block_m: int):
+def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | None = None):
     """A launch's inputs, shared by the twin and the Gluon kernel: (tile table on the device with the block
     addresses after it, tiles, first row, end row, the rows' permuted fp16 x, the up's output h), or None (no rows).
+    h: a flat fp16 buffer to hold the up's output if it is large enough and I a multiple of 128 (else a new one);
     h has zeros in its padded columns (an I past a 128-block's end): the down reads them."""
-    assert geom.fmt == "nvfp4" and geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
+    assert geom.fmt == "nvfp4", "reads NVFP4 blocks"
     assert geom.L % 16 == 0 and geom.I % 16 == 0
     table = tile_table(segments, block_m)
     if not table:
@@ -192,23 +196,37 @@ def prepare(x_sorted, segments, addrs, geom, block_m: int):
     lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
     dev = x_sorted.device
     flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
-    tab = torch.tensor(flat, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-    alloc = torch.empty if geom.I % PERM_BLOCK == 0 else torch.zeros
-    h = alloc(hi - lo, padded(geom.I), dtype=torch.float16, device=dev)
+    tab = device_table(flat, dev)
+    rows, width = hi - lo, padded(geom.I)
+    if h is not None and width == geom.I and h.dtype == torch.float16 and h.numel() >= rows * width:
+        h = h[:rows * width].view(rows, width)
+    else:
+        h = (torch.empty if width == geom.I else torch.zeros)(rows, width, dtype=torch.float16, device=dev)
     return tab, len(table), lo, hi, permute_x(x_sorted[lo:hi]), h
 
 
-def rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
-    """acc[tok] += w · down(relu(up x)²) over the experts' sorted rows, the weights decoded into the A operand."""
-    cfg = {**REGA_CONFIG, **(config or {})}
-    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
-    if got is None:
-        return acc
-    tab, n, lo, hi, xp, h = got
+def launch_twin(tab, n, lo, hi, xp, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg: dict,
+                down_tab=None, down_off: int | None = None):
+    """The twin's up and down over `prepare`'s launch (as kernels.expert_prefill_rega_gluon.launch_tma). down_tab /
+    down_off: the down's table and the offset of the down section in each block (a split store's regrouped
+    sections: their own addresses, offset 0); None: `tab` and geom.down_off."""
     L, I = geom.L, geom.I
     launch = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     _rega_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), n)](xp, tab, up_global, h, n, I, L, xp.stride(0), h.stride(0),
                                                         geom.up_scales_off, **launch)
-    _rega_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab, down_global, w_sorted[lo:hi], tok_sorted[lo:hi],
-                                                          acc, n, L, I, h.stride(0), geom.down_off, **launch)
+    _rega_down_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n)](h, tab if down_tab is None else down_tab, down_global,
+                                                          w_sorted[lo:hi], tok_sorted[lo:hi], acc, n, L, I,
+                                                          h.stride(0), geom.down_off if down_off is None else down_off,
+                                                          **launch)
     return acc
+
+
+def rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None):
+    """acc[tok] += w · down(relu(up x)²) over the experts' sorted rows, the weights decoded into the A operand
+    (an unsplit store: the engine's `expert_prefill_grouped` regroups a split one's down sections first)."""
+    assert geom.down_group_neurons == 16, "reads unsplit NVFP4 blocks"
+    cfg = {**REGA_CONFIG, **(config or {})}
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"])
+    if got is None:
+        return acc
+    return launch_twin(*got, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg)
