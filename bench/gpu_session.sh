@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
 #   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
-#   (session 35: lend; session 36: fp8fma; session 37: rega_parts)
+#   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4),
 #   E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
@@ -185,6 +185,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
       tail -60 "$OUT/gemv_fma.log";;
     # session 37: the expert prefill decoded into wgmma's register operand: each launch alone, with and without
     # the decode (REGA_DEPTHS: the configs, e.g. 1,6,5t,v2; REGA_PROBES: 0,2,1,3; REGA_LI: another L,I)
+    # session 41: the host's time a grouped launch by path, and the rega path's pieces
+    rega_host) timeout 150 python3 -m bench.kernels.rega_host --out "$OUT/rega_host.json" > "$OUT/rega_host.log" 2>&1
+      tail -20 "$OUT/rega_host.log";;
     rega_parts) timeout ${REGA_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_rega_gluon \
         > "$OUT/rega_parts.log" 2>&1
       tail -${REGA_TAIL:-8} "$OUT/rega_parts.log";;

@@ -110,6 +110,7 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 5
     dg = torch.full((n_experts,), 3e-3, device=device)
     rows, copy = [], torch.cuda.Stream()
     half_free = [torch.cuda.Event(), torch.cuda.Event()]     # the kernels that last read each half of the ring
+    warmed = False
     for T in tokens_per_expert:
         M = T * n_experts
         segments = [(i * T, T) for i in range(n_experts)]
@@ -139,6 +140,10 @@ def kernel_bench(geom, device, gemm_rate, h2d, tokens_per_expert=(16, 64, 256, 5
                                    tok, part, h=h, path=path)
             res[f"rel_err_{path}"] = rel_err(part, ref)
         res["rel_err_vs_twin"] = max(res[f"rel_err_{p}"] for p in paths)
+        if not warmed:          # the first timing of a process ran slow (session 41, call 1: 462 against 262 us)
+            for path in paths:
+                _median_time(lambda i: run(vram, i, path), 8)
+            warmed = True
         for path in paths:
             sec = _median_time(lambda i: run(vram, i, path), 8)
             res[f"vram_{path}_us"] = sec * 1e6
