@@ -55,7 +55,7 @@ class _LayerLaunch:
                                          # (`fused_below`: a small budget's launches, no dequantized scratch)
     staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
     cur: object                          # the compute stream (CUDA), or None
-    ug: torch.Tensor                     # the layer's global scales by expert: the dequantized path's kernels index
+    ug: torch.Tensor                     # the layer's global scales by expert: the dequantized and rega kernels index
     dg: torch.Tensor                     # them through the launch's table (no gather per launch)
 
 
@@ -591,9 +591,9 @@ class PrefillExperts:
                     xs, ws, tok, local = rows.gather(part)
                     # once for the launch and its count; staged blocks lie in device memory
                     path = grouped_path(xs, local, self.geom, lay.path, resident=lay.staged)
-                    if path == "dequant":                           # the layer's scales, indexed by expert
+                    if path != "fused":                 # the layer's scales, indexed by expert (their tables)
                         ug, dg, gs_index = lay.ug, lay.dg, ex
-                    else:                                   # the fused and rega paths', gathered once
+                    else:                                           # the fused path's, gathered once
                         if gathered is None:
                             idx = self._table(ex)
                             gathered = lay.ug[idx], lay.dg[idx]

@@ -433,12 +433,12 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
         cfg["GEMM"] = expert_gemm(config) if gmm_able(x_sorted, geom) else "triton"
         return _grouped_dequant(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc,
                                 cfg, h, gs_index)
+    if chosen == "rega":            # its table says where each expert's scales lie: no gather
+        return _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
+                             config, gs_index)
     if gs_index is not None:        # the fused kernels index the scales by the launch's order
         idx = device_table(gs_index, up_global.device)
         up_global, down_global = up_global[idx], down_global[idx]
-    if chosen == "rega":
-        return _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
-                             config)
     cfg = {**GROUPED_CONFIG, **{k: v for k, v in (config or {}).items() if k in _FUSED_KEYS}}
     return _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, h)
 
@@ -481,32 +481,36 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
 
 
 def _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
-                  config=None):
-    """The rega path: x's rows permuted to fp16 once, the tile table, then the up and the down (the Gluon kernels on
-    sm_90, the Triton twin elsewhere). A split store's down sections are regrouped first, as the fused path's.
-    config: the twin's tile keys (the tests' small tiles under the interpreter); the Gluon kernels run as measured."""
+                  config=None, gs_index=None):
+    """The rega path: x's rows permuted to fp16 once, the tile table (with each expert's block address and where its
+    global scales lie), then the up and the down (the Gluon kernels on sm_90, the Triton twin elsewhere). A split
+    store's down sections are regrouped first, as the fused path's. config: the twin's tile keys (the tests' small
+    tiles under the interpreter); the Gluon kernels run as measured."""
     from kernels.expert_prefill_rega import REGA_CONFIG, launch_twin, prepare
     split = geom.down_group_neurons != GROUP
+    if gs_index is None:
+        gs_index = list(range(len(segments)))
     if split and len(segments) > regroup_chunk(geom):     # the regrouped down sections within their bound
         C = regroup_chunk(geom)
         for c0 in range(0, len(segments), C):
-            _grouped_rega(x_sorted, segments[c0:c0 + C], addrs[c0:c0 + C], geom, up_global[c0:c0 + C],
-                          down_global[c0:c0 + C], w_sorted, tok_sorted, acc, h, config)
+            _grouped_rega(x_sorted, segments[c0:c0 + C], addrs[c0:c0 + C], geom, up_global, down_global, w_sorted,
+                          tok_sorted, acc, h, config, gs_index[c0:c0 + C])
         return acc
     hopper = rega_able(x_sorted, geom)
     if hopper:          # the measured kernels as they are
         from kernels.expert_prefill_rega_gluon import TMA_CONFIG as cfg, launch_tma as launch
     else:
         cfg, launch = {**REGA_CONFIG, **{k: v for k, v in (config or {}).items() if k in REGA_CONFIG}}, launch_twin
-    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"], h=h)
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"], h=h, gs_index=gs_index)
     if got is None:
         return acc
     tab, n = got[0], got[1]
     down_tab, down_off = None, None
     if split:       # the down reads 16-neuron groups: the launch's regrouped sections, their own addresses
-        regrouped = regroup_downs(tab[3 * n:], geom)     # alive until the down is queued (stream order)
+        pairs = tab[3 * n:].view(-1, 2)
+        regrouped = regroup_downs(pairs[:, 0].contiguous(), geom)     # alive until the down is queued
         at = regrouped.data_ptr() + regrouped.shape[1] * torch.arange(len(addrs), device=tab.device)
-        down_tab, down_off = torch.cat([tab[:3 * n], at]), 0
+        down_tab, down_off = torch.cat([tab[:3 * n], torch.stack([at, pairs[:, 1]], 1).reshape(-1)]), 0
     return launch(*got, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg, down_tab=down_tab,
                   down_off=down_off)
 

@@ -144,23 +144,24 @@ def _rega_dot(x_ptr, stride_xm, o_m, m_m, base, s_base, o_n, m_n, N, K, LAYOUT: 
 
 @triton.jit
 def tile_entry(table_ptr, t, n_tiles):
-    """Tile t of `prepare`'s table: (its expert's index in the launch, first row, end row, the block's address)."""
+    """Tile t of `prepare`'s table: (where its expert's global scale lies in gs, first row, end row, the block's
+    address). The table: (expert, first row, end row) a tile, then (address, global-scale index) an expert."""
     i = tl.load(table_ptr + 3 * t)
-    return (i, tl.load(table_ptr + 3 * t + 1), tl.load(table_ptr + 3 * t + 2),
-            tl.load(table_ptr + 3 * n_tiles + i).to(tl.pointer_type(tl.uint8)))
+    return (tl.load(table_ptr + 3 * n_tiles + 2 * i + 1), tl.load(table_ptr + 3 * t + 1),
+            tl.load(table_ptr + 3 * t + 2), tl.load(table_ptr + 3 * n_tiles + 2 * i).to(tl.pointer_type(tl.uint8)))
 
 
 @triton.jit
 def _rega_up_kernel(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, stride_hm, up_scales_off,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    i, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < I
     m_m = o_m < m1
     b_h = _rega_dot(x_ptr, stride_xm, o_m, m_m, base, base + up_scales_off, o_n, m_n, I, L, 0, BLOCK_M, BLOCK_N)
-    b_h = tl.maximum(b_h * (tl.load(gs_ptr + i) * 32768.0), 0.0)
+    b_h = tl.maximum(b_h * (tl.load(gs_ptr + g) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(tl.float16)
     pos = permuted_pos(o_n)                                          # h is the down's x: permuted
     tl.store(h_ptr + o_m[None, :].to(tl.int64) * stride_hm + pos[:, None], b_h, mask=m_n[:, None] & m_m[None, :])
@@ -170,21 +171,23 @@ def _rega_up_kernel(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm, s
 def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, stride_hm, down_off,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    i, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, tl.program_id(1), n_tiles)
     base += down_off
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_n = o_n < L
     m_m = o_m < m1
     b_y = _rega_dot(h_ptr, stride_hm, o_m, m_m, base, base, o_n, m_n, L, I, 1, BLOCK_M, BLOCK_N)
-    b_y = b_y * (tl.load(gs_ptr + i) * 32768.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
+    b_y = b_y * (tl.load(gs_ptr + g) * 32768.0) * tl.load(w_ptr + o_m, mask=m_m, other=0.0)[None, :]
     tok = tl.load(tok_ptr + o_m, mask=m_m, other=0)
     tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem="relaxed")
 
 
-def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | None = None):
-    """A launch's inputs, shared by the twin and the Gluon kernel: (tile table on the device with the block
-    addresses after it, tiles, first row, end row, the rows' permuted fp16 x, the up's output h), or None (no rows).
+def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | None = None, gs_index=None):
+    """A launch's inputs, shared by the twin and the Gluon kernel: (tile table on the device with each expert's block
+    address and global-scale index after it, tiles, first row, end row, the rows' permuted fp16 x, the up's output
+    h), or None (no rows). gs_index: where each expert's global scales lie in the scale vectors the kernels get (the
+    layer's whole row, indexed by expert id: no gather a launch); None: the launch's order.
     h: a flat fp16 buffer to hold the up's output if it is large enough and I a multiple of 128 (else a new one);
     h has zeros in its padded columns (an I past a 128-block's end): the down reads them."""
     assert geom.fmt == "nvfp4", "reads NVFP4 blocks"
@@ -195,7 +198,9 @@ def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | Non
     used = [(s, n) for s, n in segments if n > 0]
     lo, hi = min(s for s, _ in used), max(s + n for s, n in used)
     dev = x_sorted.device
-    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [int(a) for a in addrs]
+    gs = range(len(addrs)) if gs_index is None else gs_index
+    flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [v for a, g in zip(addrs, gs)
+                                                                         for v in (int(a), int(g))]
     tab = device_table(flat, dev)
     rows, width = hi - lo, padded(geom.I)
     if h is not None and width == geom.I and h.dtype == torch.float16 and h.numel() >= rows * width:

@@ -128,13 +128,13 @@ def _cat2(a, b, layout: gl.constexpr):
 
 
 @gluon.jit
-def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _up_store(acc, gs_ptr, g, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
     """h[m, pos(n)] = relu(acc · global scale)² (fp16, 2^-8: the down's x, permuted as x is).
     STORE 1: acc's row r is already h's column n0 + r (LAYOUT 0), and the tile goes out in a layout of 8 columns a
     thread along h's rows (16-byte stores, a warp's two rows whole); 0 (bench only): from the MMA layout, a thread's
     pairs down h's columns at permuted_pos (2-byte stores, 16 sectors a warp for 64 bytes)."""
-    b_h = gl.maximum(acc * (gl.load(gs_ptr + i) * 32768.0), 0.0)
+    b_h = gl.maximum(acc * (gl.load(gs_ptr + g) * 32768.0), 0.0)
     b_h = (b_h * b_h * (1.0 / 256.0)).to(gl.float16)
     if STORE == 1:
         lay: gl.constexpr = gl.BlockedLayout([8, 1], [BLOCK_N // 8, 256 // BLOCK_N], [1, gl.num_warps()], [0, 1])
@@ -155,7 +155,7 @@ def _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
+def _down_store(acc, gs_ptr, g, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
     """acc_ptr[tok[m], n] += acc · global scale · w[m] (the rows' routing weights). STORE 1: in a layout of four
     columns a thread along a token's row (one 16-byte vector atomic for four); 0 (bench only): from the MMA layout,
@@ -171,7 +171,7 @@ def _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M:
     m_m = o_m < m1
     if PROBE == 3 or PROBE == 5:
         m_m = m_m & (m1 < 0)
-    b_y = b * (gl.load(gs_ptr + i) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
+    b_y = b * (gl.load(gs_ptr + g) * 32768.0) * gl.expand_dims(gl.load(w_ptr + o_m, mask=m_m, other=0.0), 0)
     tok = gl.load(tok_ptr + o_m, mask=m_m, other=0)
     p = acc_ptr + gl.expand_dims(tok * L, 0) + gl.expand_dims(o_n, 1)
     gl.atomic_add(p, b_y, mask=gl.expand_dims(o_n < L, 1) & gl.expand_dims(m_m, 0), sem="relaxed")
@@ -259,22 +259,22 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
 def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(x_desc, m0, base, base + up_scales_off, n0, I, L, 2 - 2 * STORE, BLOCK_M, BLOCK_N, STAGES,
                       PROBE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
+    _up_store(acc, gs_ptr, g, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
 def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot_t(h_desc, m0, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
+    _down_store(acc, gs_ptr, g, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 def launch_tma(tab, n, lo, hi, xp, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg: dict,

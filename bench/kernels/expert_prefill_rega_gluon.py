@@ -362,15 +362,15 @@ def _seq_tiles(x_desc, table_ptr, gs_ptr, n_tiles, N, K, w_off, s_off, LAYOUT: g
     ring, bars = _seq_ring(x_desc, table_ptr, n_n, total, n_blocks, BLOCK_M, STAGES, PROBE)
     g0 = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        i, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
+        g, m0, m1, base = tile_entry(table_ptr, t // n_n, n_tiles)
         n0 = (t % n_n) * BLOCK_N
         acc = _rega_dot_p(x_desc, table_ptr, n_n, total, ring, bars, g0, base + w_off, base + s_off, n0, N, K,
                           LAYOUT, BLOCK_M, BLOCK_N, STAGES, PROBE, num_warps)
         g0 += n_blocks
         if LAYOUT == 0:
-            _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, N, stride_hm, BLOCK_M, BLOCK_N, PROBE, 1)
+            _up_store(acc, gs_ptr, g, h_ptr, n0, m0, m1, N, stride_hm, BLOCK_M, BLOCK_N, PROBE, 1)
         else:
-            _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, N, BLOCK_M, BLOCK_N, PROBE, 1)
+            _down_store(acc, gs_ptr, g, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, N, BLOCK_M, BLOCK_N, PROBE, 1)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
@@ -452,11 +452,11 @@ def _rega_up_kernel_g(x_ptr, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_xm,
                       DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
                       FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1,
                       STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot(x_ptr, stride_xm, m0, m1, base, base + up_scales_off, n0, I, L, 2 - 2 * STORE, BLOCK_M,
                     BLOCK_N, STAGES, DEPTH, MMA, WARPS_N, PROBE, FENCE, num_warps)
-    _up_store(acc, gs_ptr, i, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
+    _up_store(acc, gs_ptr, g, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 @gluon.jit
@@ -465,12 +465,12 @@ def _rega_down_kernel_g(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_til
                         DEPTH: gl.constexpr, num_warps: gl.constexpr, PROBE: gl.constexpr = 0,
                         FENCE: gl.constexpr = 1, MMA: gl.constexpr = 3, WARPS_N: gl.constexpr = 1,
                         STORE: gl.constexpr = 1):
-    i, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
+    g, m0, m1, base = tile_entry(table_ptr, gl.program_id(1), n_tiles)
     base += down_off
     n0 = gl.program_id(0) * BLOCK_N
     acc = _rega_dot(h_ptr, stride_hm, m0, m1, base, base, n0, L, I, 1, BLOCK_M, BLOCK_N, STAGES, DEPTH, MMA, WARPS_N,
                     PROBE, FENCE, num_warps)
-    _down_store(acc, gs_ptr, i, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
+    _down_store(acc, gs_ptr, g, w_ptr, tok_ptr, acc_ptr, n0, m0, m1, L, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
 def rega_gluon(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, config=None,
