@@ -320,7 +320,12 @@ def ttft(eng, ids, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     last = eng.experts.prefill_acct.last
     routed = eng.experts.prefill_acct.routed_keys()
-    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), **ahead_figures(last),
+    vt = eng.experts.vram
+    # routed experts the VRAM tier holds: their bytes need not cross the bus (whether the engine reads them there or
+    # not: MOESTREAM_PREFILL_TIER=0's rows keep the same floor)
+    in_tier = sum(1 for j, e in routed if e in vt.row(j)) if vt is not None else 0
+    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), tier_resident=in_tier,
+                tier_read=last.tier_read, **ahead_figures(last),
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
@@ -330,6 +335,24 @@ def ttft(eng, ids, device) -> dict:
                 peak_bytes=peak, piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                 estimated_bytes=span_bytes(m.config, m.dtype, len(ids), plan=dataclasses.replace(
                     plan, ahead_bytes=eng.experts.ahead_bytes, launch_bytes=eng.experts.launch_bytes)))
+
+
+def fill_tier(eng, nbytes: int, device) -> None:
+    """A VRAM tier of `nbytes` beside the engine (as the server's --vram-gb leaves one), filled as decode would leave
+    it warm: with randomly chosen experts of every MoE layer (the synthetic router has no favourites), copied from the
+    slab (every block is cached in the RAM regime). Its residents stay for the regime's rows."""
+    used = torch.cuda.memory_allocated() if str(device).startswith("cuda") else eng.model.dense_nbytes()
+    vt = eng.experts.vram = eng._vram_tier(used + nbytes, 0, device, 2)
+    src, shm = eng.experts, eng.sup.shm
+    keys = [(j, e) for j in range(src.n_moe) for e in range(shm.n_experts)]
+    rng = np.random.default_rng(41)
+    for i in rng.permutation(len(keys))[:vt.n_slots].tolist():
+        j, e = keys[i]
+        slot = int(shm.slot_of_expert[j, e])
+        if slot >= 0:
+            vt.admit(j, e, src.slab[slot, :src.block_bytes])
+    vt.settle(wait=True)
+    print(f"VRAM tier: {len(vt.slot_of)} experts of {len(keys)} ({vt.nbytes >> 20} MiB)", flush=True)
 
 
 def ahead_figures(last) -> dict:
@@ -544,11 +567,16 @@ def reprobe_disk(res, c, probe, cfg, block_bytes) -> None:
                     with_floor(r, cfg, block_bytes, c)
 
 
+def bus_bytes(r, block_bytes: int) -> int:
+    """The expert bytes a prompt's row must move over the bus, once: its distinct experts less the VRAM tier's."""
+    return (r["distinct_experts"] - r.get("tier_resident", 0)) * block_bytes
+
+
 def with_floor(r, cfg, block_bytes, c) -> dict:
-    """The floor: the largest of the distinct expert bytes over H2D, the missing ones over the disk, the FLOPs over the
-    GEMM rate. H2D as the pipeline moves the bytes (the staging ring's copies from the slab, `h2d_staging_gbps`)
-    where measured, else the 1 GiB pinned copy."""
-    need = r["distinct_experts"] * block_bytes
+    """The floor: the largest of the distinct expert bytes over H2D (less those the VRAM tier holds, `--tier-mb`), the
+    missing ones over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes (the staging ring's
+    copies from the slab, `h2d_staging_gbps`) where measured, else the 1 GiB pinned copy."""
+    need = bus_bytes(r, block_bytes)
     miss = r["missing_at_start"] * block_bytes
     h2d = c.get("h2d_staging_gbps") or c["h2d_gbps"]
     parts = dict(h2d=need / (h2d * 1e9) if h2d else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
@@ -582,6 +610,10 @@ def main(argv=None):
     ap.add_argument("--budget-tier-mb", type=int, default=0,
                     help="a VRAM tier of this size beside the budget rows (as the server's --vram-gb leaves one), "
                          "empty: what a long prompt may borrow for its ahead slots (MOESTREAM_PREFILL_LEND); 0: none")
+    ap.add_argument("--tier-mb", type=float, default=0,
+                    help="the RAM regime with a VRAM tier of this size, filled (as decode leaves it warm) with random "
+                         "experts; the floor counts only the routed experts it does not hold (A/B the engine's use of "
+                         "it with a path `staged|MOESTREAM_PREFILL_TIER=0`); 0: none")
     ap.add_argument("--budget-env", default="none",
                     help="comma list of KEY=VALUE or none: the budget rows once per setting (an A/B in one engine)")
     ap.add_argument("--budget-pieces", default="0",
@@ -691,6 +723,8 @@ def main(argv=None):
                               f"{c['h2d_gbps']:.1f} GB/s", flush=True)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
+            if name == "ram" and a.tier_mb:
+                fill_tier(eng, int(a.tier_mb * 2**20), device)
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             default_gate = eng.experts.ahead_min_tokens
             for path in paths:

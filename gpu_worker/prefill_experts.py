@@ -34,7 +34,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, fused_below, launch_chunk,
                                       launch_limits, lend_ahead, lend_min_tokens, lend_restore, long_span,
-                                      prefill_batch_bytes, prefill_eager, rows_in_launch_order, shared_overlap)
+                                      prefill_batch_bytes, prefill_eager, prefill_tier, rows_in_launch_order,
+                                      shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
@@ -184,6 +185,19 @@ class PrefillExperts:
         """Ahead slots at most: `ahead_layers()` layers' experts."""
         return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
 
+    def _tier_rows(self, j: int, experts=None) -> dict:
+        """{expert: VRAM-tier slot} of layer j's `experts` (None: all) that the tier holds, where the prompt reads them
+        in place (`prefill_tier`): residents only, their copies landed (`VramTier.settle` makes them so); nothing
+        evicts one while a prompt runs (the lend evicts before the layers, and takes its rows out of the tier's map;
+        decode's admissions queue after the prompt's kernels)."""
+        vt = getattr(self, "vram", None)
+        if vt is None or not prefill_tier():
+            return {}
+        row = vt.row(j)
+        if not row:
+            return {}
+        return dict(row) if experts is None else {e: row[e] for e in experts if e in row}
+
     def _copies_ahead(self) -> bool:
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
 
@@ -226,12 +240,15 @@ class PrefillExperts:
         guessed = self._guessed          # (the guess for this layer: judged after the first launch)
         ahead = self._ahead_settle(j, uniq, judge=False)   # {expert: device slot} of its blocks copied ahead
         nj = (j + 1) % self.n_moe
-        hits = self.client.lookup(j, uniq)
+        # {expert: tier slot} of those the VRAM tier holds: read there, neither copied nor asked of the cache
+        in_vram = self._tier_rows(j, uniq)
+        need = [e for e in uniq if e not in in_vram] if in_vram else uniq
+        hits = self.client.lookup(j, need)
         ahead_found = sum(1 for e in hits if e in ahead)
         ahead_before, flow = ahead, None
         # (the flow's copies for the next layer only where this layer misses nothing: its misses' staging copies, as
         # they land, would queue behind them on the bus; with misses they go after the misses, as without the flow)
-        g_next = host[E:].numpy() if guess is not None and j + 1 < self.n_moe and len(hits) == len(uniq) else None
+        g_next = host[E:].numpy() if guess is not None and j + 1 < self.n_moe and len(hits) == len(need) else None
         started = self._flow_start(j, nj, hits, ahead, g_next) if ahead_flow() and self._copies_ahead() else None
         if started is not None:          # this layer's other hits copied now, the next layer's as slots free
             flow, ahead = started
@@ -244,7 +261,10 @@ class PrefillExperts:
         # each launched as it lands. The rows sorted in that order: each launch's rows are one run of it, no index.
         ordered = started is not None or (ahead_first() and bool(ahead_before))
         sequence = launch_order(hits, ahead_before) if ordered else list(hits.items())
-        misses = [e for e in uniq if e not in hits]
+        if in_vram:          # first: they wait for no copy, so the device starts on them while the bus works
+            sequence = [(e, None) for e in sorted(in_vram)] + sequence
+            pa.last.tier_read += len(in_vram)
+        misses = [e for e in need if e not in hits]
         seg, order = self._row_order(flat, counts, [e for e, _ in sequence] + misses, order)
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
         tok = torch.div(order, k, rounding_mode="floor")
@@ -265,14 +285,16 @@ class PrefillExperts:
             if guess is not None and j + 1 < self.n_moe:      # the last MoE layer's guess is the next token's
                 g = host[E:].tolist()
                 soe = self.client.shm.slot_of_expert[nj].tolist()
-                absent = [e for e in np.argsort(-host[E:].numpy(), kind="stable").tolist() if g[e] > 0 and soe[e] < 0]
+                tier = self._tier_rows(nj)
+                absent = [e for e in np.argsort(-host[E:].numpy(), kind="stable").tolist()
+                          if g[e] > 0 and soe[e] < 0 and e not in tier]
                 guess_list = absent[:max(self._prefetch_room(j, len(hits)), 0)]
                 pa.guessed_absent(nj, guess_list)
-            self.client.request_prefill(j, uniq, guess=guess_list, guess_layer=nj)
+            self.client.request_prefill(j, need, guess=guess_list, guess_layer=nj)
             if flow is not None:
                 flow.feed()
         later = [bookkeeping]
-        if len(hits) < len(uniq) or not hits:
+        if len(hits) < len(need) or not hits:
             later.pop()()
         early = guess is not None and j + 1 < self.n_moe and (flow is not None or ahead_early() and started is None)
         if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
@@ -298,11 +320,11 @@ class PrefillExperts:
                            torch.cuda.current_stream(self.device) if self._cuda else None,
                            self.up_global[j], self.down_global[j])
         def launch(batch):
-            self._prefill_batch(lay, batch, seg, rows, acc, ahead)
+            self._prefill_batch(lay, batch, seg, rows, acc, ahead, in_vram)
             if later:                    # (the bookkeeping, after the first launch)
                 later.pop()()
             if flow is not None:
-                flow.feed([ahead[x] for x, _ in batch if x in ahead])
+                flow.feed([ahead[x] for x, _ in batch if x in ahead])     # (read or not: free again)
 
         batch: list[tuple[int, int]] = []
         n_rows = 0
@@ -477,8 +499,9 @@ class PrefillExperts:
         named = np.flatnonzero(g > 0)
         self._guessed = (nj, named, g[named].astype(np.int64) if counted else None)
         least = ahead_min_guess() if counted else 0
-        return sorted(e for e in np.argsort(-g, kind="stable").tolist()[:min(max(n, 0), self.store.n_experts)]
-                      if g[e] > 0 and g[e] >= least)
+        tier = self._tier_rows(nj)           # read where they lie: no copy
+        ranked = [e for e in np.argsort(-g, kind="stable").tolist() if e not in tier]
+        return sorted(e for e in ranked[:min(max(n, 0), self.store.n_experts)] if g[e] > 0 and g[e] >= least)
 
     def _count_ahead(self, k: int) -> None:
         pa = self.prefill_acct.last
@@ -563,17 +586,20 @@ class PrefillExperts:
         return int(np.count_nonzero(keys < 0)) + int(np.count_nonzero(done)) + hits - PREFILL_SLOT_MARGIN
 
     def _prefill_batch(self, lay: _LayerLaunch, batch, seg, rows: "_SortedRows", acc,
-                       ahead: dict | None = None) -> None:
+                       ahead: dict | None = None, in_vram: dict | None = None) -> None:
         """One grouped launch over the experts of `batch` [(expert, slab slot)] of layer lay.j, on their rows gathered
         from x (an expert with more rows than a launch may hold: several launches over the one staged block); their
         pins are deferred. ahead: {expert: ahead slot} of the layer's blocks copied ahead (they crossed the bus then,
-        counted there): the launch waits for their copies and reads them from their slots, the others are staged."""
+        counted there): the launch waits for their copies and reads them from their slots, the others are staged.
+        in_vram: {expert: VRAM-tier slot} of those read in place from the tier (their slab slot None: not pinned)."""
         t0 = time.perf_counter()
         j, ex, slots = lay.j, [e for e, _ in batch], [s for _, s in batch]
         segments = [seg[e] for e in ex]
-        at = [ahead.get(e) for e in ex] if ahead else [None] * len(ex)
+        tier = [in_vram.get(e) for e in ex] if in_vram else [None] * len(ex)
+        at = [ahead.get(e) if t is None else None for e, t in zip(ex, tier)] if ahead else [None] * len(ex)
         from_ahead = [r for r in at if r is not None]
-        to_stage = [s for s, r in zip(slots, at) if r is None]
+        to_stage = [s for s, r, t in zip(slots, at, tier) if r is None and t is None]
+        vt = self.vram if in_vram else None
         pa = self.prefill_acct.last
         try:
             if from_ahead:
@@ -581,10 +607,12 @@ class PrefillExperts:
             if self._addressed:
                 if lay.staged:
                     got = iter(self._stage(to_stage, lay.cur, lay.experts) if to_stage else ())
-                    addrs = [self._ahead.address(r) if r is not None else next(got) for r in at]
+                    addrs = [vt.address(t) if t is not None else self._ahead.address(r) if r is not None
+                             else next(got) for r, t in zip(at, tier)]
                 else:
                     base = self.slab.data_ptr()
-                    addrs = [base + s * self.slot_bytes for s in slots]
+                    addrs = [vt.address(t) if t is not None else base + s * self.slot_bytes
+                             for s, t in zip(slots, tier)]
                 cfg = {"CHUNK": lay.chunk} if lay.chunk else None
                 gathered = None
                 for part in _windows(segments, lay.rows_cap):
@@ -604,14 +632,18 @@ class PrefillExperts:
                     pa.launches += 1
                     pa.launches_fused += path == "fused"
                     pa.launches_rega += path == "rega"
-                    if not lay.staged:      # zero-copy: each read of a block crosses the bus
+                    if not lay.staged:      # zero-copy: each read of a block crosses the bus (not the tier's)
+                        if in_vram:
+                            n_reads = block_reads([g for g, t in zip(local, tier) if t is None], self.geom, xs,
+                                                  path=path)
                         pa.bytes_over_pcie += n_reads * self.geom.block_bytes
                 if lay.staged and to_stage:
                     self._ring.read_by_current_stream(lay.cur)
                     pa.bytes_over_pcie += len(to_stage) * self.geom.block_bytes
             else:
                 got = iter(self._blocks(to_stage) if to_stage else ())
-                blocks = [self._ahead.view(r) if r is not None else next(got) for r in at]
+                blocks = [vt.block(t) if t is not None else self._ahead.view(r) if r is not None else next(got)
+                          for r, t in zip(at, tier)]
                 ug, dg = self.up_global[j, ex], self.down_global[j, ex]
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part)
@@ -624,7 +656,7 @@ class PrefillExperts:
                 self._ahead.read_by_current_stream(from_ahead, lay.cur)
                 pa.ahead_read += len(from_ahead)
         finally:
-            self._defer(slots)
+            self._defer([s for s in slots if s is not None])
             pa.ms_host_launching += (time.perf_counter() - t0) * 1e3
 
     def _launch(self, fn) -> None:

@@ -250,6 +250,14 @@ def fused_below() -> int:
 LEND_MIN_TOKENS = 2048
 
 
+def prefill_tier() -> bool:
+    """MOESTREAM_PREFILL_TIER (1 by default; 0: off; read per MoE layer, so one engine can A/B it): a prompt's experts
+    that the VRAM tier holds are read where they lie, in the tier, by the prompt's launches: no copy over the bus, no
+    read from the RAM cache or the disk (session 41). A tier that decode has warmed holds the experts the router
+    picks most, which a prompt routes to as well."""
+    return env_switch("MOESTREAM_PREFILL_TIER", True)
+
+
 def lend_ahead() -> bool:
     """MOESTREAM_PREFILL_LEND (1 by default; 0: off; read per prompt, so one engine can A/B it): a long prompt's ahead
     slots borrowed from the VRAM tier where its budget leaves them less than a layer's experts."""

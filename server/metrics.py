@@ -189,6 +189,8 @@ class _EngineCollector:
                                ("prefill_blocks_read", "prefill_blocks_read", "expert blocks read from disk while prefilling"),
                                ("prefill_distinct_experts", "prefill_distinct_experts",
                                 "distinct (layer, expert) pairs routed, summed over prompts"),
+                               ("prefill_tier_read", "prefill_tier_read",
+                                "expert blocks prompts read in place from the VRAM tier (no bus), summed"),
                                ("prefill_ahead_lent", "prefill_ahead_lent",
                                 "VRAM-tier slots lent to long prompts for their experts copied ahead, summed"),
                                ("prefill_lent_restored", "prefill_lent_restored",

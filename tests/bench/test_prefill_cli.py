@@ -23,3 +23,18 @@ def test_disk_rows_traced_and_reprobed(tmp_path, capsys):
         assert abs(io["reads_ended"] - r["blocks_read"]) <= 2 and io["reads_ended"] > 0
         assert 0 < io["busy_fraction"] <= 1
     assert "io trace over" in capsys.readouterr().out
+
+
+def test_ram_rows_with_a_vram_tier(tmp_path):
+    """--tier-mb: the RAM regime beside a warm VRAM tier. Each row names the routed experts the tier holds, the engine
+    read every one of them there, and the floor's bus bytes leave them out (a floor with them in is the twin: larger
+    by their share)."""
+    out = tmp_path / "prefill.json"
+    prefill.main(["--work", str(tmp_path / "w"), "--preset", "tiny", "--moe-layers", "2", "--device", "cpu",
+                  "--sizes", "300", "--skip", "kernel,sweep,disk", "--tier-mb", "0.3", "--budget-mb", "0", "--brief",
+                  "--out", str(out)])
+    res = json.loads(out.read_text())
+    r = res["ram"]["cpu"][0]
+    assert 0 < r["tier_resident"] < r["distinct_experts"] and r["tier_read"] == r["tier_resident"]
+    assert prefill.bus_bytes(r, 1000) == (r["distinct_experts"] - r["tier_resident"]) * 1000
+    assert prefill.bus_bytes(dict(r, tier_resident=0), 1000) == r["distinct_experts"] * 1000
