@@ -84,3 +84,13 @@ def test_the_lends_slots_and_their_restore_are_counted():
     m.engine_stats = EngineStats(prefill={"prefill_ahead_lent": 346, "prefill_lent_restored": 340})
     assert _value(m, "moestream_prefill_ahead_lent_total") == 346
     assert _value(m, "moestream_prefill_lent_restored_total") == 340
+
+
+def test_the_tiers_in_place_reads_are_counted():
+    """Blocks prompts read from the VRAM tier (gpu_worker.prefill_accounting's `tier_read`, summed) are a counter of
+    their own; a stats message without it reads 0."""
+    from procs.messages import EngineStats
+    m = _metrics()
+    assert _value(m, "moestream_prefill_tier_read_total") == 0
+    m.engine_stats = EngineStats(prefill={"prefill_tier_read": 1234})
+    assert _value(m, "moestream_prefill_tier_read_total") == 1234
