@@ -17,7 +17,8 @@ client that leaves the server's default, which also keeps a snapshot where the u
 logprobs so
 that the first token arrives as an event even when its text is empty. TTFT is the client's clock from the request to
 that event; the server's own prompt_ms and its /metrics for the prompt (distinct experts, missing from the cache at
-the start, blocks read) come beside it. The floor is bench.prefill's: the largest of distinct expert bytes / H2D,
+the start, blocks read) come beside it. The floor is bench.prefill's: the largest of distinct expert bytes (less
+those the server's VRAM tier holds, which the prompt reads there) / H2D,
 missing expert bytes / disk, FLOPs / GEMM; a ratio below 0.97 means the floor is wrong and is not printed.
 """
 from __future__ import annotations
@@ -81,6 +82,7 @@ def chat_turn(server: MoestreamServer, text: str, max_tokens: int = 2, cache_pro
                 engine_prefill_ms=prefilled / tps * 1e3 if tps and prefilled else float("nan"),
                 distinct_experts=int(_metric(m, "moestream_last_prefill_distinct_experts")),
                 missing_at_start=int(_metric(m, "moestream_last_prefill_missing_at_start")),
+                tier_resident=int(_metric(m, "moestream_last_prefill_tier_resident")),
                 blocks_read=int(_metric(m, "moestream_last_prefill_blocks_read")))
 
 
@@ -128,7 +130,8 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
 
 def with_floor(r: dict, cfg, block_bytes: int, c: dict) -> dict:
     T = r["prompt_tokens"]
-    parts = dict(h2d=r["distinct_experts"] * block_bytes / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0,
+    need = (r["distinct_experts"] - r.get("tier_resident", 0)) * block_bytes     # the VRAM tier's need not move
+    parts = dict(h2d=need / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0,
                  disk=r["missing_at_start"] * block_bytes / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, T, T * cfg.num_experts_per_tok) / (c["gemm_tflops"] * 1e12))
     r["floor_parts_s"] = parts

@@ -320,12 +320,10 @@ def ttft(eng, ids, device) -> dict:
     peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     last = eng.experts.prefill_acct.last
     routed = eng.experts.prefill_acct.routed_keys()
-    vt = eng.experts.vram
-    # routed experts the VRAM tier holds: their bytes need not cross the bus (whether the engine reads them there or
-    # not: MOESTREAM_PREFILL_TIER=0's rows keep the same floor)
-    in_tier = sum(1 for j, e in routed if e in vt.row(j)) if vt is not None else 0
-    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed), tier_resident=in_tier,
-                tier_read=last.tier_read, **ahead_figures(last),
+    # tier_resident: routed experts the VRAM tier held, whose bytes need not cross the bus (read there or not:
+    # MOESTREAM_PREFILL_TIER=0's rows keep the same floor)
+    return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
+                tier_resident=last.tier_resident, tier_read=last.tier_read, **ahead_figures(last),
                 missing_at_start=len(routed - before), expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,

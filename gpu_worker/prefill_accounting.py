@@ -34,6 +34,7 @@ class PromptCost:
     bytes_copied_ahead: int = 0         # ... their bytes (in bytes_over_pcie too on CUDA, used or not)
     ahead_used: int = 0                 # ... that the layer routed to and found on the device
     ahead_read: int = 0                 # ... that its launches read from the ahead slots
+    tier_resident: int = 0              # routed experts the VRAM tier held (need not cross the bus)
     tier_read: int = 0                  # blocks its launches read in place from the VRAM tier (no bus)
     ahead_wrong: int = 0                # ... that the layer did not route to (wasted copies)
     ahead_unused: int = 0               # ... for a layer that never ran (a cancelled prompt)

@@ -185,13 +185,13 @@ class PrefillExperts:
         """Ahead slots at most: `ahead_layers()` layers' experts."""
         return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
 
-    def _tier_rows(self, j: int, experts=None) -> dict:
+    def _tier_rows(self, j: int, experts=None, always: bool = False) -> dict:
         """{expert: VRAM-tier slot} of layer j's `experts` (None: all) that the tier holds, where the prompt reads them
-        in place (`prefill_tier`): residents only, their copies landed (`VramTier.settle` makes them so); nothing
-        evicts one while a prompt runs (the lend evicts before the layers, and takes its rows out of the tier's map;
-        decode's admissions queue after the prompt's kernels)."""
+        in place (`prefill_tier`; `always`: whether or not it does): residents only, their copies landed
+        (`VramTier.settle` makes them so); nothing evicts one while a prompt runs (the lend evicts before the layers,
+        and takes its rows out of the tier's map; decode's admissions queue after the prompt's kernels)."""
         vt = getattr(self, "vram", None)
-        if vt is None or not prefill_tier():
+        if vt is None or not (always or prefill_tier()):
             return {}
         row = vt.row(j)
         if not row:
@@ -241,7 +241,9 @@ class PrefillExperts:
         ahead = self._ahead_settle(j, uniq, judge=False)   # {expert: device slot} of its blocks copied ahead
         nj = (j + 1) % self.n_moe
         # {expert: tier slot} of those the VRAM tier holds: read there, neither copied nor asked of the cache
-        in_vram = self._tier_rows(j, uniq)
+        held = self._tier_rows(j, uniq, always=True)
+        pa.last.tier_resident += len(held)
+        in_vram = held if held and prefill_tier() else {}
         need = [e for e in uniq if e not in in_vram] if in_vram else uniq
         hits = self.client.lookup(j, need)
         ahead_found = sum(1 for e in hits if e in ahead)

@@ -71,6 +71,7 @@ def test_tier_residents_are_read_in_place(tiny, monkeypatch, device):
         src.vram = None
     held_routed = sum(1 for _, ex in asked_off for e in ex if e < HELD)
     assert pa_off.tier_read == 0 and held_routed > 0
+    assert pa_off.tier_resident == pa_on.tier_resident == held_routed   # what the tier held, read there or not
     assert pa_on.tier_read == held_routed                    # every routed resident read from the tier ...
     assert all(e >= HELD for _, ex in asked_on for e in ex)  # ... and none asked of the cache
     assert pa_on.distinct_experts == pa_off.distinct_experts
