@@ -544,7 +544,8 @@ def brief(res) -> None:
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms (runs "
               f"{'/'.join(f'{x * 1e3:.0f}' for x in r.get('ttft_runs_s', []))}) launches {r.get('launches')} "
-              f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)}) spans {r['spans']} slots {r['ahead_slot_bytes'] >> 20} "
+              f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)}) spans {r['spans']} "
+              f"slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
               f"{r['plan']['mamba_piece_tokens']} lent {r.get('ahead_lent', 0)} (evicted {r.get('lent_evicted', 0)})")

@@ -1,8 +1,9 @@
 """The engine's prefill (`expert_prefill_grouped`) on a store split into down sub-groups (issue 15): every path (fused
-tile decode, dequantized, rega: its Triton twin here) regroups the launch's down sections into 16-neuron groups first, so the result equals the
-twin's and, exactly, that of the same weights stored unsplit; also across several launches when the regrouped
-sections exceed their scratch bound. Must-fail twin: a regroup that leaves the sub-groups as stored (what the fused
-path did before: H200, 0 % of greedy tokens equal to N = 16's from the first token) is caught on either path."""
+tile decode, dequantized, rega: its Triton twin here) regroups the launch's down sections into 16-neuron groups
+first, so the result equals the twin's and, exactly, that of the same weights stored unsplit; also across several
+launches when the regrouped sections exceed their scratch bound. Must-fail twin: a regroup that leaves the
+sub-groups as stored (what the fused path did before: H200, 0 % of greedy tokens equal to N = 16's from the first
+token) is caught on every path."""
 import pytest
 import torch
 
