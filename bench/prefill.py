@@ -322,9 +322,12 @@ def ttft(eng, ids, device) -> dict:
     routed = eng.experts.prefill_acct.routed_keys()
     # tier_resident: routed experts the VRAM tier held, whose bytes need not cross the bus (read there or not:
     # MOESTREAM_PREFILL_TIER=0's rows keep the same floor)
+    held = eng.experts.vram.slot_of if eng.experts.vram is not None else {}
     return dict(tokens=len(ids), ttft_s=sec, first_token=tok, distinct_experts=len(routed),
                 tier_resident=last.tier_resident, tier_read=last.tier_read, **ahead_figures(last),
-                missing_at_start=len(routed - before), expert_uses=last.expert_uses, window_ns=window_ns,
+                missing_at_start=len(routed - before),
+                # of those, not in the VRAM tier either: what must come from the disk
+                missing_not_in_tier=sum(1 for k in routed - before if k not in held), expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches, launches_rega=last.launches_rega,
@@ -335,10 +338,11 @@ def ttft(eng, ids, device) -> dict:
                     plan, ahead_bytes=eng.experts.ahead_bytes, launch_bytes=eng.experts.launch_bytes)))
 
 
-def fill_tier(eng, nbytes: int, device) -> None:
+def fill_tier(eng, nbytes: int, device, store) -> None:
     """A VRAM tier of `nbytes` beside the engine (as the server's --vram-gb leaves one), filled as decode would leave
-    it warm: with randomly chosen experts of every MoE layer (the synthetic router has no favourites), copied from the
-    slab (every block is cached in the RAM regime). Its residents stay for the regime's rows."""
+    it warm: with randomly chosen experts of every MoE layer (the synthetic router has no favourites; the same ones in
+    every engine of a run), copied from the slab where the RAM cache holds them, else read from the store. Its
+    residents stay for the regime's rows."""
     used = torch.cuda.memory_allocated() if str(device).startswith("cuda") else eng.model.dense_nbytes()
     vt = eng.experts.vram = eng._vram_tier(used + nbytes, 0, device, 2)
     src, shm = eng.experts, eng.sup.shm
@@ -347,8 +351,7 @@ def fill_tier(eng, nbytes: int, device) -> None:
     for i in rng.permutation(len(keys))[:vt.n_slots].tolist():
         j, e = keys[i]
         slot = int(shm.slot_of_expert[j, e])
-        if slot >= 0:
-            vt.admit(j, e, src.slab[slot, :src.block_bytes])
+        vt.admit(j, e, src.slab[slot, :src.block_bytes] if slot >= 0 else torch.from_numpy(store.read_block(j, e)))
     vt.settle(wait=True)
     print(f"VRAM tier: {len(vt.slot_of)} experts of {len(keys)} ({vt.nbytes >> 20} MiB)", flush=True)
 
@@ -573,10 +576,10 @@ def bus_bytes(r, block_bytes: int) -> int:
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
     """The floor: the largest of the distinct expert bytes over H2D (less those the VRAM tier holds, `--tier-mb`), the
-    missing ones over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes (the staging ring's
+    missing ones (less the tier's) over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes (the staging ring's
     copies from the slab, `h2d_staging_gbps`) where measured, else the 1 GiB pinned copy."""
     need = bus_bytes(r, block_bytes)
-    miss = r["missing_at_start"] * block_bytes
+    miss = r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes
     h2d = c.get("h2d_staging_gbps") or c["h2d_gbps"]
     parts = dict(h2d=need / (h2d * 1e9) if h2d else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, r["tokens"], r["expert_uses"]) / (c["gemm_tflops"] * 1e12))
@@ -610,9 +613,9 @@ def main(argv=None):
                     help="a VRAM tier of this size beside the budget rows (as the server's --vram-gb leaves one), "
                          "empty: what a long prompt may borrow for its ahead slots (MOESTREAM_PREFILL_LEND); 0: none")
     ap.add_argument("--tier-mb", type=float, default=0,
-                    help="the RAM regime with a VRAM tier of this size, filled (as decode leaves it warm) with random "
-                         "experts; the floor counts only the routed experts it does not hold (A/B the engine's use of "
-                         "it with a path `staged|MOESTREAM_PREFILL_TIER=0`); 0: none")
+                    help="every regime's engine with a VRAM tier of this size, filled (as decode leaves it warm) with "
+                         "random experts; the floors count only the routed experts it does not hold (A/B the engine's "
+                         "use of it with a path `staged|MOESTREAM_PREFILL_TIER=0`); 0: none")
     ap.add_argument("--budget-env", default="none",
                     help="comma list of KEY=VALUE or none: the budget rows once per setting (an A/B in one engine)")
     ap.add_argument("--budget-pieces", default="0",
@@ -722,8 +725,8 @@ def main(argv=None):
                               f"{c['h2d_gbps']:.1f} GB/s", flush=True)
             from gpu_worker.prefill import prefill
             prefill(eng.model, prompt(64, seed=7), eng.model.new_state())      # compile the kernels, first touch
-            if name == "ram" and a.tier_mb:
-                fill_tier(eng, int(a.tier_mb * 2**20), device)
+            if a.tier_mb:
+                fill_tier(eng, int(a.tier_mb * 2**20), device, store)
             default_ahead = eng.experts.copy_ahead     # the engine's default (gpu_worker/streaming.py)
             default_gate = eng.experts.ahead_min_tokens
             for path in paths:
