@@ -34,6 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.backend import varying
 from kernels.expert_prefill_rega import permuted_pos, source_col, tile_entry
 from kernels.gemv_nvfp4_fma import DECODE_PTX
 
@@ -255,7 +256,9 @@ def _rega_dot_t(x_desc, m0, base, s_base, n0, N, K, LAYOUT: gl.constexpr, BLOCK_
     return acc
 
 
-@gluon.jit
+# the tile count and the table (a slice of the launch-table ring at any word) change with every launch, w and tok are
+# slices of the sorted rows at any row: one compile for all (kernels/backend.py `varying`), not one per value class
+@gluon.jit(**varying("table_ptr", "n_tiles"))
 def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm, up_scales_off,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):
@@ -266,7 +269,7 @@ def _rega_up_kernel_t(x_desc, table_ptr, gs_ptr, h_ptr, n_tiles, I, L, stride_hm
     _up_store(acc, gs_ptr, g, h_ptr, n0, m0, m1, I, stride_hm, BLOCK_M, BLOCK_N, PROBE, STORE)
 
 
-@gluon.jit
+@gluon.jit(**varying("table_ptr", "n_tiles", "w_ptr", "tok_ptr"))
 def _rega_down_kernel_t(h_desc, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles, L, I, down_off,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         num_warps: gl.constexpr, PROBE: gl.constexpr = 0, STORE: gl.constexpr = 1):

@@ -560,7 +560,8 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
             constexprs[(i,)] = cfg.get(name, param.default if param.has_default else 0)   # the kernel's default
         else:
             sig[name] = desc if name.endswith("_desc") else _ARG_TYPES[name]
-            if name in _ALIGNED:
+            # (as the JIT specializes an aligned launch, except the arguments the kernel declares varying)
+            if name in _ALIGNED and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg["num_warps"]))

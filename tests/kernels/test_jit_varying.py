@@ -20,6 +20,11 @@ for name in ("_grouped_up_kernel", "_grouped_down_kernel", "_dequant_kernel", "_
 from kernels import gemv_nvfp4 as g
 for name in ("_nvfp4_gemm_kernel", "_fp8_gemm_kernel", "_nvfp4_gemv_kernel"):
     out[name] = sorted(p.name for p in getattr(g, name).params if p.do_not_specialize)
+from kernels import expert_prefill_rega_gluon as r
+for name in ("_rega_up_kernel_t", "_rega_down_kernel_t"):
+    k = getattr(r, name)
+    out[name] = sorted(p.name for p in k.params if p.do_not_specialize)
+    out[name + "/aligned"] = sorted(p.name for p in k.params if p.do_not_specialize_on_alignment)
 try:
     @triton.jit(**varying("no_such_argument"))
     def _k(x_ptr):
@@ -48,6 +53,16 @@ def test_per_prompt_arguments_do_not_specialize(probe):
         assert {"n_tiles", "n_slots", "w_ptr", "tok_ptr"} <= set(probe[name]), name
     assert {"n_tiles", "w_ptr", "tok_ptr"} <= set(probe["_grouped_down_kernel"])
     assert "n_tiles" in probe["_grouped_up_kernel"]
+
+
+def test_the_rega_kernels_compile_once(probe):
+    """The engine's Gluon kernels (the rega path): the tile count and the table change with every launch, the down's w
+    and tok are slices at any row; h, the scales and the accumulator keep their alignment."""
+    assert {"n_tiles", "table_ptr"} <= set(probe["_rega_up_kernel_t"])
+    assert {"n_tiles", "table_ptr", "w_ptr", "tok_ptr"} <= set(probe["_rega_down_kernel_t"])
+    assert {"w_ptr", "tok_ptr"} <= set(probe["_rega_down_kernel_t/aligned"])
+    for name in ("_rega_up_kernel_t", "_rega_down_kernel_t"):
+        assert not {"h_ptr", "gs_ptr", "acc_ptr"} & set(probe[name + "/aligned"]), name
 
 
 def test_short_prompts_rows_do_not_specialize(probe):
