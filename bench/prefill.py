@@ -327,7 +327,8 @@ def ttft(eng, ids, device) -> dict:
                 tier_resident=last.tier_resident, tier_read=last.tier_read, **ahead_figures(last),
                 missing_at_start=len(routed - before),
                 # of those, not in the VRAM tier either: what must come from the disk
-                missing_not_in_tier=sum(1 for k in routed - before if k not in held), expert_uses=last.expert_uses, window_ns=window_ns,
+                missing_not_in_tier=sum(1 for k in routed - before if k not in held),
+                expert_uses=last.expert_uses, window_ns=window_ns,
                 forced_reads=eng.cache_stats()["prefill_forced"] - forced0,
                 blocks_read=last.blocks_read, prefetch_wasted=last.prefetch_wasted, bytes_from_disk=last.bytes_from_disk,
                 bytes_over_pcie=last.bytes_over_pcie, launches=last.launches, launches_rega=last.launches_rega,
@@ -576,8 +577,8 @@ def bus_bytes(r, block_bytes: int) -> int:
 
 def with_floor(r, cfg, block_bytes, c) -> dict:
     """The floor: the largest of the distinct expert bytes over H2D (less those the VRAM tier holds, `--tier-mb`), the
-    missing ones (less the tier's) over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes (the staging ring's
-    copies from the slab, `h2d_staging_gbps`) where measured, else the 1 GiB pinned copy."""
+    missing ones (less the tier's) over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes
+    (the staging ring's copies from the slab, `h2d_staging_gbps`) where measured, else the 1 GiB pinned copy."""
     need = bus_bytes(r, block_bytes)
     miss = r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes
     h2d = c.get("h2d_staging_gbps") or c["h2d_gbps"]
