@@ -100,7 +100,7 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
         out = dict(start_s=time.perf_counter() - t, warm=[])
         for i in range(a.warm_max):           # RAM: until a long prompt reads nothing; disk: one turn
             wt = user_text(text, tok, a.warm_tokens if name == "ram" else a.tokens, seed=900 + i)
-            w = chat_turn(srv, wt, max_tokens=1)
+            w = chat_turn(srv, wt, max_tokens=a.warm_decode)
             out["warm"].append(w)
             if "template_tokens" not in shared:
                 shared["template_tokens"] = w["prompt_tokens"] - len(tok.encode(wt, add_special_tokens=False).ids)
@@ -152,6 +152,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warm-tokens", type=int, default=4000, help="RAM regime: the warm-up prompts' length")
     ap.add_argument("--warm-max", type=int, default=4)
+    ap.add_argument("--warm-decode", type=int, default=1,
+                    help="tokens each warm-up turn decodes: with --vram-gb, decode is what fills the VRAM tier whose "
+                         "experts the measured prompts then read in place (MOESTREAM_PREFILL_TIER; e.g. 256)")
     ap.add_argument("--regimes", default="ram,disk")
     ap.add_argument("--cache-prompt", choices=("on", "off"), default="off",
                     help="the measured turns' cache_prompt (on: the server's default for clients, with the snapshot "
