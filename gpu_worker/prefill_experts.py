@@ -186,17 +186,17 @@ class PrefillExperts:
         return min(ahead_layers() * self.store.n_experts, PREFILL_AHEAD_SLOTS_MAX)
 
     def _tier_rows(self, j: int, experts=None, always: bool = False) -> dict:
-        """{expert: VRAM-tier slot} of layer j's `experts` (None: all) that the tier holds, where the prompt reads them
-        in place (`prefill_tier`; `always`: whether or not it does): residents only, their copies landed
-        (`VramTier.settle` makes them so); nothing evicts one while a prompt runs (the lend evicts before the layers,
-        and takes its rows out of the tier's map; decode's admissions queue after the prompt's kernels)."""
+        """{expert: VRAM-tier slot} of layer j's `experts` (None: all, the tier's own map, to read) that the tier holds,
+        where the prompt reads them in place (`prefill_tier`; `always`: whether or not it does): residents only, their
+        copies landed (`VramTier.settle` makes them so); nothing evicts one while a prompt runs (the lend evicts before
+        the layers, and takes its rows out of the tier's map; decode's admissions queue after the prompt's kernels)."""
         vt = getattr(self, "vram", None)
         if vt is None or not (always or prefill_tier()):
             return {}
         row = vt.row(j)
         if not row:
             return {}
-        return dict(row) if experts is None else {e: row[e] for e in experts if e in row}
+        return row if experts is None else {e: row[e] for e in experts if e in row}     # (row: read only)
 
     def _copies_ahead(self) -> bool:
         return self.copy_ahead and (self.prefill_weights == "staged" or not self._cuda)
