@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
+#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_tier api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
 #   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4),
@@ -106,6 +106,11 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     api_long) IFS=';' read -ra sets <<< "${API_LONG_SETS:---vram-gb 8}"; i=0
       for set in "${sets[@]}"; do i=$((i+1)); [ "$set" = none ] && set=""
         for n in ${API_SIZES:-4000 16000}; do echo "set $i: '$set', $n tokens"; api_run api_long_${n}_$i --regimes ram --tokens $n --repeats 3 $set; done; done;;
+    # session 42: the chat turn beside a VRAM tier that decode warmed (each warm-up turn decodes API_WARM_DECODE
+    # tokens), the tier's residents read in place (MOESTREAM_PREFILL_TIER=1) against ignored (0), one server per arm
+    api_tier) for arm in 1 0; do echo "MOESTREAM_PREFILL_TIER=$arm"; API_ENV="MOESTREAM_PREFILL_TIER=$arm ${API_ENV:-}" \
+        api_run api_tier_$arm --regimes ${API_TIER_REGIMES:-ram,disk} --vram-gb ${API_TIER_GB:-8} \
+        --warm-decode ${API_WARM_DECODE:-256} ${API_ARGS:-}; done;;
     api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
     turns) timeout ${TURNS_TIMEOUT:-100} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            ${TURNS_ARGS:-} --out "$OUT/prefill_turns.json" > "$OUT/prefill_turns.log" 2>&1; tail -40 "$OUT/prefill_turns.log" | cut -c1-160
@@ -115,9 +120,9 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     turnab) timeout ${TURNS_TIMEOUT:-150} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            --modes ${TURN_MODES:-off,drop,cut,keep} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
            --out "$OUT/prefill_turns_ab.json" > "$OUT/prefill_turns_ab.log" 2>&1; tail -8 "$OUT/prefill_turns_ab.log";;
-    # where a short prompt's prefill spends the device's time (RAM regime): PROFILE_PREFILL sizes, default 128,1000
+    # where a short prompt's prefill spends the device's time (RAM regime): PROFILE_PREFILL sizes, default 128,1000; PROFILE_ARGS e.g. --tier-mb 2048
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
-           --prefill ${PROFILE_PREFILL:-128,1000} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
+           --prefill ${PROFILE_PREFILL:-128,1000} ${PROFILE_ARGS:-} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
     # session 16: where the prefill's host time goes, py-spy's samples (carried in .whl/py-spy) of bench.prefill RAM
     # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward. Session 25: at

@@ -27,7 +27,7 @@ FAMILIES = (
     ("expert_up", r"_expert_up|expert_layer|_fused_expert|_vram_up"),
     ("sparse_down", r"_sparse_down|_vram_down"),
     ("router", r"_router_"),
-    ("expert_prefill", r"expert_prefill|_grouped|dequant"),
+    ("expert_prefill", r"expert_prefill|_grouped|dequant|_rega_"),
     ("gemv_nvfp4", r"_nvfp4_gemv|_x_operands|_split_reduce"),
     ("gemv_fp8", r"fp8_gemv|_fp8"),
     ("mamba", r"mamba|_scan|_conv|ssd|selective|_carry"),
@@ -104,6 +104,9 @@ def main(argv=None):
     ap.add_argument("--prefill", default="1000,16000", help="prompt sizes, RAM regime ('' for none)")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--vram-gb", type=float, default=12.0)
+    ap.add_argument("--tier-mb", type=float, default=0,
+                    help="prefill: a VRAM tier of this size beside the engine, filled with random experts as "
+                         "bench.prefill's --tier-mb (the prompt reads its residents in place)")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="profile_kernels.json")
     a = ap.parse_args(argv)
@@ -157,14 +160,20 @@ def main(argv=None):
         torch.cuda.empty_cache()
         with StreamingEngine(store_dir, cache_bytes=cache, io_workers=8, device="cuda", dtype=torch.bfloat16) as eng:
             warm_all(eng, store)
+            if a.tier_mb:
+                from bench.prefill import fill_tier
+                fill_tier(eng, int(a.tier_mb * 2**20), "cuda", store)
+                res["prefill_tier_mb"] = a.tier_mb
             for k in sizes:
                 p = ids(k)
                 prefill(eng.model, p, eng.model.new_state())        # compiles this size's configurations
                 prof, wall, plain = profiled(lambda: prefill(eng.model, p, eng.model.new_state()), 2)
                 t = kernel_table(prof, 2)
-                t.update(wall_ms=wall, wall_ms_noprof=plain, launches_by_source=eng.experts.prefill_acct.last.launches)
+                last = eng.experts.prefill_acct.last
+                t.update(wall_ms=wall, wall_ms_noprof=plain, launches_by_source=last.launches,
+                         tier_read=last.tier_read, launches_rega=last.launches_rega)
                 res[f"prefill_{k}"] = t
-                show(f"prefill, {k} tokens (RAM, staged)", wall, plain, t, a.top, "prompt")
+                show(f"prefill, {k} tokens (RAM, staged{f', tier {a.tier_mb:g} MiB' if a.tier_mb else ''})", wall, plain, t, a.top, "prompt")
                 out.write_text(json.dumps(res, indent=1))
 
 

@@ -32,14 +32,14 @@ from gpu_worker.prefill_accounting import PrefillAccounting
 from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN_BLOCKS,
                                       PREFILL_AHEAD_MIN_TOKENS, PREFILL_AHEAD_SLOTS_MAX, PREFILL_COPY_AHEAD,
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
-                                      first_guess, first_guess_expected, fused_below, launch_chunk,
-                                      launch_limits, lend_ahead, lend_min_tokens, lend_restore, long_span,
+                                      first_guess, first_guess_expected, launch_chunk, launch_limits,
+                                      layer_limits, lend_ahead, lend_min_tokens, lend_restore,
                                       prefill_batch_bytes, prefill_eager, prefill_tier, rows_in_launch_order,
                                       shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
-                                    grouped_path, regrouped_bytes)
+                                    grouped_path, rega_takes, regrouped_bytes)
 from kernels.launch_tables import device_table
 
 @dataclass
@@ -52,8 +52,10 @@ class _LayerLaunch:
     chunk: int                           # experts decoded at a time within a launch (`launch_chunk`, resolved; 0:
                                          # as many as the kernels' scratch takes)
     experts: int                         # experts one launch takes at most (`launch_limits`; the ring holds two)
-    path: str                            # the grouped kernels' path: "auto" (by rows an expert) or "fused"
-                                         # (`fused_below`: a small budget's launches, no dequantized scratch)
+    path: str                            # the grouped kernels' path: "auto" (by rows an expert), "fused"
+                                         # (`fused_below`: a small budget's launches, no dequantized scratch) or
+                                         # "rega" (`rega_takes`: every expert one tile; no scratch, x's rows
+                                         # gathered as they are permuted)
     staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
     cur: object                          # the compute stream (CUDA), or None
     ug: torch.Tensor                     # the layer's global scales by expert: the dequantized and rega kernels index
@@ -302,23 +304,13 @@ class PrefillExperts:
         if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
-        chunk = launch_chunk()
-        n_cap, rows_cap = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
-                                        self.launch_bytes, chunk, tokens=T)
-        if chunk < 0:
-            chunk = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
-                                  self.launch_bytes, tokens=T)[0]
-        elif chunk == 0 and long_span(T):    # its experts decoded at once: launch_limits charged their scratch
-            chunk = n_cap
-        path = "auto"
-        below = fused_below()
-        if below and n_cap < below:      # a small budget: no scratch, more experts a launch (CUDA: the fused kernels)
-            extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
-            n_f, rows_f = launch_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(),
-                                        self.launch_bytes, tokens=T, fused=True, extra_per_expert=extra)
-            if n_f > n_cap:
-                n_cap, rows_cap, chunk, path = n_f, rows_f, 0, "fused"
-        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, path, self.prefill_weights == "staged" and self._cuda,
+        staged = self.prefill_weights == "staged" and self._cuda
+        extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
+        # rega: every launch of the layer runs it (one tile an expert): no decoded scratch, more experts a launch
+        n_cap, rows_cap, chunk, path = layer_limits(
+            self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
+            rega=self._addressed and rega_takes(x, max(counts), self.geom, resident=staged), extra_per_expert=extra)
+        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, path, staged,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
                            self.up_global[j], self.down_global[j])
         def launch(batch):
@@ -617,8 +609,9 @@ class PrefillExperts:
                              for s, t in zip(slots, tier)]
                 cfg = {"CHUNK": lay.chunk} if lay.chunk else None
                 gathered = None
+                x_index = lay.path == "rega"    # (x's rows gathered as the rega path permutes them)
                 for part in _windows(segments, lay.rows_cap):
-                    xs, ws, tok, local = rows.gather(part)
+                    xs, ws, tok, local = rows.gather(part, x_rows=not x_index)
                     # once for the launch and its count; staged blocks lie in device memory
                     path = grouped_path(xs, local, self.geom, lay.path, resident=lay.staged)
                     if path != "fused":                 # the layer's scales, indexed by expert (their tables)
@@ -630,7 +623,8 @@ class PrefillExperts:
                         (ug, dg), gs_index = gathered, None
                     n_reads = block_reads(local, self.geom, xs, path=path)   # per tile fused, once dequantized
                     self._launch(lambda: expert_prefill_grouped(xs, local, addrs, self.geom, ug, dg, ws, tok, acc,
-                                                                config=cfg, gs_index=gs_index, path=path))
+                                                                config=cfg, gs_index=gs_index, path=path,
+                                                                x_index=tok if x_index else None))
                     pa.launches += 1
                     pa.launches_fused += path == "fused"
                     pa.launches_rega += path == "rega"
@@ -699,8 +693,9 @@ class _SortedRows:
     def __init__(self, x, tok, ws, cuda: bool, cost=None):
         self.x, self.tok, self.ws, self.cuda, self.cost = x, tok, ws, cuda, cost   # cost: the prompt's PromptCost
 
-    def gather(self, segments: list[tuple[int, int]]):
-        """(x rows, weights, tokens, the segments re-based onto them) of `segments` (start, count) of the order."""
+    def gather(self, segments: list[tuple[int, int]], x_rows: bool = True):
+        """(x rows, weights, tokens, the segments re-based onto them) of `segments` (start, count) of the order.
+        x_rows False: x itself in the rows' place (the launch gathers them by the tokens: its `x_index`)."""
         live = [(a, n) for a, n in segments if n > 0]
         if not live:
             return self.x[:0], self.ws[:0], self.tok[:0], [(0, 0)] * len(segments)
@@ -718,4 +713,4 @@ class _SortedRows:
             for a, n in segments:
                 local.append((at, n) if n > 0 else (0, 0))
                 at += n
-        return self.x.index_select(0, tok), ws, tok, local
+        return (self.x.index_select(0, tok) if x_rows else self.x), ws, tok, local

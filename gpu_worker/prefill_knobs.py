@@ -170,7 +170,8 @@ def ahead_early() -> bool:
 
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
-                  chunk: int = 0, tokens: int = 0, fused: bool = False, extra_per_expert: int = 0) -> tuple[int, int]:
+                  chunk: int = 0, tokens: int = 0, in_tiles: bool = False,
+                  extra_per_expert: int = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`: per
     expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I; 2·L·I where they
@@ -181,10 +182,11 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     the rest goes to the ring's slots: under a small budget a launch takes more experts (Super at 512 MiB, two
     scratches: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge would give a launch,
     so the GEMMs keep today's size and the launches are about half as many. tokens: the span's (`launch_experts`: a
-    long span takes more experts a launch). fused: the launch runs the fused path (`fused_below`), which decodes in
-    its GEMMs' tiles and needs no scratch: per expert only the ring's two slots and `extra_per_expert` (a
-    sub-grouped store's regrouped down section); chunk is then moot."""
-    if fused:
+    long span takes more experts a launch). in_tiles: the launch decodes in its GEMMs' tiles and needs no scratch:
+    the fused path (`fused_below`) or the rega path (`kernels.expert_prefill.rega_takes`: a layer whose every expert
+    has at most one tile of rows, sm_90); per expert only the ring's two slots and `extra_per_expert` (a sub-grouped
+    store's regrouped down section); chunk is then moot."""
+    if in_tiles:
         per_expert = 2 * block_stride + extra_per_expert
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
         return experts, max(64, (launch_bytes - experts * per_expert) // (2 * I + act_bytes * L + 20))
@@ -200,6 +202,33 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
         rest = launch_bytes - experts * per_expert
     per_row = 2 * I + act_bytes * L + 20
     return experts, max(64, rest // per_row)
+
+
+def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int, tokens: int,
+                 rega: bool = False, extra_per_expert: int = 0) -> tuple[int, int, int, str]:
+    """(experts, rows, chunk, path) of one MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a
+    span of `tokens`. rega (`kernels.expert_prefill.rega_takes` with the layer's largest count: every launch runs the
+    rega path): no decoded scratch charged (`in_tiles`), path "rega". Otherwise the dequantized scratch is charged,
+    `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
+    `fused_below`, the fused path's no-scratch count if larger (path "fused"); path "auto" (by rows an expert).
+    extra_per_expert: a sub-grouped store's regrouped down section (the in-tile paths regroup)."""
+    if rega:
+        n, rows = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
+                                extra_per_expert=extra_per_expert)
+        return n, rows, 0, "rega"
+    chunk = launch_chunk()
+    n_cap, rows_cap = launch_limits(block_stride, L, I, act_bytes, launch_bytes, chunk, tokens=tokens)
+    if chunk < 0:
+        chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
+    elif chunk == 0 and long_span(tokens):    # its experts decoded at once: launch_limits charged their scratch
+        chunk = n_cap
+    below = fused_below()
+    if below and n_cap < below:      # a small budget: no scratch, more experts a launch (CUDA: the fused kernels)
+        n_f, rows_f = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
+                                    extra_per_expert=extra_per_expert)
+        if n_f > n_cap:
+            return n_f, rows_f, 0, "fused"
+    return n_cap, rows_cap, chunk, "auto"
 
 
 def long_span(tokens: int) -> bool:

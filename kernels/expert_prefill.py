@@ -342,6 +342,14 @@ def rega_able(x_sorted: torch.Tensor, geom: ExpertGeometry) -> bool:
             and geom.fmt == "nvfp4" and geom.L % 16 == 0 and geom.I % 16 == 0)
 
 
+def rega_takes(x: torch.Tensor, max_rows: int, geom: ExpertGeometry, resident: bool = False) -> bool:
+    """Whether a launch whose routed experts have at most `max_rows` rows each runs the rega path (`grouped_path`):
+    one tile an expert (REGA_TILE_ROWS), or REGA_RESIDENT_MAX_ROWS where the blocks lie in device memory, on a device
+    `rega_able` takes. The engine asks it once a layer with the layer's largest count: then every launch of the layer
+    runs rega, and `launch_limits` charges them no decoded scratch."""
+    return 0 < max_rows <= (REGA_RESIDENT_MAX_ROWS if resident else REGA_TILE_ROWS) and rega_able(x, geom)
+
+
 _FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _DEQUANT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
@@ -372,7 +380,7 @@ def grouped_path(x_sorted: torch.Tensor, segments: list[tuple[int, int]], geom: 
     if path != "auto":
         return path
     live = [n for _, n in segments if n > 0]
-    if live and max(live) <= (REGA_RESIDENT_MAX_ROWS if resident else REGA_TILE_ROWS) and rega_able(x_sorted, geom):
+    if live and rega_takes(x_sorted, max(live), geom, resident):
         return "rega"
     return "dequant" if able and live and sum(live) >= DEQUANT_MIN_TOKENS * len(live) else "fused"
 
@@ -406,7 +414,7 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
                            w_sorted: torch.Tensor, tok_sorted: torch.Tensor, acc: torch.Tensor,
                            config: dict | None = None, h: torch.Tensor | None = None,
                            path: str = "auto", gs_index: list[int] | None = None,
-                           resident: bool = False) -> torch.Tensor:
+                           resident: bool = False, x_index: torch.Tensor | None = None) -> torch.Tensor:
     """acc[tok_sorted[m]] += w_sorted[m] · down_i(relu(up_i x_sorted[m])²) for the rows m of each expert i's
     segment (start, count) of the expert-sorted rows. addrs: the experts' block addresses (host ints);
     up/down_global fp32 [n] on the device; x_sorted [M, L] bf16/fp32; w_sorted fp32 [M]; tok_sorted int64 [M];
@@ -416,7 +424,9 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     x permuted once (three launches); "fused" decodes NVFP4 in the GEMM's tile loop (two launches); "dequant"
     decodes each chunk of experts into a scratch first, then two GEMMs over plain loads (three or four a chunk).
     gs_index: where each expert's global scales lie in up/down_global (e.g. its expert id, with the layer's whole
-    row given: no gather per launch); None: up/down_global hold the launch's experts in order."""
+    row given: no gather per launch); None: up/down_global hold the launch's experts in order.
+    x_index (int64 on x's device, one per sorted row): the sorted rows are x_sorted[x_index], x_sorted being the span's
+    x: the rega path gathers them as it permutes them (one pass, one launch fewer), the others gather first."""
     assert geom.fmt == "nvfp4", "the Triton expert path is NVFP4; FP8/BF16 experts use the twin"
     L = geom.L
     assert len(segments) == len(addrs)
@@ -428,6 +438,10 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
     assert x_sorted.shape[1] == L and x_sorted.stride(1) == 1 and acc.shape[1] == L and acc.is_contiguous()
     assert acc.dtype == torch.float32 and w_sorted.dtype == torch.float32 and tok_sorted.dtype == torch.int64
     chosen = grouped_path(x_sorted, segments, geom, path, resident)
+    if x_index is not None:
+        assert x_index.dtype == torch.int64 and x_index.numel() == w_sorted.numel()
+        if chosen != "rega":
+            x_sorted = x_sorted.index_select(0, x_index)
     if chosen == "dequant":
         cfg = {**dequant_config(segments),
                **{k: v for k, v in (config or {}).items()
@@ -437,7 +451,7 @@ def expert_prefill_grouped(x_sorted: torch.Tensor, segments: list[tuple[int, int
                                 cfg, h, gs_index)
     if chosen == "rega":            # its table says where each expert's scales lie: no gather
         return _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
-                             config, gs_index)
+                             config, gs_index, x_index)
     if gs_index is not None:        # the fused kernels index the scales by the launch's order
         idx = device_table(gs_index, up_global.device)
         up_global, down_global = up_global[idx], down_global[idx]
@@ -483,7 +497,7 @@ def _grouped_fused(x_sorted, segments, addrs, geom, up_global, down_global, w_so
 
 
 def _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sorted, tok_sorted, acc, h,
-                  config=None, gs_index=None):
+                  config=None, gs_index=None, x_index=None):
     """The rega path: x's rows permuted to fp16 once, the tile table (with each expert's block address and where its
     global scales lie), then the up and the down (the Gluon kernels on sm_90, the Triton twin elsewhere). A split
     store's down sections are regrouped first, as the fused path's. config: the twin's tile keys (the tests' small
@@ -496,14 +510,14 @@ def _grouped_rega(x_sorted, segments, addrs, geom, up_global, down_global, w_sor
         C = regroup_chunk(geom)
         for c0 in range(0, len(segments), C):
             _grouped_rega(x_sorted, segments[c0:c0 + C], addrs[c0:c0 + C], geom, up_global, down_global, w_sorted,
-                          tok_sorted, acc, h, config, gs_index[c0:c0 + C])
+                          tok_sorted, acc, h, config, gs_index[c0:c0 + C], x_index)
         return acc
     hopper = rega_able(x_sorted, geom)
     if hopper:          # the measured kernels as they are
         from kernels.expert_prefill_rega_gluon import TMA_CONFIG as cfg, launch_tma as launch
     else:
         cfg, launch = {**REGA_CONFIG, **{k: v for k, v in (config or {}).items() if k in REGA_CONFIG}}, launch_twin
-    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"], h=h, gs_index=gs_index)
+    got = prepare(x_sorted, segments, addrs, geom, cfg["BLOCK_M"], h=h, gs_index=gs_index, x_index=x_index)
     if got is None:
         return acc
     tab, n = got[0], got[1]

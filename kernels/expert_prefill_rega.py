@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import varying
 from kernels.expert_prefill import tile_table
 from kernels.launch_tables import device_table
 
@@ -72,28 +73,39 @@ def source_col(o):
     return o - r + 64 * (a // 4) + 8 * (b // 2) + 4 * (b % 2) + a % 4
 
 
-@triton.jit
-def _permute_x_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o, BLOCK_R: tl.constexpr):
+@triton.jit(**varying("rows_ptr", "M"))
+def _permute_x_kernel(x_ptr, rows_ptr, out_ptr, M, K, stride_x, stride_o, BLOCK_R: tl.constexpr,
+                      GATHER: tl.constexpr):
     """Each output row's 128 positions gathered from one 256-byte span of x and stored contiguously (the stores
-    scattered by permuted_pos wrote 16 sectors a warp for 64 bytes: 100 GB/s on the H100, session 40)."""
+    scattered by permuted_pos wrote 16 sectors a warp for 64 bytes: 100 GB/s on the H100, session 40). GATHER: output
+    row r reads x's row rows_ptr[r] (the launch's tokens: the row gather and the permutation in one pass)."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_p = tl.program_id(1) * 128 + tl.arange(0, 128)
     src = source_col(o_p)
-    m_r = (o_r < M)[:, None]
-    b_x = tl.load(x_ptr + o_r[:, None].to(tl.int64) * stride_x + src[None, :], mask=m_r & (src < K)[None, :],
+    m_r = o_r < M
+    if GATHER:
+        s_r = tl.load(rows_ptr + o_r, mask=m_r, other=0)
+    else:
+        s_r = o_r
+    b_x = tl.load(x_ptr + s_r[:, None].to(tl.int64) * stride_x + src[None, :], mask=m_r[:, None] & (src < K)[None, :],
                   other=0.0)
     b_y = (b_x.to(tl.float32) * (1.0 / 256.0)).to(tl.float16)
-    tl.store(out_ptr + o_r[:, None].to(tl.int64) * stride_o + o_p[None, :], b_y, mask=m_r)
+    tl.store(out_ptr + o_r[:, None].to(tl.int64) * stride_o + o_p[None, :], b_y, mask=m_r[:, None])
 
 
-def permute_x(x: torch.Tensor, block_r: int = 32) -> torch.Tensor:
-    """x [M, K] (bf16 / fp32) -> permute_cols(x · 2^-8) as fp16 in one pass (zeros past K)."""
+def permute_x(x: torch.Tensor, block_r: int = 32, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp32) -> permute_cols(x · 2^-8) as fp16 in one pass (zeros past K). rows (int64 [R] on x's
+    device): the output's rows are x[rows] (gathered in the same pass)."""
     M, K = x.shape
     assert x.stride(1) == 1
+    if rows is not None:
+        assert rows.dtype == torch.int64 and rows.dim() == 1 and rows.device == x.device
+        M = rows.numel()
     out = torch.empty(M, padded(K), dtype=torch.float16, device=x.device)
     if M:
-        _permute_x_kernel[(triton.cdiv(M, block_r), padded(K) // PERM_BLOCK)](x, out, M, K, x.stride(0),
-                                                                               out.stride(0), BLOCK_R=block_r)
+        _permute_x_kernel[(triton.cdiv(M, block_r), padded(K) // PERM_BLOCK)](
+            x, x if rows is None else rows, out, M, K, x.stride(0), out.stride(0), BLOCK_R=block_r,
+            GATHER=rows is not None)
     return out
 
 
@@ -183,11 +195,13 @@ def _rega_down_kernel(h_ptr, table_ptr, gs_ptr, w_ptr, tok_ptr, acc_ptr, n_tiles
     tl.atomic_add(acc_ptr + tok[None, :] * L + o_n[:, None], b_y, mask=m_n[:, None] & m_m[None, :], sem="relaxed")
 
 
-def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | None = None, gs_index=None):
+def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | None = None, gs_index=None,
+            x_index: torch.Tensor | None = None):
     """A launch's inputs, shared by the twin and the Gluon kernel: (tile table on the device with each expert's block
     address and global-scale index after it, tiles, first row, end row, the rows' permuted fp16 x, the up's output
     h), or None (no rows). gs_index: where each expert's global scales lie in the scale vectors the kernels get (the
     layer's whole row, indexed by expert id: no gather a launch); None: the launch's order.
+    x_index: the sorted rows are x_sorted[x_index] (the launch's tokens; gathered as they are permuted, one pass).
     h: a flat fp16 buffer to hold the up's output if it is large enough and I a multiple of 128 (else a new one);
     h has zeros in its padded columns (an I past a 128-block's end): the down reads them."""
     assert geom.fmt == "nvfp4", "reads NVFP4 blocks"
@@ -207,7 +221,8 @@ def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | Non
         h = h[:rows * width].view(rows, width)
     else:
         h = (torch.empty if width == geom.I else torch.zeros)(rows, width, dtype=torch.float16, device=dev)
-    return tab, len(table), lo, hi, permute_x(x_sorted[lo:hi]), h
+    xp = permute_x(x_sorted[lo:hi]) if x_index is None else permute_x(x_sorted, rows=x_index[lo:hi])
+    return tab, len(table), lo, hi, xp, h
 
 
 def launch_twin(tab, n, lo, hi, xp, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg: dict,

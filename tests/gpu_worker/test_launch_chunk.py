@@ -177,10 +177,39 @@ def test_a_fused_launch_charges_no_scratch_and_takes_more_experts():
     b = 187 << 20
     args = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b)
     n0, _ = prefill_knobs.launch_limits(*args)
-    experts, rows = prefill_knobs.launch_limits(*args, fused=True, tokens=16000)
+    experts, rows = prefill_knobs.launch_limits(*args, in_tiles=True, tokens=16000)
     assert (n0, experts) == (5, 15)
     assert experts * 2 * SUPER["block_stride"] + rows * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
     assert rows >= experts * 16000 * 22 // 512        # a 16k prompt's rows for its experts fit one launch
     assert used(experts, rows, 0, **SUPER) > b         # the twin: dequantized, the same launch overruns
-    sub, _ = prefill_knobs.launch_limits(*args, fused=True, extra_per_expert=2 << 20)
+    sub, _ = prefill_knobs.launch_limits(*args, in_tiles=True, extra_per_expert=2 << 20)
     assert sub < experts
+
+
+# ------------------------------------------------------------------------------------------------ rega layers
+@pytest.mark.parametrize("launch_mb", [100, 187, 256])
+def test_a_rega_layer_charges_no_scratch_and_takes_more_experts(launch_mb):
+    """`layer_limits` for a layer whose every launch runs rega (a 4k span: ~170 rows an expert, one tile each): no
+    decoded scratch, so about twice the experts a launch of the dequantized count, within the bytes; path "rega",
+    chunk 0. Off rega the layer's limits are the dequantized ones (path "auto"). The twin: the rega count charged the
+    scratch it does not allocate overruns the bytes, i.e. the dequantized count was the scratch's."""
+    b = launch_mb << 20
+    shape = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4000)
+    n_d, rows_d, chunk_d, path_d = prefill_knobs.layer_limits(*shape)
+    assert (n_d, rows_d) == prefill_knobs.launch_limits(*shape[:5], tokens=4000) and (chunk_d, path_d) == (0, "auto")
+    n_r, rows_r, chunk_r, path_r = prefill_knobs.layer_limits(*shape, rega=True)
+    assert (chunk_r, path_r) == (0, "rega") and n_r >= 2 * n_d
+    assert n_r * 2 * SUPER["block_stride"] + rows_r * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
+    assert used(n_r, rows_r, 0, **SUPER) > b          # the twin: with the scratch, the same launch overruns
+    sub = prefill_knobs.layer_limits(*shape, rega=True, extra_per_expert=2 << 20)[0]
+    assert sub < n_r                                  # a sub-grouped store's regrouped sections are charged
+
+
+def test_the_layer_limits_keep_the_fused_switch(monkeypatch):
+    """Off rega, a budget that caps the dequantized launches below MOESTREAM_PREFILL_FUSED_BELOW takes the fused path's
+    count, as before `layer_limits` took the engine's code."""
+    monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "8")
+    n, _, chunk, path = prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)
+    assert (n, chunk, path) == (15, 0, "fused")
+    monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "0")
+    assert prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)[3] == "auto"

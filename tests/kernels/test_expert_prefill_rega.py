@@ -55,6 +55,18 @@ def test_permute_x_kernel_equals_the_torch_layout(device):
     assert not torch.equal(R.permute_x(x), R.permute_cols((x.flip(1).float() * R.X_PRESCALE).half()))
 
 
+def test_permute_x_gathers_the_rows_it_is_given(device):
+    """rows given: the output's row r is permute_x(x)[rows[r]] (the engine's launch gathers its tokens' rows of the
+    span's x in the same pass), rows repeated and out of order, more or fewer than x has; must fail: rows shifted."""
+    x = torch.randn(23, 200, device=device).bfloat16() * 30
+    for n in (41, 7):
+        rows = torch.randint(0, 23, (n,), device=device)
+        got = R.permute_x(x, rows=rows)
+        assert got.shape == (n, 256) and torch.equal(got, R.permute_x(x)[rows])
+    assert not torch.equal(R.permute_x(x, rows=(rows + 1) % 23), R.permute_x(x)[rows])
+    assert R.permute_x(x, rows=rows[:0]).shape == (0, 256)
+
+
 @pytest.mark.parametrize("T,k", [(29, 3), (37, 2)])
 def test_rega_twin_matches_the_layer(T, k, device):
     """The Triton twin (words per half block, nibble pairs joined) equals the reference layer on L 48 / I 80 (one
@@ -292,6 +304,29 @@ def test_the_rega_path_reads_the_layers_scales_by_expert(device):
     assert rel_err(bad, ref) > 0.1
 
 
+@pytest.mark.parametrize("path", ["rega", "fused"])
+def test_a_launch_gathers_xs_rows_by_its_tokens(path, device):
+    """x_index: the launch is given the span's x and its rows' tokens (the engine's rega launches: no gather of
+    their own); rega gathers as it permutes, the other paths gather first: equal to the reference on the gathered
+    rows. Must fail: the tokens rolled by one row."""
+    E, T = 6, 19
+    geom, blocks, ug, dg = _scaled_layer(E, device)
+    order = [2, 5]
+    segments = [(0, 13), (13, 20)]
+    tok = torch.randint(0, T, (33,), device=device)
+    w = torch.rand(33, device=device) + 0.1
+    x = torch.randn(T, L, device=device).bfloat16()
+    ref = expert_prefill_grouped_torch(x[tok], segments, [blocks[e] for e in order], geom, ug[order], dg[order], w,
+                                       tok, torch.zeros(T, L, device=device))
+    addrs = [blocks[e].data_ptr() for e in order]
+
+    def run(index):
+        return ep.expert_prefill_grouped(x, segments, addrs, geom, ug, dg, w, tok, torch.zeros(T, L, device=device),
+                                         config=CFG, path=path, gs_index=order, x_index=index)
+    assert_close(run(tok), ref, 1e-3, f"{path} with x_index")
+    assert rel_err(run(tok.roll(1)), ref) > 0.1
+
+
 def test_prepare_reuses_h_where_its_width_is_i(device):
     """I a multiple of 128: the up's output is a view of the caller's buffer (no allocation a launch); I = 80 pads to
     128 and needs zeros past I, so it gets its own (as does a buffer too small)."""
@@ -320,6 +355,10 @@ def test_the_auto_path_takes_rega_by_rows_an_expert(monkeypatch):
     assert ep.grouped_path(xb, [(0, 40), (40, tile + 1)], SUPER, resident=True) == "rega"
     assert ep.grouped_path(xb, [(0, 40), (40, most + 1)], SUPER, resident=True) == "dequant"
     assert ep.grouped_path(xb, [(0, 3), (3, 5)], SUPER, "fused") == "fused"     # a caller's path stands
+    # the engine's question a layer, with its largest count
+    assert ep.rega_takes(xb, tile, SUPER) and not ep.rega_takes(xb, tile + 1, SUPER)
+    assert ep.rega_takes(xb, most, SUPER, resident=True) and not ep.rega_takes(xb, most + 1, SUPER, resident=True)
+    assert not ep.rega_takes(xb, 0, SUPER)
     assert ep.block_reads([(0, 40), (40, 0), (40, tile + 1)], SUPER, xb, path="rega") == 1 + 2
     assert ep.block_reads([(0, 40), (40, tile + 1)], SUPER, xb, resident=True) == 1 + 2
     assert ep.block_reads([(0, 40), (40, tile + 1)], SUPER, xb) == 2                # dequantized: once each
@@ -345,8 +384,8 @@ def test_the_rega_switch(monkeypatch):
 @pytest.mark.parametrize("n", [16, 8])
 def test_the_engines_route_runs_the_gluon_kernels(n):
     """On sm_90 the engine's auto path takes the Gluon kernels for Super's shape at up to a tile of rows an expert
-    (two with resident weights), the layer's scales by expert, h handed in, a split store's downs regrouped; equal
-    to the reference. Must fail: the blocks rolled."""
+    (two with resident weights), the layer's scales by expert, h handed in, a split store's downs regrouped, x's rows
+    given or gathered by the launch's tokens; equal to the reference. Must fail: the blocks rolled."""
     from kernels.expert_block import SUPER, ExpertGeometry, pack_expert_block
     from kernels.nvfp4 import encode_nvfp4
     dev, E = "cuda", 5
@@ -372,6 +411,13 @@ def test_the_engines_route_runs_the_gluon_kernels(n):
         got = ep.expert_prefill_grouped(xs, segments, [blocks[e].data_ptr() for e in order], geom, ug, dg, w, tok,
                                         torch.zeros(M, geom.L, device=dev), h=h, gs_index=order, resident=resident)
         assert_close(got, ref, 1e-3, f"the engine's rega route (n={n}, resident={resident})")
+        # the engine's launch: the span's x and the rows' tokens, gathered as the rows are permuted
+        ref_t = expert_prefill_grouped_torch(xs[tok], segments, [blocks[e] for e in order], geom, ug[order],
+                                             dg[order], w, tok, torch.zeros(M, geom.L, device=dev))
+        got_t = ep.expert_prefill_grouped(xs, segments, [blocks[e].data_ptr() for e in order], geom, ug, dg, w, tok,
+                                          torch.zeros(M, geom.L, device=dev), h=h, gs_index=order,
+                                          resident=resident, x_index=tok)
+        assert_close(got_t, ref_t, 1e-3, f"the rega route gathering x (n={n}, resident={resident})")
         rolled = [blocks[order[(i + 1) % 3]].data_ptr() for i in range(3)]
         bad = ep.expert_prefill_grouped(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(M, geom.L, device=dev),
                                         h=h, gs_index=order, resident=resident)
