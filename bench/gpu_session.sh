@@ -127,14 +127,15 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     # session 16: where the prefill's host time goes, py-spy's samples (carried in .whl/py-spy) of bench.prefill RAM
     # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward. Session 25: at
     # 1 kHz on a slow host py-spy fell 20 s behind and the step's timeout killed it before it wrote anything, so
-    # 400 Hz by default, and py-spy's own --duration ends the sampling (and writes) before the step's timeout
+    # 400 Hz by default, and py-spy's own --duration ends the sampling (and writes) before the step's timeout.
+    # Session 42: SPY_ARGS more bench.prefill flags (e.g. --tier-mb 2048), SPY_UNDER the functions summarized under
     spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-400} -d $(( ${SPY_TIMEOUT:-150} - 15 )) -f raw \
            -o "$OUT/spy.txt" -- python3 -m bench.prefill \
            --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes ${SPY_SIZES:-16000} \
-           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
+           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief ${SPY_ARGS:-} --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
       tail -4 "$OUT/spy.log" | cut -c1-200
-      for u in _prefill forward; do python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
-      cat "$OUT/spy__prefill.txt" | cut -c1-150;;
+      for u in ${SPY_UNDER:-_prefill forward}; do python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
+      cat "$OUT/spy_$(echo ${SPY_UNDER:-_prefill} | cut -d' ' -f1).txt" | cut -c1-150;;
     # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
     sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \
            > "$OUT/sweep.log" 2>&1; grep -v "^\s*$" "$OUT/sweep.log" | tail -${SWEEP_TAIL:-30} | cut -c1-220;;
