@@ -320,15 +320,7 @@ class PrefillExperts:
             if flow is not None:
                 flow.feed([ahead[x] for x, _ in batch if x in ahead])     # (read or not: free again)
 
-        batch: list[tuple[int, int]] = []
-        n_rows = 0
-        for e, s in sequence:
-            if batch and (n_rows + seg[e][1] > rows_cap or len(batch) == n_cap):
-                launch(batch)
-                batch, n_rows = [], 0
-            batch.append((e, s))
-            n_rows += seg[e][1]
-        if batch:
+        for batch in launch_batches(sequence, seg, rows_cap, n_cap, tier_free=path == "rega"):
             launch(batch)
         pa.last.ahead_used += ahead_found
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
@@ -674,6 +666,27 @@ class PrefillExperts:
             return self._ring.stage(slots, events, cur)
         finally:
             self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
+
+
+def launch_batches(sequence, seg: dict, rows_cap: int, n_cap: int, tier_free: bool = False):
+    """A layer's grouped launches, in order, from its `sequence` [(expert, slab slot, or None for a VRAM-tier
+    resident)] and rows `seg` {expert: (first row, rows)}: each launch at most rows_cap rows (one expert with more
+    goes alone: `_windows`) and n_cap experts charged a staging slot and, dequantized, a scratch. tier_free (a rega
+    layer): the tier's residents are charged neither (read in place, decoded in the tiles), so they launch together,
+    first, bounded by their rows only (a 1k prompt beside a tier holding a third of the experts: ~4 launches a layer
+    fewer)."""
+    batch: list = []
+    n_rows = charged = 0
+    for e, s in sequence:
+        free = tier_free and s is None
+        if batch and (n_rows + seg[e][1] > rows_cap or (charged == n_cap and not free)):
+            yield batch
+            batch, n_rows, charged = [], 0, 0
+        batch.append((e, s))
+        n_rows += seg[e][1]
+        charged += not free
+    if batch:
+        yield batch
 
 
 def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:

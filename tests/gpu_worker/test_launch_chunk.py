@@ -213,3 +213,26 @@ def test_the_layer_limits_keep_the_fused_switch(monkeypatch):
     assert (n, chunk, path) == (15, 0, "fused")
     monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "0")
     assert prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)[3] == "auto"
+
+
+def test_a_rega_layers_tier_residents_launch_together_first():
+    """`launch_batches`: a rega layer's VRAM-tier residents (slot None) take no staging slot and no scratch, so they
+    go into the first launch beside n_cap charged experts; every launch keeps at most n_cap charged experts and
+    rows_cap rows; every expert once, in order. Off rega (the dequantized scratch) the residents count as before.
+    Must fail: a count that left the charged experts uncounted too puts all 50 into one launch."""
+    from gpu_worker.prefill_experts import launch_batches
+    sequence = [(e, None) for e in range(10)] + [(e, 100 + e) for e in range(10, 50)]
+    seg = {e: (5 * e, 5) for e in range(50)}
+
+    def sizes(batches, n_cap, rows_cap):
+        out = []
+        for b in batches:
+            assert sum(1 for _, s in b if s is not None) <= n_cap and sum(seg[e][1] for e, _ in b) <= rows_cap
+            out.append(len(b))
+        return out
+    got = list(launch_batches(sequence, seg, 1000, 8, tier_free=True))
+    assert sizes(got, 8, 1000) == [18, 8, 8, 8, 8] and [x for b in got for x in b] == sequence
+    assert sizes(launch_batches(sequence, seg, 1000, 8), 8, 1000) == [8] * 6 + [2]
+    assert sizes(launch_batches(sequence, seg, 30, 8, tier_free=True), 8, 30) == [6, 6, 6, 6, 6, 6, 6, 6, 2]
+    uncounted = list(launch_batches([(e, None) for e, _ in sequence], seg, 1000, 8, tier_free=True))
+    assert len(uncounted) == 1 and sum(1 for _, s in sequence if s is not None) > 8
