@@ -39,7 +39,7 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
-                                    grouped_path, rega_takes, regrouped_bytes)
+                                    grouped_path, rega_able, rega_rows, regrouped_bytes)
 from kernels.launch_tables import device_table
 
 @dataclass
@@ -54,12 +54,12 @@ class _LayerLaunch:
     experts: int                         # experts one launch takes at most (`launch_limits`; the ring holds two)
     path: str                            # the grouped kernels' path: "auto" (by rows an expert), "fused"
                                          # (`fused_below`: a small budget's launches, no dequantized scratch) or
-                                         # "rega" (`rega_takes`: every expert one tile; no scratch, x's rows
-                                         # gathered as they are permuted)
+                                         # "rega" (every expert within `rega_rows`: no scratch)
     staged: bool                         # staged weights on CUDA (else addresses in the slab, or the torch twin)
     cur: object                          # the compute stream (CUDA), or None
     ug: torch.Tensor                     # the layer's global scales by expert: the dequantized and rega kernels index
     dg: torch.Tensor                     # them through the launch's table (no gather per launch)
+    rega_rows: int = 0                   # a launch whose experts have at most this many rows each runs rega (0: none)
 
 
 class PrefillExperts:
@@ -306,13 +306,15 @@ class PrefillExperts:
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         staged = self.prefill_weights == "staged" and self._cuda
         extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
-        # rega: every launch of the layer runs it (one tile an expert): no decoded scratch, more experts a launch
-        n_cap, rows_cap, chunk, path = layer_limits(
-            self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
-            rega=self._addressed and rega_takes(x, max(counts), self.geom, resident=staged), extra_per_expert=extra)
-        lay = _LayerLaunch(j, rows_cap, chunk, n_cap, path, staged,
+        # rega (sm_90): the experts of at most one tile of rows (two staged) run it, decoded in the tiles (no scratch:
+        # more experts a launch); a skewed router's popular experts above that ("big") launch apart, dequantized
+        limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
+        big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
+        lim = layer_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
+                           rega=bool(limit) and big < len(uniq), big=big, extra_per_expert=extra)
+        lay = _LayerLaunch(j, lim.rows, lim.chunk, lim.experts, lim.path, staged,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
-                           self.up_global[j], self.down_global[j])
+                           self.up_global[j], self.down_global[j], limit if big < len(uniq) else 0)
         def launch(batch):
             self._prefill_batch(lay, batch, seg, rows, acc, ahead, in_vram)
             if later:                    # (the bookkeeping, after the first launch)
@@ -320,7 +322,8 @@ class PrefillExperts:
             if flow is not None:
                 flow.feed([ahead[x] for x, _ in batch if x in ahead])     # (read or not: free again)
 
-        for batch in launch_batches(sequence, seg, rows_cap, n_cap, tier_free=path == "rega"):
+        for batch in launch_batches(sequence, seg, lim.rows, lim.experts, tier_free=lay.rega_rows > 0,
+                                    big_rows=lay.rega_rows if lim.big else 0, big_cap=lim.big):
             launch(batch)
         pa.last.ahead_used += ahead_found
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
@@ -601,11 +604,12 @@ class PrefillExperts:
                              for s, t in zip(slots, tier)]
                 cfg = {"CHUNK": lay.chunk} if lay.chunk else None
                 gathered = None
-                x_index = lay.path == "rega"    # (x's rows gathered as the rega path permutes them)
+                # a rega launch (every expert within rega_rows) gathers x's rows as it permutes them
+                x_index = lay.path == "rega" or 0 < max(n for _, n in segments) <= lay.rega_rows
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part, x_rows=not x_index)
                     # once for the launch and its count; staged blocks lie in device memory
-                    path = grouped_path(xs, local, self.geom, lay.path, resident=lay.staged)
+                    path = "rega" if x_index else grouped_path(xs, local, self.geom, lay.path, resident=lay.staged)
                     if path != "fused":                 # the layer's scales, indexed by expert (their tables)
                         ug, dg, gs_index = lay.ug, lay.dg, ex
                     else:                                           # the fused path's, gathered once
@@ -668,25 +672,30 @@ class PrefillExperts:
             self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
 
 
-def launch_batches(sequence, seg: dict, rows_cap: int, n_cap: int, tier_free: bool = False):
+def launch_batches(sequence, seg: dict, rows_cap: int, n_cap: int, tier_free: bool = False, big_rows: int = 0,
+                   big_cap: int = 0):
     """A layer's grouped launches, in order, from its `sequence` [(expert, slab slot, or None for a VRAM-tier
     resident)] and rows `seg` {expert: (first row, rows)}: each launch at most rows_cap rows (one expert with more
-    goes alone: `_windows`) and n_cap experts charged a staging slot and, dequantized, a scratch. tier_free (a rega
-    layer): the tier's residents are charged neither (read in place, decoded in the tiles), so they launch together,
-    first, bounded by their rows only (a 1k prompt beside a tier holding a third of the experts: ~4 launches a layer
-    fewer)."""
-    batch: list = []
-    n_rows = charged = 0
+    goes alone: `_windows`) and n_cap experts charged a staging slot and, dequantized, a scratch. tier_free (rega
+    launches): the tier's residents are charged neither (read in place, decoded in the tiles), so they launch
+    together, first, bounded by their rows only (a 1k prompt beside a tier holding a third of the experts: ~4
+    launches a layer fewer). big_rows > 0 (a mixed layer, `layer_limits`): the experts of more rows go into launches
+    of their own (the dequantized path's, its scratch), big_cap at a time, all charged; each kind's launch goes when
+    it is full, the rest at the end."""
+    batch, rows, charged = {False: [], True: []}, {False: 0, True: 0}, {False: 0, True: 0}     # by kind: big or not
     for e, s in sequence:
-        free = tier_free and s is None
-        if batch and (n_rows + seg[e][1] > rows_cap or (charged == n_cap and not free)):
-            yield batch
-            batch, n_rows, charged = [], 0, 0
-        batch.append((e, s))
-        n_rows += seg[e][1]
-        charged += not free
-    if batch:
-        yield batch
+        big = 0 < big_rows < seg[e][1]
+        free = tier_free and s is None and not big
+        if batch[big] and (rows[big] + seg[e][1] > rows_cap or (charged[big] >= (big_cap if big else n_cap)
+                                                                 and not free)):
+            yield batch[big]
+            batch[big], rows[big], charged[big] = [], 0, 0
+        batch[big].append((e, s))
+        rows[big] += seg[e][1]
+        charged[big] += not free
+    for big in (False, True):
+        if batch[big]:
+            yield batch[big]
 
 
 def _windows(segments: list[tuple[int, int]], rows_cap: int) -> list[list[tuple[int, int]]]:

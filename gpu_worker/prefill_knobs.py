@@ -6,6 +6,7 @@ gpu_worker/slab_copies.py.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from gpu_worker.knobs import env_count, env_count_or_off, env_switch
 from kernels.expert_prefill import scratch_per_expert
@@ -183,9 +184,9 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     scratches: ~12 against 5). chunk -1 ("auto"): chunks of the experts the per-expert charge would give a launch,
     so the GEMMs keep today's size and the launches are about half as many. tokens: the span's (`launch_experts`: a
     long span takes more experts a launch). in_tiles: the launch decodes in its GEMMs' tiles and needs no scratch:
-    the fused path (`fused_below`) or the rega path (`kernels.expert_prefill.rega_takes`: a layer whose every expert
-    has at most one tile of rows, sm_90); per expert only the ring's two slots and `extra_per_expert` (a sub-grouped
-    store's regrouped down section); chunk is then moot."""
+    the fused path (`fused_below`) or the rega path (`layer_limits`: experts of at most one tile of rows, sm_90); per
+    expert only the ring's two slots and `extra_per_expert` (a sub-grouped store's regrouped down section); chunk is
+    then moot."""
     if in_tiles:
         per_expert = 2 * block_stride + extra_per_expert
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
@@ -204,18 +205,37 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     return experts, max(64, rest // per_row)
 
 
+class LayerLimits(NamedTuple):
+    """One MoE layer's grouped launches (`layer_limits`)."""
+    experts: int            # experts a launch takes at most that are charged a staging slot (the ring holds two)
+    rows: int               # rows a launch takes at most
+    chunk: int              # experts decoded at a time by a dequantized launch (0: as the scratch bound allows)
+    path: str               # "auto" (each launch by its rows an expert), "fused" or "rega" (every launch)
+    big: int                # a mixed layer: experts of more rows than one rega launch takes, per launch of their own
+
+
 def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int, tokens: int,
-                 rega: bool = False, extra_per_expert: int = 0) -> tuple[int, int, int, str]:
-    """(experts, rows, chunk, path) of one MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a
-    span of `tokens`. rega (`kernels.expert_prefill.rega_takes` with the layer's largest count: every launch runs the
-    rega path): no decoded scratch charged (`in_tiles`), path "rega". Otherwise the dequantized scratch is charged,
+                 rega: bool = False, big: int = 0, extra_per_expert: int = 0) -> LayerLimits:
+    """One MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a span of `tokens`.
+    rega (the device runs the rega path: `kernels.expert_prefill.rega_able`) with big == 0 (every routed expert within
+    `rega_rows`): every launch runs rega, no decoded scratch charged (`in_tiles`), path "rega". rega with `big` > 0
+    experts above it (a mixed layer: a skewed router's popular experts): those launch on the dequantized path, at
+    most min(big, the dequantized count) a launch, decoded at once (their scratch reserved first); the others run
+    rega, their launches charged the ring's slots only. Otherwise the dequantized scratch is charged,
     `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
     `fused_below`, the fused path's no-scratch count if larger (path "fused"); path "auto" (by rows an expert).
     extra_per_expert: a sub-grouped store's regrouped down section (the in-tile paths regroup)."""
-    if rega:
+    if rega and not big:
         n, rows = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
                                 extra_per_expert=extra_per_expert)
-        return n, rows, 0, "rega"
+        return LayerLimits(n, rows, 0, "rega", 0)
+    if rega:
+        n_d = min(big, launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0])
+        scratch = n_d * scratch_per_expert(L, I)
+        per = 2 * block_stride + extra_per_expert
+        n = max(n_d, min(launch_experts(tokens), (launch_bytes // 2 - scratch) // per))
+        rows = max(64, (launch_bytes - n * per - scratch) // (2 * I + act_bytes * L + 20))
+        return LayerLimits(n, rows, n_d, "auto", n_d)
     chunk = launch_chunk()
     n_cap, rows_cap = launch_limits(block_stride, L, I, act_bytes, launch_bytes, chunk, tokens=tokens)
     if chunk < 0:
@@ -227,8 +247,8 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
         n_f, rows_f = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
                                     extra_per_expert=extra_per_expert)
         if n_f > n_cap:
-            return n_f, rows_f, 0, "fused"
-    return n_cap, rows_cap, chunk, "auto"
+            return LayerLimits(n_f, rows_f, 0, "fused", 0)
+    return LayerLimits(n_cap, rows_cap, chunk, "auto", 0)
 
 
 def long_span(tokens: int) -> bool:

@@ -342,12 +342,17 @@ def rega_able(x_sorted: torch.Tensor, geom: ExpertGeometry) -> bool:
             and geom.fmt == "nvfp4" and geom.L % 16 == 0 and geom.I % 16 == 0)
 
 
+def rega_rows(resident: bool = False) -> int:
+    """The rows an expert may have in a launch that runs the rega path: one tile (REGA_TILE_ROWS: weights read where
+    they lie cross the bus once), or REGA_RESIDENT_MAX_ROWS where the blocks lie in device memory. The engine splits a
+    layer's launches by it (`gpu_worker.prefill_knobs.layer_limits`: the rega ones are charged no scratch)."""
+    return REGA_RESIDENT_MAX_ROWS if resident else REGA_TILE_ROWS
+
+
 def rega_takes(x: torch.Tensor, max_rows: int, geom: ExpertGeometry, resident: bool = False) -> bool:
     """Whether a launch whose routed experts have at most `max_rows` rows each runs the rega path (`grouped_path`):
-    one tile an expert (REGA_TILE_ROWS), or REGA_RESIDENT_MAX_ROWS where the blocks lie in device memory, on a device
-    `rega_able` takes. The engine asks it once a layer with the layer's largest count: then every launch of the layer
-    runs rega, and `launch_limits` charges them no decoded scratch."""
-    return 0 < max_rows <= (REGA_RESIDENT_MAX_ROWS if resident else REGA_TILE_ROWS) and rega_able(x, geom)
+    within `rega_rows`, on a device `rega_able` takes."""
+    return 0 < max_rows <= rega_rows(resident) and rega_able(x, geom)
 
 
 _FUSED_KEYS = ("X_LOAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")

@@ -195,24 +195,55 @@ def test_a_rega_layer_charges_no_scratch_and_takes_more_experts(launch_mb):
     scratch it does not allocate overruns the bytes, i.e. the dequantized count was the scratch's."""
     b = launch_mb << 20
     shape = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4000)
-    n_d, rows_d, chunk_d, path_d = prefill_knobs.layer_limits(*shape)
-    assert (n_d, rows_d) == prefill_knobs.launch_limits(*shape[:5], tokens=4000) and (chunk_d, path_d) == (0, "auto")
-    n_r, rows_r, chunk_r, path_r = prefill_knobs.layer_limits(*shape, rega=True)
-    assert (chunk_r, path_r) == (0, "rega") and n_r >= 2 * n_d
-    assert n_r * 2 * SUPER["block_stride"] + rows_r * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
-    assert used(n_r, rows_r, 0, **SUPER) > b          # the twin: with the scratch, the same launch overruns
-    sub = prefill_knobs.layer_limits(*shape, rega=True, extra_per_expert=2 << 20)[0]
-    assert sub < n_r                                  # a sub-grouped store's regrouped sections are charged
+    d = prefill_knobs.layer_limits(*shape)
+    assert (d.experts, d.rows) == prefill_knobs.launch_limits(*shape[:5], tokens=4000)
+    assert (d.chunk, d.path, d.big) == (0, "auto", 0)
+    r = prefill_knobs.layer_limits(*shape, rega=True)
+    assert (r.chunk, r.path, r.big) == (0, "rega", 0) and r.experts >= 2 * d.experts
+    assert r.experts * 2 * SUPER["block_stride"] + r.rows * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
+    assert used(r.experts, r.rows, 0, **SUPER) > b      # the twin: with the scratch, the same launch overruns
+    sub = prefill_knobs.layer_limits(*shape, rega=True, extra_per_expert=2 << 20).experts
+    assert sub < r.experts                              # a sub-grouped store's regrouped sections are charged
+
+
+@pytest.mark.parametrize("big", [1, 3, 40])
+def test_a_mixed_layer_reserves_its_big_experts_scratch(big):
+    """A skewed router's layer: `big` experts above one rega launch's rows. They launch dequantized, at most the
+    dequantized count at a time and decoded at once (chunk); the others' launches are charged the ring's slots
+    only. The ring of two such launches, the big launch's scratch and the rows stay within the bytes; the rega
+    launches take more experts than the dequantized count. The twin: the rega count without the big launch's
+    scratch reserved overruns the bytes once that scratch is allocated beside the ring."""
+    b = 187 << 20
+    shape = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4000)
+    d = prefill_knobs.layer_limits(*shape)
+    m = prefill_knobs.layer_limits(*shape, rega=True, big=big)
+    assert m.path == "auto" and m.big == m.chunk == min(big, d.experts)
+    scratch = m.big * 4 * SUPER["L"] * SUPER["I"]
+    assert m.experts * 2 * SUPER["block_stride"] + scratch + m.rows * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) <= b
+    assert m.experts > d.experts and m.experts >= m.big
+    r = prefill_knobs.layer_limits(*shape, rega=True)
+    assert r.experts * 2 * SUPER["block_stride"] + scratch + r.rows * (2 * SUPER["I"] + 2 * SUPER["L"] + 20) > b
 
 
 def test_the_layer_limits_keep_the_fused_switch(monkeypatch):
     """Off rega, a budget that caps the dequantized launches below MOESTREAM_PREFILL_FUSED_BELOW takes the fused path's
     count, as before `layer_limits` took the engine's code."""
     monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "8")
-    n, _, chunk, path = prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)
-    assert (n, chunk, path) == (15, 0, "fused")
+    f = prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)
+    assert (f.experts, f.chunk, f.path) == (15, 0, "fused")
     monkeypatch.setenv("MOESTREAM_PREFILL_FUSED_BELOW", "0")
-    assert prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000)[3] == "auto"
+    assert prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000).path == "auto"
+
+
+def _sizes(batches, seg, n_cap, rows_cap, big_rows=0, big_cap=0):
+    out = []
+    for b in batches:
+        big = [e for e, _ in b if 0 < big_rows < seg[e][1]]
+        assert not big or len(big) == len(b)                         # a launch is one kind
+        cap = big_cap if big else n_cap
+        assert sum(1 for e, s in b if s is not None or big) <= cap and sum(seg[e][1] for e, _ in b) <= rows_cap
+        out.append(len(b))
+    return out
 
 
 def test_a_rega_layers_tier_residents_launch_together_first():
@@ -223,16 +254,27 @@ def test_a_rega_layers_tier_residents_launch_together_first():
     from gpu_worker.prefill_experts import launch_batches
     sequence = [(e, None) for e in range(10)] + [(e, 100 + e) for e in range(10, 50)]
     seg = {e: (5 * e, 5) for e in range(50)}
-
-    def sizes(batches, n_cap, rows_cap):
-        out = []
-        for b in batches:
-            assert sum(1 for _, s in b if s is not None) <= n_cap and sum(seg[e][1] for e, _ in b) <= rows_cap
-            out.append(len(b))
-        return out
     got = list(launch_batches(sequence, seg, 1000, 8, tier_free=True))
-    assert sizes(got, 8, 1000) == [18, 8, 8, 8, 8] and [x for b in got for x in b] == sequence
-    assert sizes(launch_batches(sequence, seg, 1000, 8), 8, 1000) == [8] * 6 + [2]
-    assert sizes(launch_batches(sequence, seg, 30, 8, tier_free=True), 8, 30) == [6, 6, 6, 6, 6, 6, 6, 6, 2]
+    assert _sizes(got, seg, 8, 1000) == [18, 8, 8, 8, 8] and [x for b in got for x in b] == sequence
+    assert _sizes(launch_batches(sequence, seg, 1000, 8), seg, 8, 1000) == [8] * 6 + [2]
+    assert _sizes(launch_batches(sequence, seg, 30, 8, tier_free=True), seg, 8, 30) == [6] * 8 + [2]
     uncounted = list(launch_batches([(e, None) for e, _ in sequence], seg, 1000, 8, tier_free=True))
     assert len(uncounted) == 1 and sum(1 for _, s in sequence if s is not None) > 8
+
+
+def test_a_mixed_layers_big_experts_launch_apart():
+    """A mixed layer: the experts above big_rows go into launches of their own, big_cap at a time (a tier resident
+    among them charged too: it is decoded into the scratch), the others as a rega layer's; every expert once, each
+    kind in its order. Must fail: the same sequence without big_rows mixes the kinds in one launch."""
+    from gpu_worker.prefill_experts import launch_batches
+    rows = [5, 600, 7, 9, 700, 3, 800, 4, 650, 2] * 3
+    sequence = [(e, None if e < 6 else 100 + e) for e in range(30)]
+    seg = {e: (0, n) for e, n in enumerate(rows)}
+    got = list(launch_batches(sequence, seg, 10_000, 8, tier_free=True, big_rows=512, big_cap=2))
+    sizes = _sizes(got, seg, 8, 10_000, 512, 2)
+    assert sorted(x for b in got for x in b) == sequence and sum(sizes) == 30
+    small = [x for b in got for x in b if seg[x[0]][1] <= 512]
+    assert small == [x for x in sequence if seg[x[0]][1] <= 512]
+    assert [len(b) for b in got if seg[b[0][0]][1] > 512] == [2] * 6
+    mixed = list(launch_batches(sequence, seg, 10_000, 8, tier_free=True))
+    assert any(len({seg[e][1] > 512 for e, _ in b}) == 2 for b in mixed)
