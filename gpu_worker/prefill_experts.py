@@ -269,7 +269,19 @@ class PrefillExperts:
             sequence = [(e, None) for e in sorted(in_vram)] + sequence
             pa.last.tier_read += len(in_vram)
         misses = [e for e in need if e not in hits]
-        seg, order = self._row_order(flat, counts, [e for e, _ in sequence] + misses, order)
+        staged = self.prefill_weights == "staged" and self._cuda
+        extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
+        # rega (sm_90): the experts of at most one tile of rows (two staged) run it, decoded in the tiles (no scratch:
+        # more experts a launch); a skewed router's popular experts above that ("big") launch apart, dequantized
+        limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
+        big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
+        lim = layer_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
+                           rega=bool(limit) and big < len(uniq), big=big, extra_per_expert=extra)
+        rega_max = limit if big < len(uniq) else 0
+        batches = list(launch_batches(sequence, counts, lim.rows, lim.experts, tier_free=rega_max > 0,
+                                      big_rows=rega_max if lim.big else 0, big_cap=lim.big))
+        # the rows in the launches' order (each launch one run of them: no index, `_SortedRows.gather`)
+        seg, order = self._row_order(flat, counts, [e for b in batches for e, _ in b] + misses, order)
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
         tok = torch.div(order, k, rounding_mode="floor")
         ws = weights.reshape(-1).index_select(0, order).float()
@@ -304,17 +316,9 @@ class PrefillExperts:
         if early and flow is None:       # queued before this layer's launches; the slots it reads stay untouched
             early = self._copy_ahead(nj, host[E:].numpy(), taken=frozenset(ahead.values()), counted=True)
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
-        staged = self.prefill_weights == "staged" and self._cuda
-        extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
-        # rega (sm_90): the experts of at most one tile of rows (two staged) run it, decoded in the tiles (no scratch:
-        # more experts a launch); a skewed router's popular experts above that ("big") launch apart, dequantized
-        limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
-        big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
-        lim = layer_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
-                           rega=bool(limit) and big < len(uniq), big=big, extra_per_expert=extra)
         lay = _LayerLaunch(j, lim.rows, lim.chunk, lim.experts, lim.path, staged,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
-                           self.up_global[j], self.down_global[j], limit if big < len(uniq) else 0)
+                           self.up_global[j], self.down_global[j], rega_max)
         def launch(batch):
             self._prefill_batch(lay, batch, seg, rows, acc, ahead, in_vram)
             if later:                    # (the bookkeeping, after the first launch)
@@ -322,8 +326,7 @@ class PrefillExperts:
             if flow is not None:
                 flow.feed([ahead[x] for x, _ in batch if x in ahead])     # (read or not: free again)
 
-        for batch in launch_batches(sequence, seg, lim.rows, lim.experts, tier_free=lay.rega_rows > 0,
-                                    big_rows=lay.rega_rows if lim.big else 0, big_cap=lim.big):
+        for batch in batches:
             launch(batch)
         pa.last.ahead_used += ahead_found
         # Blocks this layer is done with go back as it goes: unpinned once their kernels have run, then reported done
@@ -672,26 +675,26 @@ class PrefillExperts:
             self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
 
 
-def launch_batches(sequence, seg: dict, rows_cap: int, n_cap: int, tier_free: bool = False, big_rows: int = 0,
+def launch_batches(sequence, counts, rows_cap: int, n_cap: int, tier_free: bool = False, big_rows: int = 0,
                    big_cap: int = 0):
     """A layer's grouped launches, in order, from its `sequence` [(expert, slab slot, or None for a VRAM-tier
-    resident)] and rows `seg` {expert: (first row, rows)}: each launch at most rows_cap rows (one expert with more
+    resident)] and its rows an expert `counts[expert]`: each launch at most rows_cap rows (one expert with more
     goes alone: `_windows`) and n_cap experts charged a staging slot and, dequantized, a scratch. tier_free (rega
     launches): the tier's residents are charged neither (read in place, decoded in the tiles), so they launch
     together, first, bounded by their rows only (a 1k prompt beside a tier holding a third of the experts: ~4
     launches a layer fewer). big_rows > 0 (a mixed layer, `layer_limits`): the experts of more rows go into launches
     of their own (the dequantized path's, its scratch), big_cap at a time, all charged; each kind's launch goes when
-    it is full, the rest at the end."""
+    it is full, the rest at the end (the caller sorts the rows in the launches' order: each launch one run)."""
     batch, rows, charged = {False: [], True: []}, {False: 0, True: 0}, {False: 0, True: 0}     # by kind: big or not
     for e, s in sequence:
-        big = 0 < big_rows < seg[e][1]
+        big = 0 < big_rows < counts[e]
         free = tier_free and s is None and not big
-        if batch[big] and (rows[big] + seg[e][1] > rows_cap or (charged[big] >= (big_cap if big else n_cap)
+        if batch[big] and (rows[big] + counts[e] > rows_cap or (charged[big] >= (big_cap if big else n_cap)
                                                                  and not free)):
             yield batch[big]
             batch[big], rows[big], charged[big] = [], 0, 0
         batch[big].append((e, s))
-        rows[big] += seg[e][1]
+        rows[big] += counts[e]
         charged[big] += not free
     for big in (False, True):
         if batch[big]:

@@ -238,10 +238,10 @@ def test_the_layer_limits_keep_the_fused_switch(monkeypatch):
 def _sizes(batches, seg, n_cap, rows_cap, big_rows=0, big_cap=0):
     out = []
     for b in batches:
-        big = [e for e, _ in b if 0 < big_rows < seg[e][1]]
+        big = [e for e, _ in b if 0 < big_rows < seg[e]]
         assert not big or len(big) == len(b)                         # a launch is one kind
         cap = big_cap if big else n_cap
-        assert sum(1 for e, s in b if s is not None or big) <= cap and sum(seg[e][1] for e, _ in b) <= rows_cap
+        assert sum(1 for e, s in b if s is not None or big) <= cap and sum(seg[e] for e, _ in b) <= rows_cap
         out.append(len(b))
     return out
 
@@ -253,7 +253,7 @@ def test_a_rega_layers_tier_residents_launch_together_first():
     Must fail: a count that left the charged experts uncounted too puts all 50 into one launch."""
     from gpu_worker.prefill_experts import launch_batches
     sequence = [(e, None) for e in range(10)] + [(e, 100 + e) for e in range(10, 50)]
-    seg = {e: (5 * e, 5) for e in range(50)}
+    seg = {e: 5 for e in range(50)}
     got = list(launch_batches(sequence, seg, 1000, 8, tier_free=True))
     assert _sizes(got, seg, 8, 1000) == [18, 8, 8, 8, 8] and [x for b in got for x in b] == sequence
     assert _sizes(launch_batches(sequence, seg, 1000, 8), seg, 8, 1000) == [8] * 6 + [2]
@@ -269,12 +269,12 @@ def test_a_mixed_layers_big_experts_launch_apart():
     from gpu_worker.prefill_experts import launch_batches
     rows = [5, 600, 7, 9, 700, 3, 800, 4, 650, 2] * 3
     sequence = [(e, None if e < 6 else 100 + e) for e in range(30)]
-    seg = {e: (0, n) for e, n in enumerate(rows)}
+    seg = dict(enumerate(rows))
     got = list(launch_batches(sequence, seg, 10_000, 8, tier_free=True, big_rows=512, big_cap=2))
     sizes = _sizes(got, seg, 8, 10_000, 512, 2)
     assert sorted(x for b in got for x in b) == sequence and sum(sizes) == 30
-    small = [x for b in got for x in b if seg[x[0]][1] <= 512]
-    assert small == [x for x in sequence if seg[x[0]][1] <= 512]
-    assert [len(b) for b in got if seg[b[0][0]][1] > 512] == [2] * 6
+    small = [x for b in got for x in b if seg[x[0]] <= 512]
+    assert small == [x for x in sequence if seg[x[0]] <= 512]
+    assert [len(b) for b in got if seg[b[0][0]] > 512] == [2] * 6
     mixed = list(launch_batches(sequence, seg, 10_000, 8, tier_free=True))
-    assert any(len({seg[e][1] > 512 for e, _ in b}) == 2 for b in mixed)
+    assert any(len({seg[e] > 512 for e, _ in b}) == 2 for b in mixed)
