@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
-#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_tier api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
-#   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host)
+#   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
+#   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host; session 42: api_tier)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4),
 #   E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
@@ -108,7 +108,8 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
         for n in ${API_SIZES:-4000 16000}; do echo "set $i: '$set', $n tokens"; api_run api_long_${n}_$i --regimes ram --tokens $n --repeats 3 $set; done; done;;
     # session 42: the chat turn beside a VRAM tier that decode warmed (each warm-up turn decodes API_WARM_DECODE
     # tokens), the tier's residents read in place (MOESTREAM_PREFILL_TIER=1) against ignored (0), one server per arm
-    api_tier) for arm in 1 0; do echo "MOESTREAM_PREFILL_TIER=$arm"; API_ENV="MOESTREAM_PREFILL_TIER=$arm ${API_ENV:-}" \
+    api_tier) for arm in 1 0; do echo "MOESTREAM_PREFILL_TIER=$arm"
+        API_ENV="MOESTREAM_PREFILL_TIER=$arm ${API_ENV:-}" \
         api_run api_tier_$arm --regimes ${API_TIER_REGIMES:-ram,disk} --vram-gb ${API_TIER_GB:-8} \
         --warm-decode ${API_WARM_DECODE:-256} ${API_ARGS:-}; done;;
     api_cache) api_run api_ttft_cache --regimes ram --cache-prompt on ${API_CACHE_ARGS:-};;   # the server's default
@@ -120,9 +121,11 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     turnab) timeout ${TURNS_TIMEOUT:-150} python3 -m bench.prefill_turns --work $W/super --moe-layers ${MOE_LAYERS:-4} --profile \
            --modes ${TURN_MODES:-off,drop,cut,keep} --rounds ${TURN_ROUNDS:-3} ${TURNS_ARGS:-} \
            --out "$OUT/prefill_turns_ab.json" > "$OUT/prefill_turns_ab.log" 2>&1; tail -8 "$OUT/prefill_turns_ab.log";;
-    # where a short prompt's prefill spends the device's time (RAM regime): PROFILE_PREFILL sizes, default 128,1000; PROFILE_ARGS e.g. --tier-mb 2048
+    # where a short prompt's prefill spends the device's time (RAM regime): PROFILE_PREFILL sizes, default 128,1000;
+    # PROFILE_ARGS more bench.profile_kernels flags (session 42: --tier-mb 2048)
     profile_prefill) timeout ${PROFILE_TIMEOUT:-90} python3 -m bench.profile_kernels --work $W/super --moe-layers ${MOE_LAYERS:-4} --decode "" \
-           --prefill ${PROFILE_PREFILL:-128,1000} ${PROFILE_ARGS:-} --top 30 --out "$OUT/profile_prefill.json" > "$OUT/profile_prefill.log" 2>&1
+           --prefill ${PROFILE_PREFILL:-128,1000} ${PROFILE_ARGS:-} --top 30 --out "$OUT/profile_prefill.json" \
+           > "$OUT/profile_prefill.log" 2>&1
       grep -E "^== |^copies|^other|^gemm|^elementwise|^expert|^sort|^mamba|^attention|^router|^gemv" "$OUT/profile_prefill.log" | cut -c1-160;;
     # session 16: where the prefill's host time goes, py-spy's samples (carried in .whl/py-spy) of bench.prefill RAM
     # prompts of SPY_SIZES tokens, summarized under the MoE step (`_prefill`) and the model's forward. Session 25: at
@@ -132,9 +135,11 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-400} -d $(( ${SPY_TIMEOUT:-150} - 15 )) -f raw \
            -o "$OUT/spy.txt" -- python3 -m bench.prefill \
            --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes ${SPY_SIZES:-16000} \
-           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief ${SPY_ARGS:-} --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
+           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief ${SPY_ARGS:-} --out "$OUT/prefill_spy.json" \
+           > "$OUT/spy.log" 2>&1
       tail -4 "$OUT/spy.log" | cut -c1-200
-      for u in ${SPY_UNDER:-_prefill forward}; do python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
+      for u in ${SPY_UNDER:-_prefill forward}; do
+        python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
       cat "$OUT/spy_$(echo ${SPY_UNDER:-_prefill} | cut -d' ' -f1).txt" | cut -c1-150;;
     # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
     sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \

@@ -173,7 +173,8 @@ def main(argv=None):
                 t.update(wall_ms=wall, wall_ms_noprof=plain, launches_by_source=last.launches,
                          tier_read=last.tier_read, launches_rega=last.launches_rega)
                 res[f"prefill_{k}"] = t
-                show(f"prefill, {k} tokens (RAM, staged{f', tier {a.tier_mb:g} MiB' if a.tier_mb else ''})", wall, plain, t, a.top, "prompt")
+                tier = f", tier {a.tier_mb:g} MiB" if a.tier_mb else ""
+                show(f"prefill, {k} tokens (RAM, staged{tier})", wall, plain, t, a.top, "prompt")
                 out.write_text(json.dumps(res, indent=1))
 
 

@@ -34,8 +34,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
                                       layer_limits, lend_ahead, lend_min_tokens, lend_restore,
-                                      prefill_batch_bytes, prefill_eager, prefill_tier, rows_in_launch_order,
-                                      shared_overlap)
+                                      prefill_batch_bytes, prefill_eager, prefill_tier, rega_split,
+                                      rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
 from kernels.expert_prefill import (block_reads, expert_prefill_grouped, expert_prefill_grouped_torch,
@@ -272,9 +272,12 @@ class PrefillExperts:
         staged = self.prefill_weights == "staged" and self._cuda
         extra = regrouped_bytes(self.geom) if self.geom.down_group_neurons != GROUP else 0
         # rega (sm_90): the experts of at most one tile of rows (two staged) run it, decoded in the tiles (no scratch:
-        # more experts a launch); a skewed router's popular experts above that ("big") launch apart, dequantized
+        # more experts a launch); with `rega_split` a skewed router's popular experts above that ("big") launch apart,
+        # dequantized (off by default: measured slower before the rows followed the launches' order, not since)
         limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
         big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
+        if big and not rega_split():     # a mixed layer, unsplit: the dequantized sizes, each launch by its rows
+            limit = big = 0
         lim = layer_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
                            rega=bool(limit) and big < len(uniq), big=big, extra_per_expert=extra)
         rega_max = limit if big < len(uniq) else 0

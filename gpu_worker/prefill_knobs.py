@@ -219,7 +219,8 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
     """One MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a span of `tokens`.
     rega (the device runs the rega path: `kernels.expert_prefill.rega_able`) with big == 0 (every routed expert within
     `rega_rows`): every launch runs rega, no decoded scratch charged (`in_tiles`), path "rega". rega with `big` > 0
-    experts above it (a mixed layer: a skewed router's popular experts): those launch on the dequantized path, at
+    experts above it (a mixed layer: a skewed router's popular experts; the engine splits one only with `rega_split`
+    on, else it passes rega False): those launch on the dequantized path, at
     most min(big, the dequantized count) a launch, decoded at once (their scratch reserved first); the others run
     rega, their launches charged the ring's slots only. Otherwise the dequantized scratch is charged,
     `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
@@ -305,6 +306,18 @@ def prefill_tier() -> bool:
     read from the RAM cache or the disk (session 41). A tier that decode has warmed holds the experts the router
     picks most, which a prompt routes to as well."""
     return env_switch("MOESTREAM_PREFILL_TIER", True)
+
+
+def rega_split() -> bool:
+    """MOESTREAM_PREFILL_REGA_SPLIT (0 by default: off until measured; read per MoE layer, so one engine can A/B it):
+    a mixed layer (`layer_limits`: some experts within one rega launch's rows, a skewed router's popular ones above)
+    launches its popular experts apart, dequantized, and the others as rega launches charged the ring's slots only
+    (no scratch: more experts a launch, the tier's residents free). Off: such a layer's launches are sized with the
+    dequantized scratch, each launch's path chosen by its own rows, as before session 42. H100 session 42 call 2 (the
+    split without the rows in its launches' order, each launch gathering its rows by index): 512 MiB budget rows 1k
+    112 -> 72 launches at a level TTFT, 4k 127-133 -> 131-151 ms, 16k 275-285 -> 276-365; the order was mended after
+    the call, not measured."""
+    return env_switch("MOESTREAM_PREFILL_REGA_SPLIT", False)
 
 
 def lend_ahead() -> bool:

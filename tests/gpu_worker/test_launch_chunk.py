@@ -58,9 +58,11 @@ def test_a_twin_without_the_scratch_overruns():
 @pytest.mark.parametrize("var, read, value, bad", [
     ("MOESTREAM_LAUNCH_CHUNK", prefill_knobs.launch_chunk, 4, ("four", "-1")),
     ("MOESTREAM_PREFILL_FUSED_BELOW", prefill_knobs.fused_below, 8, ("many", "-3")),
+    ("MOESTREAM_PREFILL_REGA_SPLIT", prefill_knobs.rega_split, 1, ("2", "yes")),
 ])
 def test_the_switch(monkeypatch, var, read, value, bad):
-    """Both counts are 0 (off) unset, take a whole number, and name themselves in the error for anything else."""
+    """Each is 0 (off) unset, takes its value (a whole number; the split 0 or 1), and names itself in the error for
+    anything else."""
     monkeypatch.delenv(var, raising=False)
     assert read() == 0
     monkeypatch.setenv(var, str(value))
