@@ -135,8 +135,8 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
     spy) timeout ${SPY_TIMEOUT:-150} .whl/py-spy record -r ${SPY_RATE:-400} -d $(( ${SPY_TIMEOUT:-150} - 15 )) -f raw \
            -o "$OUT/spy.txt" -- python3 -m bench.prefill \
            --work $W/super --moe-layers ${MOE_LAYERS:-4} --io-workers 8 --skip kernel,sweep,disk --sizes ${SPY_SIZES:-16000} \
-           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief ${SPY_ARGS:-} --out "$OUT/prefill_spy.json" \
-           > "$OUT/spy.log" 2>&1
+           --paths ${SPY_PATHS:-staged,staged#2,staged#3} --budget-mb 0 --brief ${SPY_ARGS:-} \
+           --out "$OUT/prefill_spy.json" > "$OUT/spy.log" 2>&1
       tail -4 "$OUT/spy.log" | cut -c1-200
       for u in ${SPY_UNDER:-_prefill forward}; do
         python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
