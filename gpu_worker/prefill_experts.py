@@ -276,13 +276,12 @@ class PrefillExperts:
         # dequantized (off by default: measured slower before the rows followed the launches' order, not since)
         limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
         big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
-        if big and not rega_split():     # a mixed layer, unsplit: the dequantized sizes, each launch by its rows
-            limit = big = 0
+        if big and (big == len(uniq) or not rega_split()):   # none fits, or mixed and unsplit: dequantized sizes,
+            limit = big = 0                                  # each launch's path by its own rows
         lim = layer_limits(self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T,
-                           rega=bool(limit) and big < len(uniq), big=big, extra_per_expert=extra)
-        rega_max = limit if big < len(uniq) else 0
-        batches = list(launch_batches(sequence, counts, lim.rows, lim.experts, tier_free=rega_max > 0,
-                                      big_rows=rega_max if lim.big else 0, big_cap=lim.big))
+                           rega=bool(limit), big=big, extra_per_expert=extra)
+        batches = list(launch_batches(sequence, counts, lim.rows, lim.experts, tier_free=bool(limit),
+                                      big_rows=limit if big else 0, big_cap=lim.big))
         # the rows in the launches' order (each launch one run of them: no index, `_SortedRows.gather`)
         seg, order = self._row_order(flat, counts, [e for b in batches for e, _ in b] + misses, order)
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
@@ -321,7 +320,7 @@ class PrefillExperts:
         acc = torch.zeros(T, self.geom.L, dtype=torch.float32, device=self.device)
         lay = _LayerLaunch(j, lim.rows, lim.chunk, lim.experts, lim.path, staged,
                            torch.cuda.current_stream(self.device) if self._cuda else None,
-                           self.up_global[j], self.down_global[j], rega_max)
+                           self.up_global[j], self.down_global[j], limit)
         def launch(batch):
             self._prefill_batch(lay, batch, seg, rows, acc, ahead, in_vram)
             if later:                    # (the bookkeeping, after the first launch)
@@ -611,7 +610,7 @@ class PrefillExperts:
                 cfg = {"CHUNK": lay.chunk} if lay.chunk else None
                 gathered = None
                 # a rega launch (every expert within rega_rows) gathers x's rows as it permutes them
-                x_index = lay.path == "rega" or 0 < max(n for _, n in segments) <= lay.rega_rows
+                x_index = 0 < max(n for _, n in segments) <= lay.rega_rows
                 for part in _windows(segments, lay.rows_cap):
                     xs, ws, tok, local = rows.gather(part, x_rows=not x_index)
                     # once for the launch and its count; staged blocks lie in device memory

@@ -170,6 +170,12 @@ def ahead_early() -> bool:
     return os.environ.get("MOESTREAM_PREFILL_AHEAD_EARLY", "1" if prefill_eager() else "0") == "1"
 
 
+def row_bytes(L: int, I: int, act_bytes: int) -> int:
+    """A grouped launch's device bytes per row: the ReLU² row (fp16, I), the latent row gathered in expert order,
+    and its token, weight and gather index."""
+    return 2 * I + act_bytes * L + 20
+
+
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
                   chunk: int = 0, tokens: int = 0, in_tiles: bool = False,
                   extra_per_expert: int = 0) -> tuple[int, int]:
@@ -190,7 +196,7 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     if in_tiles:
         per_expert = 2 * block_stride + extra_per_expert
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
-        return experts, max(64, (launch_bytes - experts * per_expert) // (2 * I + act_bytes * L + 20))
+        return experts, max(64, (launch_bytes - experts * per_expert) // row_bytes(L, I, act_bytes))
     if chunk < 0:
         chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
     if chunk > 0:
@@ -201,8 +207,7 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
         per_expert = 2 * block_stride + scratch_per_expert(L, I)
         experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
         rest = launch_bytes - experts * per_expert
-    per_row = 2 * I + act_bytes * L + 20
-    return experts, max(64, rest // per_row)
+    return experts, max(64, rest // row_bytes(L, I, act_bytes))
 
 
 class LayerLimits(NamedTuple):
@@ -235,7 +240,7 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
         scratch = n_d * scratch_per_expert(L, I)
         per = 2 * block_stride + extra_per_expert
         n = max(n_d, min(launch_experts(tokens), (launch_bytes // 2 - scratch) // per))
-        rows = max(64, (launch_bytes - n * per - scratch) // (2 * I + act_bytes * L + 20))
+        rows = max(64, (launch_bytes - n * per - scratch) // row_bytes(L, I, act_bytes))
         return LayerLimits(n, rows, n_d, "auto", n_d)
     chunk = launch_chunk()
     n_cap, rows_cap = launch_limits(block_stride, L, I, act_bytes, launch_bytes, chunk, tokens=tokens)
