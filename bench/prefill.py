@@ -419,7 +419,8 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
                 launches_fused=eng.experts.prefill_acct.last.launches_fused,
-                launches_rega=eng.experts.prefill_acct.last.launches_rega, peak_bytes=peak, estimated_bytes=est,
+                launches_rega=eng.experts.prefill_acct.last.launches_rega,
+                launches_indexed=eng.experts.prefill_acct.last.launches_indexed, peak_bytes=peak, estimated_bytes=est,
                 plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                           score_bytes=plan.pieces.score_bytes, launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
@@ -548,7 +549,9 @@ def brief(res) -> None:
     for r in res.get("budget", []):
         print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms (runs "
               f"{'/'.join(f'{x * 1e3:.0f}' for x in r.get('ttft_runs_s', []))}) launches {r.get('launches')} "
-              f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)}) spans {r['spans']} "
+              f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)} "
+              f"indexed {r.get('launches_indexed', '-')}) "
+              f"spans {r['spans']} "
               f"slots {r['ahead_slot_bytes'] >> 20} "
               f"MiB ahead {r['ahead_copied']}/{r['ahead_used']}/{r['ahead_wrong']} peak/est {r['peak_bytes'] >> 20}/"
               f"{r['estimated_bytes'] >> 20} tok {r['first_token']} pieces {r['plan']['piece_tokens']}/"
@@ -874,7 +877,8 @@ def main(argv=None):
     print_rounds(res["rounds"])
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB{' ' + r['env'] if r.get('env') else ''} | {r['tokens']} tokens | spans {r['spans']} | "
-              f"TTFT {r['ttft_s']:.3f} s | launches {r['launches']} | first token {r['first_token']} | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
+              f"TTFT {r['ttft_s']:.3f} s | launches {r['launches']} (indexed {r.get('launches_indexed', '-')}) | "
+              f"first token {r['first_token']} | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
               f"{r['estimated_bytes'] / 2**20:.0f}"
               f" | peak within the estimate: {r['peak_within_estimate']} | ahead slots "
               f"{r['ahead_slot_bytes'] >> 20} MiB, copied {r['ahead_copied']}, used {r['ahead_used']}, "
