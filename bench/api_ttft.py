@@ -82,6 +82,7 @@ def chat_turn(server: MoestreamServer, text: str, max_tokens: int = 2, cache_pro
                 engine_prefill_ms=prefilled / tps * 1e3 if tps and prefilled else float("nan"),
                 distinct_experts=int(_metric(m, "moestream_last_prefill_distinct_experts")),
                 missing_at_start=int(_metric(m, "moestream_last_prefill_missing_at_start")),
+                missing_not_in_tier=int(_metric(m, "moestream_last_prefill_missing_not_in_tier")),
                 tier_resident=int(_metric(m, "moestream_last_prefill_tier_resident")),
                 blocks_read=int(_metric(m, "moestream_last_prefill_blocks_read")))
 
@@ -132,7 +133,9 @@ def with_floor(r: dict, cfg, block_bytes: int, c: dict) -> dict:
     T = r["prompt_tokens"]
     need = (r["distinct_experts"] - r.get("tier_resident", 0)) * block_bytes     # the VRAM tier's need not move
     parts = dict(h2d=need / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0,
-                 disk=r["missing_at_start"] * block_bytes / (c["disk_gbps"] * 1e9),
+                 # (missing from the RAM cache and not in the VRAM tier either: the tier's are read in place, or, with
+                 # MOESTREAM_PREFILL_TIER=0, read again by choice: the same floor)
+                 disk=r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, T, T * cfg.num_experts_per_tok) / (c["gemm_tflops"] * 1e12))
     r["floor_parts_s"] = parts
     r["floor_s"] = max(parts.values())
@@ -223,7 +226,7 @@ def main(argv=None):
     print(f"\nceilings: H2D {c['h2d_gbps']} GB/s, disk (pipeline) {c['disk_gbps']:.2f} GB/s, "
           f"GEMM {c['gemm_tflops']:.3f} TFLOP/s; chat template {res.get('template_tokens')} tokens")
     print("regime | prompt tokens | client TTFT s (median of n) | server prompt ms | floor s (by) | ratio | "
-          "distinct | missing | blocks read")
+          "distinct | tier | missing (not in the tier) | blocks read")
     for name in a.regimes.split(","):
         turns = res[name]["turns"]
         ttft = statistics.median(t["ttft_s"] for t in turns)
@@ -235,11 +238,13 @@ def main(argv=None):
         med = {k: statistics.median(t[k] for t in turns) for k in ("prompt_tokens", "server_prompt_ms",
                                                                    "engine_prefill_ms", "distinct_experts",
                                                                    "missing_at_start", "blocks_read")}
+        med.update({k: statistics.median(t.get(k, 0) for t in turns) for k in ("tier_resident",
+                                                                              "missing_not_in_tier")})
         shown = f"{ratio:.2f}" if ratio is not None else "floor wrong"
         print(f"{name} | {med['prompt_tokens']:.0f} | {ttft:.3f} (n={len(turns)}) | {med['server_prompt_ms']:.1f} "
               f"(engine prefill {med['engine_prefill_ms']:.1f}) | "
-              f"{floor:.3f} ({by}) | {shown} | {med['distinct_experts']:.0f} | {med['missing_at_start']:.0f} | "
-              f"{med['blocks_read']:.0f}")
+              f"{floor:.3f} ({by}) | {shown} | {med['distinct_experts']:.0f} | {med['tier_resident']:.0f} | "
+              f"{med['missing_at_start']:.0f} ({med['missing_not_in_tier']:.0f}) | {med['blocks_read']:.0f}")
     out_path.write_text(json.dumps(res, indent=1, default=float))
 
 

@@ -3,7 +3,8 @@
 A prompt is one call of `gpu_worker.prefill.prefill` (begin .. end); its spans and layers add into it. Disk figures
 are the IO workers' own counters (cache_shm), read at both ends, so a block read twice for the prompt counts twice:
 that is what `prefill_blocks_read <= prefill_distinct_experts + prefill_prefetch_wasted` tests. `missing_at_start`
-(routed, not in the RAM cache when the prompt began) is what a disk floor counts: the bytes that must move once.
+(routed, not in the RAM cache when the prompt began) is what a disk floor counts: the bytes that must move once;
+`missing_not_in_tier`, of those the ones the VRAM tier did not hold either, where a tier serves them in place.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class PromptCost:
     bytes_over_pcie: int = 0            # expert bytes the kernels read over the bus (zero-copy) or staged copies
     distinct_experts: int = 0           # (layer, expert) pairs the prompt routed to
     missing_at_start: int = 0           # of those, not in the cache (ready) when the prompt began
+    missing_not_in_tier: int = 0        # ... nor held by the VRAM tier: what must come from the disk
     expert_uses: int = 0                # (token, expert) pairs
     prefetch_wasted: int = 0            # guessed blocks requested while absent that the prompt never routed to
     launches: int = 0                   # grouped expert launches (each two kernels)
@@ -107,6 +109,7 @@ class PrefillAccounting:
     last: PromptCost = field(default_factory=PromptCost)
     _routed: set = field(default_factory=set)
     _guessed: set = field(default_factory=set)
+    _tier: set = field(default_factory=set)       # routed (layer, expert) pairs the VRAM tier held
     _disk0: tuple = (0, 0)
     _resident0: object = None
     _open: bool = False
@@ -118,7 +121,7 @@ class PrefillAccounting:
         """A prompt starts; `entered`: `prefill()`'s entry (perf_counter), which `since_entry` measures from."""
         self.last = PromptCost()
         self.entered = entered
-        self._routed, self._guessed = set(), set()
+        self._routed, self._guessed, self._tier = set(), set(), set()
         self._mask = None
         self._disk0 = self.disk() if self.disk is not None else (0, 0)
         self._resident0 = None
@@ -138,10 +141,12 @@ class PrefillAccounting:
         """Between `begin` and `end`: a prompt of `gpu_worker.prefill.prefill` is running."""
         return self._open
 
-    def routed(self, layer: int, experts, uses: int) -> None:
+    def routed(self, layer: int, experts, uses: int, tier=()) -> None:
+        """A layer's routed `experts`, `uses` (token, expert) pairs; `tier`: those of them the VRAM tier held."""
         if not self._open:          # a forward outside prefill() (tests, benches): not a prompt
             return
         self._routed.update((layer, int(e)) for e in experts)
+        self._tier.update((layer, int(e)) for e in tier)
         self.last.expert_uses += uses
 
     def guessed_absent(self, layer: int, experts) -> None:
@@ -159,7 +164,9 @@ class PrefillAccounting:
         p.bytes_from_disk, p.blocks_read = b - self._disk0[0], n - self._disk0[1]
         p.distinct_experts = len(self._routed)
         if self._resident0 is not None:
-            p.missing_at_start = sum(1 for j, e in self._routed if not self._resident0[j * self.n_experts + e])
+            missing = [(j, e) for j, e in self._routed if not self._resident0[j * self.n_experts + e]]
+            p.missing_at_start = len(missing)
+            p.missing_not_in_tier = sum(1 for k in missing if k not in self._tier)
         p.prefetch_wasted = len(self._guessed - self._routed)
         self.prompts += 1
         t = self.total

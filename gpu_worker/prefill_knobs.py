@@ -224,8 +224,8 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
     """One MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a span of `tokens`.
     rega (the device runs the rega path: `kernels.expert_prefill.rega_able`) with big == 0 (every routed expert within
     `rega_rows`): every launch runs rega, no decoded scratch charged (`in_tiles`), path "rega". rega with `big` > 0
-    experts above it (a mixed layer: a skewed router's popular experts; the engine splits one only with `rega_split`
-    on, else it passes rega False): those launch on the dequantized path, at
+    experts above it (a mixed layer: a skewed router's popular experts; the engine splits one as `rega_split` says,
+    `gpu_worker.prefill_experts.plan_layer`, else it passes rega False): those launch on the dequantized path, at
     most min(big, the dequantized count) a launch, decoded at once (their scratch reserved first); the others run
     rega, their launches charged the ring's slots only. Otherwise the dequantized scratch is charged,
     `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
@@ -313,16 +313,24 @@ def prefill_tier() -> bool:
     return env_switch("MOESTREAM_PREFILL_TIER", True)
 
 
-def rega_split() -> bool:
-    """MOESTREAM_PREFILL_REGA_SPLIT (0 by default: off until measured; read per MoE layer, so one engine can A/B it):
-    a mixed layer (`layer_limits`: some experts within one rega launch's rows, a skewed router's popular ones above)
-    launches its popular experts apart, dequantized, and the others as rega launches charged the ring's slots only
-    (no scratch: more experts a launch, the tier's residents free). Off: such a layer's launches are sized with the
-    dequantized scratch, each launch's path chosen by its own rows, as before session 42. H100 session 42 call 2 (the
-    split without the rows in its launches' order, each launch gathering its rows by index): 512 MiB budget rows 1k
-    112 -> 72 launches at a level TTFT, 4k 127-133 -> 131-151 ms, 16k 275-285 -> 276-365; the order was mended after
-    the call, not measured."""
-    return env_switch("MOESTREAM_PREFILL_REGA_SPLIT", False)
+def rega_split() -> str:
+    """MOESTREAM_PREFILL_REGA_SPLIT (read per MoE layer, so one engine can A/B it): how a mixed layer launches
+    (`layer_limits`: some experts within one rega launch's rows, a skewed router's popular ones above). Split: its
+    popular experts launch apart, dequantized, and the others as rega launches charged the ring's slots only (no
+    scratch: more experts a launch, the tier's residents free). Unsplit: the layer's launches sized with the
+    dequantized scratch, each launch's path chosen by its own rows (as before session 42).
+    "auto" (the default, or unset): the layer splits where that gives it fewer launches (`plan_layer` counts both);
+    "1": always; "0": never. H100 session 43 call 1 (the rows in the launches' order, none gathered by index; two
+    alternated rounds): under the server's 512 MiB, split against unsplit, 1k 100 / 116 against 134 / 126 ms (72
+    launches against 111), 4k 151 / 166 against 162 / 197 (128 against 137), **16k 366 / 371 against 349 / 363 (258
+    against 249)**; beside a 2 GiB tier, unbudgeted, 1k 58.3 against 64.5, 4k 67.7 against 87.1, 16k 111.5 against
+    115.5 (32 / 36 / 24 launches against 43 / 48 / 28): the split won wherever it cut the launches, lost where it
+    added some. (Session 42 call 2, before the rows followed the launches: every launch gathered its rows by index,
+    and the split lost.)"""
+    raw = os.environ.get("MOESTREAM_PREFILL_REGA_SPLIT", "") or "auto"
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"MOESTREAM_PREFILL_REGA_SPLIT={raw!r}: expected auto, 0 or 1")
+    return raw
 
 
 def lend_ahead() -> bool:

@@ -204,6 +204,8 @@ class _EngineCollector:
                                ("last_prefill_distinct_experts", "prefill_last_distinct_experts", "distinct experts the last prompt routed to"),
                                ("last_prefill_missing_at_start", "prefill_last_missing_at_start",
                                 "of those, not in the RAM cache when the prompt began"),
+                               ("last_prefill_missing_not_in_tier", "prefill_last_missing_not_in_tier",
+                                "of those missing, not held by the VRAM tier either (what must come from the disk)"),
                                ("last_prefill_tier_resident", "prefill_last_tier_resident",
                                 "of those, held by the VRAM tier (their bytes need not cross the bus)"),
                                ("last_prefill_blocks_read", "prefill_last_blocks_read", "blocks read from disk for the last prompt")]:

@@ -58,7 +58,6 @@ def test_a_twin_without_the_scratch_overruns():
 @pytest.mark.parametrize("var, read, value, bad", [
     ("MOESTREAM_LAUNCH_CHUNK", prefill_knobs.launch_chunk, 4, ("four", "-1")),
     ("MOESTREAM_PREFILL_FUSED_BELOW", prefill_knobs.fused_below, 8, ("many", "-3")),
-    ("MOESTREAM_PREFILL_REGA_SPLIT", prefill_knobs.rega_split, 1, ("2", "yes")),
 ])
 def test_the_switch(monkeypatch, var, read, value, bad):
     """Each is 0 (off) unset, takes its value (a whole number; the split 0 or 1), and names itself in the error for
@@ -71,6 +70,20 @@ def test_the_switch(monkeypatch, var, read, value, bad):
         monkeypatch.setenv(var, b)
         with pytest.raises(ValueError, match=var):
             read()
+
+
+def test_the_split_switch(monkeypatch):
+    """MOESTREAM_PREFILL_REGA_SPLIT: "auto" unset or empty, else auto, 0 or 1; anything else names the variable."""
+    var = "MOESTREAM_PREFILL_REGA_SPLIT"
+    monkeypatch.delenv(var, raising=False)
+    assert prefill_knobs.rega_split() == "auto"
+    for v, want in (("", "auto"), ("auto", "auto"), ("0", "0"), ("1", "1")):
+        monkeypatch.setenv(var, v)
+        assert prefill_knobs.rega_split() == want
+    for b in ("2", "yes", "on"):
+        monkeypatch.setenv(var, b)
+        with pytest.raises(ValueError, match=var):
+            prefill_knobs.rega_split()
 
 
 def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
@@ -280,3 +293,48 @@ def test_a_mixed_layers_big_experts_launch_apart():
     assert [len(b) for b in got if seg[b[0][0]] > 512] == [2] * 6
     mixed = list(launch_batches(sequence, seg, 10_000, 8, tier_free=True))
     assert any(len({seg[e] > 512 for e, _ in b}) == 2 for b in mixed)
+
+
+def _layer(counts):
+    """A layer's sequence (every expert staged, in id order), its counts and routed experts."""
+    return [(e, 100 + e) for e in range(len(counts))], counts, list(range(len(counts)))
+
+
+@pytest.mark.parametrize("mode", ["auto", "1", "0"])
+def test_a_mixed_layer_splits_where_that_launches_fewer(monkeypatch, mode):
+    """`plan_layer` under 256 MiB of launch bytes (Super, staged: 512 rows a rega launch). A short prompt's layer (10
+    popular experts of 800 rows, 320 of 40) launches fewer split (28 against 30: the popular ones apart, dequantized;
+    the rest rega, charged no scratch); a long prompt's (300 of 800, 212 of 300) launches more split (48 against 47:
+    the rega launches' room is what the popular ones' scratch leaves): "auto" picks the split for the first only, "1"
+    splits both, "0" neither. Every plan keeps every expert once, and a split plan's launches are one kind each.
+    Must fail: "1" on the long layer launches more than "0"."""
+    from gpu_worker.prefill_experts import plan_layer
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA_SPLIT", mode)
+    monkeypatch.setenv(ONE_SCRATCH_ENV, "1")        # the engine's default: one scratch (2·L·I an expert)
+    sizing = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 256 << 20, 4000, 0)
+    short, long = _layer([800] * 10 + [40] * 320), _layer([800] * 300 + [300] * 212)
+    plans = {}
+    for name, (seq, counts, uniq) in (("short", short), ("long", long)):
+        lim, batches, limit = plan_layer(seq, counts, uniq, 512, sizing)
+        assert sorted(x for b in batches for x in b) == seq
+        if limit:
+            assert all(len({counts[e] > limit for e, _ in b}) == 1 for b in batches)
+        plans[name] = (len(batches), limit)
+    want = {"auto": (512, 0), "1": (512, 512), "0": (0, 0)}[mode]
+    assert (plans["short"][1], plans["long"][1]) == want
+    if mode == "1":         # the twins: the split's counts against the unsplit ones (mode "0")
+        monkeypatch.setenv("MOESTREAM_PREFILL_REGA_SPLIT", "0")
+        unsplit = {n: len(plan_layer(*lay, 512, sizing)[1]) for n, lay in (("short", short), ("long", long))}
+        assert plans["short"][0] < unsplit["short"] and plans["long"][0] > unsplit["long"], (plans, unsplit)
+
+
+def test_every_expert_within_the_limit_is_a_rega_layer_and_none_dequantized():
+    """All routed experts within the rega limit: rega sizes whatever the switch; none within it: dequantized, limit 0;
+    no rega on the device (limit 0): dequantized."""
+    from gpu_worker.prefill_experts import plan_layer
+    sizing = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 256 << 20, 1000, 0)
+    lim, _, limit = plan_layer(*_layer([40] * 300), 512, sizing)
+    assert (lim.path, limit) == ("rega", 512)
+    for counts, lim_rows in (([800] * 300, 512), ([40] * 300, 0)):
+        lim, _, limit = plan_layer(*_layer(counts), lim_rows, sizing)
+        assert (lim.path, limit) == ("auto", 0)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.prefill import resident
 from gpu_worker.engine import StreamingEngine
 from gpu_worker.prefill import prefill
 from gpu_worker.vram_tier import VramTier
@@ -37,11 +38,16 @@ def _fill(src, store_dir, swap: bool = False, device="cpu") -> VramTier:
     return vt
 
 
-def _run(eng, ids, monkeypatch, tier_on: bool, asked: list):
+def _run(eng, ids, monkeypatch, tier_on: bool, asked: list, missing: list | None = None):
+    """The prompt's logits and accounting; `missing` gets the routed (layer, expert) pairs the RAM cache lacked at
+    its start."""
     monkeypatch.setenv("MOESTREAM_PREFILL_TIER", "1" if tier_on else "0")
     asked.clear()
     m = eng.model
+    before = resident(eng)
     out = prefill(m, ids, m.new_state())
+    if missing is not None:
+        missing[:] = sorted(eng.experts.prefill_acct.routed_keys() - before)
     return out.float().cpu().numpy(), eng.experts.prefill_acct.last
 
 
@@ -64,7 +70,8 @@ def test_tier_residents_are_read_in_place(tiny, monkeypatch, device):
         src.vram = _fill(src, store, device=device)
         ref, pa_off = _run(eng, ids, monkeypatch, False, asked)
         asked_off = list(asked)
-        got, pa_on = _run(eng, ids, monkeypatch, True, asked)
+        missing: list = []
+        got, pa_on = _run(eng, ids, monkeypatch, True, asked, missing)
         asked_on = list(asked)
         src.vram = _fill(src, store, swap=True, device=device)
         bad, _ = _run(eng, ids, monkeypatch, True, asked)
@@ -75,6 +82,10 @@ def test_tier_residents_are_read_in_place(tiny, monkeypatch, device):
     assert pa_on.tier_read == held_routed                    # every routed resident read from the tier ...
     assert all(e >= HELD for _, ex in asked_on for e in ex)  # ... and none asked of the cache
     assert pa_on.distinct_experts == pa_off.distinct_experts
+    # what must come from the disk: missing from the cache and not held by the tier (the API bench's disk floor);
+    # the twin, the count that ignores the tier, is larger
+    assert pa_on.missing_at_start == len(missing)
+    assert pa_on.missing_not_in_tier == sum(1 for _, e in missing if e >= HELD) < pa_on.missing_at_start
     # the same blocks, launched in another order (residents first): equal up to the fp32 sums' order on the CPU; on
     # CUDA the launches group differently (their kernel paths too), in bf16 through every layer: a KL's worth
     if device == "cpu":
