@@ -275,7 +275,7 @@ class PrefillExperts:
         # more experts a launch); a skewed router's popular experts above that split apart where `rega_split` says
         limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
         sizing = (self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T, extra)
-        lim, batches, limit = plan_layer(sequence, counts, uniq, limit, sizing)
+        lim, batches, limit = plan_layer(sequence, counts, uniq, limit, sizing, ahead)
         # the rows in the launches' order (each launch one run of them: no index, `_SortedRows.gather`)
         seg, order = self._row_order(flat, counts, [e for b in batches for e, _ in b] + misses, order)
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
@@ -671,11 +671,12 @@ class PrefillExperts:
             self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
 
 
-def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple) -> "tuple[LayerLimits, list, int]":
+def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) -> "tuple[LayerLimits, list, int]":
     """A MoE layer's launches: (its `LayerLimits`, the batches of `launch_batches` in order, the rega row limit its
     launches keep, 0 for none). limit: the most rows an expert a rega launch takes (`rega_rows`; 0: no rega on this
     device or path); sizing: `layer_limits`'s leading arguments (block stride, L, I, activation bytes, launch bytes,
-    tokens, the regrouped bytes an expert). Every routed expert (`uniq`) within the limit: a rega layer. None
+    tokens, the regrouped bytes an expert); ahead: the experts whose blocks lie in ahead slots (`launch_batches`).
+    Every routed expert (`uniq`) within the limit: a rega layer. None
     within it: dequantized sizes, each launch's path by its own rows. Mixed: split (the popular experts apart,
     dequantized) where `rega_split` is "1", or, "auto", where that gives fewer launches than unsplit."""
     *shape, extra = sizing
@@ -683,7 +684,7 @@ def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple) -> "tuple[Laye
     def plan(rega: bool, big: int) -> "tuple[LayerLimits, list]":
         lim = layer_limits(*shape, rega=rega, big=big, extra_per_expert=extra)
         return lim, list(launch_batches(sequence, counts, lim.rows, lim.experts, tier_free=rega,
-                                        big_rows=limit if big else 0, big_cap=lim.big))
+                                        big_rows=limit if big else 0, big_cap=lim.big, ahead=ahead))
     big = sum(1 for e in uniq if counts[e] > limit) if limit else 0
     if not big:
         return (*plan(bool(limit), 0), limit)
@@ -698,19 +699,20 @@ def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple) -> "tuple[Laye
 
 
 def launch_batches(sequence, counts, rows_cap: int, n_cap: int, tier_free: bool = False, big_rows: int = 0,
-                   big_cap: int = 0):
+                   big_cap: int = 0, ahead=()):
     """A layer's grouped launches, in order, from its `sequence` [(expert, slab slot, or None for a VRAM-tier
     resident)] and its rows an expert `counts[expert]`: each launch at most rows_cap rows (one expert with more
     goes alone: `_windows`) and n_cap experts charged a staging slot and, dequantized, a scratch. tier_free (rega
     launches): the tier's residents are charged neither (read in place, decoded in the tiles), so they launch
     together, first, bounded by their rows only (a 1k prompt beside a tier holding a third of the experts: ~4
-    launches a layer fewer). big_rows > 0 (a mixed layer, `layer_limits`): the experts of more rows go into launches
+    launches a layer fewer); so are the experts in `ahead` (their blocks copied ahead into device slots: read there,
+    no staging slot). big_rows > 0 (a mixed layer, `layer_limits`): the experts of more rows go into launches
     of their own (the dequantized path's, its scratch), big_cap at a time, all charged; each kind's launch goes when
     it is full, the rest at the end (the caller sorts the rows in the launches' order: each launch one run)."""
     if not big_rows:        # one kind (most layers): the same loop in plain locals (~2x faster on the host)
         batch, rows, charged = [], 0, 0
         for e, s in sequence:
-            n, free = counts[e], tier_free and s is None
+            n, free = counts[e], tier_free and (s is None or e in ahead)
             if batch and (rows + n > rows_cap or (charged >= n_cap and not free)):
                 yield batch
                 batch, rows, charged = [], 0, 0
@@ -731,7 +733,7 @@ def launch_batches(sequence, counts, rows_cap: int, n_cap: int, tier_free: bool 
             big.append((e, s))
             b_rows += n
             continue
-        free = tier_free and s is None
+        free = tier_free and (s is None or e in ahead)
         if small and (s_rows + n > rows_cap or (s_charged >= n_cap and not free)):
             yield small
             small, s_rows, s_charged = [], 0, 0

@@ -250,13 +250,16 @@ def test_the_layer_limits_keep_the_fused_switch(monkeypatch):
     assert prefill_knobs.layer_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, 187 << 20, 16000).path == "auto"
 
 
-def _sizes(batches, seg, n_cap, rows_cap, big_rows=0, big_cap=0):
+def _sizes(batches, seg, n_cap, rows_cap, big_rows=0, big_cap=0, free=()):
+    """The launches' sizes, each checked: one kind, at most its cap of charged experts (a big one always; others
+    unless a tier resident or in `free`) and rows_cap rows."""
     out = []
     for b in batches:
         big = [e for e, _ in b if 0 < big_rows < seg[e]]
         assert not big or len(big) == len(b)                         # a launch is one kind
         cap = big_cap if big else n_cap
-        assert sum(1 for e, s in b if s is not None or big) <= cap and sum(seg[e] for e, _ in b) <= rows_cap
+        charged = sum(1 for e, s in b if big or (s is not None and e not in free))
+        assert charged <= cap and sum(seg[e] for e, _ in b) <= rows_cap
         out.append(len(b))
     return out
 
@@ -338,3 +341,21 @@ def test_every_expert_within_the_limit_is_a_rega_layer_and_none_dequantized():
     for counts, lim_rows in (([800] * 300, 512), ([40] * 300, 0)):
         lim, _, limit = plan_layer(*_layer(counts), lim_rows, sizing)
         assert (lim.path, limit) == ("auto", 0)
+
+
+def test_a_rega_launch_charges_the_experts_copied_ahead_nothing():
+    """Experts whose blocks were copied ahead into device slots take no staging slot: on rega launches (no scratch
+    either) they are free like the tier's residents, so 30 of them launch with 8 charged ones; dequantized, and in a
+    mixed layer's big launches, they are charged (their scratch). Must fail: without `ahead` the same layer launches
+    in fours of 8."""
+    from gpu_worker.prefill_experts import launch_batches
+    sequence = [(e, 100 + e) for e in range(40)]
+    seg = {e: 5 for e in range(40)}
+    ahead = set(range(30))
+    got = list(launch_batches(sequence, seg, 1000, 8, tier_free=True, ahead=ahead))
+    assert _sizes(got, seg, 8, 1000, free=ahead) == [38, 2] and [x for b in got for x in b] == sequence
+    assert _sizes(launch_batches(sequence, seg, 1000, 8, ahead=ahead), seg, 8, 1000) == [8] * 5
+    assert _sizes(launch_batches(sequence, seg, 1000, 8, tier_free=True), seg, 8, 1000) == [8] * 5
+    seg_big = {e: 600 if e % 10 == 0 else 5 for e in range(40)}
+    got = list(launch_batches(sequence, seg_big, 10_000, 8, tier_free=True, big_rows=512, big_cap=2, ahead=ahead))
+    assert [len(b) for b in got if seg_big[b[0][0]] > 512] == [2, 2]
