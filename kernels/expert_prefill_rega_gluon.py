@@ -28,6 +28,8 @@ hazards.
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,8 +50,11 @@ TMA_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, STAGES=2, num_warps=8)
 DECODE = gl.constexpr(DECODE_PTX)
 
 
+@functools.lru_cache(maxsize=None)
 def x_layout(block_m: int):
-    """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads)."""
+    """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads). Built once a
+    block_m: Gluon builds it through a constexpr function call, ~5 % of a rega launch's host time when built twice a
+    launch (py-spy, H100 session 43 call 2: 755 samples under the budgeted prompts' `_prefill_batch`)."""
     return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
 
 
