@@ -415,7 +415,12 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
         peak = torch.cuda.max_memory_allocated() - mem0 if cuda else 0
     finally:
         del m.forward
+    last = eng.experts.prefill_acct.last
     return dict(tokens=len(ids), budget_bytes=budget, spans=spans, first_token=tok, ttft_s=sec, ttft_runs_s=secs,
+                # (what the floor counts: `with_floor`, as the unbudgeted rows')
+                distinct_experts=last.distinct_experts, tier_resident=last.tier_resident,
+                missing_at_start=last.missing_at_start, missing_not_in_tier=last.missing_not_in_tier,
+                expert_uses=last.expert_uses,
                 **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
                 tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
                 launches_fused=eng.experts.prefill_acct.last.launches_fused,
@@ -547,7 +552,9 @@ def brief(res) -> None:
                     print(f"  {name} {r['tokens']}: {io_line(r['io_trace'])}")
     print_rounds(res["rounds"])
     for r in res.get("budget", []):
-        print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms (runs "
+        floor = (f" floor {r['floor_s'] * 1e3:.1f} ({shown_ratio(r['ttft_s'], r['floor_s'])}, {r['floor_by']})"
+                 if r.get("floor_s") else "")
+        print(f"budget {r['tokens']}{' ' + r['env'] if r.get('env') else ''}: {r['ttft_s'] * 1e3:.1f} ms{floor} (runs "
               f"{'/'.join(f'{x * 1e3:.0f}' for x in r.get('ttft_runs_s', []))}) launches {r.get('launches')} "
               f"(fused {r.get('launches_fused', 0)} rega {r.get('launches_rega', 0)} "
               f"indexed {r.get('launches_indexed', '-')}) "
@@ -789,7 +796,8 @@ def main(argv=None):
                             arm["MOESTREAM_PIECE_TOKENS"] = str(top)
                         with scoped_env(arm):         # each key back to what it was after the arm
                             for n in [int(n) for n in a.budget_sizes.split(",") if n]:
-                                r = budgeted(eng, prompt(n), device, a.budget_mb << 20)
+                                r = with_floor(budgeted(eng, prompt(n), device, a.budget_mb << 20), cfg,
+                                               store.block_bytes, c)
                                 if a.profile and cuda:
                                     r["profile"] = profiled(eng, prompt(n), device, a.budget_mb << 20)
                                 r["piece_top"], r["env"] = top, env if key and key != "none" else ""
@@ -877,7 +885,8 @@ def main(argv=None):
     print_rounds(res["rounds"])
     for r in res.get("budget", []):
         print(f"budget {r['budget_bytes'] >> 20} MiB{' ' + r['env'] if r.get('env') else ''} | {r['tokens']} tokens | spans {r['spans']} | "
-              f"TTFT {r['ttft_s']:.3f} s | launches {r['launches']} (indexed {r.get('launches_indexed', '-')}) | "
+              f"TTFT {r['ttft_s']:.3f} s (floor {r.get('floor_s', 0):.3f}, {r.get('floor_by', '-')}) | launches "
+              f"{r['launches']} (indexed {r.get('launches_indexed', '-')}) | "
               f"first token {r['first_token']} | peak/est MiB {r['peak_bytes'] / 2**20:.0f}/"
               f"{r['estimated_bytes'] / 2**20:.0f}"
               f" | peak within the estimate: {r['peak_within_estimate']} | ahead slots "

@@ -326,7 +326,11 @@ def rega_split() -> str:
     against 249)**; beside a 2 GiB tier, unbudgeted, 1k 58.3 against 64.5, 4k 67.7 against 87.1, 16k 111.5 against
     115.5 (32 / 36 / 24 launches against 43 / 48 / 28): the split won wherever it cut the launches, lost where it
     added some. (Session 42 call 2, before the rows followed the launches: every launch gathered its rows by index,
-    and the split lost.)"""
+    and the split lost.) As built ("auto", and the experts copied ahead free on rega launches; call 2, another H100,
+    two rounds against "0"): 512 MiB 1k 94.1 / 90.1 against 121.8 / 123.9 ms (62 launches against 111), 4k 159.6 /
+    157.2 against 172.1 / 174.5 (128 against 137), 16k unsplit either way (249), 352.4 / 359.0 against 346.7 /
+    351.0; beside the tier 1k 59.1 / 59.5 against 80.6 / 79.9 (8-9 launches against 43), 4k 75.7 / 67.5 against
+    87.4 / 87.1 (12 against 48), 16k 114.9 / 114.4 against 123.5 / 124.0 (16 against 28)."""
     raw = os.environ.get("MOESTREAM_PREFILL_REGA_SPLIT", "") or "auto"
     if raw not in ("auto", "0", "1"):
         raise ValueError(f"MOESTREAM_PREFILL_REGA_SPLIT={raw!r}: expected auto, 0 or 1")

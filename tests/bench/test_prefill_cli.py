@@ -28,11 +28,12 @@ def test_disk_rows_traced_and_reprobed(tmp_path, capsys):
 def test_rows_with_a_vram_tier(tmp_path):
     """--tier-mb: each regime's engine beside a warm VRAM tier. Each row names the routed experts the tier holds, the
     engine read every one of them there, and the floor's bus bytes leave them out, its disk bytes the missing ones
-    it holds (a floor with them in is the twin: larger by their share)."""
+    it holds (a floor with them in is the twin: larger by their share). The budget row of the same prompt has the
+    same floor's counts, from the engine's accounting."""
     out = tmp_path / "prefill.json"
     prefill.main(["--work", str(tmp_path / "w"), "--preset", "tiny", "--moe-layers", "2", "--device", "cpu",
-                  "--sizes", "300", "--skip", "kernel,sweep", "--tier-mb", "0.3", "--budget-mb", "0", "--brief",
-                  "--out", str(out)])
+                  "--sizes", "300", "--skip", "kernel,sweep", "--tier-mb", "0.3", "--budget-mb", "64",
+                  "--budget-sizes", "300", "--brief", "--out", str(out)])
     res = json.loads(out.read_text())
     for name in ("ram", "disk"):
         r = res[name]["cpu"][0]
@@ -44,3 +45,8 @@ def test_rows_with_a_vram_tier(tmp_path):
     # each routed expert the tier does not hold read at most once (a block the small cache held at the start may be
     # evicted and read again: the bound is the distinct ones, not the missing ones)
     assert d["blocks_read"] <= d["distinct_experts"] - d["tier_resident"] + d["prefetch_wasted"]
+    b, r = res["budget"][0], res["ram"]["cpu"][0]
+    assert (b["distinct_experts"], b["tier_resident"], b["expert_uses"]) == (r["distinct_experts"],
+                                                                           r["tier_resident"], r["expert_uses"])
+    assert b["floor_s"] > 0 and b["ratio"] == b["ttft_s"] / b["floor_s"]
+    assert b["floor_parts_s"]["h2d"] == r["floor_parts_s"]["h2d"]      # the tier's experts left out of both
