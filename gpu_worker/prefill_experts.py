@@ -709,24 +709,13 @@ def launch_batches(sequence, counts, rows_cap: int, n_cap: int, tier_free: bool 
     no staging slot). big_rows > 0 (a mixed layer, `layer_limits`): the experts of more rows go into launches
     of their own (the dequantized path's, its scratch), big_cap at a time, all charged; each kind's launch goes when
     it is full, the rest at the end (the caller sorts the rows in the launches' order: each launch one run)."""
-    if not big_rows:        # one kind (most layers): the same loop in plain locals (~2x faster on the host)
-        batch, rows, charged = [], 0, 0
-        for e, s in sequence:
-            n, free = counts[e], tier_free and (s is None or e in ahead)
-            if batch and (rows + n > rows_cap or (charged >= n_cap and not free)):
-                yield batch
-                batch, rows, charged = [], 0, 0
-            batch.append((e, s))
-            rows += n
-            charged += not free
-        if batch:
-            yield batch
-        return
-    small, s_rows, s_charged = [], 0, 0          # the two kinds' open launches: within big_rows, above
+    # the two kinds' open launches, within big_rows and above (plain locals, not a dict by kind: ~2x faster on the
+    # host, ~67 us for 512 experts on the CPU here)
+    small, s_rows, s_charged = [], 0, 0
     big, b_rows = [], 0
     for e, s in sequence:
         n = counts[e]
-        if n > big_rows:                          # charged whatever it is (decoded into the scratch)
+        if big_rows and n > big_rows:             # charged whatever it is (decoded into the scratch)
             if big and (b_rows + n > rows_cap or len(big) >= big_cap):
                 yield big
                 big, b_rows = [], 0
