@@ -27,17 +27,34 @@ K is padded to a multiple of 128 in x and h (zeros); the words past K are masked
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.backend import varying
 from kernels.expert_prefill import tile_table
-from kernels.launch_tables import device_table
+from kernels.launch_tables import device_table, table_fetched_by
 
 PERM_BLOCK = 128
 X_PRESCALE = 1.0 / 256.0     # x · 2^-8 before the fp16 cast (as kernels.gemv_nvfp4._X_PRESCALE)
 REGA_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+TABLE_IN_PERMUTE_ENV = "MOESTREAM_REGA_TABLE_IN_PERMUTE"
+
+
+def table_in_permute() -> bool:
+    """Whether a rega launch's table is copied to the device by its `permute_x` launch ($MOESTREAM_REGA_TABLE_IN_PERMUTE
+    "1") instead of by the launch tables' fetch kernel ("0" or unset: the default until a device measures it). One
+    Triton launch fewer a rega launch: py-spy (H100 session 43 call 3, the budgeted prompts) put the table's put at
+    17 % of a rega launch's host time, most of it that launch (35-80 us each on the hosts measured)."""
+    raw = os.environ.get(TABLE_IN_PERMUTE_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{TABLE_IN_PERMUTE_ENV}={raw!r}: expected 0 or 1")
+    return raw == "1"
 
 
 def padded(k: int) -> int:
@@ -73,12 +90,21 @@ def source_col(o):
     return o - r + 64 * (a // 4) + 8 * (b // 2) + 4 * (b % 2) + a % 4
 
 
-@triton.jit(**varying("rows_ptr", "M"))
-def _permute_x_kernel(x_ptr, rows_ptr, out_ptr, M, K, stride_x, stride_o, BLOCK_R: tl.constexpr,
-                      GATHER: tl.constexpr):
+@triton.jit(**varying("rows_ptr", "M", "tab_src", "tab_dst", "tab_n"))
+def _permute_x_kernel(x_ptr, rows_ptr, out_ptr, M, K, stride_x, stride_o, tab_src, tab_dst, tab_n,
+                      BLOCK_R: tl.constexpr, GATHER: tl.constexpr, FETCH: tl.constexpr, BLOCK_T: tl.constexpr):
     """Each output row's 128 positions gathered from one 256-byte span of x and stored contiguously (the stores
     scattered by permuted_pos wrote 16 sectors a warp for 64 bytes: 100 GB/s on the H100, session 40). GATHER: output
-    row r reads x's row rows_ptr[r] (the launch's tokens: the row gather and the permutation in one pass)."""
+    row r reads x's row rows_ptr[r] (the launch's tokens: the row gather and the permutation in one pass). FETCH: the
+    programs of the first column block also copy the launch's table, tab_n int64 words at host address tab_src, into
+    tab_dst (kernels.launch_tables `table_fetched_by`: the fetch kernel's launch saved)."""
+    if FETCH:
+        if tl.program_id(1) == 0:
+            src = tab_src.to(tl.pointer_type(tl.int64))
+            for t0 in range(tl.program_id(0) * BLOCK_T, tab_n, tl.num_programs(0) * BLOCK_T):
+                o_t = t0 + tl.arange(0, BLOCK_T)
+                m_t = o_t < tab_n
+                tl.store(tab_dst + o_t, tl.load(src + o_t, mask=m_t), mask=m_t)
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_p = tl.program_id(1) * 128 + tl.arange(0, 128)
     src = source_col(o_p)
@@ -93,19 +119,24 @@ def _permute_x_kernel(x_ptr, rows_ptr, out_ptr, M, K, stride_x, stride_o, BLOCK_
     tl.store(out_ptr + o_r[:, None].to(tl.int64) * stride_o + o_p[None, :], b_y, mask=m_r[:, None])
 
 
-def permute_x(x: torch.Tensor, block_r: int = 32, rows: torch.Tensor | None = None) -> torch.Tensor:
+def permute_x(x: torch.Tensor, block_r: int = 32, rows: torch.Tensor | None = None,
+              table: tuple | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp32) -> permute_cols(x · 2^-8) as fp16 in one pass (zeros past K). rows (int64 [R] on x's
-    device): the output's rows are x[rows] (gathered in the same pass)."""
+    device): the output's rows are x[rows] (gathered in the same pass). table: (device int64 slice, (host address,
+    words)) of `table_fetched_by`, copied by the same launch (None, or its fetch None: nothing to copy)."""
     M, K = x.shape
     assert x.stride(1) == 1
     if rows is not None:
         assert rows.dtype == torch.int64 and rows.dim() == 1 and rows.device == x.device
         M = rows.numel()
     out = torch.empty(M, padded(K), dtype=torch.float16, device=x.device)
-    if M:
-        _permute_x_kernel[(triton.cdiv(M, block_r), padded(K) // PERM_BLOCK)](
-            x, x if rows is None else rows, out, M, K, x.stride(0), out.stride(0), BLOCK_R=block_r,
-            GATHER=rows is not None)
+    dst, fetch = table if table is not None else (None, None)
+    if M or fetch is not None:
+        src, n = fetch if fetch is not None else (0, 0)
+        _permute_x_kernel[(max(1, triton.cdiv(M, block_r)), padded(K) // PERM_BLOCK)](
+            x, x if rows is None else rows, out, M, K, x.stride(0), out.stride(0), src,
+            dst if fetch is not None else out, n, BLOCK_R=block_r, GATHER=rows is not None, FETCH=fetch is not None,
+            BLOCK_T=256)
     return out
 
 
@@ -215,14 +246,17 @@ def prepare(x_sorted, segments, addrs, geom, block_m: int, h: torch.Tensor | Non
     gs = range(len(addrs)) if gs_index is None else gs_index
     flat = [v for (i, m0, m1) in table for v in (i, m0 - lo, m1 - lo)] + [v for a, g in zip(addrs, gs)
                                                                          for v in (int(a), int(g))]
-    tab = device_table(flat, dev)
     rows, width = hi - lo, padded(geom.I)
     if h is not None and width == geom.I and h.dtype == torch.float16 and h.numel() >= rows * width:
         h = h[:rows * width].view(rows, width)
     else:
         h = (torch.empty if width == geom.I else torch.zeros)(rows, width, dtype=torch.float16, device=dev)
-    xp = permute_x(x_sorted[lo:hi]) if x_index is None else permute_x(x_sorted, rows=x_index[lo:hi])
-    return tab, len(table), lo, hi, xp, h
+    # the table fetched by the permutation's launch (`table_in_permute`), or by the launch tables' own kernel
+    with (table_fetched_by(flat, dev) if table_in_permute() else
+          contextlib.nullcontext((device_table(flat, dev), None))) as got:
+        xp = (permute_x(x_sorted[lo:hi], table=got) if x_index is None else
+              permute_x(x_sorted, rows=x_index[lo:hi], table=got))
+    return got[0], len(table), lo, hi, xp, h
 
 
 def launch_twin(tab, n, lo, hi, xp, h, geom, up_global, down_global, w_sorted, tok_sorted, acc, cfg: dict,

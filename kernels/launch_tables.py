@@ -18,6 +18,7 @@ on another stream first waits for the last one's stream).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
 import torch
@@ -73,7 +74,30 @@ class LaunchTables:
         with self._lock:
             return self._put(values, k)
 
+    @contextlib.contextmanager
+    def fetched_by(self, values):
+        """`put` where the caller's own kernel fetches the words (one launch fewer): yields (the device slice, (the
+        host address of the words, their count)); inside the block the caller launches, on the current stream, a
+        kernel that copies those words into the slice before any kernel reads it (e.g. kernels.expert_prefill_rega's
+        `permute_x`). The ring's bookkeeping (the fetch's event, the cursor) follows the block, under the same lock."""
+        k = len(values)
+        if k > len(self.np):
+            raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
+        with self._lock:
+            a, b = self._write(values, k)
+            try:
+                yield self.dev[a:b], (self.base + 8 * a, k)
+            finally:         # (raised or not: a kernel may have been queued that reads the words)
+                self._fetched(a, b)
+
     def _put(self, values, k: int) -> torch.Tensor:
+        a, b = self._write(values, k)
+        _fetch_kernel[(triton.cdiv(k, FETCH_BLOCK),)](self.base + 8 * a, self.dev[a:b], k, BLOCK=FETCH_BLOCK)
+        self._fetched(a, b)
+        return self.dev[a:b]
+
+    def _write(self, values, k: int) -> tuple[int, int]:
+        """The values into the host ring's next k words (a region no queued fetch still reads); their [a, b)."""
         if self.at + k > len(self.np):     # round the ring: the last round's fetches still listed (past the cursor)
             self._drain(lambda c, s: c < self.cycle)
             self.at, self.cycle = 0, self.cycle + 1
@@ -85,10 +109,12 @@ class LaunchTables:
             if self._stream is not None and self._stream != cur:
                 cur.wait_stream(self._stream)           # the device ring's earlier readers, on the other stream
             self._stream = cur
-        _fetch_kernel[(triton.cdiv(k, FETCH_BLOCK),)](self.base + 8 * a, self.dev[a:b], k, BLOCK=FETCH_BLOCK)
+        return a, b
+
+    def _fetched(self, a: int, b: int) -> None:
+        """The fetch of [a, b) is queued: its event listed (the host words are rewritten after it), the cursor on."""
         self.inflight.append((self.cycle, a, b, self._event()))
         self.at = b
-        return self.dev[a:b]
 
     def _drain(self, overlaps) -> None:
         q = self.inflight
@@ -117,8 +143,30 @@ def device_table(values, device) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
     if len(values) > TABLE_WORDS:
         return torch.as_tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    return _tables(device).put(values)
+
+
+def _tables(device: torch.device) -> LaunchTables:
+    """The device's rings (one per device; a CPU's for `table_fetched_by`, which the interpreter's kernels read)."""
+    if device.type != "cuda":
+        key = (device.type, 0)
+    else:
+        key = ("cuda", device.index if device.index is not None else torch.cuda.current_device())
     t = _TABLES.get(key)
     if t is None:
-        t = _TABLES[key] = LaunchTables(torch.device("cuda", key))
-    return t.put(values)
+        t = _TABLES[key] = LaunchTables(torch.device(*key))
+    return t
+
+
+@contextlib.contextmanager
+def table_fetched_by(values, device):
+    """`device_table` for a caller whose own first kernel fetches the table (`LaunchTables.fetched_by`): yields (the
+    table on the device, (host address, words) for that kernel to copy, or None where the table is already there:
+    empty, or larger than the ring). On the CPU too (a ring of its own): the interpreter's kernel copies it as the
+    GPU's would."""
+    device = torch.device(device)
+    if len(values) > TABLE_WORDS or not values:
+        yield device_table(values, device), None
+        return
+    with _tables(device).fetched_by(values) as got:
+        yield got

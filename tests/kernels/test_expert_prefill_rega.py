@@ -67,11 +67,12 @@ def test_permute_x_gathers_the_rows_it_is_given(device):
     assert R.permute_x(x, rows=rows[:0]).shape == (0, 256)
 
 
-@pytest.mark.parametrize("T,k", [(29, 3), (37, 2)])
-def test_rega_twin_matches_the_layer(T, k, device):
+@pytest.mark.parametrize("T,k,fetch", [(29, 3, "0"), (37, 2, "0"), (31, 3, "1")])
+def test_rega_twin_matches_the_layer(T, k, fetch, device, monkeypatch):
     """The Triton twin (words per half block, nibble pairs joined) equals the reference layer on L 48 / I 80 (one
     partial 128-block each way), an unrouted expert and partial row tiles; each expert's neighbour's block must
-    fail."""
+    fail. fetch "1": the launch's table copied by its permute_x launch (MOESTREAM_REGA_TABLE_IN_PERMUTE)."""
+    monkeypatch.setenv(R.TABLE_IN_PERMUTE_ENV, fetch)
     E = 5
     geom, blocks, ug, dg, _, _ = _layer(E, device)
     _, _, tok, w, segments = _routed(T, k, E, device)

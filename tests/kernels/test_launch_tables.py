@@ -73,3 +73,28 @@ def test_gpu_fetch_on_another_stream_waits_for_the_last():
         torch.cuda.current_stream().synchronize()
     torch.cuda.synchronize()
     assert b.tolist() == [5] * 16 and a[16:32].tolist() == list(range(16, 32))
+
+
+@pytest.mark.parametrize("k, rows", [(1, 5), (777, 40), (999, 0)])
+def test_a_kernel_of_the_callers_fetches_the_table(device, k, rows):
+    """`fetched_by`: the caller's own launch (kernels.expert_prefill_rega.permute_x, whose programs stride over the
+    table: 777 words against 2 programs of 256) copies the words into the ring's slice, its own output unchanged,
+    the ring's cursor and fetch listed as after `put` (across a wrap). Must fail: the same launch without the table
+    leaves the slice as it was."""
+    from kernels.expert_prefill_rega import permute_x
+    t = lt.LaunchTables(device, words=1_000)
+    t.put(list(range(600)))                          # a table of more than 400 words wraps the ring
+    a = 600 if 600 + k <= 1_000 else 0
+    rng = random.Random(k)
+    values = [rng.randrange(-2**63, 2**63) for _ in range(k)]
+    x = torch.randn(max(rows, 1), 200, device=device).bfloat16()[:rows]
+    with t.fetched_by(values) as (dst, fetch):
+        dst.fill_(-1)
+        assert fetch[1] == k and all(f[1:3] != (a, a + k) for f in t.inflight)     # not listed before its launch
+        out = permute_x(x, table=(dst, fetch))
+    assert t.at == a + k and t.inflight[-1][1:3] == (a, a + k) and t.cycle == (a == 0)
+    assert dst.cpu().tolist() == values and torch.equal(out, permute_x(x))
+    with t.fetched_by(values) as (dst, fetch):
+        dst.fill_(-1)
+        permute_x(x, table=(dst, None))
+    assert dst.cpu().tolist() == [-1] * k
