@@ -100,11 +100,11 @@ def _permute_x_kernel(x_ptr, rows_ptr, out_ptr, M, K, stride_x, stride_o, tab_sr
     tab_dst (kernels.launch_tables `table_fetched_by`: the fetch kernel's launch saved)."""
     if FETCH:
         if tl.program_id(1) == 0:
-            src = tab_src.to(tl.pointer_type(tl.int64))
+            words = tab_src.to(tl.pointer_type(tl.int64))
             for t0 in range(tl.program_id(0) * BLOCK_T, tab_n, tl.num_programs(0) * BLOCK_T):
                 o_t = t0 + tl.arange(0, BLOCK_T)
                 m_t = o_t < tab_n
-                tl.store(tab_dst + o_t, tl.load(src + o_t, mask=m_t), mask=m_t)
+                tl.store(tab_dst + o_t, tl.load(words + o_t, mask=m_t), mask=m_t)
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     o_p = tl.program_id(1) * 128 + tl.arange(0, 128)
     src = source_col(o_p)

@@ -54,7 +54,7 @@ DECODE = gl.constexpr(DECODE_PTX)
 def x_layout(block_m: int):
     """The ring's shared layout (a [block_m, 64] fp16 TMA box, 128-byte swizzle: what wgmma's B reads). Built once a
     block_m: Gluon builds it through a constexpr function call, ~5 % of a rega launch's host time when built twice a
-    launch (py-spy, H100 session 43 call 2: 755 samples under the budgeted prompts' `_prefill_batch`)."""
+    launch (py-spy, H100 session 43 call 3: 755 samples under the budgeted prompts' `_prefill_batch`)."""
     return gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.float16)
 
 
