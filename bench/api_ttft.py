@@ -36,7 +36,7 @@ from bench.ceilings import pipeline_disk_gbps, ratio_or_note
 from bench.e2e_stream import copy_gbps, sh
 from bench.peers import texts
 from bench.peers.moestream_server import MoestreamServer, _metric
-from bench.prefill import gemm_tflops, prefill_flops
+from bench.prefill import bus_bytes, disk_bytes, gemm_tflops, prefill_flops
 
 GiB = 1 << 30
 
@@ -131,11 +131,9 @@ def run_regime(name, model_dir, store_dir, cache_bytes, a, text, tok, shared, lo
 
 def with_floor(r: dict, cfg, block_bytes: int, c: dict) -> dict:
     T = r["prompt_tokens"]
-    need = (r["distinct_experts"] - r.get("tier_resident", 0)) * block_bytes     # the VRAM tier's need not move
+    need = bus_bytes(r, block_bytes)            # the VRAM tier's need not move
     parts = dict(h2d=need / (c["h2d_gbps"] * 1e9) if c["h2d_gbps"] else 0.0,
-                 # (missing from the RAM cache and not in the VRAM tier either: the tier's are read in place, or, with
-                 # MOESTREAM_PREFILL_TIER=0, read again by choice: the same floor)
-                 disk=r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes / (c["disk_gbps"] * 1e9),
+                 disk=disk_bytes(r, block_bytes) / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, T, T * cfg.num_experts_per_tok) / (c["gemm_tflops"] * 1e12))
     r["floor_parts_s"] = parts
     r["floor_s"] = max(parts.values())

@@ -585,12 +585,19 @@ def bus_bytes(r, block_bytes: int) -> int:
     return (r["distinct_experts"] - r.get("tier_resident", 0)) * block_bytes
 
 
+def disk_bytes(r, block_bytes: int) -> int:
+    """The expert bytes a prompt's row must read from the disk, once: its routed experts missing from the RAM cache at
+    its start, less those the VRAM tier held (read in place, or, with MOESTREAM_PREFILL_TIER=0, read again by choice:
+    the same floor)."""
+    return r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes
+
+
 def with_floor(r, cfg, block_bytes, c) -> dict:
     """The floor: the largest of the distinct expert bytes over H2D (less those the VRAM tier holds, `--tier-mb`), the
     missing ones (less the tier's) over the disk, the FLOPs over the GEMM rate. H2D as the pipeline moves the bytes
     (the staging ring's copies from the slab, `h2d_staging_gbps`) where measured, else the 1 GiB pinned copy."""
     need = bus_bytes(r, block_bytes)
-    miss = r.get("missing_not_in_tier", r["missing_at_start"]) * block_bytes
+    miss = disk_bytes(r, block_bytes)
     h2d = c.get("h2d_staging_gbps") or c["h2d_gbps"]
     parts = dict(h2d=need / (h2d * 1e9) if h2d else 0.0, disk=miss / (c["disk_gbps"] * 1e9),
                  flops=prefill_flops(cfg, r["tokens"], r["expert_uses"]) / (c["gemm_tflops"] * 1e12))

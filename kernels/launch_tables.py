@@ -69,8 +69,6 @@ class LaunchTables:
         k = len(values)
         if k == 0:
             return self.dev[:0]
-        if k > len(self.np):
-            raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
         with self._lock:
             return self._put(values, k)
 
@@ -81,8 +79,6 @@ class LaunchTables:
         kernel that copies those words into the slice before any kernel reads it (e.g. kernels.expert_prefill_rega's
         `permute_x`). The ring's bookkeeping (the fetch's event, the cursor) follows the block, under the same lock."""
         k = len(values)
-        if k > len(self.np):
-            raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
         with self._lock:
             a, b = self._write(values, k)
             try:
@@ -98,6 +94,8 @@ class LaunchTables:
 
     def _write(self, values, k: int) -> tuple[int, int]:
         """The values into the host ring's next k words (a region no queued fetch still reads); their [a, b)."""
+        if k > len(self.np):
+            raise ValueError(f"a launch table of {k} words: the ring holds {len(self.np)}")
         if self.at + k > len(self.np):     # round the ring: the last round's fetches still listed (past the cursor)
             self._drain(lambda c, s: c < self.cycle)
             self.at, self.cycle = 0, self.cycle + 1
