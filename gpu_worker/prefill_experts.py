@@ -34,7 +34,8 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       PREFILL_SLOT_MARGIN, ahead_early, ahead_first, ahead_layers, ahead_min_guess,
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
                                       LayerLimits, layer_limits, lend_ahead, lend_min_tokens, lend_restore,
-                                      prefill_batch_bytes, prefill_eager, prefill_tier, rega_split,
+                                      prefill_batch_bytes, prefill_eager, prefill_tier, REGA_LONG_MIN_SAVED,
+                                      rega_long, rega_split,
                                       rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
@@ -275,7 +276,8 @@ class PrefillExperts:
         # more experts a launch); a skewed router's popular experts above that split apart where `rega_split` says
         limit = rega_rows(staged) if self._addressed and rega_able(x, self.geom) else 0
         sizing = (self.store.block_stride, self.geom.L, self.geom.I, x.element_size(), self.launch_bytes, T, extra)
-        lim, batches, limit = plan_layer(sequence, counts, uniq, limit, sizing, ahead)
+        # (staged: every block in device memory, so rega launches may take experts of several tiles, `rega_long`)
+        lim, batches, limit = plan_layer(sequence, counts, uniq, limit, sizing, ahead, resident=staged)
         # the rows in the launches' order (each launch one run of them: no index, `_SortedRows.gather`)
         seg, order = self._row_order(flat, counts, [e for b in batches for e, _ in b] + misses, order)
         # the direct ops, not `order // k` and `[order]` (torch's Python operator and indexing layers, per layer)
@@ -671,12 +673,35 @@ class PrefillExperts:
             self.prefill_acct.last.ms_host_staging += (time.perf_counter() - t0) * 1e3
 
 
-def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) -> "tuple[LayerLimits, list, int]":
+def plan_layer(sequence, counts, uniq, limit: int, sizing: tuple, ahead=(), resident: bool = False
+               ) -> "tuple[LayerLimits, list, int]":
     """A MoE layer's launches: (its `LayerLimits`, the batches of `launch_batches` in order, the rega row limit its
     launches keep, 0 for none). limit: the most rows an expert a rega launch takes (`rega_rows`; 0: no rega on this
     device or path); sizing: `layer_limits`'s leading arguments (block stride, L, I, activation bytes, launch bytes,
     tokens, the regrouped bytes an expert); ahead: the experts whose blocks lie in ahead slots (`launch_batches`).
-    Every routed expert (`uniq`) within the limit: a rega layer. None
+    resident (the blocks in device memory: staged): a layer with experts above `limit` is also planned as rega
+    launches over all of its experts, whatever their rows (the kernels decode each weight once a tile of rows, from
+    device memory), and that plan runs where `rega_long` says (`_fewer_enough`)."""
+    plan = _plan_within(sequence, counts, uniq, limit, sizing, ahead)
+    mode = rega_long() if limit and resident else "0"
+    top = max((counts[e] for e in uniq), default=0)
+    if mode == "0" or top <= limit:
+        return plan
+    long = _plan_within(sequence, counts, uniq, top, sizing, ahead)
+    return long if mode == "1" or _fewer_enough(len(long[1]), len(plan[1])) else plan
+
+
+def _fewer_enough(n: int, than: int) -> bool:
+    """Whether a plan of n launches beats one of `than` whose long experts run dequantized: by REGA_LONG_MIN_SAVED
+    launches and a quarter of them. Above one tile of rows an expert the rega kernels ran ~12 % below the dequantized
+    path per FLOP (session 41: 49 against 56 % of the GEMM at 1,024 rows), while a launch costs ~0.5-0.7 ms of host
+    (session 43's profile): a few launches fewer do not pay for a compute-paced layer's slower kernels (16k beside
+    a tier, unbudgeted: ~4 launches a layer, ~9 ms of expert kernels); a budget's dozens do."""
+    return than - n >= max(REGA_LONG_MIN_SAVED, than // 4)
+
+
+def _plan_within(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) -> "tuple[LayerLimits, list, int]":
+    """`plan_layer` for one rega row limit. Every routed expert (`uniq`) within the limit: a rega layer. None
     within it: dequantized sizes, each launch's path by its own rows. Mixed: split (the popular experts apart,
     dequantized) where `rega_split` is "1", or, "auto", where that gives fewer launches than unsplit."""
     *shape, extra = sizing

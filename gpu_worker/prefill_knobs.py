@@ -313,6 +313,23 @@ def prefill_tier() -> bool:
     return env_switch("MOESTREAM_PREFILL_TIER", True)
 
 
+# a layer planned with long rega launches (`rega_long`) runs them only where they save at least this many launches
+# (and a quarter; gpu_worker.prefill_experts._fewer_enough)
+REGA_LONG_MIN_SAVED = 4
+
+
+def rega_long() -> str:
+    """MOESTREAM_PREFILL_REGA_LONG (read per MoE layer): whether a layer whose blocks lie in device memory (staged)
+    and that routes experts above one rega launch's rows (`rega_rows`) may run rega launches over all of its experts,
+    whatever their rows. Those launches charge no decoded scratch, so under a budget they take ~2x the experts of a
+    dequantized launch (Super at 512 MiB, 16k tokens: ~20 against ~9-11) and the layer launches ~2x fewer; their kernels decode each weight once a tile of rows (~12 % slower per FLOP at 1,024 rows).
+    "auto" (the default, or unset): where that plan saves enough launches (`plan_layer`); "1": always; "0": never."""
+    raw = os.environ.get("MOESTREAM_PREFILL_REGA_LONG", "") or "auto"
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"MOESTREAM_PREFILL_REGA_LONG={raw!r}: expected auto, 0 or 1")
+    return raw
+
+
 def rega_split() -> str:
     """MOESTREAM_PREFILL_REGA_SPLIT (read per MoE layer, so one engine can A/B it): how a mixed layer launches
     (`layer_limits`: some experts within one rega launch's rows, a skewed router's popular ones above). Split: its

@@ -72,18 +72,20 @@ def test_the_switch(monkeypatch, var, read, value, bad):
             read()
 
 
-def test_the_split_switch(monkeypatch):
-    """MOESTREAM_PREFILL_REGA_SPLIT: "auto" unset or empty, else auto, 0 or 1; anything else names the variable."""
-    var = "MOESTREAM_PREFILL_REGA_SPLIT"
+@pytest.mark.parametrize("var,read", [("MOESTREAM_PREFILL_REGA_SPLIT", prefill_knobs.rega_split),
+                                      ("MOESTREAM_PREFILL_REGA_LONG", prefill_knobs.rega_long)])
+def test_the_rega_plan_switches(monkeypatch, var, read):
+    """MOESTREAM_PREFILL_REGA_SPLIT and _LONG: "auto" unset or empty, else auto, 0 or 1; anything else names the
+    variable."""
     monkeypatch.delenv(var, raising=False)
-    assert prefill_knobs.rega_split() == "auto"
+    assert read() == "auto"
     for v, want in (("", "auto"), ("auto", "auto"), ("0", "0"), ("1", "1")):
         monkeypatch.setenv(var, v)
-        assert prefill_knobs.rega_split() == want
+        assert read() == want
     for b in ("2", "yes", "on"):
         monkeypatch.setenv(var, b)
         with pytest.raises(ValueError, match=var):
-            prefill_knobs.rega_split()
+            read()
 
 
 def test_auto_chunks_keep_the_gemm_size_and_halve_the_launches(monkeypatch):
@@ -329,6 +331,32 @@ def test_a_mixed_layer_splits_where_that_launches_fewer(monkeypatch, mode):
         monkeypatch.setenv("MOESTREAM_PREFILL_REGA_SPLIT", "0")
         unsplit = {n: len(plan_layer(*lay, 512, sizing)[1]) for n, lay in (("short", short), ("long", long))}
         assert plans["short"][0] < unsplit["short"] and plans["long"][0] > unsplit["long"], (plans, unsplit)
+
+
+@pytest.mark.parametrize("mode", ["auto", "1", "0"])
+def test_a_budgeted_long_layer_runs_rega_over_all_of_its_experts(monkeypatch, mode):
+    """`plan_layer` with the blocks in device memory (staged) and a 16k span's layer: 4 popular experts of 3,000
+    rows, 508 of 680 (none within the 512 rows of a rega launch). Under a budget (200 MiB of launch bytes) its
+    dequantized launches hold 8 experts (their decoded scratch), rega ones over all of its experts 16: "auto" and "1"
+    plan rega (the limit its largest count, every launch within it), 33 launches against 64. With 2 GiB the two
+    plans launch alike: "auto" keeps the dequantized one, "1" still takes rega. Not resident (zero-copy: each tile
+    would re-read the bus): never. Must fail: the "0" plan of the budgeted layer launches more."""
+    from gpu_worker.prefill_experts import plan_layer
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA_LONG", mode)
+    monkeypatch.setenv(ONE_SCRATCH_ENV, "1")
+    layer = _layer([3000] * 4 + [680] * 508)
+    got = {}
+    for mb in (200, 2048):
+        sizing = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, mb << 20, 16000, 0)
+        lim, batches, limit = plan_layer(*layer, 512, sizing, resident=True)
+        assert sorted(x for b in batches for x in b) == layer[0]
+        got[mb] = (len(batches), limit, lim.path)
+        assert plan_layer(*layer, 512, sizing)[2] == 0           # zero-copy: the dequantized plan, whatever the mode
+    rega, plain = (33, 3000, "rega"), (64, 0, "auto")
+    want = {"auto": (rega, (8, 0, "auto")), "1": (rega, (8, 3000, "rega")), "0": (plain, (8, 0, "auto"))}[mode]
+    assert (got[200], got[2048]) == want, got
+    if mode != "0":
+        assert got[200][0] <= plain[0] - max(prefill_knobs.REGA_LONG_MIN_SAVED, plain[0] // 4)
 
 
 def test_every_expert_within_the_limit_is_a_rega_layer_and_none_dequantized():

@@ -386,7 +386,9 @@ def test_the_rega_switch(monkeypatch):
 def test_the_engines_route_runs_the_gluon_kernels(n):
     """On sm_90 the engine's auto path takes the Gluon kernels for Super's shape at up to a tile of rows an expert
     (two with resident weights), the layer's scales by expert, h handed in, a split store's downs regrouped, x's rows
-    given or gathered by the launch's tokens; equal to the reference. Must fail: the blocks rolled."""
+    given or gathered by the launch's tokens; equal to the reference. The engine's long rega launches
+    (`gpu_worker.prefill_knobs.rega_long`: path "rega" asked for, resident weights, experts of several tiles, the auto
+    path's choice dequantized) too. Must fail: the blocks rolled."""
     from kernels.expert_block import SUPER, ExpertGeometry, pack_expert_block
     from kernels.nvfp4 import encode_nvfp4
     dev, E = "cuda", 5
@@ -400,26 +402,29 @@ def test_the_engines_route_runs_the_gluon_kernels(n):
         dgl.append(float(d))
     ug, dg = torch.tensor(ugl, device=dev), torch.tensor(dgl, device=dev)
     order = [3, 0, 4]
-    for segments, resident in (([(0, 37), (37, 256), (293, 5)], False), ([(0, 300), (300, 1), (301, 130)], True)):
+    for segments, resident, path in (([(0, 37), (37, 256), (293, 5)], False, "auto"),
+                                     ([(0, 300), (300, 1), (301, 130)], True, "auto"),
+                                     ([(0, 1100), (1100, 3), (1103, 701)], True, "rega")):
         M = sum(c for _, c in segments)
         tok = torch.randint(0, M, (M,), device=dev)
         w = torch.rand(M, device=dev) + 0.1
         xs = torch.randn(M, geom.L, device=dev).bfloat16()
-        assert ep.grouped_path(xs, segments, geom, resident=resident) == "rega"
+        assert ep.grouped_path(xs, segments, geom, resident=resident) == ("rega" if path == "auto" else "dequant")
         ref = expert_prefill_grouped_torch(xs, segments, [blocks[e] for e in order], geom, ug[order], dg[order], w,
                                            tok, torch.zeros(M, geom.L, device=dev))
         h = torch.empty(M * geom.I, dtype=torch.float16, device=dev)
         got = ep.expert_prefill_grouped(xs, segments, [blocks[e].data_ptr() for e in order], geom, ug, dg, w, tok,
-                                        torch.zeros(M, geom.L, device=dev), h=h, gs_index=order, resident=resident)
+                                        torch.zeros(M, geom.L, device=dev), h=h, gs_index=order, resident=resident,
+                                        path=path)
         assert_close(got, ref, 1e-3, f"the engine's rega route (n={n}, resident={resident})")
         # the engine's launch: the span's x and the rows' tokens, gathered as the rows are permuted
         ref_t = expert_prefill_grouped_torch(xs[tok], segments, [blocks[e] for e in order], geom, ug[order],
                                              dg[order], w, tok, torch.zeros(M, geom.L, device=dev))
         got_t = ep.expert_prefill_grouped(xs, segments, [blocks[e].data_ptr() for e in order], geom, ug, dg, w, tok,
                                           torch.zeros(M, geom.L, device=dev), h=h, gs_index=order,
-                                          resident=resident, x_index=tok)
+                                          resident=resident, x_index=tok, path=path)
         assert_close(got_t, ref_t, 1e-3, f"the rega route gathering x (n={n}, resident={resident})")
         rolled = [blocks[order[(i + 1) % 3]].data_ptr() for i in range(3)]
         bad = ep.expert_prefill_grouped(xs, segments, rolled, geom, ug, dg, w, tok, torch.zeros(M, geom.L, device=dev),
-                                        h=h, gs_index=order, resident=resident)
+                                        h=h, gs_index=order, resident=resident, path=path)
         assert rel_err(bad, ref) > 0.1
