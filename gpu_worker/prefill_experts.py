@@ -35,7 +35,7 @@ from gpu_worker.prefill_knobs import (FIRST_GUESS_BLOCKS_PER_1K, FIRST_GUESS_MIN
                                       first_guess, first_guess_expected, launch_chunk, launch_limits,
                                       LayerLimits, layer_limits, lend_ahead, lend_min_tokens, lend_restore,
                                       prefill_batch_bytes, prefill_eager, prefill_tier, REGA_LONG_MIN_SAVED,
-                                      rega_long, rega_split,
+                                      rega_by_rows, rega_long, rega_split,
                                       rows_in_launch_order, shared_overlap)
 from gpu_worker.slab_copies import AheadSlots, SlabRows, StagingRing
 from kernels.expert_block import GROUP
@@ -705,9 +705,13 @@ def _plan_within(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) ->
     within it: dequantized sizes, each launch's path by its own rows. Mixed: split (the popular experts apart,
     dequantized) where `rega_split` is "1", or, "auto", where that gives fewer launches than unsplit."""
     *shape, extra = sizing
+    per = 0.0
+    if limit and rega_by_rows():       # the rows for each expert charged (the tier's and those copied ahead are not)
+        charged = sum(1 for e, s in sequence if s is not None and e not in ahead)
+        per = sum(counts[e] for e, _ in sequence) / max(1, charged)
 
     def plan(rega: bool, big: int) -> "tuple[LayerLimits, list]":
-        lim = layer_limits(*shape, rega=rega, big=big, extra_per_expert=extra)
+        lim = layer_limits(*shape, rega=rega, big=big, extra_per_expert=extra, rows_per_expert=per)
         return lim, list(launch_batches(sequence, counts, lim.rows, lim.experts, tier_free=rega,
                                         big_rows=limit if big else 0, big_cap=lim.big, ahead=ahead))
     big = sum(1 for e in uniq if counts[e] > limit) if limit else 0

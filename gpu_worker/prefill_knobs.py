@@ -178,7 +178,7 @@ def row_bytes(L: int, I: int, act_bytes: int) -> int:
 
 def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int,
                   chunk: int = 0, tokens: int = 0, in_tiles: bool = False,
-                  extra_per_expert: int = 0) -> tuple[int, int]:
+                  extra_per_expert: int = 0, rows_per_expert: float = 0) -> tuple[int, int]:
     """(experts, rows) one grouped prefill launch may take so that its device buffers stay within `launch_bytes`: per
     expert, two staging-ring slots (the ring holds two launches' blocks, so that one launch's copies overlap the
     kernels of the one before) and the dequantized path's bf16 up and fp16 down scratch (4·L·I; 2·L·I where they
@@ -192,10 +192,13 @@ def launch_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_byte
     long span takes more experts a launch). in_tiles: the launch decodes in its GEMMs' tiles and needs no scratch:
     the fused path (`fused_below`) or the rega path (`layer_limits`: experts of at most one tile of rows, sm_90); per
     expert only the ring's two slots and `extra_per_expert` (a sub-grouped store's regrouped down section); chunk is
-    then moot."""
+    then moot. rows_per_expert > 0 (in_tiles: the layer's rows for each expert a launch is charged, `rega_by_rows`):
+    the bytes shared as the layer's experts need them, not half and half."""
     if in_tiles:
         per_expert = 2 * block_stride + extra_per_expert
-        experts = max(1, min(launch_experts(tokens), (launch_bytes // 2) // per_expert))
+        share = (launch_bytes // int(per_expert + rows_per_expert * row_bytes(L, I, act_bytes)) if rows_per_expert
+                 else (launch_bytes // 2) // per_expert)
+        experts = max(1, min(launch_experts(tokens), share))
         return experts, max(64, (launch_bytes - experts * per_expert) // row_bytes(L, I, act_bytes))
     if chunk < 0:
         chunk = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0]
@@ -220,7 +223,8 @@ class LayerLimits(NamedTuple):
 
 
 def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes: int, tokens: int,
-                 rega: bool = False, big: int = 0, extra_per_expert: int = 0) -> LayerLimits:
+                 rega: bool = False, big: int = 0, extra_per_expert: int = 0, rows_per_expert: float = 0
+                 ) -> LayerLimits:
     """One MoE layer's grouped launches within `launch_bytes` (`launch_limits`) for a span of `tokens`.
     rega (the device runs the rega path: `kernels.expert_prefill.rega_able`) with big == 0 (every routed expert within
     `rega_rows`): every launch runs rega, no decoded scratch charged (`in_tiles`), path "rega". rega with `big` > 0
@@ -230,10 +234,11 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
     rega, their launches charged the ring's slots only. Otherwise the dequantized scratch is charged,
     `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
     `fused_below`, the fused path's no-scratch count if larger (path "fused"); path "auto" (by rows an expert).
-    extra_per_expert: a sub-grouped store's regrouped down section (the in-tile paths regroup)."""
+    extra_per_expert: a sub-grouped store's regrouped down section (the in-tile paths regroup); rows_per_expert:
+    a rega layer's rows for each expert its launches are charged (`launch_limits`; 0: half of the bytes each)."""
     if rega and not big:
         n, rows = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
-                                extra_per_expert=extra_per_expert)
+                                extra_per_expert=extra_per_expert, rows_per_expert=rows_per_expert)
         return LayerLimits(n, rows, 0, "rega", 0)
     if rega:
         n_d = min(big, launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0])
@@ -328,6 +333,16 @@ def rega_long() -> str:
     if raw not in ("auto", "0", "1"):
         raise ValueError(f"MOESTREAM_PREFILL_REGA_LONG={raw!r}: expected auto, 0 or 1")
     return raw
+
+
+def rega_by_rows() -> bool:
+    """MOESTREAM_PREFILL_REGA_BY_ROWS (read per MoE layer; on by default, "0" off): a rega layer's launch bytes shared
+    between the ring's slots and the rows as its experts need them (`launch_limits`' rows_per_expert: the layer's rows
+    over the experts its launches are charged), not half and half. Under the server's 512 MiB a 4k prompt's experts
+    have ~170 rows each (~1.3 MB of rows against the ring's 6.2 MB an expert): with half the bytes for rows its
+    launches took ~16-21 experts and left most of the rows' half unused; shared by need they take ~26-32 (the CPU
+    plans of session 44: 4k layers 25-35 -> 16-20 launches, 1k 20 -> 16, 16k level)."""
+    return env_switch("MOESTREAM_PREFILL_REGA_BY_ROWS", True)
 
 
 def rega_split() -> str:

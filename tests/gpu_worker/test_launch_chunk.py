@@ -337,8 +337,8 @@ def test_a_mixed_layer_splits_where_that_launches_fewer(monkeypatch, mode):
 def test_a_budgeted_long_layer_runs_rega_over_all_of_its_experts(monkeypatch, mode):
     """`plan_layer` with the blocks in device memory (staged) and a 16k span's layer: 4 popular experts of 3,000
     rows, 508 of 680 (none within the 512 rows of a rega launch). Under a budget (200 MiB of launch bytes) its
-    dequantized launches hold 8 experts (their decoded scratch), rega ones over all of its experts 16: "auto" and "1"
-    plan rega (the limit its largest count, every launch within it), 33 launches against 64. With 2 GiB the two
+    dequantized launches hold 8 experts (their decoded scratch), rega ones over all of its experts 18: "auto" and "1"
+    plan rega (the limit its largest count, every launch within it), 30 launches against 64. With 2 GiB the two
     plans launch alike: "auto" keeps the dequantized one, "1" still takes rega. Not resident (zero-copy: each tile
     would re-read the bus): never. Must fail: the "0" plan of the budgeted layer launches more."""
     from gpu_worker.prefill_experts import plan_layer
@@ -352,11 +352,49 @@ def test_a_budgeted_long_layer_runs_rega_over_all_of_its_experts(monkeypatch, mo
         assert sorted(x for b in batches for x in b) == layer[0]
         got[mb] = (len(batches), limit, lim.path)
         assert plan_layer(*layer, 512, sizing)[2] == 0           # zero-copy: the dequantized plan, whatever the mode
-    rega, plain = (33, 3000, "rega"), (64, 0, "auto")
+    rega, plain = (30, 3000, "rega"), (64, 0, "auto")
     want = {"auto": (rega, (8, 0, "auto")), "1": (rega, (8, 3000, "rega")), "0": (plain, (8, 0, "auto"))}[mode]
     assert (got[200], got[2048]) == want, got
     if mode != "0":
         assert got[200][0] <= plain[0] - max(prefill_knobs.REGA_LONG_MIN_SAVED, plain[0] // 4)
+
+
+@pytest.mark.parametrize("mb,rows_per", [(250, 172), (200, 172), (246, 690), (120, 40), (400, 2000)])
+def test_rega_launch_bytes_shared_by_the_rows_an_expert_needs(mb, rows_per):
+    """`launch_limits` in tiles with rows_per_expert: the experts and their rows fit the bytes, and rows_per_expert
+    rows for each expert taken fit too; at 4k tokens' ~172 rows an expert it takes more experts than half of the
+    bytes would (the twin: the half split leaves more than twice the rows its experts need)."""
+    b, rb = mb << 20, prefill_knobs.row_bytes(SUPER["L"], SUPER["I"], 2)
+    per = 2 * SUPER["block_stride"]
+    n, rows = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, in_tiles=True,
+                                          rows_per_expert=rows_per)
+    assert n * per + rows * rb <= b and (rows >= n * rows_per or n == prefill_knobs.PREFILL_LAUNCH_EXPERTS)
+    assert (n + 1) * per + (n + 1) * rows_per * rb > b or n == prefill_knobs.PREFILL_LAUNCH_EXPERTS
+    half = prefill_knobs.launch_limits(SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, in_tiles=True)
+    if rows_per == 172:
+        assert n > half[0] and half[1] > 2 * half[0] * rows_per, (n, half)
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_a_4k_rega_layer_launches_fewer_with_its_bytes_shared_by_rows(monkeypatch, on):
+    """`plan_layer` of a 4k span's rega layer (512 experts of 172 rows, 45 of them copied ahead: free of the ring)
+    under 250 MiB of launch bytes: shared by rows (`rega_by_rows`, the default) 15 launches of up to 32 charged
+    experts, half and half 23 of 21; every launch's charged experts and rows fit the bytes. Must fail: the half
+    split launches more."""
+    from gpu_worker.prefill_experts import plan_layer
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA_BY_ROWS", on)
+    seq, counts, uniq = _layer([172] * 512)
+    ahead = set(range(0, 450, 10))
+    b = 250 << 20
+    sizing = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4000, 0)
+    lim, batches, limit = plan_layer(seq, counts, uniq, 512, sizing, ahead=ahead, resident=True)
+    assert (lim.path, limit) == ("rega", 512) and sorted(x for bt in batches for x in bt) == seq
+    rb, per = prefill_knobs.row_bytes(SUPER["L"], SUPER["I"], 2), 2 * SUPER["block_stride"]
+    for bt in batches:
+        charged = sum(1 for e, _ in bt if e not in ahead)
+        assert charged <= lim.experts and sum(counts[e] for e, _ in bt) <= lim.rows
+    assert lim.experts * per + lim.rows * rb <= b
+    assert (len(batches), lim.experts) == {"1": (15, 32), "0": (23, 21)}[on]
 
 
 def test_every_expert_within_the_limit_is_a_rega_layer_and_none_dequantized():
