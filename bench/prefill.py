@@ -635,7 +635,8 @@ def main(argv=None):
                          "random experts; the floors count only the routed experts it does not hold (A/B the engine's "
                          "use of it with a path `staged|MOESTREAM_PREFILL_TIER=0`); 0: none")
     ap.add_argument("--budget-env", default="none",
-                    help="comma list of KEY=VALUE or none: the budget rows once per setting (an A/B in one engine)")
+                    help="comma list of KEY=VALUE (several joined by +) or none: the budget rows once per setting (an "
+                         "A/B in one engine)")
     ap.add_argument("--budget-pieces", default="0",
                     help="comma list: the budget rows once per largest piece (MOESTREAM_PIECE_TOKENS; 0: the engine's "
                          "default, 4,096 since session 8; 512: the old plan)")
@@ -797,8 +798,9 @@ def main(argv=None):
                     eng.experts.vram = eng._vram_tier(used + (a.budget_tier_mb << 20), 0, device, 2)
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):
-                        key, _, val = env.partition("=")
-                        arm = {key: val} if key and key != "none" else {}
+                        pairs = [kv.partition("=") for kv in env.split("+")]
+                        arm = {k: v for k, _, v in pairs if k and k != "none"}
+                        key = ",".join(arm)
                         if top:
                             arm["MOESTREAM_PIECE_TOKENS"] = str(top)
                         with scoped_env(arm):         # each key back to what it was after the arm
