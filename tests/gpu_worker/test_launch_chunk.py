@@ -72,14 +72,15 @@ def test_the_switch(monkeypatch, var, read, value, bad):
             read()
 
 
-@pytest.mark.parametrize("var,read", [("MOESTREAM_PREFILL_REGA_SPLIT", prefill_knobs.rega_split),
-                                      ("MOESTREAM_PREFILL_REGA_LONG", prefill_knobs.rega_long)])
-def test_the_rega_plan_switches(monkeypatch, var, read):
-    """MOESTREAM_PREFILL_REGA_SPLIT and _LONG: "auto" unset or empty, else auto, 0 or 1; anything else names the
-    variable."""
+@pytest.mark.parametrize("var,read,unset", [("MOESTREAM_PREFILL_REGA_SPLIT", prefill_knobs.rega_split, "auto"),
+                                             ("MOESTREAM_PREFILL_REGA_LONG", prefill_knobs.rega_long, "0")])
+def test_the_rega_plan_switches(monkeypatch, var, read, unset):
+    """MOESTREAM_PREFILL_REGA_SPLIT and _LONG: their default unset or empty ("auto"; "0" for the long launches,
+    unmeasured on a GPU), else auto, 0 or 1; anything else names the variable. _BY_ROWS: off unset."""
     monkeypatch.delenv(var, raising=False)
-    assert read() == "auto"
-    for v, want in (("", "auto"), ("auto", "auto"), ("0", "0"), ("1", "1")):
+    monkeypatch.delenv("MOESTREAM_PREFILL_REGA_BY_ROWS", raising=False)
+    assert read() == unset and not prefill_knobs.rega_by_rows()
+    for v, want in (("", unset), ("auto", "auto"), ("0", "0"), ("1", "1")):
         monkeypatch.setenv(var, v)
         assert read() == want
     for b in ("2", "yes", "on"):
@@ -337,12 +338,14 @@ def test_a_mixed_layer_splits_where_that_launches_fewer(monkeypatch, mode):
 def test_a_budgeted_long_layer_runs_rega_over_all_of_its_experts(monkeypatch, mode):
     """`plan_layer` with the blocks in device memory (staged) and a 16k span's layer: 4 popular experts of 3,000
     rows, 508 of 680 (none within the 512 rows of a rega launch). Under a budget (200 MiB of launch bytes) its
-    dequantized launches hold 8 experts (their decoded scratch), rega ones over all of its experts 18: "auto" and "1"
-    plan rega (the limit its largest count, every launch within it), 30 launches against 64. With 2 GiB the two
+    dequantized launches hold 8 experts (their decoded scratch), rega ones over all of its experts 16 (half of the bytes
+    for the ring, `rega_by_rows` off): "auto" and "1" plan rega (the limit its largest count, every launch within
+    it), 33 launches against 64. With 2 GiB the two
     plans launch alike: "auto" keeps the dequantized one, "1" still takes rega. Not resident (zero-copy: each tile
     would re-read the bus): never. Must fail: the "0" plan of the budgeted layer launches more."""
     from gpu_worker.prefill_experts import plan_layer
     monkeypatch.setenv("MOESTREAM_PREFILL_REGA_LONG", mode)
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA_BY_ROWS", "0")
     monkeypatch.setenv(ONE_SCRATCH_ENV, "1")
     layer = _layer([3000] * 4 + [680] * 508)
     got = {}
@@ -352,7 +355,7 @@ def test_a_budgeted_long_layer_runs_rega_over_all_of_its_experts(monkeypatch, mo
         assert sorted(x for b in batches for x in b) == layer[0]
         got[mb] = (len(batches), limit, lim.path)
         assert plan_layer(*layer, 512, sizing)[2] == 0           # zero-copy: the dequantized plan, whatever the mode
-    rega, plain = (30, 3000, "rega"), (64, 0, "auto")
+    rega, plain = (33, 3000, "rega"), (64, 0, "auto")
     want = {"auto": (rega, (8, 0, "auto")), "1": (rega, (8, 3000, "rega")), "0": (plain, (8, 0, "auto"))}[mode]
     assert (got[200], got[2048]) == want, got
     if mode != "0":
@@ -378,7 +381,7 @@ def test_rega_launch_bytes_shared_by_the_rows_an_expert_needs(mb, rows_per):
 @pytest.mark.parametrize("on", ["1", "0"])
 def test_a_4k_rega_layer_launches_fewer_with_its_bytes_shared_by_rows(monkeypatch, on):
     """`plan_layer` of a 4k span's rega layer (512 experts of 172 rows, 45 of them copied ahead: free of the ring)
-    under 250 MiB of launch bytes: shared by rows (`rega_by_rows`, the default) 15 launches of up to 32 charged
+    under 250 MiB of launch bytes: shared by rows (`rega_by_rows`) 15 launches of up to 32 charged
     experts, half and half 23 of 21; every launch's charged experts and rows fit the bytes. Must fail: the half
     split launches more."""
     from gpu_worker.prefill_experts import plan_layer
