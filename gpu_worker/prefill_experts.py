@@ -706,9 +706,10 @@ def _plan_within(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) ->
     dequantized) where `rega_split` is "1", or, "auto", where that gives fewer launches than unsplit."""
     *shape, extra = sizing
     per = 0.0
-    if limit and rega_by_rows():       # the rows for each expert charged (the tier's and those copied ahead are not)
-        charged = sum(1 for e, s in sequence if s is not None and e not in ahead)
-        per = sum(counts[e] for e, _ in sequence) / max(1, charged)
+    if limit and rega_by_rows():       # the rega launches' rows for each expert charged (the tier's and those copied
+        small = [(e, s) for e, s in sequence if counts[e] <= limit]        # ahead are not)
+        charged = sum(1 for e, s in small if s is not None and e not in ahead)
+        per = sum(counts[e] for e, _ in small) / max(1, charged)
 
     def plan(rega: bool, big: int) -> "tuple[LayerLimits, list]":
         lim = layer_limits(*shape, rega=rega, big=big, extra_per_expert=extra, rows_per_expert=per)

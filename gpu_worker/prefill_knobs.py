@@ -235,7 +235,8 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
     `launch_chunk` experts at a time (a long span's decoded at once), or, where a small budget caps the launches below
     `fused_below`, the fused path's no-scratch count if larger (path "fused"); path "auto" (by rows an expert).
     extra_per_expert: a sub-grouped store's regrouped down section (the in-tile paths regroup); rows_per_expert:
-    a rega layer's rows for each expert its launches are charged (`launch_limits`; 0: half of the bytes each)."""
+    the rega launches' rows for each expert they are charged (`launch_limits`; a mixed layer's too, beside the
+    scratch of its dequantized launches; 0: half of the bytes each)."""
     if rega and not big:
         n, rows = launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens, in_tiles=True,
                                 extra_per_expert=extra_per_expert, rows_per_expert=rows_per_expert)
@@ -244,7 +245,9 @@ def layer_limits(block_stride: int, L: int, I: int, act_bytes: int, launch_bytes
         n_d = min(big, launch_limits(block_stride, L, I, act_bytes, launch_bytes, tokens=tokens)[0])
         scratch = n_d * scratch_per_expert(L, I)
         per = 2 * block_stride + extra_per_expert
-        n = max(n_d, min(launch_experts(tokens), (launch_bytes // 2 - scratch) // per))
+        share = ((launch_bytes - scratch) // int(per + rows_per_expert * row_bytes(L, I, act_bytes))
+                 if rows_per_expert else (launch_bytes // 2 - scratch) // per)
+        n = max(n_d, min(launch_experts(tokens), share))
         rows = max(64, (launch_bytes - n * per - scratch) // row_bytes(L, I, act_bytes))
         return LayerLimits(n, rows, n_d, "auto", n_d)
     chunk = launch_chunk()

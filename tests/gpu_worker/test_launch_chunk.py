@@ -400,6 +400,29 @@ def test_a_4k_rega_layer_launches_fewer_with_its_bytes_shared_by_rows(monkeypatc
     assert (len(batches), lim.experts) == {"1": (15, 32), "0": (23, 21)}[on]
 
 
+def test_a_mixed_layers_rega_launches_share_their_bytes_by_rows(monkeypatch):
+    """A mixed layer split (10 popular experts of 800 rows dequantized apart, 320 of 40 rega) under 256 MiB: with
+    `rega_by_rows` its rega launches take the experts their rows leave room for beside the dequantized launches'
+    scratch, so it launches fewer; each plan's bytes (ring, scratch, rows) fit. Must fail: half and half launches
+    more."""
+    from gpu_worker.prefill_experts import plan_layer
+    from kernels.expert_prefill import scratch_per_expert
+    monkeypatch.setenv("MOESTREAM_PREFILL_REGA_SPLIT", "1")
+    monkeypatch.setenv(ONE_SCRATCH_ENV, "1")
+    b = 256 << 20
+    sizing = (SUPER["block_stride"], SUPER["L"], SUPER["I"], 2, b, 4000, 0)
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_PREFILL_REGA_BY_ROWS", on)
+        lim, batches, limit = plan_layer(*_layer([800] * 10 + [40] * 320), 512, sizing)
+        assert limit == 512 and lim.big > 0
+        used = (lim.experts * 2 * SUPER["block_stride"] + lim.big * scratch_per_expert(SUPER["L"], SUPER["I"])
+                + lim.rows * prefill_knobs.row_bytes(SUPER["L"], SUPER["I"], 2))
+        assert used <= b, (on, lim)
+        got[on] = (len(batches), lim.experts)
+    assert got["1"][0] < got["0"][0] and got["1"][1] > got["0"][1], got
+
+
 def test_every_expert_within_the_limit_is_a_rega_layer_and_none_dequantized():
     """All routed experts within the rega limit: rega sizes whatever the switch; none within it: dequantized, limit 0;
     no rega on the device (limit 0): dequantized."""
