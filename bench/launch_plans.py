@@ -8,8 +8,8 @@ engine's own planning (`gpu_worker.prefill.span_plan`, `ahead_bytes_for`, `launc
 `gpu_worker.prefill_experts.plan_layer` with the blocks staged on sm_90) for Super's expert geometry (512 NVFP4
 experts, top-22, latent 1,024, intermediate 2,688) and a router whose expert shares are drawn from a symmetric
 Dirichlet of concentration `alpha` (0.2: about as many distinct experts a layer as the synthetic Super's prompts
-route to on the GPU, 331 / 373 of 512 at 1k / 4k in session 43; 1: nearly all of them), the experts copied ahead being the most used ones the ahead slots hold (as a right
-guess copies them). One row per (tokens, alpha, arm): launches a layer (median over `--layers` draws), experts a
+route to on the GPU, 331 / 373 of 512 at 1k / 4k in session 43; 1: nearly all of them), the experts copied ahead
+being the most used ones the ahead slots hold (as a right guess copies them). One row per (tokens, alpha, arm): launches a layer (median over `--layers` draws), experts a
 launch, the rega row limit the plan kept.
 
 Arms (`--arms`, comma list of KEY=VAL joined by "+", or "none"): the defaults, the long rega launches
@@ -127,7 +127,8 @@ def main(argv=None):
     res = rows(a.budget_mb, [int(t) for t in a.tokens.split(",") if t], [float(x) for x in a.alpha.split(",") if x],
                [s for s in a.arms.split(",") if s], a.layers)
     print(f"launches a MoE layer under {a.budget_mb} MiB (median of {a.layers} router draws; Super's experts, staged)")
-    print("| tokens | alpha | distinct | > 512 rows | arm | launch MiB | ahead | launches | experts a launch | rega limit |")
+    print("| tokens | alpha | distinct | > 512 rows | arm | launch MiB | ahead | launches | experts a launch "
+          "| rega limit |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res:
         print(f"| {r['tokens']} | {r['alpha']:g} | {r['distinct']:g} | {r['above_512']:g} | {r['arm']} | "
