@@ -706,8 +706,9 @@ def _plan_within(sequence, counts, uniq, limit: int, sizing: tuple, ahead=()) ->
     dequantized) where `rega_split` is "1", or, "auto", where that gives fewer launches than unsplit."""
     *shape, extra = sizing
     per = 0.0
-    if limit and rega_by_rows():       # the rega launches' rows for each expert charged (the tier's and those copied
-        small = [(e, s) for e, s in sequence if counts[e] <= limit]        # ahead are not)
+    # the rega launches' rows for each expert they are charged (the tier's residents and those copied ahead are not)
+    if limit and rega_by_rows():
+        small = [(e, s) for e, s in sequence if counts[e] <= limit]
         charged = sum(1 for e, s in small if s is not None and e not in ahead)
         per = sum(counts[e] for e, _ in small) / max(1, charged)
 

@@ -334,7 +334,8 @@ def rega_long() -> str:
     kernels decode each weight once a tile of rows (~12 % slower per FLOP at 1,024 rows).
     "auto": where that plan saves enough launches (`plan_layer`); "1": always; "0" (the default, or unset): never.
     Off until a GPU has measured it (session 44 got no device): the Gluon kernels have run experts of at most two
-    tiles of rows on a GPU, and the plans' launch counts (16k under 512 MiB: ~62 -> ~30 a layer) are the CPU's."""
+    tiles of rows on a GPU, and the plans' launch counts (16k under 512 MiB: 55-64 -> 34-35 a layer,
+    `bench.launch_plans`) are the CPU's."""
     raw = os.environ.get("MOESTREAM_PREFILL_REGA_LONG", "") or "0"
     if raw not in ("auto", "0", "1"):
         raise ValueError(f"MOESTREAM_PREFILL_REGA_LONG={raw!r}: expected auto, 0 or 1")
@@ -346,9 +347,9 @@ def rega_by_rows() -> bool:
     session 44 got no device): a rega layer's launch bytes shared between the ring's slots and the rows as its experts
     need them (`launch_limits`' rows_per_expert: the layer's rows over the experts its launches are charged), not half
     and half. Under the server's 512 MiB a 4k prompt's experts have ~170 rows each (~1.3 MB of rows against the
-    ring's 6.2 MB an expert): with half the bytes for rows its launches took ~16-21 experts and left most of the rows'
-    half unused; shared by need they take ~26-32 (the CPU plans of session 44: 4k layers 25-35 -> 16-20 launches, 1k
-    20 -> 16, 16k level)."""
+    ring's 6.2 MB an expert): with half the bytes for rows its launches took ~12-23 experts and left most of the rows'
+    half unused; shared by need they take ~30 (`bench.launch_plans`, session 44: a near-uniform router's layers 1k
+    20 -> 15 launches, 4k 42 -> 21; a skewed one's mixed 1k layers 16.5 -> 11; 16k level)."""
     return env_switch("MOESTREAM_PREFILL_REGA_BY_ROWS", False)
 
 
