@@ -18,6 +18,11 @@ def env_pairs(parts: Iterable[str], where: str) -> dict[str, str]:
     return env
 
 
+def arm_env(arm: str, where: str) -> dict[str, str]:
+    """An arm's settings: "none" (or empty) for none, else `env_pairs` of its KEY=VAL parts joined by "+"."""
+    return {} if arm in ("", "none") else env_pairs(arm.split("+"), where)
+
+
 @contextmanager
 def scoped_env(env: dict[str, str]):
     """`env` set in os.environ inside the block; each key back to what it was (unset if it was) after it."""

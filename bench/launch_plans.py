@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.envs import arm_env, scoped_env
 
 DEFAULT_ARMS = ("none,MOESTREAM_PREFILL_REGA_LONG=auto,MOESTREAM_PREFILL_REGA_BY_ROWS=1,"
                 "MOESTREAM_PREFILL_REGA_LONG=auto+MOESTREAM_PREFILL_REGA_BY_ROWS=1")
@@ -41,26 +41,6 @@ def super_config(moe_layers: int = 4):
     d = dict(PRESETS["super"], model_type="nemotron_h")
     d["hybrid_override_pattern"] = shorten_pattern(d["hybrid_override_pattern"], moe_layers)
     return NemotronHConfig.from_dict(d)
-
-
-def arm_env(arm: str) -> dict[str, str]:
-    """An arm's settings: "none", or KEY=VAL pairs joined by "+"."""
-    pairs = [kv.partition("=") for kv in arm.split("+")]
-    return {k: v for k, _, v in pairs if k and k != "none"}
-
-
-@contextmanager
-def scoped(env: dict[str, str]):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def layer_bytes(cfg, budget: int, tokens: int, stride: int) -> tuple[int, int]:
@@ -102,7 +82,7 @@ def rows(budget_mb: int, tokens: list[int], alphas: list[float], arms: list[str]
             draws = [np.minimum(rng.multinomial(T * k, rng.dirichlet(np.full(E, alpha))), T).tolist()
                      for _ in range(layers)]
             for arm in arms:
-                with scoped(arm_env(arm)):
+                with scoped_env(arm_env(arm, f"--arms entry {arm!r}")):
                     got = [plan_counts(c, launch_bytes, n_ahead, T, geom) for c in draws]
                 out.append(dict(tokens=T, alpha=alpha, arm=arm, budget_mb=budget_mb, launch_bytes=launch_bytes,
                                 ahead_experts=n_ahead, launches=statistics.median(g[0] for g in got),

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from bench.ceilings import MIN_RATIO, pipeline_disk_gbps, ratio_or_note
-from bench.envs import env_pairs, scoped_env
+from bench.envs import arm_env, env_pairs, scoped_env
 from bench.io_trace import line as io_line, trace_summary
 
 from bench.e2e_stream import copy_gbps, sh
@@ -798,8 +798,7 @@ def main(argv=None):
                     eng.experts.vram = eng._vram_tier(used + (a.budget_tier_mb << 20), 0, device, 2)
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):
-                        pairs = [kv.partition("=") for kv in env.split("+")]
-                        arm = {k: v for k, _, v in pairs if k and k != "none"}
+                        arm = arm_env(env, f"--budget-env entry {env!r}")
                         key = ",".join(arm)
                         if top:
                             arm["MOESTREAM_PIECE_TOKENS"] = str(top)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench import launch_plans
 
 
@@ -26,5 +28,8 @@ def test_the_plans_cover_every_expert_and_the_switches_cut_the_launches():
 
 
 def test_an_arm_names_its_settings():
-    assert launch_plans.arm_env("none") == {}
-    assert launch_plans.arm_env("A=1+B=auto") == {"A": "1", "B": "auto"}
+    """bench.envs.arm_env: none, pairs joined by "+", and a clear error for a part that is not KEY=VAL."""
+    from bench.envs import arm_env
+    assert arm_env("none", "x") == {} and arm_env("A=1+B=auto", "x") == {"A": "1", "B": "auto"}
+    with pytest.raises(ValueError, match="--arms entry"):
+        arm_env("A=1+B", "--arms entry")
