@@ -1,16 +1,16 @@
 """A MoE layer's grouped launches under a budget, planned on the CPU: how many each planning switch gives.
 
-    python -m bench.launch_plans [--budget-mb 512] [--tokens 1000,4000,16000] [--alpha 5,1] [--out F.json]
+    python -m bench.launch_plans [--budget-mb 512] [--tokens 1000,4000,16000] [--alpha 0.2,1] [--out F.json]
 
 Under the server's budget a prompt's prefill is paced by the host's ~0.5-0.7 ms a grouped launch (H100, session
 43), so the launch count is the figure a sizing rule moves, and it can be counted without a GPU: this runs the
-engine's own planning (`gpu_worker.prefill.span_plan`, `ahead_bytes_for`, `launch_bytes_for`, then
+engine's own planning (`gpu_worker.prefill.span_plan` and `span_grants`, then
 `gpu_worker.prefill_experts.plan_layer` with the blocks staged on sm_90) for Super's expert geometry (512 NVFP4
 experts, top-22, latent 1,024, intermediate 2,688) and a router whose expert shares are drawn from a symmetric
 Dirichlet of concentration `alpha` (0.2: about as many distinct experts a layer as the synthetic Super's prompts
 route to on the GPU, 331 / 373 of 512 at 1k / 4k in session 43; 1: nearly all of them), the experts copied ahead
-being the most used ones the ahead slots hold (as a right guess copies them). One row per (tokens, alpha, arm): launches a layer (median over `--layers` draws), experts a
-launch, the rega row limit the plan kept.
+being the most used ones the ahead slots hold (as a right guess copies them). One row per (tokens, alpha, arm):
+launches a layer (median over `--layers` draws), experts a launch, the rega row limit the plan kept.
 
 Arms (`--arms`, comma list of KEY=VAL joined by "+", or "none"): the defaults, the long rega launches
 (MOESTREAM_PREFILL_REGA_LONG=auto), the bytes shared by rows (MOESTREAM_PREFILL_REGA_BY_ROWS=1), both. What this
@@ -20,7 +20,6 @@ cannot say: the time. The kernels differ per plan (a long rega launch decodes ea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -44,12 +43,11 @@ def super_config(moe_layers: int = 4):
 
 
 def layer_bytes(cfg, budget: int, tokens: int, stride: int) -> tuple[int, int]:
-    """(launch bytes, ahead slots) one span of `tokens` gets under `budget` on CUDA, as `gpu_worker.prefill.prefill`
-    grants them (the ahead slots wish for one layer's experts)."""
-    from gpu_worker.prefill import ahead_bytes_for, launch_bytes_for, span_plan
+    """(launch bytes, ahead slots) one span of `tokens` gets under `budget` on CUDA (`gpu_worker.prefill.span_grants`,
+    as `prefill` grants them; the ahead slots wish for one layer's experts)."""
+    from gpu_worker.prefill import span_grants, span_plan
     plan = span_plan(cfg, torch.bfloat16, budget, "cuda")
-    ahead = ahead_bytes_for(cfg, torch.bfloat16, budget, tokens, plan, cfg.n_routed_experts * stride)
-    launch = launch_bytes_for(cfg, torch.bfloat16, budget, tokens, dataclasses.replace(plan, ahead_bytes=ahead))
+    ahead, launch = span_grants(cfg, torch.bfloat16, budget, tokens, plan, cfg.n_routed_experts * stride)
     return launch, ahead // stride
 
 

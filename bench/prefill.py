@@ -421,11 +421,10 @@ def budgeted(eng, ids, device, budget: int, reps: int = 3) -> dict:
                 distinct_experts=last.distinct_experts, tier_resident=last.tier_resident,
                 missing_at_start=last.missing_at_start, missing_not_in_tier=last.missing_not_in_tier,
                 expert_uses=last.expert_uses,
-                **ahead_figures(eng.experts.prefill_acct.last), ahead_slot_bytes=eng.experts.ahead_bytes,
-                tokens_per_s=len(ids) / sec, launches=eng.experts.prefill_acct.last.launches,
-                launches_fused=eng.experts.prefill_acct.last.launches_fused,
-                launches_rega=eng.experts.prefill_acct.last.launches_rega,
-                launches_indexed=eng.experts.prefill_acct.last.launches_indexed, peak_bytes=peak, estimated_bytes=est,
+                **ahead_figures(last), ahead_slot_bytes=eng.experts.ahead_bytes,
+                tokens_per_s=len(ids) / sec, launches=last.launches, launches_fused=last.launches_fused,
+                launches_rega=last.launches_rega,
+                launches_indexed=last.launches_indexed, peak_bytes=peak, estimated_bytes=est,
                 plan=dict(piece_tokens=plan.pieces.tokens, mamba_piece_tokens=plan.pieces.mamba_tokens,
                           score_bytes=plan.pieces.score_bytes, launch_bytes=plan.launch()),
                 peak_within_estimate=peak <= est, estimate_within_budget=est <= budget)
@@ -799,7 +798,7 @@ def main(argv=None):
                 for top in [int(t) for t in a.budget_pieces.split(",") if t]:
                     for env in a.budget_env.split(","):
                         arm = arm_env(env, f"--budget-env entry {env!r}")
-                        key = ",".join(arm)
+                        named = env if arm else ""
                         if top:
                             arm["MOESTREAM_PIECE_TOKENS"] = str(top)
                         with scoped_env(arm):         # each key back to what it was after the arm
@@ -808,7 +807,7 @@ def main(argv=None):
                                                store.block_bytes, c)
                                 if a.profile and cuda:
                                     r["profile"] = profiled(eng, prompt(n), device, a.budget_mb << 20)
-                                r["piece_top"], r["env"] = top, env if key and key != "none" else ""
+                                r["piece_top"], r["env"] = top, named
                                 res["budget"].append(r)
                                 print("budget", json.dumps(r, default=float), flush=True)
                                 save()

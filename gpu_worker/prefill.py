@@ -400,6 +400,15 @@ def ahead_bytes_for(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, wi
     return max(0, min(int(wish), slack // 2))
 
 
+def span_grants(cfg, dtype, budget_bytes: int, span: int, plan: SpanPlan, wish: int, past: int = 0,
+                all_logits: bool = False, kv_rows: list[int] | None = None) -> tuple[int, int]:
+    """(ahead bytes, launch bytes) a span gets under the budget: the ahead slots first (`ahead_bytes_for`), then the
+    launches grown by what the span leaves with those slots in the plan (`launch_bytes_for`)."""
+    ahead = ahead_bytes_for(cfg, dtype, budget_bytes, span, plan, wish, past, all_logits, kv_rows)
+    return ahead, launch_bytes_for(cfg, dtype, budget_bytes, span, dataclasses.replace(plan, ahead_bytes=ahead), past,
+                                   all_logits, kv_rows)
+
+
 def default_budget(device) -> int:
     """Without a stated budget: half of the device memory free now (CUDA), or CPU_BUDGET_BYTES."""
     device = torch.device(device)
@@ -456,12 +465,9 @@ def prefill(model, ids, state, start: int = 0, end: int | None = None, *, images
             if max_span:
                 span = min(span, max_span)
             if source is not None:
-                ahead = ahead_bytes_for(cfg, model.dtype, budget, span, plan, wish, state.position, all_logits,
-                                        kv_rows(state))
+                ahead, source.launch_bytes = span_grants(cfg, model.dtype, budget, span, plan, wish, state.position,
+                                                         all_logits, kv_rows(state))
                 source.ahead_bytes = source.lend_ahead(ahead, wish, end - start)   # (a VRAM tier may lend more)
-                source.launch_bytes = launch_bytes_for(cfg, model.dtype, budget, span,
-                                                       dataclasses.replace(plan, ahead_bytes=ahead), state.position,
-                                                       all_logits, kv_rows(state))
             e = min(end, pos + span)
             kw = images.within(pos, e) if images is not None else {}
             inside = [k - pos for k in capture_at if pos < k < e]

@@ -12,7 +12,7 @@ def test_the_plans_cover_every_expert_and_the_switches_cut_the_launches():
     """Under the server's 512 MiB at 4k and 16k tokens (a router of concentration 0.2, two layers), each plan
     launches every routed expert once (`plan_counts` asserts it), at least as many launches as its experts a launch
     allow, and the long rega launches with the bytes shared by rows launch fewer than the defaults at both sizes
-    (the twin: the defaults' own count is not below itself)."""
+    (the must-fail twin: the defaults' plan, which launches more)."""
     both = "MOESTREAM_PREFILL_REGA_LONG=auto+MOESTREAM_PREFILL_REGA_BY_ROWS=1"
     got = launch_plans.rows(512, [4000, 16000], [0.2], ["none", both], layers=2)
     assert len(got) == 4
