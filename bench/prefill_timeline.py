@@ -1,7 +1,7 @@
 """Where a prompt's prefill wall time goes on the device's timeline: the copy engine and the compute stream side by
 side, between the host's router syncs (one a MoE layer).
 
-    python -m bench.prefill_timeline --work DIR [--moe-layers 4] [--sizes 4000,16000] [--out OUT.json]
+    python -m bench.prefill_timeline --work DIR [--moe-layers 4] [--sizes 4000,16000] [--budget-mb N] [--out OUT.json]
 
 The RAM regime (every expert cached, weights staged, the engine's defaults), prompts of varied real text. Each size
 runs once to compile, then once under torch.profiler (CUPTI: every kernel and every copy with its stream and its
@@ -254,6 +254,9 @@ def main(argv=None):
     ap.add_argument("--env", default="none", help="comma list of settings to compare in one engine: 'none' or "
                     "KEY=VAL[+KEY=VAL...] (set while that row runs; read per prompt by the switch); gate=G: copies "
                     "ahead for prompts of G tokens and more (the engine's ahead_min_tokens)")
+    ap.add_argument("--budget-mb", type=int, default=0,
+                    help="each prompt under this prefill budget (the server's reserve: 512), as bench.prefill's budget "
+                         "rows run it; 0: unbudgeted (the engine's default plan for an idle card)")
     ap.add_argument("--raw", action="store_true", help="keep every device event and the host's ranges in the JSON")
     ap.add_argument("--cprofile", default="", help="comma list of prompt sizes run once more under cProfile (the "
                     "engine's defaults): the host's Python by function")
@@ -274,7 +277,9 @@ def main(argv=None):
     model_dir, store_dir, store = super_store(a.work, a.moe_layers)
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     corpus = texts.load_text()
-    res: dict = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), rows=[])
+    res: dict = dict(moe_layers=len(store.moe_layers), device=torch.cuda.get_device_name(), rows=[],
+                     budget_mb=a.budget_mb)
+    budget = (a.budget_mb << 20) or None
     with StreamingEngine(store_dir, cache_bytes=all_experts_bytes(store), io_workers=8, device="cuda",
                          dtype=torch.bfloat16) as eng:
         warm_all(eng, store)
@@ -300,11 +305,12 @@ def main(argv=None):
                 if gate is not None:
                     src.ahead_min_tokens = int(gate)
                 try:
-                    prefill(eng.model, text_ids(tok, corpus, vocab, n, 7), eng.model.new_state())   # compiles
+                    prefill(eng.model, text_ids(tok, corpus, vocab, n, 7), eng.model.new_state(),   # compiles
+                            budget_bytes=budget)
                     ids = text_ids(tok, corpus, vocab, n, 8)
                     torch.cuda.synchronize()
                     t = time.perf_counter()
-                    prefill(eng.model, ids, eng.model.new_state())
+                    prefill(eng.model, ids, eng.model.new_state(), budget_bytes=budget)
                     torch.cuda.synchronize()
                     plain_ms = (time.perf_counter() - t) * 1e3
                     plain = dataclasses.asdict(src.prefill_acct.last)     # the host's figures without a profiler
@@ -312,7 +318,7 @@ def main(argv=None):
                     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                     with torch.profiler.profile(activities=acts) as prof:
                         with torch.profiler.record_function("prompt"):
-                            prefill(eng.model, ids, eng.model.new_state())
+                            prefill(eng.model, ids, eng.model.new_state(), budget_bytes=budget)
                             torch.cuda.synchronize()
                     with tempfile.TemporaryDirectory() as d:
                         p = os.path.join(d, "trace.json")
@@ -358,7 +364,7 @@ def main(argv=None):
                 Path(a.out).write_text(json.dumps(res, indent=1))
         for n in [int(s) for s in a.cprofile.split(",") if s]:      # the host's Python, by function
             ids = text_ids(tok, corpus, vocab, n, 10)
-            rows, total_ms = host_profile(lambda: prefill(eng.model, ids, eng.model.new_state()),
+            rows, total_ms = host_profile(lambda: prefill(eng.model, ids, eng.model.new_state(), budget_bytes=budget),
                                           torch.cuda.synchronize, callers_of=a.cprofile_callers.split(","))
             res.setdefault("cprofile", []).append(dict(tokens=n, total_ms=total_ms, top=rows))
             print(f"\n== host Python, {n} tokens (cProfile, the device synchronized at the end): {total_ms:.1f} ms")
