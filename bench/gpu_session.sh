@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several experiments, each under its own time limit; everything lands in $OUT.
 #   STEPS="prefill_deep vision check e2e e2e2 e2e_env profile profile_prefill h2d sub8 omni pytest smoke prefill prefill2 api_ttft api_cache turns turnab host subgroups gemv subcheck pieces gemv_pdl stage_extra ahead16k ssd_kernel ssd_prefill gmm gmm_prefill budgets gemv_fma api_long gemv_route e2e_ab timeline eager"
-#   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host; session 42: api_tier)
+#   (session 35: lend; session 36: fp8fma; session 37: rega_parts; session 41: rega_host; session 42: api_tier;
+#   session 45: dense)
 #   (default: vision check e2e profile omni),
 #   PYTEST_TESTS, PYTEST_X (set empty: no -x), MOE_LAYERS (synthetic super model, default 4),
 #   E2E_ARGS (extra bench.e2e_stream flags), E2E_TIMEOUT,
@@ -142,6 +143,10 @@ for r in (json.loads(l[7:]) for l in sys.stdin):
         python3 -m bench.host_samples "$OUT/spy.txt" --under $u --top ${SPY_TOP:-22} > "$OUT/spy_$u.txt" 2>&1; done
       cat "$OUT/spy_$(echo ${SPY_UNDER:-_prefill} | cut -d' ' -f1).txt" | cut -c1-150;;
     # session 16: the grouped expert prefill's kernel variants and pieces (down GEMM relaxed / acq_rel atomics)
+    # session 45: the dense NVFP4 projections at prefill size (bench/kernels/dense_prefill.py; DENSE_ARGS its flags,
+    # e.g. --piece 1024 --slices 4,8 --kernel-configs "BLOCK_M=128,BLOCK_N=128"): the tile kernel against decode + cuBLAS
+    dense) timeout ${DENSE_TIMEOUT:-200} python3 -m bench.kernels.dense_prefill ${DENSE_ARGS:-} --out "$OUT/dense_prefill.json" \
+           > "$OUT/dense_prefill.log" 2>&1; grep -E "^\||checks ok|decode|FAILED|ERROR" "$OUT/dense_prefill.log" | cut -c1-260;;
     sweep) timeout ${SWEEP_TIMEOUT:-150} python3 -m bench.kernels.expert_prefill_sweep ${SWEEP_ARGS:-} --out "$OUT/sweep.json" \
            > "$OUT/sweep.log" 2>&1; grep -v "^\s*$" "$OUT/sweep.log" | tail -${SWEEP_TAIL:-30} | cut -c1-220;;
     # session 14: the prefill's device timeline, copy engine beside compute, per MoE layer (bench.prefill_timeline)

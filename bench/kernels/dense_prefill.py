@@ -1,16 +1,18 @@
 """The prefill's dense NVFP4 / FP8 projections: the tile-decoding GEMM against dequantize + cuBLAS, beside the bf16
 GEMM measured in the same run (issue 13; kernels/dense_prefill.py holds the winner).
 
-    python -m bench.kernels.dense_prefill [--rows 16,64,128,512,2048,16000] [--fmt nvfp4,fp8] [--out F.json]
+    python -m bench.kernels.dense_prefill [--rows 16,64,128,512,2048,16000] [--fmt nvfp4,fp8] [--piece 512]
+                                          [--slices 4] [--out F.json]
 
 Super's dense shapes (N x K): in_proj 18,560 x 4,096, out_proj 4,096 x 8,192, shared up 5,376 x 4,096, shared down
 4,096 x 5,376, latent fc1 1,024 x 4,096, fc2 4,096 x 1,024. At each row count M, a span of M rows runs as the
-engine's layer runs it, in pieces of 512 rows over one weight ("pieces"), and, where M > 512, as one call of M
-rows ("one"). Candidates (each timed for the whole span, decodes included):
+engine's layer runs it, in pieces of 512 rows (--piece; the server's 512 MiB budget takes 1,024 since session 17)
+over one weight ("pieces"), and, where M > the piece, as one call of M rows ("one"). Candidates (each timed for the whole span, decodes included):
   kernel      today's path: `_nvfp4_gemm_kernel` / `_fp8_gemm_kernel` (fp32 y, then a cast to bf16)
   once        kernels.dense_prefill: decoded once per span (`held`), each piece `addmm_` with the global scale as alpha
   per_piece   the same decode, once per piece (a transient weight: what a cache that cannot hold it would do)
-  sliced      decoded per piece in 4 row slices (the bound of a small budget: a quarter of the weight; MAX_SLICES 4)
+  slicedS     decoded per piece in S row slices (--slices, 4 by default: the bound of a small budget, 1/S of the
+              weight; MAX_SLICES S)
   f32_cast    decoded once, `torch.mm(out_dtype=float32)`, then y · g cast to bf16 (the fp32 buffer the brief avoids)
   cublas_bf16 a bf16 weight of the same shape, plain `x @ w.T` per piece: the ceiling, no decode at all
 Every candidate is checked at full size against the fp32 twin (`nvfp4_linear_torch` / `fp8_linear_torch`) at 512
@@ -69,18 +71,24 @@ def pieces_of(M, one: bool):
     return [(0, M)] if one else [(a, min(M, a + PIECE)) for a in range(0, M, PIECE)]
 
 
-def candidates(qw: QuantizedWeight, wb: torch.Tensor):
-    """name -> fn(x, parts) -> y [M, N] bf16."""
+def candidates(qw: QuantizedWeight, wb: torch.Tensor, slices=(4,), kernel_configs=()):
+    """name -> fn(x, parts) -> y [M, N] bf16. kernel_configs: more tile-kernel configurations (NVFP4), each a
+    candidate named by its keys ("kernel[BLOCK_M=128,...]")."""
     nb = dense_prefill.dequant_nbytes(qw)
 
-    def kernel(x, parts):
-        y = torch.empty(x.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
-        for a, b in parts:
-            if qw.fmt == "nvfp4":
-                y[a:b] = nvfp4_linear(x[a:b], qw.weight, qw.weight_scale, qw.weight_scale_2)
-            else:
-                y[a:b] = fp8_linear(x[a:b], qw.weight, qw.weight_scale)
-        return y
+    def kernel_with(config=None):
+        def kernel(x, parts):
+            y = torch.empty(x.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+            for a, b in parts:
+                if qw.fmt == "nvfp4":
+                    nvfp4_linear(x[a:b], qw.weight, qw.weight_scale, qw.weight_scale_2, config=config, out=y[a:b])
+                else:
+                    y[a:b] = fp8_linear(x[a:b], qw.weight, qw.weight_scale)
+            return y
+        return kernel
+    kernel = kernel_with()
+    more = {f"kernel[{','.join(f'{k}={v}' for k, v in c.items())}]": kernel_with(c) for c in kernel_configs
+            if qw.fmt == "nvfp4"}
 
     def through_linear(max_bytes, transient, broken=False, slices=1):
         def run(x, parts):
@@ -110,20 +118,29 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor):
             torch.mm(x[a:b], wb.t(), out=y[a:b])
         return y
 
-    return {"kernel": kernel, "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
-            "sliced": through_linear(nb // 4 + 1, False, slices=4), "f32_cast": f32_cast, "cublas_bf16": cublas,
-            "broken_once": through_linear(BIG, False, broken=True)}
+    return {"kernel": kernel, **more, "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
+            **{f"sliced{n}": through_linear(nb // n + 1, False, slices=n) for n in slices},
+            "f32_cast": f32_cast, "cublas_bf16": cublas, "broken_once": through_linear(BIG, False, broken=True)}
 
 
 def main(argv=None):
+    global PIECE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="16,64,128,512,2048,16000")
     ap.add_argument("--fmt", default="nvfp4,fp8")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--piece", type=int, default=PIECE, help="rows of a piece (the engine's layer runs a span in them)")
+    ap.add_argument("--slices", default="4", help="comma list: the sliced candidates' slice counts")
+    ap.add_argument("--kernel-configs", default="",
+                    help="';'-separated tile-kernel configurations, each KEY=INT,... (e.g. BLOCK_M=128,num_warps=8): "
+                         "more NVFP4 candidates beside the default's")
     ap.add_argument("--out", default="dense_prefill.json")
     a = ap.parse_args(argv)
+    PIECE = a.piece
     t0 = time.time()
     rows = [int(r) for r in a.rows.split(",")] if CUDA else [16, 130, 600]
+    configs = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))} for c in a.kernel_configs.split(";")
+               if c]
     shapes = SHAPES if CUDA else SMOKE_SHAPES
     ceiling = gemm_ceiling()
     res = dict(device=torch.cuda.get_device_name() if CUDA else "cpu (smoke)", torch=torch.__version__,
@@ -136,7 +153,7 @@ def main(argv=None):
             torch.manual_seed(zlib.crc32(f"{fmt} {name}".encode()))
             qw = make_weight(fmt, N, K)
             wb = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
-            cands = candidates(qw, wb)
+            cands = candidates(qw, wb, [int(n) for n in a.slices.split(",") if n], configs)
             twin = (lambda x: nvfp4_linear_torch(x, qw.weight, qw.weight_scale, qw.weight_scale_2, torch.float32)) \
                 if fmt == "nvfp4" else (lambda x: fp8_linear_torch(x, qw.weight, qw.weight_scale, torch.float32))
             # decode alone: bytes moved (packed in + bf16 out) per second
@@ -198,7 +215,7 @@ def _table(res):
     for t in res["times"]:
         if "M" in t:
             by.setdefault((t["fmt"], t["shape"], t["M"], t["mode"]), {})[t["cand"]] = t
-    cands = ["kernel", "once", "per_piece", "sliced", "f32_cast", "cublas_bf16"]
+    cands = list(dict.fromkeys(t["cand"] for t in res["times"] if "M" in t))     # in the order they ran
     print("| fmt | shape | M | mode | " + " | ".join(cands) + " |")
     print("|" + " --- |" * (4 + len(cands)))
     for (fmt, shape, M, mode), d in by.items():
