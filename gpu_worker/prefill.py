@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.knobs import env_count
+from gpu_worker.knobs import env_count, env_switch
 from nemotron.attention import SCORE_BYTES, KVCache
 from nemotron.config import ATTENTION, MAMBA, MLP, MOE
 from nemotron.model import MAX_PIECE_TOKENS, PIECE_TOKENS, Cancelled, Captures, Pieces
@@ -56,6 +56,12 @@ CPU_BUDGET_BYTES = 4 << 30
 # left to the tile kernel): off, by measurement — at the server's 512 MiB (bound 74 MiB on Super) the A/B found no
 # gain (H200, session 6, bench/NOTES.md h22 run 2); True gives such budgets what the heaviest layer leaves
 PARTIAL_DEQUANT = False
+
+
+def partial_dequant() -> bool:
+    """MOESTREAM_PREFILL_PARTIAL_DEQUANT ("1" / "0"), else PARTIAL_DEQUANT: read per plan (`_knobs`), so one engine
+    can A/B it."""
+    return env_switch("MOESTREAM_PREFILL_PARTIAL_DEQUANT", PARTIAL_DEQUANT)
 
 
 @dataclass
@@ -256,7 +262,7 @@ _PLANS: dict = {}    # span_plan's plans: the server plans every prompt with the
 def _knobs() -> tuple:
     """What else a plan depends on (module settings the tests change)."""
     from gpu_worker.prefill_knobs import prefill_batch_bytes
-    return prefill_batch_bytes(), PARTIAL_DEQUANT, SCORE_BYTES
+    return prefill_batch_bytes(), partial_dequant(), SCORE_BYTES
 
 
 def _plan_from(cfg, dtype, budget_bytes: int, device, mamba_top: int, other_top: int) -> SpanPlan:
@@ -288,7 +294,7 @@ def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
     """`plan` with the most decoded-weight bytes (up to the largest layer's, `dequant_terms`) that leave its longest
     span within the budget: the decoded weights take only what a layer's peak leaves below the heaviest layer's
     (on Super at 512 MiB, the MoE layer's launches), so no span gets shorter for them. Less than the largest layer's
-    is given only with PARTIAL_DEQUANT (else 0: the tile kernels)."""
+    is given only with `partial_dequant()` (else 0: the tile kernels)."""
     e = _act_bytes(dtype)
     longest = _longest_span(cfg, dtype, budget_bytes, plan)
     lo, hi = 0, max(dequant_terms(cfg, e).values(), default=0)
@@ -299,7 +305,7 @@ def dequant_bound(cfg, dtype, budget_bytes: int, plan: SpanPlan) -> SpanPlan:
         else:
             hi = mid - 1
     full = max(dequant_terms(cfg, e).values(), default=0)
-    return _with_dequant(plan, lo if lo >= full or PARTIAL_DEQUANT else 0)
+    return _with_dequant(plan, lo if lo >= full or partial_dequant() else 0)
 
 
 def span_terms(cfg, dtype, tokens: int, past: int = 0, all_logits: bool = False,

@@ -110,6 +110,21 @@ SLICE_ALIGN = 64    # rows of a weight slice: a multiple of the decode's BLOCK_N
 MAX_SLICES = 1
 
 
+def max_slices() -> int:
+    """The most slices a call decodes a weight in: MOESTREAM_DENSE_SLICES (a whole number, 1 or more), else MAX_SLICES.
+    Read per call, so one process can A/B it (bench.prefill's --budget-env arms)."""
+    raw = os.environ.get("MOESTREAM_DENSE_SLICES", "")
+    if not raw:
+        return MAX_SLICES
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"MOESTREAM_DENSE_SLICES={raw!r}: expected a whole number of slices") from None
+    if n < 1:
+        raise ValueError(f"MOESTREAM_DENSE_SLICES={raw!r}: expected 1 or more slices")
+    return n
+
+
 class DequantCache:
     """A layer's decoded weights, at most `max_bytes`, least recently used evicted first. A weight that cannot be
     held is decoded per call in row slices of at most `max_bytes` (`linear`); `dequantized` counts the decodes
@@ -156,7 +171,7 @@ class DequantCache:
             self.bytes -= old.numel() * old.element_size()
 
     def linear(self, x2: torch.Tensor, w) -> torch.Tensor | None:
-        """y = x2 @ W.T through W's decoded copy (held, or decoded per call in at most MAX_SLICES row slices), or
+        """y = x2 @ W.T through W's decoded copy (held, or decoded per call in at most `max_slices()` row slices), or
         None: not this cache's weight, too few rows, or the weight takes more slices than that within the bound."""
         if id(w) not in self._eligible or self.rows < DEQUANT_MIN_ROWS:
             return None
@@ -166,10 +181,11 @@ class DequantCache:
         if x2.shape[0] < DEQUANT_MIN_ROWS:      # each call pays the decode here: only where it pays off
             return None
         row_bytes = dequant_nbytes(w, x2.dtype) // w.out_features
+        most = max_slices()
 
         def fits(room: int) -> bool:
             step = room // row_bytes // SLICE_ALIGN * SLICE_ALIGN
-            return step >= w.out_features or (step >= SLICE_ALIGN and -(-w.out_features // step) <= MAX_SLICES)
+            return step >= w.out_features or (step >= SLICE_ALIGN and -(-w.out_features // step) <= most)
         if not fits(self.max_bytes):            # not even the whole bound would do: the held weights stay
             return None
         if (self.max_bytes - self.bytes) // row_bytes < max(SLICE_ALIGN, w.out_features // 4) or \

@@ -1013,6 +1013,31 @@ def _global(g, device) -> torch.Tensor:
     return torch.as_tensor(g, dtype=torch.float32, device=device).reshape(1)
 
 
+# the tile-decoding GEMM's configuration (rows above DECODE_MAX_ROWS: a prefill's projections of spans below
+# kernels.dense_prefill's DEQUANT_MIN_ROWS, and every piece where no decoded copy fits, e.g. the server's 512 MiB)
+GEMM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+GEMM_KEYS = tuple(GEMM_CONFIG)
+_gemm_env: dict = {}
+
+
+def gemm_config_env() -> dict:
+    """MOESTREAM_NVFP4_GEMM ("KEY=INT,..." or "KEY=INT:...", keys of GEMM_CONFIG; ":" fits a bench.prefill arm, whose
+    list is split at commas): the tile-decoding GEMM's configuration over GEMM_CONFIG, a measuring knob read per call
+    (bench.prefill's arms A/B it in one engine); {} when unset. A bad entry raises a ValueError naming the variable."""
+    raw = os.environ.get("MOESTREAM_NVFP4_GEMM", "")
+    hit = _gemm_env.get(raw)
+    if hit is not None:
+        return hit
+    out = {}
+    for part in filter(None, raw.replace(":", ",").split(",")):
+        key, _, val = part.partition("=")
+        if key not in GEMM_KEYS or not val.isdigit() or int(val) < 1:
+            raise ValueError(f"MOESTREAM_NVFP4_GEMM={raw!r}: expected KEY=INT,... with keys {', '.join(GEMM_KEYS)}")
+        out[key] = int(val)
+    _gemm_env[raw] = out
+    return out
+
+
 def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: torch.Tensor, global_scale,
                  out_dtype=None, config: dict | None = None, out: torch.Tensor | None = None,
                  xb: torch.Tensor | None = None) -> torch.Tensor:
@@ -1109,7 +1134,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
         _nvfp4_gemv_kernel[grid](xa, weight_u8, s_u8, gs, y, M, N, K, x2.stride(0), y.stride(0), K // 4, K // 16,
                                  **cfg)
     else:
-        cfg = {**dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), **(config or {})}
+        cfg = {**GEMM_CONFIG, **gemm_config_env(), **(config or {})}
         # stored in the output dtype by the kernel (the fp32 accumulator rounded once, as a cast would): no cast launch
         y = out if out is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))

@@ -50,6 +50,22 @@ def test_decoded_weights_take_no_span_at_512_mib(device, monkeypatch):
     assert _longest(cfg, budget, _with_dequant(plan, largest)) < n
 
 
+def test_the_partial_bound_switch_is_read_per_plan(monkeypatch):
+    """MOESTREAM_PREFILL_PARTIAL_DEQUANT=1 gives the 512 MiB plan the headroom as decoded weights, as PARTIAL_DEQUANT
+    does (one engine A/Bs it: the plans' cache keys on it); "0" and unset none; a bad value names the variable."""
+    cfg, budget = _super(), 512 << 20
+    monkeypatch.setenv("MOESTREAM_PREFILL_PARTIAL_DEQUANT", "1")
+    on = span_plan(cfg, torch.bfloat16, budget, "cuda").pieces.dequant_bytes
+    assert 32 << 20 < on < max(dequant_terms(cfg, 2).values())
+    monkeypatch.setenv("MOESTREAM_PREFILL_PARTIAL_DEQUANT", "0")
+    assert span_plan(cfg, torch.bfloat16, budget, "cuda").pieces.dequant_bytes == 0
+    monkeypatch.delenv("MOESTREAM_PREFILL_PARTIAL_DEQUANT")
+    assert span_plan(cfg, torch.bfloat16, budget, "cuda").pieces.dequant_bytes == 0
+    monkeypatch.setenv("MOESTREAM_PREFILL_PARTIAL_DEQUANT", "yes")
+    with pytest.raises(ValueError, match="MOESTREAM_PREFILL_PARTIAL_DEQUANT"):
+        span_plan(cfg, torch.bfloat16, budget, "cuda")
+
+
 def test_a_budget_that_holds_the_largest_layer_keeps_its_span():
     cfg, budget = _super(), 2 << 30
     plan = span_plan(cfg, torch.bfloat16, budget, "cuda")

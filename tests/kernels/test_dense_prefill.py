@@ -251,3 +251,26 @@ def test_a_weight_that_cannot_be_decoded_evicts_nothing(device, monkeypatch):
     with held([big, small], bound, 300):
         _pieces_of_a_layer(x, big, small, 128)
     assert len(count.whole) == 2 and count.slices, "with slices, in_proj evicts out_proj in each full piece"
+
+
+def test_the_slices_switch_is_read_per_call(device, monkeypatch):
+    """MOESTREAM_DENSE_SLICES sets the most slices a call decodes in, read per call (bench.prefill's arms A/B it in one
+    engine): 4 decodes the weight beyond the bound in 4 slices and equals the twin; unset, the tile kernel (the
+    must-fail side: no slices); a bad value names the variable."""
+    qw = _weight("nvfp4", device=device)
+    x = torch.randn(M, K, device=device).bfloat16()
+    count = _Counting(monkeypatch)
+    monkeypatch.setenv("MOESTREAM_DENSE_SLICES", "4")
+    with held([qw], dequant_nbytes(qw) // 3, M):
+        y = linear(x, qw)
+    assert len(count.slices) == 4
+    assert_close(y, _twin(x, qw), _tol(torch.bfloat16), "4 slices by the switch")
+    count.slices.clear()
+    monkeypatch.delenv("MOESTREAM_DENSE_SLICES")
+    with held([qw], dequant_nbytes(qw) // 3, M):
+        linear(x, qw)
+    assert not count.slices
+    for bad in ("0", "two"):
+        monkeypatch.setenv("MOESTREAM_DENSE_SLICES", bad)
+        with held([qw], dequant_nbytes(qw) // 3, M), pytest.raises(ValueError, match="MOESTREAM_DENSE_SLICES"):
+            linear(x, qw)

@@ -91,6 +91,46 @@ def test_nvfp4_gemm_prefill_matches_twin(M, N, K, device):
     assert_close(y, g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32), TOL, "gemm")
 
 
+class _Launches:
+    """Stands in for `_nvfp4_gemm_kernel`: records each launch's grid and configuration, then runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            self.calls.append((grid, {k: kw[k] for k in g.GEMM_KEYS if k in kw}))
+            return self.kernel[grid](*a, **kw)
+        return launch
+
+
+def test_the_gemm_configuration_switch(device, monkeypatch):
+    """MOESTREAM_NVFP4_GEMM sets the tile-decoding GEMM's configuration per call over GEMM_CONFIG: the launch takes it
+    (its grid follows BLOCK_M / BLOCK_N) and the result equals the twin on odd shapes; unset, GEMM_CONFIG (the
+    must-fail side of the launch check); a caller's config still decides over it; a bad entry names the variable."""
+    M, N, K = 70, 150, 208
+    q, s, gs = _weight(N, K, device)
+    x = torch.randn(M, K, device=device).bfloat16()
+    ref = g.nvfp4_linear_torch(x, q, s, gs, out_dtype=torch.float32)
+    rec = _Launches(g._nvfp4_gemm_kernel)
+    monkeypatch.setattr(g, "_nvfp4_gemm_kernel", rec)
+    monkeypatch.setenv("MOESTREAM_NVFP4_GEMM", "BLOCK_M=32,BLOCK_N=32:BLOCK_K=32,num_warps=4")
+    y = g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, out=_poisoned(M, N, device))
+    assert_close(y, ref, TOL, "gemm by the switch")
+    assert rec.calls[-1] == ((5, 3), dict(g.GEMM_CONFIG, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4))
+    monkeypatch.delenv("MOESTREAM_NVFP4_GEMM")
+    g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32)
+    assert rec.calls[-1][1] == g.GEMM_CONFIG and rec.calls[-1][0] == (-(-N // g.GEMM_CONFIG["BLOCK_N"]),
+                                                                        -(-M // g.GEMM_CONFIG["BLOCK_M"]))
+    monkeypatch.setenv("MOESTREAM_NVFP4_GEMM", "BLOCK_M=32")
+    g.nvfp4_linear(x, q, s, gs, out_dtype=torch.float32, config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32))
+    assert rec.calls[-1][1]["BLOCK_M"] == 16
+    for bad in ("BLOCK_Q=2", "BLOCK_M=0", "BLOCK_M", "num_warps=four"):
+        monkeypatch.setenv("MOESTREAM_NVFP4_GEMM", bad)
+        with pytest.raises(ValueError, match="MOESTREAM_NVFP4_GEMM"):
+            g.nvfp4_linear(x, q, s, gs)
+
+
 def test_output_shape_and_dtype(device):
     q, s, gs = _weight(24, 64, device)
     x = torch.randn(2, 1, 64, device=device).bfloat16()
