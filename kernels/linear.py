@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import backend, dense_prefill
+from kernels import backend, dense_prefill, linear_rega
 from kernels.gemv_bf16 import bf16_linear_routed
 from kernels.gemv_nvfp4 import DECODE_MAX_ROWS, fp8_linear, nvfp4_linear
 from kernels.nvfp4 import decode_fp8, decode_nvfp4
@@ -75,13 +75,17 @@ class QuantizedWeight:
 
 def linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """y = x @ W.T in x's dtype; W decoded from its stored precision. Inside a layer's `dense_prefill.held` scope,
-    more rows than a GEMV's multiply W's decoded copy by cuBLAS (decoded once for all of the span's pieces)."""
+    more rows than a GEMV's multiply W's decoded copy by cuBLAS (decoded once for all of the span's pieces); an NVFP4
+    weight no decoded copy takes runs the rega linear where it is able (kernels/linear_rega.py), else the tile
+    kernel."""
     cache = dense_prefill.active() if w.fmt != "dense" else None
     if cache is not None and x.numel() > DECODE_MAX_ROWS * x.shape[-1] and cache.takes(w):
         x2 = x.reshape(-1, x.shape[-1])
         y = cache.linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w)
         if y is not None:
             return y.reshape(*x.shape[:-1], w.out_features)
+    if w.fmt == "nvfp4" and linear_rega.rega_linear_able(x, w.weight):     # (sm_90, MOESTREAM_DENSE_REGA)
+        return linear_rega.rega_linear(x, w.weight, w.weight_scale, w.weight_scale_2)
     if w.fmt == "nvfp4" and backend.use_triton(x, "gemv_nvfp4"):
         return nvfp4_linear(x, w.weight, w.weight_scale, w.weight_scale_2)
     if w.fmt == "fp8" and backend.use_triton(x, "gemv_nvfp4"):

@@ -9,6 +9,8 @@ Super's dense shapes (N x K): in_proj 18,560 x 4,096, out_proj 4,096 x 8,192, sh
 engine's layer runs it, in pieces of 512 rows (--piece; the server's 512 MiB budget takes 1,024 since session 17)
 over one weight ("pieces"), and, where M > the piece, as one call of M rows ("one"). Candidates (each timed for the whole span, decodes included):
   kernel      today's path: `_nvfp4_gemm_kernel` / `_fp8_gemm_kernel` (fp32 y, then a cast to bf16)
+  rega        kernels/linear_rega.py (NVFP4): the codes decoded into wgmma's register operand (sm_90; the Triton
+              twin elsewhere), per piece, no decoded copy
   once        kernels.dense_prefill: decoded once per span (`held`), each piece `addmm_` with the global scale as alpha
   per_piece   the same decode, once per piece (a transient weight: what a cache that cannot hold it would do)
   slicedS     decoded per piece in S row slices (--slices, 4 by default: the bound of a small budget, 1/S of the
@@ -39,6 +41,7 @@ from bench.kernels.common import time_eager  # noqa: E402
 from kernels import dense_prefill  # noqa: E402
 from kernels.gemv_nvfp4 import fp8_linear, fp8_linear_torch, nvfp4_linear, nvfp4_linear_torch  # noqa: E402
 from kernels.linear import QuantizedWeight, linear  # noqa: E402
+from kernels.linear_rega import rega_linear  # noqa: E402
 from kernels.nvfp4 import encode_fp8, encode_nvfp4  # noqa: E402
 from kernels.testing import rel_err  # noqa: E402
 
@@ -87,6 +90,12 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor, slices=(4,), kernel_config
             return y
         return kernel
     kernel = kernel_with()
+
+    def rega(x, parts):          # kernels/linear_rega.py: the codes decoded into the MMA's register operand
+        y = torch.empty(x.shape[0], qw.out_features, dtype=x.dtype, device=x.device)
+        for a, b in parts:
+            rega_linear(x[a:b], qw.weight, qw.weight_scale, qw.weight_scale_2, out=y[a:b])
+        return y
     more = {f"kernel[{','.join(f'{k}={v}' for k, v in c.items())}]": kernel_with(c) for c in kernel_configs
             if qw.fmt == "nvfp4"}
 
@@ -118,7 +127,7 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor, slices=(4,), kernel_config
             torch.mm(x[a:b], wb.t(), out=y[a:b])
         return y
 
-    return {"kernel": kernel, **more, "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
+    return {"kernel": kernel, **more, **({"rega": rega} if qw.fmt == "nvfp4" else {}), "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
             **{f"sliced{n}": through_linear(nb // n + 1, False, slices=n) for n in slices},
             "f32_cast": f32_cast, "cublas_bf16": cublas, "broken_once": through_linear(BIG, False, broken=True)}
 
