@@ -1009,6 +1009,12 @@ def _as_u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def rows_of(x: torch.Tensor, K: int) -> tuple[torch.Size, torch.Tensor]:
+    """x [..., K] as (its leading shape, [M, K] rows with unit column stride)."""
+    x2 = x.reshape(-1, K)
+    return x.shape[:-1], (x2 if x2.stride(-1) == 1 else x2.contiguous())
+
+
 def _global(g, device) -> torch.Tensor:
     return torch.as_tensor(g, dtype=torch.float32, device=device).reshape(1)
 
@@ -1060,10 +1066,7 @@ def nvfp4_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: to
     N, K = weight_u8.shape[0], weight_u8.shape[1] * 2
     assert x.shape[-1] == K and weight_scale_e4m3.shape == (N, K // 16), (x.shape, weight_scale_e4m3.shape)
     assert weight_u8.is_contiguous() and weight_scale_e4m3.is_contiguous()
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = rows_of(x, K)
     M = x2.shape[0]
     out_dtype = out_dtype or x.dtype
     gs = _global(global_scale, x.device)

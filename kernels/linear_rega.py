@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels.backend import varying
 from kernels.expert_prefill_rega import _rega_dot, permute_x
+from kernels.gemv_nvfp4 import _as_u8, _global, rows_of
 
 REGA_LINEAR_ENV = "MOESTREAM_DENSE_REGA"
 REGA_LINEAR_DEFAULT = "0"
@@ -87,16 +88,12 @@ def rega_linear(x: torch.Tensor, weight_u8: torch.Tensor, weight_scale_e4m3: tor
                          f"{tuple(weight_scale_e4m3.shape)}: need x [..., K], codes [N, K/2], scales [N, K/16], "
                          "K a multiple of 16")
     assert weight_u8.is_contiguous() and weight_scale_e4m3.is_contiguous()
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = rows_of(x, K)
     M = x2.shape[0]
     y = out if out is not None else torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    s_u8 = weight_scale_e4m3 if weight_scale_e4m3.dtype == torch.uint8 else weight_scale_e4m3.view(torch.uint8)
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(1)
+    s_u8, gs = _as_u8(weight_scale_e4m3), _global(global_scale, x.device)
     xp = permute_x(x2)
     if twin is None:
         twin = not (x.is_cuda and _capability(x.device.index) == (9, 0))

@@ -547,21 +547,27 @@ def compile_offline(part: str, config: dict | None = None, arch: int = 90):
     (the JIT's specialization of an engine launch: pointers 16-byte aligned, I / L / strides divisible by 16). With
     the device's Triton 3.6 on PYTHONPATH this is the device's own compile; bench/kernels/sass_probe reads the SASS,
     registers and spills of what it returns. Gluon has no interpreter: this is the CPU's only check of the kernels."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     cfg = {**GLUON_CONFIG, **(config or {})}
     fn = globals()[f"_rega_{part}_kernel_{'p' if cfg.get('PERSIST') else 't' if cfg.get('TMA') else 'g'}"]
-    names = fn.arg_names
+    return compile_gluon(fn, cfg, _ARG_TYPES, _ALIGNED, arch)
+
+
+def compile_gluon(fn, cfg: dict, arg_types: dict, aligned: set, arch: int = 90):
+    """A Gluon kernel compiled for `arch` as the JIT specializes an engine launch: the constexprs from cfg (else the
+    kernel's defaults), each `*_desc` argument a [BLOCK_M, 64] fp16 TMA box in x_layout, the others typed by
+    arg_types, and those in `aligned` divisible by 16 unless the kernel declares them varying."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
     desc = f"tensordesc<fp16[{cfg['BLOCK_M']}, 64],{x_layout(cfg['BLOCK_M'])!r}>"
     sig, constexprs, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(names, fn.params)):
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
             sig[name] = "constexpr"
             constexprs[(i,)] = cfg.get(name, param.default if param.has_default else 0)   # the kernel's default
         else:
-            sig[name] = desc if name.endswith("_desc") else _ARG_TYPES[name]
+            sig[name] = desc if name.endswith("_desc") else arg_types[name]
             # (as the JIT specializes an aligned launch, except the arguments the kernel declares varying)
-            if name in _ALIGNED and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
+            if name in aligned and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg["num_warps"]))

@@ -17,25 +17,10 @@ _ALIGNED = {"w_ptr", "s_ptr", "gs_ptr", "y_ptr", "N", "K", "stride_ym"}
 def compile_offline(config: dict | None = None, arch: int = 90):
     """`_rega_linear_kernel` as the engine launches it (kernels.expert_prefill_rega_gluon.TMA_CONFIG; pointers 16-byte
     aligned, N / K / stride divisible by 16, M varying), compiled for `arch`."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kernels.expert_prefill_rega_gluon import TMA_CONFIG, x_layout
-    from kernels.linear_rega_gluon import _rega_linear_kernel as fn
-    cfg = {**TMA_CONFIG, **(config or {})}
-    desc = f"tensordesc<fp16[{cfg['BLOCK_M']}, 64],{x_layout(cfg['BLOCK_M'])!r}>"
-    sig, constexprs, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
-        if param.is_constexpr:
-            sig[name] = "constexpr"
-            constexprs[(i,)] = cfg[name]
-        else:
-            sig[name] = desc if name.endswith("_desc") else _ARG_TYPES[name]
-            if name in _ALIGNED and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg["num_warps"]))
+    from bench.kernels.expert_prefill_rega_gluon import compile_gluon
+    from kernels.expert_prefill_rega_gluon import TMA_CONFIG
+    from kernels.linear_rega_gluon import _rega_linear_kernel
+    return compile_gluon(_rega_linear_kernel, {**TMA_CONFIG, **(config or {})}, _ARG_TYPES, _ALIGNED, arch)
 
 
 def compile_report(config: dict | None = None, arch: int = 90) -> dict:
