@@ -7,7 +7,8 @@ GEMM measured in the same run (issue 13; kernels/dense_prefill.py holds the winn
 Super's dense shapes (N x K): in_proj 18,560 x 4,096, out_proj 4,096 x 8,192, shared up 5,376 x 4,096, shared down
 4,096 x 5,376, latent fc1 1,024 x 4,096, fc2 4,096 x 1,024. At each row count M, a span of M rows runs as the
 engine's layer runs it, in pieces of 512 rows (--piece; the server's 512 MiB budget takes 1,024 since session 17)
-over one weight ("pieces"), and, where M > the piece, as one call of M rows ("one"). Candidates (each timed for the whole span, decodes included):
+over one weight ("pieces"), and, where M > the piece, as one call of M rows ("one"). Candidates (each timed for the
+whole span, decodes included):
   kernel      today's path: `_nvfp4_gemm_kernel` / `_fp8_gemm_kernel` (fp32 y, then a cast to bf16)
   rega        kernels/linear_rega.py (NVFP4): the codes decoded into wgmma's register operand (sm_90; the Triton
               twin elsewhere), per piece, no decoded copy
@@ -127,7 +128,8 @@ def candidates(qw: QuantizedWeight, wb: torch.Tensor, slices=(4,), kernel_config
             torch.mm(x[a:b], wb.t(), out=y[a:b])
         return y
 
-    return {"kernel": kernel, **more, **({"rega": rega} if qw.fmt == "nvfp4" else {}), "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
+    return {"kernel": kernel, **more, **({"rega": rega} if qw.fmt == "nvfp4" else {}),
+            "once": through_linear(BIG, False), "per_piece": through_linear(BIG, True),
             **{f"sliced{n}": through_linear(nb // n + 1, False, slices=n) for n in slices},
             "f32_cast": f32_cast, "cublas_bf16": cublas, "broken_once": through_linear(BIG, False, broken=True)}
 
