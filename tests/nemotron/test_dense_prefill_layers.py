@@ -12,6 +12,7 @@ import torch
 from kernels import dense_prefill
 from kernels.dense_prefill import DEQUANT_MIN_ROWS
 from kernels.linear import QuantizedWeight
+from kernels.testing import rel_err
 from nemotron.model import NemotronH, Pieces
 from nemotron.moe import MoEMixer
 
@@ -88,3 +89,37 @@ def test_a_bound_of_zero_decodes_nothing(model, monkeypatch):
     spy = _Spy(monkeypatch)
     model.forward(_ids(), model.new_state(), pieces=Pieces(dequant_bytes=0))
     assert not spy.whole and not spy.slices
+
+
+def test_the_rega_linear_takes_what_no_decoded_copy_takes(model, monkeypatch):
+    """With MOESTREAM_DENSE_REGA on where it is able (faked here: the twin stands in for sm_90's Gluon kernel), a
+    forward that decodes nothing (dequant_bytes 0: the server's 512 MiB) runs every layer's NVFP4 projection of 128
+    rows or more through kernels.linear_rega, and its logits equal the tile kernels'. The twin that must fail: the
+    same route with each weight's scales rolled by a row changes the logits."""
+    from functools import partial
+
+    from kernels import linear_rega as LR
+    pieces, ids = Pieces(tokens=1024, dequant_bytes=0), _ids()[:LR.REGA_LINEAR_MIN_ROWS + 9]    # one piece
+    ref = model.forward(ids, model.new_state(), pieces=pieces)
+    seen, right = Counter(), LR.rega_linear
+
+    def twin(x, q, s, gs, **kw):
+        seen[id(q)] += 1
+        return right(x, q, s, gs, twin=True, config=dict(BLOCK_M=64, BLOCK_N=64), **kw)
+    monkeypatch.setattr(LR, "rega_linear_able", lambda x, q: x.numel() >= LR.REGA_LINEAR_MIN_ROWS * x.shape[-1]
+                        and LR.rega_linear_on())
+    monkeypatch.setattr(LR, "rega_linear", twin)
+    monkeypatch.setenv(LR.REGA_LINEAR_ENV, "1")
+    out = model.forward(ids, model.new_state(), pieces=pieces)
+    held, fc1 = _own(model)
+    nvfp4 = {id(w.weight) for w in held + fc1 if w.fmt == "nvfp4"}
+    # (and the checkpoint's routed experts with as many rows: the engine's own experts never pass through linear)
+    assert nvfp4 and nvfp4 <= set(seen), "every NVFP4 projection of the layers, through the rega linear"
+    # x enters the tensor cores as fp16 (· 2^-8): the CPU model's fp32 activations lose ~2^-12 an element there,
+    # where the engine's bf16 ones lose nothing
+    err = rel_err(out, ref)
+    assert err < 1e-3, err
+    monkeypatch.setattr(LR, "rega_linear", lambda x, q, s, gs, **kw: right(x, q, s.roll(1, 0).contiguous(), gs,
+                                                                            twin=True, **kw))
+    wrong = model.forward(ids, model.new_state(), pieces=pieces)
+    assert rel_err(wrong, ref) > 30 * err, (rel_err(wrong, ref), err)
