@@ -96,8 +96,6 @@ def test_the_rega_linear_takes_what_no_decoded_copy_takes(model, monkeypatch):
     forward that decodes nothing (dequant_bytes 0: the server's 512 MiB) runs every layer's NVFP4 projection of 128
     rows or more through kernels.linear_rega, and its logits equal the tile kernels'. The twin that must fail: the
     same route with each weight's scales rolled by a row changes the logits."""
-    from functools import partial
-
     from kernels import linear_rega as LR
     pieces, ids = Pieces(tokens=1024, dequant_bytes=0), _ids()[:LR.REGA_LINEAR_MIN_ROWS + 9]    # one piece
     ref = model.forward(ids, model.new_state(), pieces=pieces)
