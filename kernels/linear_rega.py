@@ -9,8 +9,8 @@ tile-decoding GEMM (`kernels.gemv_nvfp4._nvfp4_gemm_kernel`) at 17-20 % of the b
 read the same LAYOUT 0 words at 46-60 % (session 40) and need no decoded copy.
 
 What runs. x is permuted to fp16 · 2^-8 once a call (`permute_x`, zeros past K to a multiple of 128); on sm_90 the
-Gluon kernel `_rega_linear_kernel` (the up's dot, `_rega_dot_t`, with the weight's rows in their own order: LAYOUT 2;
-one CTA a [BLOCK_M, BLOCK_N] tile of y, x through TMA) stores y in x's dtype; elsewhere, when asked for (the CPU
+Gluon kernel of kernels/linear_rega_gluon.py (the expert up's dot, `_rega_dot_t`, with the weight's rows in their own
+order: LAYOUT 2; one CTA a [BLOCK_M, BLOCK_N] tile of y, x through TMA) stores y in x's dtype; elsewhere, when asked for (the CPU
 tests), the Triton twin `_rega_linear_twin_kernel` (the scheme's `_rega_dot`, LAYOUT 0). The PyTorch twin is
 `kernels.gemv_nvfp4.nvfp4_linear_torch`. Numbers as the expert kernels': e2m1 · 2^-14 by bit moves times the e4m3
 scale · 2^7 in fp16 (exact), x · 2^-8 in fp16, fp32 accumulation, the global scale · 2^15 in the epilogue.
@@ -20,7 +20,6 @@ takes it and `rega_linear_able` (sm_90, MOESTREAM_DENSE_REGA on); off by default
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import varying
+from kernels.expert_prefill import _capability
 from kernels.expert_prefill_rega import _rega_dot, permute_x
 from kernels.gemv_nvfp4 import _as_u8, _global, rows_of
 
@@ -48,11 +48,6 @@ def rega_linear_on() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{REGA_LINEAR_ENV}={raw!r}: expected 0 or 1")
     return raw == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def rega_linear_able(x: torch.Tensor, weight_u8: torch.Tensor) -> bool:
