@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from kernels import backend
+from kernels.env import env_count
 from kernels.nvfp4 import decode_nvfp4
 
 # rows of a span from which a layer's NVFP4/FP8 weights are decoded for cuBLAS (below: the tile-decoding kernel)
@@ -113,16 +114,7 @@ MAX_SLICES = 1
 def max_slices() -> int:
     """The most slices a call decodes a weight in: MOESTREAM_DENSE_SLICES (a whole number, 1 or more), else MAX_SLICES.
     Read per call, so one process can A/B it (bench.prefill's --budget-env arms)."""
-    raw = os.environ.get("MOESTREAM_DENSE_SLICES", "")
-    if not raw:
-        return MAX_SLICES
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"MOESTREAM_DENSE_SLICES={raw!r}: expected a whole number of slices") from None
-    if n < 1:
-        raise ValueError(f"MOESTREAM_DENSE_SLICES={raw!r}: expected 1 or more slices")
-    return n
+    return env_count("MOESTREAM_DENSE_SLICES", MAX_SLICES, "slices")
 
 
 class DequantCache:

@@ -20,19 +20,18 @@ takes it and `rega_linear_able` (sm_90, MOESTREAM_DENSE_REGA on); off by default
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.backend import varying
+from kernels.env import env_switch
 from kernels.expert_prefill import _capability
 from kernels.expert_prefill_rega import _rega_dot, permute_x
 from kernels.gemv_nvfp4 import _as_u8, _global, rows_of
 
 REGA_LINEAR_ENV = "MOESTREAM_DENSE_REGA"
-REGA_LINEAR_DEFAULT = "0"
+REGA_LINEAR_DEFAULT = False
 # rows from which a projection takes this path: a 256-row tile decodes each weight once for 256 rows, so a short
 # span keeps the tile kernel (whose 64-row tiles waste less); kernels.dense_prefill decodes from 128 rows too
 REGA_LINEAR_MIN_ROWS = 128
@@ -44,10 +43,7 @@ TWIN_CONFIG_GPU = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 def rega_linear_on() -> bool:
     """$MOESTREAM_DENSE_REGA ("1" on, "0" off; REGA_LINEAR_DEFAULT when unset), read per call: one engine A/Bs it."""
-    raw = os.environ.get(REGA_LINEAR_ENV, "") or REGA_LINEAR_DEFAULT
-    if raw not in ("0", "1"):
-        raise ValueError(f"{REGA_LINEAR_ENV}={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return env_switch(REGA_LINEAR_ENV, REGA_LINEAR_DEFAULT)
 
 
 def rega_linear_able(x: torch.Tensor, weight_u8: torch.Tensor) -> bool:

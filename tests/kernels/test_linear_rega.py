@@ -57,7 +57,7 @@ def test_the_switch(monkeypatch):
     """MOESTREAM_DENSE_REGA: off by default (until a device measures it), "1" on, read per call; a bad value names the
     variable. Off sm_90 (here) nothing is able, switch or not."""
     monkeypatch.delenv(LR.REGA_LINEAR_ENV, raising=False)
-    assert LR.rega_linear_on() is (LR.REGA_LINEAR_DEFAULT == "1")
+    assert LR.rega_linear_on() is LR.REGA_LINEAR_DEFAULT
     monkeypatch.setenv(LR.REGA_LINEAR_ENV, "1")
     assert LR.rega_linear_on()
     q, _, _ = _weight(24, 64, "cpu")
