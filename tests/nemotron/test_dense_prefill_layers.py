@@ -100,10 +100,11 @@ def test_the_rega_linear_takes_what_no_decoded_copy_takes(model, monkeypatch):
     pieces, ids = Pieces(tokens=1024, dequant_bytes=0), _ids()[:LR.REGA_LINEAR_MIN_ROWS + 9]    # one piece
     ref = model.forward(ids, model.new_state(), pieces=pieces)
     seen, right = Counter(), LR.rega_linear
+    tiles = dict(BLOCK_M=128, BLOCK_N=128)      # few programs: the interpreter's cost is per program
 
     def twin(x, q, s, gs, **kw):
         seen[id(q)] += 1
-        return right(x, q, s, gs, twin=True, config=dict(BLOCK_M=64, BLOCK_N=64), **kw)
+        return right(x, q, s, gs, twin=True, config=tiles, **kw)
     monkeypatch.setattr(LR, "rega_linear_able", lambda x, q: x.numel() >= LR.REGA_LINEAR_MIN_ROWS * x.shape[-1]
                         and LR.rega_linear_on())
     monkeypatch.setattr(LR, "rega_linear", twin)
@@ -118,6 +119,6 @@ def test_the_rega_linear_takes_what_no_decoded_copy_takes(model, monkeypatch):
     err = rel_err(out, ref)
     assert err < 1e-3, err
     monkeypatch.setattr(LR, "rega_linear", lambda x, q, s, gs, **kw: right(x, q, s.roll(1, 0).contiguous(), gs,
-                                                                            twin=True, **kw))
+                                                                            twin=True, config=tiles, **kw))
     wrong = model.forward(ids, model.new_state(), pieces=pieces)
     assert rel_err(wrong, ref) > 30 * err, (rel_err(wrong, ref), err)
