@@ -11,9 +11,9 @@ read the same LAYOUT 0 words at 46-60 % (session 40) and need no decoded copy.
 What runs. x is permuted to fp16 · 2^-8 once a call (`permute_x`, zeros past K to a multiple of 128); on sm_90 the
 Gluon kernel of kernels/linear_rega_gluon.py (the expert up's dot, `_rega_dot_t`, with the weight's rows in their own
 order: LAYOUT 2; one CTA a [BLOCK_M, BLOCK_N] tile of y, x through TMA) stores y in x's dtype; elsewhere, when asked
-for (the CPU tests), the Triton twin `_rega_linear_twin_kernel` (the scheme's `_rega_dot`, LAYOUT 0). The PyTorch twin is
-`kernels.gemv_nvfp4.nvfp4_linear_torch`. Numbers as the expert kernels': e2m1 · 2^-14 by bit moves times the e4m3
-scale · 2^7 in fp16 (exact), x · 2^-8 in fp16, fp32 accumulation, the global scale · 2^15 in the epilogue.
+for (the CPU tests), the Triton twin `_rega_linear_twin_kernel` (the scheme's `_rega_dot`, LAYOUT 0). The PyTorch
+twin is `kernels.gemv_nvfp4.nvfp4_linear_torch`. Numbers as the expert kernels': e2m1 · 2^-14 by bit moves times the
+e4m3 scale · 2^7 in fp16 (exact), x · 2^-8 in fp16, fp32 accumulation, the global scale · 2^15 in the epilogue.
 
 `kernels.linear.linear` routes an NVFP4 projection of REGA_LINEAR_MIN_ROWS rows or more here where no decoded copy
 takes it and `rega_linear_able` (sm_90, MOESTREAM_DENSE_REGA on); off by default until a device measures it.
